@@ -1,0 +1,36 @@
+"""Celery settings for the pipeline's workers (``celery -A tasks worker`` reads these).
+
+JSON only on the wire; late acks with a prefetch of one slot each, so a message is taken only
+when a slot is free; task events on, for Flower. The broker defaults to the pipeline's Redis.
+"""
+
+import os
+
+_redis = os.environ.get("PIPELINE_REDIS_URL") or "redis://localhost:6379/0"
+
+broker_url = os.environ.get("CELERY_BROKER_URL") or _redis
+result_backend = os.environ.get("CELERY_RESULT_BACKEND") or _redis
+broker_connection_retry_on_startup = True
+
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+result_accept_content = ["json"]
+
+task_acks_late = True
+task_reject_on_worker_lost = False  # a lost attempt is requeued by the pipeline, not Celery
+worker_prefetch_multiplier = 1
+task_track_started = True
+worker_send_task_events = True
+task_send_sent_event = True
+result_expires = 24 * 3600
+result_extended = True
+
+task_default_queue = "pipeline.default"
+# Longer than the longest attempt (request_timeout_s, 300 s by default) plus the time a
+# message can wait for a slot; attempts are fenced by token, so a redelivery never runs twice.
+broker_transport_options = {"visibility_timeout": 3 * 3600}
+result_backend_transport_options = {"visibility_timeout": 3 * 3600}
+
+worker_hijack_root_logger = False
+worker_redirect_stdouts = False

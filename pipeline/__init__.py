@@ -1,0 +1,76 @@
+"""An asynchronous, leak-proof, deadline-ordered LLM inference pipeline on Celery and Redis.
+
+    import pipeline
+    req = pipeline.submit({"model": "m", "prompt": "Hello"}, timeout=600, priority=5)
+    print(req.result(timeout=60).json())
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .client import Pipeline, configure, default_pipeline
+from .config import QueueConfig, Settings, load_settings
+from .errors import ConfigError, InvalidRequest, PipelineError, UnknownRequest
+from .models import Request, Result
+
+__version__ = "0.1.0"
+
+
+def submit(
+    payload: dict[str, Any], *, queue: str = "default", id: str | None = None, priority: int = 0,
+    deadline: float | None = None, timeout: float | None = None,
+    metadata: dict[str, str] | None = None, headers: dict[str, str] | None = None,
+    endpoint: str | None = None,
+) -> Request:
+    """Submit one request; returns its handle at once.
+
+    ``payload`` is the JSON body sent as is. ``deadline`` is absolute (Unix s), ``timeout`` is
+    relative (s); give at most one (default: the queue's ``default_timeout_s``). ``priority``
+    0-9, higher first. ``id`` is an idempotency key: a live id returns the live request.
+    Raises :class:`InvalidRequest` naming the bad field.
+    """
+    return default_pipeline().submit(
+        payload, queue=queue, id=id, priority=priority, deadline=deadline, timeout=timeout,
+        metadata=metadata, headers=headers, endpoint=endpoint,
+    )
+
+
+def submit_many(items: list[dict[str, Any]]) -> list[Request]:
+    """Submit a batch (dicts of :func:`submit`'s arguments plus ``payload``) in one round trip."""
+    return default_pipeline().submit_many(items)
+
+
+def get(id: str) -> Request:
+    """The handle of a known request; raises :class:`UnknownRequest`."""
+    return default_pipeline().get(id)
+
+
+def cancel(id: str) -> bool:
+    """Cancel a request that has not started an attempt; True when this call cancelled it."""
+    return default_pipeline().cancel(id)
+
+
+def inspect() -> dict[str, Any]:
+    """Per queue: pending, retry_wait, running and the gate's type, limit, in-flight, holders."""
+    return default_pipeline().inspect()
+
+
+__all__ = [
+    "ConfigError",
+    "InvalidRequest",
+    "Pipeline",
+    "PipelineError",
+    "QueueConfig",
+    "Request",
+    "Result",
+    "Settings",
+    "UnknownRequest",
+    "cancel",
+    "configure",
+    "get",
+    "inspect",
+    "load_settings",
+    "submit",
+    "submit_many",
+]

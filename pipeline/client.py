@@ -1,0 +1,278 @@
+"""The client API: submit requests, read their state and results, cancel, inspect."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from .config import QueueConfig, Settings, load_settings, with_overrides
+from .errors import InvalidRequest, UnknownRequest
+from .gates import Gate, GateEnv, build_gate
+from .models import Request, Result
+from .store import Store
+
+MAX_ID_LENGTH = 256
+MAX_DEADLINE_AHEAD_S = 10 * 365 * 24 * 3600.0
+SUBMIT_KEYS = frozenset(
+    {"queue", "id", "priority", "deadline", "timeout", "metadata", "headers", "endpoint"}
+)
+
+
+def ordering_score(priority: int, deadline: float) -> float:
+    """The pending-set score: higher priority first, then earliest deadline (ms precision).
+    Submission order breaks ties (the member starts with a sequence number)."""
+    return (9 - priority) * 1e13 + round(deadline * 1000.0)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _str_map(value: Any, field: str, *, header: bool = False) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequest(field, "must be a dict of str to str")
+    for k, v in value.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidRequest(field, f"keys and values must be str (bad entry {k!r})")
+        if header and (not k or any(c in k for c in " \t\r\n:") or "\r" in v or "\n" in v):
+            raise InvalidRequest(field, f"invalid HTTP header {k!r}")
+    return dict(value)
+
+
+class Pipeline:
+    """A client bound to one :class:`Settings` (one Redis, one set of queues)."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or load_settings()
+        self.store = Store(self.settings)
+        self._gates: dict[str, Gate] = {}
+        self._lock = threading.Lock()
+
+    # -- validation ----------------------------------------------------------------------
+    def _row(self, payload: Any, **kw: Any) -> tuple[str, list[Any]]:
+        unknown = set(kw) - SUBMIT_KEYS
+        if unknown:
+            raise InvalidRequest(sorted(unknown)[0], "unknown argument")
+        queue_name = kw.get("queue", "default")
+        if not isinstance(queue_name, str) or queue_name not in self.settings.queues:
+            raise InvalidRequest("queue", f"unknown queue {queue_name!r}")
+        q: QueueConfig = self.settings.queues[queue_name]
+        if not isinstance(payload, dict):
+            raise InvalidRequest("payload", "must be a dict (the JSON body to send)")
+        try:
+            body = json.dumps(payload, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InvalidRequest("payload", f"not JSON-serialisable: {exc}") from None
+        if len(body.encode("utf-8", "surrogatepass")) > self.settings.max_payload_bytes:
+            raise InvalidRequest(
+                "payload", f"larger than max_payload_bytes ({self.settings.max_payload_bytes})"
+            )
+        try:
+            body.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest("payload", "contains text that is not valid UTF-8") from None
+        rid = kw.get("id")
+        if rid is None:
+            rid = uuid.uuid4().hex
+        if not isinstance(rid, str) or not rid or len(rid) > MAX_ID_LENGTH:
+            raise InvalidRequest("id", f"must be a non-empty str of at most {MAX_ID_LENGTH} chars")
+        if any(ord(c) < 32 or c == "\x7f" for c in rid):
+            raise InvalidRequest("id", "must not contain control characters")
+        priority = kw.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 9:
+            raise InvalidRequest("priority", "must be an int from 0 to 9")
+        deadline, timeout = kw.get("deadline"), kw.get("timeout")
+        now = time.time()
+        if deadline is not None and timeout is not None:
+            raise InvalidRequest("deadline", "give deadline or timeout, not both")
+        if deadline is not None:
+            if not _is_number(deadline):
+                raise InvalidRequest("deadline", "must be a Unix time in seconds")
+            if deadline <= now:
+                raise InvalidRequest("deadline", "is in the past")
+            if deadline > now + MAX_DEADLINE_AHEAD_S:
+                raise InvalidRequest("deadline", "is more than 10 years ahead")
+        elif timeout is not None:
+            if not _is_number(timeout) or timeout <= 0 or timeout > MAX_DEADLINE_AHEAD_S:
+                raise InvalidRequest("timeout", "must be a positive number of seconds")
+            deadline = now + float(timeout)
+        else:
+            deadline = now + q.default_timeout_s
+        metadata = _str_map(kw.get("metadata"), "metadata")
+        headers = _str_map(kw.get("headers"), "headers", header=True)
+        endpoint = kw.get("endpoint")
+        if endpoint is not None and (
+            not isinstance(endpoint, str) or not endpoint.startswith("/") or "://" in endpoint
+        ):
+            raise InvalidRequest("endpoint", "must be a URL path starting with '/'")
+        row = [
+            rid, q.queue_name, q.worker_pool_id, repr(ordering_score(priority, deadline)),
+            priority, repr(float(deadline)), body, json.dumps(metadata), json.dumps(headers),
+            endpoint or "", self.settings.result_list(q), json.dumps(q.labels),
+        ]
+        return rid, row
+
+    # -- submit --------------------------------------------------------------------------
+    def submit(self, payload: dict[str, Any], **kw: Any) -> Request:
+        """Submit one request. See :func:`pipeline.submit`."""
+        rid, row = self._row(payload, **kw)
+        created = self.store.submit([row])[0]
+        return Request(self, rid, created == 1)
+
+    def submit_many(self, items: Iterable[dict[str, Any]]) -> list[Request]:
+        """Submit many requests in one round trip per 500. All are validated first: one bad
+        item raises InvalidRequest (its index in the message) and nothing is submitted."""
+        rows: list[list[Any]] = []
+        ids: list[str] = []
+        for i, item in enumerate(items):
+            if not isinstance(item, dict) or "payload" not in item:
+                raise InvalidRequest("payload", f"item {i}: must be a dict with a 'payload'")
+            kw = dict(item)
+            payload = kw.pop("payload")
+            try:
+                rid, row = self._row(payload, **kw)
+            except InvalidRequest as exc:
+                raise InvalidRequest(exc.field, f"item {i}: {exc.args[0]}") from None
+            rows.append(row)
+            ids.append(rid)
+        created = self.store.submit(rows) if rows else []
+        return [Request(self, rid, c == 1) for rid, c in zip(ids, created, strict=True)]
+
+    # -- reading -------------------------------------------------------------------------
+    def get(self, request_id: str) -> Request:
+        if not self.store.client.exists(self.settings.keys.request(request_id)):
+            raise UnknownRequest(request_id)
+        return Request(self, request_id, created=False)
+
+    def state(self, request_id: str) -> str:
+        state = self.store.client.hget(self.settings.keys.request(request_id), "state")
+        if state is None:
+            raise UnknownRequest(request_id)
+        return str(state)
+
+    def record(self, request_id: str) -> dict[str, Any]:
+        return dict(self.store.record(request_id))
+
+    def result_if_done(self, request_id: str) -> Result | None:
+        state, result = self.store.client.hmget(
+            self.settings.keys.request(request_id), ["state", "result"]
+        )
+        if state is None:
+            raise UnknownRequest(request_id)
+        return Result.from_json(result) if state == "done" and result else None
+
+    def wait(self, request_id: str, timeout: float | None = None) -> Result:
+        """Block until the request's terminal result exists (woken by its notify list)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        notify = self.settings.keys.notify(request_id)
+        while True:
+            result = self.result_if_done(request_id)
+            if result is not None:
+                return result
+            left = 1.0 if end is None else min(1.0, end - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"request {request_id} not done after {timeout} s")
+            if self.store.client.blpop([notify], timeout=max(left, 0.01)):
+                self.store.client.rpush(notify, "1")  # leave the bell ringing for other waiters
+
+    def iter_results(self, ids: Iterable[str], poll_s: float = 0.05) -> Iterator[Result]:
+        """Yield the results of ``ids`` as they finish (in finish order)."""
+        remaining = set(ids)
+        client = self.store.client
+        keys = self.settings.keys
+        queues = list(self.settings.queues)
+        since = time.time() - 1.0
+        last_full = 0.0
+        while remaining:
+            now = time.time()
+            if now - last_full > 2.0:
+                candidates = list(remaining)
+                last_full = now
+            else:
+                with client.pipeline(transaction=False) as p:
+                    for q in queues:
+                        p.zrangebyscore(keys.recent(q), since, "+inf")
+                    found = {i for ids_ in p.execute() for i in ids_}
+                candidates = [i for i in found if i in remaining]
+            since = now - 1.0
+            for i in range(0, len(candidates), 1000):
+                chunk = candidates[i : i + 1000]
+                with client.pipeline(transaction=False) as p:
+                    for rid in chunk:
+                        p.hget(keys.request(rid), "result")
+                    for rid, res in zip(chunk, p.execute(), strict=True):
+                        if res:
+                            remaining.discard(rid)
+                            yield Result.from_json(res)
+            if remaining:
+                time.sleep(poll_s)
+
+    def cancel(self, request_id: str) -> bool:
+        return self.store.cancel(request_id)
+
+    # -- gates and inspection ------------------------------------------------------------
+    def gate(self, queue: str) -> Gate:
+        with self._lock:
+            gate = self._gates.get(queue)
+            if gate is None:
+                q = self.settings.queues[queue]
+                env = GateEnv(self.store.client, self.settings.keys)
+                gate = build_gate(q.gate_type, q.gate_params, name=queue, env=env)
+                self._gates[queue] = gate
+            return gate
+
+    def inspect(self) -> dict[str, Any]:
+        """Per queue: ``pending``, ``retry_wait``, ``running`` (dispatched or running), and the
+        gate (``type``, ``limit``, ``in_flight``, ``holders``)."""
+        k = self.settings.keys
+        names = list(self.settings.queues)
+        with self.store.client.pipeline(transaction=False) as p:
+            for name in names:
+                p.zcard(k.pending(name))
+                p.zcard(k.delayed(name))
+                p.zcard(k.active(name))
+            counts = p.execute()
+        out: dict[str, Any] = {}
+        for i, name in enumerate(names):
+            q = self.settings.queues[name]
+            out[name] = {
+                "queue_id": q.queue_id,
+                "pool": q.worker_pool_id,
+                "pending": counts[3 * i],
+                "retry_wait": counts[3 * i + 1],
+                "running": counts[3 * i + 2],
+                "gate": self.gate(name).describe(),
+            }
+        return out
+
+
+# -- the default pipeline, configured from the environment -------------------------------
+_default: Pipeline | None = None
+_default_lock = threading.Lock()
+
+
+def default_pipeline() -> Pipeline:
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Pipeline()
+        return _default
+
+
+def configure(settings: Settings | None = None, **overrides: Any) -> Pipeline:
+    """Replace the default pipeline: from ``settings``, or the environment plus overrides
+    (e.g. ``configure(redis_url=..., queues=[{...}])``)."""
+    global _default
+    base = settings or load_settings()
+    if overrides:
+        base = with_overrides(base, **overrides)
+    with _default_lock:
+        _default = Pipeline(base)
+        return _default

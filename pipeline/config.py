@@ -1,0 +1,195 @@
+"""Settings and queue configuration.
+
+Queues use the reference's JSON field names (``queue_name``, ``igw_base_url``,
+``request_path_url``, ``inference_objective``, ``worker_pool_id``, ``gate_type``,
+``gate_params``, ``labels``, ``result_queue_name``) plus ours (``default_timeout_s``,
+``request_timeout_s``, ``retry_base_delay_s``, ``retry_max_delay_s``). All durations are in
+seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+from .errors import ConfigError
+from .keys import Keys
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+DEFAULT_ENDPOINT = "http://127.0.0.1:8000"
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """One queue: where its requests go, how they are gated and retried."""
+
+    queue_name: str
+    igw_base_url: str
+    id: str = ""
+    request_path_url: str = "/v1/completions"
+    inference_objective: str | None = None
+    worker_pool_id: str = "default"
+    gate_type: str = "constant"
+    gate_params: dict[str, Any] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    result_queue_name: str | None = None
+    default_timeout_s: float = 3600.0
+    request_timeout_s: float = 300.0
+    retry_base_delay_s: float = 2.0
+    retry_max_delay_s: float = 60.0
+
+    @property
+    def queue_id(self) -> str:
+        return self.id or self.queue_name
+
+    @classmethod
+    def from_dict(cls, entry: Any, where: str) -> QueueConfig:
+        """Validate one queue entry; ``where`` names it in error messages."""
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: a queue entry must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(entry) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        name = entry.get("queue_name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigError(f"{where}: queue_name must be 1-128 characters of [A-Za-z0-9_.-]")
+        where = f"{where} ({name})"
+        url = entry.get("igw_base_url")
+        if not isinstance(url, str) or urlsplit(url).scheme not in ("http", "https"):
+            raise ConfigError(f"{where}: igw_base_url must be an http(s) URL")
+        for key in ("gate_params", "labels"):
+            if key in entry and not isinstance(entry[key], dict):
+                raise ConfigError(f"{where}: {key} must be an object")
+        pool = entry.get("worker_pool_id", "default")
+        if not isinstance(pool, str) or not _NAME.match(pool):
+            raise ConfigError(f"{where}: worker_pool_id must be a name")
+        for key in ("default_timeout_s", "request_timeout_s", "retry_base_delay_s",
+                    "retry_max_delay_s"):
+            value = entry.get(key, 1.0)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(f"{where}: {key} must be a positive number of seconds")
+        try:
+            return cls(**entry)
+        except TypeError as exc:  # pragma: no cover - guarded by the checks above
+            raise ConfigError(f"{where}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Process-wide settings. Read from the environment by :func:`load_settings`."""
+
+    redis_url: str = DEFAULT_REDIS_URL
+    broker_url: str = DEFAULT_REDIS_URL
+    key_prefix: str = "pl:"
+    queues: dict[str, QueueConfig] = field(default_factory=dict)
+    lease_s: float = 30.0
+    dispatch_lease_s: float = 120.0
+    reaper_period_s: float = 5.0
+    result_ttl_s: float = 7 * 24 * 3600.0
+    max_payload_bytes: int = 1024 * 1024
+    gate_wait_timeout_s: float = 300.0
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.key_prefix)
+
+    def queue(self, name: str) -> QueueConfig:
+        return self.queues[name]
+
+    def pools(self) -> dict[str, list[QueueConfig]]:
+        """Worker pool id → the queues it serves."""
+        out: dict[str, list[QueueConfig]] = {}
+        for q in self.queues.values():
+            out.setdefault(q.worker_pool_id, []).append(q)
+        return out
+
+    def result_list(self, queue: QueueConfig) -> str:
+        return queue.result_queue_name or self.keys.default_result_list(queue.queue_name)
+
+
+def parse_queues(data: Any, source: str) -> dict[str, QueueConfig]:
+    """Validate a list of queue entries (the content of ``PIPELINE_QUEUES``)."""
+    if isinstance(data, dict) and "queues" in data:
+        data = data["queues"]
+    if not isinstance(data, list) or not data:
+        raise ConfigError(f"{source}: expected a non-empty JSON list of queues")
+    queues: dict[str, QueueConfig] = {}
+    ids: set[str] = set()
+    for i, entry in enumerate(data):
+        q = QueueConfig.from_dict(entry, f"{source}: queue #{i}")
+        if q.queue_name in queues:
+            raise ConfigError(f"{source}: queue #{i}: duplicate queue_name {q.queue_name!r}")
+        if q.queue_id in ids:
+            raise ConfigError(f"{source}: queue #{i}: duplicate id {q.queue_id!r}")
+        ids.add(q.queue_id)
+        queues[q.queue_name] = q
+    _check_gates(queues, source)
+    return queues
+
+
+def _check_gates(queues: dict[str, QueueConfig], source: str) -> None:
+    from .gates import build_gate
+
+    for q in queues.values():
+        try:
+            build_gate(q.gate_type, q.gate_params, name=q.queue_name)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: queue {q.queue_name!r}: {exc}") from None
+
+
+def default_queues(endpoint: str) -> dict[str, QueueConfig]:
+    return {"default": QueueConfig(queue_name="default", igw_base_url=endpoint)}
+
+
+def _float_env(env: dict[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, not {raw!r}") from None
+
+
+def load_settings(env: dict[str, str] | None = None) -> Settings:
+    """Settings from environment variables (``PIPELINE_*``, ``CELERY_BROKER_URL``)."""
+    env = dict(os.environ if env is None else env)
+    redis_url = env.get("PIPELINE_REDIS_URL") or DEFAULT_REDIS_URL
+    path = env.get("PIPELINE_QUEUES")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"PIPELINE_QUEUES: cannot read {path}: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"PIPELINE_QUEUES: {path} is not valid JSON: {exc}") from None
+        queues = parse_queues(data, path)
+    else:
+        queues = default_queues(env.get("PIPELINE_ENDPOINT") or DEFAULT_ENDPOINT)
+    return Settings(
+        redis_url=redis_url,
+        broker_url=env.get("CELERY_BROKER_URL") or redis_url,
+        key_prefix=env.get("PIPELINE_KEY_PREFIX") or "pl:",
+        queues=queues,
+        lease_s=_float_env(env, "PIPELINE_LEASE_S", 30.0),
+        dispatch_lease_s=_float_env(env, "PIPELINE_DISPATCH_LEASE_S", 120.0),
+        reaper_period_s=_float_env(env, "PIPELINE_REAPER_PERIOD_S", 5.0),
+        result_ttl_s=_float_env(env, "PIPELINE_RESULT_TTL_S", 7 * 24 * 3600.0),
+        max_payload_bytes=int(_float_env(env, "PIPELINE_MAX_PAYLOAD_BYTES", 1024 * 1024)),
+        gate_wait_timeout_s=_float_env(env, "PIPELINE_GATE_WAIT_TIMEOUT_S", 300.0),
+    )
+
+
+def with_overrides(settings: Settings, **overrides: Any) -> Settings:
+    """A copy of ``settings`` with some fields replaced; ``queues`` may be a list of dicts."""
+    queues = overrides.get("queues")
+    if isinstance(queues, list):
+        overrides["queues"] = parse_queues(queues, "queues")
+    return replace(settings, **overrides)

@@ -1,0 +1,161 @@
+"""The dispatcher: moves the head of each queue into Celery, as many as there are free worker
+slots and as the queue's gate budget allows, so Celery's execution order mirrors the
+sorted-set order. It is event-driven: a submission, a finished attempt or a due retry rings
+the pool's doorbell (a Redis list it blocks on). It also registers its node's slots, and
+runs the reaper that requeues attempts whose lease expired.
+
+One dispatcher runs in every worker node (main process). Several may run against one Redis:
+each tick is one atomic script, so they never over-dispatch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from .config import QueueConfig, Settings
+from .gates import Gate, GateEnv, build_gate
+from .keys import holder as make_holder
+from .store import Dispatched, Store
+
+log = logging.getLogger("pipeline.dispatcher")
+
+NODE_TTL_S = 5.0  # a node missing heartbeats this long stops counting towards pool slots
+MAX_IDLE_S = 1.0  # longest block on the doorbell (also the node heartbeat cadence)
+
+Sender = Callable[[list[Dispatched]], None]
+
+
+class Dispatcher:
+    """Dispatch loop for the pools one worker node serves."""
+
+    def __init__(self, settings: Settings, pools: list[str], node: str, slots: int,
+                 send: Sender, store: Store | None = None) -> None:
+        self.settings = settings
+        self.store = store or Store(settings)
+        self.keys = settings.keys
+        self.node = node
+        self.slots = slots
+        self.send = send
+        all_pools = settings.pools()
+        self.pools = {p: all_pools.get(p, []) for p in pools}
+        env = GateEnv(self.store.client, self.keys, node=node)
+        self.gates: dict[str, Gate] = {
+            q.queue_name: build_gate(q.gate_type, q.gate_params, name=q.queue_name, env=env)
+            for qs in self.pools.values() for q in qs
+        }
+        self.pool_cap: dict[str, int] = {p: slots for p in pools}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next_beat = 0.0
+        self._next_reap = 0.0
+        self.dispatched = 0
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> Dispatcher:
+        self._heartbeat()
+        self._thread = threading.Thread(target=self._loop, name="pipeline-dispatcher",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        try:
+            for pool in self.pools:
+                self.store.client.zrem(self.keys.pool_nodes(pool), self.node)
+                self.store.client.hdel(self.keys.pool_slots(pool), self.node)
+        except Exception as exc:  # noqa: BLE001 - best effort; the entry expires anyway
+            log.warning("could not deregister node %s: %s", self.node, exc)
+        for gate in self.gates.values():
+            gate.close()
+
+    # -- node registry -------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        now = time.time()
+        c = self.store.client
+        with c.pipeline(transaction=False) as p:
+            for pool in self.pools:
+                p.zadd(self.keys.pool_nodes(pool), {self.node: now + NODE_TTL_S})
+                p.hset(self.keys.pool_slots(pool), self.node, self.slots)
+                p.zremrangebyscore(self.keys.pool_nodes(pool), "-inf", now)
+                p.zrange(self.keys.pool_nodes(pool), 0, -1)
+                p.hgetall(self.keys.pool_slots(pool))
+            res = p.execute()
+        for i, pool in enumerate(self.pools):
+            live, slots = res[5 * i + 3], res[5 * i + 4]
+            self.pool_cap[pool] = sum(int(slots.get(n, 0)) for n in live) or self.slots
+        self._next_beat = now + MAX_IDLE_S
+
+    # -- the loop ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        wake_keys = [self.keys.wake(p) for p in self.pools]
+        while not self._stop.is_set():
+            try:
+                next_event = self.tick()
+                now = time.time()
+                if now >= self._next_beat:
+                    self._heartbeat()
+                if now >= self._next_reap:
+                    self.reap()
+                    self._next_reap = now + self.settings.reaper_period_s
+                wait = min(MAX_IDLE_S, self._next_reap - now)
+                if next_event is not None:
+                    wait = min(wait, next_event - now)
+                if wait > 0.001:
+                    self.store.client.blpop(wake_keys, timeout=wait)
+            except Exception as exc:  # noqa: BLE001 - the loop must survive Redis outages
+                log.warning("dispatcher tick failed: %s", exc)
+                self._stop.wait(0.5)
+
+    def tick(self) -> float | None:
+        """Dispatch every queue once; returns the earliest known future event (Unix s)."""
+        next_event: float | None = None
+        for pool, queues in self.pools.items():
+            for q in queues:
+                ne = self._tick_queue(pool, q, queues)
+                if ne is not None and (next_event is None or ne < next_event):
+                    next_event = ne
+        return next_event
+
+    def _tick_queue(self, pool: str, q: QueueConfig, queues: list[QueueConfig]) -> float | None:
+        gate = self.gates[q.queue_name]
+        cap = gate.capacity()
+        res = self.store.tick(q, queues, gate.budget(), -1 if cap is None else cap,
+                              self.pool_cap[pool])
+        for member in res.rejected:
+            log.error("queue %s: removed a malformed entry %r", q.queue_name, member[:200])
+        if res.moved:
+            self._send(res.moved)
+            # more may fit (a fractional budget, or a burst): come back at once
+            return time.time()
+        return res.next_event
+
+    def _send(self, moved: list[Dispatched]) -> None:
+        try:
+            self.send(moved)
+            self.dispatched += len(moved)
+        except Exception as exc:  # noqa: BLE001 - put them back; the lease would also do it
+            log.error("could not send %d request(s) to Celery: %s", len(moved), exc)
+            for d in moved:
+                self.store.requeue(d.id, d.token, due=time.time() + 1.0, attempted=False)
+
+    def reap(self) -> int:
+        """Requeue attempts whose lease expired and free their gate reservations."""
+        n = 0
+        now = time.time()
+        for queues in self.pools.values():
+            for q in queues:
+                gate = self.gates[q.queue_name]
+                for rid, token in self.store.reap(q.queue_name, now):
+                    gate.release(make_holder(rid, token))
+                    log.warning("reaped request %s attempt %s on %s (lease expired)", rid,
+                                token, q.queue_name)
+                    n += 1
+                for h in gate.reap(now):
+                    log.warning("gate %s freed expired reservation %s", q.queue_name, h)
+        return n

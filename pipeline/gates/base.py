@@ -1,0 +1,132 @@
+"""The gate protocol.
+
+A gate answers two questions:
+
+- :meth:`Gate.budget` → 0..1, how much of its capacity is free. The dispatcher moves
+  ``floor(budget × free capacity)`` requests, so it never raises (errors read as the gate's
+  fail-safe value).
+- :meth:`Gate.acquire` → a :class:`Decision`: Continue (the holder now has a reservation to
+  release), Refuse (no reservation; the request goes back to its queue), Wait (no reservation;
+  park and ask again until capacity frees or the wait times out), or Drop (terminal result).
+
+A reservation belongs to a *holder*, ``"<request id>:<attempt token>"``. :meth:`Gate.release`
+is idempotent and a no-op for a holder that holds nothing, so every exit path may call it.
+Reservations kept in Redis are leases: renewed by the attempt's heartbeat
+(:meth:`Gate.renew`) and freed by the reaper (:meth:`Gate.reap`) when the holder dies.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import redis
+
+from ..keys import Keys
+
+
+class Verdict(enum.Enum):
+    CONTINUE = "continue"
+    REFUSE = "refuse"
+    WAIT = "wait"
+    DROP = "drop"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a gate decided for one acquire call."""
+
+    verdict: Verdict
+    reason: str = ""  # gate_closed | quota_exhausted | dropped | error (metrics label)
+    labels: dict[str, str] = field(default_factory=dict)  # e.g. classification
+    status_code: int | None = None  # for DROP: a result of the gate's own
+    payload: str | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return self.verdict is Verdict.CONTINUE
+
+
+CONTINUE = Decision(Verdict.CONTINUE)
+
+
+@dataclass(frozen=True)
+class AcquireContext:
+    """Everything a gate may look at when admitting one attempt."""
+
+    request_id: str
+    token: str
+    queue: str
+    worker: str
+    lease_until: float  # Unix s: when the reservation lapses unless renewed
+    deadline: float  # Unix s
+    metadata: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def holder(self) -> str:
+        return f"{self.request_id}:{self.token}"
+
+
+@dataclass(frozen=True)
+class GateEnv:
+    """Runtime resources a gate binds to (absent while only validating a config)."""
+
+    client: redis.Redis
+    keys: Keys
+    node: str = "local"
+
+
+class Gate:
+    """Base class: an always-open gate with no reservations. Subclasses override."""
+
+    type_name: ClassVar[str] = ""
+
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        self.name = name
+        self.params = params
+        self.env = env
+
+    # -- admission -----------------------------------------------------------------------
+    def budget(self) -> float:
+        """Free share of capacity in [0, 1]. Never raises."""
+        return 1.0
+
+    def capacity(self) -> int | None:
+        """Most reservations this gate grants at once, or None when it does not count."""
+        return None
+
+    def acquire(self, ctx: AcquireContext) -> Decision:
+        return CONTINUE
+
+    # -- reservations --------------------------------------------------------------------
+    def release(self, holder: str) -> bool:
+        """Free ``holder``'s reservation. Idempotent; returns True if one was freed."""
+        return False
+
+    def renew(self, holders: Iterable[str], lease_until: float) -> None:
+        """Extend the leases of live holders."""
+
+    def reap(self, now: float) -> list[str]:
+        """Free reservations whose lease expired before ``now``; returns their holders."""
+        return []
+
+    def in_flight(self) -> int:
+        return 0
+
+    def holders(self) -> list[dict[str, Any]]:
+        """Live reservations: request id, attempt token, worker, age (s), lease expiry."""
+        return []
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "type": self.type_name,
+            "limit": self.capacity(),
+            "in_flight": self.in_flight(),
+            "holders": self.holders(),
+        }
+
+    def close(self) -> None:
+        """Release client resources (HTTP sessions); reservations are untouched."""

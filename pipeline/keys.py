@@ -1,0 +1,97 @@
+"""Every Redis key the pipeline uses, in one place.
+
+All keys share one prefix (``PIPELINE_KEY_PREFIX``, default ``pl:``) so a deployment can share a
+Redis database with other software, and so tests can isolate themselves. The only exception is
+a queue's *result list* when the queue config names one (``result_queue_name``): that name is
+used verbatim, as in the reference, so existing consumers that ``BRPOP`` it keep working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builder bound to a prefix."""
+
+    prefix: str = "pl:"
+
+    # -- per request ---------------------------------------------------------------------
+    def request(self, request_id: str) -> str:
+        """Hash: the request record (payload, ordering key, state, attempt token, result)."""
+        return f"{self.prefix}req:{request_id}"
+
+    def notify(self, request_id: str) -> str:
+        """List: one element pushed when the request reaches its terminal result."""
+        return f"{self.prefix}notify:{request_id}"
+
+    # -- per queue -----------------------------------------------------------------------
+    def pending(self, queue: str) -> str:
+        """Sorted set: waiting requests; score = ordering key, member = ``seq|id``."""
+        return f"{self.prefix}q:{queue}:pending"
+
+    def delayed(self, queue: str) -> str:
+        """Sorted set: requests waiting out a retry backoff; score = due time (Unix s)."""
+        return f"{self.prefix}q:{queue}:delayed"
+
+    def expiry(self, queue: str) -> str:
+        """Sorted set: waiting (pending or delayed) requests; score = deadline (Unix s)."""
+        return f"{self.prefix}q:{queue}:expiry"
+
+    def active(self, queue: str) -> str:
+        """Sorted set: dispatched or running requests; score = lease expiry (Unix s)."""
+        return f"{self.prefix}q:{queue}:active"
+
+    def stats(self, queue: str) -> str:
+        """Hash: terminal outcome counters of a queue."""
+        return f"{self.prefix}q:{queue}:stats"
+
+    def recent(self, queue: str) -> str:
+        """Sorted set: ids finished recently; score = finish time (Unix s); trimmed to 5 min."""
+        return f"{self.prefix}q:{queue}:recent"
+
+    def default_result_list(self, queue: str) -> str:
+        """List: terminal results of a queue without a configured ``result_queue_name``."""
+        return f"{self.prefix}q:{queue}:results"
+
+    # -- per pool (a group of worker slots) ----------------------------------------------
+    def wake(self, pool: str) -> str:
+        """List used as a doorbell: pushed when the pool's dispatcher has work to do."""
+        return f"{self.prefix}pool:{pool}:wake"
+
+    def pool_nodes(self, pool: str) -> str:
+        """Sorted set: worker nodes serving the pool; score = liveness expiry (Unix s)."""
+        return f"{self.prefix}pool:{pool}:nodes"
+
+    def pool_slots(self, pool: str) -> str:
+        """Hash: worker node name → number of execution slots it offers the pool."""
+        return f"{self.prefix}pool:{pool}:slots"
+
+    # -- gates ---------------------------------------------------------------------------
+    def gate_holders(self, gate: str) -> str:
+        """Sorted set: holders of a gate's reservations; member = ``id:token``, score = lease
+        expiry (Unix s)."""
+        return f"{self.prefix}gate:{gate}:holders"
+
+    def gate_info(self, gate: str) -> str:
+        """Hash: holder → JSON description (request, attempt, worker, acquired_at)."""
+        return f"{self.prefix}gate:{gate}:info"
+
+    def gate_rate(self, gate: str, attribute_value: str, window_s: float) -> str:
+        """Sorted set: admission log of a rate-limit gate, one per (key, window)."""
+        return f"{self.prefix}gate:{gate}:rate:{window_s:g}:{attribute_value}"
+
+    # -- global --------------------------------------------------------------------------
+    def seq(self) -> str:
+        """String counter: submission sequence, the last tie-breaker of the ordering key."""
+        return f"{self.prefix}seq"
+
+    def pattern(self) -> str:
+        """Glob matching every key under the prefix."""
+        return f"{self.prefix}*"
+
+
+def holder(request_id: str, token: str) -> str:
+    """A reservation holder: one attempt of one request."""
+    return f"{request_id}:{token}"

@@ -1,0 +1,91 @@
+-- dispatch.lua: one dispatcher tick for one queue. Promotes due retries, expires requests
+-- whose deadline passed while waiting, then moves the head of the pending set to the
+-- dispatched state, as many as the free capacity allows.
+-- KEYS[1] pending, KEYS[2] delayed, KEYS[3] expiry, KEYS[4] active (this queue),
+-- KEYS[5] the queue's result list, KEYS[6..] active sets of the other queues in the pool.
+-- ARGV[1] prefix, ARGV[2] now (Unix s), ARGV[3] gate budget (0..1),
+-- ARGV[4] queue capacity (max dispatched+running for this queue; -1 = no limit),
+-- ARGV[5] pool capacity (worker slots), ARGV[6] lease expiry for dispatched requests,
+-- ARGV[7] result TTL (s), ARGV[8] limit per sweep, ARGV[9] a fresh random nonce: attempt
+-- tokens are <nonce>.<n>, unique per tick.
+-- Moves floor(budget x free) where free = min(queue capacity - active in queue,
+-- pool capacity - active in pool); at least 1 when budget > 0, free > 0 and the queue has
+-- nothing active, so a fractional budget never stalls an idle queue.
+-- Returns {moved, expired, next_event, rejected} where moved is a flat list of
+-- id, token, dispatch number, priority; next_event is the earliest due retry or deadline of a
+-- waiting request (Unix s, -1 if none); rejected lists malformed members removed.
+local prefix, now, ttl = ARGV[1], tonumber(ARGV[2]), ARGV[7]
+local limit = tonumber(ARGV[8])
+
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, limit)) do
+  redis.call('ZREM', KEYS[2], id)
+  local f = redis.call('HMGET', prefix .. 'req:' .. id, 'member', 'score', 'state')
+  if f[3] == 'retry_wait' then
+    redis.call('ZADD', KEYS[1], f[2], f[1])
+    redis.call('HSET', prefix .. 'req:' .. id, 'state', 'queued')
+  end
+end
+
+local expired = 0
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, limit)) do
+  local state = redis.call('HGET', prefix .. 'req:' .. id, 'state')
+  if state == 'queued' or state == 'retry_wait' then
+    expire(prefix, id, now, ttl)
+    expired = expired + 1
+  else
+    redis.call('ZREM', KEYS[3], id)
+  end
+end
+
+local budget = tonumber(ARGV[3])
+local active_q = redis.call('ZCARD', KEYS[4])
+local in_pool = active_q
+for i = 6, #KEYS do in_pool = in_pool + redis.call('ZCARD', KEYS[i]) end
+local free = tonumber(ARGV[5]) - in_pool
+local qcap = tonumber(ARGV[4])
+if qcap >= 0 then free = math.min(free, qcap - active_q) end
+local n_free = free
+free = math.floor(budget * free)
+if free < 1 and budget > 0 and n_free > 0 and active_q == 0 then free = 1 end
+
+local moved, rejected = {}, {}
+local t = 0
+while free > 0 do
+  local head = redis.call('ZPOPMIN', KEYS[1])
+  if #head == 0 then break end
+  local member = head[1]
+  local id = string.match(member, '^%d+|(.+)$')
+  local rk = id and (prefix .. 'req:' .. id)
+  local f = rk and redis.call('HMGET', rk, 'state', 'deadline', 'member', 'priority') or {}
+  if not id or f[1] ~= 'queued' or f[3] ~= member then
+    -- not a request this pipeline wrote (or a stale copy): report it, never drop silently
+    rejected[#rejected + 1] = member
+    if not id or not f[1] then
+      redis.call('LPUSH', KEYS[5], cjson.encode({id = id or member, payload =
+        '{"error": "malformed queue entry"}', error_code = 'INVALID_REQUEST',
+        error_message = 'malformed queue entry: ' .. member}))
+    end
+  elseif tonumber(f[2]) <= now then
+    expire(prefix, id, now, ttl)
+    expired = expired + 1
+  else
+    t = t + 1
+    local token = ARGV[9] .. '.' .. t
+    local n = redis.call('HINCRBY', rk, 'dispatches', 1)
+    redis.call('HSET', rk, 'state', 'dispatched', 'token', token)
+    redis.call('ZREM', KEYS[3], id)
+    redis.call('ZADD', KEYS[4], ARGV[6], id)
+    moved[#moved + 1] = id
+    moved[#moved + 1] = token
+    moved[#moved + 1] = n
+    moved[#moved + 1] = f[4]
+    free = free - 1
+  end
+end
+
+local next_event = -1
+local d = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+if #d > 0 then next_event = tonumber(d[2]) end
+local e = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
+if #e > 0 and (next_event < 0 or tonumber(e[2]) < next_event) then next_event = tonumber(e[2]) end
+return {moved, expired, tostring(next_event), rejected}

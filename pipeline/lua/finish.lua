@@ -1,0 +1,11 @@
+-- finish.lua: the terminal result of an attempt. Fenced by the attempt token, so a late
+-- result of a reaped attempt cannot overwrite a newer attempt's.
+-- KEYS[1] request hash.
+-- ARGV[1] prefix, ARGV[2] token, ARGV[3] now (Unix s), ARGV[4] result TTL (s),
+-- ARGV[5] 1 if this attempt sent an HTTP request, ARGV[6] status code or '',
+-- ARGV[7] payload, ARGV[8] error code or '', ARGV[9] error message.
+-- Returns the result JSON, or false when fenced off.
+local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'id')
+if f[1] == 'done' or not f[1] or f[2] ~= ARGV[2] then return false end
+if ARGV[5] == '1' then redis.call('HINCRBY', KEYS[1], 'attempts', 1) end
+return terminal(ARGV[1], f[3], ARGV[3], ARGV[4], ARGV[6], ARGV[7], ARGV[8], ARGV[9])

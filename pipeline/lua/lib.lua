@@ -1,0 +1,92 @@
+-- lib.lua: helpers shared by the other scripts. pipeline/scripts.py prepends this file to
+-- each script before registering it, so every script is self-contained on the server.
+-- Not a script on its own: it reads no KEYS or ARGV.
+--
+-- Record fields (hash <prefix>req:<id>): id, queue, pool, payload, priority, deadline,
+-- submitted_at, member, score, metadata, headers, endpoint, labels, result_list, state,
+-- token, attempts, dispatches, last_response, result, finished_at, worker, started_at.
+-- States: queued -> dispatched -> running -> (retry_wait -> queued ...) -> done.
+
+local function qkey(prefix, queue, name)
+  return prefix .. 'q:' .. queue .. ':' .. name
+end
+
+-- Ring the pool's doorbell unless it is already ringing.
+local function wake(prefix, pool)
+  local k = prefix .. 'pool:' .. pool .. ':wake'
+  if redis.call('LLEN', k) == 0 then
+    redis.call('RPUSH', k, '1')
+  end
+end
+
+-- Write the terminal result of request `id` and take it out of every waiting and active set.
+-- status_code / error_code are '' when absent. Returns the result JSON.
+local function terminal(prefix, id, now, ttl, status_code, payload, error_code, error_message)
+  local rk = prefix .. 'req:' .. id
+  local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'attempts', 'submitted_at',
+    'result_list')
+  local queue, pool, member = f[1], f[2], f[3]
+  redis.call('ZREM', qkey(prefix, queue, 'pending'), member)
+  redis.call('ZREM', qkey(prefix, queue, 'delayed'), id)
+  redis.call('ZREM', qkey(prefix, queue, 'expiry'), id)
+  redis.call('ZREM', qkey(prefix, queue, 'active'), id)
+  local result = {
+    id = id, payload = payload, attempts = tonumber(f[4]) or 0, queue = queue,
+    submitted_at = tonumber(f[5]), finished_at = tonumber(now),
+  }
+  local outcome = 'ok'
+  if status_code ~= '' then
+    result.status_code = tonumber(status_code)
+    if result.status_code >= 400 then outcome = 'http_' .. status_code end
+  end
+  if error_code ~= '' then
+    result.error_code = error_code
+    result.error_message = error_message
+    outcome = error_code
+  end
+  local json = cjson.encode(result)
+  redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', now, 'token', '')
+  redis.call('EXPIRE', rk, ttl)
+  redis.call('LPUSH', f[6], json)
+  local nk = prefix .. 'notify:' .. id
+  redis.call('RPUSH', nk, '1')
+  redis.call('EXPIRE', nk, 300)
+  redis.call('HINCRBY', qkey(prefix, queue, 'stats'), outcome, 1)
+  local recent = qkey(prefix, queue, 'recent')
+  redis.call('ZADD', recent, now, id)
+  redis.call('ZREMRANGEBYSCORE', recent, '-inf', tonumber(now) - 300)
+  wake(prefix, pool)
+  return json
+end
+
+-- Put a waiting request back into its queue: into the pending set at once, or into the
+-- delayed set until `due`. The original ordering key (score, member) is kept.
+local function enqueue(prefix, id, now, due)
+  local rk = prefix .. 'req:' .. id
+  local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline')
+  local queue = f[1]
+  redis.call('ZREM', qkey(prefix, queue, 'active'), id)
+  redis.call('ZADD', qkey(prefix, queue, 'expiry'), f[5], id)
+  if tonumber(due) > tonumber(now) then
+    redis.call('ZADD', qkey(prefix, queue, 'delayed'), due, id)
+    redis.call('HSET', rk, 'state', 'retry_wait', 'token', '')
+  else
+    redis.call('ZADD', qkey(prefix, queue, 'pending'), f[4], f[3])
+    redis.call('HSET', rk, 'state', 'queued', 'token', '')
+    wake(prefix, f[2])
+  end
+end
+
+local DEADLINE_PAYLOAD = '{"error": "deadline exceeded"}'
+
+-- Terminal result for a request whose deadline passed while it waited: its last HTTP
+-- response if an attempt got one, else DEADLINE_EXCEEDED.
+local function expire(prefix, id, now, ttl)
+  local last = redis.call('HGET', prefix .. 'req:' .. id, 'last_response')
+  if last and last ~= '' then
+    local r = cjson.decode(last)
+    return terminal(prefix, id, now, ttl, tostring(r.status_code), r.payload, '', '')
+  end
+  return terminal(prefix, id, now, ttl, '', DEADLINE_PAYLOAD, 'DEADLINE_EXCEEDED',
+    'deadline exceeded')
+end

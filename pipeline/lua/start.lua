@@ -1,0 +1,14 @@
+-- start.lua: an attempt begins. Fenced by the attempt token: a stale or duplicate Celery
+-- message (older token, cancelled, finished) is refused.
+-- KEYS[1] request hash, KEYS[2] active set of its queue.
+-- ARGV[1] token, ARGV[2] now (Unix s), ARGV[3] lease expiry (Unix s), ARGV[4] worker name.
+-- Returns {0, state} when fenced off, else {1, field, value, ...} (the whole record).
+local f = redis.call('HMGET', KEYS[1], 'state', 'token')
+if f[1] ~= 'dispatched' or f[2] ~= ARGV[1] then
+  return {0, f[1] or 'missing'}
+end
+redis.call('HSET', KEYS[1], 'state', 'running', 'started_at', ARGV[2], 'worker', ARGV[4])
+redis.call('ZADD', KEYS[2], ARGV[3], redis.call('HGET', KEYS[1], 'id'))
+local out = {1}
+for _, v in ipairs(redis.call('HGETALL', KEYS[1])) do out[#out + 1] = v end
+return out

@@ -1,0 +1,178 @@
+"""Redis operations on request state. Each one is a single atomic script or command.
+
+Used by the client API (submit, cancel, inspect), the dispatcher (dispatch ticks, reaping)
+and the Celery task (start, finish, requeue, renew). Times are Unix seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from .config import QueueConfig, Settings
+from .keys import Keys
+from .scripts import Scripts
+
+SUBMIT_FIELDS = 12
+SWEEP_LIMIT = 500
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ``***`` (for logs and status output)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def connect(url: str) -> redis.Redis:
+    """A Redis client with decoded responses, keep-alive and retries on timeouts."""
+    return redis.Redis.from_url(
+        url, decode_responses=True, socket_keepalive=True, health_check_interval=30,
+        socket_connect_timeout=5,
+    )
+
+
+def new_token() -> str:
+    return secrets.token_hex(6)
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """A request the dispatcher moved out of its queue: send it to Celery now."""
+
+    id: str
+    token: str
+    dispatch_no: int
+    priority: int
+    queue: str
+
+
+@dataclass(frozen=True)
+class TickResult:
+    moved: list[Dispatched]
+    expired: int
+    next_event: float | None  # Unix s: earliest due retry or waiting deadline
+    rejected: list[str]
+
+
+class Store:
+    """Request state in Redis for one :class:`Settings`."""
+
+    def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
+        self.settings = settings
+        self.keys: Keys = settings.keys
+        self.client = client or connect(settings.redis_url)
+        self.scripts = Scripts(self.client)
+
+    # -- submit --------------------------------------------------------------------------
+    def submit(self, rows: list[list[Any]]) -> list[Any]:
+        """Store a batch of rows (see submit.lua for the 12 fields) in one round trip per
+        500 rows. Returns 1 per created request, or the state of the live duplicate."""
+        out: list[Any] = []
+        for i in range(0, len(rows), 500):
+            chunk = rows[i : i + 500]
+            args: list[Any] = [self.keys.prefix, time.time(), len(chunk)]
+            for row in chunk:
+                args.extend(row)
+            out.extend(self.scripts.submit(keys=[], args=args))
+        return out
+
+    # -- dispatcher ----------------------------------------------------------------------
+    def tick(
+        self, queue: QueueConfig, pool_queues: list[QueueConfig], budget: float, queue_cap: int,
+        pool_cap: int, now: float | None = None,
+    ) -> TickResult:
+        """Promote due retries, expire overdue waiting requests and dispatch
+        ``floor(budget × free capacity)`` (see dispatch.lua). ``queue_cap`` -1: no limit."""
+        now = time.time() if now is None else now
+        k = self.keys
+        name = queue.queue_name
+        others = [k.active(q.queue_name) for q in pool_queues if q.queue_name != name]
+        keys = [k.pending(name), k.delayed(name), k.expiry(name), k.active(name),
+                self.settings.result_list(queue), *others]
+        args = [k.prefix, now, max(0.0, min(1.0, budget)), queue_cap, pool_cap,
+                now + self.settings.dispatch_lease_s, int(self.settings.result_ttl_s),
+                SWEEP_LIMIT, new_token()]
+        moved_raw, expired, next_event, rejected = self.scripts.dispatch(keys=keys, args=args)
+        moved = [
+            Dispatched(moved_raw[i], moved_raw[i + 1], int(moved_raw[i + 2]),
+                       int(moved_raw[i + 3]), name)
+            for i in range(0, len(moved_raw), 4)
+        ]
+        ne = float(next_event)
+        return TickResult(moved, int(expired), ne if ne >= 0 else None, list(rejected))
+
+    def reap(self, queue: str, now: float | None = None) -> list[tuple[str, str]]:
+        """Requeue attempts of ``queue`` whose lease expired; returns (id, token) pairs."""
+        now = time.time() if now is None else now
+        raw = self.scripts.reap(keys=[self.keys.active(queue)], args=[self.keys.prefix, now, 1000])
+        return [(raw[i], raw[i + 1]) for i in range(0, len(raw), 2)]
+
+    # -- attempts ------------------------------------------------------------------------
+    def start(self, request_id: str, token: str, queue: str, worker: str) -> dict[str, str] | None:
+        """Begin an attempt; None when the message is stale (fenced off by its token)."""
+        now = time.time()
+        raw = self.scripts.start(
+            keys=[self.keys.request(request_id), self.keys.active(queue)],
+            args=[token, now, now + self.settings.lease_s, worker],
+        )
+        if int(raw[0]) != 1:
+            return None
+        it = iter(raw[1:])
+        return dict(zip(it, it, strict=True))
+
+    def finish(
+        self, request_id: str, token: str, *, attempted: bool, status_code: int | None,
+        payload: str, error_code: str | None = None, error_message: str | None = None,
+    ) -> str | None:
+        """Write the terminal result of an attempt; None when fenced off."""
+        res = self.scripts.finish(
+            keys=[self.keys.request(request_id)],
+            args=[self.keys.prefix, token, time.time(), int(self.settings.result_ttl_s),
+                  1 if attempted else 0, "" if status_code is None else status_code, payload,
+                  error_code or "", error_message or ""],
+        )
+        return res or None
+
+    def requeue(
+        self, request_id: str, token: str, *, due: float, attempted: bool,
+        last_response: dict[str, Any] | None = None,
+    ) -> bool:
+        """Give the request back to its queue (now, or at ``due``); False when fenced off."""
+        res = self.scripts.requeue(
+            keys=[self.keys.request(request_id)],
+            args=[self.keys.prefix, token, time.time(), due, 1 if attempted else 0,
+                  json.dumps(last_response) if last_response else ""],
+        )
+        return bool(res)
+
+    def renew(self, attempts: list[tuple[str, str, str]]) -> int:
+        """Extend the leases of live attempts given as (id, token, queue)."""
+        if not attempts:
+            return 0
+        args: list[Any] = [self.keys.prefix, time.time() + self.settings.lease_s]
+        for a in attempts:
+            args.extend(a)
+        return int(self.scripts.renew(keys=[], args=args))
+
+    # -- client side ---------------------------------------------------------------------
+    def cancel(self, request_id: str) -> bool:
+        res = self.scripts.cancel(
+            keys=[self.keys.request(request_id)],
+            args=[self.keys.prefix, time.time(), int(self.settings.result_ttl_s)],
+        )
+        return bool(res)
+
+    def record(self, request_id: str) -> dict[str, str]:
+        return self.client.hgetall(self.keys.request(request_id))  # type: ignore[return-value]

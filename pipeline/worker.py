@@ -1,0 +1,345 @@
+"""The worker side of one attempt, independent of Celery (the task in ``tasks`` is a thin
+wrapper): fenced start, gate acquisition, the HTTP call, and exactly one of finish / retry /
+requeue — with the gate reservation released *before* the request leaves the attempt.
+
+Per process there is one :class:`Runtime` (a store, the gates bound to Redis, a heartbeat
+thread renewing the leases of live attempts). It is created lazily and again after a fork.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .backoff import retry_delay
+from .config import QueueConfig, Settings, load_settings
+from .gates import AcquireContext, Decision, Gate, GateEnv, Verdict, build_gate
+from .inference import Kind, Outcome, join_url, send
+from .keys import holder as make_holder
+from .store import Store
+
+log = logging.getLogger("pipeline.worker")
+
+REFUSE_DELAY_S = (0.2, 1.0)  # a refused request waits this long (jittered) before re-entry
+WAIT_POLL_S = (0.05, 1.0)  # a parked attempt re-asks its gate: 50 ms doubling to 1 s
+RELEASE_TRIES = 4
+
+
+class Status(enum.Enum):
+    STALE = "stale"  # the message was fenced off (old token, cancelled, finished)
+    SUCCESS = "success"
+    FAILED = "failed"  # terminal, not OK
+    RETRY = "retry"  # an attempt failed and the request waits out a backoff
+    REQUEUED = "requeued"  # the gate refused or a wait timed out: back to the queue
+
+
+@dataclass(frozen=True)
+class Report:
+    status: Status
+    reason: str = ""
+    due: float | None = None  # Unix s, for RETRY/REQUEUED
+    result: dict[str, Any] | None = None  # the terminal result, for SUCCESS/FAILED
+
+
+def _result_dict(result_json: str | None) -> dict[str, Any] | None:
+    return json.loads(result_json) if result_json else None
+
+
+class Runtime:
+    """Per-process worker state."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or load_settings()
+        self.store = Store(self.settings)
+        self.env = GateEnv(self.store.client, self.settings.keys, node=_node_name())
+        self._gates: dict[str, Gate] = {}
+        self._live: dict[str, tuple[str, str, str]] = {}  # holder -> (id, token, queue)
+        self._lock = threading.Lock()
+        self._heartbeat: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.rng = random.Random()
+
+    # -- gates ---------------------------------------------------------------------------
+    def gate(self, queue: str) -> Gate:
+        with self._lock:
+            gate = self._gates.get(queue)
+            if gate is None:
+                q = self.settings.queues[queue]
+                gate = build_gate(q.gate_type, q.gate_params, name=queue, env=self.env)
+                self._gates[queue] = gate
+            return gate
+
+    def release(self, queue: str, request_id: str, token: str) -> None:
+        """Release a holder's reservation: idempotent, retried, logged when it fails."""
+        holder = make_holder(request_id, token)
+        with self._lock:
+            self._live.pop(holder, None)
+        if queue not in self.settings.queues:
+            return
+        gate = self.gate(queue)
+        for i in range(RELEASE_TRIES):
+            try:
+                gate.release(holder)
+                return
+            except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
+                log.warning("release of %s on gate %s failed (try %d/%d): %s", holder, queue,
+                            i + 1, RELEASE_TRIES, exc)
+                time.sleep(0.1 * 2**i)
+        log.error("release of %s on gate %s gave up; its lease will expire", holder, queue)
+
+    # -- heartbeat -----------------------------------------------------------------------
+    def _track(self, request_id: str, token: str, queue: str) -> None:
+        with self._lock:
+            self._live[make_holder(request_id, token)] = (request_id, token, queue)
+            if self._heartbeat is None or not self._heartbeat.is_alive():
+                self._heartbeat = threading.Thread(
+                    target=self._beat, name="pipeline-heartbeat", daemon=True
+                )
+                self._heartbeat.start()
+
+    def _beat(self) -> None:
+        period = max(0.05, self.settings.lease_s / 3.0)
+        while not self._stopping.wait(period):
+            with self._lock:
+                live = list(self._live.values())
+            if not live:
+                continue
+            try:
+                self.store.renew(live)
+                until = time.time() + self.settings.lease_s
+                by_queue: dict[str, list[str]] = {}
+                for rid, token, queue in live:
+                    by_queue.setdefault(queue, []).append(make_holder(rid, token))
+                for queue, holders in by_queue.items():
+                    self.gate(queue).renew(holders, until)
+            except Exception as exc:  # noqa: BLE001 - keep beating; leases tolerate a miss
+                log.warning("lease renewal failed: %s", exc)
+
+    def live_holders(self) -> list[tuple[str, str, str]]:
+        with self._lock:
+            return list(self._live.values())
+
+    # -- attempts ------------------------------------------------------------------------
+    def begin(self, request_id: str, token: str, worker: str, queue: str | None = None
+              ) -> Attempt | None:
+        """Start an attempt (fenced by ``token``); None for a stale message."""
+        queue = queue if queue in self.settings.queues else self._queue_of(request_id)
+        record = self.store.start(request_id, token, queue or "", worker)
+        if record is None:
+            return None
+        self._track(request_id, token, record["queue"])
+        return Attempt(self, record, token, worker)
+
+    def _queue_of(self, request_id: str) -> str:
+        queue = self.store.client.hget(self.settings.keys.request(request_id), "queue")
+        return str(queue or "")
+
+    def abandon(self, request_id: str, token: str, queue: str | None, *, cancel: bool,
+                reason: str) -> None:
+        """An attempt ended without reporting (hard time limit, killed child, revoke,
+        shutdown): release its reservation and requeue or cancel its request. Fenced and
+        idempotent: a no-op when the attempt already finished."""
+        queue = queue or self._queue_of(request_id)
+        self.release(queue, request_id, token)
+        if cancel:
+            done = self.store.finish(request_id, token, attempted=False, status_code=None,
+                                     payload=json.dumps({"error": "cancelled"}),
+                                     error_code="CANCELLED", error_message=reason)
+        else:
+            done = self.store.requeue(request_id, token, due=time.time(), attempted=False)
+        if done:
+            log.warning("request %s attempt %s abandoned (%s): %s", request_id, token, reason,
+                        "cancelled" if cancel else "requeued")
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+
+class Attempt:
+    """One attempt of one request, from a fenced start to exactly one outcome."""
+
+    def __init__(self, runtime: Runtime, record: dict[str, str], token: str, worker: str) -> None:
+        self.rt = runtime
+        self.record = record
+        self.id = record["id"]
+        self.token = token
+        self.worker = worker
+        self.queue: QueueConfig = runtime.settings.queues[record["queue"]]
+        self.gate = runtime.gate(self.queue.queue_name)
+        self.deadline = float(record["deadline"])
+        self.metadata: dict[str, str] = json.loads(record.get("metadata") or "{}")
+        self.labels: dict[str, str] = json.loads(record.get("labels") or "{}")
+        self.decision: Decision | None = None
+        self.closed = False
+
+    @property
+    def holder(self) -> str:
+        return make_holder(self.id, self.token)
+
+    def _ctx(self) -> AcquireContext:
+        return AcquireContext(
+            request_id=self.id, token=self.token, queue=self.queue.queue_name, worker=self.worker,
+            lease_until=time.time() + self.rt.settings.lease_s, deadline=self.deadline,
+            metadata=self.metadata, labels=self.labels,
+        )
+
+    def acquire(self) -> Decision:
+        """Ask the gate (called from the task's ``before_start``)."""
+        try:
+            self.decision = self.gate.acquire(self._ctx())
+        except Exception as exc:  # noqa: BLE001 - a gate error refuses, it never crashes
+            log.warning("gate %s failed for %s: %s", self.queue.queue_name, self.id, exc)
+            self.decision = Decision(Verdict.REFUSE, reason="error")
+        if self.decision.labels:
+            self.labels.update(self.decision.labels)
+        return self.decision
+
+    # -- outcomes (each releases first) --------------------------------------------------
+    def _release(self) -> None:
+        self.rt.release(self.queue.queue_name, self.id, self.token)
+
+    def _finish(self, *, attempted: bool, status_code: int | None, payload: str,
+                error_code: str | None = None, error_message: str | None = None) -> Report:
+        self._release()
+        res = self.rt.store.finish(self.id, self.token, attempted=attempted,
+                                   status_code=status_code, payload=payload,
+                                   error_code=error_code, error_message=error_message)
+        self.closed = True
+        if res is None:
+            return Report(Status.STALE, "fenced off at finish")
+        result = _result_dict(res)
+        ok = error_code is None and status_code is not None and status_code < 400
+        return Report(Status.SUCCESS if ok else Status.FAILED, result=result)
+
+    def _error(self, code: str, message: str, attempted: bool = False) -> Report:
+        return self._finish(attempted=attempted, status_code=None,
+                            payload=json.dumps({"error": message}), error_code=code,
+                            error_message=message)
+
+    def _requeue(self, due: float, reason: str, *, attempted: bool,
+                 last: dict[str, Any] | None = None, status: Status = Status.REQUEUED) -> Report:
+        self._release()
+        ok = self.rt.store.requeue(self.id, self.token, due=due, attempted=attempted,
+                                   last_response=last)
+        self.closed = True
+        if not ok:
+            return Report(Status.STALE, "fenced off at requeue")
+        return Report(status, reason, due=due)
+
+    def _expired(self, attempted: bool, last: Outcome | None = None) -> Report:
+        if last is not None and last.responded:
+            return self._finish(attempted=attempted, status_code=last.status_code,
+                                payload=last.body)
+        prev = self.record.get("last_response")
+        if prev:
+            data = json.loads(prev)
+            return self._finish(attempted=attempted, status_code=int(data["status_code"]),
+                                payload=data["payload"])
+        msg = "deadline exceeded"
+        if last is not None and last.error:
+            msg = f"deadline exceeded (last error: {last.error})"
+        return self._error("DEADLINE_EXCEEDED", msg, attempted)
+
+    # -- the attempt ---------------------------------------------------------------------
+    def run(self) -> Report:
+        if time.time() >= self.deadline:
+            return self._expired(False)
+        decision = self.decision or self.acquire()
+        if decision.verdict is Verdict.WAIT:
+            decision = self._wait()
+        if decision.verdict is Verdict.REFUSE:
+            lo, hi = REFUSE_DELAY_S
+            return self._requeue(time.time() + self.rt.rng.uniform(lo, hi),
+                                 f"gate refused ({decision.reason or 'gate_closed'})",
+                                 attempted=False)
+        if decision.verdict is Verdict.WAIT:
+            return self._requeue(time.time(), "gate wait timed out", attempted=False)
+        if decision.verdict is Verdict.DROP:
+            if decision.status_code is not None or decision.payload is not None:
+                return self._finish(attempted=False, status_code=decision.status_code,
+                                    payload=decision.payload or "")
+            return self._error("GATE_DROPPED", "dropped by gate")
+        return self._call()
+
+    def _wait(self) -> Decision:
+        """Park until the gate admits, or until the deadline / gate wait time-out."""
+        end = min(self.deadline, time.time() + self.rt.settings.gate_wait_timeout_s)
+        delay = WAIT_POLL_S[0]
+        decision = self.decision or Decision(Verdict.WAIT)
+        while decision.verdict is Verdict.WAIT and time.time() < end:
+            time.sleep(min(delay * self.rt.rng.uniform(0.5, 1.0), max(0.0, end - time.time())))
+            delay = min(WAIT_POLL_S[1], delay * 2)
+            decision = self.acquire()
+        return decision
+
+    def headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "x-request-id": self.id}
+        if self.queue.inference_objective:
+            headers["x-gateway-inference-objective"] = self.queue.inference_objective
+        headers.update(json.loads(self.record.get("headers") or "{}"))
+        return headers
+
+    def url(self) -> str:
+        return join_url(self.queue.igw_base_url,
+                        self.record.get("endpoint") or self.queue.request_path_url)
+
+    def _call(self) -> Report:
+        left = self.deadline - time.time()
+        if left <= 0:
+            return self._expired(False)
+        timeout = min(self.queue.request_timeout_s, left)
+        outcome = send(self.url(), self.record["payload"], self.headers(), timeout)
+        if outcome.kind is Kind.SUCCESS or (outcome.kind is Kind.FATAL and outcome.responded):
+            return self._finish(attempted=True, status_code=outcome.status_code,
+                                payload=outcome.body)
+        if outcome.kind is Kind.FATAL:
+            return self._error("INFERENCE_ERROR", outcome.error or "request failed", True)
+        retries = int(self.record.get("attempts") or 0)
+        now = time.time()
+        delay = retry_delay(retries, self.deadline - now, outcome.retry_after,
+                            self.queue.retry_base_delay_s, self.queue.retry_max_delay_s,
+                            self.rt.rng)
+        if delay is None:
+            return self._expired(True, outcome)
+        last = ({"status_code": outcome.status_code, "payload": outcome.body}
+                if outcome.responded else None)
+        reason = (f"HTTP {outcome.status_code}" if outcome.responded
+                  else f"{outcome.category}: {outcome.error}")
+        return self._requeue(now + delay, reason, attempted=True, last=last, status=Status.RETRY)
+
+
+def _node_name() -> str:
+    return os.environ.get("PIPELINE_NODE") or f"{os.uname().nodename}.{os.getpid()}"
+
+
+_runtimes: dict[int, Runtime] = {}
+_runtime_lock = threading.Lock()
+_settings_override: Settings | None = None
+
+
+def use_settings(settings: Settings | None) -> None:
+    """Make new runtimes use ``settings`` instead of the environment (tests, embedding)."""
+    global _settings_override
+    with _runtime_lock:
+        _settings_override = settings
+        for rt in _runtimes.values():
+            rt.stop()
+        _runtimes.clear()
+
+
+def runtime() -> Runtime:
+    """This process's runtime (a new one after a fork)."""
+    pid = os.getpid()
+    with _runtime_lock:
+        rt = _runtimes.get(pid)
+        if rt is None:
+            _runtimes.clear()
+            rt = _runtimes[pid] = Runtime(_settings_override)
+        return rt

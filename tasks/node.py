@@ -1,0 +1,93 @@
+"""Worker-node integration: a bootstep that runs the dispatcher in the worker's main process,
+and the signal handlers that release reservations on paths where no task hook runs."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from celery import bootsteps
+from celery.signals import task_revoked, worker_shutting_down
+
+from pipeline.dispatcher import Dispatcher
+from pipeline.store import Dispatched
+from pipeline.worker import runtime
+
+from .app import CELERY_QUEUE_PREFIX, app, celery_queue
+from .inference import infer
+
+log = logging.getLogger("pipeline.node")
+_shutting_down = threading.Event()
+
+
+def send_to_celery(moved: list[Dispatched]) -> None:
+    """Publish dispatched attempts, in order, over one producer connection."""
+    settings = runtime().settings
+    with app.producer_or_acquire() as producer:
+        for d in moved:
+            pool = settings.queues[d.queue].worker_pool_id
+            infer.apply_async(
+                args=(d.id, d.token),
+                kwargs={"queue": d.queue, "priority": d.priority, "attempt": d.dispatch_no},
+                task_id=d.id, queue=celery_queue(pool), producer=producer,
+            )
+
+
+def served_pools(worker: Any) -> list[str]:
+    names = list(worker.app.amqp.queues.consume_from or worker.app.amqp.queues)
+    pools = [n[len(CELERY_QUEUE_PREFIX):] for n in names if n.startswith(CELERY_QUEUE_PREFIX)]
+    return pools or ["default"]
+
+
+class DispatcherStep(bootsteps.StartStopStep):
+    """Runs a :class:`Dispatcher` next to the consumer of a worker node."""
+
+    requires = {"celery.worker.components:Pool"}
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.dispatcher: Dispatcher | None = None
+
+    def start(self, worker: Any) -> None:
+        _shutting_down.clear()
+        rt = runtime()
+        pools = served_pools(worker)
+        self.dispatcher = Dispatcher(rt.settings, pools, node=worker.hostname,
+                                     slots=int(worker.concurrency or 1), send=send_to_celery,
+                                     store=rt.store)
+        self.dispatcher.start()
+        log.info("pipeline dispatcher started on %s for pools %s (%s slots)", worker.hostname,
+                 ", ".join(pools), worker.concurrency)
+
+    def stop(self, worker: Any) -> None:
+        _shutting_down.set()
+        if self.dispatcher is not None:
+            self.dispatcher.stop()
+            self.dispatcher = None
+        rt = runtime()
+        for rid, token, queue in rt.live_holders():
+            rt.abandon(rid, token, queue, cancel=False, reason="worker shutdown")
+
+
+app.steps["worker"].add(DispatcherStep)
+
+
+@worker_shutting_down.connect
+def _on_shutting_down(**_: Any) -> None:
+    _shutting_down.set()
+
+
+@task_revoked.connect
+def _on_revoked(request: Any = None, terminated: bool = False, expired: bool = False,
+                **_: Any) -> None:
+    """A revoked attempt: cancelled by a user, or killed by a cold shutdown (requeued)."""
+    if request is None or getattr(request, "task_name", None) != infer.name:
+        return
+    args = request.args or ()
+    if len(args) < 2:
+        return
+    kwargs = request.kwargs or {}
+    cancel = not _shutting_down.is_set()
+    runtime().abandon(args[0], args[1], kwargs.get("queue"), cancel=cancel,
+                      reason="revoked" if cancel else "worker shutdown")
