@@ -7,7 +7,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .config import QueueConfig, Settings, load_settings, with_overrides
@@ -182,8 +182,10 @@ class Pipeline:
             if self.store.client.blpop([notify], timeout=max(left, 0.01)):
                 self.store.client.rpush(notify, "1")  # leave the bell ringing for other waiters
 
-    def iter_results(self, ids: Iterable[str], poll_s: float = 0.05) -> Iterator[Result]:
-        """Yield the results of ``ids`` as they finish (in finish order)."""
+    def iter_results(self, ids: Iterable[str], poll_s: float = 0.05,
+                     on_poll: Callable[[], None] | None = None) -> Iterator[Result]:
+        """Yield the results of ``ids`` as they finish (in finish order). ``on_poll`` runs
+        after every polling round (it may raise to stop waiting)."""
         remaining = set(ids)
         client = self.store.client
         keys = self.settings.keys
@@ -211,6 +213,8 @@ class Pipeline:
                         if res:
                             remaining.discard(rid)
                             yield Result.from_json(res)
+            if on_poll is not None:
+                on_poll()
             if remaining:
                 time.sleep(poll_s)
 

@@ -1,0 +1,238 @@
+"""The ``pipeline`` command: run, worker, submit, status, sim, flower."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from .config import load_settings
+from .errors import ConfigError, PipelineError
+
+log = logging.getLogger("pipeline.cli")
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+# -- worker -----------------------------------------------------------------------------
+def cmd_worker(args: argparse.Namespace) -> int:
+    settings = load_settings()
+    pools = [p for p in (args.pools or "").split(",") if p] or sorted(settings.pools())
+    from tasks.app import app, celery_queue
+
+    argv = ["worker", "-P", args.pool_impl, "-c", str(args.concurrency),
+            "-Q", ",".join(celery_queue(p) for p in pools), "--loglevel", args.loglevel, "-E"]
+    if args.hostname:
+        argv += ["-n", args.hostname]
+    argv += args.celery_args or []
+    import tasks  # noqa: F401 - registers the task, the bootstep and the signal handlers
+
+    _setup_logging(args.loglevel)
+    app.worker_main(argv)
+    return 0
+
+
+# -- submit -----------------------------------------------------------------------------
+def cmd_submit(args: argparse.Namespace) -> int:
+    from .client import Pipeline
+
+    text = sys.stdin.read() if args.payload == "-" else args.payload
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError as exc:
+        print(f"payload: not JSON: {exc.msg}", file=sys.stderr)
+        return 2
+    kw: dict[str, Any] = {"queue": args.queue, "priority": args.priority}
+    for key in ("id", "deadline", "timeout", "endpoint"):
+        if getattr(args, key) is not None:
+            kw[key] = getattr(args, key)
+    if args.metadata:
+        kw["metadata"] = json.loads(args.metadata)
+    if args.headers:
+        kw["headers"] = json.loads(args.headers)
+    p = Pipeline()
+    req = p.submit(payload, **kw)
+    print(req.id)
+    if args.wait is not None:
+        result = req.result(timeout=args.wait or None)
+        print(json.dumps(result.to_dict()))
+        return 0 if result.ok else 1
+    return 0
+
+
+# -- status -----------------------------------------------------------------------------
+def cmd_status(args: argparse.Namespace) -> int:
+    from .client import Pipeline
+    from .status import render_status, status_snapshot
+
+    p = Pipeline()
+    if args.json:
+        print(json.dumps(status_snapshot(p), indent=2))
+        return 0
+    if not args.watch:
+        from rich.console import Console
+
+        Console().print(render_status(status_snapshot(p)))
+        return 0
+    from rich.live import Live
+
+    with Live(render_status(status_snapshot(p)), refresh_per_second=4) as live:
+        try:
+            while True:
+                time.sleep(args.interval)
+                live.update(render_status(status_snapshot(p)))
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+# -- sim / flower -----------------------------------------------------------------------
+def cmd_sim(args: argparse.Namespace) -> int:
+    from . import sim
+
+    return int(sim.run_from_args(args) or 0)
+
+
+def cmd_flower(args: argparse.Namespace) -> int:
+    import tasks
+
+    argv = ["flower", f"--address={args.address}", f"--port={args.port}"]
+    auth = os.environ.get("FLOWER_BASIC_AUTH")
+    if auth:
+        argv.append(f"--basic-auth={auth}")
+    elif args.address not in ("127.0.0.1", "localhost", "::1"):
+        print("refusing to expose Flower without FLOWER_BASIC_AUTH=user:password",
+              file=sys.stderr)
+        return 2
+    tasks.app.start(argv=argv + (args.flower_args or []))
+    return 0
+
+
+# -- run --------------------------------------------------------------------------------
+def cmd_run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .batch import run_batch
+    from .client import Pipeline
+    from .services import Services, redis_reachable, wait_until
+
+    console = Console(stderr=True)
+    services = Services()
+    env = dict(os.environ)
+    try:
+        settings = load_settings(env)
+        if not redis_reachable(settings.redis_url):
+            url = services.start_redis()
+            console.print(f"[dim]no Redis reachable: started an embedded redis-server ({url})")
+            env.update(PIPELINE_REDIS_URL=url, CELERY_BROKER_URL=url, CELERY_RESULT_BACKEND=url)
+        if not env.get("PIPELINE_QUEUES") and not env.get("PIPELINE_ENDPOINT"):
+            sim_args = ["--latency-ms", str(args.sim_latency_ms), "--jitter-ms",
+                        str(args.sim_jitter_ms)]
+            url = services.start_simulator(sim_args)
+            console.print(f"[dim]no endpoint configured: started the simulator ({url})")
+            env["PIPELINE_ENDPOINT"] = url
+        os.environ.update(env)
+        settings = load_settings(env)
+        pipeline = Pipeline(settings)
+        nodes = [settings.keys.pool_nodes(pool) for pool in settings.pools()]
+
+        def workers_live() -> bool:
+            now = time.time()
+            return all(pipeline.store.client.zcount(k, now, "+inf") > 0 for k in nodes)
+
+        if not workers_live():
+            worker_args = ["-c", str(args.concurrency), "--loglevel", "WARNING"]
+            services.start_worker(env, worker_args, log_path=args.worker_log)
+            console.print(f"[dim]no worker running: started one ({args.concurrency} slots, "
+                          f"log: {args.worker_log})")
+            wait_until(workers_live, 60, "worker")
+        with open(args.file, encoding="utf-8") as infile, open(
+            args.output, "w", encoding="utf-8"
+        ) as out:
+            summary = run_batch(pipeline, infile, out, console=console, timeout=args.timeout,
+                                show_progress=not args.no_progress)
+        console.print(summary.table())
+        console.print(f"results: {args.output}")
+        if args.json_summary:
+            print(json.dumps(summary.as_dict()))
+        return 0
+    finally:
+        services.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipeline", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run a JSONL batch and write its results")
+    p.add_argument("file")
+    p.add_argument("-o", "--output", default="results.jsonl")
+    p.add_argument("--timeout", type=float, default=None, help="give up after this many s")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json-summary", action="store_true", help="also print the summary as JSON")
+    p.add_argument("-c", "--concurrency", type=int, default=64,
+                   help="slots of the worker started when none is running")
+    p.add_argument("--worker-log", default="pipeline-worker.log")
+    p.add_argument("--sim-latency-ms", type=float, default=150.0)
+    p.add_argument("--sim-jitter-ms", type=float, default=200.0)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("worker", help="a Celery worker node with its dispatcher")
+    p.add_argument("--pools", help="comma-separated worker pools (default: all configured)")
+    p.add_argument("-c", "--concurrency", type=int, default=64)
+    p.add_argument("-P", "--pool-impl", default="threads", choices=["threads", "prefork", "solo"])
+    p.add_argument("-n", "--hostname")
+    p.add_argument("--loglevel", default="INFO")
+    p.add_argument("celery_args", nargs=argparse.REMAINDER, help="passed to celery worker")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("submit", help="submit one request (payload as JSON, or - for stdin)")
+    p.add_argument("payload")
+    p.add_argument("--queue", default="default")
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--id")
+    p.add_argument("--deadline", type=float)
+    p.add_argument("--timeout", type=float)
+    p.add_argument("--endpoint")
+    p.add_argument("--metadata", help="JSON object of str to str")
+    p.add_argument("--headers", help="JSON object of str to str")
+    p.add_argument("--wait", type=float, nargs="?", const=0.0,
+                   help="wait for the result (optionally at most this many s)")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("status", help="queues, gates and their holders")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", action="store_true")
+    p.add_argument("--interval", type=float, default=1.0)
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("sim", help="the OpenAI-compatible simulator")
+    from . import sim
+
+    sim.add_arguments(p)
+    p.set_defaults(func=cmd_sim)
+
+    p = sub.add_parser("flower", help="Flower for the pipeline's Celery app")
+    p.add_argument("--address", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=5555)
+    p.add_argument("flower_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_flower)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, PipelineError) as exc:
+        print(f"pipeline: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
