@@ -1,0 +1,747 @@
+"""OpenAI-compatible model-server simulator for tests, the demo and benchmarks.
+
+A single-threaded asyncio HTTP/1.1 server (hand-written parser on ``asyncio.Protocol``;
+keep-alive, ``Connection: close`` and in-order answers to pipelined requests). It serves
+``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, vLLM-style
+``/metrics`` and the control endpoints ``/sim/stats``, ``/sim/reset``, ``/sim/faults`` and
+``/sim/arrivals``.
+
+Request life cycle for an inference call: count it (and its attempt per ``x-request-id``), parse
+the JSON body (400 if invalid), admit it (above ``max_concurrency``: 429/503 with
+``Retry-After``, or wait in a FIFO queue), then apply a scripted fault for that attempt, then
+the random ``failure_rate``, else sleep the simulated latency and answer 200. A request counts
+as ``in_flight`` from admission until its response is written or its connection is gone.
+Failures are answered at once; stalled attempts hold their slot until the client hangs up.
+All times are monotonic seconds unless a name ends in ``_ms`` (milliseconds).
+
+Per-request fault headers (they pass through any client unchanged):
+``x-sim-fail-first: N`` fails the first N attempts of the ``x-request-id`` (without that header
+every request is a first attempt) with ``x-sim-fail-status`` (503), adding ``Retry-After`` from
+``x-sim-retry-after``; ``x-sim-fail-mode: stall|drop`` hangs (up to ``STALL_CAP_S``) or closes the
+connection instead. ``x-sim-latency-ms`` replaces the whole simulated delay. ``POST /sim/faults``
+``{"id", "fail_first", "status", "retry_after", "mode"}`` scripts the same for an id; headers win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import itertools
+import json
+import random
+import signal
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from types import TracebackType
+from typing import Any, TypeVar
+
+MODEL_NAME = "sim-model"
+STALL_CAP_S = 600.0  # a stalled attempt is dropped after this many seconds
+MAX_HEAD_BYTES = 64 * 1024
+MAX_BODY_BYTES = 16 * 1024 * 1024
+FAULT_MODES = ("status", "stall", "drop")
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
+_VOCAB = ("the", "model", "token", "quick", "signal", "river", "stone", "light", "cloud",
+          "vector", "amber", "orbit", "delta", "pixel", "harbor", "forest", "echo", "metal",
+          "spark", "field", "ocean", "quartz", "ember", "lattice", "north", "summit", "cedar",
+          "prism", "canyon", "meadow", "falcon", "tide")  # fmt: skip
+_JSON = "Content-Type: application/json\r\n"
+_TEXT = "Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+_Reply = tuple[int, bytes, str]  # (status, body, extra header lines each ending in CRLF)
+_T = TypeVar("_T")
+
+
+@dataclass
+class SimConfig:
+    """Simulator behaviour. Latency of a 200 = latency_ms + U(0, jitter_ms) + itl_ms * tokens."""
+
+    latency_ms: float = 0.0
+    jitter_ms: float = 0.0
+    itl_ms: float = 0.0  # per generated (fake) token
+    max_concurrency: int = 0  # 0 = unlimited
+    overload: str = "429"  # "429" | "503" | "queue"
+    overload_retry_after_s: float = 1.0  # Retry-After of overload rejections, seconds
+    failure_rate: float = 0.0  # probability of a random failure per admitted request
+    failure_status: int = 503
+    seed: int = 0  # seeds the failure and jitter RNGs
+    record_arrivals: bool = False  # keep (arrival_s, finish_s, request_id) per answered request
+    model_name: str = MODEL_NAME
+
+
+@dataclass(frozen=True, slots=True)
+class _Fault:
+    fail_first: int
+    status: int = 503
+    retry_after: str | None = None
+    mode: str = "status"
+
+
+@dataclass(slots=True)
+class _Job:
+    chat: bool
+    model: str
+    prompt: str
+    max_tokens: int
+    fault: _Fault | None
+    latency_ms: float | None  # per-request override of the whole delay
+    attempt: int
+
+
+@dataclass(slots=True)
+class _Request:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    keep_alive: bool
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Pending:
+    """One request's place in its connection's in-order response queue."""
+
+    __slots__ = ("keep_alive", "arrival", "reply", "held", "task", "waiter", "inference", "rid")
+
+    def __init__(self, keep_alive: bool) -> None:
+        self.keep_alive = keep_alive
+        self.arrival = time.monotonic()
+        self.reply: _Reply | None = None
+        self.held = False  # owns a concurrency slot (counted in in_flight)
+        self.task: asyncio.Task[None] | None = None
+        self.waiter: asyncio.Future[None] | None = None  # set while queued for a slot
+        self.inference = False
+        self.rid: str | None = None
+
+
+def _reason(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Status"
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds:g}"
+
+
+def _json(status: int, obj: object, extra: str = "") -> _Reply:
+    return status, json.dumps(obj, separators=(",", ":")).encode(), _JSON + extra
+
+
+def _error(status: int, message: str, retry_after: str | None = None) -> _Reply:
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    extra = f"Retry-After: {retry_after}\r\n" if retry_after is not None else ""
+    return _json(status, {"error": {"message": message, "type": kind, "code": status}}, extra)
+
+
+def _encode(reply: _Reply, keep_alive: bool) -> bytes:
+    status, body, extra = reply
+    conn = "keep-alive" if keep_alive else "close"
+    head = (
+        f"HTTP/1.1 {status} {_reason(status)}\r\nContent-Length: {len(body)}\r\n"
+        f"{extra}Connection: {conn}\r\n\r\n"
+    )
+    return head.encode("latin-1") + body
+
+
+def _parse(buf: bytearray) -> _Request | None:
+    """Remove and return one complete request from ``buf``; None if it is not complete yet."""
+    while buf[:2] == b"\r\n":
+        del buf[:2]
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        if len(buf) > MAX_HEAD_BYTES:
+            raise _HttpError(431, "request head too large")
+        return None
+    lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
+        raise _HttpError(400, "malformed request line")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise _HttpError(400, "malformed header line")
+        headers[name.strip().lower()] = value.strip()
+    if "transfer-encoding" in headers:
+        raise _HttpError(501, "Transfer-Encoding is not supported; send Content-Length")
+    length = headers.get("content-length", "0")
+    if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+        raise _HttpError(400 if not length.isdigit() else 413, "bad Content-Length")
+    total = end + 4 + int(length)
+    if len(buf) < total:
+        return None
+    body = bytes(buf[end + 4 : total])
+    del buf[:total]
+    token = headers.get("connection", "").lower()
+    keep = "close" not in token if parts[2] == "HTTP/1.1" else "keep-alive" in token
+    return _Request(parts[0], parts[1].partition("?")[0], headers, body, keep)
+
+
+def _fake_text(prompt: str, n: int) -> str:
+    """Deterministic ``n`` fake tokens derived from the prompt."""
+    h = zlib.crc32(prompt.encode())
+    return "".join(" " + _VOCAB[(h + i * 7919) % len(_VOCAB)] for i in range(n))
+
+
+class _Conn(asyncio.Protocol):
+    """One client connection: parses requests and writes their responses in arrival order."""
+
+    def __init__(self, sim: _Sim) -> None:
+        self.sim = sim
+        self.buf = bytearray()
+        self.pending: deque[_Pending] = deque()
+        self.transport: asyncio.Transport | None = None
+        self.closing = False  # no more requests are read
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.sim.conns.add(self)
+        self.sim.connections += 1
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while not self.closing:
+            try:
+                req = _parse(self.buf)
+            except _HttpError as exc:
+                self.closing = True
+                p = _Pending(keep_alive=False)
+                self.pending.append(p)
+                self.sim.answer(self, p, _error(exc.status, str(exc)))
+                return
+            if req is None:
+                return
+            p = _Pending(req.keep_alive)
+            self.pending.append(p)
+            self.closing = not req.keep_alive
+            self.sim.dispatch(self, p, req)
+
+    def flush(self) -> None:
+        """Write every finished response at the head of the queue."""
+        while self.pending and self.pending[0].reply is not None and not self.lost:
+            p = self.pending.popleft()
+            assert self.transport is not None and p.reply is not None
+            self.sim.written(p)  # same loop callback as the write: nobody sees in between
+            self.transport.write(_encode(p.reply, p.keep_alive))
+            if not p.keep_alive:
+                self.transport.close()
+                self.abandon()
+
+    def drop(self) -> None:
+        """Close the connection without answering anything still pending."""
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
+        self.abandon()
+
+    def abandon(self) -> None:
+        self.lost = True
+        while self.pending:
+            p = self.pending.popleft()
+            self.sim.forget(p)
+            if p.task is not None and p.task is not asyncio.current_task():
+                p.task.cancel()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self.abandon()
+        self.sim.conns.discard(self)
+
+
+class _Sim:
+    """Simulator state and request handling; lives on (and is only touched from) one loop."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.fail_rng = random.Random(config.seed)
+        self.jitter_rng = random.Random(config.seed + 1)
+        self.ids = itertools.count(1)
+        self.conns: set[_Conn] = set()
+        self.waiters: deque[_Pending] = deque()
+        self.faults: dict[str, _Fault] = {}
+        self.in_flight = 0
+        self.routes: dict[tuple[str, str], Callable[[_Request], _Reply]] = {
+            ("GET", "/health"): lambda r: _json(200, {"status": "ok"}),
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/metrics"): lambda r: (200, self.metrics().encode(), _TEXT),
+            ("GET", "/sim/stats"): lambda r: _json(200, self.stats()),
+            ("POST", "/sim/reset"): lambda r: _json(200, self.reset()),
+            ("GET", "/sim/arrivals"): lambda r: _json(200, self.arrivals),
+            ("POST", "/sim/faults"): self._post_fault,
+        }
+        self.reset()
+
+    def reset(self) -> dict[str, bool]:
+        """Zero counters, per-id attempts, scripted faults and recorded arrivals."""
+        self.requests = self.dropped = self.stalled = self.connections = 0
+        self.by_status: dict[int, int] = {}
+        self.attempts: dict[str, int] = {}
+        self.faults.clear()
+        self.arrivals: list[tuple[float, float, str | None]] = []
+        self.max_in_flight = self.in_flight
+        return {"ok": True}
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since the last reset; ``by_status`` keys are status codes as strings."""
+        return {
+            "requests": self.requests,
+            "by_status": {str(k): v for k, v in sorted(self.by_status.items())},
+            "in_flight": self.in_flight,
+            "waiting": len(self.waiters),
+            "max_concurrency_observed": self.max_in_flight,
+            "attempts_by_request_id": dict(self.attempts),
+            "dropped": self.dropped,
+            "stalled": self.stalled,
+            "connections": self.connections,
+        }
+
+    def metrics(self) -> str:
+        """Prometheus text exposition in vLLM naming."""
+        label = f'{{model_name="{self.config.model_name}"}}'
+        rows = [
+            ("num_requests_running", "gauge", "Requests currently running.", self.in_flight),
+            ("num_requests_waiting", "gauge", "Requests waiting for a slot.", len(self.waiters)),
+            (
+                "request_success_total",
+                "counter",
+                "Successful requests.",
+                self.by_status.get(200, 0),
+            ),
+        ]
+        lines = []
+        for name, kind, help_text, value in rows:
+            lines += [f"# HELP vllm:{name} {help_text}", f"# TYPE vllm:{name} {kind}"]
+            lines.append(f"vllm:{name}{label} {value}")
+        return "\n".join(lines) + "\n"
+
+    def script_fault(self, rid: str, fault: _Fault) -> None:
+        if fault.mode not in FAULT_MODES:
+            raise ValueError(f"mode must be one of {FAULT_MODES}, not {fault.mode!r}")
+        self.faults[rid] = fault
+
+    def _models(self, req: _Request) -> _Reply:
+        model = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "sim"}
+        return _json(200, {"object": "list", "data": [model]})
+
+    def _post_fault(self, req: _Request) -> _Reply:
+        try:
+            spec = json.loads(req.body)
+            retry = spec.get("retry_after")
+            fault = _Fault(int(spec.get("fail_first", 1)), int(spec.get("status", 503)),
+                           None if retry is None else _fmt_s(float(retry)),
+                           str(spec.get("mode", "status")))  # fmt: skip
+            self.script_fault(str(spec["id"]), fault)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            return _error(400, f"bad fault spec: {exc!r}")
+        return _json(200, {"ok": True})
+
+    # -- request flow -------------------------------------------------------------------------
+
+    def dispatch(self, conn: _Conn, p: _Pending, req: _Request) -> None:
+        if req.path in ("/v1/completions", "/v1/chat/completions"):
+            if req.method == "POST":
+                self._inference(conn, p, req)
+            else:
+                self.answer(conn, p, _error(405, "use POST"))
+            return
+        route = self.routes.get((req.method, req.path))
+        if route is not None:
+            self.answer(conn, p, route(req))
+        elif any(path == req.path for _, path in self.routes):
+            self.answer(conn, p, _error(405, f"method {req.method} not allowed"))
+        else:
+            self.answer(conn, p, _error(404, f"no route for {req.path}"))
+
+    def answer(self, conn: _Conn, p: _Pending, reply: _Reply) -> None:
+        if p.inference:
+            self.by_status[reply[0]] = self.by_status.get(reply[0], 0) + 1
+        p.reply = reply
+        conn.flush()
+
+    def written(self, p: _Pending) -> None:
+        """``p``'s response is being written now: record its arrival, free its slot."""
+        if p.inference and self.config.record_arrivals:
+            self.arrivals.append((p.arrival, time.monotonic(), p.rid))
+        self.forget(p)
+
+    def forget(self, p: _Pending) -> None:
+        """Release whatever ``p`` holds: its queue place or its concurrency slot."""
+        if p.waiter is not None:
+            if not p.held and p in self.waiters:
+                self.waiters.remove(p)
+            p.waiter.cancel()  # no-op once the slot was handed over
+            p.waiter = None
+        if not p.held:
+            return
+        p.held = False
+        while self.waiters:  # hand the slot straight to the oldest live waiter
+            nxt = self.waiters.popleft()
+            if nxt.waiter is not None and not nxt.waiter.done():
+                nxt.held = True
+                nxt.waiter.set_result(None)
+                return
+        self.in_flight -= 1
+
+    def _acquire(self, p: _Pending) -> None:
+        p.held = True
+        self.in_flight += 1
+        if self.in_flight > self.max_in_flight:
+            self.max_in_flight = self.in_flight
+
+    def _inference(self, conn: _Conn, p: _Pending, req: _Request) -> None:
+        self.requests += 1
+        p.inference = True
+        p.rid = req.headers.get("x-request-id")
+        attempt = 1
+        if p.rid is not None:
+            attempt = self.attempts[p.rid] = self.attempts.get(p.rid, 0) + 1
+        try:
+            job = self._job(req, attempt)
+        except _HttpError as exc:
+            self.answer(conn, p, _error(exc.status, str(exc)))
+            return
+        cfg = self.config
+        if cfg.max_concurrency and self.in_flight >= cfg.max_concurrency:
+            if cfg.overload != "queue":
+                retry = _fmt_s(cfg.overload_retry_after_s)
+                status = 503 if cfg.overload == "503" else 429
+                self.answer(conn, p, _error(status, "server overloaded", retry))
+                return
+            p.waiter = asyncio.get_running_loop().create_future()
+            self.waiters.append(p)
+            p.task = asyncio.ensure_future(self._queued(conn, p, job))
+            return
+        self._acquire(p)
+        self._run(conn, p, job)
+
+    async def _queued(self, conn: _Conn, p: _Pending, job: _Job) -> None:
+        assert p.waiter is not None
+        await p.waiter  # forget() of a finishing request hands us its slot (p.held is set)
+        p.waiter = None
+        self._run(conn, p, job)
+
+    def _job(self, req: _Request, attempt: int) -> _Job:
+        try:
+            payload = json.loads(req.body)
+        except ValueError as exc:
+            raise _HttpError(400, f"invalid JSON body: {exc}") from None
+        if not isinstance(payload, dict):
+            raise _HttpError(400, "JSON body must be an object")
+        chat = req.path.endswith("/chat/completions")
+        if chat:
+            messages = payload.get("messages")
+            if not isinstance(messages, list):
+                raise _HttpError(400, "'messages' must be a list")
+            prompt = "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+        else:
+            raw = payload.get("prompt", "")
+            prompt = raw if isinstance(raw, str) else json.dumps(raw)
+        max_tokens = payload.get("max_tokens", payload.get("max_completion_tokens", 16))
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+            raise _HttpError(400, "'max_tokens' must be a non-negative integer")
+        model = payload.get("model") or self.config.model_name
+        fault, latency = self._header_overrides(req)
+        if fault is None:
+            fault = self.faults.get(req.headers.get("x-request-id", ""))
+        return _Job(chat, str(model), prompt, max_tokens, fault, latency, attempt)
+
+    @staticmethod
+    def _header_overrides(req: _Request) -> tuple[_Fault | None, float | None]:
+        h = req.headers
+        try:
+            latency = float(h["x-sim-latency-ms"]) if "x-sim-latency-ms" in h else None
+            if "x-sim-fail-first" not in h:
+                return None, latency
+            status = int(h.get("x-sim-fail-status", "503"))
+            mode = h.get("x-sim-fail-mode", "status")
+            fault = _Fault(int(h["x-sim-fail-first"]), status, h.get("x-sim-retry-after"), mode)
+        except ValueError as exc:
+            raise _HttpError(400, f"bad x-sim-* header: {exc}") from None
+        if fault.mode not in FAULT_MODES:
+            raise _HttpError(400, f"x-sim-fail-mode must be one of {FAULT_MODES}")
+        return fault, latency
+
+    def _run(self, conn: _Conn, p: _Pending, job: _Job) -> None:
+        """Act on an admitted request (``p`` holds a slot)."""
+        cfg = self.config
+        fault = job.fault
+        if fault is not None and job.attempt <= fault.fail_first:
+            if fault.mode == "drop":
+                self.dropped += 1
+                conn.drop()
+            elif fault.mode == "stall":
+                self.stalled += 1
+                p.task = asyncio.ensure_future(self._stall(conn))
+            else:
+                msg = f"simulated failure (attempt {job.attempt} of {fault.fail_first})"
+                self.answer(conn, p, _error(fault.status, msg, fault.retry_after))
+            return
+        if cfg.failure_rate and self.fail_rng.random() < cfg.failure_rate:
+            self.answer(conn, p, _error(cfg.failure_status, "simulated random failure"))
+            return
+        delay_ms = job.latency_ms
+        if delay_ms is None:
+            delay_ms = cfg.latency_ms + cfg.itl_ms * job.max_tokens
+            if cfg.jitter_ms:
+                delay_ms += self.jitter_rng.uniform(0.0, cfg.jitter_ms)
+        reply = self._completion(job)
+        if delay_ms > 0:
+            p.task = asyncio.ensure_future(self._delayed(conn, p, delay_ms / 1000.0, reply))
+        else:
+            self.answer(conn, p, reply)
+
+    async def _delayed(self, conn: _Conn, p: _Pending, delay_s: float, reply: _Reply) -> None:
+        await asyncio.sleep(delay_s)
+        self.answer(conn, p, reply)
+
+    async def _stall(self, conn: _Conn) -> None:
+        await asyncio.sleep(STALL_CAP_S)
+        conn.drop()
+
+    def _completion(self, job: _Job) -> _Reply:
+        text = _fake_text(job.prompt, job.max_tokens)
+        text = text.lstrip() if job.chat else text
+        prompt_tokens = len(job.prompt.split())
+        body: dict[str, Any] = {
+            "id": f"{'chatcmpl' if job.chat else 'cmpl'}-sim{next(self.ids)}",
+            "object": "chat.completion" if job.chat else "text_completion",
+            "created": int(time.time()),
+            "model": job.model,
+        }
+        if job.chat:
+            msg = {"role": "assistant", "content": text}
+            body["choices"] = [{"index": 0, "message": msg, "finish_reason": "length"}]
+        else:
+            body["choices"] = [{"index": 0, "text": text, "finish_reason": "length"}]
+        body["usage"] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": job.max_tokens,
+            "total_tokens": prompt_tokens + job.max_tokens,
+        }
+        return _json(200, body)
+
+
+# -- running it ---------------------------------------------------------------------------------
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop loop when uvloop is installed, else the default asyncio loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+async def _listen(sim: _Sim, host: str, port: int) -> asyncio.Server:
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: _Conn(sim), host, port, backlog=1024)
+
+
+async def _shutdown(server: asyncio.Server, sim: _Sim) -> None:
+    """Stop listening, drop every client connection and cancel the simulator's own tasks."""
+    server.close()
+    for conn in list(sim.conns):
+        conn.drop()
+        if conn.transport is not None:
+            conn.transport.abort()
+    await asyncio.sleep(0)  # let the cancelled tasks finish
+
+
+async def serve(
+    config: SimConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    on_listening: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until cancelled; ``on_listening(url)`` is called once the socket is bound."""
+    sim = _Sim(config)
+    server = await _listen(sim, host, port)
+    try:
+        if on_listening is not None:
+            on_listening(f"http://{host}:{server.sockets[0].getsockname()[1]}")
+        await server.serve_forever()
+    finally:
+        await _shutdown(server, sim)
+
+
+class SimServer:
+    """The simulator on its own event loop in a daemon thread.
+
+    ``with SimServer(SimConfig(latency_ms=5)).start_in_thread() as sim: httpx.get(sim.url)``
+    """
+
+    def __init__(self, config: SimConfig | None = None, host: str = "127.0.0.1", port: int = 0):
+        self.config = config if config is not None else SimConfig()
+        self.host = host
+        self._port = port
+        self._sim = _Sim(self.config)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port (the real one once started, even when constructed with 0)."""
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """Base URL without a trailing slash, e.g. ``http://127.0.0.1:40123``."""
+        return f"http://{self.host}:{self._port}"
+
+    def start_in_thread(self, timeout_s: float = 10.0) -> SimServer:
+        """Start listening on a fresh loop in a daemon thread; returns once bound."""
+        if self._thread is not None:
+            return self
+        started = concurrent.futures.Future[None]()
+        self._thread = threading.Thread(
+            target=self._thread_main, args=(started,), name=f"sim-{self._port}", daemon=True
+        )
+        self._thread.start()
+        started.result(timeout=timeout_s)
+        return self
+
+    def _thread_main(self, started: concurrent.futures.Future[None]) -> None:
+        loop = self._loop = _new_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            self._server = loop.run_until_complete(_listen(self._sim, self.host, self._port))
+        except BaseException as exc:
+            started.set_exception(exc)
+            loop.close()
+            return
+        self._port = self._server.sockets[0].getsockname()[1]
+        started.set_result(None)
+        try:
+            loop.run_forever()
+            loop.run_until_complete(_shutdown(self._server, self._sim))
+        finally:
+            loop.close()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Close the listener and every client connection, then end the thread. Idempotent."""
+        loop, thread = self._loop, self._thread
+        if loop is not None and thread is not None and thread.is_alive():
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout_s)
+
+    def _call(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` on the server loop (so state is read/changed atomically)."""
+        loop, thread = self._loop, self._thread
+        if (
+            loop is None
+            or thread is None
+            or not thread.is_alive()
+            or thread is threading.current_thread()
+        ):
+            return fn()
+        fut = concurrent.futures.Future[_T]()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        loop.call_soon_threadsafe(run)
+        return fut.result(timeout=10.0)
+
+    def stats(self) -> dict[str, Any]:
+        """Same dict as ``GET /sim/stats``."""
+        return self._call(self._sim.stats)
+
+    def reset(self) -> None:
+        """Same as ``POST /sim/reset``."""
+        self._call(self._sim.reset)
+
+    def script_fault(
+        self,
+        request_id: str,
+        fail_first: int,
+        status: int = 503,
+        retry_after: float | None = None,
+        mode: str = "status",
+    ) -> None:
+        """Make the first ``fail_first`` attempts of ``request_id`` fail; mode status|stall|drop."""
+        retry = None if retry_after is None else _fmt_s(retry_after)
+        fault = _Fault(fail_first, status, retry, mode)
+        self._call(lambda: self._sim.script_fault(request_id, fault))
+
+    def __enter__(self) -> SimServer:
+        return self.start_in_thread()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the simulator's options (times in milliseconds unless noted)."""
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="bind address")
+    add("--port", type=int, default=8000, help="TCP port (0 = any free port)")
+    add("--latency-ms", type=float, default=0.0, help="base latency per request, ms")
+    add("--jitter-ms", type=float, default=0.0, help="extra uniform random latency, ms")
+    add("--itl-ms", type=float, default=0.0, help="latency per generated token, ms")
+    add("--max-concurrency", type=int, default=0, help="admitted at once (0 = unlimited)")
+    add("--overload", choices=("429", "503", "queue"), default="429", help="above the limit")
+    add("--retry-after", type=float, default=1.0, help="Retry-After on overload, seconds")
+    add("--failure-rate", type=float, default=0.0, help="random failure probability, 0..1")
+    add("--failure-status", type=int, default=503, help="status of random failures")
+    add("--seed", type=int, default=0, help="RNG seed for failures and jitter")
+    add("--record-arrivals", action="store_true", help="record arrivals for GET /sim/arrivals")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; prints ``simulator listening on URL`` once bound."""
+    config = SimConfig(
+        latency_ms=args.latency_ms,
+        jitter_ms=args.jitter_ms,
+        itl_ms=args.itl_ms,
+        max_concurrency=args.max_concurrency,
+        overload=args.overload,
+        overload_retry_after_s=args.retry_after,
+        failure_rate=args.failure_rate,
+        failure_status=args.failure_status,
+        seed=args.seed,
+        record_arrivals=args.record_arrivals,
+    )
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        announce: Callable[[str], None] = lambda url: print(  # noqa: E731
+            f"simulator listening on {url}", flush=True
+        )
+        try:
+            await serve(config, args.host, args.port, on_listening=announce)
+        except asyncio.CancelledError:
+            pass
+
+    with asyncio.Runner(loop_factory=_new_loop) as runner:
+        runner.run(main())
+    return 0
