@@ -1,8 +1,8 @@
 """An asynchronous, leak-proof, deadline-ordered LLM inference pipeline on Celery and Redis.
 
-    import pipeline
-    req = pipeline.submit({"model": "m", "prompt": "Hello"}, timeout=600, priority=5)
-    print(req.result(timeout=60).json())
+import pipeline
+req = pipeline.submit({"model": "m", "prompt": "Hello"}, timeout=600, priority=5)
+print(req.result(timeout=60).json())
 """
 
 from __future__ import annotations
@@ -18,9 +18,15 @@ __version__ = "0.1.0"
 
 
 def submit(
-    payload: dict[str, Any], *, queue: str = "default", id: str | None = None, priority: int = 0,
-    deadline: float | None = None, timeout: float | None = None,
-    metadata: dict[str, str] | None = None, headers: dict[str, str] | None = None,
+    payload: dict[str, Any],
+    *,
+    queue: str = "default",
+    id: str | None = None,
+    priority: int = 0,
+    deadline: float | None = None,
+    timeout: float | None = None,
+    metadata: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None,
     endpoint: str | None = None,
 ) -> Request:
     """Submit one request; returns its handle at once.
@@ -31,8 +37,15 @@ def submit(
     Raises :class:`InvalidRequest` naming the bad field.
     """
     return default_pipeline().submit(
-        payload, queue=queue, id=id, priority=priority, deadline=deadline, timeout=timeout,
-        metadata=metadata, headers=headers, endpoint=endpoint,
+        payload,
+        queue=queue,
+        id=id,
+        priority=priority,
+        deadline=deadline,
+        timeout=timeout,
+        metadata=metadata,
+        headers=headers,
+        endpoint=endpoint,
     )
 
 

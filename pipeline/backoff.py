@@ -11,7 +11,10 @@ import time
 
 
 def backoff_delay(
-    retry: int, seconds_left: float, base: float = 2.0, cap: float = 60.0,
+    retry: int,
+    seconds_left: float,
+    base: float = 2.0,
+    cap: float = 60.0,
     rng: random.Random | None = None,
 ) -> float:
     """Delay before retry number ``retry + 1``: equal jitter in ``[t/2, t)`` where
@@ -45,8 +48,12 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
 
 
 def retry_delay(
-    retry: int, seconds_left: float, retry_after: float | None = None, base: float = 2.0,
-    cap: float = 60.0, rng: random.Random | None = None,
+    retry: int,
+    seconds_left: float,
+    retry_after: float | None = None,
+    base: float = 2.0,
+    cap: float = 60.0,
+    rng: random.Random | None = None,
 ) -> float | None:
     """The delay before the next attempt, or None when no retry fits before the deadline.
 
@@ -55,10 +62,10 @@ def retry_delay(
     """
     if seconds_left <= 0:
         return None
-    rng = rng or random
     delay = backoff_delay(retry, seconds_left, base, cap, rng)
     if retry_after is not None and retry_after > delay:
-        delay = max(delay, min(retry_after, seconds_left / 2.0) * (1.0 + rng.random() / 4.0))
+        spread = 1.0 + (rng or random).random() / 4.0
+        delay = max(delay, min(retry_after, seconds_left / 2.0) * spread)
     if delay >= seconds_left:
         return None
     return delay

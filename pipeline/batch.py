@@ -99,10 +99,13 @@ class Summary:
     def as_dict(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
         return {
-            "total": self.total, "outcomes": dict(self.outcomes), "attempts": self.attempts,
+            "total": self.total,
+            "outcomes": dict(self.outcomes),
+            "attempts": self.attempts,
             "latency_p50_s": _pct(lat, 50) if lat else None,
             "latency_p95_s": _pct(lat, 95) if lat else None,
-            "mean_latency_s": statistics.fmean(lat) if lat else None, "wall_s": self.wall_s,
+            "mean_latency_s": statistics.fmean(lat) if lat else None,
+            "wall_s": self.wall_s,
         }
 
 
@@ -113,12 +116,23 @@ def _pct(sorted_values: list[float], p: float) -> float:
 
 def _invalid(line: Line) -> dict[str, Any]:
     message = line.error or "invalid"
-    return {"id": line.custom_id or f"line-{line.number}", "payload": json.dumps(
-        {"error": message}), "error_code": "INVALID_REQUEST", "error_message": message}
+    return {
+        "id": line.custom_id or f"line-{line.number}",
+        "payload": json.dumps({"error": message}),
+        "error_code": "INVALID_REQUEST",
+        "error_message": message,
+    }
 
 
-def run_batch(pipeline: Pipeline, infile: IO[str], out: IO[str], *, console: Console,
-              timeout: float | None = None, show_progress: bool = True) -> Summary:
+def run_batch(
+    pipeline: Pipeline,
+    infile: IO[str],
+    out: IO[str],
+    *,
+    console: Console,
+    timeout: float | None = None,
+    show_progress: bool = True,
+) -> Summary:
     """Submit every line of ``infile``, wait for all results, write them to ``out``."""
     start = time.time()
     summary = Summary()
@@ -144,12 +158,19 @@ def run_batch(pipeline: Pipeline, infile: IO[str], out: IO[str], *, console: Con
     custom = {r.id: line.custom_id for r, (line, _) in zip(requests, items, strict=True)}
     end = None if timeout is None else time.monotonic() + timeout
     progress = Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("ok {task.fields[ok]}  failed {task.fields[failed]}  "
-                   "retrying {task.fields[retrying]}  in flight {task.fields[running]}"),
-        TimeElapsedColumn(), console=console, disable=not show_progress, transient=False,
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(
+            "ok {task.fields[ok]}  failed {task.fields[failed]}  "
+            "retrying {task.fields[retrying]}  in flight {task.fields[running]}"
+        ),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not show_progress,
+        transient=False,
     )
-    counts = {"ok": 0, "failed": 0, "retrying": 0, "running": 0}
+    counts: dict[str, Any] = {"ok": 0, "failed": 0, "retrying": 0, "running": 0}
     last_poll = [0.0]
     with progress:
         task = progress.add_task("requests", total=len(requests), **counts)

@@ -27,8 +27,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
     pools = [p for p in (args.pools or "").split(",") if p] or sorted(settings.pools())
     from tasks.app import app, celery_queue
 
-    argv = ["worker", "-P", args.pool_impl, "-c", str(args.concurrency),
-            "-Q", ",".join(celery_queue(p) for p in pools), "--loglevel", args.loglevel, "-E"]
+    argv = [
+        "worker",
+        "-P",
+        args.pool_impl,
+        "-c",
+        str(args.concurrency),
+        "-Q",
+        ",".join(celery_queue(p) for p in pools),
+        "--loglevel",
+        args.loglevel,
+        "-E",
+    ]
     if args.hostname:
         argv += ["-n", args.hostname]
     argv += args.celery_args or []
@@ -108,8 +118,7 @@ def cmd_flower(args: argparse.Namespace) -> int:
     if auth:
         argv.append(f"--basic-auth={auth}")
     elif args.address not in ("127.0.0.1", "localhost", "::1"):
-        print("refusing to expose Flower without FLOWER_BASIC_AUTH=user:password",
-              file=sys.stderr)
+        print("refusing to expose Flower without FLOWER_BASIC_AUTH=user:password", file=sys.stderr)
         return 2
     tasks.app.start(argv=argv + (args.flower_args or []))
     return 0
@@ -133,31 +142,48 @@ def cmd_run(args: argparse.Namespace) -> int:
             console.print(f"[dim]no Redis reachable: started an embedded redis-server ({url})")
             env.update(PIPELINE_REDIS_URL=url, CELERY_BROKER_URL=url, CELERY_RESULT_BACKEND=url)
         if not env.get("PIPELINE_QUEUES") and not env.get("PIPELINE_ENDPOINT"):
-            sim_args = ["--latency-ms", str(args.sim_latency_ms), "--jitter-ms",
-                        str(args.sim_jitter_ms)]
+            sim_args = [
+                "--latency-ms",
+                str(args.sim_latency_ms),
+                "--jitter-ms",
+                str(args.sim_jitter_ms),
+            ]
             url = services.start_simulator(sim_args)
             console.print(f"[dim]no endpoint configured: started the simulator ({url})")
             env["PIPELINE_ENDPOINT"] = url
         os.environ.update(env)
         settings = load_settings(env)
         pipeline = Pipeline(settings)
-        nodes = [settings.keys.pool_nodes(pool) for pool in settings.pools()]
+        needed = _pools_used(args.file, settings)
 
-        def workers_live() -> bool:
+        def missing_pools() -> list[str]:
             now = time.time()
-            return all(pipeline.store.client.zcount(k, now, "+inf") > 0 for k in nodes)
+            client = pipeline.store.client
+            return [
+                p for p in needed if client.zcount(settings.keys.pool_nodes(p), now, "+inf") == 0
+            ]
 
-        if not workers_live():
-            worker_args = ["-c", str(args.concurrency), "--loglevel", "WARNING"]
+        if missing_pools():
+            pools = ",".join(missing_pools())
+            worker_args = ["--pools", pools, "-c", str(args.concurrency), "--loglevel", "WARNING"]
             services.start_worker(env, worker_args, log_path=args.worker_log)
-            console.print(f"[dim]no worker running: started one ({args.concurrency} slots, "
-                          f"log: {args.worker_log})")
-            wait_until(workers_live, 60, "worker")
-        with open(args.file, encoding="utf-8") as infile, open(
-            args.output, "w", encoding="utf-8"
-        ) as out:
-            summary = run_batch(pipeline, infile, out, console=console, timeout=args.timeout,
-                                show_progress=not args.no_progress)
+            console.print(
+                f"[dim]no worker running for pool(s) {pools}: started one "
+                f"({args.concurrency} slots, log: {args.worker_log})"
+            )
+            wait_until(lambda: not missing_pools(), 60, "worker")
+        with (
+            open(args.file, encoding="utf-8") as infile,
+            open(args.output, "w", encoding="utf-8") as out,
+        ):
+            summary = run_batch(
+                pipeline,
+                infile,
+                out,
+                console=console,
+                timeout=args.timeout,
+                show_progress=not args.no_progress,
+            )
         console.print(summary.table())
         console.print(f"results: {args.output}")
         if args.json_summary:
@@ -165,6 +191,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     finally:
         services.close()
+
+
+def _pools_used(path: str, settings: Any) -> list[str]:
+    """The worker pools the batch in ``path`` needs (from each line's ``queue``)."""
+    queues: set[str] = set()
+    with open(path, encoding="utf-8") as fh:
+        for text in fh:
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            queue = obj.get("queue", "default") if isinstance(obj, dict) else None
+            if isinstance(queue, str) and queue in settings.queues:
+                queues.add(queue)
+    return sorted({settings.queues[q].worker_pool_id for q in queues})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,8 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="give up after this many s")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json-summary", action="store_true", help="also print the summary as JSON")
-    p.add_argument("-c", "--concurrency", type=int, default=64,
-                   help="slots of the worker started when none is running")
+    p.add_argument(
+        "-c",
+        "--concurrency",
+        type=int,
+        default=64,
+        help="slots of the worker started when none is running",
+    )
     p.add_argument("--worker-log", default="pipeline-worker.log")
     p.add_argument("--sim-latency-ms", type=float, default=150.0)
     p.add_argument("--sim-jitter-ms", type=float, default=200.0)
@@ -203,8 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint")
     p.add_argument("--metadata", help="JSON object of str to str")
     p.add_argument("--headers", help="JSON object of str to str")
-    p.add_argument("--wait", type=float, nargs="?", const=0.0,
-                   help="wait for the result (optionally at most this many s)")
+    p.add_argument(
+        "--wait",
+        type=float,
+        nargs="?",
+        const=0.0,
+        help="wait for the result (optionally at most this many s)",
+    )
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("status", help="queues, gates and their holders")

@@ -46,6 +46,53 @@ def _str_map(value: Any, field: str, *, header: bool = False) -> dict[str, str]:
     return dict(value)
 
 
+def _check_payload(payload: Any, max_bytes: int) -> str:
+    """The payload as compact UTF-8 JSON text, or InvalidRequest("payload")."""
+    if not isinstance(payload, dict):
+        raise InvalidRequest("payload", "must be a dict (the JSON body to send)")
+    try:
+        body = json.dumps(payload, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidRequest("payload", f"not JSON-serialisable: {exc}") from None
+    try:
+        size = len(body.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidRequest("payload", "contains text that is not valid UTF-8") from None
+    if size > max_bytes:
+        raise InvalidRequest("payload", f"larger than max_payload_bytes ({max_bytes})")
+    return body
+
+
+def _check_id(rid: Any) -> str:
+    if rid is None:
+        return uuid.uuid4().hex
+    if not isinstance(rid, str) or not rid or len(rid) > MAX_ID_LENGTH:
+        raise InvalidRequest("id", f"must be a non-empty str of at most {MAX_ID_LENGTH} chars")
+    if any(ord(c) < 32 or c == "\x7f" for c in rid):
+        raise InvalidRequest("id", "must not contain control characters")
+    return rid
+
+
+def _check_deadline(deadline: Any, timeout: Any, default_timeout_s: float) -> float:
+    """The absolute deadline (Unix s) from ``deadline`` or ``timeout`` (at most one)."""
+    now = time.time()
+    if deadline is not None and timeout is not None:
+        raise InvalidRequest("deadline", "give deadline or timeout, not both")
+    if deadline is not None:
+        if not _is_number(deadline):
+            raise InvalidRequest("deadline", "must be a Unix time in seconds")
+        if deadline <= now:
+            raise InvalidRequest("deadline", "is in the past")
+        if deadline > now + MAX_DEADLINE_AHEAD_S:
+            raise InvalidRequest("deadline", "is more than 10 years ahead")
+        return float(deadline)
+    if timeout is not None:
+        if not _is_number(timeout) or timeout <= 0 or timeout > MAX_DEADLINE_AHEAD_S:
+            raise InvalidRequest("timeout", "must be a positive number of seconds")
+        return now + float(timeout)
+    return now + default_timeout_s
+
+
 class Pipeline:
     """A client bound to one :class:`Settings` (one Redis, one set of queues)."""
 
@@ -57,6 +104,7 @@ class Pipeline:
 
     # -- validation ----------------------------------------------------------------------
     def _row(self, payload: Any, **kw: Any) -> tuple[str, list[Any]]:
+        """Validate one submission; returns its id and the row for submit.lua."""
         unknown = set(kw) - SUBMIT_KEYS
         if unknown:
             raise InvalidRequest(sorted(unknown)[0], "unknown argument")
@@ -64,47 +112,12 @@ class Pipeline:
         if not isinstance(queue_name, str) or queue_name not in self.settings.queues:
             raise InvalidRequest("queue", f"unknown queue {queue_name!r}")
         q: QueueConfig = self.settings.queues[queue_name]
-        if not isinstance(payload, dict):
-            raise InvalidRequest("payload", "must be a dict (the JSON body to send)")
-        try:
-            body = json.dumps(payload, allow_nan=False, separators=(",", ":"))
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise InvalidRequest("payload", f"not JSON-serialisable: {exc}") from None
-        if len(body.encode("utf-8", "surrogatepass")) > self.settings.max_payload_bytes:
-            raise InvalidRequest(
-                "payload", f"larger than max_payload_bytes ({self.settings.max_payload_bytes})"
-            )
-        try:
-            body.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidRequest("payload", "contains text that is not valid UTF-8") from None
-        rid = kw.get("id")
-        if rid is None:
-            rid = uuid.uuid4().hex
-        if not isinstance(rid, str) or not rid or len(rid) > MAX_ID_LENGTH:
-            raise InvalidRequest("id", f"must be a non-empty str of at most {MAX_ID_LENGTH} chars")
-        if any(ord(c) < 32 or c == "\x7f" for c in rid):
-            raise InvalidRequest("id", "must not contain control characters")
+        body = _check_payload(payload, self.settings.max_payload_bytes)
+        rid = _check_id(kw.get("id"))
         priority = kw.get("priority", 0)
         if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 9:
             raise InvalidRequest("priority", "must be an int from 0 to 9")
-        deadline, timeout = kw.get("deadline"), kw.get("timeout")
-        now = time.time()
-        if deadline is not None and timeout is not None:
-            raise InvalidRequest("deadline", "give deadline or timeout, not both")
-        if deadline is not None:
-            if not _is_number(deadline):
-                raise InvalidRequest("deadline", "must be a Unix time in seconds")
-            if deadline <= now:
-                raise InvalidRequest("deadline", "is in the past")
-            if deadline > now + MAX_DEADLINE_AHEAD_S:
-                raise InvalidRequest("deadline", "is more than 10 years ahead")
-        elif timeout is not None:
-            if not _is_number(timeout) or timeout <= 0 or timeout > MAX_DEADLINE_AHEAD_S:
-                raise InvalidRequest("timeout", "must be a positive number of seconds")
-            deadline = now + float(timeout)
-        else:
-            deadline = now + q.default_timeout_s
+        deadline = _check_deadline(kw.get("deadline"), kw.get("timeout"), q.default_timeout_s)
         metadata = _str_map(kw.get("metadata"), "metadata")
         headers = _str_map(kw.get("headers"), "headers", header=True)
         endpoint = kw.get("endpoint")
@@ -113,9 +126,18 @@ class Pipeline:
         ):
             raise InvalidRequest("endpoint", "must be a URL path starting with '/'")
         row = [
-            rid, q.queue_name, q.worker_pool_id, repr(ordering_score(priority, deadline)),
-            priority, repr(float(deadline)), body, json.dumps(metadata), json.dumps(headers),
-            endpoint or "", self.settings.result_list(q), json.dumps(q.labels),
+            rid,
+            q.queue_name,
+            q.worker_pool_id,
+            repr(ordering_score(priority, deadline)),
+            priority,
+            repr(float(deadline)),
+            body,
+            json.dumps(metadata),
+            json.dumps(headers),
+            endpoint or "",
+            self.settings.result_list(q),
+            json.dumps(q.labels),
         ]
         return rid, row
 
@@ -182,8 +204,9 @@ class Pipeline:
             if self.store.client.blpop([notify], timeout=max(left, 0.01)):
                 self.store.client.rpush(notify, "1")  # leave the bell ringing for other waiters
 
-    def iter_results(self, ids: Iterable[str], poll_s: float = 0.05,
-                     on_poll: Callable[[], None] | None = None) -> Iterator[Result]:
+    def iter_results(
+        self, ids: Iterable[str], poll_s: float = 0.05, on_poll: Callable[[], None] | None = None
+    ) -> Iterator[Result]:
         """Yield the results of ``ids`` as they finish (in finish order). ``on_poll`` runs
         after every polling round (it may raise to stop waiting)."""
         remaining = set(ids)

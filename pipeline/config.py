@@ -69,8 +69,12 @@ class QueueConfig:
         pool = entry.get("worker_pool_id", "default")
         if not isinstance(pool, str) or not _NAME.match(pool):
             raise ConfigError(f"{where}: worker_pool_id must be a name")
-        for key in ("default_timeout_s", "request_timeout_s", "retry_base_delay_s",
-                    "retry_max_delay_s"):
+        for key in (
+            "default_timeout_s",
+            "request_timeout_s",
+            "retry_base_delay_s",
+            "retry_max_delay_s",
+        ):
             value = entry.get(key, 1.0)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"{where}: {key} must be a positive number of seconds")

@@ -31,8 +31,15 @@ Sender = Callable[[list[Dispatched]], None]
 class Dispatcher:
     """Dispatch loop for the pools one worker node serves."""
 
-    def __init__(self, settings: Settings, pools: list[str], node: str, slots: int,
-                 send: Sender, store: Store | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        pools: list[str],
+        node: str,
+        slots: int,
+        send: Sender,
+        store: Store | None = None,
+    ) -> None:
         self.settings = settings
         self.store = store or Store(settings)
         self.keys = settings.keys
@@ -44,9 +51,13 @@ class Dispatcher:
         env = GateEnv(self.store.client, self.keys, node=node)
         self.gates: dict[str, Gate] = {
             q.queue_name: build_gate(q.gate_type, q.gate_params, name=q.queue_name, env=env)
-            for qs in self.pools.values() for q in qs
+            for qs in self.pools.values()
+            for q in qs
         }
         self.pool_cap: dict[str, int] = {p: slots for p in pools}
+        # queues of pools this node does not serve: swept (due retries promoted, expired
+        # requests resulted) but never dispatched, so deadlines hold even with no worker there
+        self.foreign = [q for p, qs in all_pools.items() if p not in self.pools for q in qs]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_beat = 0.0
@@ -56,8 +67,7 @@ class Dispatcher:
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> Dispatcher:
         self._heartbeat()
-        self._thread = threading.Thread(target=self._loop, name="pipeline-dispatcher",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="pipeline-dispatcher", daemon=True)
         self._thread.start()
         return self
 
@@ -120,13 +130,18 @@ class Dispatcher:
                 ne = self._tick_queue(pool, q, queues)
                 if ne is not None and (next_event is None or ne < next_event):
                     next_event = ne
+        for q in self.foreign:
+            ne = self.store.tick(q, [q], 0.0, 0, 0).next_event
+            if ne is not None and (next_event is None or ne < next_event):
+                next_event = ne
         return next_event
 
     def _tick_queue(self, pool: str, q: QueueConfig, queues: list[QueueConfig]) -> float | None:
         gate = self.gates[q.queue_name]
         cap = gate.capacity()
-        res = self.store.tick(q, queues, gate.budget(), -1 if cap is None else cap,
-                              self.pool_cap[pool])
+        res = self.store.tick(
+            q, queues, gate.budget(), -1 if cap is None else cap, self.pool_cap[pool]
+        )
         for member in res.rejected:
             log.error("queue %s: removed a malformed entry %r", q.queue_name, member[:200])
         if res.moved:
@@ -153,8 +168,12 @@ class Dispatcher:
                 gate = self.gates[q.queue_name]
                 for rid, token in self.store.reap(q.queue_name, now):
                     gate.release(make_holder(rid, token))
-                    log.warning("reaped request %s attempt %s on %s (lease expired)", rid,
-                                token, q.queue_name)
+                    log.warning(
+                        "reaped request %s attempt %s on %s (lease expired)",
+                        rid,
+                        token,
+                        q.queue_name,
+                    )
                     n += 1
                 for h in gate.reap(now):
                     log.warning("gate %s freed expired reservation %s", q.queue_name, h)

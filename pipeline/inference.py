@@ -75,8 +75,11 @@ def send(url: str, body: str, headers: dict[str, str], timeout_s: float) -> Outc
     try:
         resp = http_client().post(url, content=body.encode(), headers=headers, timeout=timeout)
     except httpx.TimeoutException as exc:
-        return Outcome(Kind.RETRY, error=f"timed out after {timeout_s:.1f} s ({type(exc).__name__})",
-                       category="TIMEOUT")
+        return Outcome(
+            Kind.RETRY,
+            error=f"timed out after {timeout_s:.1f} s ({type(exc).__name__})",
+            category="TIMEOUT",
+        )
     except httpx.TransportError as exc:
         return Outcome(Kind.RETRY, error=f"{type(exc).__name__}: {exc}", category="TRANSPORT")
     except httpx.HTTPError as exc:  # malformed URL and the like

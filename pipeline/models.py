@@ -65,8 +65,12 @@ class Result:
         if self.error_code is not None:
             out["error_code"] = self.error_code
             out["error_message"] = self.error_message or ""
-        out.update(attempts=self.attempts, queue=self.queue, submitted_at=self.submitted_at,
-                   finished_at=self.finished_at)
+        out.update(
+            attempts=self.attempts,
+            queue=self.queue,
+            submitted_at=self.submitted_at,
+            finished_at=self.finished_at,
+        )
         return out
 
     @classmethod

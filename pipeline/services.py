@@ -52,8 +52,9 @@ def redis_server_binary() -> str:
     return found
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.05
-               ) -> None:
+def wait_until(
+    check: Callable[[], bool], timeout: float, what: str, interval: float = 0.05
+) -> None:
     end = time.monotonic() + timeout
     while not check():
         if time.monotonic() > end:
@@ -67,8 +68,9 @@ class Services:
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-               quiet: bool = True) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, quiet: bool = True
+    ) -> subprocess.Popen[bytes]:
         out = subprocess.DEVNULL if quiet else None
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
         self.procs.append((name, proc))
@@ -77,8 +79,22 @@ class Services:
     def start_redis(self) -> str:
         """An embedded, non-persistent Redis on a free loopback port; returns its URL."""
         port = free_port()
-        self._spawn("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-                              "--save", "", "--appendonly", "no", "--daemonize", "no"])
+        self._spawn(
+            "redis",
+            [
+                redis_server_binary(),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+            ],
+        )
         url = f"redis://127.0.0.1:{port}/0"
         wait_until(lambda: redis_reachable(url, 0.2), 15, "embedded redis-server")
         log.info("started an embedded redis-server at %s", redact_url(url))
@@ -86,8 +102,10 @@ class Services:
 
     def start_simulator(self, extra: list[str] | None = None) -> str:
         port = free_port()
-        self._spawn("simulator", [sys.executable, "-m", "pipeline", "sim", "--port", str(port),
-                                  *(extra or [])])
+        self._spawn(
+            "simulator",
+            [sys.executable, "-m", "pipeline", "sim", "--port", str(port), *(extra or [])],
+        )
         url = f"http://127.0.0.1:{port}"
 
         def up() -> bool:
@@ -100,8 +118,9 @@ class Services:
         wait_until(up, 15, "simulator")
         return url
 
-    def start_worker(self, env: dict[str, str], args: list[str] | None = None,
-                     log_path: str | None = None) -> subprocess.Popen[bytes]:
+    def start_worker(
+        self, env: dict[str, str], args: list[str] | None = None, log_path: str | None = None
+    ) -> subprocess.Popen[bytes]:
         argv = [sys.executable, "-m", "pipeline", "worker", *(args or [])]
         if log_path:
             fh = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime

@@ -31,8 +31,17 @@ def status_snapshot(p: Pipeline) -> dict[str, Any]:
 
 def render_status(info: dict[str, Any]) -> Table:
     t = Table(title="pipeline status")
-    for col in ("queue", "pool", "pending", "retry_wait", "running", "done/min", "gate",
-                "in flight / limit", "holders"):
+    for col in (
+        "queue",
+        "pool",
+        "pending",
+        "retry_wait",
+        "running",
+        "done/min",
+        "gate",
+        "in flight / limit",
+        "holders",
+    ):
         t.add_column(col)
     for name, q in info.items():
         g = q["gate"]
@@ -40,7 +49,15 @@ def render_status(info: dict[str, Any]) -> Table:
         holders = ", ".join(
             f"{h.get('request_id')}#{h.get('attempt')}" for h in g.get("holders", [])[:3]
         )
-        t.add_row(name, q["pool"], str(q["pending"]), str(q["retry_wait"]), str(q["running"]),
-                  str(q.get("done_last_minute", "")), g["type"], f"{g['in_flight']} / {limit}",
-                  holders)
+        t.add_row(
+            name,
+            q["pool"],
+            str(q["pending"]),
+            str(q["retry_wait"]),
+            str(q["running"]),
+            str(q.get("done_last_minute", "")),
+            g["type"],
+            f"{g['in_flight']} / {limit}",
+            holders,
+        )
     return t

@@ -38,7 +38,10 @@ def redact_url(url: str) -> str:
 def connect(url: str) -> redis.Redis:
     """A Redis client with decoded responses, keep-alive and retries on timeouts."""
     return redis.Redis.from_url(
-        url, decode_responses=True, socket_keepalive=True, health_check_interval=30,
+        url,
+        decode_responses=True,
+        socket_keepalive=True,
+        health_check_interval=30,
         socket_connect_timeout=5,
     )
 
@@ -90,8 +93,13 @@ class Store:
 
     # -- dispatcher ----------------------------------------------------------------------
     def tick(
-        self, queue: QueueConfig, pool_queues: list[QueueConfig], budget: float, queue_cap: int,
-        pool_cap: int, now: float | None = None,
+        self,
+        queue: QueueConfig,
+        pool_queues: list[QueueConfig],
+        budget: float,
+        queue_cap: int,
+        pool_cap: int,
+        now: float | None = None,
     ) -> TickResult:
         """Promote due retries, expire overdue waiting requests and dispatch
         ``floor(budget × free capacity)`` (see dispatch.lua). ``queue_cap`` -1: no limit."""
@@ -99,15 +107,30 @@ class Store:
         k = self.keys
         name = queue.queue_name
         others = [k.active(q.queue_name) for q in pool_queues if q.queue_name != name]
-        keys = [k.pending(name), k.delayed(name), k.expiry(name), k.active(name),
-                self.settings.result_list(queue), *others]
-        args = [k.prefix, now, max(0.0, min(1.0, budget)), queue_cap, pool_cap,
-                now + self.settings.dispatch_lease_s, int(self.settings.result_ttl_s),
-                SWEEP_LIMIT, new_token()]
+        keys = [
+            k.pending(name),
+            k.delayed(name),
+            k.expiry(name),
+            k.active(name),
+            self.settings.result_list(queue),
+            *others,
+        ]
+        args = [
+            k.prefix,
+            now,
+            max(0.0, min(1.0, budget)),
+            queue_cap,
+            pool_cap,
+            now + self.settings.dispatch_lease_s,
+            int(self.settings.result_ttl_s),
+            SWEEP_LIMIT,
+            new_token(),
+        ]
         moved_raw, expired, next_event, rejected = self.scripts.dispatch(keys=keys, args=args)
         moved = [
-            Dispatched(moved_raw[i], moved_raw[i + 1], int(moved_raw[i + 2]),
-                       int(moved_raw[i + 3]), name)
+            Dispatched(
+                moved_raw[i], moved_raw[i + 1], int(moved_raw[i + 2]), int(moved_raw[i + 3]), name
+            )
             for i in range(0, len(moved_raw), 4)
         ]
         ne = float(next_event)
@@ -133,27 +156,53 @@ class Store:
         return dict(zip(it, it, strict=True))
 
     def finish(
-        self, request_id: str, token: str, *, attempted: bool, status_code: int | None,
-        payload: str, error_code: str | None = None, error_message: str | None = None,
+        self,
+        request_id: str,
+        token: str,
+        *,
+        attempted: bool,
+        status_code: int | None,
+        payload: str,
+        error_code: str | None = None,
+        error_message: str | None = None,
     ) -> str | None:
         """Write the terminal result of an attempt; None when fenced off."""
         res = self.scripts.finish(
             keys=[self.keys.request(request_id)],
-            args=[self.keys.prefix, token, time.time(), int(self.settings.result_ttl_s),
-                  1 if attempted else 0, "" if status_code is None else status_code, payload,
-                  error_code or "", error_message or ""],
+            args=[
+                self.keys.prefix,
+                token,
+                time.time(),
+                int(self.settings.result_ttl_s),
+                1 if attempted else 0,
+                "" if status_code is None else status_code,
+                payload,
+                error_code or "",
+                error_message or "",
+            ],
         )
         return res or None
 
     def requeue(
-        self, request_id: str, token: str, *, due: float, attempted: bool,
+        self,
+        request_id: str,
+        token: str,
+        *,
+        due: float,
+        attempted: bool,
         last_response: dict[str, Any] | None = None,
     ) -> bool:
         """Give the request back to its queue (now, or at ``due``); False when fenced off."""
         res = self.scripts.requeue(
             keys=[self.keys.request(request_id)],
-            args=[self.keys.prefix, token, time.time(), due, 1 if attempted else 0,
-                  json.dumps(last_response) if last_response else ""],
+            args=[
+                self.keys.prefix,
+                token,
+                time.time(),
+                due,
+                1 if attempted else 0,
+                json.dumps(last_response) if last_response else "",
+            ],
         )
         return bool(res)
 

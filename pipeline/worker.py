@@ -89,8 +89,14 @@ class Runtime:
                 gate.release(holder)
                 return
             except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
-                log.warning("release of %s on gate %s failed (try %d/%d): %s", holder, queue,
-                            i + 1, RELEASE_TRIES, exc)
+                log.warning(
+                    "release of %s on gate %s failed (try %d/%d): %s",
+                    holder,
+                    queue,
+                    i + 1,
+                    RELEASE_TRIES,
+                    exc,
+                )
                 time.sleep(0.1 * 2**i)
         log.error("release of %s on gate %s gave up; its lease will expire", holder, queue)
 
@@ -127,8 +133,9 @@ class Runtime:
             return list(self._live.values())
 
     # -- attempts ------------------------------------------------------------------------
-    def begin(self, request_id: str, token: str, worker: str, queue: str | None = None
-              ) -> Attempt | None:
+    def begin(
+        self, request_id: str, token: str, worker: str, queue: str | None = None
+    ) -> Attempt | None:
         """Start an attempt (fenced by ``token``); None for a stale message."""
         queue = queue if queue in self.settings.queues else self._queue_of(request_id)
         record = self.store.start(request_id, token, queue or "", worker)
@@ -141,22 +148,35 @@ class Runtime:
         queue = self.store.client.hget(self.settings.keys.request(request_id), "queue")
         return str(queue or "")
 
-    def abandon(self, request_id: str, token: str, queue: str | None, *, cancel: bool,
-                reason: str) -> None:
+    def abandon(
+        self, request_id: str, token: str, queue: str | None, *, cancel: bool, reason: str
+    ) -> None:
         """An attempt ended without reporting (hard time limit, killed child, revoke,
         shutdown): release its reservation and requeue or cancel its request. Fenced and
         idempotent: a no-op when the attempt already finished."""
         queue = queue or self._queue_of(request_id)
         self.release(queue, request_id, token)
+        done: bool
         if cancel:
-            done = self.store.finish(request_id, token, attempted=False, status_code=None,
-                                     payload=json.dumps({"error": "cancelled"}),
-                                     error_code="CANCELLED", error_message=reason)
+            done = None is not self.store.finish(
+                request_id,
+                token,
+                attempted=False,
+                status_code=None,
+                payload=json.dumps({"error": "cancelled"}),
+                error_code="CANCELLED",
+                error_message=reason,
+            )
         else:
             done = self.store.requeue(request_id, token, due=time.time(), attempted=False)
         if done:
-            log.warning("request %s attempt %s abandoned (%s): %s", request_id, token, reason,
-                        "cancelled" if cancel else "requeued")
+            log.warning(
+                "request %s attempt %s abandoned (%s): %s",
+                request_id,
+                token,
+                reason,
+                "cancelled" if cancel else "requeued",
+            )
 
     def stop(self) -> None:
         self._stopping.set()
@@ -185,9 +205,14 @@ class Attempt:
 
     def _ctx(self) -> AcquireContext:
         return AcquireContext(
-            request_id=self.id, token=self.token, queue=self.queue.queue_name, worker=self.worker,
-            lease_until=time.time() + self.rt.settings.lease_s, deadline=self.deadline,
-            metadata=self.metadata, labels=self.labels,
+            request_id=self.id,
+            token=self.token,
+            queue=self.queue.queue_name,
+            worker=self.worker,
+            lease_until=time.time() + self.rt.settings.lease_s,
+            deadline=self.deadline,
+            metadata=self.metadata,
+            labels=self.labels,
         )
 
     def acquire(self) -> Decision:
@@ -205,12 +230,25 @@ class Attempt:
     def _release(self) -> None:
         self.rt.release(self.queue.queue_name, self.id, self.token)
 
-    def _finish(self, *, attempted: bool, status_code: int | None, payload: str,
-                error_code: str | None = None, error_message: str | None = None) -> Report:
+    def _finish(
+        self,
+        *,
+        attempted: bool,
+        status_code: int | None,
+        payload: str,
+        error_code: str | None = None,
+        error_message: str | None = None,
+    ) -> Report:
         self._release()
-        res = self.rt.store.finish(self.id, self.token, attempted=attempted,
-                                   status_code=status_code, payload=payload,
-                                   error_code=error_code, error_message=error_message)
+        res = self.rt.store.finish(
+            self.id,
+            self.token,
+            attempted=attempted,
+            status_code=status_code,
+            payload=payload,
+            error_code=error_code,
+            error_message=error_message,
+        )
         self.closed = True
         if res is None:
             return Report(Status.STALE, "fenced off at finish")
@@ -219,15 +257,27 @@ class Attempt:
         return Report(Status.SUCCESS if ok else Status.FAILED, result=result)
 
     def _error(self, code: str, message: str, attempted: bool = False) -> Report:
-        return self._finish(attempted=attempted, status_code=None,
-                            payload=json.dumps({"error": message}), error_code=code,
-                            error_message=message)
+        return self._finish(
+            attempted=attempted,
+            status_code=None,
+            payload=json.dumps({"error": message}),
+            error_code=code,
+            error_message=message,
+        )
 
-    def _requeue(self, due: float, reason: str, *, attempted: bool,
-                 last: dict[str, Any] | None = None, status: Status = Status.REQUEUED) -> Report:
+    def _requeue(
+        self,
+        due: float,
+        reason: str,
+        *,
+        attempted: bool,
+        last: dict[str, Any] | None = None,
+        status: Status = Status.REQUEUED,
+    ) -> Report:
         self._release()
-        ok = self.rt.store.requeue(self.id, self.token, due=due, attempted=attempted,
-                                   last_response=last)
+        ok = self.rt.store.requeue(
+            self.id, self.token, due=due, attempted=attempted, last_response=last
+        )
         self.closed = True
         if not ok:
             return Report(Status.STALE, "fenced off at requeue")
@@ -235,13 +285,15 @@ class Attempt:
 
     def _expired(self, attempted: bool, last: Outcome | None = None) -> Report:
         if last is not None and last.responded:
-            return self._finish(attempted=attempted, status_code=last.status_code,
-                                payload=last.body)
+            return self._finish(
+                attempted=attempted, status_code=last.status_code, payload=last.body
+            )
         prev = self.record.get("last_response")
         if prev:
             data = json.loads(prev)
-            return self._finish(attempted=attempted, status_code=int(data["status_code"]),
-                                payload=data["payload"])
+            return self._finish(
+                attempted=attempted, status_code=int(data["status_code"]), payload=data["payload"]
+            )
         msg = "deadline exceeded"
         if last is not None and last.error:
             msg = f"deadline exceeded (last error: {last.error})"
@@ -256,15 +308,20 @@ class Attempt:
             decision = self._wait()
         if decision.verdict is Verdict.REFUSE:
             lo, hi = REFUSE_DELAY_S
-            return self._requeue(time.time() + self.rt.rng.uniform(lo, hi),
-                                 f"gate refused ({decision.reason or 'gate_closed'})",
-                                 attempted=False)
+            return self._requeue(
+                time.time() + self.rt.rng.uniform(lo, hi),
+                f"gate refused ({decision.reason or 'gate_closed'})",
+                attempted=False,
+            )
         if decision.verdict is Verdict.WAIT:
             return self._requeue(time.time(), "gate wait timed out", attempted=False)
         if decision.verdict is Verdict.DROP:
             if decision.status_code is not None or decision.payload is not None:
-                return self._finish(attempted=False, status_code=decision.status_code,
-                                    payload=decision.payload or "")
+                return self._finish(
+                    attempted=False,
+                    status_code=decision.status_code,
+                    payload=decision.payload or "",
+                )
             return self._error("GATE_DROPPED", "dropped by gate")
         return self._call()
 
@@ -287,8 +344,9 @@ class Attempt:
         return headers
 
     def url(self) -> str:
-        return join_url(self.queue.igw_base_url,
-                        self.record.get("endpoint") or self.queue.request_path_url)
+        return join_url(
+            self.queue.igw_base_url, self.record.get("endpoint") or self.queue.request_path_url
+        )
 
     def _call(self) -> Report:
         left = self.deadline - time.time()
@@ -297,21 +355,33 @@ class Attempt:
         timeout = min(self.queue.request_timeout_s, left)
         outcome = send(self.url(), self.record["payload"], self.headers(), timeout)
         if outcome.kind is Kind.SUCCESS or (outcome.kind is Kind.FATAL and outcome.responded):
-            return self._finish(attempted=True, status_code=outcome.status_code,
-                                payload=outcome.body)
+            return self._finish(
+                attempted=True, status_code=outcome.status_code, payload=outcome.body
+            )
         if outcome.kind is Kind.FATAL:
             return self._error("INFERENCE_ERROR", outcome.error or "request failed", True)
         retries = int(self.record.get("attempts") or 0)
         now = time.time()
-        delay = retry_delay(retries, self.deadline - now, outcome.retry_after,
-                            self.queue.retry_base_delay_s, self.queue.retry_max_delay_s,
-                            self.rt.rng)
+        delay = retry_delay(
+            retries,
+            self.deadline - now,
+            outcome.retry_after,
+            self.queue.retry_base_delay_s,
+            self.queue.retry_max_delay_s,
+            self.rt.rng,
+        )
         if delay is None:
             return self._expired(True, outcome)
-        last = ({"status_code": outcome.status_code, "payload": outcome.body}
-                if outcome.responded else None)
-        reason = (f"HTTP {outcome.status_code}" if outcome.responded
-                  else f"{outcome.category}: {outcome.error}")
+        last = (
+            {"status_code": outcome.status_code, "payload": outcome.body}
+            if outcome.responded
+            else None
+        )
+        reason = (
+            f"HTTP {outcome.status_code}"
+            if outcome.responded
+            else f"{outcome.category}: {outcome.error}"
+        )
         return self._requeue(now + delay, reason, attempted=True, last=last, status=Status.RETRY)
 
 

@@ -3,8 +3,8 @@ that runs the dispatcher. ``celery -A tasks worker`` starts a complete worker no
 
 from __future__ import annotations
 
+from . import node  # noqa: F401,E402  (registers the bootstep and signal handlers)
 from .app import app
 from .inference import infer
-from . import node  # noqa: F401,E402  (registers the bootstep and signal handlers)
 
 __all__ = ["app", "infer"]

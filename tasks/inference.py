@@ -29,7 +29,7 @@ class RequestFailed(Exception):
     """The request ended without success; the message names its status or error code."""
 
 
-class InferenceTask(Task):  # type: ignore[misc]
+class InferenceTask(Task):
     name = "pipeline.infer"
     acks_late = True
     throws = (RequestFailed,)
@@ -37,8 +37,9 @@ class InferenceTask(Task):  # type: ignore[misc]
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request_id, token = args[0], args[1]
-        attempt = runtime().begin(request_id, token, self.request.hostname or "worker",
-                                  kwargs.get("queue"))
+        attempt = runtime().begin(
+            request_id, token, self.request.hostname or "worker", kwargs.get("queue")
+        )
         if attempt is not None:
             attempt.acquire()
         self.request.pipeline_attempt = attempt
@@ -53,14 +54,23 @@ class InferenceTask(Task):  # type: ignore[misc]
         if report.status is Status.FAILED:
             res = report.result or {}
             code = res.get("error_code") or f"HTTP {res.get('status_code')}"
-            raise RequestFailed(f"{code}: {res.get('error_message') or res.get('payload', '')}"[:500])
+            raise RequestFailed(
+                f"{code}: {res.get('error_message') or res.get('payload', '')}"[:500]
+            )
         if report.status in (Status.RETRY, Status.REQUEUED):
             when = datetime.fromtimestamp(report.due or 0, UTC)
             raise Retry(report.reason, when=when)
         raise Ignore()
 
-    def after_return(self, status: str, retval: Any, task_id: str, args: tuple[Any, ...],
-                     kwargs: dict[str, Any], einfo: Any) -> None:
+    def after_return(
+        self,
+        status: str,
+        retval: Any,
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        einfo: Any,
+    ) -> None:
         attempt: Attempt | None = getattr(self.request, "pipeline_attempt", None)
         if attempt is not None and attempt.closed:
             return
@@ -68,8 +78,13 @@ class InferenceTask(Task):  # type: ignore[misc]
             return
         # The attempt did not report (an exception, or this is the main process after a hard
         # time limit / lost child): release and requeue, fenced by token.
-        runtime().abandon(args[0], args[1], kwargs.get("queue"), cancel=False,
-                          reason=f"attempt ended with {status} without a result")
+        runtime().abandon(
+            args[0],
+            args[1],
+            kwargs.get("queue"),
+            cancel=False,
+            reason=f"attempt ended with {status} without a result",
+        )
 
 
 infer = app.register_task(InferenceTask())

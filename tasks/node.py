@@ -30,13 +30,15 @@ def send_to_celery(moved: list[Dispatched]) -> None:
             infer.apply_async(
                 args=(d.id, d.token),
                 kwargs={"queue": d.queue, "priority": d.priority, "attempt": d.dispatch_no},
-                task_id=d.id, queue=celery_queue(pool), producer=producer,
+                task_id=d.id,
+                queue=celery_queue(pool),
+                producer=producer,
             )
 
 
 def served_pools(worker: Any) -> list[str]:
     names = list(worker.app.amqp.queues.consume_from or worker.app.amqp.queues)
-    pools = [n[len(CELERY_QUEUE_PREFIX):] for n in names if n.startswith(CELERY_QUEUE_PREFIX)]
+    pools = [n[len(CELERY_QUEUE_PREFIX) :] for n in names if n.startswith(CELERY_QUEUE_PREFIX)]
     return pools or ["default"]
 
 
@@ -53,12 +55,21 @@ class DispatcherStep(bootsteps.StartStopStep):
         _shutting_down.clear()
         rt = runtime()
         pools = served_pools(worker)
-        self.dispatcher = Dispatcher(rt.settings, pools, node=worker.hostname,
-                                     slots=int(worker.concurrency or 1), send=send_to_celery,
-                                     store=rt.store)
+        self.dispatcher = Dispatcher(
+            rt.settings,
+            pools,
+            node=worker.hostname,
+            slots=int(worker.concurrency or 1),
+            send=send_to_celery,
+            store=rt.store,
+        )
         self.dispatcher.start()
-        log.info("pipeline dispatcher started on %s for pools %s (%s slots)", worker.hostname,
-                 ", ".join(pools), worker.concurrency)
+        log.info(
+            "pipeline dispatcher started on %s for pools %s (%s slots)",
+            worker.hostname,
+            ", ".join(pools),
+            worker.concurrency,
+        )
 
     def stop(self, worker: Any) -> None:
         _shutting_down.set()
@@ -79,15 +90,21 @@ def _on_shutting_down(**_: Any) -> None:
 
 
 @task_revoked.connect
-def _on_revoked(request: Any = None, terminated: bool = False, expired: bool = False,
-                **_: Any) -> None:
+def _on_revoked(
+    request: Any = None, terminated: bool = False, expired: bool = False, **_: Any
+) -> None:
     """A revoked attempt: cancelled by a user, or killed by a cold shutdown (requeued)."""
     if request is None or getattr(request, "task_name", None) != infer.name:
         return
-    args = request.args or ()
+    args: list[Any] = list(request.args or ())
     if len(args) < 2:
         return
     kwargs = request.kwargs or {}
     cancel = not _shutting_down.is_set()
-    runtime().abandon(args[0], args[1], kwargs.get("queue"), cancel=cancel,
-                      reason="revoked" if cancel else "worker shutdown")
+    runtime().abandon(
+        args[0],
+        args[1],
+        kwargs.get("queue"),
+        cancel=cancel,
+        reason="revoked" if cancel else "worker shutdown",
+    )

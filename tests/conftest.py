@@ -1,0 +1,217 @@
+"""Shared fixtures: a real Redis (fail, never skip, when it is missing), the simulator, a real
+worker node in a subprocess, and a client bound to an isolated key prefix.
+
+Every test that uses ``pl`` ends with the leak check: all queues drain and no gate holds a
+reservation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from pipeline.client import Pipeline
+from pipeline.config import load_settings
+from pipeline.sim import SimConfig, SimServer
+
+REDIS_URL = os.environ.get("PIPELINE_TEST_REDIS_URL", "redis://127.0.0.1:6379/12")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(
+    check: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = "condition"
+) -> Any:
+    """Poll ``check`` until it returns a truthy value; fail after ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:  # never skip: the suite needs a real Redis
+        pytest.fail(f"Redis is required at {REDIS_URL}: {exc}", pytrace=False)
+    client.flushdb()
+    return REDIS_URL
+
+
+@pytest.fixture(scope="session")
+def sim() -> Iterator[SimServer]:
+    server = SimServer(SimConfig(record_arrivals=True)).start_in_thread()
+    yield server
+    server.stop()
+
+
+def queue_entries(sim_url: str) -> list[dict[str, Any]]:
+    fast = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.4, "request_timeout_s": 5}
+    return [
+        {"queue_name": "default", "igw_base_url": sim_url, **fast},
+        # served only by workers started inside a test (ordering, expiry, cancel)
+        {"queue_name": "solo", "igw_base_url": sim_url, "worker_pool_id": "solo", **fast},
+        {
+            "queue_name": "short",
+            "igw_base_url": sim_url,
+            "request_timeout_s": 0.3,
+            "retry_base_delay_s": 0.05,
+            "retry_max_delay_s": 0.2,
+        },
+        {
+            "queue_name": "slowretry",
+            "igw_base_url": sim_url,
+            "retry_base_delay_s": 1.0,
+            "result_queue_name": "test-results-slowretry",
+        },
+    ]
+
+
+@pytest.fixture(scope="session")
+def env(redis_url: str, sim: SimServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment for worker subprocesses and the in-process client."""
+    d = tmp_path_factory.mktemp("cfg")
+    qfile = d / "queues.json"
+    qfile.write_text(json.dumps(queue_entries(sim.url)))
+    e = {
+        "PIPELINE_REDIS_URL": redis_url,
+        "CELERY_BROKER_URL": redis_url,
+        "CELERY_RESULT_BACKEND": redis_url,
+        "PIPELINE_KEY_PREFIX": f"pltest{uuid.uuid4().hex[:6]}:",
+        "PIPELINE_QUEUES": str(qfile),
+        "PIPELINE_LEASE_S": "3",
+        "PIPELINE_REAPER_PERIOD_S": "0.5",
+    }
+    os.environ.update(e)
+    return {**os.environ, **e}
+
+
+class WorkerProc:
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path, name: str) -> None:
+        self.proc, self.log, self.name = proc, log, name
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def start_worker(
+    env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., WorkerProc]]:
+    """Start a real worker node (``pipeline worker``) in a subprocess; waits until its
+    dispatcher has registered. All are stopped at the end of the session."""
+    started: list[WorkerProc] = []
+    logs = tmp_path_factory.mktemp("logs")
+    settings = load_settings(env)
+    client = redis.Redis.from_url(env["PIPELINE_REDIS_URL"], decode_responses=True)
+
+    def start(
+        pools: str = "default",
+        concurrency: int = 8,
+        pool_impl: str = "threads",
+        extra_env: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> WorkerProc:
+        name = f"w{uuid.uuid4().hex[:6]}@test"
+        log = logs / f"{name}.log"
+        argv = [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "worker",
+            "--pools",
+            pools,
+            "-c",
+            str(concurrency),
+            "-P",
+            pool_impl,
+            "-n",
+            name,
+            "--loglevel",
+            "INFO",
+        ]
+        fh = open(log, "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            argv, env={**env, **(extra_env or {})}, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+        w = WorkerProc(proc, log, name)
+        started.append(w)
+        if wait:
+            key = settings.keys.pool_nodes(pools.split(",")[0])
+
+            def registered() -> bool:
+                if proc.poll() is not None:
+                    raise AssertionError(f"worker exited: {log.read_text()[-3000:]}")
+                return client.zscore(key, name) is not None
+
+            wait_for(registered, 30, what=f"worker {name}")
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+@pytest.fixture(scope="session")
+def worker(start_worker: Callable[..., WorkerProc]) -> WorkerProc:
+    """The session's worker node for the ``default``, ``short`` and ``slowretry`` queues."""
+    return start_worker(pools="default", concurrency=8)
+
+
+def assert_idle(p: Pipeline, timeout: float = 20.0) -> None:
+    """Every queue drains and no gate holds a reservation (invariant 1)."""
+
+    def idle() -> bool:
+        info = p.inspect()
+        return all(
+            q["pending"] == 0
+            and q["retry_wait"] == 0
+            and q["running"] == 0
+            and q["gate"]["in_flight"] == 0
+            for q in info.values()
+        )
+
+    wait_for(idle, timeout, what=f"idle queues and gates: {p.inspect()}")
+    keys = p.settings.keys
+    leftover = [
+        k
+        for k in p.store.client.scan_iter(keys.prefix + "gate:*:holders")
+        if p.store.client.zcard(k)
+    ]
+    assert not leftover, f"gate keys still hold slots: {leftover}"
+
+
+@pytest.fixture
+def pl(env: dict[str, str], sim: SimServer) -> Iterator[Pipeline]:
+    """A client bound to the test environment; checks for leaks afterwards."""
+    sim.reset()
+    p = Pipeline(load_settings(env))
+    yield p
+    assert_idle(p)
+
+
+@pytest.fixture
+def served(pl: Pipeline, worker: WorkerProc) -> Pipeline:
+    """``pl`` with the session worker running."""
+    return pl

@@ -1,0 +1,255 @@
+"""The request path end to end: real Redis, a real worker node, real HTTP to the simulator."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+
+from pipeline.client import Pipeline
+from pipeline.sim import SimServer
+
+from .conftest import wait_for
+
+
+def uid(tag: str = "r") -> str:
+    return f"{tag}-{uuid.uuid4().hex[:10]}"
+
+
+def arrivals(sim: SimServer, rid: str) -> list[float]:
+    return [a for a, _f, r in sim.stats_arrivals() if r == rid]  # type: ignore[attr-defined]
+
+
+@pytest.fixture(autouse=True)
+def _arrivals_helper(sim: SimServer) -> None:
+    def stats_arrivals() -> list[tuple[float, float, str | None]]:
+        import httpx
+
+        return [tuple(x) for x in httpx.get(f"{sim.url}/sim/arrivals").json()]
+
+    sim.stats_arrivals = stats_arrivals  # type: ignore[attr-defined]
+
+
+def test_success(served: Pipeline, sim: SimServer) -> None:
+    req = served.submit({"model": "m", "prompt": "hello"}, timeout=30, id=uid())
+    res = req.result(timeout=15)
+    assert res.ok and res.status_code == 200 and res.error_code is None
+    assert res.json()["object"] == "text_completion"
+    assert res.attempts == 1 and res.queue == "default"
+    assert res.submitted_at is not None and res.finished_at is not None
+    assert res.finished_at >= res.submitted_at
+    assert req.state() == "done"
+    assert sim.stats()["attempts_by_request_id"][req.id] == 1
+    assert wait_for(lambda: AsyncResult(req.id).state == "SUCCESS", 5, what="Celery SUCCESS")
+
+
+def test_terminal_400_is_not_retried(served: Pipeline, sim: SimServer) -> None:
+    req = served.submit(
+        {"prompt": "x"},
+        id=uid(),
+        timeout=30,
+        headers={"x-sim-fail-first": "3", "x-sim-fail-status": "400"},
+    )
+    res = req.result(timeout=15)
+    assert not res.ok and res.status_code == 400 and res.error_code is None
+    assert "error" in res.json()
+    assert res.attempts == 1
+    assert sim.stats()["attempts_by_request_id"][req.id] == 1
+    assert wait_for(lambda: AsyncResult(req.id).state == "FAILURE", 5, what="Celery FAILURE")
+
+
+def test_503_then_success(served: Pipeline, sim: SimServer) -> None:
+    req = served.submit(
+        {"prompt": "x"},
+        id=uid(),
+        timeout=30,
+        headers={"x-sim-fail-first": "2", "x-sim-fail-status": "503"},
+    )
+    res = req.result(timeout=15)
+    assert res.ok and res.attempts == 3
+    times = arrivals(sim, req.id)
+    assert len(times) == 3
+    # first retry waits base..2*base (0.05..0.1 s), the second 2*base..4*base
+    assert times[1] - times[0] >= 0.05 and times[2] - times[1] >= 0.1
+
+
+def test_429_retry_after_is_honoured(served: Pipeline, sim: SimServer) -> None:
+    req = served.submit(
+        {"prompt": "x"},
+        id=uid(),
+        timeout=60,
+        headers={"x-sim-fail-first": "1", "x-sim-fail-status": "429", "x-sim-retry-after": "1"},
+    )
+    res = req.result(timeout=15)
+    assert res.ok and res.attempts == 2
+    first, second = arrivals(sim, req.id)
+    assert second - first >= 1.0  # not earlier than Retry-After, though the backoff is 0.05 s
+
+
+def test_retry_state_is_visible_in_celery(served: Pipeline) -> None:
+    req = served.submit(
+        {"prompt": "x"},
+        id=uid(),
+        timeout=60,
+        queue="slowretry",
+        headers={"x-sim-fail-first": "1", "x-sim-fail-status": "503", "x-sim-retry-after": "2"},
+    )
+    wait_for(lambda: req.state() == "retry_wait", 10, what="retry_wait")
+    assert wait_for(lambda: AsyncResult(req.id).state == "RETRY", 5, what="Celery RETRY")
+    assert req.result(timeout=15).ok
+    assert wait_for(lambda: AsyncResult(req.id).state == "SUCCESS", 5, what="Celery SUCCESS")
+
+
+def test_deadline_exhausted_by_retries_keeps_last_http_status(
+    served: Pipeline, sim: SimServer
+) -> None:
+    req = served.submit(
+        {"prompt": "x"},
+        id=uid(),
+        timeout=1.0,
+        headers={"x-sim-fail-first": "1000", "x-sim-fail-status": "503"},
+    )
+    res = req.result(timeout=15)
+    assert not res.ok and res.status_code == 503 and res.error_code is None
+    assert res.attempts >= 2
+    assert res.attempts == sim.stats()["attempts_by_request_id"][req.id]
+    assert res.finished_at is not None and res.finished_at <= time.time()
+
+
+def test_transport_errors_retry_then_deadline_exceeded(served: Pipeline) -> None:
+    # The "short" queue's 0.3 s per-attempt timeout fires on every stalled attempt.
+    req = served.submit(
+        {"prompt": "x"},
+        id=uid(),
+        queue="short",
+        timeout=1.5,
+        headers={"x-sim-fail-first": "1000", "x-sim-fail-mode": "stall"},
+    )
+    res = req.result(timeout=15)
+    assert res.error_code == "DEADLINE_EXCEEDED" and res.status_code is None
+    assert res.attempts >= 2
+    assert "timed out" in (res.error_message or "")
+
+
+def test_expiry_while_queued(pl: Pipeline, worker: Any, sim: SimServer) -> None:
+    # nobody serves the "solo" pool: the request waits until its deadline passes
+    req = pl.submit({"prompt": "x"}, id=uid(), queue="solo", timeout=0.5)
+    res = req.result(timeout=10)
+    assert res.error_code == "DEADLINE_EXCEEDED" and res.attempts == 0
+    assert json.loads(res.payload) == {"error": "deadline exceeded"}
+    assert req.id not in sim.stats()["attempts_by_request_id"]
+
+
+def test_cancel_before_dispatch(pl: Pipeline, sim: SimServer) -> None:
+    req = pl.submit({"prompt": "x"}, id=uid(), queue="solo", timeout=60)
+    assert req.state() == "queued"
+    assert req.cancel() is True
+    res = req.result(timeout=5)
+    assert res.error_code == "CANCELLED" and res.attempts == 0
+    assert req.cancel() is False  # already finished: nothing to cancel
+    assert req.id not in sim.stats()["attempts_by_request_id"]
+
+
+def test_cancel_unknown_id_is_a_noop(pl: Pipeline) -> None:
+    assert pl.cancel(uid("nobody")) is False
+
+
+def test_idempotent_submit(pl: Pipeline) -> None:
+    rid = uid()
+    a = pl.submit({"prompt": "first"}, id=rid, queue="solo", timeout=60)
+    b = pl.submit({"prompt": "second"}, id=rid, queue="solo", timeout=60)
+    assert a.created and not b.created and a == b
+    assert json.loads(pl.record(rid)["payload"]) == {"prompt": "first"}
+    assert pl.inspect()["solo"]["pending"] == 1
+    assert a.cancel()
+    # a finished id may be submitted again, as a new request
+    c = pl.submit({"prompt": "third"}, id=rid, queue="solo", timeout=60)
+    assert c.created and c.state() == "queued"
+    assert json.loads(pl.record(rid)["payload"]) == {"prompt": "third"}
+    assert c.cancel()
+
+
+def test_submit_many_one_round_trip(pl: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Any] = []
+    original = pl.store.client.execute_command
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        calls.append(args[0])
+        return original(*args, **kw)
+
+    monkeypatch.setattr(pl.store.client, "execute_command", counting)
+    items = [
+        {"payload": {"prompt": f"p{i}"}, "queue": "solo", "timeout": 60, "priority": i % 10}
+        for i in range(200)
+    ]
+    reqs = pl.submit_many(items)
+    assert len(calls) == 1, calls
+    monkeypatch.undo()
+    assert len({r.id for r in reqs}) == 200 and all(r.created for r in reqs)
+    assert pl.inspect()["solo"]["pending"] == 200
+    assert all(pl.cancel(r.id) for r in reqs)
+
+
+def test_submit_many_runs_to_completion(served: Pipeline) -> None:
+    reqs = served.submit_many([{"payload": {"prompt": f"p{i}"}, "timeout": 30} for i in range(60)])
+    results = {r.id: r for r in served.iter_results([r.id for r in reqs])}
+    assert set(results) == {r.id for r in reqs}
+    assert all(r.ok for r in results.values())
+
+
+def test_result_list_uses_reference_field_names(served: Pipeline) -> None:
+    client = served.store.client
+    client.delete("test-results-slowretry")
+    ok = served.submit({"prompt": "x"}, id=uid(), queue="slowretry", timeout=30)
+    bad = served.submit(
+        {"prompt": "x"},
+        id=uid(),
+        queue="slowretry",
+        timeout=30,
+        headers={"x-sim-fail-first": "1", "x-sim-fail-status": "404"},
+    )
+    ok.result(timeout=15)
+    bad.result(timeout=15)
+    pushed = {}
+    for _ in range(2):
+        raw = client.rpop("test-results-slowretry")
+        assert raw is not None
+        item = json.loads(raw)
+        pushed[item["id"]] = item
+    good = pushed[ok.id]
+    assert good["status_code"] == 200 and isinstance(good["payload"], str)
+    assert "error_code" not in good and "error_message" not in good
+    assert pushed[bad.id]["status_code"] == 404
+    cancelled = served.submit({"prompt": "x"}, id=uid(), queue="solo", timeout=30)
+    cancelled.cancel()
+    item = json.loads(client.lpop(served.settings.keys.default_result_list("solo")) or "{}")
+    assert item["id"] == cancelled.id and "status_code" not in item
+    assert item["error_code"] == "CANCELLED" and item["error_message"]
+    assert json.loads(item["payload"]) == {"error": "cancelled"}
+
+
+def test_request_headers_and_endpoint(served: Pipeline, sim: SimServer) -> None:
+    req = served.submit(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        id=uid(),
+        timeout=30,
+        endpoint="/v1/chat/completions",
+    )
+    res = req.result(timeout=15)
+    assert res.ok and res.json()["object"] == "chat.completion"
+
+
+def test_get_and_unknown(pl: Pipeline) -> None:
+    from pipeline.errors import UnknownRequest
+
+    req = pl.submit({"prompt": "x"}, id=uid(), queue="solo", timeout=30)
+    assert pl.get(req.id) == req
+    with pytest.raises(UnknownRequest):
+        pl.get(uid("missing"))
+    with pytest.raises(TimeoutError):
+        req.result(timeout=0.2)
+    req.cancel()
