@@ -41,7 +41,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     ]
     if args.hostname:
         argv += ["-n", args.hostname]
-    argv += args.celery_args or []
+    argv += [a for a in (args.celery_args or []) if a != "--"]
     import tasks  # noqa: F401 - registers the task, the bootstep and the signal handlers
 
     _setup_logging(args.loglevel)

@@ -12,7 +12,8 @@ from typing import Any
 
 from .config import QueueConfig, Settings, load_settings, with_overrides
 from .errors import InvalidRequest, UnknownRequest
-from .gates import Gate, GateEnv, build_gate
+from .gates import Gate, GateEnv
+from .gating import queue_gate
 from .models import Request, Result
 from .store import Store
 
@@ -249,9 +250,8 @@ class Pipeline:
         with self._lock:
             gate = self._gates.get(queue)
             if gate is None:
-                q = self.settings.queues[queue]
                 env = GateEnv(self.store.client, self.settings.keys)
-                gate = build_gate(q.gate_type, q.gate_params, name=queue, env=env)
+                gate = queue_gate(self.settings, queue, env)
                 self._gates[queue] = gate
             return gate
 
@@ -265,7 +265,8 @@ class Pipeline:
                 p.zcard(k.pending(name))
                 p.zcard(k.delayed(name))
                 p.zcard(k.active(name))
-            counts = p.execute()
+            p.hgetall(k.wedged())
+            *counts, wedged = p.execute()
         out: dict[str, Any] = {}
         for i, name in enumerate(names):
             q = self.settings.queues[name]
@@ -276,6 +277,7 @@ class Pipeline:
                 "retry_wait": counts[3 * i + 1],
                 "running": counts[3 * i + 2],
                 "gate": self.gate(name).describe(),
+                "wedged_since": float(wedged[name]) if name in wedged else None,
             }
         return out
 

@@ -22,6 +22,7 @@ from .keys import Keys
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_HEADER = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,36 @@ class QueueConfig:
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    """A worker pool (the reference's pool-config entry): a group of worker slots with its own
+    Celery queue. ``workers`` caps the slots the dispatcher fills across all nodes; the gate,
+    if any, is acquired together with the queue's gate just before the HTTP call."""
+
+    id: str
+    workers: int = 64
+    gate_type: str | None = None
+    gate_params: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, entry: Any, where: str) -> PoolConfig:
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: a pool entry must be a JSON object")
+        unknown = sorted(set(entry) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        pid = entry.get("id")
+        if not isinstance(pid, str) or not _NAME.match(pid):
+            raise ConfigError(f"{where}: id must be 1-128 characters of [A-Za-z0-9_.-]")
+        workers = entry.get("workers", 64)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers <= 0:
+            raise ConfigError(f"{where} ({pid}): workers must be a positive int")
+        params = entry.get("gate_params", {})
+        if not isinstance(params, dict):
+            raise ConfigError(f"{where} ({pid}): gate_params must be an object")
+        return cls(pid, workers, entry.get("gate_type"), params)
+
+
+@dataclass(frozen=True)
 class Settings:
     """Process-wide settings. Read from the environment by :func:`load_settings`."""
 
@@ -92,12 +123,16 @@ class Settings:
     broker_url: str = DEFAULT_REDIS_URL
     key_prefix: str = "pl:"
     queues: dict[str, QueueConfig] = field(default_factory=dict)
+    pool_configs: dict[str, PoolConfig] = field(default_factory=dict)
     lease_s: float = 30.0
     dispatch_lease_s: float = 120.0
     reaper_period_s: float = 5.0
     result_ttl_s: float = 7 * 24 * 3600.0
     max_payload_bytes: int = 1024 * 1024
     gate_wait_timeout_s: float = 300.0
+    fairness_attribute: str = "userid"  # metadata key sent as the fairness identity
+    fairness_header: str = "x-llm-d-inference-fairness-id"  # "" disables the stamp
+    wedge_after_s: float = 300.0  # no completion this long while full and waiting: wedged
 
     @property
     def keys(self) -> Keys:
@@ -147,6 +182,43 @@ def _check_gates(queues: dict[str, QueueConfig], source: str) -> None:
             raise ConfigError(f"{source}: queue {q.queue_name!r}: {exc}") from None
 
 
+def parse_pools(data: Any, source: str, queues: dict[str, QueueConfig]) -> dict[str, PoolConfig]:
+    """Validate the pools file (``PIPELINE_POOLS``): ``[{id, workers, gate_type, gate_params}]``.
+    Every queue's ``worker_pool_id`` must name one of them."""
+    from .gates import build_gate
+
+    if not isinstance(data, list) or not data:
+        raise ConfigError(f"{source}: expected a non-empty JSON list of pools")
+    pools: dict[str, PoolConfig] = {}
+    for i, entry in enumerate(data):
+        pool = PoolConfig.from_dict(entry, f"{source}: pool #{i}")
+        if pool.id in pools:
+            raise ConfigError(f"{source}: pool #{i}: duplicate id {pool.id!r}")
+        if pool.gate_type:
+            try:
+                build_gate(pool.gate_type, pool.gate_params, name=f"pool.{pool.id}")
+            except ConfigError as exc:
+                raise ConfigError(f"{source}: pool {pool.id!r}: {exc}") from None
+        pools[pool.id] = pool
+    for q in queues.values():
+        if q.worker_pool_id not in pools:
+            raise ConfigError(
+                f"{source}: queue {q.queue_name!r} names worker_pool_id "
+                f"{q.worker_pool_id!r}, which is not in the pools file"
+            )
+    return pools
+
+
+def _read_json(path: str, var: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"{var}: cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{var}: {path} is not valid JSON: {exc}") from None
+
+
 def default_queues(endpoint: str) -> dict[str, QueueConfig]:
     return {"default": QueueConfig(queue_name="default", igw_base_url=endpoint)}
 
@@ -167,27 +239,33 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     redis_url = env.get("PIPELINE_REDIS_URL") or DEFAULT_REDIS_URL
     path = env.get("PIPELINE_QUEUES")
     if path:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except OSError as exc:
-            raise ConfigError(f"PIPELINE_QUEUES: cannot read {path}: {exc}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"PIPELINE_QUEUES: {path} is not valid JSON: {exc}") from None
-        queues = parse_queues(data, path)
+        queues = parse_queues(_read_json(path, "PIPELINE_QUEUES"), path)
     else:
         queues = default_queues(env.get("PIPELINE_ENDPOINT") or DEFAULT_ENDPOINT)
+    pools_path = env.get("PIPELINE_POOLS")
+    pools = (
+        parse_pools(_read_json(pools_path, "PIPELINE_POOLS"), pools_path, queues)
+        if (pools_path)
+        else {}
+    )
+    header = env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id")
+    if header and not _HEADER.match(header):
+        raise ConfigError(f"PIPELINE_FAIRNESS_HEADER: {header!r} is not a valid header name")
     return Settings(
         redis_url=redis_url,
         broker_url=env.get("CELERY_BROKER_URL") or redis_url,
         key_prefix=env.get("PIPELINE_KEY_PREFIX") or "pl:",
         queues=queues,
+        pool_configs=pools,
         lease_s=_float_env(env, "PIPELINE_LEASE_S", 30.0),
         dispatch_lease_s=_float_env(env, "PIPELINE_DISPATCH_LEASE_S", 120.0),
         reaper_period_s=_float_env(env, "PIPELINE_REAPER_PERIOD_S", 5.0),
         result_ttl_s=_float_env(env, "PIPELINE_RESULT_TTL_S", 7 * 24 * 3600.0),
         max_payload_bytes=int(_float_env(env, "PIPELINE_MAX_PAYLOAD_BYTES", 1024 * 1024)),
         gate_wait_timeout_s=_float_env(env, "PIPELINE_GATE_WAIT_TIMEOUT_S", 300.0),
+        fairness_attribute=env.get("PIPELINE_FAIRNESS_ATTRIBUTE", "userid"),
+        fairness_header=env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id"),
+        wedge_after_s=_float_env(env, "PIPELINE_WEDGE_AFTER_S", 300.0),
     )
 
 

@@ -15,8 +15,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from . import metrics
 from .config import QueueConfig, Settings
-from .gates import Gate, GateEnv, build_gate
+from .gates import Gate, GateEnv
+from .gating import attempt_gate
 from .keys import holder as make_holder
 from .store import Dispatched, Store
 
@@ -49,12 +51,15 @@ class Dispatcher:
         all_pools = settings.pools()
         self.pools = {p: all_pools.get(p, []) for p in pools}
         env = GateEnv(self.store.client, self.keys, node=node)
+        pool_gates: dict[str, Gate | None] = {}
         self.gates: dict[str, Gate] = {
-            q.queue_name: build_gate(q.gate_type, q.gate_params, name=q.queue_name, env=env)
+            q.queue_name: attempt_gate(settings, q.queue_name, env, pool_gates)
             for qs in self.pools.values()
             for q in qs
         }
         self.pool_cap: dict[str, int] = {p: slots for p in pools}
+        self.pool_nodes: dict[str, int] = {p: 1 for p in pools}
+        self.full_since: dict[str, float] = {}
         # queues of pools this node does not serve: swept (due retries promoted, expired
         # requests resulted) but never dispatched, so deadlines hold even with no worker there
         self.foreign = [q for p, qs in all_pools.items() if p not in self.pools for q in qs]
@@ -98,7 +103,10 @@ class Dispatcher:
             res = p.execute()
         for i, pool in enumerate(self.pools):
             live, slots = res[5 * i + 3], res[5 * i + 4]
-            self.pool_cap[pool] = sum(int(slots.get(n, 0)) for n in live) or self.slots
+            cap = sum(int(slots.get(n, 0)) for n in live) or self.slots
+            cfg = self.settings.pool_configs.get(pool)
+            self.pool_cap[pool] = min(cap, cfg.workers) if cfg else cap
+            self.pool_nodes[pool] = max(1, len(live))
         self._next_beat = now + MAX_IDLE_S
 
     # -- the loop ------------------------------------------------------------------------
@@ -139,9 +147,10 @@ class Dispatcher:
     def _tick_queue(self, pool: str, q: QueueConfig, queues: list[QueueConfig]) -> float | None:
         gate = self.gates[q.queue_name]
         cap = gate.capacity()
-        res = self.store.tick(
-            q, queues, gate.budget(), -1 if cap is None else cap, self.pool_cap[pool]
-        )
+        if cap is not None and gate.per_node:
+            cap *= self.pool_nodes[pool]
+        budget = metrics.dispatch_budget(q, gate, gate.budget())
+        res = self.store.tick(q, queues, budget, -1 if cap is None else cap, self.pool_cap[pool])
         for member in res.rejected:
             log.error("queue %s: removed a malformed entry %r", q.queue_name, member[:200])
         if res.moved:
@@ -175,6 +184,45 @@ class Dispatcher:
                         q.queue_name,
                     )
                     n += 1
+                    metrics.lease_reclaimed(q, "attempt")
                 for h in gate.reap(now):
                     log.warning("gate %s freed expired reservation %s", q.queue_name, h)
+                    metrics.lease_reclaimed(q, "gate")
+                self.check_wedge(q.queue_name, gate, now)
         return n
+
+    def check_wedge(self, queue: str, gate: Gate, now: float) -> bool:
+        """A queue is wedged when requests wait, its gate is at its limit and nothing has
+        finished for ``wedge_after_s``: log the holders and record it (``pl:wedged``)."""
+        cap = gate.capacity()
+        if cap is not None and gate.per_node:
+            cap *= self.pool_nodes[self.settings.queues[queue].worker_pool_id]
+        c = self.store.client
+        with c.pipeline(transaction=False) as p:
+            p.zcard(self.keys.pending(queue))
+            p.zrange(self.keys.recent(queue), -1, -1, withscores=True)
+            pending, last = p.execute()
+        full = cap is not None and pending > 0 and gate.in_flight() >= cap
+        if not full:
+            self.full_since.pop(queue, None)
+            c.hdel(self.keys.wedged(), queue)
+            return False
+        since = max(self.full_since.setdefault(queue, now), last[0][1] if last else 0.0)
+        if now - since < self.settings.wedge_after_s:
+            return False
+        if c.hsetnx(self.keys.wedged(), queue, since):
+            holders = ", ".join(
+                f"{h.get('request_id')}#{h.get('attempt')}@{h.get('worker')}"
+                for h in gate.holders()
+            )
+            log.warning(
+                "queue %s looks wedged: %d waiting, gate full (%s/%s), no completion "
+                "for %.0f s; holders: %s",
+                queue,
+                pending,
+                gate.in_flight(),
+                cap,
+                now - since,
+                holders or "none",
+            )
+        return True

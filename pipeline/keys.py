@@ -78,9 +78,17 @@ class Keys:
         """Hash: holder → JSON description (request, attempt, worker, acquired_at)."""
         return f"{self.prefix}gate:{gate}:info"
 
+    def gate_nodes(self, gate: str) -> str:
+        """Set: worker nodes that have held reservations of a per-node gate."""
+        return f"{self.prefix}gate:{gate}:nodes"
+
     def gate_rate(self, gate: str, attribute_value: str, window_s: float) -> str:
         """Sorted set: admission log of a rate-limit gate, one per (key, window)."""
         return f"{self.prefix}gate:{gate}:rate:{window_s:g}:{attribute_value}"
+
+    def wedged(self) -> str:
+        """Hash: queue → Unix time since which the wedge detector has seen it wedged."""
+        return f"{self.prefix}wedged"
 
     # -- global --------------------------------------------------------------------------
     def seq(self) -> str:

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from . import metrics
 from .config import QueueConfig, Settings
 from .keys import Keys
 from .scripts import Scripts
@@ -127,6 +128,7 @@ class Store:
             new_token(),
         ]
         moved_raw, expired, next_event, rejected = self.scripts.dispatch(keys=keys, args=args)
+        metrics.deadline_expired(queue, int(expired))
         moved = [
             Dispatched(
                 moved_raw[i], moved_raw[i + 1], int(moved_raw[i + 2]), int(moved_raw[i + 3]), name
@@ -191,6 +193,7 @@ class Store:
         due: float,
         attempted: bool,
         last_response: dict[str, Any] | None = None,
+        last_error: str | None = None,
     ) -> bool:
         """Give the request back to its queue (now, or at ``due``); False when fenced off."""
         res = self.scripts.requeue(
@@ -202,6 +205,7 @@ class Store:
                 due,
                 1 if attempted else 0,
                 json.dumps(last_response) if last_response else "",
+                (last_error or "")[:500],
             ],
         )
         return bool(res)

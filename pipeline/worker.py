@@ -18,9 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import metrics
 from .backoff import retry_delay
 from .config import QueueConfig, Settings, load_settings
-from .gates import AcquireContext, Decision, Gate, GateEnv, Verdict, build_gate
+from .gates import AcquireContext, Decision, Gate, GateEnv, Verdict
+from .gating import attempt_gate
 from .inference import Kind, Outcome, join_url, send
 from .keys import holder as make_holder
 from .store import Store
@@ -60,6 +62,7 @@ class Runtime:
         self.store = Store(self.settings)
         self.env = GateEnv(self.store.client, self.settings.keys, node=_node_name())
         self._gates: dict[str, Gate] = {}
+        self._pool_gates: dict[str, Gate | None] = {}
         self._live: dict[str, tuple[str, str, str]] = {}  # holder -> (id, token, queue)
         self._lock = threading.Lock()
         self._heartbeat: threading.Thread | None = None
@@ -71,8 +74,7 @@ class Runtime:
         with self._lock:
             gate = self._gates.get(queue)
             if gate is None:
-                q = self.settings.queues[queue]
-                gate = build_gate(q.gate_type, q.gate_params, name=queue, env=self.env)
+                gate = attempt_gate(self.settings, queue, self.env, self._pool_gates)
                 self._gates[queue] = gate
             return gate
 
@@ -272,11 +274,17 @@ class Attempt:
         *,
         attempted: bool,
         last: dict[str, Any] | None = None,
+        error: str | None = None,
         status: Status = Status.REQUEUED,
     ) -> Report:
         self._release()
         ok = self.rt.store.requeue(
-            self.id, self.token, due=due, attempted=attempted, last_response=last
+            self.id,
+            self.token,
+            due=due,
+            attempted=attempted,
+            last_response=last,
+            last_error=error,
         )
         self.closed = True
         if not ok:
@@ -337,10 +345,19 @@ class Attempt:
         return decision
 
     def headers(self) -> dict[str, str]:
+        """Outgoing headers: defaults, then the request's own (they override), then the
+        fairness identity (``metadata[fairness_attribute]``), which replaces any caller
+        variant of that header in any letter case."""
         headers = {"Content-Type": "application/json", "x-request-id": self.id}
         if self.queue.inference_objective:
             headers["x-gateway-inference-objective"] = self.queue.inference_objective
         headers.update(json.loads(self.record.get("headers") or "{}"))
+        name = self.rt.settings.fairness_header
+        tenant = self.metadata.get(self.rt.settings.fairness_attribute, "")
+        if name and tenant and len(tenant) <= 256 and tenant.isprintable():
+            for key in [k for k in headers if k.lower() == name.lower()]:
+                del headers[key]
+            headers[name] = tenant
         return headers
 
     def url(self) -> str:
@@ -353,7 +370,14 @@ class Attempt:
         if left <= 0:
             return self._expired(False)
         timeout = min(self.queue.request_timeout_s, left)
-        outcome = send(self.url(), self.record["payload"], self.headers(), timeout)
+        try:
+            outcome = metrics.observed_send(
+                self, send, self.url(), self.record["payload"], self.headers(), timeout
+            )
+        except Exception as exc:  # noqa: BLE001 - e.g. a soft time limit inside the call
+            outcome = Outcome(
+                Kind.RETRY, error=f"{type(exc).__name__}: {exc}", category="INTERRUPTED"
+            )
         if outcome.kind is Kind.SUCCESS or (outcome.kind is Kind.FATAL and outcome.responded):
             return self._finish(
                 attempted=True, status_code=outcome.status_code, payload=outcome.body
@@ -382,7 +406,14 @@ class Attempt:
             if outcome.responded
             else f"{outcome.category}: {outcome.error}"
         )
-        return self._requeue(now + delay, reason, attempted=True, last=last, status=Status.RETRY)
+        return self._requeue(
+            now + delay,
+            reason,
+            attempted=True,
+            last=last,
+            error=outcome.error,
+            status=Status.RETRY,
+        )
 
 
 def _node_name() -> str:

@@ -4,11 +4,12 @@ and the signal handlers that release reservations on paths where no task hook ru
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
 from celery import bootsteps
-from celery.signals import task_revoked, worker_shutting_down
+from celery.signals import celeryd_init, task_revoked, worker_shutdown, worker_shutting_down
 
 from pipeline.dispatcher import Dispatcher
 from pipeline.store import Dispatched
@@ -76,12 +77,17 @@ class DispatcherStep(bootsteps.StartStopStep):
         if self.dispatcher is not None:
             self.dispatcher.stop()
             self.dispatcher = None
-        rt = runtime()
-        for rid, token, queue in rt.live_holders():
-            rt.abandon(rid, token, queue, cancel=False, reason="worker shutdown")
 
 
 app.steps["worker"].add(DispatcherStep)
+
+
+@celeryd_init.connect
+def _on_init(sender: str | None = None, **_: Any) -> None:
+    """Name this node before the pool forks, so every process of the node (prefork children
+    included) shares per-node gate state under the worker's hostname."""
+    if sender:
+        os.environ["PIPELINE_NODE"] = sender
 
 
 @worker_shutting_down.connect
@@ -89,12 +95,27 @@ def _on_shutting_down(**_: Any) -> None:
     _shutting_down.set()
 
 
+@worker_shutdown.connect
+def _on_shutdown(**_: Any) -> None:
+    """The very end of a node (after a warm shutdown drained the pool): attempts of this
+    process still live were cut off (a cold shutdown of the threads pool): requeue them."""
+    rt = runtime()
+    for rid, token, queue in rt.live_holders():
+        rt.abandon(rid, token, queue, cancel=False, reason="worker shutdown")
+
+
 @task_revoked.connect
 def _on_revoked(
-    request: Any = None, terminated: bool = False, expired: bool = False, **_: Any
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    expired: bool = False,
+    **_: Any,
 ) -> None:
-    """A revoked attempt: cancelled by a user, or killed by a cold shutdown (requeued)."""
-    if request is None or getattr(request, "task_name", None) != infer.name:
+    """A revoked attempt (``request`` is the task's context): cancelled by a user — a revoked
+    id stays revoked in Celery, so every later message of it is discarded, and the request
+    must end — or killed by a cold shutdown (requeued)."""
+    if request is None or getattr(sender, "name", None) != infer.name:
         return
     args: list[Any] = list(request.args or ())
     if len(args) < 2:

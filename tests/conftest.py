@@ -79,6 +79,46 @@ def queue_entries(sim_url: str) -> list[dict[str, Any]]:
             "retry_base_delay_s": 1.0,
             "result_queue_name": "test-results-slowretry",
         },
+        *gated_queue_entries(sim_url),
+    ]
+
+
+def local_limit(n: int) -> dict[str, Any]:
+    return {"gate_type": "local-max-concurrency", "gate_params": {"limit": n}}
+
+
+def quota(n: int) -> dict[str, Any]:
+    params = {"mode": "concurrency", "attribute": "userid", "limit": n}
+    return {"gate_type": "redis-quota", "gate_params": params}
+
+
+def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
+    """Queues with gates that hold reservations, one result list each (``res-<queue>``)."""
+    fast = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.4, "request_timeout_s": 5}
+    dead = "http://127.0.0.1:9"  # discard port: nothing listens, connections are refused
+    wait_quota = {"gate_type": "wait-on-refuse", "gate_params": {"gate": quota(1)}}
+    specs: list[tuple[str, str, dict[str, Any], str]] = [
+        ("lim1", "default", local_limit(1), sim_url),
+        ("lim2", "default", local_limit(2), sim_url),
+        ("quota1", "default", quota(1), sim_url),
+        ("quotawait", "default", wait_quota, sim_url),
+        ("dead", "default", local_limit(4), dead),
+        ("prefork", "prefork", local_limit(4), sim_url),
+        ("softlim", "softlim", local_limit(4), sim_url),
+        ("hardlim", "hardlim", local_limit(4), sim_url),
+        ("crash", "crash", quota(4), sim_url),
+        ("overadmit", "overadmit", quota(5), sim_url),
+    ]
+    return [
+        {
+            "queue_name": name,
+            "igw_base_url": url,
+            "worker_pool_id": pool,
+            "result_queue_name": f"res-{name}",
+            **gate,
+            **fast,
+        }
+        for name, pool, gate, url in specs
     ]
 
 
@@ -96,6 +136,7 @@ def env(redis_url: str, sim: SimServer, tmp_path_factory: pytest.TempPathFactory
         "PIPELINE_QUEUES": str(qfile),
         "PIPELINE_LEASE_S": "3",
         "PIPELINE_REAPER_PERIOD_S": "0.5",
+        "PIPELINE_GATE_WAIT_TIMEOUT_S": "1",
     }
     os.environ.update(e)
     return {**os.environ, **e}
@@ -132,6 +173,7 @@ def start_worker(
         pool_impl: str = "threads",
         extra_env: dict[str, str] | None = None,
         wait: bool = True,
+        celery_args: list[str] | None = None,
     ) -> WorkerProc:
         name = f"w{uuid.uuid4().hex[:6]}@test"
         log = logs / f"{name}.log"
@@ -151,6 +193,8 @@ def start_worker(
             "--loglevel",
             "INFO",
         ]
+        if celery_args:
+            argv += ["--", *celery_args]
         fh = open(log, "wb")  # noqa: SIM115
         proc = subprocess.Popen(
             argv, env={**env, **(extra_env or {})}, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT

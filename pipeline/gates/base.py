@@ -18,7 +18,8 @@ Reservations kept in Redis are leases: renewed by the attempt's heartbeat
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -80,14 +81,25 @@ class GateEnv:
 
 
 class Gate:
-    """Base class: an always-open gate with no reservations. Subclasses override."""
+    """Base class: an always-open gate with no reservations. Subclasses override.
+
+    ``per_node`` is True when :meth:`capacity` applies to each worker node separately (the
+    dispatcher multiplies it by the live nodes). Wrapper gates copy it from the inner gate that
+    sets their capacity, on the instance.
+
+    ``clock`` (Unix s) is what a gate reads as "now" when it compares lease expiries; tests
+    replace it to move time without sleeping. Leases themselves come from the caller
+    (``AcquireContext.lease_until``, :meth:`renew`), so they are Unix seconds too.
+    """
 
     type_name: ClassVar[str] = ""
+    per_node: ClassVar[bool] = False
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         self.name = name
         self.params = params
         self.env = env
+        self.clock: Callable[[], float] = time.time
 
     # -- admission -----------------------------------------------------------------------
     def budget(self) -> float:

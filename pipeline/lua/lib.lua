@@ -4,7 +4,8 @@
 --
 -- Record fields (hash <prefix>req:<id>): id, queue, pool, payload, priority, deadline,
 -- submitted_at, member, score, metadata, headers, endpoint, labels, result_list, state,
--- token, attempts, dispatches, last_response, result, finished_at, worker, started_at.
+-- token, attempts, dispatches, last_response, last_error, result, finished_at, worker,
+-- started_at.
 -- States: queued -> dispatched -> running -> (retry_wait -> queued ...) -> done.
 
 local function qkey(prefix, queue, name)
@@ -82,11 +83,12 @@ local DEADLINE_PAYLOAD = '{"error": "deadline exceeded"}'
 -- Terminal result for a request whose deadline passed while it waited: its last HTTP
 -- response if an attempt got one, else DEADLINE_EXCEEDED.
 local function expire(prefix, id, now, ttl)
-  local last = redis.call('HGET', prefix .. 'req:' .. id, 'last_response')
-  if last and last ~= '' then
-    local r = cjson.decode(last)
+  local f = redis.call('HMGET', prefix .. 'req:' .. id, 'last_response', 'last_error')
+  if f[1] and f[1] ~= '' then
+    local r = cjson.decode(f[1])
     return terminal(prefix, id, now, ttl, tostring(r.status_code), r.payload, '', '')
   end
-  return terminal(prefix, id, now, ttl, '', DEADLINE_PAYLOAD, 'DEADLINE_EXCEEDED',
-    'deadline exceeded')
+  local message = 'deadline exceeded'
+  if f[2] and f[2] ~= '' then message = message .. ' (last error: ' .. f[2] .. ')' end
+  return terminal(prefix, id, now, ttl, '', DEADLINE_PAYLOAD, 'DEADLINE_EXCEEDED', message)
 end

@@ -1,0 +1,207 @@
+"""Gates made of other gates: ``composite`` and ``wait-on-refuse``.
+
+``composite`` — param ``gates``: a non-empty list of ``{gate_type, gate_params}`` (array or
+JSON string). Inner gate *i* is named ``<name>/<i>`` (its Redis keys use that name).
+
+- budget = min of the inner budgets; capacity = min of the inner capacities that are not
+  None (``per_node`` follows the inner gate that sets it).
+- acquire runs the inner gates in order, all-or-nothing: each sees the labels the earlier
+  ones set; on the first non-Continue (or exception) the reservations already taken are
+  released in reverse order and that decision (labels merged) is returned (or the exception
+  re-raised).
+- release / renew / reap fan out to every inner gate (reap's holders de-duplicated).
+- in_flight = number of distinct holders that hold a reservation in any inner gate, and
+  holders() lists them (first inner gate's entry wins): 0 iff nothing leaks anywhere, and
+  equal to the requests in flight when every counting inner gate sees every request.
+
+``wait-on-refuse`` — param ``gate``: one inner config (object or JSON string), named like
+the outer gate. An inner Refuse becomes Wait (same reason and labels); every other decision,
+and everything else, is the inner gate's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ..errors import ConfigError
+from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .params import Params
+
+log = logging.getLogger(__name__)
+
+
+def build_inner(
+    p: Params, key: str, gate_type: str, params: dict[str, Any], name: str, env: GateEnv | None
+) -> Gate:
+    """Build a nested gate; its ConfigError is re-raised naming the outer param."""
+    from . import build_gate  # the registry imports this module
+
+    try:
+        return build_gate(gate_type, params, name=name, env=env)
+    except ConfigError as exc:
+        raise p.error(key, f"-> {exc}") from None
+
+
+class CompositeGate(Gate):
+    type_name = "composite"
+
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        super().__init__(name, params, env)
+        p = Params(self.type_name, name, params)
+        self.gates: list[Gate] = [
+            build_inner(p, f"gates[{i}]", gate_type, inner, f"{name}/{i}", env)
+            for i, (gate_type, inner) in enumerate(p.gate_configs("gates"))
+        ]
+        self._follow_capacity()
+
+    @classmethod
+    def of(cls, name: str, gates: Sequence[Gate], env: GateEnv | None) -> CompositeGate:
+        """A composite of gates already built (e.g. a queue's gate chained with its worker
+        pool's): same semantics; the inner gates keep their own names and keys."""
+        if not gates:
+            raise ConfigError(f"composite gate {name!r}: needs at least one gate")
+        self = cls.__new__(cls)
+        Gate.__init__(self, name, {}, env)
+        self.gates = list(gates)
+        self._follow_capacity()
+        return self
+
+    def _follow_capacity(self) -> None:
+        """``per_node`` is that of the inner gate with the smallest capacity."""
+        counting = [g for g in self.gates if g.capacity() is not None]
+        if counting:
+            smallest = min(counting, key=lambda g: g.capacity() or 0)
+            setattr(self, "per_node", smallest.per_node)  # noqa: B010 - instance override
+
+    def budget(self) -> float:
+        return min((g.budget() for g in self.gates), default=1.0)
+
+    def capacity(self) -> int | None:
+        caps = [c for c in (g.capacity() for g in self.gates) if c is not None]
+        return min(caps) if caps else None
+
+    def acquire(self, ctx: AcquireContext) -> Decision:
+        taken: list[Gate] = []
+        labels: dict[str, str] = {}
+        try:
+            for gate in self.gates:
+                step = dataclasses.replace(ctx, labels={**ctx.labels, **labels})
+                decision = gate.acquire(step)
+                labels.update(decision.labels)
+                if decision.verdict is not Verdict.CONTINUE:
+                    self._rollback(taken, ctx.holder)
+                    return dataclasses.replace(decision, labels=labels)
+                taken.append(gate)
+        except BaseException:
+            self._rollback(taken, ctx.holder)
+            raise
+        return Decision(Verdict.CONTINUE, labels=labels) if labels else CONTINUE
+
+    def _rollback(self, taken: list[Gate], holder: str) -> None:
+        for gate in reversed(taken):
+            try:
+                gate.release(holder)
+            except Exception as exc:  # noqa: BLE001 - keep rolling back; the lease expires
+                log.warning(
+                    "composite gate %s: rollback of %s on %s failed: %s",
+                    self.name,
+                    holder,
+                    gate.name,
+                    exc,
+                )
+
+    def release(self, holder: str) -> bool:
+        freed = False
+        for gate in reversed(self.gates):
+            freed = gate.release(holder) or freed
+        return freed
+
+    def renew(self, holders: Iterable[str], lease_until: float) -> None:
+        listed = list(holders)
+        for gate in self.gates:
+            gate.renew(listed, lease_until)
+
+    def reap(self, now: float) -> list[str]:
+        freed: dict[str, None] = {}
+        for gate in self.gates:
+            freed.update(dict.fromkeys(gate.reap(now)))
+        return list(freed)
+
+    def holders(self) -> list[dict[str, Any]]:
+        seen: dict[tuple[str, str], dict[str, Any]] = {}
+        for gate in self.gates:
+            for entry in gate.holders():
+                seen.setdefault((entry["request_id"], entry["attempt"]), entry)
+        return list(seen.values())
+
+    def in_flight(self) -> int:
+        return len(self.holders())
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "gates": [g.describe() for g in self.gates]}
+
+    def close(self) -> None:
+        for gate in self.gates:
+            gate.close()
+
+
+class Wrapper(Gate):
+    """A gate around one inner gate: everything is the inner gate's unless overridden."""
+
+    inner: Gate
+
+    def _wrap(self, inner: Gate) -> None:
+        self.inner = inner
+        setattr(self, "per_node", inner.per_node)  # noqa: B010 - instance override
+
+    def budget(self) -> float:
+        return self.inner.budget()
+
+    def capacity(self) -> int | None:
+        return self.inner.capacity()
+
+    def acquire(self, ctx: AcquireContext) -> Decision:
+        return self.inner.acquire(ctx)
+
+    def release(self, holder: str) -> bool:
+        return self.inner.release(holder)
+
+    def renew(self, holders: Iterable[str], lease_until: float) -> None:
+        self.inner.renew(holders, lease_until)
+
+    def reap(self, now: float) -> list[str]:
+        return self.inner.reap(now)
+
+    def in_flight(self) -> int:
+        return self.inner.in_flight()
+
+    def holders(self) -> list[dict[str, Any]]:
+        return self.inner.holders()
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "gate": self.inner.describe()}
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class WaitOnRefuseGate(Wrapper):
+    type_name = "wait-on-refuse"
+
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        super().__init__(name, params, env)
+        p = Params(self.type_name, name, params)
+        gate_type, inner = p.gate_config("gate")
+        self._wrap(build_inner(p, "gate", gate_type, inner, name, env))
+
+    def acquire(self, ctx: AcquireContext) -> Decision:
+        decision = self.inner.acquire(ctx)
+        if decision.verdict is Verdict.REFUSE:
+            return dataclasses.replace(decision, verdict=Verdict.WAIT)
+        return decision
+
+
+__all__ = ["CompositeGate", "WaitOnRefuseGate", "Wrapper", "build_inner"]

@@ -1,0 +1,114 @@
+"""``local-max-concurrency``: at most ``limit`` reservations at once per worker node.
+
+Params: ``limit`` (int > 0, required), ``gating_mode`` (``classifying``, the default, never
+parks: a full gate refuses; ``blocking``: a full gate answers Wait).
+
+The limit holds across every pool slot and process of a node (prefork children included), so
+the holders live in Redis, not in process memory: one lease-counted slot pool per
+(gate name, ``env.node``) — keys ``Keys.gate_holders("<name>@<node>")`` and
+``Keys.gate_info("<name>@<node>")``. ``capacity()`` is the per-node limit (``per_node``);
+``budget()`` is ``(limit − in_flight on this node) / limit``, 0.0 when Redis cannot be read.
+``reap`` frees this node's expired leases only; a node that never comes back leaves keys that
+expire an hour after its last lease.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .leases import LeaseScripts, LeaseSet
+from .params import Params
+
+log = logging.getLogger(__name__)
+
+
+class LocalMaxConcurrencyGate(Gate):
+    type_name = "local-max-concurrency"
+    per_node = True
+
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        super().__init__(name, params, env)
+        p = Params(self.type_name, name, params)
+        self.limit = p.get_int("limit", lo=1)
+        self.gating_mode = p.get_choice("gating_mode", ("classifying", "blocking"), "classifying")
+        self._slots: LeaseSet | None = None
+        self._scripts: LeaseScripts | None = None
+        if env is not None:
+            self._scripts = LeaseScripts(env.client)
+            self._slots = self._node_slots(env.node)
+        self._registered = False
+
+    def _node_slots(self, node: str) -> LeaseSet:
+        assert self.env is not None and self._scripts is not None
+        scope = f"{self.name}@{node}"
+        keys = self.env.keys
+        return LeaseSet(self._scripts, keys.gate_holders(scope), keys.gate_info(scope))
+
+    def _all_slots(self) -> list[LeaseSet]:
+        """This node's slot pool first, then every other node's that ever held one."""
+        if self.env is None:
+            return []
+        nodes = self.env.client.smembers(self.env.keys.gate_nodes(self.name))
+        names = sorted(n.decode() if isinstance(n, bytes) else n for n in nodes)
+        return [self.slots] + [self._node_slots(n) for n in names if n != self.env.node]
+
+    @property
+    def slots(self) -> LeaseSet:
+        if self._slots is None:
+            raise RuntimeError(f"gate {self.name!r} is not bound to Redis (env is None)")
+        return self._slots
+
+    def budget(self) -> float:
+        """Free share of this node's slots; 0.0 when Redis cannot be read."""
+        try:
+            return max(0.0, (self.limit - self.slots.count(self.clock())) / self.limit)
+        except Exception as exc:  # noqa: BLE001 - budget() never raises; fail closed
+            log.warning("local-max-concurrency gate %s: cannot count holders: %s", self.name, exc)
+            return 0.0
+
+    def capacity(self) -> int:
+        return self.limit
+
+    def acquire(self, ctx: AcquireContext) -> Decision:
+        if not self._registered and self.env is not None:
+            # list this node once, so reapers elsewhere find its pool if it dies
+            self.env.client.sadd(self.env.keys.gate_nodes(self.name), self.env.node)
+            self._registered = True
+        now = self.clock()
+        info = {"worker": ctx.worker, "acquired_at": now}
+        if self.slots.acquire(ctx.holder, now, ctx.lease_until, self.limit, info):
+            return CONTINUE
+        verdict = Verdict.WAIT if self.gating_mode == "blocking" else Verdict.REFUSE
+        return Decision(verdict, reason="gate_closed")
+
+    def release(self, holder: str) -> bool:
+        """Release wherever the holder is: normally this node's pool, but a reaper on another
+        node frees a dead node's holders too."""
+        if self._slots is None:
+            return False
+        if self._slots.release(holder):
+            return True
+        return any(s.release(holder) for s in self._all_slots()[1:])
+
+    def renew(self, holders: Iterable[str], lease_until: float) -> None:
+        self.slots.renew(list(holders), self.clock(), lease_until)
+
+    def reap(self, now: float) -> list[str]:
+        """Free expired leases on every node (a dead node cannot reap its own)."""
+        return [h for s in self._all_slots() for h in s.reap(now)]
+
+    def in_flight(self) -> int:
+        """Unexpired leases on all nodes (``budget`` counts this node's only)."""
+        now = self.clock()
+        return sum(s.count(now) for s in self._all_slots())
+
+    def holders(self) -> list[dict[str, Any]]:
+        now = self.clock()
+        return [h for s in self._all_slots() for h in s.live(now)]
+
+    def describe(self) -> dict[str, Any]:
+        node = self.env.node if self.env is not None else None
+        return {**super().describe(), "gating_mode": self.gating_mode, "node": node}

@@ -1,0 +1,344 @@
+"""Gates whose budget is read from metrics: the shared machinery and the Prometheus gates.
+
+Every metric gate reads one value ``D`` in *budget space* (1 = idle, lower = busier) and
+compares it with a ``threshold`` below which it is closed: ``budget = min(1, D − threshold)``
+when ``D > threshold``, else 0. Readings (values and errors alike) are cached for
+``cache_ttl_s`` seconds (default 5; 0 disables) so the dispatcher's budget call and the
+workers' acquire calls share one HTTP round trip. HTTP calls time out after ``timeout_s``
+(default 5, at most 10) seconds.
+
+Fail closed: any error — connection refused, HTTP status, unparsable body, no sample, NaN or
+±Inf — gives the gate's ``fallback`` budget, which by default is 0. After each
+:meth:`MetricGate.budget` the instance exposes ``last_value`` (D, or None when the reading
+failed), ``threshold`` and ``source_available`` for gauges. Acquire refuses (``gate_closed``)
+iff the budget is ≤ 0 and holds no reservation.
+
+Prometheus gates (``url`` = the HTTP API base, default ``$PROMETHEUS_URL``; an instant query
+``GET <url>/api/v1/query``; the first sample of the result is used):
+
+- ``prometheus-query``: ``query`` verbatim; D = its value, threshold 0; ``fallback`` (budget,
+  0.0).
+- ``prometheus-saturation``: ``pool`` (required), ``namespace``, ``threshold`` (0.8, a
+  saturation in (0, 1]), ``fallback`` (budget, 0.0 — the reference fails open here).
+  D = ``1 - inference_extension_flow_control_pool_saturation{inference_pool, namespace}``,
+  closed at D ≤ 1 − threshold.
+- ``prometheus-budget``: ``pool`` (required), ``namespace``, ``max_concurrency`` (100 per
+  ready pod, > 0), ``baseline`` B (0.05, in [0, 1)), ``fallback`` (budget, 0.0). D from the
+  first of three queries that returns a sample (the reference's cascade, same PromQL):
+  [0] EPP flow-control queue size over ready pods × max_concurrency, [1] mean per-pod queue
+  size over max_concurrency, [2] vLLM running requests over ready pods × max_concurrency.
+  Closed at D ≤ B; the gate closes at ``max_concurrency × (1 − B)`` load per ready pod.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ..store import redact_url
+from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .params import Params
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_TTL_S = 5.0
+DEFAULT_TIMEOUT_S = 5.0
+MAX_TIMEOUT_S = 10.0
+
+
+class MetricUnavailable(Exception):
+    """The metric could not be read (the gate then uses its fallback)."""
+
+
+@dataclass(frozen=True)
+class _Reading:
+    at: float  # time.monotonic() of the reading
+    value: float | None
+    error: str | None
+
+
+def finite(value: Any, what: str) -> float:
+    """``value`` as a finite float, else MetricUnavailable."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise MetricUnavailable(f"{what} is {value!r}, not a number") from None
+    if not math.isfinite(number):
+        raise MetricUnavailable(f"{what} is {number}")
+    return number
+
+
+EPSILON = 1e-9  # a value this close to the threshold counts as at it (1 - 0.8 != 0.2 in floats)
+
+
+def budget_above(value: float, threshold: float) -> float:
+    """``min(1, value − threshold)`` when ``value > threshold``, else 0."""
+    return min(1.0, value - threshold) if value > threshold + EPSILON else 0.0
+
+
+class MetricGate(Gate):
+    """Base of the metric gates: caching, fail-closed fallback, gauges, binary acquire."""
+
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        super().__init__(name, params, env)
+        p = self.p = Params(self.type_name, name, params)
+        self.cache_ttl_s = p.get_float("cache_ttl_s", DEFAULT_CACHE_TTL_S, lo=0.0)
+        self.timeout_s = p.get_float(
+            "timeout_s", DEFAULT_TIMEOUT_S, lo=0.0, lo_open=True, hi=MAX_TIMEOUT_S
+        )
+        self.last_value: float | None = None
+        self.threshold: float | None = None
+        self.source_available = False
+        self._lock = threading.Lock()
+        self._reading: _Reading | None = None
+        self._http: httpx.Client | None = None
+        self._last_error: str | None = None
+
+    # -- subclass hooks -------------------------------------------------------------------
+    def read(self) -> float:
+        """One fresh reading of D (budget space). Raises on any failure."""
+        raise NotImplementedError
+
+    def closing_threshold(self) -> float:
+        """D at or below which the gate is closed."""
+        raise NotImplementedError
+
+    def fallback_budget(self) -> float:
+        """The budget used when no reading is available."""
+        raise NotImplementedError
+
+    # -- the budget -----------------------------------------------------------------------
+    def http(self) -> httpx.Client:
+        if self._http is None:
+            self._http = httpx.Client(timeout=self.timeout_s, follow_redirects=True)
+        return self._http
+
+    def value(self) -> float:
+        """D from the cache, or read now (and cache the value or the error)."""
+        with self._lock:
+            cached = self._reading
+            if cached is None or time.monotonic() - cached.at >= self.cache_ttl_s:
+                try:
+                    cached = _Reading(time.monotonic(), self.read(), None)
+                except Exception as exc:  # noqa: BLE001 - every failure is "unavailable"
+                    cached = _Reading(time.monotonic(), None, str(exc) or type(exc).__name__)
+                self._reading = cached
+        if cached.error is not None or cached.value is None:
+            raise MetricUnavailable(cached.error or "no value")
+        return cached.value
+
+    def budget(self) -> float:
+        """Free share in [0, 1] from the metric; the fallback when it cannot be read."""
+        threshold = self.threshold = self.closing_threshold()
+        try:
+            value = self.value()
+        except Exception as exc:  # noqa: BLE001 - budget() never raises
+            self.last_value = None
+            self.source_available = False
+            self._transition(str(exc))
+            return min(1.0, max(0.0, self.fallback_budget()))
+        self.last_value = value
+        self.source_available = True
+        self._transition(None)
+        return max(0.0, budget_above(value, threshold))
+
+    def _transition(self, error: str | None) -> None:
+        """Log when the source becomes unavailable (or its error changes) and when it heals."""
+        if error == self._last_error:
+            return
+        if error is None:
+            log.info("%s gate %s: metric available again", self.type_name, self.name)
+        else:
+            log.warning(
+                "%s gate %s: metric unavailable (%s); using fallback budget %.3g",
+                self.type_name,
+                self.name,
+                error,
+                self.fallback_budget(),
+            )
+        self._last_error = error
+
+    def acquire(self, ctx: AcquireContext) -> Decision:
+        if self.budget() <= 0.0:
+            return Decision(Verdict.REFUSE, reason="gate_closed")
+        return CONTINUE
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "value": self.last_value,
+            "threshold": self.threshold,
+            "source_available": self.source_available,
+        }
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+
+# -- Prometheus HTTP API ----------------------------------------------------------------------
+def promql_selector(metric: str, labels: dict[str, str]) -> str:
+    """``metric{a="x",b="y"}`` with sorted, quoted label matchers (the reference's form)."""
+    if not labels:
+        return metric
+    matchers = ",".join(f"{k}={json.dumps(labels[k])}" for k in sorted(labels))
+    return f"{metric}{{{matchers}}}"
+
+
+class PrometheusGate(MetricGate):
+    """A metric gate that asks a Prometheus-compatible HTTP API."""
+
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        super().__init__(name, params, env)
+        url = self.p.opt_str("url") or os.environ.get("PROMETHEUS_URL") or ""
+        if not url.startswith(("http://", "https://")):
+            raise self.p.error(
+                "url", "must be the http(s) base of a Prometheus API (or set PROMETHEUS_URL)"
+            )
+        self.url = url.rstrip("/")
+        self.fallback = self.p.get_float("fallback", 0.0, lo=0.0, hi=1.0)
+
+    def fallback_budget(self) -> float:
+        return self.fallback
+
+    def query(self, promql: str) -> float | None:
+        """The first sample of an instant query, or None when the result is empty."""
+        where = redact_url(self.url)
+        try:
+            resp = self.http().get(f"{self.url}/api/v1/query", params={"query": promql})
+        except httpx.HTTPError as exc:
+            raise MetricUnavailable(f"GET {where}: {type(exc).__name__}: {exc}") from None
+        if resp.status_code != 200:
+            raise MetricUnavailable(f"GET {where}: HTTP {resp.status_code}")
+        try:
+            body = resp.json()
+            if body.get("status") != "success":
+                raise MetricUnavailable(f"{where}: {body.get('error') or body.get('status')}")
+            data = body["data"]
+            result = data["result"]
+            if data.get("resultType") == "scalar":
+                return finite(result[1], promql)
+            if data.get("resultType") not in ("vector", None):
+                raise MetricUnavailable(f"{where}: result type {data.get('resultType')!r}")
+            if not result:
+                return None
+            return finite(result[0]["value"][1], promql)
+        except MetricUnavailable:
+            raise
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise MetricUnavailable(f"{where}: malformed response ({exc!r})") from None
+
+    def query_required(self, promql: str) -> float:
+        value = self.query(promql)
+        if value is None:
+            raise MetricUnavailable(f"no sample for {promql}")
+        return value
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "url": redact_url(self.url)}
+
+
+class PrometheusQueryGate(PrometheusGate):
+    type_name = "prometheus-query"
+
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        super().__init__(name, params, env)
+        self.promql = self.p.get_str("query", required=True)
+
+    def read(self) -> float:
+        return self.query_required(self.promql)
+
+    def closing_threshold(self) -> float:
+        return 0.0
+
+
+class PrometheusSaturationGate(PrometheusGate):
+    type_name = "prometheus-saturation"
+
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        super().__init__(name, params, env)
+        pool = self.p.get_str("pool", required=True)
+        namespace = self.p.opt_str("namespace")
+        self.saturation_threshold = self.p.get_float("threshold", 0.8, lo=0.0, lo_open=True, hi=1.0)
+        labels = {"inference_pool": pool}
+        if namespace:
+            labels["namespace"] = namespace
+        self.promql = "1 - " + promql_selector(
+            "inference_extension_flow_control_pool_saturation", labels
+        )
+
+    def read(self) -> float:
+        return self.query_required(self.promql)
+
+    def closing_threshold(self) -> float:
+        return 1.0 - self.saturation_threshold
+
+
+class PrometheusBudgetGate(PrometheusGate):
+    type_name = "prometheus-budget"
+
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        super().__init__(name, params, env)
+        pool = self.p.get_str("pool", required=True)
+        namespace = self.p.opt_str("namespace")
+        self.max_concurrency = self.p.get_float("max_concurrency", 100.0, lo=0.0, lo_open=True)
+        self.baseline = self.p.get_float("baseline", 0.05, lo=0.0, hi=1.0, hi_open=True)
+        self.queries = budget_queries(pool, namespace, self.max_concurrency)
+        self.source_index: int | None = None
+        log.info(
+            "prometheus-budget gate %s: pool %s closes at %.4g load per ready pod; sources: %s",
+            name,
+            pool,
+            self.max_concurrency * (1 - self.baseline),
+            " | ".join(self.queries),
+        )
+
+    def read(self) -> float:
+        problems = []
+        for i, promql in enumerate(self.queries):
+            try:
+                value = self.query(promql)
+            except MetricUnavailable as exc:
+                problems.append(f"[{i}] {exc}")
+                continue
+            if value is None:
+                problems.append(f"[{i}] no sample")
+                continue
+            self.source_index = i
+            return value
+        self.source_index = None
+        raise MetricUnavailable("; ".join(problems))
+
+    def closing_threshold(self) -> float:
+        return self.baseline
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "source_index": self.source_index}
+
+
+def budget_queries(pool: str, namespace: str | None, max_concurrency: float) -> list[str]:
+    """The reference's three PromQL sources of D for ``prometheus-budget``, in order."""
+    by_pool = {"inference_pool": pool}
+    by_name = {"name": pool}
+    if namespace:
+        by_pool["namespace"] = namespace
+        by_name["namespace"] = namespace
+    ready = promql_selector("inference_pool_ready_pods", by_name)
+    max_c = f"{max_concurrency:g}"
+    flow = promql_selector("inference_extension_flow_control_queue_size", by_pool)
+    per_pod = promql_selector("inference_pool_per_pod_queue_size", by_name)
+    running = promql_selector("vllm:num_requests_running", by_pool)
+    return [
+        f"1 - (sum by(inference_pool)({flow}) / on() ({ready} * {max_c}))",
+        f"1 - (avg by(name)({per_pod}) / {max_c})",
+        f"1 - (sum({running}) / on() ({ready} * {max_c}))",
+    ]

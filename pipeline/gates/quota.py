@@ -1,0 +1,224 @@
+"""``redis-quota``: a limit per value of a request attribute (e.g. per user), in Redis.
+
+Params: ``address`` (optional Redis URL or ``host:port``; default: the pipeline's client),
+``attribute`` (``userid``; read from ``ctx.metadata``, ``metadata.userid`` also accepted),
+``mode`` (``rate-limit`` default, or ``concurrency``), ``limit`` (int > 0, required),
+``window`` (``1m``; seconds or ``"30s"``/``"500ms"``/``"1h"``; rate-limit only), ``prefix``
+(``quota:``), ``gating_mode`` (``blocking`` default, or ``classifying``).
+
+The quota key is ``<prefix><attribute>:<value>`` as in the reference, so every gate with the
+same prefix shares one quota per value (e.g. one per-user limit across queues). Its Redis keys
+sit under the pipeline prefix: the concurrency holders are ``Keys.gate_holders(<quota key>)``
+and the rate-limit logs ``Keys.gate_rate(<prefix without ':'>, "<attribute>:<value>",
+window)``.
+
+- A request without the attribute passes (Continue, no labels, nothing held).
+- **concurrency**: one lease per holder in a sorted set per value, scored by lease expiry;
+  only unexpired leases count, acquire is one Lua step. A per-gate hash
+  (``Keys.gate_info(<gate name>)``) maps each holder to its key so release, renew and reap
+  find it; reap frees this gate's expired holders and returns them. Release always refunds.
+- **rate-limit**: a sliding-window log per (quota key, window); one entry per admitted holder
+  (never refunded: release is a no-op); entries older than the window drop out.
+- **blocking**: admitted → Continue ``classification=reserved``; over the limit → Refuse
+  (``quota_exhausted``, ``classification=overflow``). **classifying** never refuses: over the
+  limit is Continue ``classification=overflow`` and holds nothing.
+
+Redis errors propagate from :meth:`acquire` (the worker turns them into a Refuse with reason
+``error``). ``budget()`` is 1.0 and ``capacity()`` None: a quota never sizes dispatch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any, cast
+
+import redis
+
+from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .leases import LeaseScripts, LeaseSet, fmt_time, holder_entry, register
+from .params import Params
+from .redis_budget import connect, redis_url
+
+RESERVED = {"classification": "reserved"}
+OVERFLOW = {"classification": "overflow"}
+
+
+class RedisQuotaGate(Gate):
+    type_name = "redis-quota"
+
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        super().__init__(name, params, env)
+        p = Params(self.type_name, name, params)
+        self.url = redis_url(p)
+        attribute = p.get_str("attribute", "userid")
+        self.attribute = attribute.removeprefix("metadata.")
+        if not self.attribute:
+            raise p.error("attribute", "must name a metadata attribute")
+        self.mode = p.get_choice("mode", ("rate-limit", "concurrency"), "rate-limit")
+        self.limit = p.get_int("limit", lo=1)
+        self.window_s = p.get_duration("window", 60.0)
+        if self.mode == "rate-limit" and self.window_s <= 0:
+            raise p.error("window", "must be a positive duration in rate-limit mode")
+        self.prefix = p.get_str("prefix", "quota:")
+        self.gating_mode = p.get_choice("gating_mode", ("blocking", "classifying"), "blocking")
+        self.client: redis.Redis | None = None
+        self._own_client = False
+        if env is not None:
+            self.client = connect(self.url) if self.url else env.client
+            self._own_client = self.url is not None
+            self._leases = LeaseScripts(self.client)
+            self._rate = register(self.client, "gate_rate_acquire")
+
+    # -- keys ----------------------------------------------------------------------------
+    def quota_key(self, value: str) -> str:
+        """The reference's key for one attribute value: ``<prefix><attribute>:<value>``."""
+        return f"{self.prefix}{self.attribute}:{value}"
+
+    def _env(self) -> GateEnv:
+        if self.env is None or self.client is None:
+            raise RuntimeError(f"gate {self.name!r} is not bound to Redis (env is None)")
+        return self.env
+
+    def _index_key(self) -> str:
+        return self._env().keys.gate_info(self.name)
+
+    def _slots(self, holders_key: str) -> LeaseSet:
+        return LeaseSet(self._leases, holders_key, self._index_key())
+
+    def rate_key(self, value: str) -> str:
+        namespace = self.prefix.rstrip(":") or "quota"
+        return self._env().keys.gate_rate(namespace, f"{self.attribute}:{value}", self.window_s)
+
+    def holders_key(self, value: str) -> str:
+        return self._env().keys.gate_holders(self.quota_key(value))
+
+    # -- admission -----------------------------------------------------------------------
+    def acquire(self, ctx: AcquireContext) -> Decision:
+        value = ctx.metadata.get(self.attribute)
+        if not value:
+            return CONTINUE
+        now = self.clock()
+        if self.mode == "concurrency":
+            key = self.holders_key(value)
+            info = {"key": key, "worker": ctx.worker, "acquired_at": now}
+            admitted = self._slots(key).acquire(ctx.holder, now, ctx.lease_until, self.limit, info)
+        else:
+            args = [fmt_time(now), repr(self.window_s), self.limit, ctx.holder]
+            admitted = int(self._rate(keys=[self.rate_key(value)], args=args))
+        if admitted:
+            return Decision(Verdict.CONTINUE, labels=dict(RESERVED))
+        if self.gating_mode == "classifying":
+            return Decision(Verdict.CONTINUE, labels=dict(OVERFLOW))
+        return Decision(Verdict.REFUSE, reason="quota_exhausted", labels=dict(OVERFLOW))
+
+    # -- reservations (concurrency mode; rate-limit admissions are never refunded) ---------
+    def _index(self) -> dict[str, list[str]]:
+        """This gate's holders grouped by their holders key."""
+        assert self.client is not None
+        groups: dict[str, list[str]] = defaultdict(list)
+        stale: list[str] = []
+        for holder, info in self._hgetall().items():
+            key = _key_of(info)
+            if key is None:
+                stale.append(holder)
+            else:
+                groups[key].append(holder)
+        if stale:
+            self.client.hdel(self._index_key(), *stale)
+        return groups
+
+    def _hgetall(self) -> dict[str, str]:
+        assert self.client is not None
+        return cast(dict[str, str], self.client.hgetall(self._index_key()))
+
+    def release(self, holder: str) -> bool:
+        if self.mode != "concurrency" or self.client is None:
+            return False
+        key = _key_of(cast(str | None, self.client.hget(self._index_key(), holder)))
+        if key is None:
+            return False
+        return self._slots(key).release(holder)
+
+    def renew(self, holders: Iterable[str], lease_until: float) -> None:
+        if self.mode != "concurrency" or self.client is None:
+            return
+        wanted = list(holders)
+        if not wanted:
+            return
+        groups: dict[str, list[str]] = defaultdict(list)
+        infos = cast(list[str | None], self.client.hmget(self._index_key(), wanted))
+        for holder, info in zip(wanted, infos, strict=True):
+            key = _key_of(info)
+            if key is not None:
+                groups[key].append(holder)
+        now = self.clock()
+        for key, members in groups.items():
+            self._slots(key).renew(members, now, lease_until)
+
+    def reap(self, now: float) -> list[str]:
+        if self.mode != "concurrency" or self.client is None:
+            return []
+        freed: list[str] = []
+        for key, members in self._index().items():
+            freed += self._slots(key).reap(now, only=members)
+        return freed
+
+    def _live(self, now: float) -> list[tuple[str, float, str | None]]:
+        """(holder, lease expiry, info JSON) of this gate's unexpired leases."""
+        if self.mode != "concurrency" or self.client is None:
+            return []
+        infos = self._hgetall()
+        groups: dict[str, list[str]] = defaultdict(list)
+        for holder, info in infos.items():
+            key = _key_of(info)
+            if key is not None:
+                groups[key].append(holder)
+        if not groups:
+            return []
+        with self.client.pipeline(transaction=False) as pipe:
+            for key, members in groups.items():
+                pipe.zmscore(key, members)
+            scores = pipe.execute()
+        out = []
+        now = float(fmt_time(now))  # compare at the µs precision the scores are stored with
+        for (_, members), row in zip(groups.items(), scores, strict=True):
+            for holder, score in zip(members, row, strict=True):
+                if score is not None and float(score) > now:
+                    out.append((holder, float(score), infos.get(holder)))
+        return out
+
+    def in_flight(self) -> int:
+        """This gate's unexpired concurrency leases (0 in rate-limit mode)."""
+        return len(self._live(self.clock()))
+
+    def holders(self) -> list[dict[str, Any]]:
+        now = self.clock()
+        return [holder_entry(h, info, exp, now) for h, exp, info in self._live(now)]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "mode": self.mode,
+            "gating_mode": self.gating_mode,
+            "quota_limit": self.limit,
+            "attribute": self.attribute,
+            "window_s": self.window_s,
+        }
+
+    def close(self) -> None:
+        if self._own_client and self.client is not None:
+            self.client.close()
+
+
+def _key_of(info: str | None) -> str | None:
+    """The holders key recorded in a holder's index entry, or None when absent/corrupt."""
+    if not info:
+        return None
+    try:
+        data = json.loads(info)
+    except json.JSONDecodeError:
+        return None
+    key = data.get("key") if isinstance(data, dict) else None
+    return key if isinstance(key, str) and key else None

@@ -1,0 +1,112 @@
+"""``redis``: the budget is a number another system writes into a Redis key.
+
+Params: ``address`` (optional Redis URL or ``host:port``; default: the pipeline's own
+client), ``budget_key`` (default ``dispatch-gate-budget``, used verbatim, without the
+pipeline's key prefix, so an external controller can write it).
+
+Budget: ``GET budget_key`` → missing 1.0, a number → clamped to [0, 1], unparsable → 0.0 and
+a warning (the reference fails open here; we fail closed), Redis error → 0.0. Acquire refuses
+(``gate_closed``) iff the budget is ≤ 0 and holds no reservation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+
+from ..store import redact_url
+from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .params import Params
+
+log = logging.getLogger(__name__)
+
+_SCHEMES = ("redis", "rediss", "unix")
+
+
+def redis_url(p: Params, key: str = "address") -> str | None:
+    """The ``address`` param as a Redis URL (``host:port`` gets ``redis://``), or None."""
+    address = p.opt_str(key)
+    if address is None:
+        return None
+    url = address if "://" in address else f"redis://{address}"
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises on a malformed port
+    except ValueError as exc:
+        raise p.error(key, f"is not a Redis URL or host:port ({exc})") from None
+    if parts.scheme not in _SCHEMES or (parts.scheme != "unix" and not parts.hostname):
+        raise p.error(key, "must be a redis:// URL or host:port")
+    return url
+
+
+def connect(url: str) -> redis.Redis:
+    """A client of its own for a gate that names another Redis (decoded responses)."""
+    return redis.Redis.from_url(
+        url, decode_responses=True, socket_connect_timeout=5, socket_timeout=5
+    )
+
+
+class RedisBudgetGate(Gate):
+    type_name = "redis"
+
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        super().__init__(name, params, env)
+        p = Params(self.type_name, name, params)
+        self.url = redis_url(p)
+        self.budget_key = p.get_str("budget_key", "dispatch-gate-budget")
+        self._own_client = False
+        self.client: redis.Redis | None = None
+        if env is not None:
+            if self.url is not None:
+                self.client = connect(self.url)
+                self._own_client = True
+            else:
+                self.client = env.client
+        self._last_problem: str | None = None
+
+    def budget(self) -> float:
+        """The key's value clamped to [0, 1]; 1.0 when missing; 0.0 on any error."""
+        try:
+            if self.client is None:
+                raise RuntimeError("gate is not bound to Redis")
+            raw = self.client.get(self.budget_key)
+        except Exception as exc:  # noqa: BLE001 - budget() never raises; fail closed
+            return self._problem(f"cannot read {self.budget_key!r}: {exc}")
+        if raw is None:
+            self._problem(None)
+            return 1.0
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            value = math.nan
+        if math.isnan(value):
+            return self._problem(f"{self.budget_key!r} holds {str(raw)[:40]!r}, not a number")
+        self._problem(None)
+        return min(1.0, max(0.0, value))
+
+    def _problem(self, problem: str | None) -> float:
+        """Log a problem once when it starts (and once when it ends); returns 0.0."""
+        if problem != self._last_problem:
+            where = redact_url(self.url) if self.url else "the pipeline's Redis"
+            if problem is None:
+                log.info("redis gate %s: budget readable again (%s)", self.name, where)
+            else:
+                log.warning("redis gate %s: %s (%s); budget 0", self.name, problem, where)
+            self._last_problem = problem
+        return 0.0
+
+    def acquire(self, ctx: AcquireContext) -> Decision:
+        if self.budget() <= 0.0:
+            return Decision(Verdict.REFUSE, reason="gate_closed")
+        return CONTINUE
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "budget_key": self.budget_key, "budget": self.budget()}
+
+    def close(self) -> None:
+        if self._own_client and self.client is not None:
+            self.client.close()

@@ -1,0 +1,151 @@
+"""``endpoint-scrape``: the budget from a model server's own ``/metrics`` (text exposition).
+
+Params: ``url`` and ``metric`` (required; e.g. a vLLM ``/metrics`` and
+``vllm:num_requests_waiting``), ``labels`` (label filter: object or JSON string; the first
+sample whose labels include all of them is used), ``max_count_per_pod`` (≥ 0; 0 means the
+value already is a saturation in [0, 1]), ``baseline`` (0, in [0, 1)), ``fallback`` (the
+*saturation* assumed when the scrape fails; default 1.0, i.e. closed), ``pods_url`` +
+``pods_metric`` + ``pods_labels`` (a dynamic ready-pod count, e.g. from the EPP; without
+them one pod), plus ``cache_ttl_s`` / ``timeout_s`` (see :mod:`.metric`).
+
+saturation = value / (pods × max_count_per_pod), clamped to [0, 1]; D = 1 − saturation;
+budget = max(0, D − baseline). A missing sample, a pod count ≤ 0, an HTTP error or a NaN all
+read as unavailable → budget ``max(0, 1 − fallback − baseline)``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import httpx
+
+from ..store import redact_url
+from .base import GateEnv
+from .metric import MetricGate, MetricUnavailable, finite
+from .params import Params
+
+_LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+_ESCAPE = re.compile(r'\\[\\"n]')
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """``a="x",b="y\\"z"`` → {"a": "x", "b": 'y"z'}. Raises ValueError when malformed."""
+    labels: dict[str, str] = {}
+    pos = 0
+    while pos < len(text):
+        if text[pos:].strip() == "":
+            break
+        m = _LABEL.match(text, pos)
+        if m is None:
+            raise ValueError(f"bad label set {text!r}")
+        labels[m.group(1)] = _ESCAPE.sub(lambda e: _UNESCAPE[e.group(0)], m.group(2))
+        pos = m.end()
+    return labels
+
+
+def _split_sample(line: str) -> tuple[str, dict[str, str], str] | None:
+    """(name, labels, value text) of one sample line, or None when it is not one."""
+    brace = line.find("{")
+    if brace >= 0:
+        close = line.rfind("}")
+        if close < brace:
+            return None
+        name, labels = line[:brace].strip(), parse_labels(line[brace + 1 : close])
+        rest = line[close + 1 :].split()
+    else:
+        parts = line.split()
+        if len(parts) < 2:
+            return None
+        name, labels, rest = parts[0], {}, parts[1:]
+    if not rest:
+        return None
+    return name, labels, rest[0]
+
+
+def first_sample(text: str, metric: str, labels: dict[str, str]) -> float | None:
+    """The value of the first sample of ``metric`` whose labels include ``labels``; None
+    when there is none. NaN and ±Inf are returned as they are (the caller decides)."""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#") or not line.startswith(metric):
+            continue
+        try:
+            sample = _split_sample(line)
+        except ValueError:
+            continue
+        if sample is None or sample[0] != metric:
+            continue
+        name, found, value = sample
+        if all(found.get(k) == v for k, v in labels.items()):
+            try:
+                return float(value)
+            except ValueError:
+                return math.nan
+    return None
+
+
+class EndpointScrapeGate(MetricGate):
+    type_name = "endpoint-scrape"
+
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        super().__init__(name, params, env)
+        p = self.p
+        self.url = _http_url(p.get_str("url", required=True), p, "url")
+        self.metric = p.get_str("metric", required=True)
+        self.labels = p.get_str_map("labels")
+        self.max_count_per_pod = p.get_float("max_count_per_pod", 0.0, lo=0.0)
+        self.baseline = p.get_float("baseline", 0.0, lo=0.0, hi=1.0, hi_open=True)
+        self.fallback = p.get_float("fallback", 1.0, lo=0.0, hi=1.0)
+        pods_url, pods_metric = p.opt_str("pods_url"), p.opt_str("pods_metric")
+        if (pods_url is None) != (pods_metric is None):
+            missing = "pods_metric" if pods_metric is None else "pods_url"
+            raise p.error(missing, "is required when the other of pods_url/pods_metric is set")
+        if pods_url is not None and self.max_count_per_pod <= 0:
+            raise p.error("max_count_per_pod", "must be > 0 when pods_url counts pods")
+        self.pods_url = _http_url(pods_url, p, "pods_url") if pods_url else None
+        self.pods_metric = pods_metric
+        self.pods_labels = p.get_str_map("pods_labels")
+        self.pods: float | None = None
+
+    def _scrape(self, url: str, metric: str, labels: dict[str, str]) -> float:
+        where = redact_url(url)
+        try:
+            resp = self.http().get(url)
+        except httpx.HTTPError as exc:
+            raise MetricUnavailable(f"GET {where}: {type(exc).__name__}: {exc}") from None
+        if resp.status_code != 200:
+            raise MetricUnavailable(f"GET {where}: HTTP {resp.status_code}")
+        value = first_sample(resp.text, metric, labels)
+        if value is None:
+            raise MetricUnavailable(f"{metric} {labels or ''} not found at {where}")
+        return finite(value, metric)
+
+    def read(self) -> float:
+        value = self._scrape(self.url, self.metric, self.labels)
+        max_count = self.max_count_per_pod
+        if self.pods_url is not None and self.pods_metric is not None:
+            pods = self._scrape(self.pods_url, self.pods_metric, self.pods_labels)
+            if not pods > 0:
+                raise MetricUnavailable(f"ready pods is {pods:g}; cannot size capacity")
+            self.pods = pods
+            max_count = pods * self.max_count_per_pod
+        saturation = value / max_count if max_count > 0 else value
+        return 1.0 - min(1.0, max(0.0, saturation))
+
+    def closing_threshold(self) -> float:
+        return self.baseline
+
+    def fallback_budget(self) -> float:
+        return max(0.0, 1.0 - self.fallback - self.baseline)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "url": redact_url(self.url), "metric": self.metric}
+
+
+def _http_url(url: str, p: Params, key: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise p.error(key, f"must be an http(s) URL, not {redact_url(url)!r}")
+    return url

@@ -1,0 +1,65 @@
+"""``tier-priority-admission``: what a saturated pool does with each tier of request.
+
+Params: ``saturation_gate`` (required gate type), ``saturation_gate_params`` (object or JSON
+string), ``tier_label`` (``tier``). The inner gate is named like this one.
+
+Acquire asks the inner gate. Anything but Refuse is returned as is (a Continue keeps its
+reservation). On Refuse (saturated), with the classification from the labels (those an
+earlier gate set — e.g. a ``redis-quota`` in a composite — or the inner decision's) and the
+tier from ``labels[tier_label]``, else ``metadata[tier_label]``:
+
+| classification | tier          | verdict                                       |
+|----------------|---------------|-----------------------------------------------|
+| reserved       | any           | Wait (it holds quota: park until capacity)   |
+| overflow       | interactive   | Drop: 429 ``{"error": "Too Many Requests", "code": 429}`` |
+| anything else  | anything else | Refuse (back to the queue)                    |
+
+Budget, capacity and reservations are the inner gate's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from .base import AcquireContext, Decision, GateEnv, Verdict
+from .composite import Wrapper, build_inner
+from .params import Params
+
+DROP_STATUS = 429
+DROP_PAYLOAD = json.dumps({"error": "Too Many Requests", "code": DROP_STATUS})
+
+
+class TierPriorityAdmissionGate(Wrapper):
+    type_name = "tier-priority-admission"
+
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        super().__init__(name, params, env)
+        p = Params(self.type_name, name, params)
+        gate_type = p.get_str("saturation_gate", required=True)
+        inner = p.get_object("saturation_gate_params")
+        self.tier_label = p.get_str("tier_label", "tier")
+        self._wrap(build_inner(p, "saturation_gate", gate_type, inner, name, env))
+
+    def acquire(self, ctx: AcquireContext) -> Decision:
+        decision = self.inner.acquire(ctx)
+        if decision.verdict is not Verdict.REFUSE or decision.reason == "error":
+            return decision
+        labels = {**ctx.labels, **decision.labels}
+        classification = labels.get("classification")
+        tier = labels.get(self.tier_label) or ctx.metadata.get(self.tier_label)
+        if classification == "reserved":
+            return dataclasses.replace(decision, verdict=Verdict.WAIT)
+        if classification == "overflow" and tier == "interactive":
+            return Decision(
+                Verdict.DROP,
+                reason="dropped",
+                labels=dict(decision.labels),
+                status_code=DROP_STATUS,
+                payload=DROP_PAYLOAD,
+            )
+        return decision
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "tier_label": self.tier_label}

@@ -1,0 +1,38 @@
+"""Which gates an attempt of a queue passes: the queue's own gate, then its worker pool's gate
+(``PIPELINE_POOLS``), acquired all-or-nothing as one chain just before the HTTP call."""
+
+from __future__ import annotations
+
+from .config import Settings
+from .gates import Gate, GateEnv, build_gate
+from .gates.composite import CompositeGate
+
+
+def queue_gate(settings: Settings, queue: str, env: GateEnv | None) -> Gate:
+    q = settings.queues[queue]
+    return build_gate(q.gate_type, q.gate_params, name=queue, env=env)
+
+
+def pool_gate(settings: Settings, pool: str, env: GateEnv | None) -> Gate | None:
+    cfg = settings.pool_configs.get(pool)
+    if cfg is None or not cfg.gate_type:
+        return None
+    return build_gate(cfg.gate_type, cfg.gate_params, name=f"pool.{pool}", env=env)
+
+
+def attempt_gate(
+    settings: Settings, queue: str, env: GateEnv | None, pools: dict[str, Gate | None] | None = None
+) -> Gate:
+    """The queue's gate, chained with its pool's gate when the pool has one. ``pools`` caches
+    pool gates so every queue of a pool shares one instance."""
+    gate = queue_gate(settings, queue, env)
+    pool = settings.queues[queue].worker_pool_id
+    if pools is not None and pool in pools:
+        pg = pools[pool]
+    else:
+        pg = pool_gate(settings, pool, env)
+        if pools is not None:
+            pools[pool] = pg
+    if pg is None:
+        return gate
+    return CompositeGate.of(f"{queue}+pool.{pool}", [gate, pg], env)

@@ -1,0 +1,184 @@
+"""local-max-concurrency: a per-node limit held in Redis across processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from pipeline.gates import Gate, GateEnv, Verdict, build_gate
+
+from .conftest import REDIS_URL, ctx
+
+
+def test_admits_below_limit_refuses_at_it_and_resumes_after_release(
+    make: Callable[..., Gate],
+) -> None:
+    gate = make("local-max-concurrency", {"limit": 2})
+    a, b, c = ctx(), ctx(), ctx()
+    assert gate.budget() == 1.0
+    assert gate.acquire(a).admitted
+    assert gate.budget() == 0.5
+    assert gate.acquire(b).admitted
+    full = gate.acquire(c)
+    assert (full.verdict, full.reason) == (Verdict.REFUSE, "gate_closed")
+    assert gate.in_flight() == 2 and gate.budget() == 0.0
+    assert gate.release(a.holder) is True
+    assert gate.release(a.holder) is False  # idempotent
+    assert gate.acquire(c).admitted
+    assert {h["request_id"] for h in gate.holders()} == {b.request_id, c.request_id}
+    for x in (b, c):
+        gate.release(x.holder)
+    assert gate.in_flight() == 0 and gate.budget() == 1.0
+
+
+def test_blocking_mode_waits_when_full(make: Callable[..., Gate]) -> None:
+    gate = make("local-max-concurrency", {"limit": 1, "gating_mode": "blocking"})
+    a = ctx()
+    assert gate.acquire(a).admitted
+    assert gate.acquire(ctx()).verdict is Verdict.WAIT
+    gate.release(a.holder)
+
+
+def test_reacquire_by_the_same_holder_takes_no_second_slot(make: Callable[..., Gate]) -> None:
+    gate = make("local-max-concurrency", {"limit": 2})
+    a = ctx()
+    assert gate.acquire(a).admitted and gate.acquire(a).admitted
+    assert gate.in_flight() == 1
+    gate.release(a.holder)
+
+
+def test_unknown_holder_release_is_a_noop(make: Callable[..., Gate]) -> None:
+    gate = make("local-max-concurrency", {"limit": 1})
+    assert gate.release("nobody:x") is False
+    assert gate.in_flight() == 0
+
+
+def test_holders_describe_request_attempt_worker_age_and_lease(
+    make: Callable[..., Gate],
+) -> None:
+    gate = make("local-max-concurrency", {"limit": 3})
+    a = ctx("req-1", "tok9", worker="celery@h1")
+    gate.acquire(a)
+    (entry,) = gate.holders()
+    assert entry["request_id"] == "req-1" and entry["attempt"] == "tok9"
+    assert entry["worker"] == "celery@h1"
+    assert 0 <= entry["age_s"] < 5
+    assert entry["lease_expires_at"] == pytest.approx(a.lease_until, abs=1e-5)
+    assert gate.describe()["in_flight"] == 1
+    gate.release(a.holder)
+
+
+def test_expired_lease_stops_counting_and_reap_frees_it(make: Callable[..., Gate]) -> None:
+    gate = make("local-max-concurrency", {"limit": 1})
+    now = time.time()
+    gate.clock = lambda: now
+    a = ctx(lease_until=now + 10)
+    assert gate.acquire(a).admitted
+    assert not gate.acquire(ctx(lease_until=now + 10)).admitted
+    now += 11  # the holder crashed: no renewal
+    assert gate.in_flight() == 0
+    assert gate.reap(now) == [a.holder]
+    assert gate.reap(now) == []
+    assert gate.release(a.holder) is False
+
+
+def test_renew_keeps_a_lease_alive_but_never_revives_an_expired_one(
+    make: Callable[..., Gate],
+) -> None:
+    gate = make("local-max-concurrency", {"limit": 2})
+    now = time.time()
+    gate.clock = lambda: now
+    a, b = ctx(lease_until=now + 10), ctx(lease_until=now + 10)
+    gate.acquire(a)
+    gate.acquire(b)
+    now += 5
+    gate.renew([a.holder], now + 10)  # a's heartbeat; b is silent
+    now += 6  # past both original expiries
+    assert [h["request_id"] for h in gate.holders()] == [a.request_id]
+    gate.renew([a.holder, b.holder], now + 10)  # b's late heartbeat must not revive it
+    assert gate.in_flight() == 1
+    assert gate.reap(now) == [b.holder]
+    gate.release(a.holder)
+
+
+def test_limit_is_per_node(env: GateEnv) -> None:
+    other = GateEnv(env.client, env.keys, node="node-b")
+    g1 = build_gate("local-max-concurrency", {"limit": 1}, name="q", env=env)
+    g2 = build_gate("local-max-concurrency", {"limit": 1}, name="q", env=other)
+    a, b = ctx(), ctx()
+    assert g1.acquire(a).admitted and g2.acquire(b).admitted
+    assert not g1.acquire(ctx()).admitted
+    # each node admits up to its own limit; the counts seen from anywhere cover all nodes
+    assert g1.budget() == 0.0 and g2.budget() == 0.0
+    assert g1.in_flight() == 2 and g2.in_flight() == 2
+    assert {h["request_id"] for h in g1.holders()} == {a.request_id, b.request_id}
+    # a reaper on node a can free a (dead) node b's holder
+    assert g1.release(b.holder) is True and g2.release(b.holder) is False
+    assert g2.budget() == 1.0 and g1.in_flight() == 1
+    g1.release(a.holder)
+
+
+def test_reap_frees_a_dead_nodes_expired_leases(env: GateEnv) -> None:
+    dead = GateEnv(env.client, env.keys, node="node-dead")
+    g_dead = build_gate("local-max-concurrency", {"limit": 2}, name="q", env=dead)
+    g_live = build_gate("local-max-concurrency", {"limit": 2}, name="q", env=env)
+    c = ctx()
+    assert g_dead.acquire(c).admitted
+    assert g_live.reap(c.lease_until + 1) == [c.holder]
+    assert g_live.in_flight() == 0
+
+
+def test_budget_fails_closed_when_redis_is_unreachable(env: GateEnv) -> None:
+    dead = redis.Redis(
+        host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
+    )
+    gate = build_gate(
+        "local-max-concurrency", {"limit": 1}, name="q", env=GateEnv(dead, env.keys, "n")
+    )
+    assert gate.budget() == 0.0
+
+
+def test_concurrent_threads_never_exceed_the_limit(make: Callable[..., Gate]) -> None:
+    gate = make("local-max-concurrency", {"limit": 3})
+    contexts = [ctx() for _ in range(40)]
+    with ThreadPoolExecutor(16) as pool:
+        admitted = [
+            c for c, d in zip(contexts, pool.map(gate.acquire, contexts), strict=True) if d.admitted
+        ]
+    assert len(admitted) == 3 and gate.in_flight() == 3
+    for c in admitted:
+        gate.release(c.holder)
+
+
+def _child(prefix: str, n: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    from pipeline.keys import Keys
+
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    env = GateEnv(client, Keys(prefix), node="node-a")
+    gate = build_gate("local-max-concurrency", {"limit": 2}, name="q", env=env)
+    contexts = [ctx(f"p{os.getpid()}-{i}") for i in range(n)]
+    won = [c.holder for c in contexts if gate.acquire(c).admitted]
+    out.put(won)
+
+
+def test_limit_holds_across_processes_of_one_node(env: GateEnv, make: Callable[..., Gate]) -> None:
+    gate = make("local-max-concurrency", {"limit": 2})
+    mp = multiprocessing.get_context("fork")
+    out: multiprocessing.Queue = mp.Queue()  # type: ignore[type-arg]
+    procs = [mp.Process(target=_child, args=(env.keys.prefix, 5, out)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    won = [h for _ in procs for h in out.get(timeout=20)]
+    for p in procs:
+        p.join(10)
+    assert len(won) == 2 and gate.in_flight() == 2
+    for h in won:
+        assert gate.release(h)

@@ -1,0 +1,365 @@
+"""Metric gates against a stub Prometheus HTTP API, stub /metrics text and the simulator."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import httpx
+import pytest
+
+from pipeline.gates import Gate, Verdict, build_gate
+from pipeline.sim import SimConfig, SimServer
+
+from .conftest import ctx, wait_until
+
+
+class Stub:
+    """A tiny HTTP server: ``/api/v1/query`` answers like Prometheus, other paths serve
+    ``texts[path]``. ``values`` maps a query substring to its sample (None = empty result,
+    "error" = a Prometheus error body); ``default`` answers the rest; ``status`` forces a code.
+    """
+
+    def __init__(self) -> None:
+        self.values: dict[str, str | None] = {}
+        self.default: str | None = "0.3"
+        self.status = 200
+        self.texts: dict[str, str] = {}
+        self.queries: list[str] = []
+        self.hits = 0
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                stub.hits += 1
+                parts = urlsplit(self.path)
+                if parts.path == "/api/v1/query":
+                    query = parse_qs(parts.query)["query"][0]
+                    stub.queries.append(query)
+                    code, body, ctype = stub.prometheus(query)
+                else:
+                    text = stub.texts.get(parts.path)
+                    code, body, ctype = (200, text, "text/plain") if text else (404, "", "")
+                if stub.status != 200:
+                    code = stub.status
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("Content-Type", ctype or "text/plain")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def prometheus(self, query: str) -> tuple[int, str, str]:
+        value = next((v for k, v in self.values.items() if k in query), self.default)
+        if value == "error":
+            body = {"status": "error", "errorType": "bad_data", "error": "parse error"}
+            return 400, json.dumps(body), "application/json"
+        result = [] if value is None else [{"metric": {}, "value": [time.time(), value]}]
+        body = {"status": "success", "data": {"resultType": "vector", "result": result}}
+        return 200, json.dumps(body), "application/json"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stub() -> Iterator[Stub]:
+    s = Stub()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def gates() -> Iterator[Callable[..., Gate]]:
+    built: list[Gate] = []
+
+    def _build(gate_type: str, params: dict[str, Any]) -> Gate:
+        gate = build_gate(gate_type, {"cache_ttl_s": 0, **params}, name="q")
+        built.append(gate)
+        return gate
+
+    yield _build
+    for g in built:
+        g.close()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def gauges(gate: Gate) -> tuple[Any, Any, Any]:
+    return (
+        gate.last_value,
+        gate.threshold,
+        gate.source_available,
+    )
+
+
+# -- prometheus-query ---------------------------------------------------------------------------
+def test_prometheus_query_budget_is_the_value(stub: Stub, gates: Callable[..., Gate]) -> None:
+    gate = gates("prometheus-query", {"url": stub.url, "query": 'my_budget{a="b"}'})
+    assert gate.budget() == pytest.approx(0.3)
+    assert stub.queries == ['my_budget{a="b"}']  # verbatim
+    assert gauges(gate) == (pytest.approx(0.3), 0.0, True)
+    assert gate.acquire(ctx()).admitted
+    stub.default = "0"
+    assert gate.budget() == 0.0
+    d = gate.acquire(ctx())
+    assert (d.verdict, d.reason) == (Verdict.REFUSE, "gate_closed")
+    stub.default = "1.7"
+    assert gate.budget() == 1.0
+    stub.default = "-3"
+    assert gate.budget() == 0.0
+    stub.default = "0.6"
+    assert gate.acquire(ctx()).admitted  # resumes
+    assert gate.in_flight() == 0 and gate.capacity() is None
+
+
+@pytest.mark.parametrize("answer", [None, "NaN", "+Inf", "error", "status500"])
+def test_prometheus_query_bad_answers_fail_closed(
+    stub: Stub, gates: Callable[..., Gate], answer: str | None
+) -> None:
+    if answer == "status500":
+        stub.status = 500
+    else:
+        stub.default = answer
+    gate = gates("prometheus-query", {"url": stub.url, "query": "q"})
+    assert gate.budget() == 0.0
+    assert gauges(gate)[0] is None and gauges(gate)[2] is False
+    assert not gate.acquire(ctx()).admitted
+    opened = gates("prometheus-query", {"url": stub.url, "query": "q", "fallback": "0.4"})
+    assert opened.budget() == pytest.approx(0.4)
+
+
+def test_connection_refused_fails_closed(
+    gates: Callable[..., Gate], caplog: pytest.LogCaptureFixture
+) -> None:
+    url = f"http://user:pw-secret@127.0.0.1:{closed_port()}"
+    cases = [
+        ("prometheus-query", {"query": "up"}),
+        ("prometheus-saturation", {"pool": "p"}),
+        ("prometheus-budget", {"pool": "p"}),
+    ]
+    with caplog.at_level(logging.WARNING):
+        for gate_type, params in cases:
+            gate = gates(gate_type, {"url": url, **params})
+            assert gate.budget() == 0.0, gate_type
+            assert gate.source_available is False
+            assert gate.acquire(ctx()).verdict is Verdict.REFUSE
+        scrape = gates("endpoint-scrape", {"url": url + "/metrics", "metric": "m"})
+        assert scrape.budget() == 0.0
+    assert caplog.records
+    assert all("pw-secret" not in r.getMessage() for r in caplog.records)
+
+
+def test_cache_ttl_is_honoured_for_values_and_errors(
+    stub: Stub, gates: Callable[..., Gate]
+) -> None:
+    gate = gates("prometheus-query", {"url": stub.url, "query": "q", "cache_ttl_s": 0.3})
+    t0 = time.monotonic()
+    assert gate.budget() == pytest.approx(0.3)
+    stub.default = "0.9"
+    assert gate.budget() == pytest.approx(0.3) and gate.acquire(ctx()).admitted
+    if time.monotonic() - t0 < 0.25:
+        assert stub.hits == 1  # one reading served all three calls
+    wait_until(lambda: gate.budget() == pytest.approx(0.9), timeout_s=3)
+    assert time.monotonic() - t0 >= 0.29
+    stub.status = 500
+    wait_until(lambda: gate.budget() == 0.0, timeout_s=3)
+    hits, t1 = stub.hits, time.monotonic()
+    stub.status = 200
+    assert gate.budget() == 0.0  # the error is cached too
+    if time.monotonic() - t1 < 0.25:
+        assert stub.hits == hits
+    wait_until(lambda: gate.budget() == pytest.approx(0.9), timeout_s=3)
+
+
+def test_cache_ttl_zero_reads_every_time(stub: Stub, gates: Callable[..., Gate]) -> None:
+    gate = gates("prometheus-query", {"url": stub.url, "query": "q"})
+    for _ in range(3):
+        gate.budget()
+    assert stub.hits == 3
+
+
+# -- prometheus-saturation ----------------------------------------------------------------------
+def test_prometheus_saturation(stub: Stub, gates: Callable[..., Gate]) -> None:
+    gate = gates(
+        "prometheus-saturation",
+        {"url": stub.url, "pool": "pool-a", "namespace": "ns", "threshold": "0.8"},
+    )
+    stub.default = "0.5"  # D = 1 - saturation 0.5
+    assert gate.budget() == pytest.approx(0.3)  # 0.5 - (1 - 0.8)
+    assert stub.queries[-1] == (
+        "1 - inference_extension_flow_control_pool_saturation"
+        '{inference_pool="pool-a",namespace="ns"}'
+    )
+    assert gate.threshold == pytest.approx(0.2)
+    stub.default = "0.2"  # saturation 0.8: at the threshold
+    assert gate.budget() == 0.0 and not gate.acquire(ctx()).admitted
+    stub.default = "0.25"
+    assert gate.budget() == pytest.approx(0.05) and gate.acquire(ctx()).admitted
+
+
+# -- prometheus-budget --------------------------------------------------------------------------
+def test_prometheus_budget_cascade(stub: Stub, gates: Callable[..., Gate]) -> None:
+    gate = gates(
+        "prometheus-budget",
+        {"url": stub.url, "pool": "p", "max_concurrency": 10, "baseline": 0.1},
+    )
+    stub.values = {"flow_control_queue_size": None, "per_pod_queue_size": "0.6"}
+    assert gate.budget() == pytest.approx(0.5)  # D 0.6 from source [1], minus B 0.1
+    assert gate.source_index == 1
+    assert stub.queries == [
+        "1 - (sum by(inference_pool)(inference_extension_flow_control_queue_size"
+        '{inference_pool="p"}) / on() (inference_pool_ready_pods{name="p"} * 10))',
+        '1 - (avg by(name)(inference_pool_per_pod_queue_size{name="p"}) / 10)',
+    ]
+    stub.values = {"flow_control_queue_size": "0.9"}
+    assert gate.budget() == pytest.approx(0.8) and gate.source_index == 0
+    stub.values = {"flow_control": None, "per_pod": None, "num_requests_running": "0.05"}
+    assert gate.budget() == 0.0  # D 0.05 <= B 0.1: closed
+    assert gate.source_index == 2
+    assert stub.queries[-1] == (
+        '1 - (sum(vllm:num_requests_running{inference_pool="p"}) / on() '
+        '(inference_pool_ready_pods{name="p"} * 10))'
+    )
+    stub.values = {"flow_control": None, "per_pod": None, "num_requests_running": None}
+    assert gate.budget() == 0.0 and gate.source_available is False
+    stub.values = {"flow_control": "error", "per_pod": "0.7"}
+    assert gate.budget() == pytest.approx(0.6)  # an erroring source falls through too
+
+
+def test_prometheus_budget_namespace_scopes_every_source(
+    stub: Stub, gates: Callable[..., Gate]
+) -> None:
+    gate = gates("prometheus-budget", {"url": stub.url, "pool": "p", "namespace": "n"})
+    stub.default = None
+    gate.budget()
+    assert len(stub.queries) == 3
+    assert all('namespace="n"' in q for q in stub.queries)
+
+
+# -- endpoint-scrape ----------------------------------------------------------------------------
+METRICS = """\
+# HELP vllm:num_requests_waiting Requests waiting.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="other"} 9
+vllm:num_requests_waiting{model_name="m",pod="a"} 3 1700000000000
+vllm:num_requests_waiting_total 100
+sat_ratio 0.25
+"""
+
+
+def test_endpoint_scrape_label_filter_and_saturation(
+    stub: Stub, gates: Callable[..., Gate]
+) -> None:
+    stub.texts["/metrics"] = METRICS
+    gate = gates(
+        "endpoint-scrape",
+        {
+            "url": stub.url + "/metrics",
+            "metric": "vllm:num_requests_waiting",
+            "labels": '{"model_name": "m"}',
+            "max_count_per_pod": 4,
+        },
+    )
+    assert gate.budget() == pytest.approx(0.25)  # 1 - 3/4
+    assert gate.last_value == pytest.approx(0.25)
+    direct = gates(
+        "endpoint-scrape", {"url": stub.url + "/metrics", "metric": "sat_ratio", "baseline": 0.5}
+    )
+    assert direct.budget() == pytest.approx(0.25)  # (1 - 0.25) - 0.5
+    first = gates(
+        "endpoint-scrape",
+        {
+            "url": stub.url + "/metrics",
+            "metric": "vllm:num_requests_waiting",
+            "max_count_per_pod": 4,
+        },
+    )
+    assert first.budget() == 0.0  # first sample (9) saturates: clamped
+    assert not first.acquire(ctx()).admitted
+
+
+def test_endpoint_scrape_dynamic_pods(stub: Stub, gates: Callable[..., Gate]) -> None:
+    stub.texts["/metrics"] = METRICS
+    stub.texts["/pods"] = (
+        'inference_pool_ready_pods{name="x"} 1\ninference_pool_ready_pods{name="p"} 3\n'
+    )
+    params = {
+        "url": stub.url + "/metrics",
+        "metric": "vllm:num_requests_waiting",
+        "labels": {"model_name": "m"},
+        "max_count_per_pod": 2,
+        "pods_url": stub.url + "/pods",
+        "pods_metric": "inference_pool_ready_pods",
+        "pods_labels": {"name": "p"},
+    }
+    gate = gates("endpoint-scrape", params)
+    assert gate.budget() == pytest.approx(0.5)  # 1 - 3 / (3 pods x 2)
+    stub.texts["/pods"] = 'inference_pool_ready_pods{name="p"} 0\n'
+    assert gate.budget() == 0.0 and gate.source_available is False
+
+
+def test_endpoint_scrape_missing_metric_uses_fallback(
+    stub: Stub, gates: Callable[..., Gate]
+) -> None:
+    stub.texts["/metrics"] = METRICS
+    base = {"url": stub.url + "/metrics", "metric": "absent_metric"}
+    assert gates("endpoint-scrape", base).budget() == 0.0  # fallback saturation 1.0
+    assert gates("endpoint-scrape", {**base, "fallback": 0.25}).budget() == pytest.approx(0.75)
+    stub.texts["/metrics"] = "m NaN\n"
+    assert gates("endpoint-scrape", {**base, "metric": "m"}).budget() == 0.0
+
+
+def test_endpoint_scrape_against_the_simulator(gates: Callable[..., Gate]) -> None:
+    sim = SimServer(
+        SimConfig(max_concurrency=1, overload="queue", latency_ms=300)
+    ).start_in_thread()
+    try:
+        gate = gates(
+            "endpoint-scrape",
+            {
+                "url": sim.url + "/metrics",
+                "metric": "vllm:num_requests_waiting",
+                "max_count_per_pod": 2,
+            },
+        )
+        assert gate.budget() == 1.0 and gate.acquire(ctx()).admitted
+        body = {"prompt": "hi", "max_tokens": 2}
+        with ThreadPoolExecutor(3) as pool:
+            futures = [
+                pool.submit(httpx.post, sim.url + "/v1/completions", json=body, timeout=10)
+                for _ in range(3)
+            ]
+            wait_until(lambda: gate.budget() == 0.0, timeout_s=5)  # 2 waiting of 2
+            assert not gate.acquire(ctx()).admitted
+            assert [f.result().status_code for f in futures] == [200, 200, 200]
+        wait_until(lambda: gate.budget() == 1.0, timeout_s=5)
+        assert gate.acquire(ctx()).admitted
+    finally:
+        sim.stop()

@@ -1,0 +1,340 @@
+"""Invariant 1, one test per exit path: whatever ends an attempt, its gate reservation is
+released, the gate's in-flight count returns to 0 and the request has exactly one terminal
+result. Real Redis, real worker nodes (threads and prefork), the simulator over HTTP.
+
+Every test here also runs the ``pl`` fixture's leak check afterwards (all queues drain and no
+gate key in Redis still holds a slot).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import uuid
+from typing import Any
+
+import pytest
+
+from pipeline.client import Pipeline
+from pipeline.models import Result
+from pipeline.sim import SimServer
+
+from .conftest import wait_for
+
+
+def uid(tag: str) -> str:
+    return f"{tag}-{uuid.uuid4().hex[:8]}"
+
+
+def stall_first(n: int = 1) -> dict[str, str]:
+    return {"x-sim-fail-first": str(n), "x-sim-fail-mode": "stall"}
+
+
+def results_pushed(pl: Pipeline, queue: str, rid: str) -> list[dict[str, Any]]:
+    raw = pl.store.client.lrange(f"res-{queue}", 0, -1)
+    return [r for r in (json.loads(x) for x in raw) if r["id"] == rid]
+
+
+def gate_in_flight(pl: Pipeline, queue: str) -> int:
+    return int(pl.inspect()[queue]["gate"]["in_flight"])
+
+
+def finished(pl: Pipeline, queue: str, rid: str, timeout: float = 20) -> Result:
+    """The request's single terminal result, after its gate is back to 0 in flight."""
+    res = pl.wait(rid, timeout)
+    wait_for(lambda: gate_in_flight(pl, queue) == 0, 10, what=f"{queue} gate released")
+    assert len(results_pushed(pl, queue, rid)) == 1, "exactly one terminal result"
+    return res
+
+
+def wait_running(pl: Pipeline, rid: str, timeout: float = 10) -> None:
+    wait_for(lambda: pl.state(rid) == "running", timeout, what=f"{rid} running")
+
+
+def sim_attempts(sim: SimServer, rid: str) -> int:
+    return int(sim.stats()["attempts_by_request_id"].get(rid, 0))
+
+
+# -- outcomes of the HTTP call -----------------------------------------------------------
+def test_success(served: Pipeline) -> None:
+    rid = served.submit({"p": 1}, id=uid("ok"), queue="lim2", timeout=30).id
+    assert finished(served, "lim2", rid).ok
+
+
+def test_terminal_4xx(served: Pipeline) -> None:
+    rid = served.submit(
+        {"p": 1},
+        id=uid("4xx"),
+        queue="lim2",
+        timeout=30,
+        headers={"x-sim-fail-first": "9", "x-sim-fail-status": "422"},
+    ).id
+    res = finished(served, "lim2", rid)
+    assert res.status_code == 422 and res.attempts == 1
+
+
+def test_retried_503(served: Pipeline) -> None:
+    rid = served.submit(
+        {"p": 1},
+        id=uid("503"),
+        queue="lim2",
+        timeout=30,
+        headers={"x-sim-fail-first": "2", "x-sim-fail-status": "503"},
+    ).id
+    res = finished(served, "lim2", rid)
+    assert res.ok and res.attempts == 3
+
+
+def test_429_with_retry_after(served: Pipeline) -> None:
+    rid = served.submit(
+        {"p": 1},
+        id=uid("429"),
+        queue="lim2",
+        timeout=30,
+        headers={"x-sim-fail-first": "1", "x-sim-fail-status": "429", "x-sim-retry-after": "1"},
+    ).id
+    res = finished(served, "lim2", rid)
+    assert res.ok and res.attempts == 2
+
+
+def test_connection_error(served: Pipeline) -> None:
+    rid = served.submit({"p": 1}, id=uid("conn"), queue="dead", timeout=1.0).id
+    res = finished(served, "dead", rid)
+    assert res.error_code == "DEADLINE_EXCEEDED" and res.attempts >= 2
+    assert "ConnectError" in (res.error_message or "")
+
+
+# -- gate verdicts -----------------------------------------------------------------------
+def test_gate_refuse(served: Pipeline, sim: SimServer) -> None:
+    user = {"userid": uid("u")}
+    first = served.submit(
+        {"p": 1},
+        id=uid("holder"),
+        queue="quota1",
+        timeout=30,
+        metadata=user,
+        headers={"x-sim-latency-ms": "1500"},
+    ).id
+    wait_running(served, first)
+    second = served.submit(
+        {"p": 2}, id=uid("refused"), queue="quota1", timeout=30, metadata=user
+    ).id
+    wait_for(
+        lambda: served.record(second).get("dispatches", "0") >= "2",
+        10,
+        what="a refusal and a new dispatch",
+    )
+    assert sim_attempts(sim, second) == 0  # refused attempts never reach the server
+    assert finished(served, "quota1", first).ok
+    res = finished(served, "quota1", second)
+    assert res.ok and res.attempts == 1  # a refusal is not an attempt
+
+
+def test_wait_times_out_and_requeues(served: Pipeline, sim: SimServer) -> None:
+    user = {"userid": uid("u")}
+    first = served.submit(
+        {"p": 1},
+        id=uid("holder"),
+        queue="quotawait",
+        timeout=30,
+        metadata=user,
+        headers={"x-sim-latency-ms": "2500"},
+    ).id
+    wait_running(served, first)
+    second = served.submit(
+        {"p": 2}, id=uid("waiter"), queue="quotawait", timeout=30, metadata=user
+    ).id
+    # parks on the gate, times out after PIPELINE_GATE_WAIT_TIMEOUT_S=1 and is requeued
+    wait_for(
+        lambda: int(served.record(second).get("dispatches", 0)) >= 2,
+        10,
+        what="requeue after the wait timed out",
+    )
+    assert finished(served, "quotawait", first).ok
+    res = finished(served, "quotawait", second)
+    assert res.ok and res.attempts == 1
+
+
+def test_deadline_passes_while_waiting(served: Pipeline, sim: SimServer) -> None:
+    user = {"userid": uid("u")}
+    first = served.submit(
+        {"p": 1},
+        id=uid("holder"),
+        queue="quotawait",
+        timeout=30,
+        metadata=user,
+        headers={"x-sim-latency-ms": "2500"},
+    ).id
+    wait_running(served, first)
+    second = served.submit(
+        {"p": 2}, id=uid("late"), queue="quotawait", timeout=0.8, metadata=user
+    ).id
+    res = finished(served, "quotawait", second)
+    assert res.error_code == "DEADLINE_EXCEEDED" and res.attempts == 0
+    assert sim_attempts(sim, second) == 0
+    assert finished(served, "quotawait", first).ok
+
+
+# -- ends that are not the task's own ----------------------------------------------------
+def test_cancel_at_start(served: Pipeline, sim: SimServer) -> None:
+    """Cancelled after dispatch, before the attempt starts: the message is fenced off."""
+    import tasks
+
+    q = served.settings.queues["crash"]  # no worker serves this pool now: we dispatch by hand
+    rid = served.submit({"p": 1}, id=uid("cancel"), queue="crash", timeout=30).id
+    moved = served.store.tick(q, [q], 1.0, -1, 10).moved
+    assert [d.id for d in moved] == [rid] and served.state(rid) == "dispatched"
+    assert served.cancel(rid)
+    tasks.infer.apply_async(
+        args=(rid, moved[0].token), kwargs={"queue": "crash"}, task_id=rid, queue="pipeline.default"
+    )
+    # a request sent after it through the same Celery queue completes after it was handled
+    after = served.submit({"p": 2}, id=uid("after"), queue="lim2", timeout=30).id
+    assert finished(served, "lim2", after).ok
+    res = finished(served, "crash", rid)
+    assert res.error_code == "CANCELLED" and sim_attempts(sim, rid) == 0
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+@pytest.fixture(scope="module")
+def prefork(start_worker: Any) -> Any:
+    w = start_worker(pools="prefork", concurrency=1, pool_impl="prefork")
+    yield w
+    w.stop()
+
+
+def test_revoke_terminate(pl: Pipeline, prefork: Any) -> None:
+    import tasks
+
+    rid = pl.submit(
+        {"p": 1}, id=uid("revoke"), queue="prefork", timeout=30, headers=stall_first(1)
+    ).id
+    wait_running(pl, rid)
+    wait_for(lambda: gate_in_flight(pl, "prefork") == 1, 5, what="reservation held")
+    tasks.app.control.revoke(rid, terminate=True, signal="SIGKILL")
+    res = finished(pl, "prefork", rid)
+    assert res.error_code == "CANCELLED"
+
+
+def test_sigkill_of_a_pool_child(pl: Pipeline, prefork: Any, sim: SimServer) -> None:
+    rid = pl.submit(
+        {"p": 1}, id=uid("child"), queue="prefork", timeout=30, headers=stall_first(1)
+    ).id
+    wait_running(pl, rid)
+    wait_for(lambda: sim_attempts(sim, rid) == 1, 5, what="first attempt at the server")
+    children = wait_for(lambda: _children(prefork.proc.pid), 5, what="pool child")
+    for child in children:
+        os.kill(child, signal.SIGKILL)
+    res = finished(pl, "prefork", rid, timeout=30)
+    assert res.ok and sim_attempts(sim, rid) == 2
+
+
+def test_soft_time_limit(pl: Pipeline, start_worker: Any, sim: SimServer) -> None:
+    w = start_worker(
+        pools="softlim", concurrency=1, pool_impl="prefork", celery_args=["--soft-time-limit", "1"]
+    )
+    try:
+        rid = pl.submit(
+            {"p": 1}, id=uid("soft"), queue="softlim", timeout=30, headers=stall_first(1)
+        ).id
+        res = finished(pl, "softlim", rid, timeout=30)
+        assert res.ok and res.attempts == 2 and sim_attempts(sim, rid) == 2
+    finally:
+        w.stop()
+
+
+def test_hard_time_limit(pl: Pipeline, start_worker: Any, sim: SimServer) -> None:
+    w = start_worker(
+        pools="hardlim", concurrency=1, pool_impl="prefork", celery_args=["--time-limit", "1"]
+    )
+    try:
+        rid = pl.submit(
+            {"p": 1}, id=uid("hard"), queue="hardlim", timeout=30, headers=stall_first(1)
+        ).id
+        res = finished(pl, "hardlim", rid, timeout=30)
+        assert res.ok and sim_attempts(sim, rid) == 2
+    finally:
+        w.stop()
+
+
+def test_sigkill_of_the_worker_node(pl: Pipeline, start_worker: Any, sim: SimServer) -> None:
+    """Nothing runs on the dead node: the lease expires and another node's reaper frees
+    the reservation and requeues the request, which then completes."""
+    w = start_worker(pools="crash", concurrency=4)
+    rid = pl.submit(
+        {"p": 1},
+        id=uid("node"),
+        queue="crash",
+        timeout=60,
+        metadata={"userid": "crash-user"},
+        headers=stall_first(1),
+    ).id
+    wait_running(pl, rid)
+    assert gate_in_flight(pl, "crash") == 1
+    w.proc.kill()
+    w.proc.wait()
+    survivor = start_worker(pools="crash", concurrency=4)
+    try:
+        res = finished(pl, "crash", rid, timeout=30)  # after one lease (3 s) at most
+        assert res.ok and sim_attempts(sim, rid) == 2
+    finally:
+        survivor.stop()
+
+
+def test_warm_shutdown_with_a_request_in_flight(pl: Pipeline, start_worker: Any) -> None:
+    w = start_worker(pools="crash", concurrency=4)
+    rid = pl.submit(
+        {"p": 1},
+        id=uid("warm"),
+        queue="crash",
+        timeout=60,
+        metadata={"userid": "warm-user"},
+        headers={"x-sim-latency-ms": "1500"},
+    ).id
+    wait_running(pl, rid)
+    w.proc.send_signal(signal.SIGTERM)  # warm: the running attempt finishes first
+    res = finished(pl, "crash", rid, timeout=30)
+    assert res.ok and res.attempts == 1
+    assert w.proc.wait(30) is not None
+
+
+# -- the seed's two failure modes ------------------------------------------------------
+def test_retried_request_holds_exactly_one_reservation(served: Pipeline) -> None:
+    """Accounting drift: dispatched, retried, re-dispatched — one reservation, never two."""
+    rid = served.submit(
+        {"p": 1},
+        id=uid("drift"),
+        queue="lim2",
+        timeout=30,
+        headers={"x-sim-fail-first": "1", "x-sim-fail-status": "503", "x-sim-latency-ms": "800"},
+    ).id
+    wait_for(
+        lambda: served.record(rid).get("attempts") == "1" and served.state(rid) == "running",
+        10,
+        what="second attempt running",
+    )
+    holders = [h for h in served.inspect()["lim2"]["gate"]["holders"] if h["request_id"] == rid]
+    assert len(holders) == 1 and gate_in_flight(served, "lim2") == 1
+    assert finished(served, "lim2", rid).ok
+
+
+def test_limit_one_never_wedges(served: Pipeline) -> None:
+    """Permanent wedge: with limit 1, a request that keeps retrying and 20 others all end."""
+    retrier = served.submit(
+        {"p": 0},
+        id=uid("retrier"),
+        queue="lim1",
+        timeout=30,
+        headers={"x-sim-fail-first": "4", "x-sim-fail-status": "503"},
+    ).id
+    others = [
+        served.submit({"p": i}, id=uid("other"), queue="lim1", timeout=30).id for i in range(20)
+    ]
+    for rid in [retrier, *others]:
+        assert finished(served, "lim1", rid).ok
