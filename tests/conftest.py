@@ -137,6 +137,7 @@ def env(redis_url: str, sim: SimServer, tmp_path_factory: pytest.TempPathFactory
         "PIPELINE_LEASE_S": "3",
         "PIPELINE_REAPER_PERIOD_S": "0.5",
         "PIPELINE_GATE_WAIT_TIMEOUT_S": "1",
+        "PIPELINE_WEDGE_AFTER_S": "1",
     }
     os.environ.update(e)
     return {**os.environ, **e}

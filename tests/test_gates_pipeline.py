@@ -1,0 +1,101 @@
+"""Gates inside the pipeline: budget-sized dispatch, no head-of-line blocking across tenants,
+the fairness identity header, holders in inspect(), and the wedge detector."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from pipeline.client import Pipeline
+from pipeline.config import QueueConfig, with_overrides
+from pipeline.sim import SimServer
+from pipeline.worker import Attempt, Runtime
+
+from .conftest import wait_for
+
+
+def uid(tag: str) -> str:
+    return f"{tag}-{uuid.uuid4().hex[:8]}"
+
+
+def test_dispatch_moves_budget_times_free_capacity(pl: Pipeline) -> None:
+    q = pl.settings.queues["crash"]  # no worker serves this pool: the test is the dispatcher
+    ids = [pl.submit({"i": i}, queue="crash", timeout=60).id for i in range(10)]
+    assert pl.store.tick(q, [q], 0.0, -1, 8).moved == []  # a closed gate moves nothing
+    first = pl.store.tick(q, [q], 0.5, -1, 8).moved  # floor(0.5 x 8 free)
+    assert len(first) == 4
+    second = pl.store.tick(q, [q], 0.5, -1, 8).moved  # floor(0.5 x 4 free)
+    assert len(second) == 2
+    assert len(pl.store.tick(q, [q], 1.0, 3, 8).moved) == 0  # queue capacity 3 < 6 active
+    for d in first + second:
+        assert pl.store.requeue(d.id, d.token, due=0, attempted=False)
+    for rid in ids:
+        assert pl.cancel(rid)
+
+
+def test_a_tenant_over_quota_does_not_block_others(served: Pipeline, sim: SimServer) -> None:
+    """quota1: one request in flight per userid. Tenant A floods the queue first; tenant B's
+    requests, submitted after, finish while A's first request still holds A's only slot."""
+    a, b = {"userid": uid("a")}, {"userid": uid("b")}
+    slow = served.submit({"p": 0}, id=uid("a0"), queue="quota1", timeout=60, metadata=a,
+                         headers={"x-sim-latency-ms": "4000"}).id
+    wait_for(lambda: served.state(slow) == "running", 10, what="tenant A holds its slot")
+    flood = [served.submit({"p": i}, queue="quota1", timeout=60, metadata=a, priority=9).id
+             for i in range(5)]
+    others = [served.submit({"p": i}, queue="quota1", timeout=60, metadata=b).id
+              for i in range(3)]
+    for rid in others:
+        assert served.wait(rid, 10).ok
+    assert served.state(slow) == "running"  # B finished while A's slot was still taken
+    for rid in [slow, *flood]:
+        assert served.wait(rid, 30).ok
+
+
+def test_inspect_lists_holders(served: Pipeline) -> None:
+    rid = served.submit({"p": 0}, id=uid("h"), queue="lim2", timeout=30,
+                        headers={"x-sim-latency-ms": "1500"}).id
+    wait_for(lambda: served.state(rid) == "running", 10, what="running")
+    gate = served.inspect()["lim2"]["gate"]
+    assert gate["type"] == "local-max-concurrency" and gate["limit"] == 2
+    (holder,) = [h for h in gate["holders"] if h["request_id"] == rid]
+    assert holder["attempt"] == served.record(rid)["token"]
+    assert holder["worker"] and holder["age_s"] >= 0
+    assert holder["lease_expires_at"] > time.time()
+    assert served.wait(rid, 10).ok
+
+
+def test_wedge_detector_flags_a_full_queue_with_no_completions(served: Pipeline) -> None:
+    """lim1 with PIPELINE_WEDGE_AFTER_S=1: a request holding the only slot for 3 s while
+    another waits is reported, and the report clears once work completes."""
+    slow = served.submit({"p": 0}, id=uid("w"), queue="lim1", timeout=60,
+                         headers={"x-sim-latency-ms": "3000"}).id
+    wait_for(lambda: served.state(slow) == "running", 10, what="slot taken")
+    waiting = served.submit({"p": 1}, id=uid("w"), queue="lim1", timeout=60).id
+    since = wait_for(lambda: served.inspect()["lim1"]["wedged_since"], 5, what="wedge report")
+    assert since <= time.time()
+    assert served.wait(slow, 10).ok and served.wait(waiting, 10).ok
+    wait_for(lambda: served.inspect()["lim1"]["wedged_since"] is None, 5, what="report cleared")
+
+
+def test_fairness_identity_header(env: dict[str, str], pl: Pipeline) -> None:
+    settings = pl.settings
+    rt = Runtime(settings)
+    record = {
+        "id": "r1", "queue": "default", "deadline": str(time.time() + 60), "payload": "{}",
+        "metadata": json.dumps({"userid": "alice"}),
+        "headers": json.dumps({"X-LLM-D-Inference-Fairness-Id": "spoofed", "x-team": "t"}),
+    }
+    headers = Attempt(rt, record, "tok", "w").headers()
+    assert headers["x-llm-d-inference-fairness-id"] == "alice"
+    assert "X-LLM-D-Inference-Fairness-Id" not in headers  # the caller's variant is replaced
+    assert headers["x-request-id"] == "r1" and headers["x-team"] == "t"
+    assert headers["Content-Type"] == "application/json"
+    q: dict[str, Any] = {"queue_name": "default", "igw_base_url": "http://x",
+                         "inference_objective": "obj"}
+    off = with_overrides(settings, queues=[q], fairness_header="")
+    headers = Attempt(Runtime(off), record, "tok", "w").headers()
+    assert "x-llm-d-inference-fairness-id" not in headers
+    assert headers["x-gateway-inference-objective"] == "obj"
+    assert isinstance(off.queues["default"], QueueConfig)
