@@ -32,12 +32,18 @@ class Line:
     error: str | None = None  # why the line was rejected
 
 
-def parse_line(number: int, text: str) -> Line:
+def parse_line(number: int, raw: str | bytes) -> Line:
     """One input line → submit kwargs (or the reason it is invalid)."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as exc:
+        return Line(number, None, error=f"line {number}: not UTF-8 ({exc.reason})")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         return Line(number, None, error=f"line {number}: not JSON: {exc.msg}")
+    except RecursionError:
+        return Line(number, None, error=f"line {number}: JSON nested too deeply")
     if not isinstance(obj, dict):
         return Line(number, None, error=f"line {number}: not a JSON object")
     if "body" in obj and "payload" not in obj:  # OpenAI Batch API line
@@ -126,7 +132,7 @@ def _invalid(line: Line) -> dict[str, Any]:
 
 def run_batch(
     pipeline: Pipeline,
-    infile: IO[str],
+    infile: IO[bytes],
     out: IO[str],
     *,
     console: Console,

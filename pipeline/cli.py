@@ -89,7 +89,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not args.watch:
         from rich.console import Console
 
-        Console().print(render_status(status_snapshot(p)))
+        from .store import redact_url
+
+        console = Console()
+        console.print(f"[dim]redis: {redact_url(p.settings.redis_url)}")
+        console.print(render_status(status_snapshot(p)))
         return 0
     from rich.live import Live
 
@@ -173,7 +177,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
             wait_until(lambda: not missing_pools(), 60, "worker")
         with (
-            open(args.file, encoding="utf-8") as infile,
+            open(args.file, "rb") as infile,
             open(args.output, "w", encoding="utf-8") as out,
         ):
             summary = run_batch(
@@ -196,11 +200,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _pools_used(path: str, settings: Any) -> list[str]:
     """The worker pools the batch in ``path`` needs (from each line's ``queue``)."""
     queues: set[str] = set()
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8", errors="replace") as fh:
         for text in fh:
             try:
                 obj = json.loads(text)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 continue
             queue = obj.get("queue", "default") if isinstance(obj, dict) else None
             if isinstance(queue, str) and queue in settings.queues:

@@ -143,8 +143,24 @@ class Runtime:
         record = self.store.start(request_id, token, queue or "", worker)
         if record is None:
             return None
+        try:
+            attempt = Attempt(self, record, token, worker)
+        except (KeyError, ValueError, TypeError) as exc:
+            # a record this worker cannot read (written by hand, or corrupted): end it
+            message = f"unreadable request record: {type(exc).__name__}: {exc}"
+            log.error("request %s: %s", request_id, message)
+            self.store.finish(
+                request_id,
+                token,
+                attempted=False,
+                status_code=None,
+                payload=json.dumps({"error": message}),
+                error_code="INVALID_REQUEST",
+                error_message=message,
+            )
+            return None
         self._track(request_id, token, record["queue"])
-        return Attempt(self, record, token, worker)
+        return attempt
 
     def _queue_of(self, request_id: str) -> str:
         queue = self.store.client.hget(self.settings.keys.request(request_id), "queue")
@@ -196,8 +212,11 @@ class Attempt:
         self.queue: QueueConfig = runtime.settings.queues[record["queue"]]
         self.gate = runtime.gate(self.queue.queue_name)
         self.deadline = float(record["deadline"])
-        self.metadata: dict[str, str] = json.loads(record.get("metadata") or "{}")
-        self.labels: dict[str, str] = json.loads(record.get("labels") or "{}")
+        self.metadata: dict[str, str] = _json_map(record.get("metadata"), "metadata")
+        self.labels: dict[str, str] = _json_map(record.get("labels"), "labels")
+        self.extra_headers: dict[str, str] = _json_map(record.get("headers"), "headers")
+        if "payload" not in record:
+            raise KeyError("payload")
         self.decision: Decision | None = None
         self.closed = False
 
@@ -351,7 +370,7 @@ class Attempt:
         headers = {"Content-Type": "application/json", "x-request-id": self.id}
         if self.queue.inference_objective:
             headers["x-gateway-inference-objective"] = self.queue.inference_objective
-        headers.update(json.loads(self.record.get("headers") or "{}"))
+        headers.update(self.extra_headers)
         name = self.rt.settings.fairness_header
         tenant = self.metadata.get(self.rt.settings.fairness_attribute, "")
         if name and tenant and len(tenant) <= 256 and tenant.isprintable():
@@ -414,6 +433,16 @@ class Attempt:
             error=outcome.error,
             status=Status.RETRY,
         )
+
+
+def _json_map(text: str | None, field: str) -> dict[str, str]:
+    """A record field holding a JSON object of str → str."""
+    value = json.loads(text or "{}")
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ValueError(f"{field} is not an object of strings")
+    return value
 
 
 def _node_name() -> str:

@@ -8,9 +8,9 @@
 -- ARGV[5] pool capacity (worker slots), ARGV[6] lease expiry for dispatched requests,
 -- ARGV[7] result TTL (s), ARGV[8] limit per sweep, ARGV[9] a fresh random nonce: attempt
 -- tokens are <nonce>.<n>, unique per tick.
--- Moves floor(budget x free) where free = min(queue capacity - active in queue,
--- pool capacity - active in pool); at least 1 when budget > 0, free > 0 and the queue has
--- nothing active, so a fractional budget never stalls an idle queue.
+-- Moves min(floor(budget x (pool capacity - active in pool)), queue capacity - active in
+-- queue); at least 1 when budget > 0, both have room and the queue has nothing active, so a
+-- fractional budget never stalls an idle queue.
 -- Returns {moved, expired, next_event, rejected} where moved is a flat list of
 -- id, token, dispatch number, priority; next_event is the earliest due retry or deadline of a
 -- waiting request (Unix s, -1 if none); rejected lists malformed members removed.
@@ -41,11 +41,16 @@ local budget = tonumber(ARGV[3])
 local active_q = redis.call('ZCARD', KEYS[4])
 local in_pool = active_q
 for i = 6, #KEYS do in_pool = in_pool + redis.call('ZCARD', KEYS[i]) end
-local free = tonumber(ARGV[5]) - in_pool
+local n_free = tonumber(ARGV[5]) - in_pool
+-- the budget scales the free worker slots; the queue capacity caps the result on its own (a
+-- capacity gate's budget is its free share already: scaling its free room by it again would
+-- stall a limit-16 gate until 4 of its slots were free)
+local free = math.floor(budget * n_free)
 local qcap = tonumber(ARGV[4])
-if qcap >= 0 then free = math.min(free, qcap - active_q) end
-local n_free = free
-free = math.floor(budget * free)
+if qcap >= 0 then
+  free = math.min(free, qcap - active_q)
+  n_free = math.min(n_free, qcap - active_q)
+end
 if free < 1 and budget > 0 and n_free > 0 and active_q == 0 then free = 1 end
 
 local moved, rejected = {}, {}
@@ -65,6 +70,9 @@ while free > 0 do
         '{"error": "malformed queue entry"}', error_code = 'INVALID_REQUEST',
         error_message = 'malformed queue entry: ' .. member}))
     end
+  elseif not tonumber(f[2]) then
+    terminal(prefix, id, now, ttl, '', '{"error": "unreadable request record"}',
+      'INVALID_REQUEST', 'unreadable request record: deadline is not a number')
   elseif tonumber(f[2]) <= now then
     expire(prefix, id, now, ttl)
     expired = expired + 1
