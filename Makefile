@@ -4,12 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck format bench clean
+.PHONY: demo test test-rabbitmq test-chaos-long lint typecheck format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test,otel]"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -22,6 +22,15 @@ demo: $(STAMP)
 ## test: lint, type check and the whole suite against a real Redis
 test: $(STAMP) lint typecheck
 	$(BIN)/pytest -q
+
+## test-rabbitmq: the end-to-end and gate suites with RabbitMQ as the Celery broker
+test-rabbitmq: $(STAMP)
+	PIPELINE_TEST_BROKER_URL=$${PIPELINE_TEST_BROKER_URL:-amqp://guest:guest@127.0.0.1:5672//} \
+	  $(BIN)/pytest -q tests/test_pipeline.py tests/test_release_paths.py tests/test_gates_pipeline.py
+
+## test-chaos-long: the chaos suite with its long variants (60 s of random worker kills)
+test-chaos-long: $(STAMP)
+	PIPELINE_CHAOS_LONG=1 $(BIN)/pytest -q tests/chaos
 
 lint: $(STAMP)
 	$(BIN)/ruff check pipeline tasks tests bench celeryconfig.py

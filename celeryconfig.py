@@ -6,6 +6,8 @@ when a slot is free; task events on, for Flower. The broker defaults to the pipe
 
 import os
 
+from pipeline.keys import celery_queue
+
 _redis = os.environ.get("PIPELINE_REDIS_URL") or "redis://localhost:6379/0"
 
 broker_url = os.environ.get("CELERY_BROKER_URL") or _redis
@@ -26,7 +28,7 @@ task_send_sent_event = True
 result_expires = 24 * 3600
 result_extended = True
 
-task_default_queue = "pipeline.default"
+task_default_queue = celery_queue("default", os.environ.get("PIPELINE_KEY_PREFIX") or "pl:")
 # Longer than the longest attempt (request_timeout_s, 300 s by default) plus the time a
 # message can wait for a slot; attempts are fenced by token, so a redelivery never runs twice.
 broker_transport_options = {"visibility_timeout": 3 * 3600}

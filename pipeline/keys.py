@@ -100,6 +100,19 @@ class Keys:
         return f"{self.prefix}*"
 
 
+def celery_queue(pool: str, prefix: str = "pl:") -> str:
+    """The Celery queue carrying a worker pool's attempts: ``pipeline.<pool>`` for the default
+    key prefix; with another prefix the queue is namespaced too (``pipeline.<ns>.<pool>``), so
+    pipelines sharing one broker never take each other's messages."""
+    return celery_queue_prefix(prefix) + pool
+
+
+def celery_queue_prefix(prefix: str = "pl:") -> str:
+    if prefix == "pl:":
+        return "pipeline."
+    return "pipeline." + "".join(c for c in prefix if c.isalnum() or c in "_-") + "."
+
+
 def holder(request_id: str, token: str) -> str:
     """A reservation holder: one attempt of one request."""
     return f"{request_id}:{token}"

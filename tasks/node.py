@@ -15,7 +15,7 @@ from pipeline.dispatcher import Dispatcher
 from pipeline.store import Dispatched
 from pipeline.worker import runtime
 
-from .app import CELERY_QUEUE_PREFIX, app, celery_queue
+from .app import app, celery_queue, pool_of
 from .inference import infer
 
 log = logging.getLogger("pipeline.node")
@@ -39,7 +39,7 @@ def send_to_celery(moved: list[Dispatched]) -> None:
 
 def served_pools(worker: Any) -> list[str]:
     names = list(worker.app.amqp.queues.consume_from or worker.app.amqp.queues)
-    pools = [n[len(CELERY_QUEUE_PREFIX) :] for n in names if n.startswith(CELERY_QUEUE_PREFIX)]
+    pools = [p for p in (pool_of(n) for n in names) if p]
     return pools or ["default"]
 
 

@@ -49,7 +49,6 @@ def redis_url() -> str:
         client.ping()
     except redis.RedisError as exc:  # never skip: the suite needs a real Redis
         pytest.fail(f"Redis is required at {REDIS_URL}: {exc}", pytrace=False)
-    client.flushdb()
     return REDIS_URL
 
 
@@ -108,8 +107,10 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
         ("hardlim", "hardlim", local_limit(4), sim_url),
         ("crash", "crash", quota(4), sim_url),
         ("overadmit", "overadmit", quota(5), sim_url),
+        ("chaos", "chaos", quota(8), sim_url),
+        ("stalls", "default", quota(4), sim_url),
     ]
-    return [
+    entries = [
         {
             "queue_name": name,
             "igw_base_url": url,
@@ -120,17 +121,23 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
         }
         for name, pool, gate, url in specs
     ]
+    for e in entries:
+        if e["queue_name"] == "stalls":
+            e["request_timeout_s"] = 0.4  # stalled attempts time out fast
+    return entries
 
 
 @pytest.fixture(scope="session")
-def env(redis_url: str, sim: SimServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def env(
+    redis_url: str, sim: SimServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, str]]:
     """Environment for worker subprocesses and the in-process client."""
     d = tmp_path_factory.mktemp("cfg")
     qfile = d / "queues.json"
     qfile.write_text(json.dumps(queue_entries(sim.url)))
     e = {
         "PIPELINE_REDIS_URL": redis_url,
-        "CELERY_BROKER_URL": redis_url,
+        "CELERY_BROKER_URL": os.environ.get("PIPELINE_TEST_BROKER_URL") or redis_url,
         "CELERY_RESULT_BACKEND": redis_url,
         "PIPELINE_KEY_PREFIX": f"pltest{uuid.uuid4().hex[:6]}:",
         "PIPELINE_QUEUES": str(qfile),
@@ -138,9 +145,14 @@ def env(redis_url: str, sim: SimServer, tmp_path_factory: pytest.TempPathFactory
         "PIPELINE_REAPER_PERIOD_S": "0.5",
         "PIPELINE_GATE_WAIT_TIMEOUT_S": "1",
         "PIPELINE_WEDGE_AFTER_S": "1",
+        "PIPELINE_RESULT_TTL_S": "3600",
     }
     os.environ.update(e)
-    return {**os.environ, **e}
+    yield {**os.environ, **e}
+    # each session has its own key prefix and Celery queues: clean up only what is ours
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(e["PIPELINE_KEY_PREFIX"] + "*", count=1000):
+        client.delete(key)
 
 
 class WorkerProc:

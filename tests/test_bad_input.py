@@ -14,6 +14,7 @@ import pytest
 from kombu import Connection, Exchange, Producer
 
 from pipeline.client import Pipeline
+from tasks.app import celery_queue
 
 from .conftest import wait_for
 
@@ -72,7 +73,10 @@ def test_corrupted_record_ends_invalid(
     moved = served.store.tick(q, [q], 1.0, -1, 10).moved  # the dispatcher may end it here
     for d in moved:  # ... or the worker does, when it starts the attempt
         tasks.infer.apply_async(
-            args=(rid, d.token), kwargs={"queue": "crash"}, task_id=rid, queue="pipeline.default"
+            args=(rid, d.token),
+            kwargs={"queue": "crash"},
+            task_id=rid,
+            queue=celery_queue("default"),
         )
     res = served.wait(rid, 15)
     assert res.error_code == "INVALID_REQUEST" and "unreadable" in (res.error_message or "")
@@ -97,7 +101,9 @@ def test_malformed_task_message(
 ) -> None:
     import tasks
 
-    tasks.infer.apply_async(args=args, kwargs=kwargs, task_id=uid(name), queue="pipeline.default")
+    tasks.infer.apply_async(
+        args=args, kwargs=kwargs, task_id=uid(name), queue=celery_queue("default")
+    )
     worker_still_serves(served)
 
 
@@ -107,7 +113,10 @@ def test_a_live_request_with_a_stale_token_is_not_run_twice(served: Pipeline) ->
     rid = served.submit({"p": 1}, id=uid("stale"), timeout=30).id
     assert served.wait(rid, 15).ok
     tasks.infer.apply_async(
-        args=(rid, "old-token"), kwargs={"queue": "default"}, task_id=rid, queue="pipeline.default"
+        args=(rid, "old-token"),
+        kwargs={"queue": "default"},
+        task_id=rid,
+        queue=celery_queue("default"),
     )
     worker_still_serves(served)
     assert served.wait(rid, 1).attempts == 1
@@ -122,8 +131,8 @@ def test_pickled_message_is_rejected(served: Pipeline, env: dict[str, str]) -> N
         producer = Producer(conn)
         producer.publish(
             body,
-            routing_key="pipeline.default",
-            exchange=Exchange("pipeline.default", type="direct"),
+            routing_key=celery_queue("default"),
+            exchange=Exchange(celery_queue("default"), type="direct"),
             content_type="application/x-python-serialize",
             content_encoding="binary",
             headers={

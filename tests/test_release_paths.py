@@ -20,6 +20,7 @@ import pytest
 from pipeline.client import Pipeline
 from pipeline.models import Result
 from pipeline.sim import SimServer
+from tasks.app import celery_queue
 
 from .conftest import wait_for
 
@@ -188,7 +189,10 @@ def test_cancel_at_start(served: Pipeline, sim: SimServer) -> None:
     assert [d.id for d in moved] == [rid] and served.state(rid) == "dispatched"
     assert served.cancel(rid)
     tasks.infer.apply_async(
-        args=(rid, moved[0].token), kwargs={"queue": "crash"}, task_id=rid, queue="pipeline.default"
+        args=(rid, moved[0].token),
+        kwargs={"queue": "crash"},
+        task_id=rid,
+        queue=celery_queue("default"),
     )
     # a request sent after it through the same Celery queue completes after it was handled
     after = served.submit({"p": 2}, id=uid("after"), queue="lim2", timeout=30).id
