@@ -114,10 +114,17 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return int(sim.run_from_args(args) or 0)
 
 
+# the tasks page shows each attempt's request id (args), queue / priority / attempt (kwargs),
+# result and exception (a retry's reason, a failure's status or error code)
+FLOWER_COLUMNS = (
+    "--tasks_columns=name,uuid,state,args,kwargs,result,exception,received,runtime,worker"
+)
+
+
 def cmd_flower(args: argparse.Namespace) -> int:
     import tasks
 
-    argv = ["flower", f"--address={args.address}", f"--port={args.port}"]
+    argv = ["flower", f"--address={args.address}", f"--port={args.port}", FLOWER_COLUMNS]
     auth = os.environ.get("FLOWER_BASIC_AUTH")
     if auth:
         argv.append(f"--basic-auth={auth}")

@@ -18,6 +18,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Ignore, Retry
 
+from pipeline import metrics
 from pipeline.worker import Attempt, Status, runtime
 
 from .app import app
@@ -27,6 +28,13 @@ log = logging.getLogger("pipeline.task")
 
 class RequestFailed(Exception):
     """The request ended without success; the message names its status or error code."""
+
+
+class AttemptRetry(Retry):
+    """RETRY of an attempt; its repr (what Flower shows as the exception) names the reason."""
+
+    def __repr__(self) -> str:
+        return f"Retry({self.message!r}, {self.humanize()})"
 
 
 class InferenceTask(Task):
@@ -42,13 +50,14 @@ class InferenceTask(Task):
         )
         if attempt is not None:
             attempt.acquire()
+            metrics.attempt_started(attempt, self.send_event)
         self.request.pipeline_attempt = attempt
 
     def run(self, request_id: str, token: str, **info: Any) -> dict[str, Any] | None:
         attempt: Attempt | None = getattr(self.request, "pipeline_attempt", None)
         if attempt is None:
             raise Ignore()
-        report = attempt.run()
+        report = metrics.observed_run(attempt)
         if report.status is Status.SUCCESS:
             return report.result
         if report.status is Status.FAILED:
@@ -59,7 +68,7 @@ class InferenceTask(Task):
             )
         if report.status in (Status.RETRY, Status.REQUEUED):
             when = datetime.fromtimestamp(report.due or 0, UTC)
-            raise Retry(report.reason, when=when)
+            raise AttemptRetry(report.reason, when=when)
         raise Ignore()
 
     def after_return(

@@ -11,6 +11,7 @@ from typing import Any
 from celery import bootsteps
 from celery.signals import celeryd_init, task_revoked, worker_shutdown, worker_shutting_down
 
+from pipeline import health, metrics
 from pipeline.dispatcher import Dispatcher
 from pipeline.store import Dispatched
 from pipeline.worker import runtime
@@ -65,6 +66,7 @@ class DispatcherStep(bootsteps.StartStopStep):
             store=rt.store,
         )
         self.dispatcher.start()
+        health.start_node(worker, self.dispatcher, rt.settings)
         log.info(
             "pipeline dispatcher started on %s for pools %s (%s slots)",
             worker.hostname,
@@ -74,6 +76,7 @@ class DispatcherStep(bootsteps.StartStopStep):
 
     def stop(self, worker: Any) -> None:
         _shutting_down.set()
+        health.stop_node()
         if self.dispatcher is not None:
             self.dispatcher.stop()
             self.dispatcher = None
@@ -88,6 +91,7 @@ def _on_init(sender: str | None = None, **_: Any) -> None:
     included) shares per-node gate state under the worker's hostname."""
     if sender:
         os.environ["PIPELINE_NODE"] = sender
+    metrics.setup_node(sender)
 
 
 @worker_shutting_down.connect

@@ -39,13 +39,20 @@ def test_a_tenant_over_quota_does_not_block_others(served: Pipeline, sim: SimSer
     """quota1: one request in flight per userid. Tenant A floods the queue first; tenant B's
     requests, submitted after, finish while A's first request still holds A's only slot."""
     a, b = {"userid": uid("a")}, {"userid": uid("b")}
-    slow = served.submit({"p": 0}, id=uid("a0"), queue="quota1", timeout=60, metadata=a,
-                         headers={"x-sim-latency-ms": "4000"}).id
+    slow = served.submit(
+        {"p": 0},
+        id=uid("a0"),
+        queue="quota1",
+        timeout=60,
+        metadata=a,
+        headers={"x-sim-latency-ms": "4000"},
+    ).id
     wait_for(lambda: served.state(slow) == "running", 10, what="tenant A holds its slot")
-    flood = [served.submit({"p": i}, queue="quota1", timeout=60, metadata=a, priority=9).id
-             for i in range(5)]
-    others = [served.submit({"p": i}, queue="quota1", timeout=60, metadata=b).id
-              for i in range(3)]
+    flood = [
+        served.submit({"p": i}, queue="quota1", timeout=60, metadata=a, priority=9).id
+        for i in range(5)
+    ]
+    others = [served.submit({"p": i}, queue="quota1", timeout=60, metadata=b).id for i in range(3)]
     for rid in others:
         assert served.wait(rid, 10).ok
     assert served.state(slow) == "running"  # B finished while A's slot was still taken
@@ -54,8 +61,9 @@ def test_a_tenant_over_quota_does_not_block_others(served: Pipeline, sim: SimSer
 
 
 def test_inspect_lists_holders(served: Pipeline) -> None:
-    rid = served.submit({"p": 0}, id=uid("h"), queue="lim2", timeout=30,
-                        headers={"x-sim-latency-ms": "1500"}).id
+    rid = served.submit(
+        {"p": 0}, id=uid("h"), queue="lim2", timeout=30, headers={"x-sim-latency-ms": "1500"}
+    ).id
     wait_for(lambda: served.state(rid) == "running", 10, what="running")
     gate = served.inspect()["lim2"]["gate"]
     assert gate["type"] == "local-max-concurrency" and gate["limit"] == 2
@@ -69,8 +77,9 @@ def test_inspect_lists_holders(served: Pipeline) -> None:
 def test_wedge_detector_flags_a_full_queue_with_no_completions(served: Pipeline) -> None:
     """lim1 with PIPELINE_WEDGE_AFTER_S=1: a request holding the only slot for 3 s while
     another waits is reported, and the report clears once work completes."""
-    slow = served.submit({"p": 0}, id=uid("w"), queue="lim1", timeout=60,
-                         headers={"x-sim-latency-ms": "3000"}).id
+    slow = served.submit(
+        {"p": 0}, id=uid("w"), queue="lim1", timeout=60, headers={"x-sim-latency-ms": "3000"}
+    ).id
     wait_for(lambda: served.state(slow) == "running", 10, what="slot taken")
     waiting = served.submit({"p": 1}, id=uid("w"), queue="lim1", timeout=60).id
     since = wait_for(lambda: served.inspect()["lim1"]["wedged_since"], 5, what="wedge report")
@@ -83,7 +92,10 @@ def test_fairness_identity_header(env: dict[str, str], pl: Pipeline) -> None:
     settings = pl.settings
     rt = Runtime(settings)
     record = {
-        "id": "r1", "queue": "default", "deadline": str(time.time() + 60), "payload": "{}",
+        "id": "r1",
+        "queue": "default",
+        "deadline": str(time.time() + 60),
+        "payload": "{}",
         "metadata": json.dumps({"userid": "alice"}),
         "headers": json.dumps({"X-LLM-D-Inference-Fairness-Id": "spoofed", "x-team": "t"}),
     }
@@ -92,8 +104,11 @@ def test_fairness_identity_header(env: dict[str, str], pl: Pipeline) -> None:
     assert "X-LLM-D-Inference-Fairness-Id" not in headers  # the caller's variant is replaced
     assert headers["x-request-id"] == "r1" and headers["x-team"] == "t"
     assert headers["Content-Type"] == "application/json"
-    q: dict[str, Any] = {"queue_name": "default", "igw_base_url": "http://x",
-                         "inference_objective": "obj"}
+    q: dict[str, Any] = {
+        "queue_name": "default",
+        "igw_base_url": "http://x",
+        "inference_objective": "obj",
+    }
     off = with_overrides(settings, queues=[q], fairness_header="")
     headers = Attempt(Runtime(off), record, "tok", "w").headers()
     assert "x-llm-d-inference-fairness-id" not in headers

@@ -1,0 +1,196 @@
+"""The worker node's HTTP endpoint: ``/metrics`` (Prometheus), ``/healthz``, ``/readyz``.
+
+Served from the worker's main process on ``PIPELINE_METRICS_HOST`` (default ``127.0.0.1``:
+loopback unless configured) and ``PIPELINE_METRICS_PORT`` (default 9808; 0 = off). A port that
+is taken is logged and the node runs on without the endpoint.
+
+- ``/healthz``: 200 ``{"status": "ok"}`` while the process serves HTTP.
+- ``/readyz``: 200 ``{"status": "ready"}`` when Redis answers a PING (3 s timeout), the
+  dispatcher runs and the Celery consumer is connected and consuming; else 503 with the
+  reason. Not ready again from the moment the node begins shutting down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import redis
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from . import metrics
+from .config import Settings
+
+log = logging.getLogger("pipeline.health")
+
+PING_TIMEOUT_S = 3.0
+ReadyCheck = Callable[[], str | None]  # None when ready, else why not
+
+
+class NodeServer:
+    """``/metrics``, ``/healthz`` and ``/readyz`` on one port, in a daemon thread."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        host: str,
+        port: int,
+        *,
+        registry: CollectorRegistry | None = None,
+        checks: list[ReadyCheck] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry or metrics.scrape_registry(settings)
+        self.checks = list(checks or [])
+        self.stopping = threading.Event()
+        self._redis = redis.Redis.from_url(
+            settings.redis_url, socket_timeout=PING_TIMEOUT_S, socket_connect_timeout=PING_TIMEOUT_S
+        )
+        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.httpd.server_address[:2]
+        return str(host), int(port)
+
+    def start(self) -> NodeServer:
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, name="pipeline-metrics", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._redis.close()
+
+    def not_ready(self) -> str | None:
+        """Why the node is not ready, or None."""
+        if self.stopping.is_set():
+            return "shutting down"
+        try:
+            self._redis.ping()
+        except redis.RedisError as exc:
+            return f"redis unreachable: {type(exc).__name__}"
+        for check in self.checks:
+            try:
+                reason = check()
+            except Exception as exc:  # noqa: BLE001 - a failing check means not ready
+                reason = f"{type(exc).__name__}: {exc}"
+            if reason:
+                return reason
+        return None
+
+
+def _handler(server: NodeServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            path = self.path.partition("?")[0]
+            if path == "/metrics":
+                try:
+                    body = generate_latest(server.registry)
+                except Exception as exc:  # noqa: BLE001 - answer 500, keep serving
+                    log.warning("metrics scrape failed: %s", exc)
+                    self._send(500, f"scrape failed: {type(exc).__name__}\n".encode(), "text/plain")
+                    return
+                self._send(200, body, CONTENT_TYPE_LATEST)
+            elif path == "/healthz":
+                self._json(200, {"status": "ok"})
+            elif path == "/readyz":
+                reason = server.not_ready()
+                if reason is None:
+                    self._json(200, {"status": "ready"})
+                else:
+                    self._json(503, {"status": "not ready", "reason": reason})
+            else:
+                self._json(
+                    404, {"error": "not found", "paths": ["/metrics", "/healthz", "/readyz"]}
+                )
+
+        def _json(self, status: int, data: dict[str, Any]) -> None:
+            self._send(status, (json.dumps(data) + "\n").encode(), "application/json")
+
+        def _send(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            log.debug("%s %s", self.address_string(), format % args)
+
+    return Handler
+
+
+# -- worker-node wiring (called from tasks.node) ------------------------------------------
+_node_server: NodeServer | None = None
+
+
+def _consuming(worker: Any) -> str | None:
+    consumer = getattr(worker, "consumer", None)
+    if consumer is None:
+        return "consumer not started"
+    conn = getattr(consumer, "connection", None)
+    if conn is None or not getattr(conn, "connected", False):
+        return "broker not connected"
+    if getattr(consumer, "task_consumer", None) is None:
+        return "not consuming"
+    return None
+
+
+def _dispatching(dispatcher: Any) -> str | None:
+    thread = getattr(dispatcher, "_thread", None)
+    if thread is None or not thread.is_alive():
+        return "dispatcher not running"
+    return None
+
+
+def start_node(worker: Any, dispatcher: Any, settings: Settings) -> NodeServer | None:
+    """Start the node's endpoint for a Celery worker and its dispatcher (main process)."""
+    global _node_server
+    port = metrics.port_from_env()
+    if port == 0:
+        return None
+    host = os.environ.get("PIPELINE_METRICS_HOST") or metrics.DEFAULT_HOST
+    try:
+        server = NodeServer(
+            settings,
+            host,
+            port,
+            registry=metrics.scrape_registry(settings, dispatcher),
+            checks=[lambda: _dispatching(dispatcher), lambda: _consuming(worker)],
+        ).start()
+    except OSError as exc:
+        log.warning("metrics endpoint not started on %s:%d: %s", host, port, exc)
+        return None
+    _node_server = server
+    try:
+        from celery.signals import worker_shutting_down
+
+        worker_shutting_down.connect(_on_shutting_down, weak=False)
+    except ImportError:  # pragma: no cover - celery is a dependency
+        pass
+    log.info("metrics, healthz and readyz on http://%s:%d", *server.address)
+    return server
+
+
+def _on_shutting_down(**_: Any) -> None:
+    if _node_server is not None:
+        _node_server.stopping.set()
+
+
+def stop_node() -> None:
+    global _node_server
+    server, _node_server = _node_server, None
+    if server is not None:
+        server.stop()

@@ -1,0 +1,337 @@
+"""Prometheus metrics, health endpoints and the status view, against real worker nodes (each
+with its own ``/metrics`` port), a real Redis and the simulator over real HTTP.
+
+Each test runs an isolated pipeline (own key prefix and pools, see ``tests/observability``),
+submits a known workload, and asserts the scraped counts, summed over the nodes."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from rich.console import Console
+
+from pipeline.config import load_settings
+from pipeline.health import NodeServer
+from pipeline.sim import SimServer
+from pipeline.status import render_status, status_snapshot
+from tests.conftest import ROOT, WorkerProc, assert_idle, quota, wait_for
+from tests.observability import (
+    Isolated,
+    Samples,
+    free_port,
+    isolated,
+    scrape,
+    series,
+    start_node,
+    total,
+    wait_ready,
+)
+
+REASONS = {"gate_closed", "quota_exhausted", "dropped", "error"}
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "pipeline.json"
+ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
+
+
+def fail_first(n: int, status: int = 503) -> dict[str, str]:
+    return {"x-sim-fail-first": str(n), "x-sim-fail-status": str(status)}
+
+
+def wait_done(iso: Isolated, ids: list[str], timeout: float = 20.0) -> None:
+    for rid in ids:
+        iso.pl.wait(rid, timeout=timeout)
+
+
+def scrape_all(ports: list[int]) -> Samples:
+    return [s for p in ports for s in scrape(p)]
+
+
+@pytest.fixture
+def nodes(
+    start_worker: Callable[..., WorkerProc],
+) -> Iterator[Callable[..., tuple[WorkerProc, int]]]:
+    """Start worker nodes of an isolated pipeline (see ``start_node``); stopped at the end."""
+    started: list[WorkerProc] = []
+
+    def start(iso: Isolated, **kw: Any) -> tuple[WorkerProc, int]:
+        w, port = start_node(start_worker, iso, **kw)
+        started.append(w)
+        return w, port
+
+    yield start
+    for w in started:
+        w.proc.terminate()
+    for w in started:
+        w.stop()
+
+
+@pytest.fixture
+def workload_iso(env: dict[str, str], sim: SimServer, tmp_path: Path) -> Isolated:
+    return isolated(
+        env,
+        tmp_path,
+        [
+            {"queue_name": "m", "igw_base_url": sim.url},
+            {"queue_name": "quota", "igw_base_url": sim.url, **quota(1)},
+            # no worker serves this pool: its requests can only expire while waiting
+            {"queue_name": "orphan", "igw_base_url": sim.url, "worker_pool_id": "none"},
+        ],
+    )
+
+
+def submit_workload(iso: Isolated) -> tuple[list[str], str]:
+    """11 successes (3 after 503s, 1 after a 429), 1 fatal 400, 2 gated requests of one user
+    on a concurrency-1 quota, 1 request that expires while queued. Returns (ids, expired)."""
+    pl, m = iso.pl, iso.queue("m")
+    # the second request of user u1 arrives while the first holds the user's only slot
+    user = {"queue": iso.queue("quota"), "metadata": {"userid": "u1"}}
+    first = pl.submit({"prompt": "q1"}, headers={"x-sim-latency-ms": "1000"}, **user)
+    wait_for(lambda: pl.state(first.id) == "running", 10, what="the quota holder")
+    second = pl.submit({"prompt": "q2"}, **user)
+    # refused, so dispatched again (before the other queue's work competes for the slots)
+    wait_for(lambda: int(pl.record(second.id).get("dispatches", 0)) >= 2, 10, what="a refusal")
+    ids = [first.id, second.id]
+    ids += [pl.submit({"prompt": f"ok {i}"}, queue=m).id for i in range(6)]
+    ids += [pl.submit({"prompt": "r"}, queue=m, headers=fail_first(2)).id for _ in range(2)]
+    ids.append(pl.submit({"prompt": "shed"}, queue=m, headers=fail_first(1, 429)).id)
+    ids.append(pl.submit({"prompt": "bad"}, queue=m, headers=fail_first(1, 400)).id)
+    expired = pl.submit({"prompt": "late"}, queue=iso.queue("orphan"), timeout=0.3).id
+    return ids, expired
+
+
+def assert_workload_counts(samples: Samples, iso: Isolated) -> None:
+    m = {"queue_name": iso.queue("m")}
+    q = {"queue_name": iso.queue("quota")}
+    orphan = {"queue_name": iso.queue("orphan")}
+    assert total(samples, "pipeline_request_total", **m) == 10
+    assert total(samples, "pipeline_request_total", **q) == 2
+    assert total(samples, "pipeline_successful_requests_total", **m) == 9
+    assert total(samples, "pipeline_successful_requests_total", **q) == 2
+    assert total(samples, "pipeline_failed_requests_total", **m) == 1
+    assert total(samples, "pipeline_request_retries_total", **m) == 5
+    assert total(samples, "pipeline_shedded_requests_total", **m) == 1
+    assert total(samples, "pipeline_exceeded_deadline_requests_total", **orphan) == 1
+    assert total(samples, "pipeline_exceeded_deadline_requests_total", **m) == 0
+    # one histogram observation per HTTP call: 6 + 2×3 + 2 + 1 on m, 2 on quota
+    assert total(samples, "pipeline_inference_latency_time_millis_count", **m) == 15
+    assert total(samples, "pipeline_inference_latency_time_millis_count", **q) == 2
+    assert total(samples, "pipeline_queue_residence_time_millis_count", **m) == 10
+    assert total(samples, "pipeline_inflight_requests", **m) == 0
+    # the second request of user u1 was refused while the first held the quota
+    assert total(samples, "pipeline_gate_decisions_total", reason="quota_exhausted", **q) >= 1
+    assert total(samples, "pipeline_gate_decisions_total", **m) == 0
+    assert {s["reason"] for s in series(samples, "pipeline_gate_decisions_total", **m)} == REASONS
+    labels = series(samples, "pipeline_request_total", **m)[0]
+    assert labels == {"queue_id": iso.queue("m"), "queue_name": iso.queue("m"),
+                      "pool_name": iso.pool()}  # fmt: skip
+
+
+def test_counts_with_two_thread_nodes(
+    workload_iso: Isolated, nodes: Callable[..., tuple[WorkerProc, int]], sim: SimServer
+) -> None:
+    iso = workload_iso
+    sim.reset()
+    started = [nodes(iso, concurrency=2, wait=False) for _ in range(2)]
+    for w, port in started:
+        wait_ready(w, port)
+    ports = [p for _, p in started]
+    ids, expired = submit_workload(iso)
+    wait_done(iso, [*ids, expired])
+    assert iso.pl.wait(expired, 1).error_code == "DEADLINE_EXCEEDED"
+    assert_idle(iso.pl)
+    samples = scrape_all(ports)
+    assert_workload_counts(samples, iso)
+    # both nodes did work (4 slots, prefetch 1 per slot): the sums above span two nodes
+    for port in ports:
+        assert total(scrape(port), "pipeline_request_total") > 0
+    # read from Redis at scrape time: the same on every node
+    for port in ports:
+        one = scrape(port)
+        assert total(one, "pipeline_queue_depth", queue_name=iso.queue("m")) == 0
+        assert total(one, "pipeline_gate_in_flight", queue_name=iso.queue("quota")) == 0
+        # a per-user quota has no overall limit
+        assert not series(one, "pipeline_gate_limit", queue_name=iso.queue("quota"))
+        assert total(one, "pipeline_redis_up") == 1
+        assert total(one, "pipeline_dispatch_budget", queue_name=iso.queue("m")) == 1.0
+        assert total(one, "pipeline_pool_worker_limit", pool_name=iso.pool()) == 4
+        assert total(one, "pipeline_queue_wedged", queue_name=iso.queue("m")) == 0
+    # every series the dashboard, the alert rules and the README name is served
+    text = httpx.get(f"http://127.0.0.1:{ports[0]}/metrics", timeout=5).text
+    served = set(re.findall(r"^(?:# TYPE )?(pipeline_[a-z_]+)", text, re.M))
+    readme = (ROOT / "README.md").read_text().partition("## Watching it run")[2]
+    for source in (DASHBOARD.read_text(), ALERTS.read_text(), readme):
+        named = set(re.findall(r"\bpipeline_[a-z_]+[a-z]", source))
+        assert named and named <= served, sorted(named - served)
+
+
+def test_counts_with_a_prefork_node(
+    workload_iso: Isolated, nodes: Callable[..., tuple[WorkerProc, int]], sim: SimServer
+) -> None:
+    """Attempts run in pool children; the main process serves their counts (multiprocess
+    mode), including those of a child that was replaced (max-tasks-per-child 3)."""
+    iso = workload_iso
+    sim.reset()
+    _, port = nodes(
+        iso,
+        concurrency=2,
+        pool_impl="prefork",
+        celery_args=["--max-tasks-per-child", "3"],
+    )
+    ids, expired = submit_workload(iso)
+    wait_done(iso, [*ids, expired], timeout=30)
+    assert_idle(iso.pl)
+    assert_workload_counts(scrape(port), iso)
+
+
+def test_queue_depth_gate_in_flight_and_wedge(
+    env: dict[str, str],
+    sim: SimServer,
+    tmp_path: Path,
+    nodes: Callable[..., tuple[WorkerProc, int]],
+) -> None:
+    """While a stalled attempt holds a limit-1 gate and others wait, the scrape shows them
+    (from Redis) and the wedge detector fires; when the stall times out all of it clears."""
+    iso = isolated(
+        env,
+        tmp_path,
+        [
+            {
+                "queue_name": "w",
+                "igw_base_url": sim.url,
+                "request_timeout_s": 1.5,
+                "gate_type": "local-max-concurrency",
+                "gate_params": {"limit": 1},
+            }
+        ],  # fmt: skip
+        PIPELINE_WEDGE_AFTER_S="0.5",
+    )
+    sim.reset()
+    _, port = nodes(iso, concurrency=4)
+    q = iso.queue("w")
+    stall = {"x-sim-fail-first": "1", "x-sim-fail-mode": "stall"}
+    first = iso.pl.submit({"prompt": "stall"}, queue=q, headers=stall)
+    wait_for(lambda: iso.pl.state(first.id) == "running", 10, what="the stalled attempt")
+    rest = [iso.pl.submit({"prompt": f"w{i}"}, queue=q).id for i in range(3)]
+
+    def wedged() -> Samples | None:
+        s = scrape(port)
+        return s if total(s, "pipeline_queue_wedged", queue_name=q) == 1 else None
+
+    s = wait_for(wedged, 10, interval=0.1, what="the wedge gauge")
+    assert total(s, "pipeline_gate_in_flight", queue_name=q) == 1
+    assert total(s, "pipeline_gate_limit", queue_name=q, gate_type="local-max-concurrency") == 1
+    assert total(s, "pipeline_queue_depth", queue_name=q, state="pending") == 3
+    assert total(s, "pipeline_queue_depth", queue_name=q, state="running") == 1
+    assert total(s, "pipeline_inflight_requests", queue_name=q) == 1
+    assert total(s, "pipeline_dispatch_budget", queue_name=q) == 0.0
+    for rid in [first.id, *rest]:
+        assert iso.pl.wait(rid, timeout=20).ok
+    assert_idle(iso.pl)
+    # the detector re-checks on its next reaper pass
+    s = wait_for(
+        lambda: (s := scrape(port)) and not total(s, "pipeline_queue_wedged", queue_name=q) and s,
+        5,
+        what="the wedge to clear",
+    )
+    assert total(s, "pipeline_gate_in_flight", queue_name=q) == 0
+    assert total(s, "pipeline_request_retries_total", queue_name=q) == 1  # the timed-out stall
+    assert total(s, "pipeline_successful_requests_total", queue_name=q) == 4
+
+
+def test_healthz_and_readyz(env: dict[str, str], tmp_path: Path) -> None:
+    """``/healthz`` answers while the process serves; ``/readyz`` is 503 with the reason when
+    Redis does not answer (here: nothing listens on the discard port) or a check fails."""
+    dead = load_settings({**env, "PIPELINE_REDIS_URL": "redis://127.0.0.1:9/0"})
+    live = load_settings(env)
+    reasons: list[str | None] = ["dispatcher not running"]
+    servers = [
+        NodeServer(dead, "127.0.0.1", free_port()).start(),
+        NodeServer(live, "127.0.0.1", free_port(), checks=[lambda: reasons[0]]).start(),
+    ]
+    try:
+        urls = [f"http://127.0.0.1:{s.address[1]}" for s in servers]
+        for url in urls:
+            r = httpx.get(url + "/healthz", timeout=5)
+            assert (r.status_code, r.json()) == (200, {"status": "ok"})
+        r = httpx.get(urls[0] + "/readyz", timeout=10)
+        assert r.status_code == 503 and "redis unreachable" in r.json()["reason"]
+        r = httpx.get(urls[1] + "/readyz", timeout=5)
+        assert (r.status_code, r.json()["reason"]) == (503, "dispatcher not running")
+        reasons[0] = None
+        assert httpx.get(urls[1] + "/readyz", timeout=5).status_code == 200
+        r = httpx.get(urls[0] + "/metrics", timeout=10)
+        assert r.status_code == 200 and "pipeline_redis_up 0.0" in r.text
+        servers[1].stopping.set()  # what SIGTERM does
+        r = httpx.get(urls[1] + "/readyz", timeout=5)
+        assert (r.status_code, r.json()["reason"]) == (503, "shutting down")
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_status_view_shows_oldest_waiting_and_holders(
+    env: dict[str, str],
+    sim: SimServer,
+    tmp_path: Path,
+    nodes: Callable[..., tuple[WorkerProc, int]],
+) -> None:
+    iso = isolated(
+        env,
+        tmp_path,
+        [
+            {
+                "queue_name": "held",
+                "igw_base_url": sim.url,
+                "gate_type": "local-max-concurrency",
+                "gate_params": {"limit": 1},
+            },
+            {"queue_name": "idle", "igw_base_url": sim.url, "worker_pool_id": "none"},
+        ],  # fmt: skip
+    )
+    held, idle = iso.queue("held"), iso.queue("idle")
+    # the oldest is not the head of the queue: the newer one has a higher priority
+    waiting = [iso.pl.submit({"prompt": "s0"}, queue=idle, timeout=600, priority=0).id]
+    nodes(iso, concurrency=2)  # (takes a second or more: the two are far apart)
+    waiting.append(iso.pl.submit({"prompt": "s1"}, queue=idle, timeout=600, priority=1).id)
+    submitted = [float(iso.pl.record(rid)["submitted_at"]) for rid in waiting]
+    assert submitted[1] - submitted[0] > 0.5
+    holder = iso.pl.submit({"prompt": "h"}, queue=held, headers={"x-sim-latency-ms": "3000"})
+    wait_for(lambda: iso.pl.state(holder.id) == "running", 10, what="the holder")
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline", "status", "--json"],
+        env=iso.env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    data: dict[str, Any] = json.loads(out.stdout)
+    assert data[idle]["pending"] == 2 and data[idle]["oldest_pending_age_s"] > 0
+    assert data[held]["gate"]["holders"][0]["request_id"] == holder.id
+    before = time.time()
+    snap = status_snapshot(iso.pl)
+    after = time.time()
+    age = snap[idle]["oldest_pending_age_s"]
+    assert before - submitted[0] - 0.002 <= age <= after - submitted[0] + 0.002
+    assert 590 < snap[idle]["min_deadline_slack_s"] <= 600
+    assert snap[idle]["pending"] == 2 and snap[held]["oldest_pending_age_s"] is None
+    gate = snap[held]["gate"]
+    assert gate["in_flight"] == 1 and gate["limit"] == 1
+    assert [h["request_id"] for h in gate["holders"]] == [holder.id]
+    console = Console(width=250, record=True)
+    console.print(render_status(snap))
+    text = console.export_text()
+    assert holder.id in text and "1 / 1" in text and "oldest" in text
+    for rid in waiting:
+        assert iso.pl.cancel(rid)
+    assert iso.pl.wait(holder.id, timeout=15).ok
+    assert_idle(iso.pl)
