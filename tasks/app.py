@@ -8,6 +8,9 @@ from celery import Celery
 
 from pipeline import keys
 
+from . import compat
+
+compat.install()
 app = Celery("pipeline")
 app.config_from_object("celeryconfig")
 

@@ -26,6 +26,7 @@ from pipeline.sim import SimConfig, SimServer
 
 REDIS_URL = os.environ.get("PIPELINE_TEST_REDIS_URL", "redis://127.0.0.1:6379/12")
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS_TAG = f"t{uuid.uuid4().hex[:6]}"  # this session's result lists
 
 
 def wait_for(
@@ -76,7 +77,7 @@ def queue_entries(sim_url: str) -> list[dict[str, Any]]:
             "queue_name": "slowretry",
             "igw_base_url": sim_url,
             "retry_base_delay_s": 1.0,
-            "result_queue_name": "test-results-slowretry",
+            "result_queue_name": f"{RESULTS_TAG}-results-slowretry",
         },
         *gated_queue_entries(sim_url),
     ]
@@ -92,7 +93,8 @@ def quota(n: int) -> dict[str, Any]:
 
 
 def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
-    """Queues with gates that hold reservations, one result list each (``res-<queue>``)."""
+    """Queues with gates that hold reservations, one result list each (named per session:
+    result lists use their configured name verbatim, outside the key prefix)."""
     fast = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.4, "request_timeout_s": 5}
     dead = "http://127.0.0.1:9"  # discard port: nothing listens, connections are refused
     wait_quota = {"gate_type": "wait-on-refuse", "gate_params": {"gate": quota(1)}}
@@ -115,7 +117,7 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
             "queue_name": name,
             "igw_base_url": url,
             "worker_pool_id": pool,
-            "result_queue_name": f"res-{name}",
+            "result_queue_name": f"{RESULTS_TAG}-res-{name}",
             **gate,
             **fast,
         }
@@ -151,8 +153,9 @@ def env(
     yield {**os.environ, **e}
     # each session has its own key prefix and Celery queues: clean up only what is ours
     client = redis.Redis.from_url(redis_url)
-    for key in client.scan_iter(e["PIPELINE_KEY_PREFIX"] + "*", count=1000):
-        client.delete(key)
+    for pattern in (e["PIPELINE_KEY_PREFIX"] + "*", RESULTS_TAG + "-*"):
+        for key in client.scan_iter(pattern, count=1000):
+            client.delete(key)
 
 
 class WorkerProc:

@@ -203,7 +203,8 @@ def test_submit_many_runs_to_completion(served: Pipeline) -> None:
 
 def test_result_list_uses_reference_field_names(served: Pipeline) -> None:
     client = served.store.client
-    client.delete("test-results-slowretry")
+    results_key = served.settings.result_list(served.settings.queues["slowretry"])
+    client.delete(results_key)  # this session's list: drop earlier tests' results
     ok = served.submit({"prompt": "x"}, id=uid(), queue="slowretry", timeout=30)
     bad = served.submit(
         {"prompt": "x"},
@@ -216,7 +217,7 @@ def test_result_list_uses_reference_field_names(served: Pipeline) -> None:
     bad.result(timeout=15)
     pushed = {}
     for _ in range(2):
-        raw = client.rpop("test-results-slowretry")
+        raw = client.rpop(results_key)
         assert raw is not None
         item = json.loads(raw)
         pushed[item["id"]] = item

@@ -26,7 +26,6 @@ def write_config(tmp_path: Path, sim_url: str) -> dict[str, str]:
             "queue_name": "pooled",
             "igw_base_url": sim_url,
             "worker_pool_id": "gp",
-            "result_queue_name": "res-pooled",
         },
         {"queue_name": "pooled2", "igw_base_url": sim_url, "worker_pool_id": "gp"},
     ]
@@ -89,6 +88,8 @@ def test_pool_gate_and_worker_cap(tmp_path: Path, env: dict[str, str], sim: SimS
     finally:
         worker.terminate()
         worker.wait(30)
+        for key in pl.store.client.scan_iter(settings.key_prefix + "*"):
+            pl.store.client.delete(key)
     assert "Traceback" not in log.read_text(errors="replace")
 
 

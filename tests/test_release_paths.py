@@ -34,7 +34,7 @@ def stall_first(n: int = 1) -> dict[str, str]:
 
 
 def results_pushed(pl: Pipeline, queue: str, rid: str) -> list[dict[str, Any]]:
-    raw = pl.store.client.lrange(f"res-{queue}", 0, -1)
+    raw = pl.store.client.lrange(pl.settings.result_list(pl.settings.queues[queue]), 0, -1)
     return [r for r in (json.loads(x) for x in raw) if r["id"] == rid]
 
 

@@ -78,7 +78,10 @@ def test_random_sigkills_under_load(pl: Pipeline, sim: SimServer, start_worker: 
             n.stop()
     assert kills >= 3
     assert len(results) == REQUESTS and all(r.ok for r in results)
-    pushed = [json.loads(x)["id"] for x in pl.store.client.lrange("res-chaos", 0, -1)]
+    pushed = [
+        json.loads(x)["id"]
+        for x in pl.store.client.lrange(pl.settings.result_list(pl.settings.queues["chaos"]), 0, -1)
+    ]
     assert sorted(pushed) == sorted(ids)  # exactly one terminal result each
     stats = sim.stats()
     assert stats["max_concurrency_observed"] <= LIMIT, stats

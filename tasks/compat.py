@@ -1,0 +1,36 @@
+"""A guard around a kombu race in the Redis transport (kombu 5.x).
+
+When the broker connection drops, Celery's consumer releases the connection; closing its
+channel then restores the unacknowledged messages, which needs a *new* Redis client built
+from ``channel.connection.client`` — already ``None`` by then. The AttributeError escapes
+``ignore_errors`` and the worker stops with "Unrecoverable error: AttributeError('NoneType'
+object has no attribute 'hostname')" instead of reconnecting (seen here when Redis restarts;
+compare celery/kombu#582). We skip that restore when the connection is gone: the messages stay
+in kombu's unacked set, are redelivered after the visibility timeout, and are fenced off by
+their attempt token, while the pipeline's reaper has already re-dispatched their requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+
+log = logging.getLogger("pipeline.compat")
+_restore_unacked = kombu_redis.QoS.restore_unacked
+
+
+def _guarded_restore_unacked(self: Any, client: Any = None) -> Any:
+    if client is None and getattr(self.channel.connection, "client", None) is None:
+        log.warning(
+            "broker connection gone: leaving %d unacked message(s) for the visibility timeout",
+            len(self._delivered),
+        )
+        self._delivered.clear()
+        return None
+    return _restore_unacked(self, client)
+
+
+def install() -> None:
+    kombu_redis.QoS.restore_unacked = _guarded_restore_unacked  # type: ignore[method-assign]
