@@ -176,10 +176,13 @@ def run_batch(
         disable=not show_progress,
         transient=False,
     )
-    counts: dict[str, Any] = {"ok": 0, "failed": 0, "retrying": 0, "running": 0}
+    invalid = summary.outcomes["INVALID_REQUEST"]  # already answered, counted as failed
+    counts: dict[str, Any] = {"ok": 0, "failed": invalid, "retrying": 0, "running": 0}
     last_poll = [0.0]
     with progress:
-        task = progress.add_task("requests", total=len(requests), **counts)
+        task = progress.add_task(
+            "requests", total=len(requests) + invalid, completed=invalid, **counts
+        )
 
         def refresh() -> None:
             now = time.monotonic()
