@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -145,6 +146,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     services = Services()
+
+    def on_term(signum: int, _frame: Any) -> None:  # stop what we started, also on SIGTERM
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
     env = dict(os.environ)
     try:
         settings = load_settings(env)
