@@ -22,11 +22,11 @@ result_accept_content = ["json"]
 task_acks_late = True
 task_reject_on_worker_lost = False  # a lost attempt is requeued by the pipeline, not Celery
 worker_prefetch_multiplier = 1
-task_track_started = True
+task_track_started = False  # STARTED reaches Flower as an event; no extra backend write
 worker_send_task_events = True
 task_send_sent_event = True
 result_expires = 24 * 3600
-result_extended = True
+result_extended = False
 
 task_default_queue = celery_queue("default", os.environ.get("PIPELINE_KEY_PREFIX") or "pl:")
 # Longer than the longest attempt (request_timeout_s, 300 s by default) plus the time a

@@ -18,6 +18,7 @@ from .models import Request, Result
 from .store import Store
 
 MAX_ID_LENGTH = 256
+FULL_RESCAN_S = 30.0  # iter_results re-reads every waiting id this often (recent keeps 300 s)
 MAX_DEADLINE_AHEAD_S = 10 * 365 * 24 * 3600.0
 SUBMIT_KEYS = frozenset(
     {"queue", "id", "priority", "deadline", "timeout", "metadata", "headers", "endpoint"}
@@ -218,7 +219,7 @@ class Pipeline:
         last_full = 0.0
         while remaining:
             now = time.time()
-            if now - last_full > 2.0:
+            if now - last_full > FULL_RESCAN_S:  # a safety net; the recent set is the path
                 candidates = list(remaining)
                 last_full = now
             else:

