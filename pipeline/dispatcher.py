@@ -63,6 +63,7 @@ class Dispatcher:
         # queues of pools this node does not serve: swept (due retries promoted, expired
         # requests resulted) but never dispatched, so deadlines hold even with no worker there
         self.foreign = [q for p, qs in all_pools.items() if p not in self.pools for q in qs]
+        self._foreign_due = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_beat = 0.0
@@ -138,10 +139,18 @@ class Dispatcher:
                 ne = self._tick_queue(pool, q, queues)
                 if ne is not None and (next_event is None or ne < next_event):
                     next_event = ne
-        for q in self.foreign:
-            ne = self.store.tick(q, [q], 0.0, 0, 0).next_event
-            if ne is not None and (next_event is None or ne < next_event):
-                next_event = ne
+        now = time.time()
+        if self.foreign and now >= self._foreign_due:
+            # other pools' queues only when one of their events is due (or once a second),
+            # not on every doorbell ring
+            due = now + MAX_IDLE_S
+            for q in self.foreign:
+                ne = self.store.tick(q, [q], 0.0, 0, 0).next_event
+                if ne is not None:
+                    due = min(due, ne)
+            self._foreign_due = due
+        if self.foreign and (next_event is None or self._foreign_due < next_event):
+            next_event = self._foreign_due
         return next_event
 
     def _tick_queue(self, pool: str, q: QueueConfig, queues: list[QueueConfig]) -> float | None:
