@@ -23,8 +23,11 @@ task_acks_late = True
 task_reject_on_worker_lost = False  # a lost attempt is requeued by the pipeline, not Celery
 worker_prefetch_multiplier = 1
 task_track_started = False  # STARTED reaches Flower as an event; no extra backend write
-worker_send_task_events = True
-task_send_sent_event = True
+# Task events (for Flower) cost a broker publish each. On by default; PIPELINE_TASK_EVENTS=0
+# turns them off (Flower then enables them on the workers when it runs).
+_events = os.environ.get("PIPELINE_TASK_EVENTS", "1") != "0"
+worker_send_task_events = _events
+task_send_sent_event = _events
 result_expires = 24 * 3600
 result_extended = False
 

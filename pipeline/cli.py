@@ -38,8 +38,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         ",".join(celery_queue(p) for p in pools),
         "--loglevel",
         args.loglevel,
-        "-E",
     ]
+    if args.events:
+        argv.append("-E")
     if args.hostname:
         argv += ["-n", args.hostname]
     argv += [a for a in (args.celery_args or []) if a != "--"]
@@ -253,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-P", "--pool-impl", default="threads", choices=["threads", "prefork", "solo"])
     p.add_argument("-n", "--hostname")
     p.add_argument("--loglevel", default="INFO")
+    p.add_argument(
+        "--no-events",
+        dest="events",
+        action="store_false",
+        default=os.environ.get("PIPELINE_TASK_EVENTS", "1") != "0",
+        help="do not send task events (Flower turns them on when it runs); "
+        "also PIPELINE_TASK_EVENTS=0",
+    )
     p.add_argument("celery_args", nargs=argparse.REMAINDER, help="passed to celery worker")
     p.set_defaults(func=cmd_worker)
 

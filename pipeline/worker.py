@@ -322,8 +322,9 @@ class Attempt:
                 attempted=attempted, status_code=int(data["status_code"]), payload=data["payload"]
             )
         msg = "deadline exceeded"
-        if last is not None and last.error:
-            msg = f"deadline exceeded (last error: {last.error})"
+        error = last.error if last is not None and last.error else self.record.get("last_error")
+        if error:
+            msg = f"deadline exceeded (last error: {error})"
         return self._error("DEADLINE_EXCEEDED", msg, attempted)
 
     # -- the attempt ---------------------------------------------------------------------

@@ -9,7 +9,13 @@ import threading
 from typing import Any
 
 from celery import bootsteps
-from celery.signals import celeryd_init, task_revoked, worker_shutdown, worker_shutting_down
+from celery.signals import (
+    celeryd_init,
+    task_revoked,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
 
 from pipeline import health, metrics
 from pipeline.dispatcher import Dispatcher
@@ -56,23 +62,17 @@ class DispatcherStep(bootsteps.StartStopStep):
     def start(self, worker: Any) -> None:
         _shutting_down.clear()
         rt = runtime()
-        pools = served_pools(worker)
         self.dispatcher = Dispatcher(
             rt.settings,
-            pools,
+            served_pools(worker),
             node=worker.hostname,
             slots=int(worker.concurrency or 1),
             send=send_to_celery,
             store=rt.store,
         )
-        self.dispatcher.start()
-        health.start_node(worker, self.dispatcher, rt.settings)
-        log.info(
-            "pipeline dispatcher started on %s for pools %s (%s slots)",
-            worker.hostname,
-            ", ".join(pools),
-            worker.concurrency,
-        )
+        # started by worker_ready: a node offers its slots only once it consumes, so nothing
+        # is dispatched into a queue nobody reads yet
+        _ready_to_start.append((worker, self.dispatcher))
 
     def stop(self, worker: Any) -> None:
         _shutting_down.set()
@@ -83,6 +83,21 @@ class DispatcherStep(bootsteps.StartStopStep):
 
 
 app.steps["worker"].add(DispatcherStep)
+_ready_to_start: list[tuple[Any, Dispatcher]] = []
+
+
+@worker_ready.connect
+def _on_ready(**_: Any) -> None:
+    while _ready_to_start:
+        worker, dispatcher = _ready_to_start.pop()
+        dispatcher.start()
+        health.start_node(worker, dispatcher, dispatcher.settings)
+        log.info(
+            "pipeline dispatcher started on %s for pools %s (%s slots)",
+            worker.hostname,
+            ", ".join(dispatcher.pools),
+            worker.concurrency,
+        )
 
 
 @celeryd_init.connect
