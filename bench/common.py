@@ -34,6 +34,8 @@ from typing import Any
 import httpx
 import redis
 
+from pipeline.services import wait_until
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 BODY: dict[str, Any] = {"model": "sim-model", "prompt": "benchmark", "max_tokens": 4}
@@ -48,14 +50,7 @@ def wait_for(
     check: Callable[[], Any], timeout: float, interval: float = 0.02, what: str = "condition"
 ) -> Any:
     """Poll ``check`` until it returns something truthy; raise after ``timeout`` seconds."""
-    end = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+    return wait_until(check, timeout, what, interval)
 
 
 def _descendants(pid: int) -> list[int]:

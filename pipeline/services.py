@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
@@ -52,13 +53,16 @@ def redis_server_binary() -> str:
     return found
 
 
-def wait_until(
-    check: Callable[[], bool], timeout: float, what: str, interval: float = 0.05
-) -> None:
+def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``check`` until it returns something truthy and return that; raise TimeoutError
+    after ``timeout`` seconds. The one polling helper (the tests and benchmarks use it too)."""
     end = time.monotonic() + timeout
-    while not check():
+    while True:
+        value = check()
+        if value:
+            return value
         if time.monotonic() > end:
-            raise TimeoutError(f"{what} did not come up within {timeout:.0f} s")
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
 
 

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ import redis
 
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
+from pipeline.services import wait_until
 from pipeline.sim import SimConfig, SimServer
 
 REDIS_URL = os.environ.get("PIPELINE_TEST_REDIS_URL", "redis://127.0.0.1:6379/12")
@@ -30,17 +30,16 @@ RESULTS_TAG = f"t{uuid.uuid4().hex[:6]}"  # this session's result lists
 
 
 def wait_for(
-    check: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = "condition"
+    check: Callable[[], Any],
+    timeout: float = 10.0,
+    interval: float = 0.02,
+    what: str = "condition",
 ) -> Any:
-    """Poll ``check`` until it returns a truthy value; fail after ``timeout`` s."""
-    end = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
+    """Poll ``check`` until it returns a truthy value; fail the test after ``timeout`` s."""
+    try:
+        return wait_until(check, timeout, what, interval)
+    except TimeoutError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 @pytest.fixture(scope="session")

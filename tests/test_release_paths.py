@@ -108,22 +108,32 @@ def test_connection_error(served: Pipeline) -> None:
 
 
 # -- gate verdicts -----------------------------------------------------------------------
-def test_gate_refuse(served: Pipeline, sim: SimServer) -> None:
-    user = {"userid": uid("u")}
-    first = served.submit(
+def hold_slot(pl: Pipeline, queue: str, user: dict[str, str], latency_ms: int) -> str:
+    """Submit a slow request that takes ``user``'s only quota slot; returns once it runs."""
+    rid = pl.submit(
         {"p": 1},
         id=uid("holder"),
-        queue="quota1",
+        queue=queue,
         timeout=30,
         metadata=user,
-        headers={"x-sim-latency-ms": "1500"},
+        headers={"x-sim-latency-ms": str(latency_ms)},
     ).id
-    wait_running(served, first)
+    wait_running(pl, rid)
+    return rid
+
+
+def dispatches(pl: Pipeline, rid: str) -> int:
+    return int(pl.record(rid).get("dispatches", 0))
+
+
+def test_gate_refuse(served: Pipeline, sim: SimServer) -> None:
+    user = {"userid": uid("u")}
+    first = hold_slot(served, "quota1", user, 1500)
     second = served.submit(
         {"p": 2}, id=uid("refused"), queue="quota1", timeout=30, metadata=user
     ).id
     wait_for(
-        lambda: served.record(second).get("dispatches", "0") >= "2",
+        lambda: dispatches(served, second) >= 2,
         10,
         what="a refusal and a new dispatch",
     )
@@ -135,21 +145,13 @@ def test_gate_refuse(served: Pipeline, sim: SimServer) -> None:
 
 def test_wait_times_out_and_requeues(served: Pipeline, sim: SimServer) -> None:
     user = {"userid": uid("u")}
-    first = served.submit(
-        {"p": 1},
-        id=uid("holder"),
-        queue="quotawait",
-        timeout=30,
-        metadata=user,
-        headers={"x-sim-latency-ms": "2500"},
-    ).id
-    wait_running(served, first)
+    first = hold_slot(served, "quotawait", user, 2500)
     second = served.submit(
         {"p": 2}, id=uid("waiter"), queue="quotawait", timeout=30, metadata=user
     ).id
     # parks on the gate, times out after PIPELINE_GATE_WAIT_TIMEOUT_S=1 and is requeued
     wait_for(
-        lambda: int(served.record(second).get("dispatches", 0)) >= 2,
+        lambda: dispatches(served, second) >= 2,
         10,
         what="requeue after the wait timed out",
     )
@@ -160,15 +162,7 @@ def test_wait_times_out_and_requeues(served: Pipeline, sim: SimServer) -> None:
 
 def test_deadline_passes_while_waiting(served: Pipeline, sim: SimServer) -> None:
     user = {"userid": uid("u")}
-    first = served.submit(
-        {"p": 1},
-        id=uid("holder"),
-        queue="quotawait",
-        timeout=30,
-        metadata=user,
-        headers={"x-sim-latency-ms": "2500"},
-    ).id
-    wait_running(served, first)
+    first = hold_slot(served, "quotawait", user, 2500)
     second = served.submit(
         {"p": 2}, id=uid("late"), queue="quotawait", timeout=0.8, metadata=user
     ).id
