@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import enum
-import os
-import threading
+import http.client
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
-import httpx
-
+from . import httpcall
 from .backoff import parse_retry_after
 
 
@@ -38,23 +35,6 @@ def join_url(base: str, path: str) -> str:
     return base.rstrip("/") + "/" + path.lstrip("/")
 
 
-_clients: dict[int, httpx.Client] = {}
-_clients_lock = threading.Lock()
-
-
-def http_client() -> httpx.Client:
-    """The process's shared HTTP client (one per process: safe under prefork and threads)."""
-    pid = os.getpid()
-    with _clients_lock:
-        client = _clients.get(pid)
-        if client is None:
-            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-            client = httpx.Client(limits=limits, follow_redirects=True, trust_env=False)
-            _clients.clear()
-            _clients[pid] = client
-        return client
-
-
 def classify(status: int, body: str, retry_after: str | None) -> Outcome:
     if status < 400:
         return Outcome(Kind.SUCCESS, status, body)
@@ -69,19 +49,12 @@ def classify(status: int, body: str, retry_after: str | None) -> Outcome:
 
 def send(url: str, body: str, headers: dict[str, str], timeout_s: float) -> Outcome:
     """POST ``body`` to ``url``; never raises. ``timeout_s`` bounds the whole call."""
-    if urlsplit(url).scheme not in ("http", "https"):
-        return Outcome(Kind.FATAL, error=f"unsupported URL {url!r}", category="INVALID_REQ")
-    timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
     try:
-        resp = http_client().post(url, content=body.encode(), headers=headers, timeout=timeout)
-    except httpx.TimeoutException as exc:
-        return Outcome(
-            Kind.RETRY,
-            error=f"timed out after {timeout_s:.1f} s ({type(exc).__name__})",
-            category="TIMEOUT",
-        )
-    except httpx.TransportError as exc:
+        resp = httpcall.post(url, body.encode(), headers, timeout_s)
+    except httpcall.CallTimeout:
+        return Outcome(Kind.RETRY, error=f"timed out after {timeout_s:.1f} s", category="TIMEOUT")
+    except ValueError as exc:  # a URL that cannot be sent to
+        return Outcome(Kind.FATAL, error=str(exc), category="INVALID_REQ")
+    except (OSError, http.client.HTTPException) as exc:
         return Outcome(Kind.RETRY, error=f"{type(exc).__name__}: {exc}", category="TRANSPORT")
-    except httpx.HTTPError as exc:  # malformed URL and the like
-        return Outcome(Kind.FATAL, error=f"{type(exc).__name__}: {exc}", category="INVALID_REQ")
-    return classify(resp.status_code, resp.text, resp.headers.get("retry-after"))
+    return classify(resp.status, resp.text, resp.headers.get("retry-after"))

@@ -104,7 +104,7 @@ def test_connection_error(served: Pipeline) -> None:
     rid = served.submit({"p": 1}, id=uid("conn"), queue="dead", timeout=1.0).id
     res = finished(served, "dead", rid)
     assert res.error_code == "DEADLINE_EXCEEDED" and res.attempts >= 2
-    assert "ConnectError" in (res.error_message or "")
+    assert "ConnectionRefusedError" in (res.error_message or "")
 
 
 # -- gate verdicts -----------------------------------------------------------------------
