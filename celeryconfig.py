@@ -27,7 +27,7 @@ task_track_started = False  # STARTED reaches Flower as an event; no extra backe
 # turns them off (Flower then enables them on the workers when it runs).
 _events = os.environ.get("PIPELINE_TASK_EVENTS", "1") != "0"
 worker_send_task_events = _events
-task_send_sent_event = _events
+task_send_sent_event = False  # the dispatcher sends only what runs next: "received" is enough
 result_expires = 24 * 3600
 result_extended = False
 

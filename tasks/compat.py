@@ -1,4 +1,4 @@
-"""A guard around a kombu race in the Redis transport (kombu 5.x).
+"""Two patches to kombu's Redis transport (kombu 5.x): a guard around a race, and a client cache.
 
 When the broker connection drops, Celery's consumer releases the connection; closing its
 channel then restores the unacknowledged messages, which needs a *new* Redis client built
@@ -32,5 +32,24 @@ def _guarded_restore_unacked(self: Any, client: Any = None) -> Any:
     return _restore_unacked(self, client)
 
 
+_create_client = kombu_redis.Channel._create_client
+
+
+def _cached_create_client(self: Any, asynchronous: bool = False) -> Any:
+    """One synchronous Redis client per channel instead of a new one per publish.
+
+    kombu builds a ``redis.Redis`` around the channel's pool for every publish and every event;
+    with redis-py 8 that constructor costs ~0.5 ms of CPU (it builds its response-callback
+    table), about a fifth of an ``apply_async``. Clients are thread-safe views of the pool, so
+    one per channel is enough; a new channel (after a reconnect) gets a new one."""
+    if asynchronous:
+        return _create_client(self, asynchronous=True)
+    client = self.__dict__.get("_pipeline_sync_client")
+    if client is None:
+        client = self.__dict__["_pipeline_sync_client"] = _create_client(self)
+    return client
+
+
 def install() -> None:
     kombu_redis.QoS.restore_unacked = _guarded_restore_unacked  # type: ignore[method-assign]
+    kombu_redis.Channel._create_client = _cached_create_client  # type: ignore[method-assign]

@@ -30,9 +30,10 @@ _shutting_down = threading.Event()
 
 
 def send_to_celery(moved: list[Dispatched]) -> None:
-    """Publish dispatched attempts, in order, over one producer connection."""
+    """Publish dispatched attempts, in order, over one producer connection: one Redis
+    round trip for the whole batch where the transport can batch (kombu's Redis transport)."""
     settings = runtime().settings
-    with app.producer_or_acquire() as producer:
+    with app.producer_or_acquire() as producer, producer.batch():
         for d in moved:
             pool = settings.queues[d.queue].worker_pool_id
             infer.apply_async(
