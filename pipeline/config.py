@@ -133,6 +133,19 @@ class Settings:
     fairness_attribute: str = "userid"  # metadata key sent as the fairness identity
     fairness_header: str = "x-llm-d-inference-fairness-id"  # "" disables the stamp
     wedge_after_s: float = 300.0  # no completion this long while full and waiting: wedged
+    park_s: float = 10.0  # an attempt refused by a full slot gate parks this long for a release
+    lookahead: int = -1  # attempts dispatched past a slot gate's capacity; -1: automatic
+
+    def lookahead_for(self, capacity: int) -> int:
+        """How many attempts the dispatcher sends past a slot gate of ``capacity``, to park
+        at the workers so a released slot is taken at once: ``PIPELINE_LOOKAHEAD``, or by
+        default a quarter of the capacity, at least 1 and at most 8 (none when parking is
+        off)."""
+        if self.park_s <= 0:
+            return 0
+        if self.lookahead >= 0:
+            return self.lookahead
+        return min(8, max(1, -(-capacity // 4)))
 
     @property
     def keys(self) -> Keys:
@@ -266,7 +279,18 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         fairness_attribute=env.get("PIPELINE_FAIRNESS_ATTRIBUTE", "userid"),
         fairness_header=env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id"),
         wedge_after_s=_float_env(env, "PIPELINE_WEDGE_AFTER_S", 300.0),
+        park_s=_float_env(env, "PIPELINE_PARK_S", 10.0),
+        lookahead=_lookahead_env(env),
     )
+
+
+def _lookahead_env(env: dict[str, str]) -> int:
+    raw = env.get("PIPELINE_LOOKAHEAD", "")
+    if raw in ("", "auto"):
+        return -1
+    if not raw.isdigit():
+        raise ConfigError(f"PIPELINE_LOOKAHEAD must be 'auto' or an int >= 0, not {raw!r}")
+    return int(raw)
 
 
 def with_overrides(settings: Settings, **overrides: Any) -> Settings:

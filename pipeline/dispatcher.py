@@ -1,8 +1,10 @@
 """The dispatcher: moves the head of each queue into Celery, as many as there are free worker
 slots and as the queue's gate budget allows, so Celery's execution order mirrors the
-sorted-set order. It is event-driven: a submission, a finished attempt or a due retry rings
-the pool's doorbell (a Redis list it blocks on). It also registers its node's slots, and
-runs the reaper that requeues attempts whose lease expired.
+sorted-set order. For a slot gate (one with a capacity) it sends a few attempts more than
+there are slots (``Settings.lookahead_for``): they park at the workers and take a released
+slot at once (``pipeline.bell``). It is event-driven: a submission, a finished attempt or a
+due retry rings the pool's doorbell (a Redis list it blocks on). It also registers its node's
+slots, and runs the reaper that requeues attempts whose lease expired.
 
 One dispatcher runs in every worker node (main process). Several may run against one Redis:
 each tick is one atomic script, so they never over-dispatch.
@@ -156,9 +158,14 @@ class Dispatcher:
     def _tick_queue(self, pool: str, q: QueueConfig, queues: list[QueueConfig]) -> float | None:
         gate = self.gates[q.queue_name]
         cap = gate.capacity()
-        if cap is not None and gate.per_node:
-            cap *= self.pool_nodes[pool]
-        budget = metrics.dispatch_budget(q, gate, gate.budget())
+        if cap is not None:
+            if gate.per_node:
+                cap *= self.pool_nodes[pool]
+            # look ahead: a few attempts past the slots park at the workers, so a released
+            # slot is taken by a waiter there, not after a dispatcher round trip
+            cap += self.settings.lookahead_for(cap)
+        metrics.dispatch_budget(q, gate)
+        budget = gate.dispatch_budget()
         res = self.store.tick(q, queues, budget, -1 if cap is None else cap, self.pool_cap[pool])
         for member in res.rejected:
             log.error("queue %s: removed a malformed entry %r", q.queue_name, member[:200])
@@ -209,9 +216,13 @@ class Dispatcher:
         c = self.store.client
         with c.pipeline(transaction=False) as p:
             p.zcard(self.keys.pending(queue))
+            p.zcard(self.keys.active(queue))
             p.zrange(self.keys.recent(queue), -1, -1, withscores=True)
-            pending, last = p.execute()
-        full = cap is not None and pending > 0 and gate.in_flight() >= cap
+            pending, active, last = p.execute()
+        held = gate.in_flight() if cap is not None else 0
+        # waiting: in the queue, or dispatched and parked at a worker for a slot
+        pending += max(0, active - held)
+        full = cap is not None and pending > 0 and held >= cap
         if not full:
             self.full_since.pop(queue, None)
             c.hdel(self.keys.wedged(), queue)
@@ -229,7 +240,7 @@ class Dispatcher:
                 "for %.0f s; holders: %s",
                 queue,
                 pending,
-                gate.in_flight(),
+                held,
                 cap,
                 now - since,
                 holders or "none",

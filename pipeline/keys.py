@@ -91,6 +91,12 @@ class Keys:
         return f"{self.prefix}wedged"
 
     # -- global --------------------------------------------------------------------------
+    def freed_channel(self) -> str:
+        """Pub/Sub channel: a queue's name is published on it each time an attempt of that
+        queue ends or goes back (its gate reservation was released just before), so attempts
+        parked for a slot wake up (see ``pipeline.bell``)."""
+        return f"{self.prefix}freed"
+
     def seq(self) -> str:
         """String counter: submission sequence, the last tie-breaker of the ordering key."""
         return f"{self.prefix}seq"

@@ -20,7 +20,7 @@ progress on this node).
 with ``max``, not ``sum``): ``queue_depth{state=pending|retry_wait|running}``,
 ``gate_in_flight`` / ``gate_limit`` (per gate, label ``gate_type``; pool gates have empty queue
 labels), ``queue_wedged`` (1 while the wedge detector flags the queue), ``redis_up``. *From
-this node's dispatcher*: ``dispatch_budget`` (the queue gate's last budget, 0..1),
+this node's dispatcher*: ``dispatch_budget`` (the queue gate's budget at scrape time, 0..1),
 ``pool_worker_limit{pool_name}`` and ``gate_metric_value`` / ``_threshold`` /
 ``_source_available`` (metric gates, label ``inference_pool``).
 
@@ -275,7 +275,8 @@ def attempt_started(attempt: Attempt, send_event: Callable[..., Any] | None = No
             submitted = float(attempt.record.get("submitted_at") or started)
             s.residence.labels(*queue_labels(q)).observe(max(0.0, started - submitted) * 1000)
         decision = attempt.decision
-        if decision is not None and not decision.admitted:
+        if decision is not None and not decision.admitted and not attempt.parks_on(decision):
+            # a refusal the attempt parks through counts only if the park ends refused
             gate_decision(attempt, decision, send_event)
     except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
         log.warning("metrics for %s failed: %s", attempt.id, exc)
@@ -418,13 +419,13 @@ def observed_send(
 
 
 # -- hooks in the dispatcher (worker main process) -------------------------------------------
-_budgets: dict[str, tuple[QueueConfig, Gate, float]] = {}
+_budgets: dict[str, tuple[QueueConfig, Gate]] = {}
 
 
-def dispatch_budget(q: QueueConfig, gate: Gate, budget: float) -> float:
-    """Record the budget a dispatcher tick used for queue ``q``; returns it unchanged."""
-    _budgets[q.queue_name] = (q, gate, budget)
-    return budget
+def dispatch_budget(q: QueueConfig, gate: Gate) -> None:
+    """Record that this node dispatches queue ``q`` through ``gate`` (its budget is read at
+    scrape time)."""
+    _budgets[q.queue_name] = (q, gate)
 
 
 def deadline_expired(q: QueueConfig, n: int) -> None:
@@ -550,9 +551,9 @@ class ClusterCollector:
             "1 when the metric gate's last reading succeeded (0: fallback used).",
             labels=[*LABELS, "inference_pool"],
         )
-        for q, gate, b in list(_budgets.values()):
+        for q, gate in list(_budgets.values()):
             labels = list(queue_labels(q))
-            budget.add_metric(labels, b)
+            budget.add_metric(labels, gate.budget())
             for mg in _metric_gates(gate):
                 if getattr(mg, "threshold", None) is None:
                     continue

@@ -20,6 +20,7 @@ from typing import Any
 
 from . import metrics
 from .backoff import retry_delay
+from .bell import ReleaseBell
 from .config import QueueConfig, Settings, load_settings
 from .gates import AcquireContext, Decision, Gate, GateEnv, Verdict
 from .gating import attempt_gate
@@ -30,7 +31,7 @@ from .store import Store
 log = logging.getLogger("pipeline.worker")
 
 REFUSE_DELAY_S = (0.2, 1.0)  # a refused request waits this long (jittered) before re-entry
-WAIT_POLL_S = (0.05, 1.0)  # a parked attempt re-asks its gate: 50 ms doubling to 1 s
+PARK_POLL_S = 0.5  # a parked attempt re-asks its gate at least this often (a lost wake-up)
 RELEASE_TRIES = 4
 
 
@@ -68,6 +69,7 @@ class Runtime:
         self._heartbeat: threading.Thread | None = None
         self._stopping = threading.Event()
         self.rng = random.Random()
+        self.bell = ReleaseBell(self.store.client, self.settings.keys.freed_channel())
 
     # -- gates ---------------------------------------------------------------------------
     def gate(self, queue: str) -> Gate:
@@ -89,6 +91,7 @@ class Runtime:
         for i in range(RELEASE_TRIES):
             try:
                 gate.release(holder)
+                self.bell.ring(queue)
                 return
             except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
                 log.warning(
@@ -198,6 +201,7 @@ class Runtime:
 
     def stop(self) -> None:
         self._stopping.set()
+        self.bell.stop()
 
 
 class Attempt:
@@ -219,6 +223,7 @@ class Attempt:
             raise KeyError("payload")
         self.decision: Decision | None = None
         self.closed = False
+        self._generation = 0  # the release bell's, read before the last gate call
 
     @property
     def holder(self) -> str:
@@ -238,6 +243,7 @@ class Attempt:
 
     def acquire(self) -> Decision:
         """Ask the gate (called from the task's ``before_start``)."""
+        self._generation = self.rt.bell.generation(self.queue.queue_name)
         try:
             self.decision = self.gate.acquire(self._ctx())
         except Exception as exc:  # noqa: BLE001 - a gate error refuses, it never crashes
@@ -333,7 +339,11 @@ class Attempt:
             return self._expired(False)
         decision = self.decision or self.acquire()
         if decision.verdict is Verdict.WAIT:
-            decision = self._wait()
+            decision = self._park(self.rt.settings.gate_wait_timeout_s)
+        elif self.parks_on(decision):
+            decision = self._park(self.rt.settings.park_s)
+            if not decision.admitted:
+                metrics.gate_decision(self, decision)
         if decision.verdict is Verdict.REFUSE:
             lo, hi = REFUSE_DELAY_S
             return self._requeue(
@@ -353,14 +363,27 @@ class Attempt:
             return self._error("GATE_DROPPED", "dropped by gate")
         return self._call()
 
-    def _wait(self) -> Decision:
-        """Park until the gate admits, or until the deadline / gate wait time-out."""
-        end = min(self.deadline, time.time() + self.rt.settings.gate_wait_timeout_s)
-        delay = WAIT_POLL_S[0]
+    def parks_on(self, decision: Decision) -> bool:
+        """A full slot gate's Refuse: the attempt parks for a release (``PIPELINE_PARK_S``)
+        instead of going back to the queue at once."""
+        return (
+            decision.verdict is Verdict.REFUSE
+            and decision.wake_on_release
+            and self.rt.settings.park_s > 0
+        )
+
+    def _park(self, limit_s: float) -> Decision:
+        """Wait for a slot: until the gate admits (or stops saying Wait / full), the deadline,
+        or ``limit_s``. Woken by the release bell the moment a holder of this queue releases;
+        re-asks the gate at least every ``PARK_POLL_S`` in case a wake-up was lost."""
+        queue = self.queue.queue_name
+        end = min(self.deadline, time.time() + limit_s)
         decision = self.decision or Decision(Verdict.WAIT)
-        while decision.verdict is Verdict.WAIT and time.time() < end:
-            time.sleep(min(delay * self.rt.rng.uniform(0.5, 1.0), max(0.0, end - time.time())))
-            delay = min(WAIT_POLL_S[1], delay * 2)
+        while _parkable(decision):
+            left = end - time.time()
+            if left <= 0:
+                break
+            self.rt.bell.wait(queue, self._generation, min(PARK_POLL_S, left))
             decision = self.acquire()
         return decision
 
@@ -434,6 +457,12 @@ class Attempt:
             error=outcome.error,
             status=Status.RETRY,
         )
+
+
+def _parkable(decision: Decision) -> bool:
+    return decision.verdict is Verdict.WAIT or (
+        decision.verdict is Verdict.REFUSE and decision.wake_on_release
+    )
 
 
 def _json_map(text: str | None, field: str) -> dict[str, str]:

@@ -78,3 +78,13 @@ def test_bad_queue_file_names_the_entry(tmp_path: Path, data: object, message: s
     with pytest.raises(ConfigError) as info:
         settings_from(tmp_path, data)
     assert message in str(info.value)
+
+
+def test_lookahead_and_park_settings() -> None:
+    assert load_settings({}).lookahead == -1 and load_settings({}).park_s == 10.0
+    assert load_settings({"PIPELINE_LOOKAHEAD": "auto"}).lookahead == -1
+    s = load_settings({"PIPELINE_LOOKAHEAD": "3", "PIPELINE_PARK_S": "0.5"})
+    assert (s.lookahead, s.park_s) == (3, 0.5)
+    for bad in ("-1", "two", "1.5"):
+        with pytest.raises(ConfigError, match="PIPELINE_LOOKAHEAD"):
+            load_settings({"PIPELINE_LOOKAHEAD": bad})

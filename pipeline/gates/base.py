@@ -5,6 +5,8 @@ A gate answers two questions:
 - :meth:`Gate.budget` → 0..1, how much of its capacity is free. The dispatcher moves
   ``floor(budget × free capacity)`` requests, so it never raises (errors read as the gate's
   fail-safe value).
+  :meth:`Gate.dispatch_budget` is what the dispatcher actually uses (1.0 for a slot-counting
+  gate, whose capacity the dispatcher counts itself).
 - :meth:`Gate.acquire` → a :class:`Decision`: Continue (the holder now has a reservation to
   release), Refuse (no reservation; the request goes back to its queue), Wait (no reservation;
   park and ask again until capacity frees or the wait times out), or Drop (terminal result).
@@ -44,6 +46,9 @@ class Decision:
     labels: dict[str, str] = field(default_factory=dict)  # e.g. classification
     status_code: int | None = None  # for DROP: a result of the gate's own
     payload: str | None = None
+    # a Refuse that a release of this gate's own reservations can end (a full slot pool, not
+    # a closed metric): the attempt may park for a release instead of going back to the queue
+    wake_on_release: bool = False
 
     @property
     def admitted(self) -> bool:
@@ -105,6 +110,12 @@ class Gate:
     def budget(self) -> float:
         """Free share of capacity in [0, 1]. Never raises."""
         return 1.0
+
+    def dispatch_budget(self) -> float:
+        """The budget the dispatcher scales free worker slots by. A slot-counting gate
+        answers 1.0: the dispatcher counts its slots against :meth:`capacity` itself, and
+        looks ahead past them (attempts park for a release). Never raises."""
+        return self.budget()
 
     def capacity(self) -> int | None:
         """Most reservations this gate grants at once, or None when it does not count."""

@@ -79,6 +79,9 @@ class CompositeGate(Gate):
     def budget(self) -> float:
         return min((g.budget() for g in self.gates), default=1.0)
 
+    def dispatch_budget(self) -> float:
+        return min((g.dispatch_budget() for g in self.gates), default=1.0)
+
     def capacity(self) -> int | None:
         caps = [c for c in (g.capacity() for g in self.gates) if c is not None]
         return min(caps) if caps else None
@@ -159,6 +162,9 @@ class Wrapper(Gate):
 
     def budget(self) -> float:
         return self.inner.budget()
+
+    def dispatch_budget(self) -> float:
+        return self.inner.dispatch_budget()
 
     def capacity(self) -> int | None:
         return self.inner.capacity()

@@ -8,7 +8,9 @@ the holders live in Redis, not in process memory: one lease-counted slot pool pe
 (gate name, ``env.node``) — keys ``Keys.gate_holders("<name>@<node>")`` and
 ``Keys.gate_info("<name>@<node>")``. ``capacity()`` is the per-node limit (``per_node``);
 ``budget()`` is ``(limit − in_flight on this node) / limit``, 0.0 when Redis cannot be read.
-``reap`` frees this node's expired leases only; a node that never comes back leaves keys that
+``dispatch_budget()`` is 1.0 (the dispatcher counts the slots itself). A full gate's Refuse
+is marked ``wake_on_release``: an attempt may park until a holder releases. ``reap`` frees
+this node's expired leases only; a node that never comes back leaves keys that
 expire an hour after its last lease.
 """
 
@@ -69,6 +71,9 @@ class LocalMaxConcurrencyGate(Gate):
             log.warning("local-max-concurrency gate %s: cannot count holders: %s", self.name, exc)
             return 0.0
 
+    def dispatch_budget(self) -> float:
+        return 1.0
+
     def capacity(self) -> int:
         return self.limit
 
@@ -82,7 +87,7 @@ class LocalMaxConcurrencyGate(Gate):
         if self.slots.acquire(ctx.holder, now, ctx.lease_until, self.limit, info):
             return CONTINUE
         verdict = Verdict.WAIT if self.gating_mode == "blocking" else Verdict.REFUSE
-        return Decision(verdict, reason="gate_closed")
+        return Decision(verdict, reason="gate_closed", wake_on_release=True)
 
     def release(self, holder: str) -> bool:
         """Release wherever the holder is: normally this node's pool, but a reaper on another

@@ -20,6 +20,12 @@ local function wake(prefix, pool)
   end
 end
 
+-- An attempt of `queue` ended or went back, its gate reservation released just before:
+-- wake attempts parked for a slot (pipeline/bell.py subscribes).
+local function freed(prefix, queue)
+  redis.call('PUBLISH', prefix .. 'freed', queue)
+end
+
 -- Write the terminal result of request `id` and take it out of every waiting and active set.
 -- status_code / error_code are '' when absent. Returns the result JSON.
 local function terminal(prefix, id, now, ttl, status_code, payload, error_code, error_message)
@@ -57,6 +63,7 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   redis.call('ZADD', recent, now, id)
   redis.call('ZREMRANGEBYSCORE', recent, '-inf', tonumber(now) - 300)
   wake(prefix, pool)
+  freed(prefix, queue)
   return json
 end
 
@@ -76,6 +83,7 @@ local function enqueue(prefix, id, now, due)
     redis.call('HSET', rk, 'state', 'queued', 'token', '')
     wake(prefix, f[2])
   end
+  freed(prefix, queue)
 end
 
 local DEADLINE_PAYLOAD = '{"error": "deadline exceeded"}'

@@ -46,6 +46,8 @@ def test_composite_budget_is_the_min_and_capacity_the_min_counting(
     assert gate.budget() == pytest.approx(0.5)  # the limit-2 gate is half full
     env.client.set(budget_key, "0.3")
     assert gate.budget() == pytest.approx(0.3)
+    # dispatch: the slot gates count themselves (1.0), so the metric gate's budget decides
+    assert gate.dispatch_budget() == pytest.approx(0.3)
     assert gate.in_flight() == 1 and [h["request_id"] for h in gate.holders()] == [a.request_id]
     assert gate.release(a.holder) is True
     assert gate.release(a.holder) is False

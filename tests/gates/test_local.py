@@ -29,7 +29,9 @@ def test_admits_below_limit_refuses_at_it_and_resumes_after_release(
     assert gate.acquire(b).admitted
     full = gate.acquire(c)
     assert (full.verdict, full.reason) == (Verdict.REFUSE, "gate_closed")
+    assert full.wake_on_release  # a release ends it: the attempt may park for one
     assert gate.in_flight() == 2 and gate.budget() == 0.0
+    assert gate.dispatch_budget() == 1.0  # the dispatcher counts the slots itself
     assert gate.release(a.holder) is True
     assert gate.release(a.holder) is False  # idempotent
     assert gate.acquire(c).admitted

@@ -1,0 +1,132 @@
+"""Release bell: wakes attempts parked for a gate slot the moment a slot may have freed.
+
+A parked attempt (a full slot gate, or a blocking gate's Wait) must not sleep-poll: every
+millisecond between a release and the next admission is a millisecond the model server idles.
+Two sources ring the bell for a queue:
+
+- this process, right after it released a reservation (:meth:`ReleaseBell.ring`), so a waiter
+  in the same process wakes with no Redis round trip;
+- every other process, through Redis Pub/Sub: the scripts that end an attempt or give it back
+  (``finish``, ``requeue``) publish the queue's name on ``Keys.freed_channel()``. One listener
+  thread per process, started by the first park, turns those messages into rings.
+
+A waiter reads the queue's generation *before* it asks the gate and then waits for the
+generation to move, so a release between the refusal and the wait is never missed. Waits are
+bounded (the caller re-asks its gate on time-out), so a lost message — the listener
+reconnecting after a Redis restart, a lease freed by a reaper — costs latency, never liveness.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+
+import redis
+
+log = logging.getLogger("pipeline.bell")
+
+RECONNECT_S = (0.1, 2.0)  # the listener's back-off after a lost connection
+
+
+class ReleaseBell:
+    """Per-process generation counters, one per queue, each with a condition to wait on.
+
+    A ring wakes *one* waiter of the queue (the longest waiting: parked attempts are admitted
+    in the order they parked, which is the dispatch order), not a herd that would all ask the
+    gate for one slot."""
+
+    def __init__(self, client: redis.Redis, channel: str) -> None:
+        self.client = client
+        self.channel = channel
+        self._lock = threading.Lock()
+        self._conds: dict[str, threading.Condition] = {}
+        self._gen: dict[str, int] = defaultdict(int)
+        self._listener: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._subscribed = threading.Event()
+        self._pubsub: redis.client.PubSub | None = None
+
+    def _cond(self, queue: str) -> threading.Condition:
+        cond = self._conds.get(queue)
+        if cond is None:
+            cond = self._conds.setdefault(queue, threading.Condition(self._lock))
+        return cond
+
+    def generation(self, queue: str) -> int:
+        with self._lock:
+            return self._gen[queue]
+
+    def ring(self, queue: str) -> None:
+        """A reservation of ``queue``'s gate may have been freed: wake one of its waiters."""
+        cond = self._cond(queue)
+        with cond:
+            self._gen[queue] += 1
+            cond.notify()
+
+    def wait(self, queue: str, generation: int, timeout: float) -> bool:
+        """Block until ``queue`` rang after ``generation`` was read, or ``timeout`` s passed.
+        True when it rang."""
+        self._listen()
+        cond = self._cond(queue)
+        with cond:
+            return cond.wait_for(lambda: self._gen[queue] != generation, timeout)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def listener_address(self) -> str | None:
+        """``host:port`` of the listener's Redis connection as the server sees it (CLIENT
+        LIST's ``addr``), None while it is not connected."""
+        conn = self._pubsub.connection if self._pubsub is not None else None
+        sock = getattr(conn, "_sock", None)
+        if sock is None:
+            return None
+        host, port = sock.getsockname()[:2]
+        return f"{host}:{port}"
+
+    # -- the Pub/Sub listener -----------------------------------------------------------
+    def _listen(self) -> None:
+        if self._listener is not None and self._listener.is_alive():
+            return
+        with self._lock:
+            if self._listener is not None and self._listener.is_alive():
+                return
+            self._listener = threading.Thread(
+                target=self._run, name="pipeline-release-bell", daemon=True
+            )
+            self._listener.start()
+        # the first waiter returns once subscribed (or after a short bound): a release
+        # published before the subscription would otherwise be missed until its time-out
+        self._subscribed.wait(1.0)
+
+    def _run(self) -> None:
+        delay = RECONNECT_S[0]
+        while not self._stopping.is_set():
+            pubsub = self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(self.channel)
+                self._subscribed.set()
+                delay = RECONNECT_S[0]
+                while not self._stopping.is_set():
+                    message = pubsub.get_message(timeout=1.0)
+                    if message is None or message.get("type") != "message":
+                        continue
+                    data = message.get("data")
+                    queue = data.decode() if isinstance(data, bytes) else str(data)
+                    self.ring(queue)
+            except Exception as exc:  # noqa: BLE001 - keep listening; waits are bounded
+                log.warning("release bell lost its subscription (%s); reconnecting", exc)
+                # everything published while away is lost: wake every waiter to re-ask
+                with self._lock:
+                    for queue in list(self._gen):
+                        self._gen[queue] += 1
+                    for cond in self._conds.values():
+                        cond.notify_all()
+                self._stopping.wait(delay)
+                delay = min(RECONNECT_S[1], delay * 2)
+            finally:
+                try:
+                    pubsub.close()
+                except Exception:  # noqa: BLE001 - the connection is gone anyway
+                    pass
