@@ -46,6 +46,7 @@ class ReleaseBell:
         self._stopping = threading.Event()
         self._subscribed = threading.Event()
         self._pubsub: redis.client.PubSub | None = None
+        self.closed = False  # the node is shutting down: nobody parks any more
 
     def _cond(self, queue: str) -> threading.Condition:
         cond = self._conds.get(queue)
@@ -65,12 +66,22 @@ class ReleaseBell:
             cond.notify()
 
     def wait(self, queue: str, generation: int, timeout: float) -> bool:
-        """Block until ``queue`` rang after ``generation`` was read, or ``timeout`` s passed.
-        True when it rang."""
+        """Block until ``queue`` rang after ``generation`` was read, ``timeout`` s passed or
+        the bell was closed. True when it rang (or closed)."""
+        if self.closed:
+            return True
         self._listen()
         cond = self._cond(queue)
         with cond:
-            return cond.wait_for(lambda: self._gen[queue] != generation, timeout)
+            return cond.wait_for(lambda: self._gen[queue] != generation or self.closed, timeout)
+
+    def close(self) -> None:
+        """Wake every waiter for good (a warm shutdown: parked attempts go back to their
+        queue instead of holding the node up)."""
+        with self._lock:
+            self.closed = True
+            for cond in self._conds.values():
+                cond.notify_all()
 
     def stop(self) -> None:
         self._stopping.set()

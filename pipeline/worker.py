@@ -379,7 +379,7 @@ class Attempt:
         queue = self.queue.queue_name
         end = min(self.deadline, time.time() + limit_s)
         decision = self.decision or Decision(Verdict.WAIT)
-        while _parkable(decision):
+        while _parkable(decision) and not self.rt.bell.closed:
             left = end - time.time()
             if left <= 0:
                 break

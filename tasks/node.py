@@ -113,6 +113,9 @@ def _on_init(sender: str | None = None, **_: Any) -> None:
 @worker_shutting_down.connect
 def _on_shutting_down(**_: Any) -> None:
     _shutting_down.set()
+    # attempts parked for a slot give it up and go back to their queue: a warm shutdown
+    # waits for running attempts, not for parked ones
+    runtime().bell.close()
 
 
 @worker_shutdown.connect

@@ -94,3 +94,14 @@ def test_the_listener_reconnects_after_its_connection_is_killed(
     waiter(bell, "q", bell.generation("q"), again)
     admin.publish(bell.channel, "q")
     wait_for(lambda: again == [True], 5, what="a wake-up after the reconnect")
+
+
+def test_closing_the_bell_wakes_every_waiter_for_good(bell: ReleaseBell) -> None:
+    woke: list[bool] = []
+    threads = [waiter(bell, q, bell.generation(q), woke) for q in ("a", "a", "b")]
+    wait_for(lambda: sum(len(c._waiters) for c in bell._conds.values()) == 3, 5, what="waiters")  # type: ignore[attr-defined]
+    bell.close()
+    wait_for(lambda: len(woke) == 3, 5, what="every waiter woken")
+    for t in threads:
+        t.join(5)
+    assert bell.wait("a", bell.generation("a"), 10.0) is True  # returns at once from now on

@@ -86,3 +86,24 @@ def test_lookahead_per_capacity() -> None:
     assert Settings(lookahead=3).lookahead_for(100) == 3
     assert Settings(lookahead=0).lookahead_for(16) == 0
     assert Settings(park_s=0).lookahead_for(16) == 0  # nothing may park: nothing goes ahead
+
+
+def test_a_warm_shutdown_sends_parked_attempts_back_to_the_queue(
+    pl: Pipeline, sim: SimServer, start_worker: Any
+) -> None:
+    worker = start_worker(pools="parked", concurrency=4, extra_env={"PIPELINE_PARK_S": "60"})
+    first = hold(pl, "parked", 2500)
+    second = pl.submit({"p": "parked"}, id=uid("park"), queue="parked", timeout=60).id
+    wait_for(lambda: pl.state(second) == "running", 10, what="the parked attempt")
+    worker.proc.terminate()  # warm shutdown: the holder finishes, the parked one goes back
+    # without the bell closing, the parked attempt would hold the node up for 60 s
+    wait_for(lambda: worker.proc.poll() is not None, 20, what="the node to stop")
+    assert pl.wait(first, 5).ok
+    assert pl.state(second) in ("queued", "retry_wait")
+    replacement = start_worker(pools="parked", concurrency=4)
+    try:
+        res = pl.wait(second, 20)
+        assert res.ok and res.attempts == 1
+        assert_idle(pl)
+    finally:
+        replacement.stop()
