@@ -78,8 +78,14 @@ class ReleaseBell:
     def close(self) -> None:
         """Wake every waiter for good (a warm shutdown: parked attempts go back to their
         queue instead of holding the node up)."""
+        self.closed = True
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        """Move every queue's generation and wake all its waiters, to ask their gates again."""
         with self._lock:
-            self.closed = True
+            for queue in list(self._gen):
+                self._gen[queue] += 1
             for cond in self._conds.values():
                 cond.notify_all()
 
@@ -129,11 +135,7 @@ class ReleaseBell:
             except Exception as exc:  # noqa: BLE001 - keep listening; waits are bounded
                 log.warning("release bell lost its subscription (%s); reconnecting", exc)
                 # everything published while away is lost: wake every waiter to re-ask
-                with self._lock:
-                    for queue in list(self._gen):
-                        self._gen[queue] += 1
-                    for cond in self._conds.values():
-                        cond.notify_all()
+                self._wake_all()
                 self._stopping.wait(delay)
                 delay = min(RECONNECT_S[1], delay * 2)
             finally:

@@ -59,6 +59,9 @@ class Dispatcher:
             for qs in self.pools.values()
             for q in qs
         }
+        for qs in self.pools.values():
+            for q in qs:
+                metrics.dispatch_budget(q, self.gates[q.queue_name])
         self.pool_cap: dict[str, int] = {p: slots for p in pools}
         self.pool_nodes: dict[str, int] = {p: 1 for p in pools}
         self.full_since: dict[str, float] = {}
@@ -164,7 +167,6 @@ class Dispatcher:
             # look ahead: a few attempts past the slots park at the workers, so a released
             # slot is taken by a waiter there, not after a dispatcher round trip
             cap += self.settings.lookahead_for(cap)
-        metrics.dispatch_budget(q, gate)
         budget = gate.dispatch_budget()
         res = self.store.tick(q, queues, budget, -1 if cap is None else cap, self.pool_cap[pool])
         for member in res.rejected:

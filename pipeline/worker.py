@@ -379,7 +379,9 @@ class Attempt:
         queue = self.queue.queue_name
         end = min(self.deadline, time.time() + limit_s)
         decision = self.decision or Decision(Verdict.WAIT)
-        while _parkable(decision) and not self.rt.bell.closed:
+        while (
+            decision.verdict is Verdict.WAIT or self.parks_on(decision)
+        ) and not self.rt.bell.closed:
             left = end - time.time()
             if left <= 0:
                 break
@@ -457,12 +459,6 @@ class Attempt:
             error=outcome.error,
             status=Status.RETRY,
         )
-
-
-def _parkable(decision: Decision) -> bool:
-    return decision.verdict is Verdict.WAIT or (
-        decision.verdict is Verdict.REFUSE and decision.wake_on_release
-    )
 
 
 def _json_map(text: str | None, field: str) -> dict[str, str]:

@@ -59,13 +59,19 @@ def test_each_ring_wakes_one_waiter_of_its_queue(bell: ReleaseBell) -> None:
     wait_for(lambda: other == [True], 5, what="the other queue's waiter")
 
 
+def subscribed_waiter(bell: ReleaseBell) -> list[bool]:
+    """A waiter on queue "q", returned once the bell's listener has subscribed."""
+    woke: list[bool] = []
+    waiter(bell, "q", bell.generation("q"), woke)
+    wait_for(lambda: bell._subscribed.is_set(), 5, what="the subscription")
+    return woke
+
+
 def test_a_release_published_by_another_process_wakes_a_waiter(
     bell: ReleaseBell, redis_url: str
 ) -> None:
     publisher = redis.Redis.from_url(redis_url)
-    woke: list[bool] = []
-    waiter(bell, "q", bell.generation("q"), woke)
-    wait_for(lambda: bell._subscribed.is_set(), 5, what="the subscription")
+    woke = subscribed_waiter(bell)
     publisher.publish(bell.channel, "elsewhere")  # another queue: nobody here waits for it
     publisher.publish(bell.channel, "q")  # what finish.lua / requeue.lua publish
     wait_for(lambda: woke == [True], 5, what="the waiter woken over Pub/Sub")
@@ -75,9 +81,7 @@ def test_the_listener_reconnects_after_its_connection_is_killed(
     bell: ReleaseBell, redis_url: str
 ) -> None:
     admin = redis.Redis.from_url(redis_url)
-    first: list[bool] = []
-    waiter(bell, "q", bell.generation("q"), first)
-    wait_for(lambda: bell._subscribed.is_set(), 5, what="the subscription")
+    first = subscribed_waiter(bell)
 
     def subscribed() -> int:
         return int(dict(admin.pubsub_numsub(bell.channel))[bell.channel.encode()])
