@@ -135,6 +135,7 @@ class Settings:
     wedge_after_s: float = 300.0  # no completion this long while full and waiting: wedged
     park_s: float = 10.0  # an attempt refused by a full slot gate parks this long for a release
     lookahead: int = -1  # attempts dispatched past a slot gate's capacity; -1: automatic
+    direct_publish: bool = True  # the dispatch script pushes Celery messages (Redis broker)
 
     def lookahead_for(self, capacity: int) -> int:
         """How many attempts the dispatcher sends past a slot gate of ``capacity``, to park
@@ -281,7 +282,19 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         wedge_after_s=_float_env(env, "PIPELINE_WEDGE_AFTER_S", 300.0),
         park_s=_float_env(env, "PIPELINE_PARK_S", 10.0),
         lookahead=_lookahead_env(env),
+        direct_publish=_bool_env(env, "PIPELINE_DIRECT_PUBLISH", True),
     )
+
+
+def _bool_env(env: dict[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name} must be 1/0 (true/false), not {raw!r}")
 
 
 def _lookahead_env(env: dict[str, str]) -> int:

@@ -22,7 +22,7 @@ from .config import QueueConfig, Settings
 from .gates import Gate, GateEnv
 from .gating import attempt_gate
 from .keys import holder as make_holder
-from .store import Dispatched, Store
+from .store import DirectPublish, Dispatched, Store
 
 log = logging.getLogger("pipeline.dispatcher")
 
@@ -43,6 +43,7 @@ class Dispatcher:
         slots: int,
         send: Sender,
         store: Store | None = None,
+        direct: dict[str, DirectPublish] | None = None,
     ) -> None:
         self.settings = settings
         self.store = store or Store(settings)
@@ -50,6 +51,9 @@ class Dispatcher:
         self.node = node
         self.slots = slots
         self.send = send
+        # pools whose Celery queue lives in the pipeline's Redis: the dispatch script pushes
+        # their messages itself (one atomic step, no publish round trip); the rest use `send`
+        self.direct = direct or {}
         all_pools = settings.pools()
         self.pools = {p: all_pools.get(p, []) for p in pools}
         env = GateEnv(self.store.client, self.keys, node=node)
@@ -168,13 +172,22 @@ class Dispatcher:
             # slot is taken by a waiter there, not after a dispatcher round trip
             cap += self.settings.lookahead_for(cap)
         budget = gate.dispatch_budget()
-        res = self.store.tick(q, queues, budget, -1 if cap is None else cap, self.pool_cap[pool])
+        direct = self.direct.get(pool)
+        res = self.store.tick(
+            q, queues, budget, -1 if cap is None else cap, self.pool_cap[pool], publish=direct
+        )
         for member in res.rejected:
             log.error("queue %s: removed a malformed entry %r", q.queue_name, member[:200])
         if res.moved:
-            self._send(res.moved)
-            # more may fit (a fractional budget, or a burst): come back at once
-            return time.time()
+            if direct is None:
+                self._send(res.moved)
+            else:
+                self.dispatched += len(res.moved)
+            if budget < 1.0:
+                # a fractional budget moved a share of the free room: more may fit now
+                return time.time()
+        # otherwise the next move needs an event: a release or a submission rings the
+        # doorbell, a due retry or deadline is next_event
         return res.next_event
 
     def _send(self, moved: list[Dispatched]) -> None:

@@ -63,6 +63,17 @@ class Dispatched:
 
 
 @dataclass(frozen=True)
+class DirectPublish:
+    """Where a dispatch tick pushes its Celery messages itself, when the Celery broker is the
+    pipeline's own Redis: the Redis list of the pool's Celery queue (kombu's Redis transport
+    keeps a queue's messages in a list named after it), the task name and the origin header."""
+
+    list_key: str
+    task: str
+    origin: str
+
+
+@dataclass(frozen=True)
 class TickResult:
     moved: list[Dispatched]
     expired: int
@@ -101,9 +112,11 @@ class Store:
         queue_cap: int,
         pool_cap: int,
         now: float | None = None,
+        publish: DirectPublish | None = None,
     ) -> TickResult:
         """Promote due retries, expire overdue waiting requests and dispatch
-        ``floor(budget × free capacity)`` (see dispatch.lua). ``queue_cap`` -1: no limit."""
+        ``floor(budget × free capacity)`` (see dispatch.lua). ``queue_cap`` -1: no limit.
+        With ``publish`` the script also pushes the moved requests' Celery messages."""
         now = time.time() if now is None else now
         k = self.keys
         name = queue.queue_name
@@ -126,6 +139,10 @@ class Store:
             int(self.settings.result_ttl_s),
             SWEEP_LIMIT,
             new_token(),
+            publish.list_key if publish else "",
+            publish.task if publish else "",
+            publish.origin if publish else "",
+            name,
         ]
         moved_raw, expired, next_event, rejected = self.scripts.dispatch(keys=keys, args=args)
         metrics.deadline_expired(queue, int(expired))

@@ -3,15 +3,31 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from celery import Celery
 
 from pipeline import keys
 
 from . import compat
+from .backend import PipelineRedisBackend
 
 compat.install()
-app = Celery("pipeline")
+
+
+class PipelineCelery(Celery):
+    """Celery, with :class:`~tasks.backend.PipelineRedisBackend` for a Redis result backend
+    (the ``CELERY_RESULT_BACKEND`` environment variable wins over ``celeryconfig`` in Celery,
+    so the class is picked here, when the backend is first used)."""
+
+    def _get_backend(self) -> Any:
+        url = self.conf.result_backend
+        if self.backend_cls is None and str(url).startswith(("redis://", "rediss://")):
+            return PipelineRedisBackend(app=self, url=url)
+        return super()._get_backend()
+
+
+app = PipelineCelery("pipeline")
 app.config_from_object("celeryconfig")
 
 

@@ -18,8 +18,9 @@ from celery.signals import (
 )
 
 from pipeline import health, metrics
+from pipeline.config import Settings
 from pipeline.dispatcher import Dispatcher
-from pipeline.store import Dispatched
+from pipeline.store import DirectPublish, Dispatched
 from pipeline.worker import runtime
 
 from .app import app, celery_queue, pool_of
@@ -45,6 +46,23 @@ def send_to_celery(moved: list[Dispatched]) -> None:
             )
 
 
+def direct_publish(settings: Settings, pools: list[str], origin: str) -> dict[str, DirectPublish]:
+    """Pools whose attempts the dispatch script can push into Celery itself: when the broker is
+    the pipeline's own Redis (the same URL) with kombu's plain key layout. Otherwise (RabbitMQ,
+    another Redis, ``global_keyprefix``, ``PIPELINE_DIRECT_PUBLISH=0``) the dispatcher
+    publishes through ``apply_async``."""
+    conf = app.conf
+    options = conf.broker_transport_options or {}
+    if (
+        not settings.direct_publish
+        or str(conf.broker_url or "") != settings.redis_url
+        or not settings.redis_url.startswith(("redis://", "rediss://", "unix://"))
+        or options.get("global_keyprefix")
+    ):
+        return {}
+    return {p: DirectPublish(celery_queue(p), infer.name, origin) for p in pools}
+
+
 def served_pools(worker: Any) -> list[str]:
     names = list(worker.app.amqp.queues.consume_from or worker.app.amqp.queues)
     pools = [p for p in (pool_of(n) for n in names) if p]
@@ -63,13 +81,15 @@ class DispatcherStep(bootsteps.StartStopStep):
     def start(self, worker: Any) -> None:
         _shutting_down.clear()
         rt = runtime()
+        pools = served_pools(worker)
         self.dispatcher = Dispatcher(
             rt.settings,
-            served_pools(worker),
+            pools,
             node=worker.hostname,
             slots=int(worker.concurrency or 1),
             send=send_to_celery,
             store=rt.store,
+            direct=direct_publish(rt.settings, pools, f"{os.getpid()}@{worker.hostname}"),
         )
         # started by worker_ready: a node offers its slots only once it consumes, so nothing
         # is dispatched into a queue nobody reads yet

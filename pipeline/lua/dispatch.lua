@@ -7,7 +7,12 @@
 -- ARGV[4] queue capacity (max dispatched+running for this queue; -1 = no limit),
 -- ARGV[5] pool capacity (worker slots), ARGV[6] lease expiry for dispatched requests,
 -- ARGV[7] result TTL (s), ARGV[8] limit per sweep, ARGV[9] a fresh random nonce: attempt
--- tokens are <nonce>.<n>, unique per tick.
+-- tokens are <nonce>.<n>, unique per tick, ARGV[10] the Redis list of the pool's Celery queue
+-- when the broker is this Redis ('' = the caller publishes), ARGV[11] the Celery task name,
+-- ARGV[12] the messages' origin (the dispatching node), ARGV[13] the queue's name.
+-- With ARGV[10] set, each moved request is also pushed there as a Celery message (protocol 2,
+-- kombu's Redis transport envelope, JSON body), so the move and the publish are one atomic
+-- step: no request can be dispatched and never sent.
 -- Moves min(floor(budget x (pool capacity - active in pool)), queue capacity - active in
 -- queue); at least 1 when budget > 0, both have room and the queue has nothing active, so a
 -- fractional budget never stalls an idle queue.
@@ -53,6 +58,35 @@ if qcap >= 0 then
 end
 if free < 1 and budget > 0 and n_free > 0 and active_q == 0 then free = 1 end
 
+local null = cjson.null
+-- One Celery task message (what ``Task.apply_async`` would LPUSH through kombu) for attempt
+-- `token` of request `id`: args (id, token), kwargs {queue, priority, attempt}.
+local function celery_message(id, token, n, priority, t)
+  local queue_name = ARGV[13]
+  local body = cjson.encode({{id, token}, {queue = queue_name, priority = priority, attempt = n},
+    {callbacks = null, errbacks = null, chain = null, chord = null}})
+  return cjson.encode({
+    body = body,
+    ['content-encoding'] = 'utf-8',
+    ['content-type'] = 'application/json',
+    headers = {
+      lang = 'py', task = ARGV[11], id = id, shadow = null, eta = null, expires = null,
+      group = null, group_index = null, retries = 0, timelimit = {null, null},
+      root_id = id, parent_id = null,
+      argsrepr = "('" .. id .. "', '" .. token .. "')",
+      kwargsrepr = "{'queue': '" .. queue_name .. "', 'priority': " .. priority ..
+        ", 'attempt': " .. n .. "}",
+      origin = ARGV[12], ignore_result = false, replaced_task_nesting = 0,
+      stamped_headers = null, stamps = {},
+    },
+    properties = {
+      correlation_id = id, delivery_mode = 2, priority = 0,
+      delivery_info = {exchange = '', routing_key = ARGV[10]},
+      delivery_tag = ARGV[9] .. '-' .. t .. '-' .. id,
+    },
+  })
+end
+
 local moved, rejected = {}, {}
 local t = 0
 while free > 0 do
@@ -87,6 +121,9 @@ while free > 0 do
     moved[#moved + 1] = token
     moved[#moved + 1] = n
     moved[#moved + 1] = f[4]
+    if ARGV[10] ~= '' then
+      redis.call('LPUSH', ARGV[10], celery_message(id, token, n, tonumber(f[4]) or 0, t))
+    end
     free = free - 1
   end
 end

@@ -1,0 +1,56 @@
+"""The Celery result backend of the pipeline's app: Celery's Redis backend, one round trip per
+stored state instead of two.
+
+Celery's key-value backends read a task's result before every write (so that a lost, redelivered
+task cannot overwrite a SUCCESS). The pipeline already fences every attempt by its token: only
+the live attempt of a request stores SUCCESS or FAILURE; a stale one raises ``Ignore`` and stores
+nothing. What remains — a late RETRY of an earlier attempt landing after a later attempt's final
+state — is handled inside one script (``celery_result.lua``): a non-final state never replaces a
+final one. Used when ``CELERY_RESULT_BACKEND`` is a ``redis://``/``rediss://`` URL (see
+``celeryconfig``); everything else (reading results, ``AsyncResult``) is Celery's own code.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+from celery import states
+from celery.backends.base import BackendStoreError
+from celery.backends.redis import RedisBackend
+from kombu.utils.encoding import bytes_to_str
+
+FINAL = frozenset({states.SUCCESS, states.FAILURE, states.REVOKED})
+_SOURCE = (resources.files("pipeline") / "lua" / "celery_result.lua").read_text()
+
+
+class PipelineRedisBackend(RedisBackend):
+    """``RedisBackend`` whose ``store_result`` is a single script call."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._store_script = self.client.register_script(_SOURCE)
+
+    def _store_result(
+        self,
+        task_id: str,
+        result: Any,
+        state: str,
+        traceback: Any = None,
+        request: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        meta = self._get_result_meta(
+            result=result, state=state, traceback=traceback, request=request
+        )
+        meta["task_id"] = bytes_to_str(task_id)
+        value = self.encode(meta)
+        if isinstance(value, str) and len(value) > self._MAX_STR_VALUE_SIZE:
+            raise BackendStoreError(
+                "value too large for Redis backend", state=state, task_id=task_id
+            )
+        expires = self.failure_expires if state == states.FAILURE else self.expires
+        args = [value, int(expires or 0), "1" if state in FINAL else "0"]
+        key = self.get_key_for_task(task_id)
+        self.ensure(self._store_script, ([key], args))
+        return result
