@@ -10,6 +10,10 @@ Two sources ring the bell for a queue:
   (``finish``, ``requeue``) publish the queue's name on ``Keys.freed_channel()``. One listener
   thread per process, started by the first park, turns those messages into rings.
 
+A release in this process rings twice: directly, and again when its own Pub/Sub message comes
+back. The echo is swallowed (each direct ring expects one echo of its queue within
+``ECHO_S``), so one release wakes one waiter here, not two that race for one slot.
+
 A waiter reads the queue's generation *before* it asks the gate and then waits for the
 generation to move, so a release between the refusal and the wait is never missed. Waits are
 bounded (the caller re-asks its gate on time-out), so a lost message — the listener
@@ -20,13 +24,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 
 import redis
 
 log = logging.getLogger("pipeline.bell")
 
 RECONNECT_S = (0.1, 2.0)  # the listener's back-off after a lost connection
+ECHO_S = 0.25  # a direct ring's own Pub/Sub message arrives within this, or is not waited for
 
 
 class ReleaseBell:
@@ -42,6 +48,7 @@ class ReleaseBell:
         self._lock = threading.Lock()
         self._conds: dict[str, threading.Condition] = {}
         self._gen: dict[str, int] = defaultdict(int)
+        self._echoes: dict[str, deque[float]] = defaultdict(deque)  # direct rings, by queue
         self._listener: threading.Thread | None = None
         self._stopping = threading.Event()
         self._subscribed = threading.Event()
@@ -58,12 +65,30 @@ class ReleaseBell:
         with self._lock:
             return self._gen[queue]
 
-    def ring(self, queue: str) -> None:
-        """A reservation of ``queue``'s gate may have been freed: wake one of its waiters."""
+    def ring(self, queue: str, *, echo: bool = False) -> None:
+        """A reservation of ``queue``'s gate may have been freed: wake one of its waiters.
+        ``echo``: this release will also be published (finish / requeue), so the listener
+        swallows that message instead of waking a second waiter for the same slot."""
         cond = self._cond(queue)
         with cond:
             self._gen[queue] += 1
             cond.notify()
+            if echo and self._listener is not None:
+                self._echoes[queue].append(time.monotonic())
+
+    def _is_echo(self, queue: str) -> bool:
+        """A Pub/Sub message of ``queue`` that a direct ring of this process already rang."""
+        with self._lock:
+            pending = self._echoes.get(queue)
+            if not pending:
+                return False
+            now = time.monotonic()
+            while pending and now - pending[0] > ECHO_S:
+                pending.popleft()
+            if not pending:
+                return False
+            pending.popleft()
+            return True
 
     def wait(self, queue: str, generation: int, timeout: float) -> bool:
         """Block until ``queue`` rang after ``generation`` was read, ``timeout`` s passed or
@@ -131,7 +156,8 @@ class ReleaseBell:
                         continue
                     data = message.get("data")
                     queue = data.decode() if isinstance(data, bytes) else str(data)
-                    self.ring(queue)
+                    if not self._is_echo(queue):
+                        self.ring(queue)
             except Exception as exc:  # noqa: BLE001 - keep listening; waits are bounded
                 log.warning("release bell lost its subscription (%s); reconnecting", exc)
                 # everything published while away is lost: wake every waiter to re-ask

@@ -91,7 +91,8 @@ class Runtime:
         for i in range(RELEASE_TRIES):
             try:
                 gate.release(holder)
-                self.bell.ring(queue)
+                # the finish / requeue that follows publishes the release to other processes
+                self.bell.ring(queue, echo=True)
                 return
             except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
                 log.warning(

@@ -100,6 +100,12 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
     specs: list[tuple[str, str, dict[str, Any], str]] = [
         ("lim1", "default", local_limit(1), sim_url),
         ("parked", "parked", local_limit(1), sim_url),
+        (
+            "global2",
+            "global",
+            {"gate_type": "global-max-concurrency", "gate_params": {"limit": 2}},
+            sim_url,
+        ),
         ("lim2", "default", local_limit(2), sim_url),
         ("quota1", "default", quota(1), sim_url),
         ("quotawait", "default", wait_quota, sim_url),

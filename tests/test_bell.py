@@ -44,12 +44,12 @@ def test_each_ring_wakes_one_waiter_of_its_queue(bell: ReleaseBell) -> None:
     woke: list[bool] = []
     gen = bell.generation("q")
     threads = [waiter(bell, "q", gen, woke) for _ in range(2)]
-    wait_for(lambda: len(bell._conds["q"]._waiters) == 2, 5, what="two waiters")  # type: ignore[attr-defined]
+    wait_for(lambda: len(bell._cond("q")._waiters) == 2, 5, what="two waiters")  # type: ignore[attr-defined]
     other: list[bool] = []
     waiter(bell, "other", bell.generation("other"), other)
     bell.ring("q")
     wait_for(lambda: len(woke) == 1, 5, what="one waiter woken")
-    assert len(bell._conds["q"]._waiters) == 1  # type: ignore[attr-defined]
+    assert len(bell._cond("q")._waiters) == 1  # type: ignore[attr-defined]
     bell.ring("q")
     wait_for(lambda: len(woke) == 2, 5, what="the second waiter woken")
     assert woke == [True, True] and other == []  # another queue's waiter slept on
@@ -109,3 +109,22 @@ def test_closing_the_bell_wakes_every_waiter_for_good(bell: ReleaseBell) -> None
     for t in threads:
         t.join(5)
     assert bell.wait("a", bell.generation("a"), 10.0) is True  # returns at once from now on
+
+
+def test_a_release_here_wakes_one_waiter_not_two_when_its_echo_arrives(
+    bell: ReleaseBell, redis_url: str
+) -> None:
+    publisher = redis.Redis.from_url(redis_url)
+    woke: list[bool] = []
+    gen = bell.generation("q")
+    waiter(bell, "q", gen, woke)
+    waiter(bell, "q", gen, woke)
+    wait_for(lambda: len(bell._cond("q")._waiters) == 2, 5, what="two waiters")  # type: ignore[attr-defined]
+    wait_for(lambda: bell._subscribed.is_set(), 5, what="the subscription")
+    bell.ring("q", echo=True)  # a release in this process ...
+    publisher.publish(bell.channel, "q")  # ... and its own message from finish.lua
+    wait_for(lambda: not bell._echoes["q"], 5, what="the echo swallowed")
+    assert woke == [True]
+    assert len(bell._cond("q")._waiters) == 1  # type: ignore[attr-defined]
+    publisher.publish(bell.channel, "q")  # a release in another process
+    wait_for(lambda: woke == [True, True], 5, what="the second waiter woken")

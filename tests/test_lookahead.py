@@ -107,3 +107,34 @@ def test_a_warm_shutdown_sends_parked_attempts_back_to_the_queue(
         assert_idle(pl)
     finally:
         replacement.stop()
+
+
+def test_a_global_limit_holds_across_nodes_and_a_release_on_one_wakes_a_parked_attempt_on_another(
+    pl: Pipeline, sim: SimServer, start_worker: Any
+) -> None:
+    """``global-max-concurrency`` 2 on two nodes: never more than 2 at the server; attempts
+    parked on either node take slots freed on either (the release bell over Pub/Sub)."""
+    nodes = [start_worker(pools="global", concurrency=4) for _ in range(2)]
+    try:
+        sim.reset()
+        ids = [
+            pl.submit(
+                {"p": i},
+                id=uid("global"),
+                queue="global2",
+                timeout=60,
+                headers={"x-sim-latency-ms": "150"},
+            ).id
+            for i in range(10)
+        ]
+        results = [pl.wait(rid, 30) for rid in ids]
+        assert all(r.ok and r.attempts == 1 for r in results)
+        assert sim.stats()["max_concurrency_observed"] == 2
+        workers = {pl.record(rid).get("worker") for rid in ids}
+        assert workers == {n.name for n in nodes}  # both nodes served some
+        # parked attempts were admitted by a release, not by going back to the queue
+        assert sum(dispatches(pl, rid) for rid in ids) == len(ids)
+        assert_idle(pl)
+    finally:
+        for n in nodes:
+            n.stop()

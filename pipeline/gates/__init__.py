@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
 from .composite import CompositeGate, WaitOnRefuseGate
 from .constant import ConstantGate
+from .global_ import GlobalMaxConcurrencyGate
 from .local import LocalMaxConcurrencyGate
 from .metric import PrometheusBudgetGate, PrometheusQueryGate, PrometheusSaturationGate
 from .quota import RedisQuotaGate
@@ -26,6 +27,7 @@ GATE_TYPES: dict[str, type[Gate]] = {
     for cls in (
         ConstantGate,
         LocalMaxConcurrencyGate,
+        GlobalMaxConcurrencyGate,
         RedisBudgetGate,
         RedisQuotaGate,
         CompositeGate,

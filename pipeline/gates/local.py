@@ -68,7 +68,7 @@ class LocalMaxConcurrencyGate(Gate):
         try:
             return max(0.0, (self.limit - self.slots.count(self.clock())) / self.limit)
         except Exception as exc:  # noqa: BLE001 - budget() never raises; fail closed
-            log.warning("local-max-concurrency gate %s: cannot count holders: %s", self.name, exc)
+            log.warning("%s gate %s: cannot count holders: %s", self.type_name, self.name, exc)
             return 0.0
 
     def dispatch_budget(self) -> float:
@@ -78,7 +78,7 @@ class LocalMaxConcurrencyGate(Gate):
         return self.limit
 
     def acquire(self, ctx: AcquireContext) -> Decision:
-        if not self._registered and self.env is not None:
+        if self.per_node and not self._registered and self.env is not None:
             # list this node once, so reapers elsewhere find its pool if it dies
             self.env.client.sadd(self.env.keys.gate_nodes(self.name), self.env.node)
             self._registered = True

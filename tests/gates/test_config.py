@@ -23,6 +23,8 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("local-max-concurrency", {"limit": 1.5}, "limit"),
     ("local-max-concurrency", {"limit": True}, "limit"),
     ("local-max-concurrency", {"limit": 2, "gating_mode": "eager"}, "gating_mode"),
+    ("global-max-concurrency", {}, "limit"),
+    ("global-max-concurrency", {"limit": -1}, "limit"),
     ("redis", {"address": "http://example.com"}, "address"),
     ("redis", {"address": "host:port"}, "address"),
     ("redis-quota", {}, "limit"),
@@ -99,6 +101,7 @@ def test_missing_prometheus_url_is_a_config_error(monkeypatch: pytest.MonkeyPatc
 GOOD: list[tuple[str, dict[str, Any]]] = [
     ("constant", {}),
     ("local-max-concurrency", {"limit": "3", "gating_mode": "blocking"}),
+    ("global-max-concurrency", {"limit": 16}),
     ("redis", {"address": "localhost:6379", "budget_key": "k"}),
     ("redis-quota", {"limit": "5", "window": "1m30s", "attribute": "metadata.userid"}),
     ("redis-quota", {"limit": 5.0, "window": 0.5, "mode": "concurrency"}),
