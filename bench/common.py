@@ -275,6 +275,10 @@ def local_gate(limit: int) -> dict[str, Any]:
     return {"gate_type": "local-max-concurrency", "gate_params": {"limit": limit}}
 
 
+def global_gate(limit: int) -> dict[str, Any]:
+    return {"gate_type": "global-max-concurrency", "gate_params": {"limit": limit}}
+
+
 def quota_gate(limit: int) -> dict[str, Any]:
     params = {"mode": "concurrency", "attribute": "userid", "limit": limit}
     return {"gate_type": "redis-quota", "gate_params": params}

@@ -255,7 +255,7 @@ def main() -> int:
         table(
             ["round", "system", "req/s", "Redis cmds/req", "CPU ms/req (by process)"],
             [
-                [i // 2 + 1, r["kind"], r["rate"], r["cmds"], r["cpu_ms"]]
+                [i // (1 + len(envs)) + 1, r["kind"], r["rate"], r["cmds"], r["cpu_ms"]]
                 for i, r in enumerate(rows)
             ],
         )

@@ -5,8 +5,11 @@ more than 16 at the simulator (``max_concurrency_observed``). Three scenarios, o
 - ``1 node``: one worker node (threads, 64 slots), ``local-max-concurrency`` limit 16;
 - ``1 node, 20% 503``: the same, with every 5th request answered 503 on its first attempt
   (retried after the queue's backoff, 50 ms base);
-- ``3 nodes``: three worker nodes (64 slots each) sharing one global limit, a ``redis-quota``
-  gate in concurrency mode (limit 16, all requests of one user).
+- ``3 nodes``: three worker nodes (64 slots each) sharing one global limit: a
+  ``global-max-concurrency`` gate (limit 16; look-ahead and parking across nodes), then, for
+  comparison, a ``redis-quota`` gate in concurrency mode (limit 16, all requests of one user;
+  no capacity, so no look-ahead: a refused attempt goes back to the queue), alone and with the
+  pool capped at 16 workers.
 
 Throughput = requests / (first submit .. the simulator's N-th 200). All results are then read
 back through ``Pipeline.iter_results`` and must be 200.
@@ -32,6 +35,7 @@ from bench.common import (
     Sim,
     base_parser,
     bench_session,
+    global_gate,
     items,
     local_gate,
     log,
@@ -46,7 +50,7 @@ from bench.handoff import handoffs, mean_concurrency
 
 LIMIT = 16
 LATENCY_MS = 100.0
-SCENARIOS = ["1node", "503", "3nodes", "3nodes-pool"]
+SCENARIOS = ["1node", "503", "3nodes-global", "3nodes", "3nodes-pool"]
 
 
 def run_batch(
@@ -156,6 +160,17 @@ def main() -> int:
                     n=args.n,
                     fail_every=5,
                     label="1 node, 20% first-attempt 503",
+                )
+            )
+        if "3nodes-global" in only:
+            rows.append(
+                scenario(
+                    rh,
+                    workdir,
+                    nodes=3,
+                    gate=global_gate(LIMIT),
+                    n=args.n,
+                    label="3 nodes, global-max-concurrency 16",
                 )
             )
         if "3nodes" in only:

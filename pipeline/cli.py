@@ -133,6 +133,12 @@ def cmd_flower(args: argparse.Namespace) -> int:
     elif args.address not in ("127.0.0.1", "localhost", "::1"):
         print("refusing to expose Flower without FLOWER_BASIC_AUTH=user:password", file=sys.stderr)
         return 2
+    # task events are off on the workers until a monitor asks for them: ask now, not at
+    # Flower's first periodic enable_events (5 s after it starts)
+    try:
+        tasks.app.control.enable_events()
+    except Exception as exc:  # noqa: BLE001 - Flower asks again periodically
+        print(f"could not enable task events yet: {exc}", file=sys.stderr)
     tasks.app.start(argv=argv + (args.flower_args or []))
     return 0
 
@@ -254,14 +260,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-P", "--pool-impl", default="threads", choices=["threads", "prefork", "solo"])
     p.add_argument("-n", "--hostname")
     p.add_argument("--loglevel", default="INFO")
-    p.add_argument(
-        "--no-events",
+    events = p.add_mutually_exclusive_group()
+    events.add_argument(
+        "-E",
+        "--events",
         dest="events",
-        action="store_false",
-        default=os.environ.get("PIPELINE_TASK_EVENTS", "1") != "0",
-        help="do not send task events (Flower turns them on when it runs); "
-        "also PIPELINE_TASK_EVENTS=0",
+        action="store_true",
+        default=os.environ.get("PIPELINE_TASK_EVENTS", "0") not in ("", "0"),
+        help="send task events from the start (also PIPELINE_TASK_EVENTS=1); by default they "
+        "are off until Flower (`pipeline flower`) turns them on",
     )
+    events.add_argument("--no-events", dest="events", action="store_false", help="the default")
     p.add_argument("celery_args", nargs=argparse.REMAINDER, help="passed to celery worker")
     p.set_defaults(func=cmd_worker)
 

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,25 @@ def final(flower: Flower, rid: str) -> dict[str, Any]:
     return wait_for(done, 20, interval=0.1, what=f"final state of {rid} in flower")  # type: ignore[no-any-return]
 
 
+def task_events_on(flower: Flower, pl: Any, queue: str) -> None:
+    """Workers send task events only once a monitor asks (Celery's default): Flower asks
+    every 5 s, so a node started after Flower shows its tasks within seconds. Probe until a
+    request's task reaches Flower."""
+
+    def seen() -> bool:
+        probe = pl.submit({"prompt": "probe"}, queue=queue)
+        assert pl.wait(probe.id, 10).ok
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            t = flower.task(probe.id)
+            if t and t["state"] == "SUCCESS":
+                return True
+            time.sleep(0.05)
+        return False
+
+    wait_for(seen, 30, interval=0.1, what="task events from the new node in flower")
+
+
 def test_flower_shows_requests_retries_and_gate_decisions(
     iso: Isolated,
     flower: Flower,
@@ -135,6 +155,7 @@ def test_flower_shows_requests_retries_and_gate_decisions(
     w, _ = start_node(start_worker, iso, concurrency=4)
     try:
         pl, f = iso.pl, iso.queue("f")
+        task_events_on(flower, pl, f)
         ok = pl.submit({"prompt": "ok"}, queue=f, priority=7)
         retried = pl.submit(
             {"prompt": "retry"}, queue=f, headers={"x-sim-fail-first": "2"}, priority=3
