@@ -4,7 +4,7 @@ requests) through the pipeline and through Dramatiq with ``ConcurrentRateLimiter
 
 Scenarios (``--only`` picks some): ``1node`` (one worker process, 64 threads each side),
 ``503`` (the same, every 5th request answered 503 on its first attempt), ``3nodes`` (three
-worker processes of 64 threads each side; the pipeline uses its global ``redis-quota`` gate).
+worker processes of 64 threads each side; the pipeline uses ``global-max-concurrency``).
 Dramatiq retries a full limiter with its Retries middleware, backoff 100..1000 ms
 (``--min-backoff-ms`` / ``--max-backoff-ms``).
 
@@ -32,10 +32,10 @@ from bench.common import (
     Sim,
     base_parser,
     bench_session,
+    global_gate,
     local_gate,
     log,
     process_ids,
-    quota_gate,
     start_proc,
     stop_proc,
     table,
@@ -130,7 +130,7 @@ def main() -> int:
     with bench_session(args.redis_url) as (rh, workdir):
         for key in args.only or list(SCENARIOS):
             label, nodes, fail_every = SCENARIOS[key]
-            gate = local_gate(LIMIT) if nodes == 1 else quota_gate(LIMIT)
+            gate = local_gate(LIMIT) if nodes == 1 else global_gate(LIMIT)
             ours = scenario(
                 rh,
                 workdir,
