@@ -83,27 +83,45 @@ def cpu_seconds(pid: int, tree: bool = True) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def machine_ticks() -> tuple[int, int]:
+    """(all, steal) clock ticks of the machine so far (``/proc/stat``): on a VM, steal is time
+    the hypervisor gave our virtual CPUs to someone else."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return sum(fields), fields[7] if len(fields) > 7 else 0
+
+
 class CpuMeter:
     """CPU seconds used by named processes (with their descendants, except ``client``: this
-    process, whose children are the other processes) between ``start()`` and ``stop()``."""
+    process, whose children are the other processes) between ``start()`` and ``stop()``, and
+    the machine's steal time over the same span."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids
         self.before: dict[str, float] = {}
         self.used: dict[str, float] = {}
+        self.ticks = (0, 0)
+        self.steal_pct = 0.0
 
     def start(self) -> CpuMeter:
         self.before = {k: cpu_seconds(p, k != "client") for k, p in self.pids.items()}
+        self.ticks = machine_ticks()
         return self
 
     def stop(self) -> dict[str, float]:
         self.used = {
             k: cpu_seconds(p, k != "client") - self.before[k] for k, p in self.pids.items()
         }
+        total, steal = (b - a for a, b in zip(self.ticks, machine_ticks(), strict=True))
+        self.steal_pct = 100.0 * steal / total if total > 0 else 0.0
         return self.used
 
     def per_request_ms(self, n: int) -> str:
-        return ", ".join(f"{k} {v * 1000 / n:.2f}" for k, v in self.used.items())
+        per = ", ".join(f"{k} {v * 1000 / n:.2f}" for k, v in self.used.items())
+        return f"{per} (machine steal {self.steal_pct:.0f} %)"
 
 
 def free_port() -> int:

@@ -14,10 +14,10 @@ and the ratio is taken of the median rates.
   gate whose limit is the slot count (so the gate's acquire and release run but never refuse);
   done when every request's result is written.
 
-The pipeline runs twice per round: with Celery task events on (its default, for Flower) and with
-them off (``PIPELINE_TASK_EVENTS=0``), the same event setting as the plain baseline (Celery's
-default: no task events). The target ratio compares like with like: events off on both sides;
-the ratio of the default (events on) is printed beside it.
+The pipeline runs twice per round: as configured by default (no task events until a monitor
+asks for them: the same event setting as the plain baseline, Celery's default), which gives the
+target ratio, and with task events on (``PIPELINE_TASK_EVENTS=1``, what a node costs while
+Flower watches it), whose ratio is printed beside it.
 
 Redis commands are ``INFO commandstats`` deltas over a round divided by N (the private
 ``redis-server`` sees only this benchmark; the few completion checks are subtracted). CPU ms
@@ -126,7 +126,7 @@ class Plain:
         stop_proc(self.proc, 20)
 
 
-NO_EVENTS = "pipeline, no events"
+WITH_EVENTS = "pipeline, task events"
 
 
 def pipeline_run(penv: PipelineEnv, sim: Sim, n: int, tag: str) -> tuple[float, int]:
@@ -209,7 +209,7 @@ def main() -> int:
                 )
                 for kind, extra in (
                     ("pipeline", {}),
-                    (NO_EVENTS, {"PIPELINE_TASK_EVENTS": "0"}),
+                    (WITH_EVENTS, {"PIPELINE_TASK_EVENTS": "1"}),
                 )
             }
             pids: dict[str, dict[str, int]] = {}
@@ -244,8 +244,8 @@ def main() -> int:
     def median(kind: str, field: str) -> float:
         return statistics.median(r[field] for r in rows if r["kind"] == kind)
 
-    plain_rate, ours_rate = median("plain", "rate"), median(NO_EVENTS, "rate")
-    plain_cmds, ours_cmds = median("plain", "cmds"), median(NO_EVENTS, "cmds")
+    plain_rate, ours_rate = median("plain", "rate"), median("pipeline", "rate")
+    plain_cmds, ours_cmds = median("plain", "cmds"), median("pipeline", "cmds")
     ratio = ours_rate / plain_rate
     print(
         f"\nOverhead: 0 ms simulator, {args.n} requests per round, {args.rounds} rounds each, "
@@ -261,20 +261,21 @@ def main() -> int:
         )
     )
     print("\nRedis commands per request, by command (last round):")
-    for kind in ("plain", NO_EVENTS, "pipeline"):
+    for kind in ("plain", "pipeline", WITH_EVENTS):
         last = [r for r in rows if r["kind"] == kind][-1]
         print(f"  {kind:8s} {last['cmds']:.1f}: {last['top']}")
-    events_rate, events_cmds = median("pipeline", "rate"), median("pipeline", "cmds")
+    events_rate, events_cmds = median(WITH_EVENTS, "rate"), median(WITH_EVENTS, "cmds")
     print(
         f"\nmedian: plain Celery {plain_rate:.0f} req/s ({plain_cmds:.1f} cmds/req), "
-        f"pipeline without task events {ours_rate:.0f} req/s ({ours_cmds:.1f} cmds/req), "
-        f"pipeline with task events (default) {events_rate:.0f} req/s ({events_cmds:.1f})"
+        f"pipeline {ours_rate:.0f} req/s ({ours_cmds:.1f} cmds/req), "
+        f"pipeline with task events {events_rate:.0f} req/s ({events_cmds:.1f} cmds/req)"
     )
     print(
-        f"ratio pipeline / plain Celery, both without task events = {ratio:.3f}  "
+        f"ratio pipeline / plain Celery (neither sends task events) = {ratio:.3f}  "
         f"target >= 0.8  {verdict(ratio >= 0.8)}"
     )
-    print(f"ratio with the pipeline's task events on (Flower) = {events_rate / plain_rate:.3f}")
+    with_events = events_rate / plain_rate
+    print(f"ratio with the pipeline's task events on (Flower watching) = {with_events:.3f}")
     return 0
 
 
