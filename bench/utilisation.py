@@ -50,7 +50,27 @@ from bench.handoff import handoffs, mean_concurrency
 
 LIMIT = 16
 LATENCY_MS = 100.0
-SCENARIOS = ["1node", "503", "3nodes-global", "3nodes", "3nodes-pool"]
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "1node": {"nodes": 1, "gate": local_gate(LIMIT), "label": "1 node, local-max-concurrency 16"},
+    "503": {
+        "nodes": 1,
+        "gate": local_gate(LIMIT),
+        "fail_every": 5,
+        "label": "1 node, 20% first-attempt 503",
+    },
+    "3nodes-global": {
+        "nodes": 3,
+        "gate": global_gate(LIMIT),
+        "label": "3 nodes, global-max-concurrency 16",
+    },
+    "3nodes": {"nodes": 3, "gate": quota_gate(LIMIT), "label": "3 nodes, redis-quota 16 (global)"},
+    "3nodes-pool": {
+        "nodes": 3,
+        "gate": quota_gate(LIMIT),
+        "pool_workers": LIMIT,
+        "label": "3 nodes, redis-quota 16 + pool workers 16",
+    },
+}
 
 
 def run_batch(
@@ -134,68 +154,14 @@ def scenario(
 def main() -> int:
     ap = base_parser(__doc__.split("\n\n")[0] if __doc__ else "")
     ap.add_argument("-n", type=int, default=2000, help="requests per scenario")
-    ap.add_argument("--only", choices=SCENARIOS, action="append")
+    ap.add_argument("--only", choices=list(SCENARIOS), action="append")
     args = ap.parse_args()
     only = set(args.only or SCENARIOS)
     rows: list[dict[str, Any]] = []
     with bench_session(args.redis_url) as (rh, workdir):
-        if "1node" in only:
-            rows.append(
-                scenario(
-                    rh,
-                    workdir,
-                    nodes=1,
-                    gate=local_gate(LIMIT),
-                    n=args.n,
-                    label="1 node, local-max-concurrency 16",
-                )
-            )
-        if "503" in only:
-            rows.append(
-                scenario(
-                    rh,
-                    workdir,
-                    nodes=1,
-                    gate=local_gate(LIMIT),
-                    n=args.n,
-                    fail_every=5,
-                    label="1 node, 20% first-attempt 503",
-                )
-            )
-        if "3nodes-global" in only:
-            rows.append(
-                scenario(
-                    rh,
-                    workdir,
-                    nodes=3,
-                    gate=global_gate(LIMIT),
-                    n=args.n,
-                    label="3 nodes, global-max-concurrency 16",
-                )
-            )
-        if "3nodes" in only:
-            rows.append(
-                scenario(
-                    rh,
-                    workdir,
-                    nodes=3,
-                    gate=quota_gate(LIMIT),
-                    n=args.n,
-                    label="3 nodes, redis-quota 16 (global)",
-                )
-            )
-        if "3nodes-pool" in only:
-            rows.append(
-                scenario(
-                    rh,
-                    workdir,
-                    nodes=3,
-                    gate=quota_gate(LIMIT),
-                    n=args.n,
-                    pool_workers=LIMIT,
-                    label="3 nodes, redis-quota 16 + pool workers 16",
-                )
-            )
+        for key, spec in SCENARIOS.items():
+            if key in only:
+                rows.append(scenario(rh, workdir, n=args.n, **spec))
     print(
         f"\nUtilisation: limit {LIMIT}, latency {LATENCY_MS:.0f} ms, ceiling "
         f"{LIMIT * 1000 / LATENCY_MS:.0f} req/s, {args.n} requests"
