@@ -105,7 +105,7 @@ class Pipeline:
         self._lock = threading.Lock()
 
     # -- validation ----------------------------------------------------------------------
-    def _row(self, payload: Any, **kw: Any) -> tuple[str, list[Any]]:
+    def _row(self, payload: Any, **kw: Any) -> tuple[str, list[str]]:
         """Validate one submission; returns its id and the row for submit.lua."""
         unknown = set(kw) - SUBMIT_KEYS
         if unknown:
@@ -132,7 +132,7 @@ class Pipeline:
             q.queue_name,
             q.worker_pool_id,
             repr(ordering_score(priority, deadline)),
-            priority,
+            str(priority),
             repr(float(deadline)),
             body,
             json.dumps(metadata),
@@ -153,7 +153,7 @@ class Pipeline:
     def submit_many(self, items: Iterable[dict[str, Any]]) -> list[Request]:
         """Submit many requests in one round trip per 500. All are validated first: one bad
         item raises InvalidRequest (its index in the message) and nothing is submitted."""
-        rows: list[list[Any]] = []
+        rows: list[list[str]] = []
         ids: list[str] = []
         for i, item in enumerate(items):
             if not isinstance(item, dict) or "payload" not in item:

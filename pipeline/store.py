@@ -20,7 +20,6 @@ from .config import QueueConfig, Settings
 from .keys import Keys
 from .scripts import Scripts
 
-SUBMIT_FIELDS = 12
 SWEEP_LIMIT = 500
 
 
@@ -91,16 +90,14 @@ class Store:
         self.scripts = Scripts(self.client)
 
     # -- submit --------------------------------------------------------------------------
-    def submit(self, rows: list[list[Any]]) -> list[Any]:
-        """Store a batch of rows (see submit.lua for the 12 fields) in one round trip per
-        500 rows. Returns 1 per created request, or the state of the live duplicate."""
+    def submit(self, rows: list[list[str]]) -> list[Any]:
+        """Store a batch of rows (see submit.lua for the 12 string fields) in one round trip
+        per 500 rows, each chunk sent as one JSON argument. Returns 1 per created request, or
+        the state of the live duplicate."""
         out: list[Any] = []
         for i in range(0, len(rows), 500):
-            chunk = rows[i : i + 500]
-            args: list[Any] = [self.keys.prefix, time.time(), len(chunk)]
-            for row in chunk:
-                args.extend(row)
-            out.extend(self.scripts.submit(keys=[], args=args))
+            items = json.dumps(rows[i : i + 500], ensure_ascii=False, separators=(",", ":"))
+            out.extend(self.scripts.submit(keys=[], args=[self.keys.prefix, time.time(), items]))
         return out
 
     # -- dispatcher ----------------------------------------------------------------------

@@ -194,6 +194,27 @@ def test_submit_many_one_round_trip(pl: Pipeline, monkeypatch: pytest.MonkeyPatc
     assert all(pl.cancel(r.id) for r in reqs)
 
 
+def test_submitted_text_is_stored_byte_for_byte(pl: Pipeline) -> None:
+    """A submission travels to Redis as one JSON argument per chunk: non-ASCII, characters
+    outside the BMP, escaped control characters, quotes and backslashes arrive unchanged."""
+    text = 'héllo wörld 🚀 \u2028 "q" \\ \x00 \t end'
+    meta = {"userid": "ünïcode-🙂", "tag": 'a"b\\c'}
+    headers = {"x-note": "ascii only"}
+    reqs = pl.submit_many(
+        [
+            {"payload": {"prompt": text, "n": i}, "metadata": meta, "headers": headers}
+            for i in range(3)
+        ]
+    )
+    for i, req in enumerate(reqs):
+        record = pl.record(req.id)
+        assert json.loads(record["payload"]) == {"prompt": text, "n": i}
+        assert json.loads(record["metadata"]) == meta
+        assert json.loads(record["headers"]) == headers
+        assert record["priority"] == "0" and float(record["deadline"]) > time.time()
+        assert pl.cancel(req.id)
+
+
 def test_submit_many_runs_to_completion(served: Pipeline) -> None:
     reqs = served.submit_many([{"payload": {"prompt": f"p{i}"}, "timeout": 30} for i in range(60)])
     results = {r.id: r for r in served.iter_results([r.id for r in reqs])}
