@@ -7,6 +7,7 @@ pipeline's Redis.
 
 import os
 
+from pipeline.config import bool_env
 from pipeline.keys import celery_queue
 
 _redis = os.environ.get("PIPELINE_REDIS_URL") or "redis://localhost:6379/0"
@@ -27,7 +28,7 @@ task_track_started = False  # STARTED reaches Flower as an event; no extra backe
 # Task events (for Flower) cost a broker publish each and ~15 % of a node's throughput. Off
 # by default, as in Celery: `pipeline flower` (and Flower's periodic enable_events) turns them
 # on while someone watches. PIPELINE_TASK_EVENTS=1 (or `pipeline worker -E`) sends them always.
-_events = os.environ.get("PIPELINE_TASK_EVENTS", "0") not in ("", "0")
+_events = bool_env(os.environ, "PIPELINE_TASK_EVENTS", False)
 worker_send_task_events = _events
 task_send_sent_event = False  # the dispatcher sends only what runs next: "received" is enough
 result_expires = 24 * 3600

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from .config import load_settings
+from .config import bool_env, load_settings
 from .errors import ConfigError, PipelineError
 
 log = logging.getLogger("pipeline.cli")
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--events",
         dest="events",
         action="store_true",
-        default=os.environ.get("PIPELINE_TASK_EVENTS", "0") not in ("", "0"),
+        default=bool_env(os.environ, "PIPELINE_TASK_EVENTS", False),
         help="send task events from the start (also PIPELINE_TASK_EVENTS=1); by default they "
         "are off until Flower (`pipeline flower`) turns them on",
     )

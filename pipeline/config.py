@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -282,11 +283,12 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         wedge_after_s=_float_env(env, "PIPELINE_WEDGE_AFTER_S", 300.0),
         park_s=_float_env(env, "PIPELINE_PARK_S", 10.0),
         lookahead=_lookahead_env(env),
-        direct_publish=_bool_env(env, "PIPELINE_DIRECT_PUBLISH", True),
+        direct_publish=bool_env(env, "PIPELINE_DIRECT_PUBLISH", True),
     )
 
 
-def _bool_env(env: dict[str, str], name: str, default: bool) -> bool:
+def bool_env(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """A 1/0 (true/false, yes/no, on/off) environment variable; ConfigError otherwise."""
     raw = env.get(name, "").strip().lower()
     if raw == "":
         return default
