@@ -14,6 +14,10 @@ A release in this process rings twice: directly, and again when its own Pub/Sub 
 back. The echo is swallowed (each direct ring expects one echo of its queue within
 ``ECHO_S``), so one release wakes one waiter here, not two that race for one slot.
 
+A holder of a slot gate that hands its slot over (``Gate.hands_over``) does not ring at all:
+:meth:`ReleaseBell.hand_over` grants the longest-parked waiter the slot outright (its ticket
+says ``granted``), and the giver's Pub/Sub message is swallowed as an echo.
+
 A waiter reads the queue's generation *before* it asks the gate and then waits for the
 generation to move, so a release between the refusal and the wait is never missed. Waits are
 bounded (the caller re-asks its gate on time-out), so a lost message — the listener
@@ -26,6 +30,7 @@ import logging
 import threading
 import time
 from collections import defaultdict, deque
+from typing import Any
 
 import redis
 
@@ -35,18 +40,40 @@ RECONNECT_S = (0.1, 2.0)  # the listener's back-off after a lost connection
 ECHO_S = 0.25  # a direct ring's own Pub/Sub message arrives within this, or is not waited for
 
 
+class Ticket:
+    """One parked wait: woken by a ring (ask the gate again) or granted a slot handed over by
+    a holder of this process (``granted``: go to the server; the giver is recording the
+    transfer in Redis and sets ``transferred`` when done, ``held`` telling whether it took)."""
+
+    __slots__ = ("ctx", "_wake", "done", "rang", "granted", "held", "transferred")
+
+    def __init__(self, ctx: Any = None) -> None:
+        self.ctx = ctx  # what a giver needs to transfer a slot to this waiter; None: no hand-over
+        self._wake = threading.Lock()
+        self._wake.acquire()
+        self.done = False  # woken, granted or timed out (under the bell's lock)
+        self.rang = False
+        self.granted = False
+        self.held = False
+        self.transferred = threading.Event()
+
+    def _fire(self) -> None:
+        self.done = True
+        self._wake.release()
+
+
 class ReleaseBell:
-    """Per-process generation counters, one per queue, each with a condition to wait on.
+    """Per-process generation counters, one per queue, and the tickets of parked waiters.
 
     A ring wakes *one* waiter of the queue (the longest waiting: parked attempts are admitted
     in the order they parked, which is the dispatch order), not a herd that would all ask the
-    gate for one slot."""
+    gate for one slot. :meth:`hand_over` grants the longest waiting a slot outright."""
 
     def __init__(self, client: redis.Redis, channel: str) -> None:
         self.client = client
         self.channel = channel
         self._lock = threading.Lock()
-        self._conds: dict[str, threading.Condition] = {}
+        self._waiters: dict[str, deque[Ticket]] = defaultdict(deque)
         self._gen: dict[str, int] = defaultdict(int)
         self._echoes: dict[str, deque[float]] = defaultdict(deque)  # direct rings, by queue
         self._listener: threading.Thread | None = None
@@ -55,26 +82,49 @@ class ReleaseBell:
         self._pubsub: redis.client.PubSub | None = None
         self.closed = False  # the node is shutting down: nobody parks any more
 
-    def _cond(self, queue: str) -> threading.Condition:
-        cond = self._conds.get(queue)
-        if cond is None:
-            cond = self._conds.setdefault(queue, threading.Condition(self._lock))
-        return cond
-
     def generation(self, queue: str) -> int:
         with self._lock:
             return self._gen[queue]
+
+    def waiting(self, queue: str) -> int:
+        """Waiters parked on ``queue`` now."""
+        with self._lock:
+            return len(self._waiters.get(queue, ()))
+
+    def _expect_echo(self, queue: str) -> None:
+        if self._listener is not None:
+            self._echoes[queue].append(time.monotonic())
 
     def ring(self, queue: str, *, echo: bool = False) -> None:
         """A reservation of ``queue``'s gate may have been freed: wake one of its waiters.
         ``echo``: this release will also be published (finish / requeue), so the listener
         swallows that message instead of waking a second waiter for the same slot."""
-        cond = self._cond(queue)
-        with cond:
+        with self._lock:
             self._gen[queue] += 1
-            cond.notify()
-            if echo and self._listener is not None:
-                self._echoes[queue].append(time.monotonic())
+            waiters = self._waiters.get(queue)
+            if waiters:
+                ticket = waiters.popleft()
+                ticket.rang = True
+                ticket._fire()
+            if echo:
+                self._expect_echo(queue)
+
+    def hand_over(self, queue: str) -> Ticket | None:
+        """Grant the longest-waiting hand-over ticket of ``queue`` a slot and wake it; None
+        when nobody waits for one (release the slot instead). The caller must
+        then record the transfer and set ``ticket.held`` / ``ticket.transferred``. The
+        release it replaces is still published (finish / requeue): its echo is swallowed."""
+        with self._lock:
+            if self.closed:
+                return None
+            waiters = self._waiters.get(queue)
+            if not waiters or waiters[0].ctx is None:
+                return None
+            ticket = waiters.popleft()
+            ticket.granted = True
+            ticket._fire()
+            self._expect_echo(queue)
+            return ticket
 
     def _is_echo(self, queue: str) -> bool:
         """A Pub/Sub message of ``queue`` that a direct ring of this process already rang."""
@@ -93,12 +143,27 @@ class ReleaseBell:
     def wait(self, queue: str, generation: int, timeout: float) -> bool:
         """Block until ``queue`` rang after ``generation`` was read, ``timeout`` s passed or
         the bell was closed. True when it rang (or closed)."""
+        ticket = self.park(queue, generation, timeout)
+        return ticket is None or ticket.rang or ticket.granted
+
+    def park(self, queue: str, generation: int, timeout: float, ctx: Any = None) -> Ticket | None:
+        """Wait as :meth:`wait` does; with ``ctx`` the waiter may be granted a slot by
+        :meth:`hand_over`. None when it returned at once (it rang before, or closed),
+        else the ticket: ``granted``, ``rang``, or neither (timed out)."""
         if self.closed:
-            return True
+            return None
         self._listen()
-        cond = self._cond(queue)
-        with cond:
-            return cond.wait_for(lambda: self._gen[queue] != generation or self.closed, timeout)
+        with self._lock:
+            if self._gen[queue] != generation or self.closed:
+                return None
+            ticket = Ticket(ctx)
+            self._waiters[queue].append(ticket)
+        ticket._wake.acquire(timeout=max(0.0, timeout))
+        with self._lock:
+            if not ticket.done:  # timed out, still in line
+                ticket.done = True
+                self._waiters[queue].remove(ticket)
+        return ticket
 
     def close(self) -> None:
         """Wake every waiter for good (a warm shutdown: parked attempts go back to their
@@ -111,8 +176,11 @@ class ReleaseBell:
         with self._lock:
             for queue in list(self._gen):
                 self._gen[queue] += 1
-            for cond in self._conds.values():
-                cond.notify_all()
+            for waiters in self._waiters.values():
+                while waiters:
+                    ticket = waiters.popleft()
+                    ticket.rang = True
+                    ticket._fire()
 
     def stop(self) -> None:
         self._stopping.set()

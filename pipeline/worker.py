@@ -20,9 +20,9 @@ from typing import Any
 
 from . import metrics
 from .backoff import retry_delay
-from .bell import ReleaseBell
+from .bell import ReleaseBell, Ticket
 from .config import QueueConfig, Settings, load_settings
-from .gates import AcquireContext, Decision, Gate, GateEnv, Verdict
+from .gates import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
 from .gating import attempt_gate
 from .inference import Kind, Outcome, join_url, send
 from .keys import holder as make_holder
@@ -33,6 +33,7 @@ log = logging.getLogger("pipeline.worker")
 REFUSE_DELAY_S = (0.2, 1.0)  # a refused request waits this long (jittered) before re-entry
 PARK_POLL_S = 0.5  # a parked attempt re-asks its gate at least this often (a lost wake-up)
 RELEASE_TRIES = 4
+TRANSFER_WAIT_S = 10.0  # a taker of a handed-over slot waits this long for the transfer record
 
 
 class Status(enum.Enum):
@@ -80,14 +81,23 @@ class Runtime:
                 self._gates[queue] = gate
             return gate
 
-    def release(self, queue: str, request_id: str, token: str) -> None:
-        """Release a holder's reservation: idempotent, retried, logged when it fails."""
+    def release(self, queue: str, request_id: str, token: str, *, hand_over: bool = False) -> None:
+        """Release a holder's reservation: idempotent, retried, logged when it fails.
+
+        ``hand_over`` (the holder does hold a slot of a ``hands_over`` gate): when an attempt
+        of this process is parked for one, the slot goes straight to it — it is woken at
+        once, admitted, and heads for the server while this thread records the transfer."""
         holder = make_holder(request_id, token)
         with self._lock:
             self._live.pop(holder, None)
         if queue not in self.settings.queues:
             return
         gate = self.gate(queue)
+        if hand_over and gate.hands_over:
+            ticket = self.bell.hand_over(queue)
+            if ticket is not None:
+                self._transfer(gate, holder, ticket)
+                return
         for i in range(RELEASE_TRIES):
             try:
                 gate.release(holder)
@@ -105,6 +115,37 @@ class Runtime:
                 )
                 time.sleep(0.1 * 2**i)
         log.error("release of %s on gate %s gave up; its lease will expire", holder, queue)
+
+    def _transfer(self, gate: Gate, giver: str, ticket: Ticket) -> None:
+        """Record in Redis that ``giver``'s slot now belongs to the ticket's attempt (already
+        on its way to the server); retried like a release. On failure the giver's lease
+        lapses (it is no longer renewed) and the taker holds nothing to release."""
+        try:
+            for i in range(RELEASE_TRIES):
+                try:
+                    ticket.held = gate.transfer(giver, ticket.ctx)
+                    if not ticket.held:
+                        log.warning(
+                            "slot of %s handed to %s on gate %s, but its lease had lapsed and "
+                            "the gate is full",
+                            giver,
+                            ticket.ctx.holder,
+                            gate.name,
+                        )
+                    return
+                except Exception as exc:  # noqa: BLE001 - as a release: never silently lost
+                    log.warning(
+                        "hand-over of %s on gate %s failed (try %d/%d): %s",
+                        giver,
+                        gate.name,
+                        i + 1,
+                        RELEASE_TRIES,
+                        exc,
+                    )
+                    time.sleep(0.1 * 2**i)
+            log.error("hand-over of %s on gate %s gave up; its lease will expire", giver, gate.name)
+        finally:
+            ticket.transferred.set()
 
     # -- heartbeat -----------------------------------------------------------------------
     def _track(self, request_id: str, token: str, queue: str) -> None:
@@ -224,6 +265,7 @@ class Attempt:
             raise KeyError("payload")
         self.decision: Decision | None = None
         self.closed = False
+        self._granted: Ticket | None = None  # the slot came by hand-over (see Runtime.release)
         self._generation = 0  # the release bell's, read before the last gate call
 
     @property
@@ -256,7 +298,15 @@ class Attempt:
 
     # -- outcomes (each releases first) --------------------------------------------------
     def _release(self) -> None:
-        self.rt.release(self.queue.queue_name, self.id, self.token)
+        ticket = self._granted
+        if ticket is not None:
+            # the giver is still recording the transfer: releasing before it would leave a
+            # lease behind that nobody renews (it would block a slot until it lapsed)
+            ticket.transferred.wait(TRANSFER_WAIT_S)
+            held = ticket.held
+        else:
+            held = self.decision is not None and self.decision.admitted
+        self.rt.release(self.queue.queue_name, self.id, self.token, hand_over=held)
 
     def _finish(
         self,
@@ -376,7 +426,9 @@ class Attempt:
     def _park(self, limit_s: float) -> Decision:
         """Wait for a slot: until the gate admits (or stops saying Wait / full), the deadline,
         or ``limit_s``. Woken by the release bell the moment a holder of this queue releases;
-        re-asks the gate at least every ``PARK_POLL_S`` in case a wake-up was lost."""
+        re-asks the gate at least every ``PARK_POLL_S`` in case a wake-up was lost. On a
+        ``hands_over`` gate a holder of this process that is done hands its slot straight to
+        the longest-parked attempt, admitted without asking the gate."""
         queue = self.queue.queue_name
         end = min(self.deadline, time.time() + limit_s)
         decision = self.decision or Decision(Verdict.WAIT)
@@ -386,7 +438,16 @@ class Attempt:
             left = end - time.time()
             if left <= 0:
                 break
-            self.rt.bell.wait(queue, self._generation, min(PARK_POLL_S, left))
+            ticket = self.rt.bell.park(
+                queue,
+                self._generation,
+                min(PARK_POLL_S, left),
+                self._ctx() if self.gate.hands_over else None,
+            )
+            if ticket is not None and ticket.granted:
+                self._granted = ticket
+                decision = self.decision = CONTINUE
+                break
             decision = self.acquire()
         return decision
 

@@ -44,12 +44,12 @@ def test_each_ring_wakes_one_waiter_of_its_queue(bell: ReleaseBell) -> None:
     woke: list[bool] = []
     gen = bell.generation("q")
     threads = [waiter(bell, "q", gen, woke) for _ in range(2)]
-    wait_for(lambda: len(bell._cond("q")._waiters) == 2, 5, what="two waiters")  # type: ignore[attr-defined]
+    wait_for(lambda: bell.waiting("q") == 2, 5, what="two waiters")
     other: list[bool] = []
     waiter(bell, "other", bell.generation("other"), other)
     bell.ring("q")
     wait_for(lambda: len(woke) == 1, 5, what="one waiter woken")
-    assert len(bell._cond("q")._waiters) == 1  # type: ignore[attr-defined]
+    assert bell.waiting("q") == 1
     bell.ring("q")
     wait_for(lambda: len(woke) == 2, 5, what="the second waiter woken")
     assert woke == [True, True] and other == []  # another queue's waiter slept on
@@ -103,7 +103,7 @@ def test_the_listener_reconnects_after_its_connection_is_killed(
 def test_closing_the_bell_wakes_every_waiter_for_good(bell: ReleaseBell) -> None:
     woke: list[bool] = []
     threads = [waiter(bell, q, bell.generation(q), woke) for q in ("a", "a", "b")]
-    wait_for(lambda: sum(len(c._waiters) for c in bell._conds.values()) == 3, 5, what="waiters")  # type: ignore[attr-defined]
+    wait_for(lambda: bell.waiting("a") + bell.waiting("b") == 3, 5, what="waiters")
     bell.close()
     wait_for(lambda: len(woke) == 3, 5, what="every waiter woken")
     for t in threads:
@@ -119,12 +119,59 @@ def test_a_release_here_wakes_one_waiter_not_two_when_its_echo_arrives(
     gen = bell.generation("q")
     waiter(bell, "q", gen, woke)
     waiter(bell, "q", gen, woke)
-    wait_for(lambda: len(bell._cond("q")._waiters) == 2, 5, what="two waiters")  # type: ignore[attr-defined]
+    wait_for(lambda: bell.waiting("q") == 2, 5, what="two waiters")
     wait_for(lambda: bell._subscribed.is_set(), 5, what="the subscription")
     bell.ring("q", echo=True)  # a release in this process ...
     publisher.publish(bell.channel, "q")  # ... and its own message from finish.lua
     wait_for(lambda: not bell._echoes["q"], 5, what="the echo swallowed")
     assert woke == [True]
-    assert len(bell._cond("q")._waiters) == 1  # type: ignore[attr-defined]
+    assert bell.waiting("q") == 1
     publisher.publish(bell.channel, "q")  # a release in another process
     wait_for(lambda: woke == [True, True], 5, what="the second waiter woken")
+
+
+def parked(bell: ReleaseBell, queue: str, ctx: object, out: list[object]) -> threading.Thread:
+    gen = bell.generation(queue)
+    t = threading.Thread(target=lambda: out.append(bell.park(queue, gen, 10.0, ctx)), daemon=True)
+    t.start()
+    return t
+
+
+def test_a_hand_over_grants_the_longest_parked_waiter_and_wakes_only_it(
+    bell: ReleaseBell,
+) -> None:
+    first: list[object] = []
+    second: list[object] = []
+    parked(bell, "q", "ctx-1", first)
+    wait_for(lambda: bell.waiting("q") == 1, 5, what="the first waiter")
+    parked(bell, "q", "ctx-2", second)
+    wait_for(lambda: bell.waiting("q") == 2, 5, what="the second waiter")
+    gen = bell.generation("q")
+    ticket = bell.hand_over("q")
+    assert ticket is not None and ticket.ctx == "ctx-1" and ticket.granted and not ticket.rang
+    wait_for(lambda: first == [ticket], 5, what="the first waiter woken, granted")
+    assert second == [] and bell.waiting("q") == 1
+    assert bell.generation("q") == gen  # no slot was freed: nobody else is told to ask
+    ticket.held = True
+    ticket.transferred.set()
+    bell.ring("q")  # a real release wakes the next one to ask its gate
+    wait_for(lambda: len(second) == 1, 5, what="the second waiter rang")
+    (rang,) = second
+    assert getattr(rang, "rang", False) and not getattr(rang, "granted", True)
+
+
+def test_no_hand_over_without_a_waiter_that_can_take_one(bell: ReleaseBell) -> None:
+    assert bell.hand_over("q") is None  # nobody parked: the slot is released instead
+    out: list[object] = []
+    parked(bell, "q", None, out)  # parked on a gate that does not hand over
+    wait_for(lambda: bell.waiting("q") == 1, 5, what="the waiter")
+    assert bell.hand_over("q") is None and bell.waiting("q") == 1
+    bell.close()
+    wait_for(lambda: len(out) == 1, 5, what="woken by close")
+    assert bell.hand_over("q") is None  # closed: nobody is granted anything
+
+
+def test_a_waiter_that_timed_out_is_not_granted(bell: ReleaseBell) -> None:
+    ticket = bell.park("q", bell.generation("q"), 0.05, "ctx")
+    assert ticket is not None and not ticket.granted and not ticket.rang
+    assert bell.waiting("q") == 0 and bell.hand_over("q") is None

@@ -336,3 +336,62 @@ def test_limit_one_never_wedges(served: Pipeline) -> None:
     ]
     for rid in [retrier, *others]:
         assert finished(served, "lim1", rid).ok
+
+
+# -- a slot handed straight to an attempt parked in the same process ---------------------
+def holder_of(pl: Pipeline, queue: str, rid: str) -> dict[str, Any] | None:
+    return next((h for h in pl.inspect()[queue]["gate"]["holders"] if h["request_id"] == rid), None)
+
+
+def park_behind(pl: Pipeline, queue: str, tag: str, headers: dict[str, str]) -> str:
+    rid = pl.submit({"p": tag}, id=uid(tag), queue=queue, timeout=60, headers=headers).id
+    wait_running(pl, rid)  # dispatched ahead and parked: the only slot is held
+    return rid
+
+
+def test_finish_hands_the_slot_to_a_parked_attempt(
+    pl: Pipeline, sim: SimServer, start_worker: Any
+) -> None:
+    worker = start_worker(pools="parked", concurrency=4, extra_env={"PIPELINE_LOOKAHEAD": "2"})
+    try:
+        giver = park_behind(pl, "parked", "giver", {"x-sim-latency-ms": "1500"})
+        taker = park_behind(pl, "parked", "taker", {"x-sim-latency-ms": "1000"})
+        assert gate_in_flight(pl, "parked") == 1
+        wait_for(
+            lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == giver,
+            10,
+            what="the giver's slot handed to the parked taker",
+        )
+        assert gate_in_flight(pl, "parked") == 1
+        assert finished(pl, "parked", giver).ok
+        res = finished(pl, "parked", taker)
+        assert res.ok and res.attempts == 1 and pl.record(taker).get("dispatches") == "1"
+        assert sim.stats()["max_concurrency_observed"] == 1
+    finally:
+        worker.stop()
+
+
+def test_retry_hands_the_slot_to_a_parked_attempt(
+    pl: Pipeline, sim: SimServer, start_worker: Any
+) -> None:
+    worker = start_worker(pools="parked", concurrency=4, extra_env={"PIPELINE_LOOKAHEAD": "2"})
+    try:
+        first = park_behind(pl, "parked", "first", {"x-sim-latency-ms": "1500"})
+        retried = park_behind(
+            pl, "parked", "retried", {"x-sim-fail-first": "1", "x-sim-fail-status": "503"}
+        )
+        taker = park_behind(pl, "parked", "taker", {"x-sim-latency-ms": "1000"})
+        # first -> retried (503: backs off, requeued) -> taker, each slot handed over
+        wait_for(
+            lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == retried,
+            10,
+            what="the retried attempt's slot handed to the parked taker",
+        )
+        assert gate_in_flight(pl, "parked") == 1
+        for rid in (first, taker):
+            assert finished(pl, "parked", rid).ok
+        res = finished(pl, "parked", retried)
+        assert res.ok and res.attempts == 2
+        assert sim.stats()["max_concurrency_observed"] == 1
+    finally:
+        worker.stop()

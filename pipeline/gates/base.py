@@ -92,6 +92,11 @@ class Gate:
     dispatcher multiplies it by the live nodes). Wrapper gates copy it from the inner gate that
     sets their capacity, on the instance.
 
+    ``hands_over`` is True for a plain slot gate (``local-`` / ``global-max-concurrency``): a
+    holder of this process that is done with the server hands its slot to an attempt of this
+    process parked for one, which goes to the server without a Redis round trip
+    (:meth:`transfer` records the new holder meanwhile).
+
     ``clock`` (Unix s) is what a gate reads as "now" when it compares lease expiries; tests
     replace it to move time without sleeping. Leases themselves come from the caller
     (``AcquireContext.lease_until``, :meth:`renew`), so they are Unix seconds too.
@@ -99,6 +104,9 @@ class Gate:
 
     type_name: ClassVar[str] = ""
     per_node: ClassVar[bool] = False
+    # a reservation is one interchangeable slot, so a holder that is done may hand it straight
+    # to an attempt parked for one (:meth:`transfer`) instead of releasing it
+    hands_over: ClassVar[bool] = False
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         self.name = name
@@ -128,6 +136,11 @@ class Gate:
     def release(self, holder: str) -> bool:
         """Free ``holder``'s reservation. Idempotent; returns True if one was freed."""
         return False
+
+    def transfer(self, giver: str, ctx: AcquireContext) -> bool:
+        """Hand ``giver``'s reservation to ``ctx.holder`` in one atomic step (see
+        ``hands_over``); True when the taker now holds one. Only gates with ``hands_over``."""
+        raise NotImplementedError(f"{self.type_name} gates do not hand reservations over")
 
     def renew(self, holders: Iterable[str], lease_until: float) -> None:
         """Extend the leases of live holders."""

@@ -60,17 +60,20 @@ def holder_entry(holder: str, info: str | None, expiry: float, now: float) -> di
     request_id, token = split_holder(holder)
     acquired = data.get("acquired_at")
     age = max(0.0, now - float(acquired)) if isinstance(acquired, int | float) else None
+    giver = data.get("handed_over_by")
     return {
         "request_id": request_id,
         "attempt": token,
         "worker": data.get("worker", ""),
         "age_s": age,
         "lease_expires_at": expiry,
+        # the request whose slot this holder took over (see Gate.hands_over), else None
+        "handed_over_by": split_holder(giver)[0] if isinstance(giver, str) else None,
     }
 
 
 class LeaseScripts:
-    """The four lease scripts registered once on one client."""
+    """The lease scripts registered once on one client."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
@@ -78,6 +81,7 @@ class LeaseScripts:
         self.release = register(client, "gate_lease_release")
         self.renew = register(client, "gate_lease_renew")
         self.reap = register(client, "gate_lease_reap")
+        self.transfer = register(client, "gate_lease_transfer")
 
 
 class LeaseSet:
@@ -102,6 +106,20 @@ class LeaseSet:
 
     def release(self, holder: str) -> bool:
         return bool(self.scripts.release(keys=self._keys, args=[holder]))
+
+    def transfer(
+        self,
+        giver: str,
+        taker: str,
+        now: float,
+        lease_until: float,
+        limit: int,
+        info: dict[str, Any],
+    ) -> int:
+        """Free ``giver``'s slot and take one for ``taker``, atomically: 1 = taken, 2 = the
+        taker already held one, 0 = full (the giver held nothing and the pool is full)."""
+        args = [giver, taker, fmt_time(now), fmt_time(lease_until), limit]
+        return int(self.scripts.transfer(keys=self._keys, args=[*args, json.dumps(info), GRACE_S]))
 
     def renew(self, holders: Sequence[str], now: float, lease_until: float) -> int:
         if not holders:

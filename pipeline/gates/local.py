@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 class LocalMaxConcurrencyGate(Gate):
     type_name = "local-max-concurrency"
     per_node = True
+    hands_over = True
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
@@ -97,6 +98,11 @@ class LocalMaxConcurrencyGate(Gate):
         if self._slots.release(holder):
             return True
         return any(s.release(holder) for s in self._all_slots()[1:])
+
+    def transfer(self, giver: str, ctx: AcquireContext) -> bool:
+        now = self.clock()
+        info = {"worker": ctx.worker, "acquired_at": now, "handed_over_by": giver}
+        return bool(self.slots.transfer(giver, ctx.holder, now, ctx.lease_until, self.limit, info))
 
     def renew(self, holders: Iterable[str], lease_until: float) -> None:
         self.slots.renew(list(holders), self.clock(), lease_until)

@@ -184,3 +184,39 @@ def test_limit_holds_across_processes_of_one_node(env: GateEnv, make: Callable[.
     assert len(won) == 2 and gate.in_flight() == 2
     for h in won:
         assert gate.release(h)
+
+
+@pytest.mark.parametrize("kind", ["local-max-concurrency", "global-max-concurrency"])
+def test_transfer_hands_a_slot_over_in_one_step(make: Callable[..., Gate], kind: str) -> None:
+    gate = make(kind, {"limit": 2})
+    assert gate.hands_over
+    a, b, c = ctx("giver"), ctx("other"), ctx("taker", worker="celery@h2")
+    assert gate.acquire(a).admitted and gate.acquire(b).admitted
+    assert gate.transfer(a.holder, c) is True  # the pool was full: the slot went a -> c
+    assert gate.in_flight() == 2
+    entry = next(h for h in gate.holders() if h["request_id"] == "taker")
+    assert entry["handed_over_by"] == "giver" and entry["worker"] == "celery@h2"
+    assert entry["lease_expires_at"] == pytest.approx(c.lease_until, abs=1e-5)
+    assert {h["handed_over_by"] for h in gate.holders() if h["request_id"] == "other"} == {None}
+    assert gate.release(a.holder) is False  # the giver holds nothing any more
+    for x in (b, c):
+        assert gate.release(x.holder) is True
+    assert gate.in_flight() == 0
+
+
+def test_transfer_from_a_holder_whose_lease_was_reaped_takes_a_free_slot_or_none(
+    make: Callable[..., Gate],
+) -> None:
+    gate = make("local-max-concurrency", {"limit": 1})
+    gone, taker, other = ctx("gone"), ctx("taker"), ctx("other")
+    assert gate.transfer(gone.holder, taker) is True  # room: taken like an acquire
+    assert gate.transfer(gone.holder, other) is False  # full, and "gone" held nothing
+    assert [h["request_id"] for h in gate.holders()] == ["taker"]
+    gate.release(taker.holder)
+
+
+def test_gates_that_count_other_things_do_not_hand_over(make: Callable[..., Gate]) -> None:
+    quota = make("redis-quota", {"limit": 2, "mode": "concurrency"})
+    assert not quota.hands_over
+    with pytest.raises(NotImplementedError):
+        quota.transfer("a:1", ctx())
