@@ -1,4 +1,5 @@
-"""Two patches to kombu's Redis transport (kombu 5.x): a guard around a race, and a client cache.
+"""Patches to kombu's Redis transport (kombu 5.x) — a guard around a race, a client cache — and
+to billiard's picklable tracebacks (a lazy copy of code positions).
 
 When the broker connection drops, Celery's consumer releases the connection; closing its
 channel then restores the unacknowledged messages, which needs a *new* Redis client built
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from billiard import einfo as billiard_einfo
 from kombu.transport import redis as kombu_redis
 
 log = logging.getLogger("pipeline.compat")
@@ -50,6 +52,50 @@ def _cached_create_client(self: Any, asynchronous: bool = False) -> Any:
     return client
 
 
+class _NoPositions:
+    """A code object's stand-in while billiard copies it: every attribute but the positions."""
+
+    def __init__(self, code: Any) -> None:
+        self._code = code
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._code, name)
+
+    def co_positions(self) -> Any:
+        return iter(())
+
+
+_code_init = billiard_einfo._Code.__init__
+
+
+def _lazy_code_init(self: Any, code: Any) -> None:
+    """billiard's ``_Code`` without copying ``co_positions`` up front.
+
+    Celery builds an ``ExceptionInfo`` for every ``Retry`` (and failure); on Python 3.11
+    billiard's copy of each traceback frame's code lists all its positions — 2,341 tuples for
+    Celery's ``trace_task`` alone, ~0.3 ms of GIL per retried attempt, for positions nobody
+    reads unless the traceback object is formatted again. Here they are listed when first
+    read, or when the object is pickled (a prefork child sending it to its parent)."""
+    _code_init(self, _NoPositions(code))
+    self.__dict__["_pipeline_code"] = code
+
+
+def _positions(self: Any) -> Any:
+    code = self.__dict__.pop("_pipeline_code", None)
+    if code is not None:
+        self._co_positions = list(code.co_positions())
+    return self._co_positions.__iter__
+
+
+def _reduce(self: Any) -> Any:
+    _positions(self)
+    return billiard_einfo._Code.__new__, (billiard_einfo._Code,), self.__dict__
+
+
 def install() -> None:
+    if hasattr(billiard_einfo._Code, "co_positions"):  # Python >= 3.11
+        billiard_einfo._Code.__init__ = _lazy_code_init  # type: ignore[method-assign]
+        billiard_einfo._Code.co_positions = property(_positions)  # type: ignore[attr-defined]
+        billiard_einfo._Code.__reduce__ = _reduce  # type: ignore[method-assign]
     kombu_redis.QoS.restore_unacked = _guarded_restore_unacked  # type: ignore[method-assign]
     kombu_redis.Channel._create_client = _cached_create_client  # type: ignore[method-assign]

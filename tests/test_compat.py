@@ -1,6 +1,12 @@
-"""The patches in ``tasks.compat`` to kombu's Redis transport."""
+"""The patches in ``tasks.compat`` to kombu's Redis transport and billiard's tracebacks."""
 
 from __future__ import annotations
+
+import pickle
+import traceback
+import types
+
+from billiard.einfo import ExceptionInfo
 
 from tasks.app import app
 
@@ -14,3 +20,32 @@ def test_a_channel_publishes_through_one_cached_client() -> None:
         assert client.ping()
     with app.connection_for_write() as conn:
         assert conn.default_channel._create_client() is not client  # a new channel, a new one
+
+
+def _einfo_of_a_raise() -> ExceptionInfo:
+    def inner() -> None:
+        raise ValueError("boom")
+
+    try:
+        inner()
+    except ValueError:
+        return ExceptionInfo()
+    raise AssertionError("unreachable")
+
+
+def test_tracebacks_copy_code_positions_only_when_read_or_pickled() -> None:
+    einfo = _einfo_of_a_raise()
+    frame = einfo.tb.tb_next.tb_frame  # billiard's copy of inner()'s frame
+    code = frame.f_code
+    assert "_co_positions" in vars(code) and not vars(code)["_co_positions"]  # not copied yet
+    assert isinstance(code, types.CodeType) and code.co_name == "inner"
+    # pickled (a prefork child sending it to its parent): the positions travel with it
+    copy = pickle.loads(pickle.dumps(einfo))
+    positions = list(copy.tb.tb_next.tb_frame.f_code.co_positions())
+    assert positions and all(len(p) == 4 for p in positions)
+    assert list(code.co_positions()) == positions  # read here: listed from the real code
+    # formatted again, both name the raise with its line, as before the patch
+    for e in (einfo, copy):
+        text = "".join(traceback.format_tb(e.tb))
+        assert 'raise ValueError("boom")' in text and ", in inner" in text
+    assert "ValueError: boom" in einfo.traceback
