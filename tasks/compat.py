@@ -94,8 +94,8 @@ def _reduce(self: Any) -> Any:
 
 def install() -> None:
     if hasattr(billiard_einfo._Code, "co_positions"):  # Python >= 3.11
-        billiard_einfo._Code.__init__ = _lazy_code_init  # type: ignore[method-assign]
-        billiard_einfo._Code.co_positions = property(_positions)  # type: ignore[attr-defined]
-        billiard_einfo._Code.__reduce__ = _reduce  # type: ignore[method-assign]
+        billiard_einfo._Code.__init__ = _lazy_code_init
+        billiard_einfo._Code.co_positions = property(_positions)
+        billiard_einfo._Code.__reduce__ = _reduce
     kombu_redis.QoS.restore_unacked = _guarded_restore_unacked  # type: ignore[method-assign]
     kombu_redis.Channel._create_client = _cached_create_client  # type: ignore[method-assign]
