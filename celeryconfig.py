@@ -1,7 +1,9 @@
 """Celery settings for the pipeline's workers (``celery -A tasks worker`` reads these).
 
 JSON only on the wire; late acks with a prefetch of one slot each, so a message is taken only
-when a slot is free; task events when Flower asks for them. The broker defaults to the
+when a slot is free (on a Redis broker ``tasks.node`` consumes the pipeline's queues without
+acks instead and disables prefetch: see ``PIPELINE_BROKER_ACKS``); task events when Flower
+asks for them. The broker defaults to the
 pipeline's Redis.
 """
 

@@ -137,6 +137,7 @@ class Settings:
     park_s: float = 10.0  # an attempt refused by a full slot gate parks this long for a release
     lookahead: int = -1  # attempts dispatched past a slot gate's capacity; -1: automatic
     direct_publish: bool = True  # the dispatch script pushes Celery messages (Redis broker)
+    broker_acks: bool = False  # keep kombu's acks on a Redis broker (else consumed no_ack)
 
     def lookahead_for(self, capacity: int) -> int:
         """How many attempts the dispatcher sends past a slot gate of ``capacity``, to park
@@ -284,6 +285,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         park_s=_float_env(env, "PIPELINE_PARK_S", 10.0),
         lookahead=_lookahead_env(env),
         direct_publish=bool_env(env, "PIPELINE_DIRECT_PUBLISH", True),
+        broker_acks=bool_env(env, "PIPELINE_BROKER_ACKS", False),
     )
 
 

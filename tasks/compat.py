@@ -18,6 +18,7 @@ from typing import Any
 
 from billiard import einfo as billiard_einfo
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 
 log = logging.getLogger("pipeline.compat")
 _restore_unacked = kombu_redis.QoS.restore_unacked
@@ -92,7 +93,31 @@ def _reduce(self: Any) -> Any:
     return billiard_einfo._Code.__new__, (billiard_einfo._Code,), self.__dict__
 
 
+_basic_consume = virtual.Channel.basic_consume
+
+
+def _no_ack_basic_consume(
+    self: Any, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
+) -> Any:
+    """kombu's virtual transports skip the unacked bookkeeping of a ``no_ack`` consumer's
+    messages on delivery, but still run it on ``ack()`` (a Redis round trip each): they never
+    fill ``Channel.no_ack_consumers``, which is what ``Message.ack`` checks. Fill it, and tag
+    each delivered message with its consumer, so an ack of a no-ack message is a no-op."""
+    if not no_ack:
+        return _basic_consume(self, queue, no_ack, callback, consumer_tag, **kwargs)
+    if self.no_ack_consumers is None:
+        self.no_ack_consumers = set()
+    self.no_ack_consumers.add(consumer_tag)
+
+    def tagged(message: Any) -> Any:
+        message.delivery_info["consumer_tag"] = consumer_tag
+        return callback(message)
+
+    return _basic_consume(self, queue, no_ack, tagged, consumer_tag, **kwargs)
+
+
 def install() -> None:
+    virtual.Channel.basic_consume = _no_ack_basic_consume  # type: ignore[method-assign]
     if hasattr(billiard_einfo._Code, "co_positions"):  # Python >= 3.11
         billiard_einfo._Code.__init__ = _lazy_code_init
         billiard_einfo._Code.co_positions = property(_positions)

@@ -10,6 +10,7 @@ from typing import Any
 
 from celery import bootsteps
 from celery.signals import (
+    celeryd_after_setup,
     celeryd_init,
     task_revoked,
     worker_ready,
@@ -128,6 +129,32 @@ def _on_init(sender: str | None = None, **_: Any) -> None:
     if sender:
         os.environ["PIPELINE_NODE"] = sender
     metrics.setup_node(sender)
+
+
+@celeryd_after_setup.connect
+def _on_after_setup(sender: str | None = None, instance: Any = None, **_: Any) -> None:
+    """On a Redis broker, consume the pipeline's Celery queues without kombu's unacked
+    bookkeeping (``no_ack``): two Redis round trips per message in the consumer's thread
+    (record on delivery, delete on ack) for a redelivery the pipeline never needs — a lost
+    attempt's request is requeued by the pipeline's reaper when its lease lapses, and a stale
+    message is fenced off by its token. Celery's ``worker_disable_prefetch`` then bounds what
+    a node takes to its free execution slots, as the prefetch count did."""
+    if instance is None or not no_ack_broker(instance.app):
+        return
+    queues = instance.app.amqp.queues
+    for name, queue in (queues.consume_from or queues).items():
+        if pool_of(name) is not None:
+            queue.no_ack = True
+    instance.app.conf.worker_disable_prefetch = True
+
+
+def no_ack_broker(celery_app: Any) -> bool:
+    """Whether the pipeline's queues are consumed without acks: a Redis broker, unless
+    ``PIPELINE_BROKER_ACKS=1`` keeps kombu's acks (and its visibility-timeout redelivery)."""
+    url = str(celery_app.conf.broker_url or "")
+    return (
+        url.startswith(("redis://", "rediss://", "unix://")) and not runtime().settings.broker_acks
+    )
 
 
 @worker_shutting_down.connect

@@ -13,6 +13,8 @@ from typing import Any
 import redis
 from celery import states
 from celery.result import AsyncResult
+from kombu import Consumer, Queue
+from kombu.message import Message
 
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
@@ -22,7 +24,7 @@ from tasks.backend import PipelineRedisBackend
 from tasks.inference import infer
 from tasks.node import direct_publish
 
-from .conftest import RESULTS_TAG
+from .conftest import RESULTS_TAG, wait_for
 
 
 def _decoded(raw: str) -> dict[str, Any]:
@@ -106,3 +108,57 @@ def test_the_result_backend_keeps_a_final_state_over_a_late_retry() -> None:
         assert backend.client.ttl(backend.get_key_for_task(task_id)) > 0
     finally:
         backend.forget(task_id)
+
+
+def _unacked(client: redis.Redis, rid: str) -> bool:
+    """Whether kombu's Redis transport holds a message of ``rid`` for redelivery."""
+    return any(rid in str(v) for v in client.hvals("unacked"))
+
+
+def test_a_redis_broker_is_consumed_without_kombus_unacked_bookkeeping(
+    pl: Pipeline, redis_url: str, start_worker: Any
+) -> None:
+    """Two Redis round trips per message in the consumer's thread (record, then delete on
+    ack) buy a redelivery the pipeline does not use: its reaper requeues a lost attempt's
+    request. ``PIPELINE_BROKER_ACKS=1`` keeps them."""
+    if not str(app.conf.broker_url).startswith("redis"):
+        raise AssertionError("this test needs the Redis broker (PIPELINE_TEST_BROKER_URL unset)")
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    for acks, expect_unacked in (("0", False), ("1", True)):
+        worker = start_worker(
+            pools="parked", concurrency=2, extra_env={"PIPELINE_BROKER_ACKS": acks}
+        )
+        try:
+            rid = pl.submit(
+                {"p": acks},
+                id=f"acks{acks}-{uuid.uuid4().hex[:8]}",
+                queue="parked",
+                timeout=60,
+                headers={"x-sim-latency-ms": "1500"},
+            ).id
+            wait_for(lambda r=rid: pl.state(r) == "running", 10, what="the attempt running")
+            assert _unacked(client, rid) is expect_unacked
+            assert pl.wait(rid, 20).ok
+            wait_for(lambda r=rid: not _unacked(client, r), 10, what="nothing left unacked")
+        finally:
+            worker.stop()
+
+
+def test_an_ack_of_a_no_ack_message_is_not_sent_to_the_broker(redis_url: str) -> None:
+    name = f"{RESULTS_TAG}-noack-{uuid.uuid4().hex[:6]}"
+    acked: list[Any] = []
+    with app.connection_for_write(redis_url) as conn:
+        queue = Queue(name, no_ack=True)
+        with conn.Producer() as producer:
+            producer.publish({"n": 1}, routing_key=name, declare=[queue], serializer="json")
+        channel = conn.channel()
+        qos_ack = channel.qos.ack
+        channel.qos.ack = lambda tag: (acked.append(tag), qos_ack(tag))
+        got: list[Message] = []
+        with Consumer(channel, [queue], callbacks=[lambda body, m: got.append(m)]):
+            conn.drain_events(timeout=5)
+        (message,) = got
+        assert message.payload == {"n": 1}
+        message.ack()  # what Celery does when the task ends
+        assert acked == []
+        channel.close()
