@@ -11,8 +11,8 @@ more than 16 at the simulator (``max_concurrency_observed``). Three scenarios, o
   no capacity, so no look-ahead: a refused attempt goes back to the queue), alone and with the
   pool capped at 16 workers.
 
-Throughput = requests / (first submit .. the simulator's N-th 200, by its own clock). All results are then read
-back through ``Pipeline.iter_results`` and must be 200.
+Throughput = requests / (first submit .. the simulator's N-th 200, by its own clock). All
+results are then read back through ``Pipeline.iter_results`` and must be 200.
 
     .venv/bin/python bench/utilisation.py            # ~1 min
 """
