@@ -81,7 +81,6 @@ class LeaseScripts:
         self.release = register(client, "gate_lease_release")
         self.renew = register(client, "gate_lease_renew")
         self.reap = register(client, "gate_lease_reap")
-        self.transfer = register(client, "gate_lease_transfer")
 
 
 class LeaseSet:
@@ -118,8 +117,8 @@ class LeaseSet:
     ) -> int:
         """Free ``giver``'s slot and take one for ``taker``, atomically: 1 = taken, 2 = the
         taker already held one, 0 = full (the giver held nothing and the pool is full)."""
-        args = [giver, taker, fmt_time(now), fmt_time(lease_until), limit]
-        return int(self.scripts.transfer(keys=self._keys, args=[*args, json.dumps(info), GRACE_S]))
+        args = [taker, fmt_time(now), fmt_time(lease_until), limit, json.dumps(info), GRACE_S]
+        return int(self.scripts.acquire(keys=self._keys, args=[*args, giver]))
 
     def renew(self, holders: Sequence[str], now: float, lease_until: float) -> int:
         if not holders:

@@ -1,5 +1,6 @@
--- gate_lease_acquire.lua: take one lease-counted slot of a gate (local-max-concurrency, or
--- redis-quota in concurrency mode). Check and take are one atomic step.
+-- gate_lease_acquire.lua: take one lease-counted slot of a gate (local-/global-max-concurrency,
+-- or redis-quota in concurrency mode), or take over a giver's (ARGV[7]). Check and take are
+-- one atomic step.
 -- KEYS[1] holders sorted set: member = holder "<request id>:<token>", score = lease expiry
 --         (Unix s).
 -- KEYS[2] info hash: holder -> JSON description (worker, acquired_at, ...).
@@ -7,6 +8,9 @@
 -- ARGV[5] info JSON, ARGV[6] grace (s): leases that expired more than this long ago are
 --         purged here (their holder is gone for good), and both keys live this long past
 --         the latest lease they hold.
+-- ARGV[7] (optional) a giver: a holder whose slot is freed first, in the same atomic step, so
+--         the slot passes from it to ARGV[1] without ever being free (a hand-over; the taker
+--         fits unless the giver held nothing and the pool is full).
 -- Only unexpired leases (score > now) count against the limit. A holder that already holds
 -- an unexpired lease keeps it (its expiry only ever moves later) and takes no second slot.
 -- Returns 1 when a new slot was taken, 2 when the holder already held one, 0 when full.
@@ -15,6 +19,11 @@ local now, lease, grace = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[6]
 for _, h in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - grace, 'LIMIT', 0, 100)) do
   redis.call('ZREM', KEYS[1], h)
   redis.call('HDEL', KEYS[2], h)
+end
+
+if ARGV[7] and ARGV[7] ~= '' then
+  redis.call('ZREM', KEYS[1], ARGV[7])
+  redis.call('HDEL', KEYS[2], ARGV[7])
 end
 
 local result = 1
