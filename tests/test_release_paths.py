@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -349,49 +350,47 @@ def park_behind(pl: Pipeline, queue: str, tag: str, headers: dict[str, str]) -> 
     return rid
 
 
-def test_finish_hands_the_slot_to_a_parked_attempt(
-    pl: Pipeline, sim: SimServer, start_worker: Any
-) -> None:
+@pytest.fixture
+def lookahead_two(start_worker: Any) -> Iterator[Any]:
+    """A node for the "parked" queue (limit 1) that dispatches two attempts past the limit."""
     worker = start_worker(pools="parked", concurrency=4, extra_env={"PIPELINE_LOOKAHEAD": "2"})
-    try:
-        giver = park_behind(pl, "parked", "giver", {"x-sim-latency-ms": "1500"})
-        taker = park_behind(pl, "parked", "taker", {"x-sim-latency-ms": "1000"})
-        assert gate_in_flight(pl, "parked") == 1
-        wait_for(
-            lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == giver,
-            10,
-            what="the giver's slot handed to the parked taker",
-        )
-        assert gate_in_flight(pl, "parked") == 1
-        assert finished(pl, "parked", giver).ok
-        res = finished(pl, "parked", taker)
-        assert res.ok and res.attempts == 1 and pl.record(taker).get("dispatches") == "1"
-        assert sim.stats()["max_concurrency_observed"] == 1
-    finally:
-        worker.stop()
+    yield worker
+    worker.stop()
 
 
-def test_retry_hands_the_slot_to_a_parked_attempt(
-    pl: Pipeline, sim: SimServer, start_worker: Any
-) -> None:
-    worker = start_worker(pools="parked", concurrency=4, extra_env={"PIPELINE_LOOKAHEAD": "2"})
-    try:
-        first = park_behind(pl, "parked", "first", {"x-sim-latency-ms": "1500"})
-        retried = park_behind(
-            pl, "parked", "retried", {"x-sim-fail-first": "1", "x-sim-fail-status": "503"}
-        )
-        taker = park_behind(pl, "parked", "taker", {"x-sim-latency-ms": "1000"})
-        # first -> retried (503: backs off, requeued) -> taker, each slot handed over
-        wait_for(
-            lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == retried,
-            10,
-            what="the retried attempt's slot handed to the parked taker",
-        )
-        assert gate_in_flight(pl, "parked") == 1
-        for rid in (first, taker):
-            assert finished(pl, "parked", rid).ok
-        res = finished(pl, "parked", retried)
-        assert res.ok and res.attempts == 2
-        assert sim.stats()["max_concurrency_observed"] == 1
-    finally:
-        worker.stop()
+@pytest.mark.usefixtures("lookahead_two")
+def test_finish_hands_the_slot_to_a_parked_attempt(pl: Pipeline, sim: SimServer) -> None:
+    giver = park_behind(pl, "parked", "giver", {"x-sim-latency-ms": "1500"})
+    taker = park_behind(pl, "parked", "taker", {"x-sim-latency-ms": "1000"})
+    assert gate_in_flight(pl, "parked") == 1
+    wait_for(
+        lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == giver,
+        10,
+        what="the giver's slot handed to the parked taker",
+    )
+    assert gate_in_flight(pl, "parked") == 1
+    assert finished(pl, "parked", giver).ok
+    res = finished(pl, "parked", taker)
+    assert res.ok and res.attempts == 1 and pl.record(taker).get("dispatches") == "1"
+    assert sim.stats()["max_concurrency_observed"] == 1
+
+
+@pytest.mark.usefixtures("lookahead_two")
+def test_retry_hands_the_slot_to_a_parked_attempt(pl: Pipeline, sim: SimServer) -> None:
+    first = park_behind(pl, "parked", "first", {"x-sim-latency-ms": "1500"})
+    retried = park_behind(
+        pl, "parked", "retried", {"x-sim-fail-first": "1", "x-sim-fail-status": "503"}
+    )
+    taker = park_behind(pl, "parked", "taker", {"x-sim-latency-ms": "1000"})
+    # first -> retried (503: backs off, requeued) -> taker, each slot handed over
+    wait_for(
+        lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == retried,
+        10,
+        what="the retried attempt's slot handed to the parked taker",
+    )
+    assert gate_in_flight(pl, "parked") == 1
+    for rid in (first, taker):
+        assert finished(pl, "parked", rid).ok
+    res = finished(pl, "parked", retried)
+    assert res.ok and res.attempts == 2
+    assert sim.stats()["max_concurrency_observed"] == 1
