@@ -1,9 +1,12 @@
 """The attempt's HTTP call (``pipeline.httpcall``) over real sockets: keep-alive reuse, a
 connection the server closed while idle replaced before use (never a request sent twice),
-the whole-call deadline, 307 redirects, and URLs it refuses."""
+the whole-call deadline, 307 redirects, URLs it refuses, every way a response body is framed
+(length, chunked, the connection's close), interim 1xx responses, and headers that would
+split the request."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
@@ -120,3 +123,111 @@ def test_a_307_is_followed_with_the_same_body(sim: SimServer) -> None:
 def test_urls_it_cannot_send_to(url: str) -> None:
     with pytest.raises(ValueError, match="unsupported URL"):
         httpcall.post(url, BODY, {}, 1)
+
+
+class ScriptedServer:
+    """Reads each request (head + Content-Length body) of one connection and answers it with
+    the next scripted raw response; closes the connection after the last one. Records the
+    raw requests."""
+
+    def __init__(self, *responses: bytes) -> None:
+        self.responses = list(responses)
+        self.requests: list[bytes] = []
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}/x?a=1"
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        data = b""
+        for response in self.responses:
+            while True:
+                head, sep, rest = data.partition(b"\r\n\r\n")
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
+                if sep and len(rest) >= length:
+                    break
+                data += conn.recv(65536)
+            self.requests.append(head + sep + rest[:length])
+            data = rest[length:]
+            conn.sendall(response)
+        conn.close()
+        self.sock.close()
+
+
+@pytest.mark.parametrize(
+    ("raw", "body"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", b"hello"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"3;ext=1\r\nhel\r\n2\r\nlo\r\n0\r\nX-Trailer: t\r\n\r\n",
+            b"hello",
+        ),
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello, until close", b"hello, until close"),
+        (b"HTTP/1.0 200 OK\r\n\r\nhello", b"hello"),
+        (
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok",
+            b"ok",
+        ),
+        (b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n", b""),
+    ],
+    ids=["length", "chunked", "close", "http-1.0", "interim-100", "no-content"],
+)
+def test_every_way_a_body_is_framed(raw: bytes, body: bytes) -> None:
+    server = ScriptedServer(raw)
+    resp = httpcall.post(server.url, BODY, {"X-Mine": "1"}, 5)
+    assert resp.body == body
+    assert resp.status in (200, 201, 204)
+    head = server.requests[0]
+    assert head.startswith(b"POST /x?a=1 HTTP/1.1\r\n")
+    assert f"Content-Length: {len(BODY)}".encode() in head and b"X-Mine: 1" in head
+    assert head.endswith(b"\r\n\r\n" + BODY)
+
+
+def test_two_responses_on_one_connection_are_read_apart() -> None:
+    server = ScriptedServer(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nX-N: 1\r\n\r\none",
+        b"HTTP/1.1 503 Busy\r\nTransfer-Encoding: chunked\r\nX-N: 2\r\n\r\n3\r\ntwo\r\n0\r\n\r\n",
+    )
+    first = httpcall.post(server.url, BODY, {}, 5)
+    second = httpcall.post(server.url, BODY, {}, 5)
+    assert (first.status, first.body, first.headers["x-n"]) == (200, b"one", "1")
+    assert (second.status, second.body, second.headers["x-n"]) == (503, b"two", "2")
+    assert len(server.requests) == 2
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", b"garbage\r\n\r\n"],
+    ids=["no-response", "short-body", "bad-status-line"],
+)
+def test_a_broken_response_is_a_transport_error(raw: bytes) -> None:
+    server = ScriptedServer(raw)
+    with pytest.raises((OSError, http.client.HTTPException)):
+        httpcall.post(server.url, BODY, {}, 5)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"X-A": "1\r\nX-Injected: 1"},
+        {"X-A": "1\nX-Injected: 1"},
+        {"Bad Name": "1"},
+        {"X-A\r\n": "1"},
+    ],
+)
+def test_headers_that_would_split_the_request_are_refused(headers: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="header"):
+        httpcall.post("http://127.0.0.1:9/x", BODY, headers, 1)
