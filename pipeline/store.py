@@ -51,6 +51,21 @@ def new_token() -> str:
 
 
 @dataclass(frozen=True)
+class Mirror:
+    """A copy of an attempt's outcome written by the same script call as the outcome itself
+    (the Celery result of the attempt's task: see ``tasks.backend``, which then skips its own
+    round trip): ``head``, the result JSON when ``embed``, then ``tail``, stored at ``key``
+    for ``ttl`` s (0: no expiry) and published on that key's channel. ``state`` names it."""
+
+    key: str
+    state: str
+    head: str
+    tail: str = ""
+    embed: bool = False
+    ttl: int = 0
+
+
+@dataclass(frozen=True)
 class Dispatched:
     """A request the dispatcher moved out of its queue: send it to Celery now."""
 
@@ -181,10 +196,17 @@ class Store:
         payload: str,
         error_code: str | None = None,
         error_message: str | None = None,
+        mirror: Mirror | None = None,
     ) -> str | None:
-        """Write the terminal result of an attempt; None when fenced off."""
+        """Write the terminal result of an attempt (and its ``mirror``); None when fenced
+        off."""
+        keys = [self.keys.request(request_id)]
+        extra: list[Any] = []
+        if mirror is not None:
+            keys.append(mirror.key)
+            extra = [mirror.head, mirror.tail, mirror.ttl, 1 if mirror.embed else 0]
         res = self.scripts.finish(
-            keys=[self.keys.request(request_id)],
+            keys=keys,
             args=[
                 self.keys.prefix,
                 token,
@@ -195,6 +217,7 @@ class Store:
                 payload,
                 error_code or "",
                 error_message or "",
+                *extra,
             ],
         )
         return res or None
@@ -208,10 +231,17 @@ class Store:
         attempted: bool,
         last_response: dict[str, Any] | None = None,
         last_error: str | None = None,
+        mirror: Mirror | None = None,
     ) -> bool:
-        """Give the request back to its queue (now, or at ``due``); False when fenced off."""
+        """Give the request back to its queue (now, or at ``due``) and write its ``mirror``
+        (``head`` alone); False when fenced off."""
+        keys = [self.keys.request(request_id)]
+        extra: list[Any] = []
+        if mirror is not None:
+            keys.append(mirror.key)
+            extra = [mirror.head, mirror.ttl]
         res = self.scripts.requeue(
-            keys=[self.keys.request(request_id)],
+            keys=keys,
             args=[
                 self.keys.prefix,
                 token,
@@ -220,6 +250,7 @@ class Store:
                 1 if attempted else 0,
                 json.dumps(last_response) if last_response else "",
                 (last_error or "")[:500],
+                *extra,
             ],
         )
         return bool(res)

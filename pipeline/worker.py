@@ -16,7 +16,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from . import metrics
 from .backoff import retry_delay
@@ -26,7 +26,7 @@ from .gates import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
 from .gating import attempt_gate
 from .inference import Kind, Outcome, join_url, send
 from .keys import holder as make_holder
-from .store import Store
+from .store import Mirror, Store
 
 log = logging.getLogger("pipeline.worker")
 
@@ -34,6 +34,22 @@ REFUSE_DELAY_S = (0.2, 1.0)  # a refused request waits this long (jittered) befo
 PARK_POLL_S = 0.5  # a parked attempt re-asks its gate at least this often (a lost wake-up)
 RELEASE_TRIES = 4
 TRANSFER_WAIT_S = 10.0  # a taker of a handed-over slot waits this long for the transfer record
+
+
+class Mirrors(Protocol):
+    """Copies of an attempt's outcome that its finish / requeue script writes in the same step
+    (the Celery result of the attempt's task, built by ``tasks``); None: not mirrored."""
+
+    def final(
+        self,
+        ok: bool,
+        status_code: int | None,
+        payload: str,
+        error_code: str | None,
+        error_message: str | None,
+    ) -> Mirror | None: ...
+
+    def retry(self, reason: str) -> Mirror | None: ...
 
 
 class Status(enum.Enum):
@@ -265,6 +281,8 @@ class Attempt:
             raise KeyError("payload")
         self.decision: Decision | None = None
         self.closed = False
+        self.mirrors: Mirrors | None = None  # set by the task layer
+        self.mirrored: str | None = None  # the state of the mirror written, if any
         self._granted: Ticket | None = None  # the slot came by hand-over (see Runtime.release)
         self._generation = 0  # the release bell's, read before the last gate call
 
@@ -318,6 +336,10 @@ class Attempt:
         error_message: str | None = None,
     ) -> Report:
         self._release()
+        ok = error_code is None and status_code is not None and status_code < 400
+        mirror = None
+        if self.mirrors is not None:
+            mirror = self.mirrors.final(ok, status_code, payload, error_code, error_message)
         res = self.rt.store.finish(
             self.id,
             self.token,
@@ -326,13 +348,13 @@ class Attempt:
             payload=payload,
             error_code=error_code,
             error_message=error_message,
+            mirror=mirror,
         )
         self.closed = True
         if res is None:
             return Report(Status.STALE, "fenced off at finish")
-        result = _result_dict(res)
-        ok = error_code is None and status_code is not None and status_code < 400
-        return Report(Status.SUCCESS if ok else Status.FAILED, result=result)
+        self.mirrored = mirror.state if mirror is not None else None
+        return Report(Status.SUCCESS if ok else Status.FAILED, result=_result_dict(res))
 
     def _error(self, code: str, message: str, attempted: bool = False) -> Report:
         return self._finish(
@@ -354,6 +376,7 @@ class Attempt:
         status: Status = Status.REQUEUED,
     ) -> Report:
         self._release()
+        mirror = self.mirrors.retry(reason) if self.mirrors is not None else None
         ok = self.rt.store.requeue(
             self.id,
             self.token,
@@ -361,10 +384,12 @@ class Attempt:
             attempted=attempted,
             last_response=last,
             last_error=error,
+            mirror=mirror,
         )
         self.closed = True
         if not ok:
             return Report(Status.STALE, "fenced off at requeue")
+        self.mirrored = mirror.state if mirror is not None else None
         return Report(status, reason, due=due)
 
     def _expired(self, attempted: bool, last: Outcome | None = None) -> Report:

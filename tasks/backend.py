@@ -8,11 +8,15 @@ nothing. What remains — a late RETRY of an earlier attempt landing after a lat
 state — is handled inside one script (``celery_result.lua``): a non-final state never replaces a
 final one. Used when ``CELERY_RESULT_BACKEND`` is a ``redis://``/``rediss://`` URL (see
 ``celeryconfig``); everything else (reading results, ``AsyncResult``) is Celery's own code.
+
+When the result backend is the pipeline's own Redis, an attempt's finish / requeue script also
+writes its task's result (:meth:`PipelineRedisBackend.mirror`: the meta Celery would store,
+built by Celery's own code) and Celery's store of that state is skipped: one round trip and
+one meta encoding less per attempt.
 """
 
 from __future__ import annotations
 
-from importlib import resources
 from typing import Any
 
 from celery import states
@@ -20,8 +24,11 @@ from celery.backends.base import BackendStoreError
 from celery.backends.redis import RedisBackend
 from kombu.utils.encoding import bytes_to_str
 
+from pipeline.scripts import source
+from pipeline.store import Mirror
+
 FINAL = frozenset({states.SUCCESS, states.FAILURE, states.REVOKED})
-_SOURCE = (resources.files("pipeline") / "lua" / "celery_result.lua").read_text()
+_RESULT = "__pipeline_result__"  # stands for the result JSON that finish.lua writes
 
 
 class PipelineRedisBackend(RedisBackend):
@@ -29,7 +36,39 @@ class PipelineRedisBackend(RedisBackend):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._store_script = self.client.register_script(_SOURCE)
+        self._store_script = self.client.register_script(source("celery_result"))
+
+    def mirror(
+        self,
+        task_id: str,
+        state: str,
+        *,
+        result: Any = None,
+        traceback: str | None = None,
+        request: Any = None,
+        embed: bool = False,
+    ) -> Mirror:
+        """The meta Celery would store for ``state``, as a :class:`Mirror` for the attempt's
+        finish / requeue script to write (``embed``: the pipeline's result JSON is the
+        task's return value, put in place by the script)."""
+        meta = self._get_result_meta(
+            result=_RESULT if embed else self.encode_result(result, state),
+            state=state,
+            traceback=traceback,
+            request=request,
+        )
+        meta["task_id"] = bytes_to_str(task_id)
+        value = self.encode(meta)
+        head, tail = value.split(self.encode(_RESULT), 1) if embed else (value, "")
+        expires = self.failure_expires if state == states.FAILURE else self.expires
+        return Mirror(
+            key=bytes_to_str(self.get_key_for_task(task_id)),
+            state=state,
+            head=head,
+            tail=tail,
+            embed=embed,
+            ttl=int(expires or 0),
+        )
 
     def _store_result(
         self,
@@ -40,6 +79,9 @@ class PipelineRedisBackend(RedisBackend):
         request: Any = None,
         **kwargs: Any,
     ) -> Any:
+        attempt = getattr(request, "pipeline_attempt", None)
+        if attempt is not None and getattr(attempt, "mirrored", None) == state:
+            return result  # the attempt's own script wrote it
         meta = self._get_result_meta(
             result=result, state=state, traceback=traceback, request=request
         )

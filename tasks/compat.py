@@ -1,5 +1,6 @@
 """Patches to kombu's Redis transport (kombu 5.x) — a guard around a race, a client cache — and
-to billiard's picklable tracebacks (a lazy copy of code positions).
+to billiard's picklable tracebacks (a lazy copy of code positions, a one-line traceback for the
+exceptions that only report an attempt's outcome: :class:`BriefTraceback`).
 
 When the broker connection drops, Celery's consumer releases the connection; closing its
 channel then restores the unacknowledged messages, which needs a *new* Redis client built
@@ -14,6 +15,8 @@ their attempt token, while the pipeline's reaper has already re-dispatched their
 from __future__ import annotations
 
 import logging
+import sys
+import traceback
 from typing import Any
 
 from billiard import einfo as billiard_einfo
@@ -93,6 +96,29 @@ def _reduce(self: Any) -> Any:
     return billiard_einfo._Code.__new__, (billiard_einfo._Code,), self.__dict__
 
 
+class BriefTraceback:
+    """Marks an exception that reports how an attempt ended (a retry, a failed request), raised by
+    the task body on purpose: the traceback Celery keeps for it (in the result backend, in
+    the ``task-retried`` / ``task-failed`` event Flower shows) is its one-line summary, not
+    the frames of Celery's tracer. Formatting those frames cost ~0.6 ms of GIL per retry."""
+
+
+_einfo_init = billiard_einfo.ExceptionInfo.__init__
+
+
+def _brief_einfo_init(self: Any, exc_info: Any = None, internal: bool = False) -> None:
+    info = exc_info or sys.exc_info()
+    exception = info[1]
+    if not isinstance(exception, BaseException) or not isinstance(exception, BriefTraceback):
+        _einfo_init(self, info, internal)
+        return
+    self.type = info[0]
+    self.tb = billiard_einfo.Traceback(info[2])
+    self.traceback = "".join(traceback.format_exception_only(info[0], exception))
+    self.internal = internal
+    self.exception = billiard_einfo.ExceptionWithTraceback(exception, self.traceback)
+
+
 _basic_consume = virtual.Channel.basic_consume
 
 
@@ -122,5 +148,6 @@ def install() -> None:
         billiard_einfo._Code.__init__ = _lazy_code_init
         billiard_einfo._Code.co_positions = property(_positions)
         billiard_einfo._Code.__reduce__ = _reduce
+    billiard_einfo.ExceptionInfo.__init__ = _brief_einfo_init
     kombu_redis.QoS.restore_unacked = _guarded_restore_unacked  # type: ignore[method-assign]
     kombu_redis.Channel._create_client = _cached_create_client  # type: ignore[method-assign]

@@ -12,29 +12,97 @@ Celery skips ``after_return`` for RETRY/IGNORED; that is why the body releases f
 from __future__ import annotations
 
 import logging
+import traceback
 from datetime import UTC, datetime
 from typing import Any
 
-from celery import Task
+from celery import Task, states
 from celery.exceptions import Ignore, Retry
 
 from pipeline import metrics
+from pipeline.store import Mirror
 from pipeline.worker import Attempt, Status, runtime
 
 from .app import app
+from .backend import PipelineRedisBackend
+from .compat import BriefTraceback
 
 log = logging.getLogger("pipeline.task")
 
 
-class RequestFailed(Exception):
+class RequestFailed(Exception, BriefTraceback):
     """The request ended without success; the message names its status or error code."""
 
 
-class AttemptRetry(Retry):
+class AttemptRetry(Retry, BriefTraceback):
     """RETRY of an attempt; its repr (what Flower shows as the exception) names the reason."""
 
     def __repr__(self) -> str:
         return f"Retry({self.message!r}, {self.humanize()})"
+
+
+def failure_message(
+    status_code: int | None, payload: str, error_code: str | None, error_message: str | None
+) -> str:
+    """The message of a request's :class:`RequestFailed`."""
+    code = error_code or f"HTTP {status_code}"
+    return f"{code}: {(error_message if error_code else None) or payload or ''}"[:500]
+
+
+def brief(exc: BaseException) -> str:
+    """The traceback Celery keeps for a :class:`BriefTraceback` exception."""
+    return "".join(traceback.format_exception_only(type(exc), exc))
+
+
+class CeleryMirrors:
+    """An attempt's outcome as its task's Celery result (SUCCESS, FAILURE, RETRY), for the
+    attempt's own finish / requeue script to write (see ``tasks.backend``)."""
+
+    def __init__(self, backend: PipelineRedisBackend, task_id: str, request: Any) -> None:
+        self.backend = backend
+        self.task_id = task_id
+        self.request = request
+
+    def final(
+        self,
+        ok: bool,
+        status_code: int | None,
+        payload: str,
+        error_code: str | None,
+        error_message: str | None,
+    ) -> Mirror | None:
+        if ok:
+            return self.backend.mirror(
+                self.task_id, states.SUCCESS, request=self.request, embed=True
+            )
+        exc = RequestFailed(failure_message(status_code, payload, error_code, error_message))
+        return self.backend.mirror(
+            self.task_id, states.FAILURE, result=exc, traceback=brief(exc), request=self.request
+        )
+
+    def retry(self, reason: str) -> Mirror | None:
+        return self.backend.mirror(
+            self.task_id,
+            states.RETRY,
+            traceback=brief(AttemptRetry(reason)),
+            request=self.request,
+        )
+
+
+def mirrors_results(task: Task, request: Any) -> bool:
+    """Whether an attempt's scripts can write its task's Celery result: Celery would store
+    it (not ignored, not eager), in the pipeline's own Redis, as a plain meta (no extended
+    result fields, no group, parent or chord to update)."""
+    backend = task.backend
+    return (
+        isinstance(backend, PipelineRedisBackend)
+        and str(task.app.conf.result_backend) == runtime().settings.redis_url
+        and not task.app.conf.result_extended
+        and not task.ignore_result
+        and not getattr(request, "ignore_result", False)
+        and not getattr(request, "is_eager", False)
+        and not (request.group or request.parent_id or request.chord)
+    )
 
 
 class InferenceTask(Task):
@@ -49,6 +117,8 @@ class InferenceTask(Task):
             request_id, token, self.request.hostname or "worker", kwargs.get("queue")
         )
         if attempt is not None:
+            if mirrors_results(self, self.request):
+                attempt.mirrors = CeleryMirrors(self.backend, task_id, self.request)
             attempt.acquire()
             metrics.attempt_started(attempt, self.send_event)
         self.request.pipeline_attempt = attempt
@@ -62,9 +132,13 @@ class InferenceTask(Task):
             return report.result
         if report.status is Status.FAILED:
             res = report.result or {}
-            code = res.get("error_code") or f"HTTP {res.get('status_code')}"
             raise RequestFailed(
-                f"{code}: {res.get('error_message') or res.get('payload', '')}"[:500]
+                failure_message(
+                    res.get("status_code"),
+                    res.get("payload", ""),
+                    res.get("error_code"),
+                    res.get("error_message"),
+                )
             )
         if report.status in (Status.RETRY, Status.REQUEUED):
             when = datetime.fromtimestamp(report.due or 0, UTC)

@@ -1,6 +1,8 @@
 """What the pipeline writes in Celery's own formats: the task messages the dispatch script
-pushes itself (they must be what ``apply_async`` would send), and the result backend that
-stores a state in one round trip (a late RETRY never hides a final state)."""
+pushes itself (they must be what ``apply_async`` would send), the result backend that stores a
+state in one round trip (a late RETRY never hides a final state), and the task results an
+attempt's own finish / requeue script writes (what Celery would store; Celery then skips its
+write)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from pipeline.config import load_settings
 from pipeline.store import DirectPublish
 from tasks.app import app
 from tasks.backend import PipelineRedisBackend
-from tasks.inference import infer
+from tasks.inference import AttemptRetry, RequestFailed, infer
 from tasks.node import direct_publish
 
 from .conftest import RESULTS_TAG, wait_for
@@ -108,6 +110,128 @@ def test_the_result_backend_keeps_a_final_state_over_a_late_retry() -> None:
         assert backend.client.ttl(backend.get_key_for_task(task_id)) > 0
     finally:
         backend.forget(task_id)
+
+
+def _meta(backend: PipelineRedisBackend, task_id: str) -> dict[str, Any]:
+    raw = backend.client.get(backend.get_key_for_task(task_id))
+    assert raw is not None, f"no Celery result for {task_id}"
+    meta: dict[str, Any] = json.loads(raw)
+    return meta
+
+
+def _as_celery_stores(
+    backend: PipelineRedisBackend, task_id: str, state: str, result: Any, traceback: Any
+) -> dict[str, Any]:
+    """The meta Celery's own ``store_result`` writes for ``task_id``, read back from a scratch
+    key (date_done and task_id differ)."""
+    scratch = f"{RESULTS_TAG}-ref-{uuid.uuid4().hex[:8]}"
+    try:
+        backend.store_result(scratch, result, state, traceback)
+        return {**_meta(backend, scratch), "task_id": task_id}
+    finally:
+        backend.forget(scratch)
+
+
+def test_an_attempt_writes_its_tasks_celery_result_in_its_own_script(pl: Pipeline) -> None:
+    """Finish and requeue write the task's SUCCESS / FAILURE / RETRY meta — the very meta
+    Celery's backend would write — in the same script as the outcome, and Celery's own write
+    of that state is skipped (``Attempt.mirrored``)."""
+    backend = app.backend
+    assert isinstance(backend, PipelineRedisBackend)
+    rids = [
+        pl.submit({"p": i}, id=f"mirror-{uuid.uuid4().hex[:8]}", queue="crash").id for i in range(3)
+    ]
+    q = pl.settings.queues["crash"]  # no worker serves its pool: the test plays the attempt
+    try:
+        moved = {d.id: d for d in pl.store.tick(q, [q], 1.0, -1, 10).moved}
+        ok, failed, retried = (moved[r] for r in rids)
+        for d in moved.values():
+            assert pl.store.start(d.id, d.token, "crash", "me") is not None
+
+        m = backend.mirror(ok.id, states.SUCCESS, embed=True)
+        res = pl.store.finish(
+            ok.id, ok.token, attempted=True, status_code=200, payload="yes", mirror=m
+        )
+        assert res is not None
+        got = _meta(backend, ok.id)
+        want = _as_celery_stores(backend, ok.id, states.SUCCESS, json.loads(res), None)
+        assert got["date_done"] and want["date_done"]
+        assert {**got, "date_done": 0} == {**want, "date_done": 0}
+        assert got["task_id"] == ok.id and got["result"]["payload"] == "yes"
+        assert backend.client.ttl(backend.get_key_for_task(ok.id)) > 0
+
+        exc = RequestFailed("HTTP 400: no")
+        brief = "tasks.inference.RequestFailed: HTTP 400: no\n"
+        m = backend.mirror(failed.id, states.FAILURE, result=exc, traceback=brief)
+        assert pl.store.finish(
+            failed.id, failed.token, attempted=True, status_code=400, payload="no", mirror=m
+        )
+        got = _meta(backend, failed.id)
+        want = _as_celery_stores(backend, failed.id, states.FAILURE, exc, brief)
+        assert {**got, "date_done": 0} == {**want, "date_done": 0}
+        res_f = AsyncResult(failed.id, app=app)
+        assert res_f.state == states.FAILURE and isinstance(res_f.result, RequestFailed)
+        assert res_f.traceback == brief
+
+        brief = "tasks.inference.AttemptRetry: HTTP 503\n"
+        m = backend.mirror(retried.id, states.RETRY, traceback=brief)
+        assert pl.store.requeue(retried.id, retried.token, due=0, attempted=True, mirror=m)
+        got = _meta(backend, retried.id)
+        assert got == _as_celery_stores(backend, retried.id, states.RETRY, None, brief)
+        assert AsyncResult(retried.id, app=app).state == states.RETRY
+
+        # a fenced-off attempt writes nothing; a RETRY never replaces a final state
+        stale = backend.mirror(ok.id, states.RETRY, traceback="late")
+        assert not pl.store.requeue(ok.id, ok.token, due=0, attempted=True, mirror=stale)
+        assert AsyncResult(ok.id, app=app).state == states.SUCCESS
+
+        # Celery's own write of the state the attempt mirrored is skipped; of another, not
+        class Request:
+            pipeline_attempt = type("A", (), {"mirrored": states.SUCCESS})()
+
+        backend.store_result(ok.id, {"other": 1}, states.SUCCESS, request=Request())
+        assert AsyncResult(ok.id, app=app).result["payload"] == "yes"
+        backend.store_result(ok.id, AttemptRetry("x"), states.FAILURE, request=Request())
+        assert AsyncResult(ok.id, app=app).state == states.FAILURE
+    finally:
+        for rid in rids:
+            pl.cancel(rid)
+            backend.forget(rid)
+
+
+def test_celery_shows_each_attempts_outcome(pl: Pipeline, worker: Any) -> None:
+    """End to end through a worker node: RETRY with the reason as a one-line traceback (not
+    Celery's tracer frames), then SUCCESS with the pipeline's result; a failed request's
+    FAILURE names its status."""
+    retried = pl.submit(
+        {"prompt": "x"},
+        id=f"celery-{uuid.uuid4().hex[:8]}",
+        timeout=60,
+        queue="slowretry",
+        headers={"x-sim-fail-first": "1", "x-sim-fail-status": "503", "x-sim-retry-after": "2"},
+    )
+    failed = pl.submit(
+        {"prompt": "x"},
+        id=f"celery-{uuid.uuid4().hex[:8]}",
+        headers={"x-sim-fail-first": "1", "x-sim-fail-status": "400"},
+    )
+    assert wait_for(
+        lambda: AsyncResult(retried.id, app=app).state == states.RETRY, 10, what="RETRY"
+    )
+    assert AsyncResult(retried.id, app=app).traceback == "tasks.inference.AttemptRetry: HTTP 503\n"
+    assert retried.result(timeout=15).ok
+    assert wait_for(
+        lambda: AsyncResult(retried.id, app=app).state == states.SUCCESS, 5, what="SUCCESS"
+    )
+    stored = pl.store.client.hget(pl.settings.keys.request(retried.id), "result")
+    assert AsyncResult(retried.id, app=app).result == json.loads(stored)
+    assert failed.result(timeout=15).status_code == 400
+    assert wait_for(
+        lambda: AsyncResult(failed.id, app=app).state == states.FAILURE, 5, what="FAILURE"
+    )
+    err = AsyncResult(failed.id, app=app)
+    assert isinstance(err.result, RequestFailed) and str(err.result).startswith("HTTP 400: ")
+    assert err.traceback.startswith("tasks.inference.RequestFailed: HTTP 400: ")
 
 
 def _unacked(client: redis.Redis, rid: str) -> bool:

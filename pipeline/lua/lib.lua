@@ -26,6 +26,29 @@ local function freed(prefix, queue)
   redis.call('PUBLISH', prefix .. 'freed', queue)
 end
 
+-- Store a Celery task result meta (JSON) at `key` (TTL `ttl` s, '0' = none) and publish it on
+-- the key's channel, as Celery's Redis backend does. A non-final state (`final` ~= '1') never
+-- replaces a final one (SUCCESS, FAILURE, REVOKED). Returns 1 when stored, 0 when kept.
+local function celery_meta(key, meta, ttl, final)
+  if final ~= '1' then
+    local current = redis.call('GET', key)
+    if current then
+      local ok, m = pcall(cjson.decode, current)
+      if ok and type(m) == 'table' and (m.status == 'SUCCESS' or m.status == 'FAILURE'
+          or m.status == 'REVOKED') then
+        return 0
+      end
+    end
+  end
+  if tonumber(ttl) > 0 then
+    redis.call('SET', key, meta, 'EX', ttl)
+  else
+    redis.call('SET', key, meta)
+  end
+  redis.call('PUBLISH', key, meta)
+  return 1
+end
+
 -- Write the terminal result of request `id` and take it out of every waiting and active set.
 -- status_code / error_code are '' when absent. Returns the result JSON.
 local function terminal(prefix, id, now, ttl, status_code, payload, error_code, error_message)
