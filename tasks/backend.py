@@ -17,6 +17,8 @@ one meta encoding less per attempt.
 
 from __future__ import annotations
 
+import json
+from datetime import UTC, datetime
 from typing import Any
 
 from celery import states
@@ -45,21 +47,24 @@ class PipelineRedisBackend(RedisBackend):
         *,
         result: Any = None,
         traceback: str | None = None,
-        request: Any = None,
         embed: bool = False,
     ) -> Mirror:
         """The meta Celery would store for ``state``, as a :class:`Mirror` for the attempt's
         finish / requeue script to write (``embed``: the pipeline's result JSON is the
-        task's return value, put in place by the script)."""
-        meta = self._get_result_meta(
-            result=_RESULT if embed else self.encode_result(result, state),
-            state=state,
-            traceback=traceback,
-            request=request,
-        )
-        meta["task_id"] = bytes_to_str(task_id)
-        value = self.encode(meta)
-        head, tail = value.split(self.encode(_RESULT), 1) if embed else (value, "")
+        task's return value, put in place by the script). The fields are those of
+        ``_get_result_meta`` for a task with no children, group or parent and no extended
+        result (``tasks.inference.mirrors_results``), built directly: Celery's own path costs
+        ~0.15 ms per attempt (``tests/test_wire.py`` compares the two)."""
+        meta: dict[str, Any] = {
+            "status": state,
+            "result": _RESULT if embed else self.encode_result(result, state),
+            "traceback": traceback,
+            "children": [],
+            "date_done": datetime.now(UTC).isoformat() if state in states.READY_STATES else None,
+            "task_id": task_id,
+        }
+        value = json.dumps(meta)
+        head, tail = value.split(json.dumps(_RESULT), 1) if embed else (value, "")
         expires = self.failure_expires if state == states.FAILURE else self.expires
         return Mirror(
             key=bytes_to_str(self.get_key_for_task(task_id)),

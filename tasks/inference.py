@@ -58,10 +58,9 @@ class CeleryMirrors:
     """An attempt's outcome as its task's Celery result (SUCCESS, FAILURE, RETRY), for the
     attempt's own finish / requeue script to write (see ``tasks.backend``)."""
 
-    def __init__(self, backend: PipelineRedisBackend, task_id: str, request: Any) -> None:
+    def __init__(self, backend: PipelineRedisBackend, task_id: str) -> None:
         self.backend = backend
         self.task_id = task_id
-        self.request = request
 
     def final(
         self,
@@ -72,20 +71,15 @@ class CeleryMirrors:
         error_message: str | None,
     ) -> Mirror | None:
         if ok:
-            return self.backend.mirror(
-                self.task_id, states.SUCCESS, request=self.request, embed=True
-            )
+            return self.backend.mirror(self.task_id, states.SUCCESS, embed=True)
         exc = RequestFailed(failure_message(status_code, payload, error_code, error_message))
-        return self.backend.mirror(
-            self.task_id, states.FAILURE, result=exc, traceback=brief(exc), request=self.request
-        )
+        return self.backend.mirror(self.task_id, states.FAILURE, result=exc, traceback=brief(exc))
 
     def retry(self, reason: str) -> Mirror | None:
         return self.backend.mirror(
             self.task_id,
             states.RETRY,
             traceback=brief(AttemptRetry(reason)),
-            request=self.request,
         )
 
 
@@ -118,7 +112,7 @@ class InferenceTask(Task):
         )
         if attempt is not None:
             if mirrors_results(self, self.request):
-                attempt.mirrors = CeleryMirrors(self.backend, task_id, self.request)
+                attempt.mirrors = CeleryMirrors(self.backend, task_id)
             attempt.acquire()
             metrics.attempt_started(attempt, self.send_event)
         self.request.pipeline_attempt = attempt

@@ -14,6 +14,7 @@ from typing import Any
 
 import redis
 from celery import states
+from celery.app.task import Context
 from celery.result import AsyncResult
 from kombu import Consumer, Queue
 from kombu.message import Message
@@ -122,11 +123,11 @@ def _meta(backend: PipelineRedisBackend, task_id: str) -> dict[str, Any]:
 def _as_celery_stores(
     backend: PipelineRedisBackend, task_id: str, state: str, result: Any, traceback: Any
 ) -> dict[str, Any]:
-    """The meta Celery's own ``store_result`` writes for ``task_id``, read back from a scratch
-    key (date_done and task_id differ)."""
+    """The meta Celery's own ``store_result`` writes for ``task_id`` (run by a worker: a
+    request context), read back from a scratch key (date_done and task_id differ)."""
     scratch = f"{RESULTS_TAG}-ref-{uuid.uuid4().hex[:8]}"
     try:
-        backend.store_result(scratch, result, state, traceback)
+        backend.store_result(scratch, result, state, traceback, request=Context())
         return {**_meta(backend, scratch), "task_id": task_id}
     finally:
         backend.forget(scratch)
