@@ -144,8 +144,10 @@ class Dispatcher:
         """Dispatch every queue once; returns the earliest known future event (Unix s)."""
         next_event: float | None = None
         for pool, queues in self.pools.items():
-            for q in queues:
-                ne = self._tick_queue(pool, q, queues)
+            for i, q in enumerate(queues):
+                # the pool's first tick empties its doorbell: the rings pushed so far are all
+                # answered by this round, so none of them wakes a redundant tick
+                ne = self._tick_queue(pool, q, queues, self.keys.wake(pool) if i == 0 else None)
                 if ne is not None and (next_event is None or ne < next_event):
                     next_event = ne
         now = time.time()
@@ -162,7 +164,9 @@ class Dispatcher:
             next_event = self._foreign_due
         return next_event
 
-    def _tick_queue(self, pool: str, q: QueueConfig, queues: list[QueueConfig]) -> float | None:
+    def _tick_queue(
+        self, pool: str, q: QueueConfig, queues: list[QueueConfig], doorbell: str | None = None
+    ) -> float | None:
         gate = self.gates[q.queue_name]
         cap = gate.capacity()
         if cap is not None:
@@ -174,7 +178,13 @@ class Dispatcher:
         budget = gate.dispatch_budget()
         direct = self.direct.get(pool)
         res = self.store.tick(
-            q, queues, budget, -1 if cap is None else cap, self.pool_cap[pool], publish=direct
+            q,
+            queues,
+            budget,
+            -1 if cap is None else cap,
+            self.pool_cap[pool],
+            publish=direct,
+            doorbell=doorbell,
         )
         for member in res.rejected:
             log.error("queue %s: removed a malformed entry %r", q.queue_name, member[:200])

@@ -125,10 +125,12 @@ class Store:
         pool_cap: int,
         now: float | None = None,
         publish: DirectPublish | None = None,
+        doorbell: str | None = None,
     ) -> TickResult:
         """Promote due retries, expire overdue waiting requests and dispatch
         ``floor(budget × free capacity)`` (see dispatch.lua). ``queue_cap`` -1: no limit.
-        With ``publish`` the script also pushes the moved requests' Celery messages."""
+        With ``publish`` the script also pushes the moved requests' Celery messages; with
+        ``doorbell`` it first empties that list (the pool's rings this round answers)."""
         now = time.time() if now is None else now
         k = self.keys
         name = queue.queue_name
@@ -139,6 +141,7 @@ class Store:
             k.expiry(name),
             k.active(name),
             self.settings.result_list(queue),
+            *([doorbell] if doorbell else []),
             *others,
         ]
         args = [
@@ -155,6 +158,7 @@ class Store:
             publish.task if publish else "",
             publish.origin if publish else "",
             name,
+            "1" if doorbell else "0",
         ]
         moved_raw, expired, next_event, rejected = self.scripts.dispatch(keys=keys, args=args)
         metrics.deadline_expired(queue, int(expired))

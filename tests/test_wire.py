@@ -287,3 +287,30 @@ def test_an_ack_of_a_no_ack_message_is_not_sent_to_the_broker(redis_url: str) ->
         message.ack()  # what Celery does when the task ends
         assert acked == []
         channel.close()
+
+
+def test_a_tick_answers_every_ring_of_its_pool_and_still_counts_the_pool(pl: Pipeline) -> None:
+    """The dispatcher's first tick of a pool empties the pool's doorbell (each ring would
+    otherwise wake one more tick, finding nothing more to move); the pool's other queues'
+    active sets still count against the pool's capacity."""
+    q, other = pl.settings.queues["crash"], pl.settings.queues["solo"]
+    bell = pl.settings.keys.wake(q.worker_pool_id)
+    client = pl.store.client
+    busy = pl.settings.keys.active(other.queue_name)
+    rids = [
+        pl.submit({"p": i}, id=f"bell-{uuid.uuid4().hex[:8]}", queue="crash").id for i in range(3)
+    ]
+    try:
+        client.rpush(bell, "1", "1", "1")
+        client.zadd(busy, {"someone-else": 9e9})  # one slot of the pool is taken elsewhere
+        moved = pl.store.tick(q, [q, other], 1.0, -1, 3, doorbell=bell).moved
+        assert len(moved) == 2  # 3 pool slots, 1 busy in the other queue
+        assert client.llen(bell) == 0
+        client.rpush(bell, "1")
+        assert pl.store.tick(q, [q, other], 1.0, -1, 3).moved == []  # full; without a doorbell
+        assert client.llen(bell) == 1  # ... the rings stay
+    finally:
+        client.zrem(busy, "someone-else")
+        client.delete(bell)
+        for rid in rids:
+            pl.cancel(rid)

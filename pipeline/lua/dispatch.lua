@@ -2,14 +2,17 @@
 -- whose deadline passed while waiting, then moves the head of the pending set to the
 -- dispatched state, as many as the free capacity allows.
 -- KEYS[1] pending, KEYS[2] delayed, KEYS[3] expiry, KEYS[4] active (this queue),
--- KEYS[5] the queue's result list, KEYS[6..] active sets of the other queues in the pool.
+-- KEYS[5] the queue's result list, KEYS[6..] active sets of the other queues in the pool,
+-- after the pool's doorbell list when ARGV[14] is '1' (then KEYS[6] is the doorbell).
 -- ARGV[1] prefix, ARGV[2] now (Unix s), ARGV[3] gate budget (0..1),
 -- ARGV[4] queue capacity (max dispatched+running for this queue; -1 = no limit),
 -- ARGV[5] pool capacity (worker slots), ARGV[6] lease expiry for dispatched requests,
 -- ARGV[7] result TTL (s), ARGV[8] limit per sweep, ARGV[9] a fresh random nonce: attempt
 -- tokens are <nonce>.<n>, unique per tick, ARGV[10] the Redis list of the pool's Celery queue
 -- when the broker is this Redis ('' = the caller publishes), ARGV[11] the Celery task name,
--- ARGV[12] the messages' origin (the dispatching node), ARGV[13] the queue's name.
+-- ARGV[12] the messages' origin (the dispatching node), ARGV[13] the queue's name,
+-- ARGV[14] '1' to empty the pool's doorbell first: every ring pushed so far is answered by this
+-- tick and the pool's other queues' ticks that follow it in the same dispatcher round.
 -- With ARGV[10] set, each moved request is also pushed there as a Celery message (protocol 2,
 -- kombu's Redis transport envelope, JSON body), so the move and the publish are one atomic
 -- step: no request can be dispatched and never sent.
@@ -21,6 +24,11 @@
 -- waiting request (Unix s, -1 if none); rejected lists malformed members removed.
 local prefix, now, ttl = ARGV[1], tonumber(ARGV[2]), ARGV[7]
 local limit = tonumber(ARGV[8])
+local others = 6
+if ARGV[14] == '1' then
+  redis.call('DEL', KEYS[6])
+  others = 7
+end
 
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, limit)) do
   redis.call('ZREM', KEYS[2], id)
@@ -45,7 +53,7 @@ end
 local budget = tonumber(ARGV[3])
 local active_q = redis.call('ZCARD', KEYS[4])
 local in_pool = active_q
-for i = 6, #KEYS do in_pool = in_pool + redis.call('ZCARD', KEYS[i]) end
+for i = others, #KEYS do in_pool = in_pool + redis.call('ZCARD', KEYS[i]) end
 local n_free = tonumber(ARGV[5]) - in_pool
 -- the budget scales the free worker slots; the queue capacity caps the result on its own (a
 -- capacity gate's budget is its free share already: scaling its free room by it again would
