@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -17,6 +18,7 @@ import redis
 
 from . import metrics
 from .config import QueueConfig, Settings
+from .gates.base import ScriptCall
 from .keys import Keys
 from .scripts import Scripts
 
@@ -48,6 +50,24 @@ def connect(url: str) -> redis.Redis:
 
 def new_token() -> str:
     return secrets.token_hex(6)
+
+
+def run_batch(client: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
+    """Script calls in one round trip, run in order (each atomic, not all together): their
+    replies, or in a failed call's place the error it raised. A call whose script the server
+    does not have (NOSCRIPT: it restarted, or SCRIPT FLUSH) did not run and is run again on its
+    own, which loads the script."""
+    with client.pipeline(transaction=False) as pipe:
+        for call in calls:
+            pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+    for i, (reply, call) in enumerate(zip(replies, calls, strict=True)):
+        if isinstance(reply, redis.exceptions.NoScriptError):
+            try:
+                replies[i] = call.script(keys=call.keys, args=call.args)
+            except redis.RedisError as exc:
+                replies[i] = exc
+    return replies
 
 
 @dataclass(frozen=True)
@@ -180,14 +200,23 @@ class Store:
     # -- attempts ------------------------------------------------------------------------
     def start(self, request_id: str, token: str, queue: str, worker: str) -> dict[str, str] | None:
         """Begin an attempt; None when the message is stale (fenced off by its token)."""
+        call = self.start_call(request_id, token, queue, worker)
+        return self.started(call.script(keys=call.keys, args=call.args))
+
+    def start_call(self, request_id: str, token: str, queue: str, worker: str) -> ScriptCall:
+        """:meth:`start` as a call to send in a batch; :meth:`started` reads its reply."""
         now = time.time()
-        raw = self.scripts.start(
-            keys=[self.keys.request(request_id), self.keys.active(queue)],
-            args=[token, now, now + self.settings.lease_s, worker],
+        return ScriptCall(
+            self.scripts.start,
+            [self.keys.request(request_id), self.keys.active(queue)],
+            [token, now, now + self.settings.lease_s, worker],
         )
-        if int(raw[0]) != 1:
+
+    @staticmethod
+    def started(reply: Any) -> dict[str, str] | None:
+        if int(reply[0]) != 1:
             return None
-        it = iter(raw[1:])
+        it = iter(reply[1:])
         return dict(zip(it, it, strict=True))
 
     def finish(

@@ -23,10 +23,11 @@ from .backoff import retry_delay
 from .bell import ReleaseBell, Ticket
 from .config import QueueConfig, Settings, load_settings
 from .gates import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .gates.base import PreparedAcquire
 from .gating import attempt_gate
 from .inference import Kind, Outcome, join_url, send
 from .keys import holder as make_holder
-from .store import Mirror, Store
+from .store import Mirror, Store, run_batch
 
 log = logging.getLogger("pipeline.worker")
 
@@ -199,9 +200,29 @@ class Runtime:
     def begin(
         self, request_id: str, token: str, worker: str, queue: str | None = None
     ) -> Attempt | None:
-        """Start an attempt (fenced by ``token``); None for a stale message."""
+        """Start an attempt (fenced by ``token``); None for a stale message. When the queue's
+        gate can (``Gate.prepare_acquire``), its acquire goes to Redis in the same round trip
+        as the start, and the attempt begins with that decision."""
         queue = queue if queue in self.settings.queues else self._queue_of(request_id)
-        record = self.store.start(request_id, token, queue or "", worker)
+        start = self.store.start_call(request_id, token, queue or "", worker)
+        prepared, generation = self._prepare_acquire(queue, request_id, token, worker)
+        decision: Decision | None = None
+        if prepared is None:
+            record = self.store.started(start.script(keys=start.keys, args=start.args))
+        else:
+            reply, acquired = run_batch(self.store.client, [start, prepared.call])
+            took = not isinstance(acquired, Exception) and prepared.took(acquired)
+            record = None if isinstance(reply, Exception) else self.store.started(reply)
+            if record is None:
+                if took:  # the start failed or was fenced off: give the new slot back
+                    self.release(queue or "", request_id, token)
+                if isinstance(reply, Exception):
+                    raise reply
+                return None
+            if isinstance(acquired, Exception):  # the attempt asks its gate again
+                log.warning("gate %s failed for %s: %s", queue, request_id, acquired)
+            else:
+                decision = prepared.decide(acquired)
         if record is None:
             return None
         try:
@@ -210,6 +231,8 @@ class Runtime:
             # a record this worker cannot read (written by hand, or corrupted): end it
             message = f"unreadable request record: {type(exc).__name__}: {exc}"
             log.error("request %s: %s", request_id, message)
+            if decision is not None and decision.admitted:
+                self.release(queue or "", request_id, token)
             self.store.finish(
                 request_id,
                 token,
@@ -220,8 +243,28 @@ class Runtime:
                 error_message=message,
             )
             return None
+        if decision is not None:
+            attempt.decision = decision
+            attempt._generation = generation
         self._track(request_id, token, record["queue"])
         return attempt
+
+    def _prepare_acquire(
+        self, queue: str | None, request_id: str, token: str, worker: str
+    ) -> tuple[PreparedAcquire | None, int]:
+        """The queue's gate acquire as a script call, with the release bell's generation read
+        before it (see ``Attempt._park``); None when the gate has none."""
+        if queue not in self.settings.queues:
+            return None, 0
+        gate = self.gate(queue)
+        generation = self.bell.generation(queue)
+        holder = make_holder(request_id, token)
+        try:
+            lease_until = time.time() + self.settings.lease_s
+            return gate.prepare_acquire(holder, worker, lease_until), generation
+        except Exception as exc:  # noqa: BLE001 - the attempt asks its gate the usual way
+            log.warning("gate %s could not prepare for %s: %s", queue, request_id, exc)
+            return None, generation
 
     def _queue_of(self, request_id: str) -> str:
         queue = self.store.client.hget(self.settings.keys.request(request_id), "queue")

@@ -113,7 +113,8 @@ class InferenceTask(Task):
         if attempt is not None:
             if mirrors_results(self, self.request):
                 attempt.mirrors = CeleryMirrors(self.backend, task_id)
-            attempt.acquire()
+            if attempt.decision is None:  # not decided with the start (Runtime.begin)
+                attempt.acquire()
             metrics.attempt_started(attempt, self.send_event)
         self.request.pipeline_attempt = attempt
 

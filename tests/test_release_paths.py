@@ -14,16 +14,19 @@ import signal
 import subprocess
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from pipeline import worker as worker_module
 from pipeline.client import Pipeline
 from pipeline.models import Result
 from pipeline.sim import SimServer
+from pipeline.worker import Runtime
 from tasks.app import celery_queue
 
-from .conftest import wait_for
+from .conftest import assert_idle, wait_for
 
 
 def uid(tag: str) -> str:
@@ -394,3 +397,92 @@ def test_retry_hands_the_slot_to_a_parked_attempt(pl: Pipeline, sim: SimServer) 
     res = finished(pl, "parked", retried)
     assert res.ok and res.attempts == 2
     assert sim.stats()["max_concurrency_observed"] == 1
+
+
+@pytest.fixture
+def prepared(pl: Pipeline) -> Iterator[tuple[Pipeline, Runtime, str]]:
+    """A client and an in-process runtime for a local-max-concurrency queue (limit 2) that no
+    node serves: the test plays each attempt's start itself."""
+    q = replace(pl.settings.queues["lim2"], queue_name="prepared", worker_pool_id="nobody")
+    settings = replace(pl.settings, queues={**pl.settings.queues, "prepared": q})
+    client, rt = Pipeline(settings), Runtime(settings)
+    yield client, rt, "prepared"
+    rt.stop()
+    assert_idle(client)
+
+
+def dispatch_one(p: Pipeline, queue: str) -> tuple[str, str]:
+    q = p.settings.queues[queue]
+    rid = p.submit({"p": 1}, id=uid("prep"), queue=queue).id
+    (d,) = p.store.tick(q, [q], 1.0, -1, 10).moved
+    return rid, d.token
+
+
+def test_the_start_and_the_gate_acquire_are_one_round_trip(
+    prepared: tuple[Pipeline, Runtime, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attempt begins already admitted (its slot taken in the start's round trip), so
+    its task asks the gate no more."""
+    p, rt, queue = prepared
+    rid, token = dispatch_one(p, queue)
+    sent: list[int] = []
+    batch = worker_module.run_batch
+
+    def counted(client: Any, calls: Any) -> list[Any]:
+        sent.append(len(calls))
+        return batch(client, calls)
+
+    monkeypatch.setattr(worker_module, "run_batch", counted)
+    monkeypatch.setattr(rt.gate(queue), "acquire", None)  # never asked on its own
+    attempt = rt.begin(rid, token, "w", queue)
+    assert attempt is not None and attempt.decision is not None and attempt.decision.admitted
+    assert sent == [2]  # start.lua and gate_lease_acquire.lua, one pipeline
+    assert gate_in_flight(p, queue) == 1
+    assert attempt.run().status.value == "success"
+    assert gate_in_flight(p, queue) == 0
+
+
+def test_a_stale_message_gives_back_the_slot_its_start_took(
+    prepared: tuple[Pipeline, Runtime, str],
+) -> None:
+    """Exit path: the start is fenced off (an old token) after the acquire in its round trip
+    took a slot; the slot is released at once. A duplicate of a running attempt's message does
+    not release that attempt's slot."""
+    p, rt, queue = prepared
+    rid, token = dispatch_one(p, queue)
+    assert rt.begin(rid, "old-token", "w", queue) is None
+    assert gate_in_flight(p, queue) == 0
+    attempt = rt.begin(rid, token, "w", queue)
+    assert attempt is not None and gate_in_flight(p, queue) == 1
+    assert rt.begin(rid, token, "w", queue) is None  # a duplicate: fenced, slot kept
+    assert gate_in_flight(p, queue) == 1
+    assert attempt.run().status.value == "success"
+    assert gate_in_flight(p, queue) == 0
+
+
+def test_an_unreadable_record_gives_back_the_slot_its_start_took(
+    prepared: tuple[Pipeline, Runtime, str],
+) -> None:
+    """Exit path: the record cannot be read after the acquire took a slot: the request ends
+    INVALID_REQUEST and the slot is released."""
+    p, rt, queue = prepared
+    rid, token = dispatch_one(p, queue)
+    p.store.client.hset(p.settings.keys.request(rid), "metadata", "[not an object]")
+    assert rt.begin(rid, token, "w", queue) is None
+    assert gate_in_flight(p, queue) == 0
+    assert p.wait(rid, 5).error_code == "INVALID_REQUEST"
+
+
+def test_a_server_that_lost_its_scripts_still_starts_attempts(
+    prepared: tuple[Pipeline, Runtime, str],
+) -> None:
+    """NOSCRIPT in the start's round trip (Redis restarted, SCRIPT FLUSH): each call that did
+    not run is run again on its own, loading its script."""
+    p, rt, queue = prepared
+    rid, token = dispatch_one(p, queue)
+    rt.store.client.script_flush()
+    attempt = rt.begin(rid, token, "w", queue)
+    assert attempt is not None and attempt.decision is not None and attempt.decision.admitted
+    assert gate_in_flight(p, queue) == 1
+    assert attempt.run().status.value == "success"
+    assert gate_in_flight(p, queue) == 0

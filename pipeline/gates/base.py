@@ -77,6 +77,27 @@ class AcquireContext:
 
 
 @dataclass(frozen=True)
+class ScriptCall:
+    """One Lua script call, to be sent with others in one round trip
+    (``pipeline.store.run_batch``): a redis-py ``Script`` and its keys and args."""
+
+    script: Any
+    keys: list[str]
+    args: list[Any]
+
+
+@dataclass(frozen=True)
+class PreparedAcquire:
+    """A gate's acquire as a :class:`ScriptCall` (see :meth:`Gate.prepare_acquire`):
+    ``decide`` turns the script's reply into the decision, ``took`` says whether that reply
+    took a new reservation (one to give back if the attempt turns out stale)."""
+
+    call: ScriptCall
+    decide: Callable[[Any], Decision]
+    took: Callable[[Any], bool]
+
+
+@dataclass(frozen=True)
 class GateEnv:
     """Runtime resources a gate binds to (absent while only validating a config)."""
 
@@ -131,6 +152,15 @@ class Gate:
 
     def acquire(self, ctx: AcquireContext) -> Decision:
         return CONTINUE
+
+    def prepare_acquire(
+        self, holder: str, worker: str, lease_until: float
+    ) -> PreparedAcquire | None:
+        """The acquire as one script call that needs nothing of the request but its holder
+        and worker, so the worker can send it in the same round trip as the attempt's start;
+        None when the gate's acquire is not one such call (the attempt calls
+        :meth:`acquire`)."""
+        return None
 
     # -- reservations --------------------------------------------------------------------
     def release(self, holder: str) -> bool:

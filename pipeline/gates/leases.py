@@ -18,6 +18,8 @@ from typing import Any, cast
 
 import redis
 
+from .base import ScriptCall
+
 # A lease that expired this long ago (s) is purged by the next acquire (its holder is gone and
 # no reaper freed it), and a slot pool's keys expire this long after its latest lease.
 GRACE_S = 3600.0
@@ -100,8 +102,15 @@ class LeaseSet:
         self, holder: str, now: float, lease_until: float, limit: int, info: dict[str, Any]
     ) -> int:
         """1 = new slot taken, 2 = holder already held one (lease extended), 0 = full."""
+        call = self.acquire_call(holder, now, lease_until, limit, info)
+        return int(call.script(keys=call.keys, args=call.args))
+
+    def acquire_call(
+        self, holder: str, now: float, lease_until: float, limit: int, info: dict[str, Any]
+    ) -> ScriptCall:
+        """:meth:`acquire` as a call to send in a batch (its reply is the same)."""
         args = [holder, fmt_time(now), fmt_time(lease_until), limit, json.dumps(info), GRACE_S]
-        return int(self.scripts.acquire(keys=self._keys, args=args))
+        return ScriptCall(self.scripts.acquire, self._keys, args)
 
     def release(self, holder: str) -> bool:
         return bool(self.scripts.release(keys=self._keys, args=[holder]))

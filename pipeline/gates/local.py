@@ -20,7 +20,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, PreparedAcquire, Verdict
 from .leases import LeaseScripts, LeaseSet
 from .params import Params
 
@@ -78,17 +78,34 @@ class LocalMaxConcurrencyGate(Gate):
     def capacity(self) -> int:
         return self.limit
 
-    def acquire(self, ctx: AcquireContext) -> Decision:
+    def _register(self) -> None:
         if self.per_node and not self._registered and self.env is not None:
             # list this node once, so reapers elsewhere find its pool if it dies
             self.env.client.sadd(self.env.keys.gate_nodes(self.name), self.env.node)
             self._registered = True
-        now = self.clock()
-        info = {"worker": ctx.worker, "acquired_at": now}
-        if self.slots.acquire(ctx.holder, now, ctx.lease_until, self.limit, info):
+
+    def _decide(self, reply: Any) -> Decision:
+        if int(reply):
             return CONTINUE
         verdict = Verdict.WAIT if self.gating_mode == "blocking" else Verdict.REFUSE
         return Decision(verdict, reason="gate_closed", wake_on_release=True)
+
+    def acquire(self, ctx: AcquireContext) -> Decision:
+        self._register()
+        now = self.clock()
+        info = {"worker": ctx.worker, "acquired_at": now}
+        return self._decide(self.slots.acquire(ctx.holder, now, ctx.lease_until, self.limit, info))
+
+    def prepare_acquire(
+        self, holder: str, worker: str, lease_until: float
+    ) -> PreparedAcquire | None:
+        if self.env is None:
+            return None
+        self._register()
+        now = self.clock()
+        info = {"worker": worker, "acquired_at": now}
+        call = self.slots.acquire_call(holder, now, lease_until, self.limit, info)
+        return PreparedAcquire(call, self._decide, lambda reply: int(reply) == 1)
 
     def release(self, holder: str) -> bool:
         """Release wherever the holder is: normally this node's pool, but a reaper on another
