@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
 import uuid
@@ -48,12 +49,21 @@ def _str_map(value: Any, field: str, *, header: bool = False) -> dict[str, str]:
     return dict(value)
 
 
+# one encoder for every payload: json.dumps with non-default options builds a new one per call
+_PAYLOAD_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _json_map(value: dict[str, str]) -> str:
+    return json.dumps(value) if value else "{}"
+
+
 def _check_payload(payload: Any, max_bytes: int) -> str:
     """The payload as compact UTF-8 JSON text, or InvalidRequest("payload")."""
     if not isinstance(payload, dict):
         raise InvalidRequest("payload", "must be a dict (the JSON body to send)")
     try:
-        body = json.dumps(payload, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+        body = _PAYLOAD_JSON.encode(payload)
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidRequest("payload", f"not JSON-serialisable: {exc}") from None
     try:
@@ -70,7 +80,7 @@ def _check_id(rid: Any) -> str:
         return uuid.uuid4().hex
     if not isinstance(rid, str) or not rid or len(rid) > MAX_ID_LENGTH:
         raise InvalidRequest("id", f"must be a non-empty str of at most {MAX_ID_LENGTH} chars")
-    if any(ord(c) < 32 or c == "\x7f" for c in rid):
+    if _CONTROL.search(rid):
         raise InvalidRequest("id", "must not contain control characters")
     return rid
 
@@ -135,11 +145,11 @@ class Pipeline:
             str(priority),
             repr(float(deadline)),
             body,
-            json.dumps(metadata),
-            json.dumps(headers),
+            _json_map(metadata),
+            _json_map(headers),
             endpoint or "",
             self.settings.result_list(q),
-            json.dumps(q.labels),
+            _json_map(q.labels),
         ]
         return rid, row
 
