@@ -16,7 +16,7 @@ back. The echo is swallowed (each direct ring expects one echo of its queue with
 
 A holder of a slot gate that hands its slot over (``Gate.hands_over``) does not ring at all:
 :meth:`ReleaseBell.hand_over` grants the longest-parked waiter the slot outright (its ticket
-says ``granted``), and the giver's Pub/Sub message is swallowed as an echo.
+says ``granted``), and the giver's finish / requeue publishes nothing (no slot was freed).
 
 A waiter reads the queue's generation *before* it asks the gate and then waits for the
 generation to move, so a release between the refusal and the wait is never missed. Waits are
@@ -112,8 +112,8 @@ class ReleaseBell:
     def hand_over(self, queue: str) -> Ticket | None:
         """Grant the longest-waiting hand-over ticket of ``queue`` a slot and wake it; None
         when nobody waits for one (release the slot instead). The caller must
-        then record the transfer and set ``ticket.held`` / ``ticket.transferred``. The
-        release it replaces is still published (finish / requeue): its echo is swallowed."""
+        then record the transfer and set ``ticket.held`` / ``ticket.transferred``, and not
+        publish a release (the finish / requeue that follows is told ``handed_over``)."""
         with self._lock:
             if self.closed:
                 return None
@@ -123,7 +123,6 @@ class ReleaseBell:
             ticket = waiters.popleft()
             ticket.granted = True
             ticket._fire()
-            self._expect_echo(queue)
             return ticket
 
     def _is_echo(self, queue: str) -> bool:

@@ -230,9 +230,10 @@ class Store:
         error_code: str | None = None,
         error_message: str | None = None,
         mirror: Mirror | None = None,
+        handed_over: bool = False,
     ) -> str | None:
         """Write the terminal result of an attempt (and its ``mirror``); None when fenced
-        off."""
+        off. ``handed_over``: its slot went to another attempt, so no release is published."""
         keys = [self.keys.request(request_id)]
         extra: list[Any] = []
         if mirror is not None:
@@ -250,6 +251,7 @@ class Store:
                 payload,
                 error_code or "",
                 error_message or "",
+                1 if handed_over else 0,
                 *extra,
             ],
         )
@@ -265,9 +267,10 @@ class Store:
         last_response: dict[str, Any] | None = None,
         last_error: str | None = None,
         mirror: Mirror | None = None,
+        handed_over: bool = False,
     ) -> bool:
         """Give the request back to its queue (now, or at ``due``) and write its ``mirror``
-        (``head`` alone); False when fenced off."""
+        (``head`` alone); False when fenced off. ``handed_over`` as in :meth:`finish`."""
         keys = [self.keys.request(request_id)]
         extra: list[Any] = []
         if mirror is not None:
@@ -283,6 +286,7 @@ class Store:
                 1 if attempted else 0,
                 json.dumps(last_response) if last_response else "",
                 (last_error or "")[:500],
+                1 if handed_over else 0,
                 *extra,
             ],
         )

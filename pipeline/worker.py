@@ -98,29 +98,31 @@ class Runtime:
                 self._gates[queue] = gate
             return gate
 
-    def release(self, queue: str, request_id: str, token: str, *, hand_over: bool = False) -> None:
+    def release(self, queue: str, request_id: str, token: str, *, hand_over: bool = False) -> bool:
         """Release a holder's reservation: idempotent, retried, logged when it fails.
 
         ``hand_over`` (the holder does hold a slot of a ``hands_over`` gate): when an attempt
         of this process is parked for one, the slot goes straight to it — it is woken at
-        once, admitted, and heads for the server while this thread records the transfer."""
+        once, admitted, and heads for the server while this thread records the transfer.
+        True when the slot was handed over (nothing was freed: the finish / requeue that
+        follows publishes no release)."""
         holder = make_holder(request_id, token)
         with self._lock:
             self._live.pop(holder, None)
         if queue not in self.settings.queues:
-            return
+            return False
         gate = self.gate(queue)
         if hand_over and gate.hands_over:
             ticket = self.bell.hand_over(queue)
             if ticket is not None:
                 self._transfer(gate, holder, ticket)
-                return
+                return True
         for i in range(RELEASE_TRIES):
             try:
                 gate.release(holder)
                 # the finish / requeue that follows publishes the release to other processes
                 self.bell.ring(queue, echo=True)
-                return
+                return False
             except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
                 log.warning(
                     "release of %s on gate %s failed (try %d/%d): %s",
@@ -132,6 +134,7 @@ class Runtime:
                 )
                 time.sleep(0.1 * 2**i)
         log.error("release of %s on gate %s gave up; its lease will expire", holder, queue)
+        return False
 
     def _transfer(self, gate: Gate, giver: str, ticket: Ticket) -> None:
         """Record in Redis that ``giver``'s slot now belongs to the ticket's attempt (already
@@ -358,7 +361,8 @@ class Attempt:
         return self.decision
 
     # -- outcomes (each releases first) --------------------------------------------------
-    def _release(self) -> None:
+    def _release(self) -> bool:
+        """Release (or hand over: True) this attempt's reservation."""
         ticket = self._granted
         if ticket is not None:
             # the giver is still recording the transfer: releasing before it would leave a
@@ -367,7 +371,7 @@ class Attempt:
             held = ticket.held
         else:
             held = self.decision is not None and self.decision.admitted
-        self.rt.release(self.queue.queue_name, self.id, self.token, hand_over=held)
+        return self.rt.release(self.queue.queue_name, self.id, self.token, hand_over=held)
 
     def _finish(
         self,
@@ -378,7 +382,7 @@ class Attempt:
         error_code: str | None = None,
         error_message: str | None = None,
     ) -> Report:
-        self._release()
+        handed_over = self._release()
         ok = error_code is None and status_code is not None and status_code < 400
         mirror = None
         if self.mirrors is not None:
@@ -392,6 +396,7 @@ class Attempt:
             error_code=error_code,
             error_message=error_message,
             mirror=mirror,
+            handed_over=handed_over,
         )
         self.closed = True
         if res is None:
@@ -418,7 +423,7 @@ class Attempt:
         error: str | None = None,
         status: Status = Status.REQUEUED,
     ) -> Report:
-        self._release()
+        handed_over = self._release()
         mirror = self.mirrors.retry(reason) if self.mirrors is not None else None
         ok = self.rt.store.requeue(
             self.id,
@@ -428,6 +433,7 @@ class Attempt:
             last_response=last,
             last_error=error,
             mirror=mirror,
+            handed_over=handed_over,
         )
         self.closed = True
         if not ok:

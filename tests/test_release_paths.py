@@ -12,6 +12,8 @@ import json
 import os
 import signal
 import subprocess
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
@@ -486,3 +488,32 @@ def test_a_server_that_lost_its_scripts_still_starts_attempts(
     assert gate_in_flight(p, queue) == 1
     assert attempt.run().status.value == "success"
     assert gate_in_flight(p, queue) == 0
+
+
+def test_a_hand_over_publishes_no_release(prepared: tuple[Pipeline, Runtime, str]) -> None:
+    """A finish that handed its slot to a parked attempt freed nothing, so it publishes
+    nothing on the freed channel (every process's release bell would wake for it); finishes
+    that release do publish."""
+    p, rt, queue = prepared
+    a, b, c = (rt.begin(*dispatch_one(p, queue), "w", queue) for _ in range(3))
+    assert a and b and c and a.decision and b.decision and c.decision
+    assert a.decision.admitted and b.decision.admitted and not c.decision.admitted
+    listener = p.store.client.pubsub(ignore_subscribe_messages=True)
+    listener.subscribe(p.settings.keys.freed_channel())
+    reports: list[Any] = []
+    parked = threading.Thread(target=lambda: reports.append(c.run()))
+    parked.start()
+    wait_for(lambda: rt.bell.waiting(queue) == 1, 5, what="the third attempt parked")
+    assert a.run().status.value == "success"  # hands its slot to c
+    parked.join(10)
+    assert reports and reports[0].status.value == "success"  # c released: nobody parked
+    assert b.run().status.value == "success"
+    assert gate_in_flight(p, queue) == 0
+    released = []
+    end = time.monotonic() + 1.0  # read what was published (the subscribe reply is skipped)
+    while time.monotonic() < end:
+        message = listener.get_message(timeout=0.1)
+        if message is not None:
+            released.append(message["data"])
+    listener.close()
+    assert released == [queue, queue]  # c's and b's releases; none for a's hand-over

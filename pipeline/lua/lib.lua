@@ -50,8 +50,10 @@ local function celery_meta(key, meta, ttl, final)
 end
 
 -- Write the terminal result of request `id` and take it out of every waiting and active set.
--- status_code / error_code are '' when absent. Returns the result JSON.
-local function terminal(prefix, id, now, ttl, status_code, payload, error_code, error_message)
+-- status_code / error_code are '' when absent. `quiet`: do not publish the release on the
+-- freed channel (the attempt handed its slot over: nothing was freed). Returns the result JSON.
+local function terminal(prefix, id, now, ttl, status_code, payload, error_code, error_message,
+    quiet)
   local rk = prefix .. 'req:' .. id
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'attempts', 'submitted_at',
     'result_list')
@@ -86,13 +88,14 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   redis.call('ZADD', recent, now, id)
   redis.call('ZREMRANGEBYSCORE', recent, '-inf', tonumber(now) - 300)
   wake(prefix, pool)
-  freed(prefix, queue)
+  if not quiet then freed(prefix, queue) end
   return json
 end
 
 -- Put a waiting request back into its queue: into the pending set at once, or into the
--- delayed set until `due`. The original ordering key (score, member) is kept.
-local function enqueue(prefix, id, now, due)
+-- delayed set until `due`. The original ordering key (score, member) is kept. `quiet` as in
+-- terminal().
+local function enqueue(prefix, id, now, due, quiet)
   local rk = prefix .. 'req:' .. id
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline')
   local queue = f[1]
@@ -106,7 +109,7 @@ local function enqueue(prefix, id, now, due)
     redis.call('HSET', rk, 'state', 'queued', 'token', '')
     wake(prefix, f[2])
   end
-  freed(prefix, queue)
+  if not quiet then freed(prefix, queue) end
 end
 
 local DEADLINE_PAYLOAD = '{"error": "deadline exceeded"}'
