@@ -420,6 +420,13 @@ def dispatch_one(p: Pipeline, queue: str) -> tuple[str, str]:
     return rid, d.token
 
 
+def holds_one_slot_then_frees_it(p: Pipeline, queue: str, attempt: Any) -> None:
+    """The attempt holds the gate's one taken slot, succeeds, and the slot is free again."""
+    assert gate_in_flight(p, queue) == 1
+    assert attempt.run().status.value == "success"
+    assert gate_in_flight(p, queue) == 0
+
+
 def test_the_start_and_the_gate_acquire_are_one_round_trip(
     prepared: tuple[Pipeline, Runtime, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -439,9 +446,7 @@ def test_the_start_and_the_gate_acquire_are_one_round_trip(
     attempt = rt.begin(rid, token, "w", queue)
     assert attempt is not None and attempt.decision is not None and attempt.decision.admitted
     assert sent == [2]  # start.lua and gate_lease_acquire.lua, one pipeline
-    assert gate_in_flight(p, queue) == 1
-    assert attempt.run().status.value == "success"
-    assert gate_in_flight(p, queue) == 0
+    holds_one_slot_then_frees_it(p, queue, attempt)
 
 
 def test_a_stale_message_gives_back_the_slot_its_start_took(
@@ -457,9 +462,7 @@ def test_a_stale_message_gives_back_the_slot_its_start_took(
     attempt = rt.begin(rid, token, "w", queue)
     assert attempt is not None and gate_in_flight(p, queue) == 1
     assert rt.begin(rid, token, "w", queue) is None  # a duplicate: fenced, slot kept
-    assert gate_in_flight(p, queue) == 1
-    assert attempt.run().status.value == "success"
-    assert gate_in_flight(p, queue) == 0
+    holds_one_slot_then_frees_it(p, queue, attempt)
 
 
 def test_an_unreadable_record_gives_back_the_slot_its_start_took(
@@ -485,9 +488,7 @@ def test_a_server_that_lost_its_scripts_still_starts_attempts(
     rt.store.client.script_flush()
     attempt = rt.begin(rid, token, "w", queue)
     assert attempt is not None and attempt.decision is not None and attempt.decision.admitted
-    assert gate_in_flight(p, queue) == 1
-    assert attempt.run().status.value == "success"
-    assert gate_in_flight(p, queue) == 0
+    holds_one_slot_then_frees_it(p, queue, attempt)
 
 
 def test_a_hand_over_publishes_no_release(prepared: tuple[Pipeline, Runtime, str]) -> None:
