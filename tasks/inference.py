@@ -12,7 +12,6 @@ Celery skips ``after_return`` for RETRY/IGNORED; that is why the body releases f
 from __future__ import annotations
 
 import logging
-import traceback
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,7 +24,7 @@ from pipeline.worker import Attempt, Status, runtime
 
 from .app import app
 from .backend import PipelineRedisBackend
-from .compat import BriefTraceback
+from .compat import BriefTraceback, brief
 
 log = logging.getLogger("pipeline.task")
 
@@ -47,11 +46,6 @@ def failure_message(
     """The message of a request's :class:`RequestFailed`."""
     code = error_code or f"HTTP {status_code}"
     return f"{code}: {(error_message if error_code else None) or payload or ''}"[:500]
-
-
-def brief(exc: BaseException) -> str:
-    """The traceback Celery keeps for a :class:`BriefTraceback` exception."""
-    return "".join(traceback.format_exception_only(type(exc), exc))
 
 
 class CeleryMirrors:
