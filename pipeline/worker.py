@@ -41,16 +41,19 @@ class Mirrors(Protocol):
     """Copies of an attempt's outcome that its finish / requeue script writes in the same step
     (the Celery result of the attempt's task, built by ``tasks``); None: not mirrored."""
 
-    def final(
-        self,
-        ok: bool,
-        status_code: int | None,
-        payload: str,
-        error_code: str | None,
-        error_message: str | None,
-    ) -> Mirror | None: ...
+    def success(self) -> Mirror | None: ...
+
+    def failure(self, message: str) -> Mirror | None: ...
 
     def retry(self, reason: str) -> Mirror | None: ...
+
+
+def failure_message(
+    status_code: int | None, payload: str, error_code: str | None, error_message: str | None
+) -> str:
+    """What a request that ended without success reports: its status or error code first."""
+    code = error_code or f"HTTP {status_code}"
+    return f"{code}: {(error_message if error_code else None) or payload or ''}"[:500]
 
 
 class Status(enum.Enum):
@@ -64,7 +67,7 @@ class Status(enum.Enum):
 @dataclass(frozen=True)
 class Report:
     status: Status
-    reason: str = ""
+    reason: str = ""  # RETRY/REQUEUED: why; FAILED: the failure message
     due: float | None = None  # Unix s, for RETRY/REQUEUED
     result: dict[str, Any] | None = None  # the terminal result, for SUCCESS/FAILED
 
@@ -384,9 +387,10 @@ class Attempt:
     ) -> Report:
         handed_over = self._release()
         ok = error_code is None and status_code is not None and status_code < 400
+        failure = "" if ok else failure_message(status_code, payload, error_code, error_message)
         mirror = None
         if self.mirrors is not None:
-            mirror = self.mirrors.final(ok, status_code, payload, error_code, error_message)
+            mirror = self.mirrors.success() if ok else self.mirrors.failure(failure)
         res = self.rt.store.finish(
             self.id,
             self.token,
@@ -402,7 +406,8 @@ class Attempt:
         if res is None:
             return Report(Status.STALE, "fenced off at finish")
         self.mirrored = mirror.state if mirror is not None else None
-        return Report(Status.SUCCESS if ok else Status.FAILED, result=_result_dict(res))
+        status = Status.SUCCESS if ok else Status.FAILED
+        return Report(status, failure, result=_result_dict(res))
 
     def _error(self, code: str, message: str, attempted: bool = False) -> Report:
         return self._finish(

@@ -40,14 +40,6 @@ class AttemptRetry(Retry, BriefTraceback):
         return f"Retry({self.message!r}, {self.humanize()})"
 
 
-def failure_message(
-    status_code: int | None, payload: str, error_code: str | None, error_message: str | None
-) -> str:
-    """The message of a request's :class:`RequestFailed`."""
-    code = error_code or f"HTTP {status_code}"
-    return f"{code}: {(error_message if error_code else None) or payload or ''}"[:500]
-
-
 class CeleryMirrors:
     """An attempt's outcome as its task's Celery result (SUCCESS, FAILURE, RETRY), for the
     attempt's own finish / requeue script to write (see ``tasks.backend``)."""
@@ -56,17 +48,11 @@ class CeleryMirrors:
         self.backend = backend
         self.task_id = task_id
 
-    def final(
-        self,
-        ok: bool,
-        status_code: int | None,
-        payload: str,
-        error_code: str | None,
-        error_message: str | None,
-    ) -> Mirror | None:
-        if ok:
-            return self.backend.mirror(self.task_id, states.SUCCESS, embed=True)
-        exc = RequestFailed(failure_message(status_code, payload, error_code, error_message))
+    def success(self) -> Mirror | None:
+        return self.backend.mirror(self.task_id, states.SUCCESS, embed=True)
+
+    def failure(self, message: str) -> Mirror | None:
+        exc = RequestFailed(message)
         return self.backend.mirror(self.task_id, states.FAILURE, result=exc, traceback=brief(exc))
 
     def retry(self, reason: str) -> Mirror | None:
@@ -120,15 +106,7 @@ class InferenceTask(Task):
         if report.status is Status.SUCCESS:
             return report.result
         if report.status is Status.FAILED:
-            res = report.result or {}
-            raise RequestFailed(
-                failure_message(
-                    res.get("status_code"),
-                    res.get("payload", ""),
-                    res.get("error_code"),
-                    res.get("error_message"),
-                )
-            )
+            raise RequestFailed(report.reason)
         if report.status in (Status.RETRY, Status.REQUEUED):
             when = datetime.fromtimestamp(report.due or 0, UTC)
             raise AttemptRetry(report.reason, when=when)
