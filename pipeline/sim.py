@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import heapq
 import itertools
 import json
 import random
@@ -111,14 +112,17 @@ class _HttpError(Exception):
 class _Pending:
     """One request's place in its connection's in-order response queue."""
 
-    __slots__ = ("keep_alive", "arrival", "reply", "held", "task", "waiter", "inference", "rid")
+    __slots__ = (
+        "keep_alive", "arrival", "admitted", "reply", "held", "task", "waiter", "inference", "rid"
+    )  # fmt: skip
 
     def __init__(self, keep_alive: bool) -> None:
         self.keep_alive = keep_alive
         self.arrival = time.monotonic()
+        self.admitted = 0.0  # when it got its concurrency slot, if it waited for one
         self.reply: _Reply | None = None
         self.held = False  # owns a concurrency slot (counted in in_flight)
-        self.task: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[None] | _Timer | None = None
         self.waiter: asyncio.Future[None] | None = None  # set while queued for a slot
         self.inference = False
         self.rid: str | None = None
@@ -195,6 +199,77 @@ def _fake_text(prompt: str, n: int) -> str:
     return "".join(" " + _VOCAB[(h + i * 7919) % len(_VOCAB)] for i in range(n))
 
 
+class _Timer:
+    """A callback due at a monotonic time on the simulator's loop; ``cancel()`` drops it."""
+
+    __slots__ = ("fn", "args", "cancelled")
+
+    def __init__(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        self.fn = fn
+        self.args = args
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Clock:
+    """Runs callbacks on the loop at monotonic times, to within about 0.1 ms.
+
+    asyncio's own timers wake from ``epoll_wait``, whose timeout is whole milliseconds rounded
+    up, so a 100 ms latency came out as 100.5-101 ms: a benchmark against the simulator was
+    charged for the simulator's clock. Here a helper thread sleeps on a condition (a nanosecond
+    timeout) until the earliest due time and hands what is due to the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.heap: list[tuple[float, int, _Timer]] = []
+        self.seq = itertools.count()
+        self.cond = threading.Condition()
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="sim-clock", daemon=True)
+        self.thread.start()
+
+    def call_at(self, when: float, fn: Callable[..., None], *args: Any) -> _Timer:
+        timer = _Timer(fn, args)
+        with self.cond:
+            heapq.heappush(self.heap, (when, next(self.seq), timer))
+            if self.heap[0][2] is timer:
+                self.cond.notify()
+        return timer
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.heap.clear()
+            self.cond.notify()
+
+    def _run(self) -> None:
+        with self.cond:
+            while not self.closed:
+                if not self.heap:
+                    self.cond.wait()
+                    continue
+                delay = self.heap[0][0] - time.monotonic()
+                if delay > 0:
+                    self.cond.wait(delay)
+                    continue
+                now = time.monotonic()
+                due = []
+                while self.heap and self.heap[0][0] <= now:
+                    due.append(heapq.heappop(self.heap)[2])
+                try:
+                    self.loop.call_soon_threadsafe(self._fire, due)
+                except RuntimeError:  # the loop is closed
+                    return
+
+    @staticmethod
+    def _fire(due: list[_Timer]) -> None:
+        for timer in due:
+            if not timer.cancelled:
+                timer.fn(*timer.args)
+
+
 class _Conn(asyncio.Protocol):
     """One client connection: parses requests and writes their responses in arrival order."""
 
@@ -267,6 +342,7 @@ class _Sim:
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
+        self._clock: _Clock | None = None
         self.fail_rng = random.Random(config.seed)
         self.jitter_rng = random.Random(config.seed + 1)
         self.ids = itertools.count(1)
@@ -327,6 +403,16 @@ class _Sim:
             lines += [f"# HELP vllm:{name} {help_text}", f"# TYPE vllm:{name} {kind}"]
             lines.append(f"vllm:{name}{label} {value}")
         return "\n".join(lines) + "\n"
+
+    def clock(self) -> _Clock:
+        if self._clock is None:
+            self._clock = _Clock(asyncio.get_running_loop())
+        return self._clock
+
+    def close(self) -> None:
+        if self._clock is not None:
+            self._clock.close()
+            self._clock = None
 
     def script_fault(self, rid: str, fault: _Fault) -> None:
         if fault.mode not in FAULT_MODES:
@@ -392,6 +478,7 @@ class _Sim:
             nxt = self.waiters.popleft()
             if nxt.waiter is not None and not nxt.waiter.done():
                 nxt.held = True
+                nxt.admitted = time.monotonic()
                 nxt.waiter.set_result(None)
                 return
         self.in_flight -= 1
@@ -500,13 +587,10 @@ class _Sim:
                 delay_ms += self.jitter_rng.uniform(0.0, cfg.jitter_ms)
         reply = self._completion(job)
         if delay_ms > 0:
-            p.task = asyncio.ensure_future(self._delayed(conn, p, delay_ms / 1000.0, reply))
+            due = max(p.arrival, p.admitted) + delay_ms / 1000.0
+            p.task = self.clock().call_at(due, self.answer, conn, p, reply)
         else:
             self.answer(conn, p, reply)
-
-    async def _delayed(self, conn: _Conn, p: _Pending, delay_s: float, reply: _Reply) -> None:
-        await asyncio.sleep(delay_s)
-        self.answer(conn, p, reply)
 
     async def _stall(self, conn: _Conn) -> None:
         await asyncio.sleep(STALL_CAP_S)
@@ -556,6 +640,7 @@ async def _listen(sim: _Sim, host: str, port: int) -> asyncio.Server:
 async def _shutdown(server: asyncio.Server, sim: _Sim) -> None:
     """Stop listening, drop every client connection and cancel the simulator's own tasks."""
     server.close()
+    sim.close()
     for conn in list(sim.conns):
         conn.drop()
         if conn.transport is not None:

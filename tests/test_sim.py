@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import select
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pipeline.sim import SimConfig, SimServer
+from pipeline.sim import SimConfig, SimServer, _Clock
 
 COMPLETIONS = "/v1/completions"
 BODY = {"prompt": "hello world", "max_tokens": 4}
@@ -395,6 +396,47 @@ def test_arrivals_are_recorded(start: Callable[..., SimServer]) -> None:
     assert [rid for _, _, rid in arrivals] == ["a0", "a1", "a2"]
     for arrived, finished, _ in arrivals:
         assert before <= arrived and finished - arrived >= 0.05 and finished <= after
+
+
+def test_latency_runs_from_arrival_and_is_never_short(start: Callable[..., SimServer]) -> None:
+    """Each answer is due ``latency`` after its request arrived (after its admission when it
+    waited for a slot): never early, answered in due order whatever the send order."""
+    sim = start(record_arrivals=True)
+    latencies = {"slow": 60, "fast": 10, "mid": 35}
+    with ThreadPoolExecutor(3) as pool:
+        for rid, ms in latencies.items():
+            pool.submit(post, sim.url, {"x-request-id": rid, "x-sim-latency-ms": str(ms)})
+    arrivals = httpx.get(sim.url + "/sim/arrivals").json()
+    assert [rid for _, _, rid in arrivals] == ["fast", "mid", "slow"]
+    for arrived, finished, rid in arrivals:
+        assert finished - arrived >= latencies[rid] / 1000
+
+    queued = start(record_arrivals=True, latency_ms=40, max_concurrency=1, overload="queue")
+    with ThreadPoolExecutor(2) as pool:
+        assert all(r.status_code == 200 for r in pool.map(lambda _: post(queued.url), range(2)))
+    (_, first_done, _), (_, second_done, _) = httpx.get(queued.url + "/sim/arrivals").json()
+    assert second_done - first_done >= 0.04  # its latency started when it got the slot
+
+
+def test_clock_fires_in_due_order_skips_cancelled_and_stops() -> None:
+    loop = asyncio.new_event_loop()
+    fired: list[str] = []
+    clock = _Clock(loop)
+    try:
+        now = time.monotonic()
+        clock.call_at(now + 0.03, fired.append, "c")
+        clock.call_at(now + 0.01, fired.append, "a")
+        clock.call_at(now + 0.02, fired.append, "b").cancel()
+        clock.call_at(now + 0.025, fired.append, "b2")
+        clock.call_at(now + 0.035, loop.stop)
+        loop.run_forever()
+        assert fired == ["a", "b2", "c"]
+        assert time.monotonic() - now >= 0.035
+    finally:
+        clock.close()
+        clock.thread.join(5)
+        loop.close()
+    assert not clock.thread.is_alive()
 
 
 def test_cli_serves_until_sigterm() -> None:
