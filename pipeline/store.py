@@ -23,6 +23,8 @@ from .keys import Keys
 from .scripts import Scripts
 
 SWEEP_LIMIT = 500
+SUBMIT_FIRST_CHUNK = 32  # rows in the first submit.lua call of a batch; each next one doubles
+SUBMIT_MAX_CHUNK = 500  # ... up to this many
 
 
 def redact_url(url: str) -> str:
@@ -126,13 +128,17 @@ class Store:
 
     # -- submit --------------------------------------------------------------------------
     def submit(self, rows: list[list[str]]) -> list[Any]:
-        """Store a batch of rows (see submit.lua for the 12 string fields) in one round trip
-        per 500 rows, each chunk sent as one JSON argument. Returns 1 per created request, or
-        the state of the live duplicate."""
+        """Store a batch of rows (see submit.lua for the 12 string fields) in chunks, each sent
+        as one JSON argument in one round trip. Returns 1 per created request, or the state of
+        the live duplicate. The first chunk is small and each next one twice as large, up to
+        500 rows: the dispatcher starts on the head of a large batch within a millisecond of
+        Redis time, and no chunk holds Redis (single-threaded) for long while it does."""
         out: list[Any] = []
-        for i in range(0, len(rows), 500):
-            items = json.dumps(rows[i : i + 500], ensure_ascii=False, separators=(",", ":"))
+        i, size = 0, SUBMIT_FIRST_CHUNK
+        while i < len(rows):
+            items = json.dumps(rows[i : i + size], ensure_ascii=False, separators=(",", ":"))
             out.extend(self.scripts.submit(keys=[], args=[self.keys.prefix, time.time(), items]))
+            i, size = i + size, min(SUBMIT_MAX_CHUNK, size * 2)
         return out
 
     # -- dispatcher ----------------------------------------------------------------------

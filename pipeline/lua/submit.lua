@@ -11,7 +11,10 @@
 local prefix, now = ARGV[1], ARGV[2]
 local out = {}
 local touched_pools = {}
-for _, r in ipairs(cjson.decode(ARGV[3])) do
+local items = cjson.decode(ARGV[3])
+-- one INCRBY reserves a sequence number per item (a duplicate leaves a gap: only order counts)
+local seq0 = redis.call('INCRBY', prefix .. 'seq', #items) - #items
+for i, r in ipairs(items) do
   local id, queue, pool = r[1], r[2], r[3]
   local rk = prefix .. 'req:' .. id
   local state = redis.call('HGET', rk, 'state')
@@ -19,8 +22,7 @@ for _, r in ipairs(cjson.decode(ARGV[3])) do
     out[#out + 1] = state
   else
     if state then redis.call('DEL', rk) end
-    local seq = redis.call('INCR', prefix .. 'seq')
-    local member = string.format('%015d', seq) .. '|' .. id
+    local member = string.format('%015d', seq0 + i) .. '|' .. id
     redis.call('HSET', rk, 'id', id, 'queue', queue, 'pool', pool, 'score', r[4],
       'priority', r[5], 'deadline', r[6], 'payload', r[7], 'metadata', r[8], 'headers', r[9],
       'endpoint', r[10], 'result_list', r[11], 'labels', r[12], 'member', member,
