@@ -8,6 +8,8 @@ from typing import Any
 
 import redis
 
+from .fastredis import FastScript
+
 SCRIPT_NAMES = ("submit", "dispatch", "start", "finish", "requeue", "cancel", "reap", "renew")
 
 
@@ -19,10 +21,11 @@ def source(name: str) -> str:
 
 
 class Scripts:
-    """The pipeline's scripts registered on one Redis client (EVALSHA, reloaded on NOSCRIPT)."""
+    """The pipeline's scripts registered on one Redis client (EVALSHA over the calling thread's
+    own connection, reloaded on NOSCRIPT: see :mod:`pipeline.fastredis`)."""
 
     def __init__(self, client: redis.Redis) -> None:
-        self._scripts: dict[str, Any] = {n: client.register_script(source(n)) for n in SCRIPT_NAMES}
+        self._scripts: dict[str, Any] = {n: FastScript(client, source(n)) for n in SCRIPT_NAMES}
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -18,6 +18,7 @@ import redis
 
 from . import metrics
 from .config import QueueConfig, Settings
+from .fastredis import FastScript, call_batch
 from .gates.base import ScriptCall
 from .keys import Keys
 from .scripts import Scripts
@@ -58,11 +59,17 @@ def run_batch(client: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     """Script calls in one round trip, run in order (each atomic, not all together): their
     replies, or in a failed call's place the error it raised. A call whose script the server
     does not have (NOSCRIPT: it restarted, or SCRIPT FLUSH) did not run and is run again on its
-    own, which loads the script."""
-    with client.pipeline(transaction=False) as pipe:
-        for call in calls:
-            pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
-        replies: list[Any] = pipe.execute(raise_on_error=False)
+    own, which loads the script. Over the calling thread's own connection when every script is
+    a :class:`FastScript`; through a redis-py pipeline (and its retries) otherwise, or when that
+    connection failed."""
+    replies: list[Any] | None = None
+    if all(isinstance(call.script, FastScript) for call in calls):
+        replies = call_batch(client, [(call.script, call.keys, call.args) for call in calls])
+    if replies is None:
+        with client.pipeline(transaction=False) as pipe:
+            for call in calls:
+                pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+            replies = pipe.execute(raise_on_error=False)
     for i, (reply, call) in enumerate(zip(replies, calls, strict=True)):
         if isinstance(reply, redis.exceptions.NoScriptError):
             try:

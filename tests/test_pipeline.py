@@ -179,13 +179,13 @@ def test_submit_many_sends_a_small_head_then_doubling_chunks(
     """One round trip per chunk: 32 rows first (the dispatcher starts on them at once), then
     twice as many each time up to 500; the batch keeps its order across chunks."""
     sizes: list[int] = []
-    original = pl.store.client.execute_command
+    original = pl.store.scripts.submit
 
-    def counting(*args: Any, **kw: Any) -> Any:
+    def counting(keys: list[str], args: list[Any]) -> Any:
         sizes.append(len(json.loads(args[-1])))
-        return original(*args, **kw)
+        return original(keys=keys, args=args)
 
-    monkeypatch.setattr(pl.store.client, "execute_command", counting)
+    monkeypatch.setitem(pl.store.scripts._scripts, "submit", counting)
     items = [{"payload": {"prompt": f"p{i}"}, "queue": "solo", "timeout": 60} for i in range(1000)]
     reqs = pl.submit_many(items)
     monkeypatch.undo()
@@ -205,7 +205,12 @@ def test_submitted_text_is_stored_byte_for_byte(pl: Pipeline) -> None:
     headers = {"x-note": "ascii only"}
     reqs = pl.submit_many(
         [
-            {"payload": {"prompt": text, "n": i}, "metadata": meta, "headers": headers}
+            {
+                "payload": {"prompt": text, "n": i},
+                "metadata": meta,
+                "headers": headers,
+                "queue": "solo",
+            }  # no worker serves it: the cancel below always finds it queued
             for i in range(3)
         ]
     )

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import redis
 
+from ..fastredis import FastScript
 from .base import ScriptCall
 
 # A lease that expired this long ago (s) is purged by the next acquire (its holder is gone and
@@ -32,9 +33,10 @@ def lua_source(name: str) -> str:
     return (resources.files("pipeline") / "lua" / f"{name}.lua").read_text()
 
 
-def register(client: redis.Redis, name: str) -> Any:
-    """A gate script registered on ``client`` (EVALSHA, reloaded on NOSCRIPT)."""
-    return client.register_script(lua_source(name))
+def register(client: redis.Redis, name: str) -> FastScript:
+    """A gate script registered on ``client`` (EVALSHA over the calling thread's own
+    connection, reloaded on NOSCRIPT)."""
+    return FastScript(client, lua_source(name))
 
 
 def fmt_time(t: float) -> str:
