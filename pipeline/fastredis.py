@@ -68,7 +68,11 @@ class FastScript:
         self.sha: str = self.script.sha
         self.lanes = thread_connections(client)
 
-    def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
+    def __call__(
+        self, keys: Sequence[Any] = (), args: Sequence[Any] = (), client: Any = None
+    ) -> Any:
+        if client is not None:  # queued on a redis-py pipeline (or another client), as Script
+            return self.script(keys=keys, args=args, client=client)
         conn = self.lanes.get()
         try:
             conn.send_packed_command(

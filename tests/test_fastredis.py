@@ -140,3 +140,11 @@ def test_a_batch_answers_in_order_with_errors_in_place(client: redis.Redis, key:
     replies = call_batch(client, [(echo, [key], ["c"])])
     assert replies is not None and isinstance(replies[0], redis.exceptions.NoScriptError)
     assert int(client.get(key) or 0) == 3
+
+
+def test_a_call_queued_on_a_redis_py_pipeline_runs_with_it(client: redis.Redis, key: str) -> None:
+    echo = FastScript(client, ECHO)
+    with client.pipeline(transaction=False) as pipe:
+        assert echo(keys=[key], args=["p"], client=pipe) is pipe  # queued, not run
+        assert client.get(key) is None
+        assert pipe.execute() == [["p", 1]]
