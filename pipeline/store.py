@@ -18,7 +18,7 @@ import redis
 
 from . import metrics
 from .config import QueueConfig, Settings
-from .fastredis import FastScript, call_batch
+from .fastredis import call_batch
 from .gates.base import ScriptCall
 from .keys import Keys
 from .scripts import Scripts
@@ -59,12 +59,9 @@ def run_batch(client: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     """Script calls in one round trip, run in order (each atomic, not all together): their
     replies, or in a failed call's place the error it raised. A call whose script the server
     does not have (NOSCRIPT: it restarted, or SCRIPT FLUSH) did not run and is run again on its
-    own, which loads the script. Over the calling thread's own connection when every script is
-    a :class:`FastScript`; through a redis-py pipeline (and its retries) otherwise, or when that
-    connection failed."""
-    replies: list[Any] | None = None
-    if all(isinstance(call.script, FastScript) for call in calls):
-        replies = call_batch(client, [(call.script, call.keys, call.args) for call in calls])
+    own, which loads the script. Over the calling thread's own connection; through a redis-py
+    pipeline (and its retries) when that connection failed."""
+    replies = call_batch(client, [(call.script, call.keys, call.args) for call in calls])
     if replies is None:
         with client.pipeline(transaction=False) as pipe:
             for call in calls:
