@@ -94,11 +94,11 @@ class FastScript:
 def call_batch(
     client: redis.Redis, calls: Sequence[tuple[Any, Sequence[Any], Sequence[Any]]]
 ) -> list[Any] | None:
-    """``(script, keys, args)`` calls (a script: anything with the ``sha`` of a script, a
-    :class:`FastScript` or redis-py's ``Script``) sent in one write over the calling thread's
-    own connection, run in order (each atomic): their
-    replies, an error reply in its call's place as the exception (NOSCRIPT included). None when
-    the connection failed: nothing is known of what ran; the caller falls back."""
+    """``(script, keys, args)`` calls (a script: anything with a ``sha``, a :class:`FastScript`
+    or redis-py's ``Script``) sent in one write over the calling thread's own connection, run
+    in order (each atomic): their replies, an error reply in its call's place as the exception
+    (NOSCRIPT included). None when the connection failed: nothing is known of what ran; the
+    caller falls back."""
     conn = thread_connections(client).get()
     try:
         conn.send_packed_command(
