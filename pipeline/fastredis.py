@@ -45,6 +45,34 @@ class ThreadConnections:
             self.local.conn, self.local.pid = conn, os.getpid()
         return conn
 
+    def evalsha(
+        self, calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]]
+    ) -> list[Any] | None:
+        """``(sha, keys, args)`` calls sent in one write over this thread's connection, run in
+        order (each atomic): their replies, an error reply in its call's place as the exception
+        (NOSCRIPT included). None when the connection failed: nothing is known of what ran."""
+        conn = self.get()
+        try:
+            conn.send_packed_command(
+                conn.pack_commands(
+                    [("EVALSHA", sha, len(keys), *keys, *args) for sha, keys, args in calls]
+                ),
+                check_health=False,
+            )
+            replies: list[Any] = []
+            for _ in calls:
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as exc:  # read in full: the connection stays in step
+                    replies.append(exc)
+            return replies
+        except _FALLBACK:
+            conn.disconnect()
+            return None
+        except BaseException:
+            conn.disconnect()  # interrupted between send and read: an unread reply may follow
+            raise
+
 
 _lanes: weakref.WeakKeyDictionary[redis.Redis, ThreadConnections] = weakref.WeakKeyDictionary()
 _lanes_lock = threading.Lock()
@@ -52,11 +80,13 @@ _lanes_lock = threading.Lock()
 
 def thread_connections(client: redis.Redis) -> ThreadConnections:
     """The one :class:`ThreadConnections` of ``client`` (shared by all its scripts)."""
-    with _lanes_lock:
-        lanes = _lanes.get(client)
-        if lanes is None:
-            lanes = _lanes[client] = ThreadConnections(client)
-        return lanes
+    lanes = _lanes.get(client)
+    if lanes is None:
+        with _lanes_lock:
+            lanes = _lanes.get(client)
+            if lanes is None:
+                lanes = _lanes[client] = ThreadConnections(client)
+    return lanes
 
 
 class FastScript:
@@ -73,50 +103,19 @@ class FastScript:
     ) -> Any:
         if client is not None:  # queued on a redis-py pipeline (or another client), as Script
             return self.script(keys=keys, args=args, client=client)
-        conn = self.lanes.get()
-        try:
-            conn.send_packed_command(
-                conn.pack_command("EVALSHA", self.sha, len(keys), *keys, *args), check_health=False
-            )
-            return conn.read_response()
-        except NoScriptError:
-            pass  # the reply was read: the connection is fine; redis-py loads the script
-        except ResponseError:
-            raise  # the script's own error, read in full
-        except _FALLBACK:
-            conn.disconnect()
-        except BaseException:
-            conn.disconnect()  # interrupted between send and read: an unread reply may follow
-            raise
-        return self.script(keys=keys, args=args)
+        replies = self.lanes.evalsha([(self.sha, keys, args)])
+        if replies is not None:
+            reply = replies[0]
+            if not isinstance(reply, ResponseError):
+                return reply
+            if not isinstance(reply, NoScriptError):
+                raise reply  # the script's own error
+        return self.script(keys=keys, args=args)  # redis-py loads the script, or reconnects
 
 
 def call_batch(
     client: redis.Redis, calls: Sequence[tuple[Any, Sequence[Any], Sequence[Any]]]
 ) -> list[Any] | None:
-    """``(script, keys, args)`` calls (a script: anything with a ``sha``, a :class:`FastScript`
-    or redis-py's ``Script``) sent in one write over the calling thread's own connection, run
-    in order (each atomic): their replies, an error reply in its call's place as the exception
-    (NOSCRIPT included). None when the connection failed: nothing is known of what ran; the
-    caller falls back."""
-    conn = thread_connections(client).get()
-    try:
-        conn.send_packed_command(
-            conn.pack_commands(
-                [("EVALSHA", s.sha, len(keys), *keys, *args) for s, keys, args in calls]
-            ),
-            check_health=False,
-        )
-        replies: list[Any] = []
-        for _ in calls:
-            try:
-                replies.append(conn.read_response())
-            except ResponseError as exc:
-                replies.append(exc)
-        return replies
-    except _FALLBACK:
-        conn.disconnect()
-        return None
-    except BaseException:
-        conn.disconnect()
-        raise
+    """``(script, keys, args)`` calls (a script: anything with a ``sha``) in one write over the
+    calling thread's own connection: :meth:`ThreadConnections.evalsha`."""
+    return thread_connections(client).evalsha([(s.sha, k, a) for s, k, a in calls])

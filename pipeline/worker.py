@@ -210,12 +210,12 @@ class Runtime:
         gate can (``Gate.prepare_acquire``), its acquire goes to Redis in the same round trip
         as the start, and the attempt begins with that decision."""
         queue = queue if queue in self.settings.queues else self._queue_of(request_id)
-        start = self.store.start_call(request_id, token, queue or "", worker)
         prepared, generation = self._prepare_acquire(queue, request_id, token, worker)
         decision: Decision | None = None
         if prepared is None:
-            record = self.store.started(start.script(keys=start.keys, args=start.args))
+            record = self.store.start(request_id, token, queue or "", worker)
         else:
+            start = self.store.start_call(request_id, token, queue or "", worker)
             reply, acquired = run_batch(self.store.client, [start, prepared.call])
             took = not isinstance(acquired, Exception) and prepared.took(acquired)
             record = None if isinstance(reply, Exception) else self.store.started(reply)
