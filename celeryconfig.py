@@ -10,7 +10,7 @@ pipeline's Redis.
 import os
 
 from pipeline.config import bool_env
-from pipeline.keys import celery_queue
+from pipeline.store.keys import celery_queue
 
 _redis = os.environ.get("PIPELINE_REDIS_URL") or "redis://localhost:6379/0"
 

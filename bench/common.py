@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import redis
 
-from pipeline.services import wait_until
+from pipeline.cli.services import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable

@@ -133,7 +133,7 @@ def pipeline_run(penv: PipelineEnv, sim: Sim, n: int, tag: str) -> tuple[float, 
     """Submit ``n`` requests and wait until all are done; returns (seconds, polls). Call
     :func:`check_results` afterwards (outside any measurement)."""
     p = penv.pipeline()
-    stats_key = p.settings.keys.stats("ovh")
+    stats_key = p.store.keys.stats("ovh")
     done0 = int(p.store.client.hget(stats_key, "ok") or 0)
     batch = [dict(it, queue="ovh") for it in items(n, tag)]
     t0 = time.monotonic()

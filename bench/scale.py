@@ -75,7 +75,7 @@ def submit_phase(rh: RedisHandle, p: Any, n: int) -> dict[str, Any]:
             next_log = time.monotonic() + 10
     rh.client.execute_command("MEMORY", "PURGE")
     mem1 = rh.used_memory()
-    keys = p.settings.keys
+    keys = p.store.keys
     sample = rh.client.zrange(keys.expiry("big"), 0, 0)[0]
     record = int(rh.client.memory_usage(keys.request(sample), samples=0) or 0)
     pending = int(rh.client.memory_usage(keys.pending("big"), samples=0) or 0)
@@ -96,7 +96,7 @@ def tick_phase(p: Any, queue: str, backlog: int) -> dict[str, Any]:
     """Dispatch-script rate on a backlog kept at ``backlog`` requests."""
     store = p.store
     q = p.settings.queues[queue]
-    pending = p.settings.keys.pending(queue)
+    pending = p.store.keys.pending(queue)
     spent = 0.0
     moved = 0
     for _ in range(TICKS):
@@ -107,8 +107,8 @@ def tick_phase(p: Any, queue: str, backlog: int) -> dict[str, Any]:
         with store.client.pipeline(transaction=False) as pipe:
             for d in res.moved:  # frees the pool for the next call (untimed)
                 store.scripts.cancel(
-                    keys=[p.settings.keys.request(d.id)],
-                    args=[p.settings.keys.prefix, time.time(), 60],
+                    keys=[p.store.keys.request(d.id)],
+                    args=[p.store.keys.prefix, time.time(), 60],
                     client=pipe,
                 )
             pipe.execute()
@@ -122,8 +122,8 @@ def e2e_phase(penv: PipelineEnv, pool: str, queue: str, top_up: int | None) -> d
     """Completions per second of a worker node draining ``queue`` (topped up to ``top_up``)."""
     p = penv.pipeline()
     client = p.store.client
-    stats = p.settings.keys.stats(queue)
-    pending = p.settings.keys.pending(queue)
+    stats = p.store.keys.stats(queue)
+    pending = p.store.keys.pending(queue)
 
     def done() -> int:
         return int(client.hget(stats, "ok") or 0)

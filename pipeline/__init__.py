@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .client import Pipeline, configure, default_pipeline
+from .client import Pipeline, Request, Result, configure, default_pipeline
 from .config import QueueConfig, Settings, load_settings
 from .errors import ConfigError, InvalidRequest, PipelineError, UnknownRequest
-from .models import Request, Result
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from celery import Celery
 
-from pipeline import keys
+from pipeline.store import keys
 
 from . import compat
 from .backend import PipelineRedisBackend

@@ -26,8 +26,8 @@ from celery.backends.base import BackendStoreError
 from celery.backends.redis import RedisBackend
 from kombu.utils.encoding import bytes_to_str
 
-from pipeline.scripts import source
 from pipeline.store import Mirror
+from pipeline.store.scripts import source
 
 FINAL = frozenset({states.SUCCESS, states.FAILURE, states.REVOKED})
 _RESULT = "__pipeline_result__"  # stands for the result JSON that finish.lua writes

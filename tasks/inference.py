@@ -18,9 +18,8 @@ from typing import Any
 from celery import Task, states
 from celery.exceptions import Ignore, Retry
 
-from pipeline import metrics
 from pipeline.store import Mirror
-from pipeline.worker import Attempt, Status, runtime
+from pipeline.worker import Attempt, Status, observe, runtime
 
 from .app import app
 from .backend import PipelineRedisBackend
@@ -95,14 +94,14 @@ class InferenceTask(Task):
                 attempt.mirrors = CeleryMirrors(self.backend, task_id)
             if attempt.decision is None:  # not decided with the start (Runtime.begin)
                 attempt.acquire()
-            metrics.attempt_started(attempt, self.send_event)
+            observe.attempt_started(attempt, self.send_event)
         self.request.pipeline_attempt = attempt
 
     def run(self, request_id: str, token: str, **info: Any) -> dict[str, Any] | None:
         attempt: Attempt | None = getattr(self.request, "pipeline_attempt", None)
         if attempt is None:
             raise Ignore()
-        report = metrics.observed_run(attempt)
+        report = observe.observed_run(attempt)
         if report.status is Status.SUCCESS:
             return report.result
         if report.status is Status.FAILED:

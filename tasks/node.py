@@ -20,9 +20,9 @@ from celery.signals import (
     worker_shutting_down,
 )
 
-from pipeline import health, metrics
 from pipeline.config import Settings
-from pipeline.dispatcher import Dispatcher
+from pipeline.dispatch import Dispatcher
+from pipeline.observability import health, metrics
 from pipeline.store import DirectPublish, Dispatched
 from pipeline.worker import runtime
 

@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 import redis
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
-from pipeline.services import wait_until
 from pipeline.sim import SimConfig, SimServer
+from pipeline.store import Keys
 
 REDIS_URL = os.environ.get("PIPELINE_TEST_REDIS_URL", "redis://127.0.0.1:6379/12")
 ROOT = Path(__file__).resolve().parent.parent
@@ -224,7 +225,7 @@ def start_worker(
         w = WorkerProc(proc, log, name)
         started.append(w)
         if wait:
-            key = settings.keys.pool_nodes(pools.split(",")[0])
+            key = Keys.of(settings).pool_nodes(pools.split(",")[0])
 
             def registered() -> bool:
                 if proc.poll() is not None:
@@ -259,7 +260,7 @@ def assert_idle(p: Pipeline, timeout: float = 20.0) -> None:
         )
 
     wait_for(idle, timeout, what=f"idle queues and gates: {p.inspect()}")
-    keys = p.settings.keys
+    keys = p.store.keys
     leftover = [
         k
         for k in p.store.client.scan_iter(keys.prefix + "gate:*:holders")

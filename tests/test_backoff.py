@@ -8,7 +8,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.backoff import backoff_delay, parse_retry_after, retry_delay
+from pipeline.http.backoff import backoff_delay, parse_retry_after, retry_delay
 
 seconds = st.floats(0.001, 10_000, allow_nan=False)
 

@@ -29,14 +29,14 @@ def worker_still_serves(pl: Pipeline) -> None:
 
 
 def default_results(pl: Pipeline, queue: str) -> list[dict[str, Any]]:
-    key = pl.settings.result_list(pl.settings.queues[queue])
+    key = pl.store.keys.result_list(pl.settings.queues[queue])
     return [json.loads(x) for x in pl.store.client.lrange(key, 0, -1)]
 
 
 # -- garbage written into a queue's sorted set by hand ---------------------------------------
 @pytest.mark.parametrize("member", ["garbage", "000000000000001|no-such-request", "|", "12|"])
 def test_garbage_in_the_sorted_set(served: Pipeline, member: str) -> None:
-    served.store.client.zadd(served.settings.keys.pending("default"), {member: 1.0})
+    served.store.client.zadd(served.store.keys.pending("default"), {member: 1.0})
     expected_id = member.split("|", 1)[1] if "|" in member and member.split("|", 1)[1] else member
 
     def reported() -> bool:
@@ -69,7 +69,7 @@ def test_corrupted_record_ends_invalid(
 
     q = served.settings.queues["crash"]  # no worker serves it: dispatch by hand
     rid = served.submit({"p": 1}, id=uid(name), queue="crash", timeout=30).id
-    corrupt(served.store.client, served.settings.keys.request(rid))
+    corrupt(served.store.client, served.store.keys.request(rid))
     moved = served.store.tick(q, [q], 1.0, -1, 10).moved  # the dispatcher may end it here
     for d in moved:  # ... or the worker does, when it starts the attempt
         tasks.infer.apply_async(

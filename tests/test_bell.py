@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from pipeline.bell import ReleaseBell
+from pipeline.worker.bell import ReleaseBell
 
 from .conftest import wait_for
 

@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pipeline.cli.services import free_port
 from pipeline.client import Pipeline
-from pipeline.services import free_port
 
 from .conftest import ROOT
 
@@ -121,7 +121,7 @@ def test_run_from_nothing_starts_embedded_redis_sim_and_worker(tmp_path: Path) -
     assert "started the simulator" in proc.stderr and "started one" in proc.stderr
     check_output(out, good)
     # everything it started is gone again
-    from pipeline.services import redis_reachable
+    from pipeline.cli.services import redis_reachable
 
     assert not redis_reachable(env["PIPELINE_REDIS_URL"], 0.5)
 

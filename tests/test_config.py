@@ -9,12 +9,13 @@ import pytest
 
 from pipeline.config import load_settings
 from pipeline.errors import ConfigError
+from pipeline.gates import check_gates
 
 
 def settings_from(tmp_path: Path, data: object) -> object:
     f = tmp_path / "queues.json"
     f.write_text(json.dumps(data) if not isinstance(data, str) else data)
-    return load_settings({"PIPELINE_QUEUES": str(f)})
+    return check_gates(load_settings({"PIPELINE_QUEUES": str(f)}))
 
 
 def test_reference_fields_are_read(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Script calls over a thread's own connection (pipeline.fastredis), against a real Redis:
+"""Script calls over a thread's own connection (pipeline.store.fastredis), against a real Redis:
 one connection per thread and per process, redis-py's path when the fast one cannot answer
 (NOSCRIPT, a killed connection), and no reply ever read by the wrong call."""
 
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.fastredis import FastScript, call_batch, thread_connections
 from pipeline.store import connect
+from pipeline.store.fastredis import FastScript, call_batch, thread_connections
 
 ECHO = "return {ARGV[1], redis.call('INCR', KEYS[1])}"
 BOOM = "return redis.error_reply('boom ' .. ARGV[1])"

@@ -1,4 +1,4 @@
-"""The attempt's HTTP call (``pipeline.httpcall``) over real sockets: keep-alive reuse, a
+"""The attempt's HTTP call (``pipeline.http.call``) over real sockets: keep-alive reuse, a
 connection the server closed while idle replaced before use (never a request sent twice),
 the whole-call deadline, 307 redirects, URLs it refuses, every way a response body is framed
 (length, chunked, the connection's close), interim 1xx responses, and headers that would
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipeline import httpcall
+from pipeline.http import call as httpcall
 from pipeline.sim import SimServer
 
 BODY = json.dumps({"model": "m", "prompt": "hi"}).encode()

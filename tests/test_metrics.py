@@ -20,9 +20,9 @@ import pytest
 from rich.console import Console
 
 from pipeline.config import load_settings
-from pipeline.health import NodeServer
+from pipeline.observability.health import NodeServer
+from pipeline.observability.status import render_status, status_snapshot
 from pipeline.sim import SimServer
-from pipeline.status import render_status, status_snapshot
 from tests.conftest import ROOT, WorkerProc, assert_idle, quota, wait_for
 from tests.observability import (
     Isolated,

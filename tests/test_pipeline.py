@@ -232,7 +232,7 @@ def test_submit_many_runs_to_completion(served: Pipeline) -> None:
 
 def test_result_list_uses_reference_field_names(served: Pipeline) -> None:
     client = served.store.client
-    results_key = served.settings.result_list(served.settings.queues["slowretry"])
+    results_key = served.store.keys.result_list(served.settings.queues["slowretry"])
     client.delete(results_key)  # this session's list: drop earlier tests' results
     ok = served.submit({"prompt": "x"}, id=uid(), queue="slowretry", timeout=30)
     bad = served.submit(
@@ -256,7 +256,7 @@ def test_result_list_uses_reference_field_names(served: Pipeline) -> None:
     assert pushed[bad.id]["status_code"] == 404
     cancelled = served.submit({"prompt": "x"}, id=uid(), queue="solo", timeout=30)
     cancelled.cancel()
-    item = json.loads(client.lpop(served.settings.keys.default_result_list("solo")) or "{}")
+    item = json.loads(client.lpop(served.store.keys.default_result_list("solo")) or "{}")
     assert item["id"] == cancelled.id and "status_code" not in item
     assert item["error_code"] == "CANCELLED" and item["error_message"]
     assert json.loads(item["payload"]) == {"error": "cancelled"}

@@ -15,6 +15,7 @@ import pytest
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
 from pipeline.errors import ConfigError
+from pipeline.gates import check_gates
 from pipeline.sim import SimServer
 
 from .conftest import ROOT, assert_idle, wait_for
@@ -103,4 +104,4 @@ def test_pools_file_must_name_every_queue_pool(tmp_path: Path, sim: SimServer) -
         load_settings(penv)
     (tmp_path / "p.json").write_text(json.dumps([{"id": "gp", "gate_type": "nope"}]))
     with pytest.raises(ConfigError, match="pool 'gp': unknown gate_type"):
-        load_settings(penv)
+        check_gates(load_settings(penv))

@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 
-from pipeline import worker as worker_module
 from pipeline.client import Pipeline
-from pipeline.models import Result
+from pipeline.client.models import Result
 from pipeline.sim import SimServer
 from pipeline.worker import Runtime
+from pipeline.worker import process as worker_module
 from tasks.app import celery_queue
 
 from .conftest import assert_idle, wait_for
@@ -40,7 +40,7 @@ def stall_first(n: int = 1) -> dict[str, str]:
 
 
 def results_pushed(pl: Pipeline, queue: str, rid: str) -> list[dict[str, Any]]:
-    raw = pl.store.client.lrange(pl.settings.result_list(pl.settings.queues[queue]), 0, -1)
+    raw = pl.store.client.lrange(pl.store.keys.result_list(pl.settings.queues[queue]), 0, -1)
     return [r for r in (json.loads(x) for x in raw) if r["id"] == rid]
 
 
@@ -472,7 +472,7 @@ def test_an_unreadable_record_gives_back_the_slot_its_start_took(
     INVALID_REQUEST and the slot is released."""
     p, rt, queue = prepared
     rid, token = dispatch_one(p, queue)
-    p.store.client.hset(p.settings.keys.request(rid), "metadata", "[not an object]")
+    p.store.client.hset(p.store.keys.request(rid), "metadata", "[not an object]")
     assert rt.begin(rid, token, "w", queue) is None
     assert gate_in_flight(p, queue) == 0
     assert p.wait(rid, 5).error_code == "INVALID_REQUEST"
@@ -500,7 +500,7 @@ def test_a_hand_over_publishes_no_release(prepared: tuple[Pipeline, Runtime, str
     assert a and b and c and a.decision and b.decision and c.decision
     assert a.decision.admitted and b.decision.admitted and not c.decision.admitted
     listener = p.store.client.pubsub(ignore_subscribe_messages=True)
-    listener.subscribe(p.settings.keys.freed_channel())
+    listener.subscribe(p.store.keys.freed_channel())
     reports: list[Any] = []
     parked = threading.Thread(target=lambda: reports.append(c.run()))
     parked.start()

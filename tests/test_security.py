@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.cli.services import free_port, redis_reachable
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
-from pipeline.services import free_port, redis_reachable
+from pipeline.redact import redact_url
 from pipeline.sim import SimServer
-from pipeline.store import redact_url
 
 from .conftest import ROOT, wait_for
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pipeline.sim import SimConfig, SimServer, _Clock
+from pipeline.sim.server import SimConfig, SimServer, _Clock
 
 COMPLETIONS = "/v1/completions"
 BODY = {"prompt": "hello world", "max_tokens": 4}

@@ -21,8 +21,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from pipeline import metrics, tracing
-from pipeline.worker import Report, Runtime, Status
+from pipeline.observability import tracing
+from pipeline.worker import Report, Runtime, Status, observe
 from tests.conftest import ROOT, WorkerProc, assert_idle, wait_for
 from tests.observability import Isolated, isolated, start_node
 
@@ -111,8 +111,8 @@ def run_one_attempt(iso: Isolated, rt: Runtime, rid: str, timeout: float = 10.0)
     attempt = rt.begin(rid, moved[0].token, "test-node", q.queue_name)
     assert attempt is not None
     attempt.acquire()
-    metrics.attempt_started(attempt)
-    return metrics.observed_run(attempt)
+    observe.attempt_started(attempt)
+    return observe.observed_run(attempt)
 
 
 def by_name(spans: tuple[ReadableSpan, ...], name: str) -> list[ReadableSpan]:
@@ -175,17 +175,17 @@ def test_fatal_error_marks_the_span_and_a_new_trace_starts_without_context(
 
 SCRIPT = """
 import json, sys
-from pipeline import metrics, tracing
+from pipeline.observability import tracing
 from pipeline.client import Pipeline
-from pipeline.worker import Runtime
+from pipeline.worker import Runtime, observe
 p = Pipeline()
 q = p.settings.queues[sys.argv[1]]
 req = p.submit({"prompt": "x"}, queue=q.queue_name, metadata={"traceparent": sys.argv[2]})
 (d,) = p.store.tick(q, [q], 1.0, -1, 1).moved
 attempt = Runtime(p.settings).begin(req.id, d.token, "script", q.queue_name)
 attempt.acquire()
-metrics.attempt_started(attempt)
-report = metrics.observed_run(attempt)
+observe.attempt_started(attempt)
+report = observe.observed_run(attempt)
 ours = ("opentelemetry.sdk.trace", "opentelemetry.propagate")  # redis-py imports the rest
 print(json.dumps({"status": report.status.value, "enabled": tracing.enabled(),
                   "otel_imported": [m for m in ours if m in sys.modules]}))

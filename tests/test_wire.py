@@ -226,7 +226,7 @@ def test_celery_shows_each_attempts_outcome(pl: Pipeline, worker: Any) -> None:
     assert wait_for(
         lambda: AsyncResult(retried.id, app=app).state == states.SUCCESS, 5, what="SUCCESS"
     )
-    stored = pl.store.client.hget(pl.settings.keys.request(retried.id), "result")
+    stored = pl.store.client.hget(pl.store.keys.request(retried.id), "result")
     assert AsyncResult(retried.id, app=app).result == json.loads(stored)
     assert failed.result(timeout=15).status_code == 400
     assert wait_for(
@@ -296,9 +296,9 @@ def test_a_tick_answers_every_ring_of_its_pool_and_still_counts_the_pool(pl: Pip
     otherwise wake one more tick, finding nothing more to move); the pool's other queues'
     active sets still count against the pool's capacity."""
     q, other = pl.settings.queues["crash"], pl.settings.queues["solo"]
-    bell = pl.settings.keys.wake(q.worker_pool_id)
+    bell = pl.store.keys.wake(q.worker_pool_id)
     client = pl.store.client
-    busy = pl.settings.keys.active(other.queue_name)
+    busy = pl.store.keys.active(other.queue_name)
     rids = [
         pl.submit({"p": i}, id=f"bell-{uuid.uuid4().hex[:8]}", queue="crash").id for i in range(3)
     ]

@@ -1,69 +1,15 @@
 """Gates: admission control in front of the model servers. See :mod:`pipeline.gates.base`.
 
-The catalogue (``gate_type`` → class) is :data:`GATE_TYPES`; :func:`build_gate` builds one
-from a queue's ``gate_type`` / ``gate_params`` and raises ConfigError for unknown types and
-bad params of every type.
+The catalogue (``gate_type`` → class) is :data:`GATE_TYPES` (:mod:`.registry`);
+:func:`build_gate` builds one from a queue's ``gate_type`` / ``gate_params`` and raises
+ConfigError for unknown types and bad params of every type. :mod:`.chain` builds the gates an
+attempt of a queue passes and checks a whole configuration's gates. Imports ``config``,
+``store`` and ``errors`` of the pipeline.
 """
 
-from __future__ import annotations
-
-import json
-from typing import Any
-
-from ..errors import ConfigError
-from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
-from .composite import CompositeGate, WaitOnRefuseGate
-from .constant import ConstantGate
-from .global_ import GlobalMaxConcurrencyGate
-from .local import LocalMaxConcurrencyGate
-from .metric import PrometheusBudgetGate, PrometheusQueryGate, PrometheusSaturationGate
-from .quota import RedisQuotaGate
-from .redis_budget import RedisBudgetGate
-from .scrape import EndpointScrapeGate
-from .tier import TierPriorityAdmissionGate
-
-GATE_TYPES: dict[str, type[Gate]] = {
-    cls.type_name: cls
-    for cls in (
-        ConstantGate,
-        LocalMaxConcurrencyGate,
-        GlobalMaxConcurrencyGate,
-        RedisBudgetGate,
-        RedisQuotaGate,
-        CompositeGate,
-        WaitOnRefuseGate,
-        TierPriorityAdmissionGate,
-        EndpointScrapeGate,
-        PrometheusQueryGate,
-        PrometheusSaturationGate,
-        PrometheusBudgetGate,
-    )
-}
-
-
-def build_gate(
-    gate_type: str | None, params: dict[str, Any] | None, *, name: str, env: GateEnv | None = None
-) -> Gate:
-    """Construct a gate from its config. Unknown types and bad params raise ConfigError.
-
-    ``params`` may also be a JSON string holding an object. With ``env`` None the config is
-    only validated: no Redis or network is touched.
-    """
-    gate_type = gate_type or "constant"
-    cls = GATE_TYPES.get(gate_type)
-    if cls is None:
-        known = ", ".join(sorted(GATE_TYPES))
-        raise ConfigError(f"unknown gate_type {gate_type!r} (known: {known})")
-    if isinstance(params, str):
-        try:
-            params = json.loads(params) if params.strip() else {}
-        except json.JSONDecodeError as exc:
-            where = f"{gate_type} gate {name!r}"
-            raise ConfigError(f"{where}: gate_params is not JSON: {exc}") from None
-    if params is not None and not isinstance(params, dict):
-        raise ConfigError(f"{gate_type} gate {name!r}: gate_params must be an object")
-    return cls(name, dict(params or {}), env)
-
+from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, PreparedAcquire, Verdict
+from .chain import attempt_gate, check_gates, pool_gate, queue_gate
+from .registry import GATE_TYPES, build_gate
 
 __all__ = [
     "CONTINUE",
@@ -72,6 +18,11 @@ __all__ = [
     "Decision",
     "Gate",
     "GateEnv",
+    "PreparedAcquire",
     "Verdict",
+    "attempt_gate",
     "build_gate",
+    "check_gates",
+    "pool_gate",
+    "queue_gate",
 ]

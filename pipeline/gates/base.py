@@ -27,7 +27,8 @@ from typing import Any, ClassVar
 
 import redis
 
-from ..keys import Keys
+from ..store.keys import Keys
+from ..store.scripts import ScriptCall
 
 
 class Verdict(enum.Enum):
@@ -74,16 +75,6 @@ class AcquireContext:
     @property
     def holder(self) -> str:
         return f"{self.request_id}:{self.token}"
-
-
-@dataclass(frozen=True)
-class ScriptCall:
-    """One Lua script call, to be sent with others in one round trip
-    (``pipeline.store.run_batch``): a redis-py ``Script`` and its keys and args."""
-
-    script: Any
-    keys: list[str]
-    args: list[Any]
 
 
 @dataclass(frozen=True)

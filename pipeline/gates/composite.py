@@ -37,7 +37,7 @@ def build_inner(
     p: Params, key: str, gate_type: str, params: dict[str, Any], name: str, env: GateEnv | None
 ) -> Gate:
     """Build a nested gate; its ConfigError is re-raised naming the outer param."""
-    from . import build_gate  # the registry imports this module
+    from .registry import build_gate  # at call time: the registry imports this module
 
     try:
         return build_gate(gate_type, params, name=name, env=env)

@@ -2,7 +2,7 @@
 
 A slot pool is a sorted set of holders (``"<request id>:<token>"``) scored by lease expiry
 (Unix s) plus an info hash (holder → JSON: worker, acquired_at, ...). Acquire, release, renew
-and reap are Lua scripts (``pipeline/lua/gate_lease_*.lua``), each atomic. Only unexpired
+and reap are Lua scripts (``pipeline/store/lua/gate_lease_*.lua``), each atomic. Only unexpired
 leases count, a renew never revives an expired lease, and a reap frees expired ones: so a
 crashed holder's slot comes back within one lease period plus one reaper pass, and the count
 never exceeds the limit (no whole-key TTL that could reset a busy counter).
@@ -12,31 +12,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from functools import cache
-from importlib import resources
 from typing import Any, cast
 
 import redis
 
-from ..fastredis import FastScript
-from .base import ScriptCall
+from ..store.scripts import ScriptCall, register
 
 # A lease that expired this long ago (s) is purged by the next acquire (its holder is gone and
 # no reaper freed it), and a slot pool's keys expire this long after its latest lease.
 GRACE_S = 3600.0
 REAP_BATCH = 1000  # most leases one reap call frees per slot pool
-
-
-@cache
-def lua_source(name: str) -> str:
-    """Text of ``pipeline/lua/<name>.lua`` (gate scripts need no lib.lua prefix)."""
-    return (resources.files("pipeline") / "lua" / f"{name}.lua").read_text()
-
-
-def register(client: redis.Redis, name: str) -> FastScript:
-    """A gate script registered on ``client`` (EVALSHA over the calling thread's own
-    connection, reloaded on NOSCRIPT)."""
-    return FastScript(client, lua_source(name))
 
 
 def fmt_time(t: float) -> str:

@@ -43,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from ..store import redact_url
+from ..redact import redact_url
 from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
 from .params import Params
 

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from ..store import redact_url
+from ..redact import redact_url
 from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
 from .params import Params
 

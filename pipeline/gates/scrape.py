@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from ..store import redact_url
+from ..redact import redact_url
 from .base import GateEnv
 from .metric import MetricGate, MetricUnavailable, finite
 from .params import Params

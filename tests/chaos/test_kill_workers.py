@@ -80,7 +80,9 @@ def test_random_sigkills_under_load(pl: Pipeline, sim: SimServer, start_worker: 
     assert len(results) == REQUESTS and all(r.ok for r in results)
     pushed = [
         json.loads(x)["id"]
-        for x in pl.store.client.lrange(pl.settings.result_list(pl.settings.queues["chaos"]), 0, -1)
+        for x in pl.store.client.lrange(
+            pl.store.keys.result_list(pl.settings.queues["chaos"]), 0, -1
+        )
     ]
     assert sorted(pushed) == sorted(ids)  # exactly one terminal result each
     stats = sim.stats()

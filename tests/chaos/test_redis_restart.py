@@ -12,9 +12,9 @@ import time
 import uuid
 from pathlib import Path
 
+from pipeline.cli.services import free_port, redis_reachable
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
-from pipeline.services import free_port, redis_reachable
 from pipeline.sim import SimServer
 
 from ..conftest import ROOT, wait_for
@@ -91,7 +91,7 @@ def test_redis_restart_loses_nothing(sim: SimServer, tmp_path: Path) -> None:
         ]
         ids = [r.id for r in pl.submit_many(items)]
         wait_for(
-            lambda: pl.store.client.zcard(pl.settings.keys.recent("default")) >= 30,
+            lambda: pl.store.client.zcard(pl.store.keys.recent("default")) >= 30,
             30,
             what="the run under way",
         )
@@ -110,7 +110,7 @@ def test_redis_restart_loses_nothing(sim: SimServer, tmp_path: Path) -> None:
         pushed = [
             json.loads(x)["id"]
             for x in pl.store.client.lrange(
-                pl.settings.result_list(pl.settings.queues["default"]), 0, -1
+                pl.store.keys.result_list(pl.settings.queues["default"]), 0, -1
             )
         ]
         assert sorted(pushed) == sorted(ids)  # exactly one terminal result each

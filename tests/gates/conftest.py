@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from pipeline.gates import AcquireContext, Gate, GateEnv, build_gate
-from pipeline.keys import Keys
+from pipeline.store.keys import Keys
 
 REDIS_URL = os.environ.get("PIPELINE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 LEASE_S = 30.0

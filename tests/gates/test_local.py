@@ -161,7 +161,7 @@ def test_concurrent_threads_never_exceed_the_limit(make: Callable[..., Gate]) ->
 
 
 def _child(prefix: str, n: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    from pipeline.keys import Keys
+    from pipeline.store.keys import Keys
 
     client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     env = GateEnv(client, Keys(prefix), node="node-a")

@@ -9,71 +9,23 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from . import metrics
-from .config import QueueConfig, Settings
-from .fastredis import call_batch
-from .gates.base import ScriptCall
+from ..config import QueueConfig, Settings
+from .connect import connect
 from .keys import Keys
-from .scripts import Scripts
+from .scripts import ScriptCall, Scripts
 
 SWEEP_LIMIT = 500
 SUBMIT_FIRST_CHUNK = 32  # rows in the first submit.lua call of a batch; each next one doubles
 SUBMIT_MAX_CHUNK = 500  # ... up to this many
 
 
-def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***`` (for logs and status output)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-
-
-def connect(url: str) -> redis.Redis:
-    """A Redis client with decoded responses, keep-alive and retries on timeouts."""
-    return redis.Redis.from_url(
-        url,
-        decode_responses=True,
-        socket_keepalive=True,
-        health_check_interval=30,
-        socket_connect_timeout=5,
-    )
-
-
 def new_token() -> str:
     return secrets.token_hex(6)
-
-
-def run_batch(client: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
-    """Script calls in one round trip, run in order (each atomic, not all together): their
-    replies, or in a failed call's place the error it raised. A call whose script the server
-    does not have (NOSCRIPT: it restarted, or SCRIPT FLUSH) did not run and is run again on its
-    own, which loads the script. Over the calling thread's own connection; through a redis-py
-    pipeline (and its retries) when that connection failed."""
-    replies = call_batch(client, [(call.script, call.keys, call.args) for call in calls])
-    if replies is None:
-        with client.pipeline(transaction=False) as pipe:
-            for call in calls:
-                pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
-            replies = pipe.execute(raise_on_error=False)
-    for i, (reply, call) in enumerate(zip(replies, calls, strict=True)):
-        if isinstance(reply, redis.exceptions.NoScriptError):
-            try:
-                replies[i] = call.script(keys=call.keys, args=call.args)
-            except redis.RedisError as exc:
-                replies[i] = exc
-    return replies
 
 
 @dataclass(frozen=True)
@@ -126,7 +78,7 @@ class Store:
 
     def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
         self.settings = settings
-        self.keys: Keys = settings.keys
+        self.keys = Keys.of(settings)
         self.client = client or connect(settings.redis_url)
         self.scripts = Scripts(self.client)
 
@@ -170,7 +122,7 @@ class Store:
             k.delayed(name),
             k.expiry(name),
             k.active(name),
-            self.settings.result_list(queue),
+            k.result_list(queue),
             *([doorbell] if doorbell else []),
             *others,
         ]
@@ -191,7 +143,6 @@ class Store:
             "1" if doorbell else "0",
         ]
         moved_raw, expired, next_event, rejected = self.scripts.dispatch(keys=keys, args=args)
-        metrics.deadline_expired(queue, int(expired))
         moved = [
             Dispatched(
                 moved_raw[i], moved_raw[i + 1], int(moved_raw[i + 2]), int(moved_raw[i + 3]), name

@@ -211,7 +211,7 @@ def http_span(url: str, headers: dict[str, str]) -> Iterator[AttemptSpan]:
     from opentelemetry.propagate import inject
     from opentelemetry.trace import SpanKind
 
-    from .store import redact_url
+    from ..redact import redact_url
 
     attributes = {"http.request.method": "POST", "url.full": redact_url(url)}
     with t.start_as_current_span("http-request", kind=SpanKind.CLIENT, attributes=attributes) as s:

@@ -23,8 +23,9 @@ from typing import Any
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from ..config import Settings
 from . import metrics
-from .config import Settings
+from .collectors import scrape_registry
 
 log = logging.getLogger("pipeline.health")
 
@@ -45,7 +46,7 @@ class NodeServer:
         checks: list[ReadyCheck] | None = None,
     ) -> None:
         self.settings = settings
-        self.registry = registry or metrics.scrape_registry(settings)
+        self.registry = registry or scrape_registry(settings)
         self.checks = list(checks or [])
         self.stopping = threading.Event()
         self._redis = redis.Redis.from_url(
@@ -167,7 +168,7 @@ def start_node(worker: Any, dispatcher: Any, settings: Settings) -> NodeServer |
             settings,
             host,
             port,
-            registry=metrics.scrape_registry(settings, dispatcher),
+            registry=scrape_registry(settings, dispatcher),
             checks=[lambda: _dispatching(dispatcher), lambda: _consuming(worker)],
         ).start()
     except OSError as exc:

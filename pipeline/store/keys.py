@@ -10,12 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import QueueConfig, Settings
+
 
 @dataclass(frozen=True)
 class Keys:
     """Key builder bound to a prefix."""
 
     prefix: str = "pl:"
+
+    @classmethod
+    def of(cls, settings: Settings) -> Keys:
+        """The keys of ``settings``'s prefix (``PIPELINE_KEY_PREFIX``)."""
+        return cls(settings.key_prefix)
 
     # -- per request ---------------------------------------------------------------------
     def request(self, request_id: str) -> str:
@@ -54,6 +61,10 @@ class Keys:
     def default_result_list(self, queue: str) -> str:
         """List: terminal results of a queue without a configured ``result_queue_name``."""
         return f"{self.prefix}q:{queue}:results"
+
+    def result_list(self, queue: QueueConfig) -> str:
+        """List: a queue's terminal results (``result_queue_name`` verbatim, when set)."""
+        return queue.result_queue_name or self.default_result_list(queue.queue_name)
 
     # -- per pool (a group of worker slots) ----------------------------------------------
     def wake(self, pool: str) -> str:

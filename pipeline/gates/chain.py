@@ -1,11 +1,15 @@
 """Which gates an attempt of a queue passes: the queue's own gate, then its worker pool's gate
-(``PIPELINE_POOLS``), acquired all-or-nothing as one chain just before the HTTP call."""
+(``PIPELINE_POOLS``), acquired all-or-nothing as one chain just before the HTTP call. Also
+where a configuration's gates are checked (:func:`check_gates`): the settings are plain data,
+so a bad ``gate_type`` or ``gate_params`` is found here, by the gates themselves."""
 
 from __future__ import annotations
 
-from .config import Settings
-from .gates import Gate, GateEnv, build_gate
-from .gates.composite import CompositeGate
+from ..config import Settings
+from ..errors import ConfigError
+from .base import Gate, GateEnv
+from .composite import CompositeGate
+from .registry import build_gate
 
 
 def queue_gate(settings: Settings, queue: str, env: GateEnv | None) -> Gate:
@@ -36,3 +40,19 @@ def attempt_gate(
     if pg is None:
         return gate
     return CompositeGate.of(f"{queue}+pool.{pool}", [gate, pg], env)
+
+
+def check_gates(settings: Settings) -> Settings:
+    """Validate every queue's and pool's gate (type and params; nothing is connected to):
+    ConfigError naming the queue or pool. Returns ``settings``."""
+    for q in settings.queues.values():
+        try:
+            queue_gate(settings, q.queue_name, None)
+        except ConfigError as exc:
+            raise ConfigError(f"queue {q.queue_name!r}: {exc}") from None
+    for pool in settings.pool_configs:
+        try:
+            pool_gate(settings, pool, None)
+        except ConfigError as exc:
+            raise ConfigError(f"pool {pool!r}: {exc}") from None
+    return settings

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from .client import Pipeline
+from ..client import Pipeline
 
 OLDEST_SCAN = 100_000  # pending members examined (in queue order) for the oldest one
 
@@ -26,7 +26,7 @@ return best
 def _oldest_pending(p: Pipeline, names: list[str], now: float) -> dict[str, float | None]:
     """Age (s) of each queue's oldest pending request (submission to now), None if empty."""
     client = p.store.client
-    k = p.settings.keys
+    k = p.store.keys
     script = client.register_script(_OLDEST_LUA)
     members = [script(keys=[k.pending(name)], args=[OLDEST_SCAN]) for name in names]
     ids = [m.partition("|")[2] if m else None for m in members]
@@ -45,7 +45,7 @@ def status_snapshot(p: Pipeline) -> dict[str, Any]:
     (s since the oldest pending request was submitted) and ``min_deadline_slack_s`` (s left
     to the earliest deadline of a waiting request)."""
     info = p.inspect()
-    k = p.settings.keys
+    k = p.store.keys
     now = time.time()
     client = p.store.client
     with client.pipeline(transaction=False) as pipe:

@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .client import Pipeline
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
+from .api import Pipeline
 from .models import Result
 
 

@@ -11,8 +11,9 @@ import sys
 import time
 from typing import Any
 
-from .config import bool_env, load_settings
-from .errors import ConfigError, PipelineError
+from ..config import bool_env, load_settings
+from ..errors import ConfigError, PipelineError
+from ..gates import check_gates
 
 log = logging.getLogger("pipeline.cli")
 
@@ -24,7 +25,7 @@ def _setup_logging(level: str = "INFO") -> None:
 
 # -- worker -----------------------------------------------------------------------------
 def cmd_worker(args: argparse.Namespace) -> int:
-    settings = load_settings()
+    settings = check_gates(load_settings())  # a bad gate stops the node before it starts
     pools = [p for p in (args.pools or "").split(",") if p] or sorted(settings.pools())
     from tasks.app import app, celery_queue
 
@@ -53,7 +54,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 # -- submit -----------------------------------------------------------------------------
 def cmd_submit(args: argparse.Namespace) -> int:
-    from .client import Pipeline
+    from ..client import Pipeline
 
     text = sys.stdin.read() if args.payload == "-" else args.payload
     try:
@@ -81,8 +82,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 # -- status -----------------------------------------------------------------------------
 def cmd_status(args: argparse.Namespace) -> int:
-    from .client import Pipeline
-    from .status import render_status, status_snapshot
+    from ..client import Pipeline
+    from ..observability.status import render_status, status_snapshot
 
     p = Pipeline()
     if args.json:
@@ -91,7 +92,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not args.watch:
         from rich.console import Console
 
-        from .store import redact_url
+        from ..redact import redact_url
 
         console = Console()
         console.print(f"[dim]redis: {redact_url(p.settings.redis_url)}")
@@ -111,7 +112,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 # -- sim / flower -----------------------------------------------------------------------
 def cmd_sim(args: argparse.Namespace) -> int:
-    from . import sim
+    from .. import sim
 
     return int(sim.run_from_args(args) or 0)
 
@@ -147,8 +148,8 @@ def cmd_flower(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .batch import run_batch
-    from .client import Pipeline
+    from ..client import Pipeline
+    from ..client.batchfile import run_batch
     from .services import Services, redis_reachable, wait_until
 
     console = Console(stderr=True)
@@ -184,7 +185,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             now = time.time()
             client = pipeline.store.client
             return [
-                p for p in needed if client.zcount(settings.keys.pool_nodes(p), now, "+inf") == 0
+                p
+                for p in needed
+                if client.zcount(pipeline.store.keys.pool_nodes(p), now, "+inf") == 0
             ]
 
         if missing_pools():
@@ -300,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("sim", help="the OpenAI-compatible simulator")
-    from . import sim
+    from .. import sim
 
     sim.add_arguments(p)
     p.set_defaults(func=cmd_sim)

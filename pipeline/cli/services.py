@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from .store import redact_url
+from ..redact import redact_url
 
 log = logging.getLogger("pipeline.services")
 

@@ -17,12 +17,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import metrics
-from .config import QueueConfig, Settings
-from .gates import Gate, GateEnv
-from .gating import attempt_gate
-from .keys import holder as make_holder
-from .store import DirectPublish, Dispatched, Store
+from ..config import QueueConfig, Settings
+from ..gates import Gate, GateEnv, attempt_gate
+from ..observability import metrics
+from ..store import DirectPublish, Dispatched, Store
+from ..store import holder as make_holder
 
 log = logging.getLogger("pipeline.dispatcher")
 
@@ -47,7 +46,7 @@ class Dispatcher:
     ) -> None:
         self.settings = settings
         self.store = store or Store(settings)
-        self.keys = settings.keys
+        self.keys = self.store.keys
         self.node = node
         self.slots = slots
         self.send = send
@@ -156,7 +155,9 @@ class Dispatcher:
             # not on every doorbell ring
             due = now + MAX_IDLE_S
             for q in self.foreign:
-                ne = self.store.tick(q, [q], 0.0, 0, 0).next_event
+                res = self.store.tick(q, [q], 0.0, 0, 0)
+                metrics.deadline_expired(q, res.expired)
+                ne = res.next_event
                 if ne is not None:
                     due = min(due, ne)
             self._foreign_due = due
@@ -186,6 +187,7 @@ class Dispatcher:
             publish=direct,
             doorbell=doorbell,
         )
+        metrics.deadline_expired(q, res.expired)
         for member in res.rejected:
             log.error("queue %s: removed a malformed entry %r", q.queue_name, member[:200])
         if res.moved:

@@ -11,12 +11,11 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .config import QueueConfig, Settings, load_settings, with_overrides
-from .errors import InvalidRequest, UnknownRequest
-from .gates import Gate, GateEnv
-from .gating import queue_gate
+from ..config import QueueConfig, Settings, load_settings, with_overrides
+from ..errors import InvalidRequest, UnknownRequest
+from ..gates import Gate, GateEnv, check_gates, queue_gate
+from ..store import Store
 from .models import Request, Result
-from .store import Store
 
 MAX_ID_LENGTH = 256
 FULL_RESCAN_S = 30.0  # iter_results re-reads every waiting id this often (recent keeps 300 s)
@@ -109,7 +108,7 @@ class Pipeline:
     """A client bound to one :class:`Settings` (one Redis, one set of queues)."""
 
     def __init__(self, settings: Settings | None = None) -> None:
-        self.settings = settings or load_settings()
+        self.settings = check_gates(settings or load_settings())
         self.store = Store(self.settings)
         self._gates: dict[str, Gate] = {}
         self._lock = threading.Lock()
@@ -148,7 +147,7 @@ class Pipeline:
             _json_map(metadata),
             _json_map(headers),
             endpoint or "",
-            self.settings.result_list(q),
+            self.store.keys.result_list(q),
             _json_map(q.labels),
         ]
         return rid, row
@@ -181,12 +180,12 @@ class Pipeline:
 
     # -- reading -------------------------------------------------------------------------
     def get(self, request_id: str) -> Request:
-        if not self.store.client.exists(self.settings.keys.request(request_id)):
+        if not self.store.client.exists(self.store.keys.request(request_id)):
             raise UnknownRequest(request_id)
         return Request(self, request_id, created=False)
 
     def state(self, request_id: str) -> str:
-        state = self.store.client.hget(self.settings.keys.request(request_id), "state")
+        state = self.store.client.hget(self.store.keys.request(request_id), "state")
         if state is None:
             raise UnknownRequest(request_id)
         return str(state)
@@ -196,7 +195,7 @@ class Pipeline:
 
     def result_if_done(self, request_id: str) -> Result | None:
         state, result = self.store.client.hmget(
-            self.settings.keys.request(request_id), ["state", "result"]
+            self.store.keys.request(request_id), ["state", "result"]
         )
         if state is None:
             raise UnknownRequest(request_id)
@@ -205,7 +204,7 @@ class Pipeline:
     def wait(self, request_id: str, timeout: float | None = None) -> Result:
         """Block until the request's terminal result exists (woken by its notify list)."""
         end = None if timeout is None else time.monotonic() + timeout
-        notify = self.settings.keys.notify(request_id)
+        notify = self.store.keys.notify(request_id)
         while True:
             result = self.result_if_done(request_id)
             if result is not None:
@@ -223,7 +222,7 @@ class Pipeline:
         after every polling round (it may raise to stop waiting)."""
         remaining = set(ids)
         client = self.store.client
-        keys = self.settings.keys
+        keys = self.store.keys
         queues = list(self.settings.queues)
         since = time.time() - 1.0
         last_full = 0.0
@@ -261,7 +260,7 @@ class Pipeline:
         with self._lock:
             gate = self._gates.get(queue)
             if gate is None:
-                env = GateEnv(self.store.client, self.settings.keys)
+                env = GateEnv(self.store.client, self.store.keys)
                 gate = queue_gate(self.settings, queue, env)
                 self._gates[queue] = gate
             return gate
@@ -269,7 +268,7 @@ class Pipeline:
     def inspect(self) -> dict[str, Any]:
         """Per queue: ``pending``, ``retry_wait``, ``running`` (dispatched or running), and the
         gate (``type``, ``limit``, ``in_flight``, ``holders``)."""
-        k = self.settings.keys
+        k = self.store.keys
         names = list(self.settings.queues)
         with self.store.client.pipeline(transaction=False) as p:
             for name in names:

@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .client import Pipeline
+from typing import Any, Protocol
 
 ERROR_CODES = (
     "DEADLINE_EXCEEDED",
@@ -93,10 +90,22 @@ class Result:
         return cls.from_dict(json.loads(text))
 
 
+class RequestSource(Protocol):
+    """What a :class:`Request` handle asks of its client (``pipeline.client.Pipeline``)."""
+
+    def state(self, request_id: str) -> str: ...
+
+    def wait(self, request_id: str, timeout: float | None = None) -> Result: ...
+
+    def cancel(self, request_id: str) -> bool: ...
+
+    def record(self, request_id: str) -> dict[str, Any]: ...
+
+
 class Request:
     """A handle on a submitted request. Cheap: it holds only the id and the pipeline."""
 
-    def __init__(self, pipeline: Pipeline, id: str, created: bool = True) -> None:
+    def __init__(self, pipeline: RequestSource, id: str, created: bool = True) -> None:
         self._pipeline = pipeline
         self.id = id
         self.created = created  # False when submit() returned an already live request

@@ -6,7 +6,7 @@ import enum
 import http.client
 from dataclasses import dataclass
 
-from . import httpcall
+from . import call as httpcall
 from .backoff import parse_retry_after
 
 

@@ -1,0 +1,27 @@
+"""Configuration as plain data: :class:`Settings`, queues (:class:`QueueConfig`) and worker
+pools (:class:`PoolConfig`), read from ``PIPELINE_*`` variables and the queue / pool files by
+:func:`load_settings`. Imports nothing of the pipeline but ``errors``."""
+
+from .load import (
+    bool_env,
+    default_queues,
+    load_settings,
+    parse_pools,
+    parse_queues,
+    with_overrides,
+)
+from .settings import DEFAULT_ENDPOINT, DEFAULT_REDIS_URL, PoolConfig, QueueConfig, Settings
+
+__all__ = [
+    "DEFAULT_ENDPOINT",
+    "DEFAULT_REDIS_URL",
+    "PoolConfig",
+    "QueueConfig",
+    "Settings",
+    "bool_env",
+    "default_queues",
+    "load_settings",
+    "parse_pools",
+    "parse_queues",
+    "with_overrides",
+]

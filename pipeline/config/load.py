@@ -1,0 +1,153 @@
+"""Reading settings: queue and pool files (validated field by field) and ``PIPELINE_*``
+environment variables. Builds plain :mod:`pipeline.config.settings` data, nothing else: gate
+parameters are checked by the gates themselves (``pipeline.gates.check_gates``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from ..errors import ConfigError
+from .settings import (
+    DEFAULT_ENDPOINT,
+    DEFAULT_REDIS_URL,
+    HEADER_NAME,
+    PoolConfig,
+    QueueConfig,
+    Settings,
+)
+
+
+def parse_queues(data: Any, source: str) -> dict[str, QueueConfig]:
+    """Validate a list of queue entries (the content of ``PIPELINE_QUEUES``)."""
+    if isinstance(data, dict) and "queues" in data:
+        data = data["queues"]
+    if not isinstance(data, list) or not data:
+        raise ConfigError(f"{source}: expected a non-empty JSON list of queues")
+    queues: dict[str, QueueConfig] = {}
+    ids: set[str] = set()
+    for i, entry in enumerate(data):
+        q = QueueConfig.from_dict(entry, f"{source}: queue #{i}")
+        if q.queue_name in queues:
+            raise ConfigError(f"{source}: queue #{i}: duplicate queue_name {q.queue_name!r}")
+        if q.queue_id in ids:
+            raise ConfigError(f"{source}: queue #{i}: duplicate id {q.queue_id!r}")
+        ids.add(q.queue_id)
+        queues[q.queue_name] = q
+    return queues
+
+
+def parse_pools(data: Any, source: str, queues: dict[str, QueueConfig]) -> dict[str, PoolConfig]:
+    """Validate the pools file (``PIPELINE_POOLS``): ``[{id, workers, gate_type, gate_params}]``.
+    Every queue's ``worker_pool_id`` must name one of them."""
+    if not isinstance(data, list) or not data:
+        raise ConfigError(f"{source}: expected a non-empty JSON list of pools")
+    pools: dict[str, PoolConfig] = {}
+    for i, entry in enumerate(data):
+        pool = PoolConfig.from_dict(entry, f"{source}: pool #{i}")
+        if pool.id in pools:
+            raise ConfigError(f"{source}: pool #{i}: duplicate id {pool.id!r}")
+        pools[pool.id] = pool
+    for q in queues.values():
+        if q.worker_pool_id not in pools:
+            raise ConfigError(
+                f"{source}: queue {q.queue_name!r} names worker_pool_id "
+                f"{q.worker_pool_id!r}, which is not in the pools file"
+            )
+    return pools
+
+
+def _read_json(path: str, var: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"{var}: cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{var}: {path} is not valid JSON: {exc}") from None
+
+
+def default_queues(endpoint: str) -> dict[str, QueueConfig]:
+    return {"default": QueueConfig(queue_name="default", igw_base_url=endpoint)}
+
+
+def _float_env(env: dict[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, not {raw!r}") from None
+
+
+def load_settings(env: dict[str, str] | None = None) -> Settings:
+    """Settings from environment variables (``PIPELINE_*``, ``CELERY_BROKER_URL``)."""
+    env = dict(os.environ if env is None else env)
+    redis_url = env.get("PIPELINE_REDIS_URL") or DEFAULT_REDIS_URL
+    path = env.get("PIPELINE_QUEUES")
+    if path:
+        queues = parse_queues(_read_json(path, "PIPELINE_QUEUES"), path)
+    else:
+        queues = default_queues(env.get("PIPELINE_ENDPOINT") or DEFAULT_ENDPOINT)
+    pools_path = env.get("PIPELINE_POOLS")
+    pools = (
+        parse_pools(_read_json(pools_path, "PIPELINE_POOLS"), pools_path, queues)
+        if (pools_path)
+        else {}
+    )
+    header = env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id")
+    if header and not HEADER_NAME.match(header):
+        raise ConfigError(f"PIPELINE_FAIRNESS_HEADER: {header!r} is not a valid header name")
+    return Settings(
+        redis_url=redis_url,
+        broker_url=env.get("CELERY_BROKER_URL") or redis_url,
+        key_prefix=env.get("PIPELINE_KEY_PREFIX") or "pl:",
+        queues=queues,
+        pool_configs=pools,
+        lease_s=_float_env(env, "PIPELINE_LEASE_S", 30.0),
+        dispatch_lease_s=_float_env(env, "PIPELINE_DISPATCH_LEASE_S", 120.0),
+        reaper_period_s=_float_env(env, "PIPELINE_REAPER_PERIOD_S", 5.0),
+        result_ttl_s=_float_env(env, "PIPELINE_RESULT_TTL_S", 7 * 24 * 3600.0),
+        max_payload_bytes=int(_float_env(env, "PIPELINE_MAX_PAYLOAD_BYTES", 1024 * 1024)),
+        gate_wait_timeout_s=_float_env(env, "PIPELINE_GATE_WAIT_TIMEOUT_S", 300.0),
+        fairness_attribute=env.get("PIPELINE_FAIRNESS_ATTRIBUTE", "userid"),
+        fairness_header=env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id"),
+        wedge_after_s=_float_env(env, "PIPELINE_WEDGE_AFTER_S", 300.0),
+        park_s=_float_env(env, "PIPELINE_PARK_S", 10.0),
+        lookahead=_lookahead_env(env),
+        direct_publish=bool_env(env, "PIPELINE_DIRECT_PUBLISH", True),
+        broker_acks=bool_env(env, "PIPELINE_BROKER_ACKS", False),
+    )
+
+
+def bool_env(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """A 1/0 (true/false, yes/no, on/off) environment variable; ConfigError otherwise."""
+    raw = env.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name} must be 1/0 (true/false), not {raw!r}")
+
+
+def _lookahead_env(env: dict[str, str]) -> int:
+    raw = env.get("PIPELINE_LOOKAHEAD", "")
+    if raw in ("", "auto"):
+        return -1
+    if not raw.isdigit():
+        raise ConfigError(f"PIPELINE_LOOKAHEAD must be 'auto' or an int >= 0, not {raw!r}")
+    return int(raw)
+
+
+def with_overrides(settings: Settings, **overrides: Any) -> Settings:
+    """A copy of ``settings`` with some fields replaced; ``queues`` may be a list of dicts."""
+    queues = overrides.get("queues")
+    if isinstance(queues, list):
+        overrides["queues"] = parse_queues(queues, "queues")
+    return replace(settings, **overrides)

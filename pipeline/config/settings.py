@@ -1,0 +1,158 @@
+"""Settings and queue configuration: plain, frozen data (nothing here builds gates or
+connects to anything; :mod:`pipeline.config.load` reads it from files and the environment).
+
+Queues use the reference's JSON field names (``queue_name``, ``igw_base_url``,
+``request_path_url``, ``inference_objective``, ``worker_pool_id``, ``gate_type``,
+``gate_params``, ``labels``, ``result_queue_name``) plus ours (``default_timeout_s``,
+``request_timeout_s``, ``retry_base_delay_s``, ``retry_max_delay_s``). All durations are in
+seconds.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..errors import ConfigError
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+DEFAULT_ENDPOINT = "http://127.0.0.1:8000"
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """One queue: where its requests go, how they are gated and retried."""
+
+    queue_name: str
+    igw_base_url: str
+    id: str = ""
+    request_path_url: str = "/v1/completions"
+    inference_objective: str | None = None
+    worker_pool_id: str = "default"
+    gate_type: str = "constant"
+    gate_params: dict[str, Any] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    result_queue_name: str | None = None
+    default_timeout_s: float = 3600.0
+    request_timeout_s: float = 300.0
+    retry_base_delay_s: float = 2.0
+    retry_max_delay_s: float = 60.0
+
+    @property
+    def queue_id(self) -> str:
+        return self.id or self.queue_name
+
+    @classmethod
+    def from_dict(cls, entry: Any, where: str) -> QueueConfig:
+        """Validate one queue entry; ``where`` names it in error messages."""
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: a queue entry must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(entry) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        name = entry.get("queue_name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigError(f"{where}: queue_name must be 1-128 characters of [A-Za-z0-9_.-]")
+        where = f"{where} ({name})"
+        url = entry.get("igw_base_url")
+        if not isinstance(url, str) or urlsplit(url).scheme not in ("http", "https"):
+            raise ConfigError(f"{where}: igw_base_url must be an http(s) URL")
+        for key in ("gate_params", "labels"):
+            if key in entry and not isinstance(entry[key], dict):
+                raise ConfigError(f"{where}: {key} must be an object")
+        pool = entry.get("worker_pool_id", "default")
+        if not isinstance(pool, str) or not _NAME.match(pool):
+            raise ConfigError(f"{where}: worker_pool_id must be a name")
+        for key in (
+            "default_timeout_s",
+            "request_timeout_s",
+            "retry_base_delay_s",
+            "retry_max_delay_s",
+        ):
+            value = entry.get(key, 1.0)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(f"{where}: {key} must be a positive number of seconds")
+        try:
+            return cls(**entry)
+        except TypeError as exc:  # pragma: no cover - guarded by the checks above
+            raise ConfigError(f"{where}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """A worker pool (the reference's pool-config entry): a group of worker slots with its own
+    Celery queue. ``workers`` caps the slots the dispatcher fills across all nodes; the gate,
+    if any, is acquired together with the queue's gate just before the HTTP call."""
+
+    id: str
+    workers: int = 64
+    gate_type: str | None = None
+    gate_params: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, entry: Any, where: str) -> PoolConfig:
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: a pool entry must be a JSON object")
+        unknown = sorted(set(entry) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        pid = entry.get("id")
+        if not isinstance(pid, str) or not _NAME.match(pid):
+            raise ConfigError(f"{where}: id must be 1-128 characters of [A-Za-z0-9_.-]")
+        workers = entry.get("workers", 64)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers <= 0:
+            raise ConfigError(f"{where} ({pid}): workers must be a positive int")
+        params = entry.get("gate_params", {})
+        if not isinstance(params, dict):
+            raise ConfigError(f"{where} ({pid}): gate_params must be an object")
+        return cls(pid, workers, entry.get("gate_type"), params)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Process-wide settings. Read from the environment by :func:`load_settings`."""
+
+    redis_url: str = DEFAULT_REDIS_URL
+    broker_url: str = DEFAULT_REDIS_URL
+    key_prefix: str = "pl:"
+    queues: dict[str, QueueConfig] = field(default_factory=dict)
+    pool_configs: dict[str, PoolConfig] = field(default_factory=dict)
+    lease_s: float = 30.0
+    dispatch_lease_s: float = 120.0
+    reaper_period_s: float = 5.0
+    result_ttl_s: float = 7 * 24 * 3600.0
+    max_payload_bytes: int = 1024 * 1024
+    gate_wait_timeout_s: float = 300.0
+    fairness_attribute: str = "userid"  # metadata key sent as the fairness identity
+    fairness_header: str = "x-llm-d-inference-fairness-id"  # "" disables the stamp
+    wedge_after_s: float = 300.0  # no completion this long while full and waiting: wedged
+    park_s: float = 10.0  # an attempt refused by a full slot gate parks this long for a release
+    lookahead: int = -1  # attempts dispatched past a slot gate's capacity; -1: automatic
+    direct_publish: bool = True  # the dispatch script pushes Celery messages (Redis broker)
+    broker_acks: bool = False  # keep kombu's acks on a Redis broker (else consumed no_ack)
+
+    def lookahead_for(self, capacity: int) -> int:
+        """How many attempts the dispatcher sends past a slot gate of ``capacity``, to park
+        at the workers so a released slot is taken at once: ``PIPELINE_LOOKAHEAD``, or by
+        default a quarter of the capacity, at least 1 and at most 8 (none when parking is
+        off)."""
+        if self.park_s <= 0:
+            return 0
+        if self.lookahead >= 0:
+            return self.lookahead
+        return min(8, max(1, -(-capacity // 4)))
+
+    def queue(self, name: str) -> QueueConfig:
+        return self.queues[name]
+
+    def pools(self) -> dict[str, list[QueueConfig]]:
+        """Worker pool id → the queues it serves."""
+        out: dict[str, list[QueueConfig]] = {}
+        for q in self.queues.values():
+            out.setdefault(q.worker_pool_id, []).append(q)
+        return out

@@ -1,0 +1,192 @@
+"""What ``/metrics`` serves: the series every process of a node wrote (multiprocess mode) or
+this process's, plus the series read from Redis and this node's dispatcher at scrape time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from ..config import Settings
+from ..gates import Gate, GateEnv, pool_gate, queue_gate
+from ..store import Store
+from . import metrics
+from .metrics import LABELS, PREFIX, queue_labels
+
+log = logging.getLogger("pipeline.metrics")
+
+
+def _metric_gates(gate: Gate) -> Iterator[Gate]:
+    """``gate`` and the gates inside it that expose metric readings."""
+    if hasattr(gate, "source_available"):
+        yield gate
+    for inner in getattr(gate, "gates", None) or []:
+        yield from _metric_gates(inner)
+    inner = getattr(gate, "inner", None)
+    if inner is not None:
+        yield from _metric_gates(inner)
+
+
+class ClusterCollector:
+    """Series read from Redis (and this node's dispatcher) when ``/metrics`` is scraped."""
+
+    def __init__(self, settings: Settings, dispatcher: Any = None) -> None:
+        self.settings = settings
+        self.dispatcher = dispatcher
+        self.store = Store(settings)
+        env = GateEnv(self.store.client, self.store.keys, node="metrics")
+        self.gates: list[tuple[tuple[str, str, str], Gate]] = [
+            (queue_labels(q), queue_gate(settings, q.queue_name, env))
+            for q in settings.queues.values()
+        ]
+        for pool in sorted(settings.pools()):
+            pg = pool_gate(settings, pool, env)
+            if pg is not None:
+                self.gates.append((("", "", pool), pg))
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        yield from self._redis()
+        yield from self._dispatcher()
+
+    def _redis(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(PREFIX + "redis_up", "1 when Redis answered this scrape.")
+        k = self.store.keys
+        names = list(self.settings.queues)
+        try:
+            with self.store.client.pipeline(transaction=False) as p:
+                for name in names:
+                    p.zcard(k.pending(name))
+                    p.zcard(k.delayed(name))
+                    p.zcard(k.active(name))
+                p.hgetall(k.wedged())
+                *counts, wedged = p.execute()
+            gates = [(labels, g, g.in_flight(), g.capacity()) for labels, g in self.gates]
+        except Exception as exc:  # noqa: BLE001 - a scrape reports Redis down, it never fails
+            log.warning("metrics: cannot read Redis: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        depth = GaugeMetricFamily(
+            PREFIX + "queue_depth",
+            "Requests waiting (pending, retry_wait) or dispatched/running, cluster-wide.",
+            labels=[*LABELS, "state"],
+        )
+        wedge = GaugeMetricFamily(
+            PREFIX + "queue_wedged", "1 while the wedge detector flags the queue.", labels=LABELS
+        )
+        for i, name in enumerate(names):
+            labels = list(queue_labels(self.settings.queues[name]))
+            for j, state in enumerate(("pending", "retry_wait", "running")):
+                depth.add_metric([*labels, state], counts[3 * i + j])
+            wedge.add_metric(labels, 1 if name in wedged else 0)
+        inflight = GaugeMetricFamily(
+            PREFIX + "gate_in_flight",
+            "Reservations a gate holds now, cluster-wide.",
+            labels=[*LABELS, "gate_type"],
+        )
+        limit = GaugeMetricFamily(
+            PREFIX + "gate_limit",
+            "Most reservations a gate grants at once (per node for local gates).",
+            labels=[*LABELS, "gate_type"],
+        )
+        for labels3, g, n, cap in gates:
+            labels = [*labels3, g.type_name]
+            inflight.add_metric(labels, n)
+            if cap is not None:
+                limit.add_metric(labels, cap)
+        yield from (depth, wedge, inflight, limit)
+
+    def _dispatcher(self) -> Iterator[Metric]:
+        budget = GaugeMetricFamily(
+            PREFIX + "dispatch_budget",
+            "The queue gate's budget (0..1) at this node's last dispatch tick.",
+            labels=LABELS,
+        )
+        value = GaugeMetricFamily(
+            PREFIX + "gate_metric_value",
+            "A metric gate's last reading (budget space: 1 idle, lower busier).",
+            labels=[*LABELS, "inference_pool"],
+        )
+        threshold = GaugeMetricFamily(
+            PREFIX + "gate_metric_threshold",
+            "The reading at or below which the metric gate is closed.",
+            labels=[*LABELS, "inference_pool"],
+        )
+        available = GaugeMetricFamily(
+            PREFIX + "gate_metric_source_available",
+            "1 when the metric gate's last reading succeeded (0: fallback used).",
+            labels=[*LABELS, "inference_pool"],
+        )
+        for q, gate in metrics.dispatched_queues():
+            labels = list(queue_labels(q))
+            budget.add_metric(labels, gate.budget())
+            for mg in _metric_gates(gate):
+                if getattr(mg, "threshold", None) is None:
+                    continue
+                pool = str(getattr(mg, "params", {}).get("pool", "") or "")
+                if getattr(mg, "last_value", None) is not None:
+                    value.add_metric([*labels, pool], float(mg.last_value))  # type: ignore[attr-defined]
+                threshold.add_metric([*labels, pool], float(mg.threshold))  # type: ignore[attr-defined]
+                available.add_metric([*labels, pool], 1 if mg.source_available else 0)  # type: ignore[attr-defined]
+        yield from (budget, value, threshold, available)
+        caps = getattr(self.dispatcher, "pool_cap", None)
+        if isinstance(caps, dict):
+            limit = GaugeMetricFamily(
+                PREFIX + "pool_worker_limit",
+                "Worker slots the dispatcher fills for a pool, across its live nodes.",
+                labels=["pool_name"],
+            )
+            for pool, cap in sorted(caps.items()):
+                limit.add_metric([pool], cap)
+            yield limit
+
+
+class _MultiProcessCollector:
+    """The values every process of this node wrote (multiprocess mode)."""
+
+    def __init__(self, path: str) -> None:
+        from prometheus_client import multiprocess
+
+        self.path = path
+        self.inner = multiprocess.MultiProcessCollector(None, path=path)
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        metrics.prune_dead(self.path)
+        return self.inner.collect()
+
+
+class _ProcessCollector:
+    """This process's in-memory series (single-process mode)."""
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        return metrics.registry().collect()
+
+
+def scrape_registry(settings: Settings, dispatcher: Any = None) -> CollectorRegistry:
+    """A registry serving this node's series: the multiprocess files when
+    :func:`setup_node` switched to that mode, else this process's memory; plus the
+    scrape-time collector. Every configured queue's series start at 0."""
+    for q in settings.queues.values():
+        metrics.series().init_queue(queue_labels(q))
+    reg = CollectorRegistry(auto_describe=False)
+    path = metrics.multiprocess_dir()
+    if path is not None:
+        reg.register(_MultiProcessCollector(path))
+    else:
+        reg.register(_ProcessCollector())
+    reg.register(ClusterCollector(settings, dispatcher))
+    return reg

@@ -1,0 +1,280 @@
+"""Prometheus metrics of a worker node: the series, the node's multiprocess setup, and the
+hooks the dispatcher calls (the attempt's hooks are ``pipeline.worker.observe``; the series
+read at scrape time are :mod:`.collectors`).
+
+Series (prefix ``pipeline_``; labels ``queue_id``, ``queue_name``, ``pool_name`` as in the
+reference's ``async_*`` series — see the README's table):
+
+*Counted where they happen, per node* (Prometheus sums over nodes):
+``request_total`` (a request's first attempt), ``request_retries_total`` (each scheduled
+backoff retry), ``successful_requests_total``, ``failed_requests_total`` (fatal HTTP 4xx,
+``INFERENCE_ERROR``, ``GATE_DROPPED``), ``exceeded_deadline_requests_total`` (every deadline
+path: expired while waiting, or retries exhausted by the deadline), ``shedded_requests_total``
+(each 429 answer), ``gate_decisions_total{reason}`` (an attempt refused, parked or dropped by
+its gate; reasons ``gate_closed``, ``quota_exhausted``, ``dropped``, ``error``, all initialised
+to 0), ``lease_reclaims_total{kind}`` (``attempt``: an attempt whose lease expired was requeued;
+``gate``: an expired gate reservation was freed), the histograms
+``inference_latency_time_millis`` (each HTTP call, ms) and ``queue_residence_time_millis``
+(submission → first attempt start, ms), and the gauge ``inflight_requests`` (HTTP calls in
+progress on this node).
+
+*Read at scrape time* (from Redis: the same cluster-wide value on every node, so aggregate
+with ``max``, not ``sum``): ``queue_depth{state=pending|retry_wait|running}``,
+``gate_in_flight`` / ``gate_limit`` (per gate, label ``gate_type``; pool gates have empty queue
+labels), ``queue_wedged`` (1 while the wedge detector flags the queue), ``redis_up``. *From
+this node's dispatcher*: ``dispatch_budget`` (the queue gate's budget at scrape time, 0..1),
+``pool_worker_limit{pool_name}`` and ``gate_metric_value`` / ``_threshold`` /
+``_source_available`` (metric gates, label ``inference_pool``).
+
+Prefork: attempts run in pool children, whose in-memory counters the main process (which
+serves ``/metrics``) cannot see. A worker node therefore runs prometheus_client's
+*multiprocess mode*: :func:`setup_node` (from ``celeryd_init``, before the pool forks) points
+``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory of its own, every process of the node writes
+its values to memory-mapped files there, and the scrape sums them (counters of children that
+exited keep counting; the in-flight gauge drops dead processes). The same mode is used under
+the threads pool, where everything happens in the main process anyway.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import values as prom_values
+
+from ..config import QueueConfig
+from ..gates import Gate
+from . import tracing
+
+log = logging.getLogger("pipeline.metrics")
+
+PREFIX = "pipeline_"
+LABELS = ("queue_id", "queue_name", "pool_name")
+GATE_REASONS = ("gate_closed", "quota_exhausted", "dropped", "error")
+# ms; the reference's ranges: 10 ms … 120 s and 0.5 s … 24 h
+LATENCY_BUCKETS_MS = (10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000,
+                      120_000)  # fmt: skip
+RESIDENCE_BUCKETS_MS = (500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000, 300_000, 900_000,
+                        1_800_000, 3_600_000, 7_200_000, 21_600_000, 43_200_000,
+                        86_400_000)  # fmt: skip
+DEFAULT_PORT = 9808
+DEFAULT_HOST = "127.0.0.1"
+GATE_EVENTS = {  # Flower task events, by gate verdict
+    "refuse": "task-gate-refused",
+    "wait": "task-gate-waiting",
+    "drop": "task-gate-dropped",
+}
+
+
+def queue_labels(q: QueueConfig) -> tuple[str, str, str]:
+    """(queue_id, queue_name, pool_name) of a queue."""
+    return (q.queue_id, q.queue_name, q.worker_pool_id)
+
+
+class _Series:
+    """The node's counters, histograms and gauges (created on first use)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, LABELS + extra, registry=registry)
+
+        self.requests = counter("request_total", "Requests started (first attempt only).")
+        self.retries = counter("request_retries_total", "Backoff retries scheduled.")
+        self.successes = counter("successful_requests_total", "Requests ended with HTTP < 400.")
+        self.failures = counter(
+            "failed_requests_total", "Requests ended by a fatal error (4xx, inference, drop)."
+        )
+        self.deadlines = counter(
+            "exceeded_deadline_requests_total", "Requests ended by their deadline."
+        )
+        self.shed = counter("shedded_requests_total", "HTTP 429 answers (load shed).")
+        self.gate_decisions = counter(
+            "gate_decisions_total", "Attempts refused, parked or dropped by a gate.", ("reason",)
+        )
+        self.reclaims = counter(
+            "lease_reclaims_total", "Expired leases reclaimed by the reaper.", ("kind",)
+        )
+        self.latency = Histogram(
+            PREFIX + "inference_latency_time_millis",
+            "Duration of each HTTP call to the model server (ms).",
+            LABELS,
+            buckets=LATENCY_BUCKETS_MS,
+            registry=registry,
+        )
+        self.residence = Histogram(
+            PREFIX + "queue_residence_time_millis",
+            "Time from submission to the first attempt's start (ms).",
+            LABELS,
+            buckets=RESIDENCE_BUCKETS_MS,
+            registry=registry,
+        )
+        self.inflight = Gauge(
+            PREFIX + "inflight_requests",
+            "HTTP calls in progress on this node.",
+            LABELS,
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self._initialised: set[tuple[str, str, str]] = set()
+        self._lock = threading.Lock()
+
+    def init_queue(self, labels: tuple[str, str, str]) -> None:
+        """Create a queue's series at 0 (so rates exist before the first event)."""
+        if labels in self._initialised:
+            return
+        with self._lock:
+            if labels in self._initialised:
+                return
+            for c in (self.requests, self.retries, self.successes, self.failures,
+                      self.deadlines, self.shed):  # fmt: skip
+                c.labels(*labels)
+            for reason in GATE_REASONS:
+                self.gate_decisions.labels(*labels, reason)
+            for kind in ("attempt", "gate"):
+                self.reclaims.labels(*labels, kind)
+            self.inflight.labels(*labels)
+            self._initialised.add(labels)
+
+
+_registry = CollectorRegistry(auto_describe=True)
+_series: _Series | None = None
+_series_lock = threading.Lock()
+_multiproc_dir: str | None = None
+
+
+def series() -> _Series:
+    global _series
+    if _series is None:
+        with _series_lock:
+            if _series is None:
+                _series = _Series(_registry)
+    return _series
+
+
+def count(metric: Counter, q: QueueConfig, *extra: str, n: float = 1.0) -> None:
+    labels = queue_labels(q)
+    series().init_queue(labels)
+    metric.labels(*labels, *extra).inc(n)
+
+
+# -- node setup -------------------------------------------------------------------------
+def port_from_env(env: dict[str, str] | None = None) -> int:
+    """``PIPELINE_METRICS_PORT`` (default 9808; 0 = no metrics server)."""
+    raw = (env if env is not None else os.environ).get("PIPELINE_METRICS_PORT", "")
+    try:
+        return int(raw) if raw.strip() else DEFAULT_PORT
+    except ValueError:
+        log.warning("PIPELINE_METRICS_PORT=%r is not a port; using %d", raw, DEFAULT_PORT)
+        return DEFAULT_PORT
+
+
+def setup_node(node: str | None = None) -> str | None:
+    """Switch this (worker main) process to multiprocess mode before the pool forks.
+
+    Uses ``PROMETHEUS_MULTIPROC_DIR`` when set (it must be emptied between runs), else a
+    fresh temporary directory removed at exit. Returns the directory, or None when metrics
+    are off (``PIPELINE_METRICS_PORT=0``) or values were already recorded in memory."""
+    global _multiproc_dir
+    if port_from_env() == 0:
+        return None
+    if _multiproc_dir is not None:
+        return _multiproc_dir
+    if _series is not None and _series._initialised:
+        log.warning("metrics already recorded in memory: not switching to multiprocess mode")
+        return None
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", node or "node")[:64]
+        path = tempfile.mkdtemp(prefix=f"pipeline-metrics-{safe}-")
+        owner = os.getpid()
+
+        def _cleanup() -> None:
+            if os.getpid() == owner:
+                shutil.rmtree(path, ignore_errors=True)
+
+        atexit.register(_cleanup)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    os.makedirs(path, exist_ok=True)
+    prom_values.ValueClass = prom_values.get_value_class()
+    _multiproc_dir = path
+    _connect_child_exit()
+    return path
+
+
+def _connect_child_exit() -> None:
+    try:
+        from celery.signals import worker_process_shutdown
+    except ImportError:  # pragma: no cover - celery is a dependency
+        return
+    worker_process_shutdown.connect(_on_child_exit, weak=False)
+
+
+def _on_child_exit(pid: int | None = None, **_: Any) -> None:
+    """A pool child exits: drop its live gauges, flush its spans."""
+    tracing.shutdown()
+    if _multiproc_dir is not None:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid or os.getpid(), _multiproc_dir)
+
+
+def prune_dead(path: str) -> None:
+    """Forget live gauges of processes that died without saying so (SIGKILL)."""
+    from prometheus_client import multiprocess
+
+    for f in glob.glob(os.path.join(path, "gauge_live*_*.db")):
+        m = re.search(r"_(\d+)\.db$", f)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            multiprocess.mark_process_dead(pid, path)
+        except PermissionError:
+            pass
+
+
+# -- hooks in the dispatcher (worker main process) -------------------------------------------
+_budgets: dict[str, tuple[QueueConfig, Gate]] = {}
+
+
+def dispatched_queues() -> list[tuple[QueueConfig, Gate]]:
+    """The queues this node dispatches, each with its gate (see :func:`dispatch_budget`)."""
+    return list(_budgets.values())
+
+
+def registry() -> CollectorRegistry:
+    """This process's in-memory registry (single-process mode)."""
+    return _registry
+
+
+def multiprocess_dir() -> str | None:
+    """The directory of multiprocess mode (:func:`setup_node`), or None."""
+    return _multiproc_dir
+
+
+def dispatch_budget(q: QueueConfig, gate: Gate) -> None:
+    """Record that this node dispatches queue ``q`` through ``gate`` (its budget is read at
+    scrape time)."""
+    _budgets[q.queue_name] = (q, gate)
+
+
+def deadline_expired(q: QueueConfig, n: int) -> None:
+    """``n`` waiting requests of ``q`` reached their deadline (DEADLINE_EXCEEDED results)."""
+    if n > 0:
+        count(series().deadlines, q, n=n)
+
+
+def lease_reclaimed(q: QueueConfig, kind: str, n: int = 1) -> None:
+    """The reaper reclaimed ``n`` expired leases of ``kind`` ``attempt`` or ``gate``."""
+    if n > 0:
+        count(series().reclaims, q, kind, n=n)

@@ -1,0 +1,24 @@
+"""The Redis layer: key names (:mod:`.keys`), connections (:mod:`.connect`), the Lua scripts
+and how they are called (:mod:`.scripts`, :mod:`.fastredis`, ``lua/``), and the request state
+they keep (:mod:`.state`). Imports only ``config`` and ``errors`` of the pipeline."""
+
+from .connect import connect
+from .keys import Keys, celery_queue, holder
+from .scripts import ScriptCall, Scripts, run_batch
+from .state import DirectPublish, Dispatched, Mirror, Store, TickResult, new_token
+
+__all__ = [
+    "DirectPublish",
+    "Dispatched",
+    "Keys",
+    "Mirror",
+    "ScriptCall",
+    "Scripts",
+    "Store",
+    "TickResult",
+    "celery_queue",
+    "connect",
+    "holder",
+    "new_token",
+    "run_batch",
+]

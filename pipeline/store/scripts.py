@@ -1,0 +1,83 @@
+"""Lua scripts (``pipeline/store/lua/*.lua``): loading and registering them, and calling
+several in one round trip.
+
+The request-state scripts are registered with ``lib.lua`` prepended (:func:`source`); the gate
+scripts stand alone (:func:`lua_source`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import redis
+
+from .fastredis import FastScript, call_batch
+
+SCRIPT_NAMES = ("submit", "dispatch", "start", "finish", "requeue", "cancel", "reap", "renew")
+
+
+@cache
+def lua_source(name: str) -> str:
+    """Text of ``lua/<name>.lua`` as it is in the file."""
+    return (resources.files("pipeline.store") / "lua" / f"{name}.lua").read_text()
+
+
+@cache
+def source(name: str) -> str:
+    """The full text of script ``name`` as registered on the server (lib + script)."""
+    return lua_source("lib") + "\n" + lua_source(name)
+
+
+def register(client: redis.Redis, name: str) -> FastScript:
+    """A stand-alone script (a gate's) registered on ``client`` (EVALSHA over the calling
+    thread's own connection, reloaded on NOSCRIPT)."""
+    return FastScript(client, lua_source(name))
+
+
+@dataclass(frozen=True)
+class ScriptCall:
+    """One Lua script call, to be sent with others in one round trip (:func:`run_batch`): a
+    script (anything with a ``sha`` that is callable like redis-py's ``Script``) and its keys
+    and args."""
+
+    script: Any
+    keys: list[str]
+    args: list[Any]
+
+
+def run_batch(client: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
+    """Script calls in one round trip, run in order (each atomic, not all together): their
+    replies, or in a failed call's place the error it raised. A call whose script the server
+    does not have (NOSCRIPT: it restarted, or SCRIPT FLUSH) did not run and is run again on its
+    own, which loads the script. Over the calling thread's own connection; through a redis-py
+    pipeline (and its retries) when that connection failed."""
+    replies = call_batch(client, [(call.script, call.keys, call.args) for call in calls])
+    if replies is None:
+        with client.pipeline(transaction=False) as pipe:
+            for call in calls:
+                pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+            replies = pipe.execute(raise_on_error=False)
+    for i, (reply, call) in enumerate(zip(replies, calls, strict=True)):
+        if isinstance(reply, redis.exceptions.NoScriptError):
+            try:
+                replies[i] = call.script(keys=call.keys, args=call.args)
+            except redis.RedisError as exc:
+                replies[i] = exc
+    return replies
+
+
+class Scripts:
+    """The pipeline's scripts registered on one Redis client (EVALSHA over the calling thread's
+    own connection, reloaded on NOSCRIPT: see :mod:`pipeline.fastredis`)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._scripts: dict[str, Any] = {n: FastScript(client, source(n)) for n in SCRIPT_NAMES}
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._scripts[name]
+        except KeyError:
+            raise AttributeError(name) from None

@@ -1,0 +1,344 @@
+"""One attempt of one request, independent of Celery (the task in ``tasks`` is a thin
+wrapper): gate acquisition (parking for a release), the HTTP call, and exactly one of finish /
+retry / requeue — with the gate reservation released *before* the request leaves the attempt.
+The process's :class:`~pipeline.worker.process.Runtime` starts it (fenced by its token)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from typing import Any, Protocol
+
+from ..config import QueueConfig, Settings
+from ..gates import CONTINUE, AcquireContext, Decision, Gate, Verdict
+from ..http.backoff import retry_delay
+from ..http.classify import Kind, Outcome, join_url, send
+from ..store import Store
+from ..store import holder as make_holder
+from . import observe
+from .bell import ReleaseBell, Ticket
+from .report import Mirrors, Report, Status, failure_message, result_dict
+
+log = logging.getLogger("pipeline.worker")
+
+REFUSE_DELAY_S = (0.2, 1.0)  # a refused request waits this long (jittered) before re-entry
+PARK_POLL_S = 0.5  # a parked attempt re-asks its gate at least this often (a lost wake-up)
+TRANSFER_WAIT_S = 10.0  # a taker of a handed-over slot waits this long for the transfer record
+
+
+class Host(Protocol):
+    """What an attempt uses of its process's runtime (``pipeline.worker.process.Runtime``)."""
+
+    settings: Settings
+    store: Store
+    bell: ReleaseBell
+    rng: random.Random
+
+    def gate(self, queue: str) -> Gate: ...
+
+    def release(
+        self, queue: str, request_id: str, token: str, *, hand_over: bool = False
+    ) -> bool: ...
+
+
+class Attempt:
+    """One attempt of one request, from a fenced start to exactly one outcome."""
+
+    def __init__(self, runtime: Host, record: dict[str, str], token: str, worker: str) -> None:
+        self.rt = runtime
+        self.record = record
+        self.id = record["id"]
+        self.token = token
+        self.worker = worker
+        self.queue: QueueConfig = runtime.settings.queues[record["queue"]]
+        self.gate = runtime.gate(self.queue.queue_name)
+        self.deadline = float(record["deadline"])
+        self.metadata: dict[str, str] = _json_map(record.get("metadata"), "metadata")
+        self.labels: dict[str, str] = _json_map(record.get("labels"), "labels")
+        self.extra_headers: dict[str, str] = _json_map(record.get("headers"), "headers")
+        if "payload" not in record:
+            raise KeyError("payload")
+        self.decision: Decision | None = None
+        self.closed = False
+        self.mirrors: Mirrors | None = None  # set by the task layer
+        self.mirrored: str | None = None  # the state of the mirror written, if any
+        self._granted: Ticket | None = None  # the slot came by hand-over (see Runtime.release)
+        self._generation = 0  # the release bell's, read before the last gate call
+
+    @property
+    def holder(self) -> str:
+        return make_holder(self.id, self.token)
+
+    def _ctx(self) -> AcquireContext:
+        return AcquireContext(
+            request_id=self.id,
+            token=self.token,
+            queue=self.queue.queue_name,
+            worker=self.worker,
+            lease_until=time.time() + self.rt.settings.lease_s,
+            deadline=self.deadline,
+            metadata=self.metadata,
+            labels=self.labels,
+        )
+
+    def acquire(self) -> Decision:
+        """Ask the gate (called from the task's ``before_start``)."""
+        self._generation = self.rt.bell.generation(self.queue.queue_name)
+        try:
+            self.decision = self.gate.acquire(self._ctx())
+        except Exception as exc:  # noqa: BLE001 - a gate error refuses, it never crashes
+            log.warning("gate %s failed for %s: %s", self.queue.queue_name, self.id, exc)
+            self.decision = Decision(Verdict.REFUSE, reason="error")
+        if self.decision.labels:
+            self.labels.update(self.decision.labels)
+        return self.decision
+
+    # -- outcomes (each releases first) --------------------------------------------------
+    def _release(self) -> bool:
+        """Release (or hand over: True) this attempt's reservation."""
+        ticket = self._granted
+        if ticket is not None:
+            # the giver is still recording the transfer: releasing before it would leave a
+            # lease behind that nobody renews (it would block a slot until it lapsed)
+            ticket.transferred.wait(TRANSFER_WAIT_S)
+            held = ticket.held
+        else:
+            held = self.decision is not None and self.decision.admitted
+        return self.rt.release(self.queue.queue_name, self.id, self.token, hand_over=held)
+
+    def _finish(
+        self,
+        *,
+        attempted: bool,
+        status_code: int | None,
+        payload: str,
+        error_code: str | None = None,
+        error_message: str | None = None,
+    ) -> Report:
+        handed_over = self._release()
+        ok = error_code is None and status_code is not None and status_code < 400
+        failure = "" if ok else failure_message(status_code, payload, error_code, error_message)
+        mirror = None
+        if self.mirrors is not None:
+            mirror = self.mirrors.success() if ok else self.mirrors.failure(failure)
+        res = self.rt.store.finish(
+            self.id,
+            self.token,
+            attempted=attempted,
+            status_code=status_code,
+            payload=payload,
+            error_code=error_code,
+            error_message=error_message,
+            mirror=mirror,
+            handed_over=handed_over,
+        )
+        self.closed = True
+        if res is None:
+            return Report(Status.STALE, "fenced off at finish")
+        self.mirrored = mirror.state if mirror is not None else None
+        status = Status.SUCCESS if ok else Status.FAILED
+        return Report(status, failure, result=result_dict(res))
+
+    def _error(self, code: str, message: str, attempted: bool = False) -> Report:
+        return self._finish(
+            attempted=attempted,
+            status_code=None,
+            payload=json.dumps({"error": message}),
+            error_code=code,
+            error_message=message,
+        )
+
+    def _requeue(
+        self,
+        due: float,
+        reason: str,
+        *,
+        attempted: bool,
+        last: dict[str, Any] | None = None,
+        error: str | None = None,
+        status: Status = Status.REQUEUED,
+    ) -> Report:
+        handed_over = self._release()
+        mirror = self.mirrors.retry(reason) if self.mirrors is not None else None
+        ok = self.rt.store.requeue(
+            self.id,
+            self.token,
+            due=due,
+            attempted=attempted,
+            last_response=last,
+            last_error=error,
+            mirror=mirror,
+            handed_over=handed_over,
+        )
+        self.closed = True
+        if not ok:
+            return Report(Status.STALE, "fenced off at requeue")
+        self.mirrored = mirror.state if mirror is not None else None
+        return Report(status, reason, due=due)
+
+    def _expired(self, attempted: bool, last: Outcome | None = None) -> Report:
+        if last is not None and last.responded:
+            return self._finish(
+                attempted=attempted, status_code=last.status_code, payload=last.body
+            )
+        prev = self.record.get("last_response")
+        if prev:
+            data = json.loads(prev)
+            return self._finish(
+                attempted=attempted, status_code=int(data["status_code"]), payload=data["payload"]
+            )
+        msg = "deadline exceeded"
+        error = last.error if last is not None and last.error else self.record.get("last_error")
+        if error:
+            msg = f"deadline exceeded (last error: {error})"
+        return self._error("DEADLINE_EXCEEDED", msg, attempted)
+
+    # -- the attempt ---------------------------------------------------------------------
+    def run(self) -> Report:
+        if time.time() >= self.deadline:
+            return self._expired(False)
+        decision = self.decision or self.acquire()
+        if decision.verdict is Verdict.WAIT:
+            decision = self._park(self.rt.settings.gate_wait_timeout_s)
+        elif self.parks_on(decision):
+            decision = self._park(self.rt.settings.park_s)
+            if not decision.admitted:
+                observe.gate_decision(self, decision)
+        if decision.verdict is Verdict.REFUSE:
+            lo, hi = REFUSE_DELAY_S
+            return self._requeue(
+                time.time() + self.rt.rng.uniform(lo, hi),
+                f"gate refused ({decision.reason or 'gate_closed'})",
+                attempted=False,
+            )
+        if decision.verdict is Verdict.WAIT:
+            return self._requeue(time.time(), "gate wait timed out", attempted=False)
+        if decision.verdict is Verdict.DROP:
+            if decision.status_code is not None or decision.payload is not None:
+                return self._finish(
+                    attempted=False,
+                    status_code=decision.status_code,
+                    payload=decision.payload or "",
+                )
+            return self._error("GATE_DROPPED", "dropped by gate")
+        return self._call()
+
+    def parks_on(self, decision: Decision) -> bool:
+        """A full slot gate's Refuse: the attempt parks for a release (``PIPELINE_PARK_S``)
+        instead of going back to the queue at once."""
+        return (
+            decision.verdict is Verdict.REFUSE
+            and decision.wake_on_release
+            and self.rt.settings.park_s > 0
+        )
+
+    def _park(self, limit_s: float) -> Decision:
+        """Wait for a slot: until the gate admits (or stops saying Wait / full), the deadline,
+        or ``limit_s``. Woken by the release bell the moment a holder of this queue releases;
+        re-asks the gate at least every ``PARK_POLL_S`` in case a wake-up was lost. On a
+        ``hands_over`` gate a holder of this process that is done hands its slot straight to
+        the longest-parked attempt, admitted without asking the gate."""
+        queue = self.queue.queue_name
+        end = min(self.deadline, time.time() + limit_s)
+        decision = self.decision or Decision(Verdict.WAIT)
+        while (
+            decision.verdict is Verdict.WAIT or self.parks_on(decision)
+        ) and not self.rt.bell.closed:
+            left = end - time.time()
+            if left <= 0:
+                break
+            ticket = self.rt.bell.park(
+                queue,
+                self._generation,
+                min(PARK_POLL_S, left),
+                self._ctx() if self.gate.hands_over else None,
+            )
+            if ticket is not None and ticket.granted:
+                self._granted = ticket
+                decision = self.decision = CONTINUE
+                break
+            decision = self.acquire()
+        return decision
+
+    def headers(self) -> dict[str, str]:
+        """Outgoing headers: defaults, then the request's own (they override), then the
+        fairness identity (``metadata[fairness_attribute]``), which replaces any caller
+        variant of that header in any letter case."""
+        headers = {"Content-Type": "application/json", "x-request-id": self.id}
+        if self.queue.inference_objective:
+            headers["x-gateway-inference-objective"] = self.queue.inference_objective
+        headers.update(self.extra_headers)
+        name = self.rt.settings.fairness_header
+        tenant = self.metadata.get(self.rt.settings.fairness_attribute, "")
+        if name and tenant and len(tenant) <= 256 and tenant.isprintable():
+            for key in [k for k in headers if k.lower() == name.lower()]:
+                del headers[key]
+            headers[name] = tenant
+        return headers
+
+    def url(self) -> str:
+        return join_url(
+            self.queue.igw_base_url, self.record.get("endpoint") or self.queue.request_path_url
+        )
+
+    def _call(self) -> Report:
+        left = self.deadline - time.time()
+        if left <= 0:
+            return self._expired(False)
+        timeout = min(self.queue.request_timeout_s, left)
+        try:
+            outcome = observe.observed_send(
+                self, send, self.url(), self.record["payload"], self.headers(), timeout
+            )
+        except Exception as exc:  # noqa: BLE001 - e.g. a soft time limit inside the call
+            outcome = Outcome(
+                Kind.RETRY, error=f"{type(exc).__name__}: {exc}", category="INTERRUPTED"
+            )
+        if outcome.kind is Kind.SUCCESS or (outcome.kind is Kind.FATAL and outcome.responded):
+            return self._finish(
+                attempted=True, status_code=outcome.status_code, payload=outcome.body
+            )
+        if outcome.kind is Kind.FATAL:
+            return self._error("INFERENCE_ERROR", outcome.error or "request failed", True)
+        retries = int(self.record.get("attempts") or 0)
+        now = time.time()
+        delay = retry_delay(
+            retries,
+            self.deadline - now,
+            outcome.retry_after,
+            self.queue.retry_base_delay_s,
+            self.queue.retry_max_delay_s,
+            self.rt.rng,
+        )
+        if delay is None:
+            return self._expired(True, outcome)
+        last = (
+            {"status_code": outcome.status_code, "payload": outcome.body}
+            if outcome.responded
+            else None
+        )
+        reason = (
+            f"HTTP {outcome.status_code}"
+            if outcome.responded
+            else f"{outcome.category}: {outcome.error}"
+        )
+        return self._requeue(
+            now + delay,
+            reason,
+            attempted=True,
+            last=last,
+            error=outcome.error,
+            status=Status.RETRY,
+        )
+
+
+def _json_map(text: str | None, field: str) -> dict[str, str]:
+    """A record field holding a JSON object of str → str."""
+    value = json.loads(text or "{}")
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ValueError(f"{field} is not an object of strings")
+    return value

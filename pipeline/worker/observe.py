@@ -1,0 +1,201 @@
+"""The attempt path's metrics and traces: counts (first attempts, outcomes, gate decisions,
+429s), the HTTP call's latency and in-flight gauge, the ``process-request`` and
+``http-request`` spans, and Flower's gate events. Observability never breaks an attempt: its
+errors are logged."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..config import QueueConfig
+from ..gates import Decision
+from ..http.classify import Outcome
+from ..observability import metrics, tracing
+from .report import Report, Status
+
+log = logging.getLogger("pipeline.metrics")
+
+
+class Attempt(Protocol):
+    """What is observed of an attempt (``pipeline.worker.attempt.Attempt``)."""
+
+    id: str
+    token: str
+    queue: QueueConfig
+    record: dict[str, str]
+    metadata: dict[str, str]
+    decision: Decision | None
+
+    def parks_on(self, decision: Decision) -> bool: ...
+
+    def run(self) -> Report: ...
+
+
+@dataclass
+class _AttemptObs:
+    outcome: Outcome | None = None
+    http_calls: int = 0
+
+
+_current: contextvars.ContextVar[_AttemptObs | None] = contextvars.ContextVar(
+    "pipeline_attempt_obs", default=None
+)
+
+
+def attempt_started(attempt: Attempt, send_event: Callable[..., Any] | None = None) -> None:
+    """After the gate was asked in ``before_start``: count a request's first attempt (and its
+    queue residence), count a refusal / wait / drop by reason and tell Flower about it as a
+    ``task-gate-refused`` / ``task-gate-waiting`` / ``task-gate-dropped`` task event."""
+    q = attempt.queue
+    s = metrics.series()
+    try:
+        if attempt.record.get("dispatches") == "1":
+            metrics.count(s.requests, q)
+            started = float(attempt.record.get("started_at") or time.time())
+            submitted = float(attempt.record.get("submitted_at") or started)
+            s.residence.labels(*metrics.queue_labels(q)).observe(
+                max(0.0, started - submitted) * 1000
+            )
+        decision = attempt.decision
+        if decision is not None and not decision.admitted and not attempt.parks_on(decision):
+            # a refusal the attempt parks through counts only if the park ends refused
+            gate_decision(attempt, decision, send_event)
+    except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
+        log.warning("metrics for %s failed: %s", attempt.id, exc)
+
+
+def gate_reason(decision: Decision) -> str:
+    if decision.verdict.value == "drop":
+        return "dropped"
+    return decision.reason if decision.reason in metrics.GATE_REASONS else "gate_closed"
+
+
+def gate_decision(
+    attempt: Attempt, decision: Decision, send_event: Callable[..., Any] | None = None
+) -> None:
+    reason = gate_reason(decision)
+    metrics.count(metrics.series().gate_decisions, attempt.queue, reason)
+    event = metrics.GATE_EVENTS.get(decision.verdict.value)
+    if send_event is None or event is None:
+        return
+    try:
+        send_event(
+            event,
+            request_id=attempt.id,
+            queue=attempt.queue.queue_name,
+            reason=decision.reason or reason,
+            attempt=attempt.token,
+            gate=attempt.queue.gate_type,
+        )
+    except Exception as exc:  # noqa: BLE001 - a lost monitoring event is only logged
+        log.warning("could not send %s for %s: %s", event, attempt.id, exc)
+
+
+def observed_run(attempt: Attempt) -> Report:
+    """``attempt.run()`` inside its ``process-request`` span, then count its outcome."""
+    obs = _AttemptObs()
+    token = _current.set(obs)
+    q = attempt.queue
+    try:
+        with tracing.attempt_span(
+            attempt.id,
+            q.queue_id,
+            q.queue_name,
+            int(attempt.record.get("attempts") or 0),
+            attempt.metadata,
+        ) as span:
+            report = attempt.run()
+            _annotate(span, attempt, report, obs)
+    finally:
+        _current.reset(token)
+    try:
+        record_report(attempt, report)
+    except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
+        log.warning("metrics for %s failed: %s", attempt.id, exc)
+    return report
+
+
+def _is_deadline(result: dict[str, Any]) -> bool:
+    """A terminal result reached through the deadline: DEADLINE_EXCEEDED, or the last 429/5xx
+    answer kept when no retry fitted (those codes are otherwise always retried)."""
+    if result.get("error_code") == "DEADLINE_EXCEEDED":
+        return True
+    code = result.get("status_code")
+    return not result.get("error_code") and isinstance(code, int) and (code == 429 or code >= 500)
+
+
+def record_report(attempt: Attempt, report: Report) -> None:
+    """Count one attempt's outcome (success / failure / deadline / retry)."""
+    s = metrics.series()
+    q = attempt.queue
+    if report.status is Status.SUCCESS:
+        metrics.count(s.successes, q)
+    elif report.status is Status.FAILED:
+        dropped = attempt.decision is not None and attempt.decision.verdict.value == "drop"
+        if not dropped and _is_deadline(report.result or {}):
+            metrics.count(s.deadlines, q)
+        else:
+            metrics.count(s.failures, q)
+    elif report.status is Status.RETRY:
+        metrics.count(s.retries, q)
+
+
+def _annotate(
+    span: tracing.AttemptSpan, attempt: Attempt, report: Report, obs: _AttemptObs
+) -> None:
+    if span.span is None:
+        return
+    result = report.result or {}
+    category = ""
+    if obs.outcome is not None and obs.outcome.kind.value != "success":
+        category = obs.outcome.category
+    elif result.get("error_code"):
+        category = str(result["error_code"])
+    elif report.status is Status.REQUEUED and attempt.decision is not None:
+        category = f"GATE_{attempt.decision.verdict.name}"
+    if category:
+        span.set("error.category", category)
+    span.set("pipeline.outcome", report.status.value)
+    if result.get("status_code") is not None:
+        span.set("http.response.status_code", result["status_code"])
+    if report.status is Status.FAILED:
+        span.fail(str(result.get("error_code") or f"HTTP {result.get('status_code')}"))
+
+
+def observed_send(
+    attempt: Attempt,
+    send: Callable[[str, str, dict[str, str], float], Outcome],
+    url: str,
+    body: str,
+    headers: dict[str, str],
+    timeout_s: float,
+) -> Outcome:
+    """``send(url, body, headers, timeout_s)`` counted (in flight, latency in ms, 429s) and
+    traced (an ``http-request`` span whose context goes out in ``traceparent``)."""
+    labels = metrics.queue_labels(attempt.queue)
+    s = metrics.series()
+    s.init_queue(labels)
+    inflight = s.inflight.labels(*labels)
+    inflight.inc()
+    start = time.perf_counter()
+    try:
+        with tracing.http_span(url, headers) as span:
+            outcome = send(url, body, headers, timeout_s)
+            span.set("http.response.status_code", outcome.status_code)
+            if outcome.kind.value != "success":
+                span.set("error.type", outcome.category or "error")
+    finally:
+        inflight.dec()
+        s.latency.labels(*labels).observe((time.perf_counter() - start) * 1000)
+    if outcome.status_code == 429:
+        s.shed.labels(*labels).inc()
+    obs = _current.get()
+    if obs is not None:
+        obs.outcome = outcome
+        obs.http_calls += 1
+    return outcome

@@ -1,0 +1,290 @@
+"""Per-process worker state: one :class:`Runtime` per process (a store, the gates bound to
+Redis, the release bell, a heartbeat thread renewing the leases of live attempts), created
+lazily and again after a fork. It starts attempts (fenced by their token, with the gate's
+acquire in the same round trip when it can) and releases reservations — idempotently, retried,
+and handed straight to a parked attempt of this process when the gate allows."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+
+from ..config import Settings, load_settings
+from ..gates import Decision, Gate, GateEnv, PreparedAcquire, attempt_gate, check_gates
+from ..store import Store, run_batch
+from ..store import holder as make_holder
+from .attempt import Attempt
+from .bell import ReleaseBell, Ticket
+
+log = logging.getLogger("pipeline.worker")
+
+RELEASE_TRIES = 4
+
+
+class Runtime:
+    """Per-process worker state."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = check_gates(settings or load_settings())
+        self.store = Store(self.settings)
+        self.env = GateEnv(self.store.client, self.store.keys, node=_node_name())
+        self._gates: dict[str, Gate] = {}
+        self._pool_gates: dict[str, Gate | None] = {}
+        self._live: dict[str, tuple[str, str, str]] = {}  # holder -> (id, token, queue)
+        self._lock = threading.Lock()
+        self._heartbeat: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.rng = random.Random()
+        self.bell = ReleaseBell(self.store.client, self.store.keys.freed_channel())
+
+    # -- gates ---------------------------------------------------------------------------
+    def gate(self, queue: str) -> Gate:
+        with self._lock:
+            gate = self._gates.get(queue)
+            if gate is None:
+                gate = attempt_gate(self.settings, queue, self.env, self._pool_gates)
+                self._gates[queue] = gate
+            return gate
+
+    def release(self, queue: str, request_id: str, token: str, *, hand_over: bool = False) -> bool:
+        """Release a holder's reservation: idempotent, retried, logged when it fails.
+
+        ``hand_over`` (the holder does hold a slot of a ``hands_over`` gate): when an attempt
+        of this process is parked for one, the slot goes straight to it — it is woken at
+        once, admitted, and heads for the server while this thread records the transfer.
+        True when the slot was handed over (nothing was freed: the finish / requeue that
+        follows publishes no release)."""
+        holder = make_holder(request_id, token)
+        with self._lock:
+            self._live.pop(holder, None)
+        if queue not in self.settings.queues:
+            return False
+        gate = self.gate(queue)
+        if hand_over and gate.hands_over:
+            ticket = self.bell.hand_over(queue)
+            if ticket is not None:
+                self._transfer(gate, holder, ticket)
+                return True
+        for i in range(RELEASE_TRIES):
+            try:
+                gate.release(holder)
+                # the finish / requeue that follows publishes the release to other processes
+                self.bell.ring(queue, echo=True)
+                return False
+            except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
+                log.warning(
+                    "release of %s on gate %s failed (try %d/%d): %s",
+                    holder,
+                    queue,
+                    i + 1,
+                    RELEASE_TRIES,
+                    exc,
+                )
+                time.sleep(0.1 * 2**i)
+        log.error("release of %s on gate %s gave up; its lease will expire", holder, queue)
+        return False
+
+    def _transfer(self, gate: Gate, giver: str, ticket: Ticket) -> None:
+        """Record in Redis that ``giver``'s slot now belongs to the ticket's attempt (already
+        on its way to the server); retried like a release. On failure the giver's lease
+        lapses (it is no longer renewed) and the taker holds nothing to release."""
+        try:
+            for i in range(RELEASE_TRIES):
+                try:
+                    ticket.held = gate.transfer(giver, ticket.ctx)
+                    if not ticket.held:
+                        log.warning(
+                            "slot of %s handed to %s on gate %s, but its lease had lapsed and "
+                            "the gate is full",
+                            giver,
+                            ticket.ctx.holder,
+                            gate.name,
+                        )
+                    return
+                except Exception as exc:  # noqa: BLE001 - as a release: never silently lost
+                    log.warning(
+                        "hand-over of %s on gate %s failed (try %d/%d): %s",
+                        giver,
+                        gate.name,
+                        i + 1,
+                        RELEASE_TRIES,
+                        exc,
+                    )
+                    time.sleep(0.1 * 2**i)
+            log.error("hand-over of %s on gate %s gave up; its lease will expire", giver, gate.name)
+        finally:
+            ticket.transferred.set()
+
+    # -- heartbeat -----------------------------------------------------------------------
+    def _track(self, request_id: str, token: str, queue: str) -> None:
+        with self._lock:
+            self._live[make_holder(request_id, token)] = (request_id, token, queue)
+            if self._heartbeat is None or not self._heartbeat.is_alive():
+                self._heartbeat = threading.Thread(
+                    target=self._beat, name="pipeline-heartbeat", daemon=True
+                )
+                self._heartbeat.start()
+
+    def _beat(self) -> None:
+        period = max(0.05, self.settings.lease_s / 3.0)
+        while not self._stopping.wait(period):
+            with self._lock:
+                live = list(self._live.values())
+            if not live:
+                continue
+            try:
+                self.store.renew(live)
+                until = time.time() + self.settings.lease_s
+                by_queue: dict[str, list[str]] = {}
+                for rid, token, queue in live:
+                    by_queue.setdefault(queue, []).append(make_holder(rid, token))
+                for queue, holders in by_queue.items():
+                    self.gate(queue).renew(holders, until)
+            except Exception as exc:  # noqa: BLE001 - keep beating; leases tolerate a miss
+                log.warning("lease renewal failed: %s", exc)
+
+    def live_holders(self) -> list[tuple[str, str, str]]:
+        with self._lock:
+            return list(self._live.values())
+
+    # -- attempts ------------------------------------------------------------------------
+    def begin(
+        self, request_id: str, token: str, worker: str, queue: str | None = None
+    ) -> Attempt | None:
+        """Start an attempt (fenced by ``token``); None for a stale message. When the queue's
+        gate can (``Gate.prepare_acquire``), its acquire goes to Redis in the same round trip
+        as the start, and the attempt begins with that decision."""
+        queue = queue if queue in self.settings.queues else self._queue_of(request_id)
+        prepared, generation = self._prepare_acquire(queue, request_id, token, worker)
+        decision: Decision | None = None
+        if prepared is None:
+            record = self.store.start(request_id, token, queue or "", worker)
+        else:
+            start = self.store.start_call(request_id, token, queue or "", worker)
+            reply, acquired = run_batch(self.store.client, [start, prepared.call])
+            took = not isinstance(acquired, Exception) and prepared.took(acquired)
+            record = None if isinstance(reply, Exception) else self.store.started(reply)
+            if record is None:
+                if took:  # the start failed or was fenced off: give the new slot back
+                    self.release(queue or "", request_id, token)
+                if isinstance(reply, Exception):
+                    raise reply
+                return None
+            if isinstance(acquired, Exception):  # the attempt asks its gate again
+                log.warning("gate %s failed for %s: %s", queue, request_id, acquired)
+            else:
+                decision = prepared.decide(acquired)
+        if record is None:
+            return None
+        try:
+            attempt = Attempt(self, record, token, worker)
+        except (KeyError, ValueError, TypeError) as exc:
+            # a record this worker cannot read (written by hand, or corrupted): end it
+            message = f"unreadable request record: {type(exc).__name__}: {exc}"
+            log.error("request %s: %s", request_id, message)
+            if decision is not None and decision.admitted:
+                self.release(queue or "", request_id, token)
+            self.store.finish(
+                request_id,
+                token,
+                attempted=False,
+                status_code=None,
+                payload=json.dumps({"error": message}),
+                error_code="INVALID_REQUEST",
+                error_message=message,
+            )
+            return None
+        if decision is not None:
+            attempt.decision = decision
+            attempt._generation = generation
+        self._track(request_id, token, record["queue"])
+        return attempt
+
+    def _prepare_acquire(
+        self, queue: str | None, request_id: str, token: str, worker: str
+    ) -> tuple[PreparedAcquire | None, int]:
+        """The queue's gate acquire as a script call, with the release bell's generation read
+        before it (see ``Attempt._park``); None when the gate has none."""
+        if queue not in self.settings.queues:
+            return None, 0
+        gate = self.gate(queue)
+        generation = self.bell.generation(queue)
+        holder = make_holder(request_id, token)
+        try:
+            lease_until = time.time() + self.settings.lease_s
+            return gate.prepare_acquire(holder, worker, lease_until), generation
+        except Exception as exc:  # noqa: BLE001 - the attempt asks its gate the usual way
+            log.warning("gate %s could not prepare for %s: %s", queue, request_id, exc)
+            return None, generation
+
+    def _queue_of(self, request_id: str) -> str:
+        queue = self.store.client.hget(self.store.keys.request(request_id), "queue")
+        return str(queue or "")
+
+    def abandon(
+        self, request_id: str, token: str, queue: str | None, *, cancel: bool, reason: str
+    ) -> None:
+        """An attempt ended without reporting (hard time limit, killed child, revoke,
+        shutdown): release its reservation and requeue or cancel its request. Fenced and
+        idempotent: a no-op when the attempt already finished."""
+        queue = queue or self._queue_of(request_id)
+        self.release(queue, request_id, token)
+        done: bool
+        if cancel:
+            done = None is not self.store.finish(
+                request_id,
+                token,
+                attempted=False,
+                status_code=None,
+                payload=json.dumps({"error": "cancelled"}),
+                error_code="CANCELLED",
+                error_message=reason,
+            )
+        else:
+            done = self.store.requeue(request_id, token, due=time.time(), attempted=False)
+        if done:
+            log.warning(
+                "request %s attempt %s abandoned (%s): %s",
+                request_id,
+                token,
+                reason,
+                "cancelled" if cancel else "requeued",
+            )
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.bell.stop()
+
+
+def _node_name() -> str:
+    return os.environ.get("PIPELINE_NODE") or f"{os.uname().nodename}.{os.getpid()}"
+
+
+_runtimes: dict[int, Runtime] = {}
+_runtime_lock = threading.Lock()
+_settings_override: Settings | None = None
+
+
+def use_settings(settings: Settings | None) -> None:
+    """Make new runtimes use ``settings`` instead of the environment (tests, embedding)."""
+    global _settings_override
+    with _runtime_lock:
+        _settings_override = settings
+        for rt in _runtimes.values():
+            rt.stop()
+        _runtimes.clear()
+
+
+def runtime() -> Runtime:
+    """This process's runtime (a new one after a fork)."""
+    pid = os.getpid()
+    with _runtime_lock:
+        rt = _runtimes.get(pid)
+        if rt is None:
+            _runtimes.clear()
+            rt = _runtimes[pid] = Runtime(_settings_override)
+        return rt

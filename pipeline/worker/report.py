@@ -1,0 +1,50 @@
+"""What an attempt reports (:class:`Report`, :class:`Status`), and the copies of its outcome
+that its finish / requeue script writes in the same step (:class:`Mirrors`)."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..store import Mirror
+
+
+class Mirrors(Protocol):
+    """Copies of an attempt's outcome that its finish / requeue script writes in the same step
+    (the Celery result of the attempt's task, built by ``tasks``); None: not mirrored."""
+
+    def success(self) -> Mirror | None: ...
+
+    def failure(self, message: str) -> Mirror | None: ...
+
+    def retry(self, reason: str) -> Mirror | None: ...
+
+
+def failure_message(
+    status_code: int | None, payload: str, error_code: str | None, error_message: str | None
+) -> str:
+    """What a request that ended without success reports: its status or error code first."""
+    code = error_code or f"HTTP {status_code}"
+    return f"{code}: {(error_message if error_code else None) or payload or ''}"[:500]
+
+
+class Status(enum.Enum):
+    STALE = "stale"  # the message was fenced off (old token, cancelled, finished)
+    SUCCESS = "success"
+    FAILED = "failed"  # terminal, not OK
+    RETRY = "retry"  # an attempt failed and the request waits out a backoff
+    REQUEUED = "requeued"  # the gate refused or a wait timed out: back to the queue
+
+
+@dataclass(frozen=True)
+class Report:
+    status: Status
+    reason: str = ""  # RETRY/REQUEUED: why; FAILED: the failure message
+    due: float | None = None  # Unix s, for RETRY/REQUEUED
+    result: dict[str, Any] | None = None  # the terminal result, for SUCCESS/FAILED
+
+
+def result_dict(result_json: str | None) -> dict[str, Any] | None:
+    return json.loads(result_json) if result_json else None
