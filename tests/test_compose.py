@@ -65,11 +65,11 @@ def commands() -> dict[str, list[str]]:
 
 
 def parser_of(script: str) -> argparse.ArgumentParser:
-    """The argparse parser behind the console script ``script`` (its module's build_parser)."""
-    module, _, func = SCRIPTS[script].partition(":")
-    mod = importlib.import_module(module)
-    assert callable(getattr(mod, func)), SCRIPTS[script]
-    parser: argparse.ArgumentParser = mod.build_parser()
+    """The argparse parser behind the console script ``script``: the ``build_parser`` of the
+    module that defines the entry point's function (a package may re-export only the function)."""
+    module, _, attr = SCRIPTS[script].partition(":")
+    func = getattr(importlib.import_module(module), attr)
+    parser: argparse.ArgumentParser = sys.modules[func.__module__].build_parser()
     return parser
 
 
