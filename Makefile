@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-rabbitmq test-chaos-long lint typecheck format clean
+.PHONY: demo test system-deps test-rabbitmq test-chaos-long lint typecheck format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,13 @@ demo: $(STAMP)
 	$(BIN)/pipeline run examples/demo.jsonl -o results.jsonl
 
 ## test: lint, type check and the whole suite against a real Redis
-test: $(STAMP) lint typecheck
+test: system-deps $(STAMP) lint typecheck
 	$(BIN)/pytest -q
+
+## system-deps: the system packages the tests need beyond pip (chromium, libfaketime):
+## installs them with apt-get when missing (root or passwordless sudo), else stops naming them
+system-deps:
+	.ci/system-deps
 
 ## test-rabbitmq: the end-to-end and gate suites with RabbitMQ as the Celery broker
 test-rabbitmq: $(STAMP)
