@@ -30,6 +30,17 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_TAG = f"t{uuid.uuid4().hex[:6]}"  # this session's result lists
 
 
+# An attempt's HTTP timeout on the test queues: longer than any test holds a request at the
+# simulator (``held``), so a held attempt is never cut off and retried while the test works.
+HELD_S = 30
+
+
+def held(name: str) -> dict[str, str]:
+    """Request headers that make the simulator hold the request (in flight, its slot taken)
+    until the test calls ``sim.release(name)``: no race against a fixed latency."""
+    return {"x-sim-hold": name}
+
+
 def wait_for(
     check: Callable[[], Any],
     timeout: float = 10.0,
@@ -61,7 +72,7 @@ def sim() -> Iterator[SimServer]:
 
 
 def queue_entries(sim_url: str) -> list[dict[str, Any]]:
-    fast = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.4, "request_timeout_s": 5}
+    fast = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.4, "request_timeout_s": HELD_S}
     return [
         {"queue_name": "default", "igw_base_url": sim_url, **fast},
         # served only by workers started inside a test (ordering, expiry, cancel)
@@ -95,7 +106,7 @@ def quota(n: int) -> dict[str, Any]:
 def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
     """Queues with gates that hold reservations, one result list each (named per session:
     result lists use their configured name verbatim, outside the key prefix)."""
-    fast = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.4, "request_timeout_s": 5}
+    fast = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.4, "request_timeout_s": HELD_S}
     dead = "http://127.0.0.1:9"  # discard port: nothing listens, connections are refused
     wait_quota = {"gate_type": "wait-on-refuse", "gate_params": {"gate": quota(1)}}
     specs: list[tuple[str, str, dict[str, Any], str]] = [
@@ -271,10 +282,12 @@ def assert_idle(p: Pipeline, timeout: float = 20.0) -> None:
 
 @pytest.fixture
 def pl(env: dict[str, str], sim: SimServer) -> Iterator[Pipeline]:
-    """A client bound to the test environment; checks for leaks afterwards."""
+    """A client bound to the test environment; checks for leaks afterwards (after answering
+    any request a failed test left held at the simulator)."""
     sim.reset()
     p = Pipeline(load_settings(env))
     yield p
+    sim.release_all()
     assert_idle(p)
 
 

@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.client import Pipeline
 from pipeline.config import Settings, load_settings
-from tests.conftest import WorkerProc, wait_for
+from tests.conftest import HELD_S, WorkerProc, wait_for
 
-FAST = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.2, "request_timeout_s": 5}
+FAST = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.2, "request_timeout_s": HELD_S}
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pipeline.worker import Runtime
 from pipeline.worker import process as worker_module
 from tasks.app import celery_queue
 
-from .conftest import assert_idle, wait_for
+from .conftest import assert_idle, held, wait_for
 
 
 def uid(tag: str) -> str:
@@ -114,17 +114,12 @@ def test_connection_error(served: Pipeline) -> None:
 
 
 # -- gate verdicts -----------------------------------------------------------------------
-def hold_slot(pl: Pipeline, queue: str, user: dict[str, str], latency_ms: int) -> str:
-    """Submit a slow request that takes ``user``'s only quota slot; returns once it runs."""
-    rid = pl.submit(
-        {"p": 1},
-        id=uid("holder"),
-        queue=queue,
-        timeout=30,
-        metadata=user,
-        headers={"x-sim-latency-ms": str(latency_ms)},
-    ).id
-    wait_running(pl, rid)
+def hold_slot(pl: Pipeline, sim: SimServer, queue: str, user: dict[str, str]) -> str:
+    """Submit a request that takes ``user``'s only quota slot and is held at the simulator
+    until ``sim.release(<its id>)``; returns its id once it is held."""
+    rid = uid("holder")
+    pl.submit({"p": 1}, id=rid, queue=queue, timeout=30, metadata=user, headers=held(rid))
+    sim.wait_held(rid)
     return rid
 
 
@@ -134,7 +129,7 @@ def dispatches(pl: Pipeline, rid: str) -> int:
 
 def test_gate_refuse(served: Pipeline, sim: SimServer) -> None:
     user = {"userid": uid("u")}
-    first = hold_slot(served, "quota1", user, 1500)
+    first = hold_slot(served, sim, "quota1", user)
     second = served.submit(
         {"p": 2}, id=uid("refused"), queue="quota1", timeout=30, metadata=user
     ).id
@@ -144,6 +139,7 @@ def test_gate_refuse(served: Pipeline, sim: SimServer) -> None:
         what="a refusal and a new dispatch",
     )
     assert sim_attempts(sim, second) == 0  # refused attempts never reach the server
+    sim.release(first)
     assert finished(served, "quota1", first).ok
     res = finished(served, "quota1", second)
     assert res.ok and res.attempts == 1  # a refusal is not an attempt
@@ -151,7 +147,7 @@ def test_gate_refuse(served: Pipeline, sim: SimServer) -> None:
 
 def test_wait_times_out_and_requeues(served: Pipeline, sim: SimServer) -> None:
     user = {"userid": uid("u")}
-    first = hold_slot(served, "quotawait", user, 2500)
+    first = hold_slot(served, sim, "quotawait", user)
     second = served.submit(
         {"p": 2}, id=uid("waiter"), queue="quotawait", timeout=30, metadata=user
     ).id
@@ -161,6 +157,8 @@ def test_wait_times_out_and_requeues(served: Pipeline, sim: SimServer) -> None:
         10,
         what="requeue after the wait timed out",
     )
+    assert sim_attempts(sim, second) == 0
+    sim.release(first)
     assert finished(served, "quotawait", first).ok
     res = finished(served, "quotawait", second)
     assert res.ok and res.attempts == 1
@@ -168,13 +166,15 @@ def test_wait_times_out_and_requeues(served: Pipeline, sim: SimServer) -> None:
 
 def test_deadline_passes_while_waiting(served: Pipeline, sim: SimServer) -> None:
     user = {"userid": uid("u")}
-    first = hold_slot(served, "quotawait", user, 2500)
+    first = hold_slot(served, sim, "quotawait", user)
     second = served.submit(
         {"p": 2}, id=uid("late"), queue="quotawait", timeout=0.8, metadata=user
     ).id
-    res = finished(served, "quotawait", second)
+    res = served.wait(second, 20)  # the slot stays held: the deadline passes while it waits
     assert res.error_code == "DEADLINE_EXCEEDED" and res.attempts == 0
     assert sim_attempts(sim, second) == 0
+    sim.release(first)
+    assert finished(served, "quotawait", second) == res
     assert finished(served, "quotawait", first).ok
 
 
@@ -291,40 +291,41 @@ def test_sigkill_of_the_worker_node(pl: Pipeline, start_worker: Any, sim: SimSer
         survivor.stop()
 
 
-def test_warm_shutdown_with_a_request_in_flight(pl: Pipeline, start_worker: Any) -> None:
+def test_warm_shutdown_with_a_request_in_flight(
+    pl: Pipeline, start_worker: Any, sim: SimServer
+) -> None:
     w = start_worker(pools="crash", concurrency=4)
-    rid = pl.submit(
+    rid = uid("warm")
+    pl.submit(
         {"p": 1},
-        id=uid("warm"),
+        id=rid,
         queue="crash",
         timeout=60,
         metadata={"userid": "warm-user"},
-        headers={"x-sim-latency-ms": "1500"},
-    ).id
-    wait_running(pl, rid)
+        headers=held(rid),
+    )
+    sim.wait_held(rid)
     w.proc.send_signal(signal.SIGTERM)  # warm: the running attempt finishes first
+    nodes = pl.store.keys.pool_nodes("crash")
+    wait_for(lambda: pl.store.client.zscore(nodes, w.name) is None, 20, what="shutdown begun")
+    assert w.proc.poll() is None and pl.state(rid) == "running"  # waiting for the attempt
+    sim.release(rid)
     res = finished(pl, "crash", rid, timeout=30)
     assert res.ok and res.attempts == 1
     assert w.proc.wait(30) is not None
 
 
 # -- the seed's two failure modes ------------------------------------------------------
-def test_retried_request_holds_exactly_one_reservation(served: Pipeline) -> None:
+def test_retried_request_holds_exactly_one_reservation(served: Pipeline, sim: SimServer) -> None:
     """Accounting drift: dispatched, retried, re-dispatched — one reservation, never two."""
-    rid = served.submit(
-        {"p": 1},
-        id=uid("drift"),
-        queue="lim2",
-        timeout=30,
-        headers={"x-sim-fail-first": "1", "x-sim-fail-status": "503", "x-sim-latency-ms": "800"},
-    ).id
-    wait_for(
-        lambda: served.record(rid).get("attempts") == "1" and served.state(rid) == "running",
-        10,
-        what="second attempt running",
-    )
+    rid = uid("drift")
+    fail_once = {"x-sim-fail-first": "1", "x-sim-fail-status": "503"}
+    served.submit({"p": 1}, id=rid, queue="lim2", timeout=30, headers={**fail_once, **held(rid)})
+    sim.wait_held(rid)  # the first attempt got its 503 at once; the second is held
+    assert served.record(rid).get("attempts") == "1" and served.state(rid) == "running"
     holders = [h for h in served.inspect()["lim2"]["gate"]["holders"] if h["request_id"] == rid]
     assert len(holders) == 1 and gate_in_flight(served, "lim2") == 1
+    sim.release(rid)
     assert finished(served, "lim2", rid).ok
 
 
@@ -355,6 +356,12 @@ def park_behind(pl: Pipeline, queue: str, tag: str, headers: dict[str, str]) -> 
     return rid
 
 
+def hold_as(tag: str) -> tuple[str, dict[str, str]]:
+    """A hold name and the headers that hold a request under it at the simulator."""
+    name = uid(tag)
+    return name, held(name)
+
+
 @pytest.fixture
 def lookahead_two(start_worker: Any) -> Iterator[Any]:
     """A node for the "parked" queue (limit 1) that dispatches two attempts past the limit."""
@@ -365,15 +372,17 @@ def lookahead_two(start_worker: Any) -> Iterator[Any]:
 
 @pytest.mark.usefixtures("lookahead_two")
 def test_finish_hands_the_slot_to_a_parked_attempt(pl: Pipeline, sim: SimServer) -> None:
-    giver = park_behind(pl, "parked", "giver", {"x-sim-latency-ms": "1500"})
-    taker = park_behind(pl, "parked", "taker", {"x-sim-latency-ms": "1000"})
+    giving, hold_giver = hold_as("giving")
+    taking, hold_taker = hold_as("taking")
+    giver = park_behind(pl, "parked", "giver", hold_giver)
+    sim.wait_held(giving)
+    taker = park_behind(pl, "parked", "taker", hold_taker)  # parked behind the giver
     assert gate_in_flight(pl, "parked") == 1
-    wait_for(
-        lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == giver,
-        10,
-        what="the giver's slot handed to the parked taker",
-    )
+    sim.release(giving)
+    sim.wait_held(taking)  # the taker at the server, in the slot the giver handed over
+    assert (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == giver
     assert gate_in_flight(pl, "parked") == 1
+    sim.release(taking)
     assert finished(pl, "parked", giver).ok
     res = finished(pl, "parked", taker)
     assert res.ok and res.attempts == 1 and pl.record(taker).get("dispatches") == "1"
@@ -382,18 +391,20 @@ def test_finish_hands_the_slot_to_a_parked_attempt(pl: Pipeline, sim: SimServer)
 
 @pytest.mark.usefixtures("lookahead_two")
 def test_retry_hands_the_slot_to_a_parked_attempt(pl: Pipeline, sim: SimServer) -> None:
-    first = park_behind(pl, "parked", "first", {"x-sim-latency-ms": "1500"})
+    holding_first, hold_first = hold_as("first")
+    taking, hold_taker = hold_as("taking")
+    first = park_behind(pl, "parked", "first", hold_first)
+    sim.wait_held(holding_first)
     retried = park_behind(
         pl, "parked", "retried", {"x-sim-fail-first": "1", "x-sim-fail-status": "503"}
     )
-    taker = park_behind(pl, "parked", "taker", {"x-sim-latency-ms": "1000"})
+    taker = park_behind(pl, "parked", "taker", hold_taker)
     # first -> retried (503: backs off, requeued) -> taker, each slot handed over
-    wait_for(
-        lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == retried,
-        10,
-        what="the retried attempt's slot handed to the parked taker",
-    )
+    sim.release(holding_first)
+    sim.wait_held(taking)
+    assert (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == retried
     assert gate_in_flight(pl, "parked") == 1
+    sim.release(taking)
     for rid in (first, taker):
         assert finished(pl, "parked", rid).ok
     res = finished(pl, "parked", retried)

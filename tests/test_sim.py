@@ -263,6 +263,11 @@ def test_reset_answers_held_requests_and_stop_ends_them(start: Callable[..., Sim
     opened), a client that hangs up takes its request out of the hold, ``stop()`` ends it."""
     sim = start()
     with ThreadPoolExecutor(2) as pool:
+        two = [pool.submit(post, sim.url, {"x-sim-hold": name}) for name in ("x", "y")]
+        sim.wait_held("x")
+        sim.wait_held("y")
+        assert sim.release_all() == 2
+        assert [f.result().status_code for f in two] == [200, 200]
         held = pool.submit(post, sim.url, {"x-sim-hold": "r"})
         sim.wait_held("r")
         sim.reset()

@@ -23,13 +23,14 @@ from kombu.message import Message
 
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
+from pipeline.sim import SimServer
 from pipeline.store import DirectPublish
 from tasks.app import app
 from tasks.backend import PipelineRedisBackend
 from tasks.inference import AttemptRetry, RequestFailed, infer
 from tasks.node import direct_publish
 
-from .conftest import RESULTS_TAG, wait_for
+from .conftest import RESULTS_TAG, held, wait_for
 
 
 def _decoded(raw: str) -> dict[str, Any]:
@@ -243,7 +244,7 @@ def _unacked(client: redis.Redis, rid: str) -> bool:
 
 
 def test_a_redis_broker_is_consumed_without_kombus_unacked_bookkeeping(
-    pl: Pipeline, redis_url: str, start_worker: Any
+    pl: Pipeline, redis_url: str, start_worker: Any, sim: SimServer
 ) -> None:
     """Two Redis round trips per message in the consumer's thread (record, then delete on
     ack) buy a redelivery the pipeline does not use: its reaper requeues a lost attempt's
@@ -256,15 +257,11 @@ def test_a_redis_broker_is_consumed_without_kombus_unacked_bookkeeping(
             pools="parked", concurrency=2, extra_env={"PIPELINE_BROKER_ACKS": acks}
         )
         try:
-            rid = pl.submit(
-                {"p": acks},
-                id=f"acks{acks}-{uuid.uuid4().hex[:8]}",
-                queue="parked",
-                timeout=60,
-                headers={"x-sim-latency-ms": "1500"},
-            ).id
-            wait_for(lambda r=rid: pl.state(r) == "running", 10, what="the attempt running")
+            rid = f"acks{acks}-{uuid.uuid4().hex[:8]}"
+            pl.submit({"p": acks}, id=rid, queue="parked", timeout=60, headers=held(rid))
+            sim.wait_held(rid)  # the attempt runs: its message was delivered, not yet acked
             assert _unacked(client, rid) is expect_unacked
+            sim.release(rid)
             assert pl.wait(rid, 20).ok
             wait_for(lambda r=rid: not _unacked(client, r), 10, what="nothing left unacked")
         finally:

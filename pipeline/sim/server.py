@@ -381,8 +381,7 @@ class _Sim:
     def reset(self) -> dict[str, bool]:
         """Answer every held request, then zero counters, per-id attempts, scripted faults,
         released hold names and recorded arrivals."""
-        for name in list(self.holds):
-            self.release(name)
+        self.release_all()
         self.released.clear()
         self.requests = self.dropped = self.stalled = self.connections = 0
         self.by_status: dict[int, int] = {}
@@ -454,6 +453,10 @@ class _Sim:
             self.answer(conn, p, reply)
             answered += 1
         return answered
+
+    def release_all(self) -> int:
+        """Release every name that holds a request; returns how many requests were held."""
+        return sum(self.release(name) for name in list(self.holds))
 
     def _hold(self, conn: _Conn, p: _Pending, name: str, reply: _Reply) -> None:
         p.hold = name
@@ -834,6 +837,11 @@ class SimServer:
         """Same as ``POST /sim/release {"name": name}``: answer every request held under
         ``name`` (``x-sim-hold``) and let later ones pass; returns how many were held."""
         return self._call(lambda: self._sim.release(name))
+
+    def release_all(self) -> int:
+        """Release every name that holds a request (``reset()`` does too, and zeroes the
+        counters); returns how many requests were held."""
+        return self._call(self._sim.release_all)
 
     def held(self, name: str) -> int:
         """How many requests are held under ``name`` now."""

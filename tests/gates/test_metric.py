@@ -337,9 +337,7 @@ def test_endpoint_scrape_missing_metric_uses_fallback(
 
 
 def test_endpoint_scrape_against_the_simulator(gates: Callable[..., Gate]) -> None:
-    sim = SimServer(
-        SimConfig(max_concurrency=1, overload="queue", latency_ms=300)
-    ).start_in_thread()
+    sim = SimServer(SimConfig(max_concurrency=1, overload="queue")).start_in_thread()
     try:
         gate = gates(
             "endpoint-scrape",
@@ -351,13 +349,17 @@ def test_endpoint_scrape_against_the_simulator(gates: Callable[..., Gate]) -> No
         )
         assert gate.budget() == 1.0 and gate.acquire(ctx()).admitted
         body = {"prompt": "hi", "max_tokens": 2}
+        hold = {"x-sim-hold": "h"}  # the first keeps the only slot until released
         with ThreadPoolExecutor(3) as pool:
             futures = [
-                pool.submit(httpx.post, sim.url + "/v1/completions", json=body, timeout=10)
+                pool.submit(
+                    httpx.post, sim.url + "/v1/completions", json=body, headers=hold, timeout=30
+                )
                 for _ in range(3)
             ]
-            wait_until(lambda: gate.budget() == 0.0, timeout_s=5)  # 2 waiting of 2
+            wait_until(lambda: gate.budget() == 0.0, timeout_s=10)  # 2 waiting of 2
             assert not gate.acquire(ctx()).admitted
+            assert sim.release("h") == 1
             assert [f.result().status_code for f in futures] == [200, 200, 200]
         wait_until(lambda: gate.budget() == 1.0, timeout_s=5)
         assert gate.acquire(ctx()).admitted
