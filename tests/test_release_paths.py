@@ -179,10 +179,12 @@ def test_deadline_passes_while_waiting(served: Pipeline, sim: SimServer) -> None
 
 
 # -- ends that are not the task's own ----------------------------------------------------
-def test_cancel_at_start(served: Pipeline, sim: SimServer) -> None:
-    """Cancelled after dispatch, before the attempt starts: the message is fenced off."""
+def test_cancel_at_start(in_process: Pipeline, sim: SimServer) -> None:
+    """Cancelled after dispatch, before the attempt starts: the message is fenced off (sent to
+    the in-process node's Celery queue)."""
     import tasks
 
+    served = in_process
     q = served.settings.queues["crash"]  # no worker serves this pool now: we dispatch by hand
     rid = served.submit({"p": 1}, id=uid("cancel"), queue="crash", timeout=30).id
     moved = served.store.tick(q, [q], 1.0, -1, 10).moved
@@ -192,13 +194,33 @@ def test_cancel_at_start(served: Pipeline, sim: SimServer) -> None:
         args=(rid, moved[0].token),
         kwargs={"queue": "crash"},
         task_id=rid,
-        queue=celery_queue("default"),
+        queue=celery_queue("inproc"),
     )
     # a request sent after it through the same Celery queue completes after it was handled
-    after = served.submit({"p": 2}, id=uid("after"), queue="lim2", timeout=30).id
-    assert finished(served, "lim2", after).ok
+    after = served.submit({"p": 2}, id=uid("after"), queue="inproc", timeout=30).id
+    assert finished(served, "inproc", after).ok
     res = finished(served, "crash", rid)
     assert res.error_code == "CANCELLED" and sim_attempts(sim, rid) == 0
+
+
+def test_revoke_before_the_attempt_starts(
+    in_process: Pipeline, sim: SimServer, celery_session_worker: Any
+) -> None:
+    """Celery's own revoke (``celery control revoke``, Flower's button) of a request whose
+    message has not reached a worker yet: the node discards the message, ``task_revoked``
+    ends the request CANCELLED, nothing is sent and no slot stays taken."""
+    import tasks
+
+    pl = in_process
+    rid = uid("revoked")
+    node = celery_session_worker.hostname
+    replies = tasks.app.control.revoke(rid, destination=[node], reply=True, timeout=10)
+    assert [list(r) for r in replies] == [[node]] and rid in str(replies)  # the node has it
+    pl.submit({"p": 1}, id=rid, queue="inproc", timeout=30)  # dispatched to the node at once
+    res = finished(pl, "inproc", rid)
+    assert res.error_code == "CANCELLED" and res.attempts == 0
+    assert sim_attempts(sim, rid) == 0
+    assert pl.record(rid).get("dispatches") == "1"  # it did reach the node: the node ended it
 
 
 def _children(pid: int) -> list[int]:

@@ -203,26 +203,29 @@ def test_an_attempt_writes_its_tasks_celery_result_in_its_own_script(pl: Pipelin
             backend.forget(rid)
 
 
-def test_celery_shows_each_attempts_outcome(pl: Pipeline, worker: Any) -> None:
-    """End to end through a worker node: RETRY with the reason as a one-line traceback (not
-    Celery's tracer frames), then SUCCESS with the pipeline's result; a failed request's
-    FAILURE names its status."""
+def test_celery_shows_each_attempts_outcome(
+    in_process: Pipeline, sim: SimServer, celery_session_worker: Any
+) -> None:
+    """Through a Celery worker (the in-process node: its dispatcher pushes the messages, its
+    consumer runs them): RETRY with the reason as a one-line traceback (not Celery's tracer
+    frames), then SUCCESS with the pipeline's result; a failed request's FAILURE names its
+    status."""
+    pl = in_process
+    rid = f"celery-{uuid.uuid4().hex[:8]}"
+    fail_once = {"x-sim-fail-first": "1", "x-sim-fail-status": "503"}
     retried = pl.submit(
-        {"prompt": "x"},
-        id=f"celery-{uuid.uuid4().hex[:8]}",
-        timeout=60,
-        queue="slowretry",
-        headers={"x-sim-fail-first": "1", "x-sim-fail-status": "503", "x-sim-retry-after": "2"},
+        {"prompt": "x"}, id=rid, timeout=60, queue="inproc", headers={**fail_once, **held(rid)}
     )
     failed = pl.submit(
         {"prompt": "x"},
         id=f"celery-{uuid.uuid4().hex[:8]}",
+        queue="inproc",
         headers={"x-sim-fail-first": "1", "x-sim-fail-status": "400"},
     )
-    assert wait_for(
-        lambda: AsyncResult(retried.id, app=app).state == states.RETRY, 10, what="RETRY"
-    )
+    sim.wait_held(rid)  # the second attempt: the first one's RETRY is the task's state now
+    assert AsyncResult(retried.id, app=app).state == states.RETRY
     assert AsyncResult(retried.id, app=app).traceback == "tasks.inference.AttemptRetry: HTTP 503\n"
+    sim.release(rid)
     assert retried.result(timeout=15).ok
     assert wait_for(
         lambda: AsyncResult(retried.id, app=app).state == states.SUCCESS, 5, what="SUCCESS"
@@ -236,6 +239,8 @@ def test_celery_shows_each_attempts_outcome(pl: Pipeline, worker: Any) -> None:
     err = AsyncResult(failed.id, app=app)
     assert isinstance(err.result, RequestFailed) and str(err.result).startswith("HTTP 400: ")
     assert err.traceback.startswith("tasks.inference.RequestFailed: HTTP 400: ")
+    ran_on = {pl.record(r.id)["worker"] for r in (retried, failed)}
+    assert ran_on == {celery_session_worker.hostname}
 
 
 def _unacked(client: redis.Redis, rid: str) -> bool:
