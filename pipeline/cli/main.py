@@ -182,8 +182,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         needed = _pools_used(args.file, settings)
 
         def missing_pools() -> list[str]:
-            now = time.time()
             client = pipeline.store.client
+            sec, usec = client.time()  # liveness is scored by the server's clock
+            now = sec + usec / 1e6
             return [
                 p
                 for p in needed

@@ -3,7 +3,6 @@ the tightest deadline slack, gate in-flight / limit and holders."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from rich.table import Table
@@ -46,8 +45,9 @@ def status_snapshot(p: Pipeline) -> dict[str, Any]:
     to the earliest deadline of a waiting request)."""
     info = p.inspect()
     k = p.store.keys
-    now = time.time()
     client = p.store.client
+    sec, usec = client.time()  # ages and slack by the server's clock, which set the times
+    now = sec + usec / 1e6
     with client.pipeline(transaction=False) as pipe:
         for name in info:
             pipe.zcount(k.recent(name), now - 60, "+inf")
