@@ -79,8 +79,12 @@ class Store:
     def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
         self.settings = settings
         self.keys = Keys.of(settings)
-        self.client = client or connect(settings.redis_url)
-        self.scripts = Scripts(self.client)
+        self.client = client or connect(
+            settings.redis_url, sentinel_master=settings.redis_sentinel_master
+        )
+        self.scripts = Scripts(
+            self.client, settings.redis_min_replicas, settings.redis_wait_timeout_ms
+        )
 
     # -- submit --------------------------------------------------------------------------
     def submit(self, rows: list[list[str]]) -> list[Any]:
