@@ -10,7 +10,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -121,7 +120,7 @@ def test_status_shows_memory_policy_and_persistence(tmp_path: Path) -> None:
         assert facts.aof_enabled is True and facts.rdb_save == "900 1"
         assert facts.used_memory and facts.used_memory > 10_000
         console = Console(width=120, record=True)
-        console.print(render_redis(facts, now=time.time()))
+        console.print(render_redis(facts))
         text = console.export_text()
         for fact in ("memory used", "MiB", "maxmemory", "64.0 MiB", "noeviction", "AOF", "on"):
             assert fact in text, text

@@ -120,25 +120,24 @@ def _bytes(n: int | None) -> str:
     return f"{n} B"  # pragma: no cover - the loop always returns
 
 
-def _rdb(facts: ServerFacts, now: float) -> str:
+def _rdb(facts: ServerFacts) -> str:
     if facts.rdb_save is None:
         save = "save ? (CONFIG GET refused)"
     elif facts.rdb_save.strip() == "":
         save = 'snapshots off (save "")'
     else:
         save = f"save {facts.rdb_save}"
-    if facts.rdb_last_save is None:
+    if facts.rdb_last_save is None or facts.server_time is None:
         return save
-    ago = max(0.0, now - facts.rdb_last_save)
+    ago = max(0.0, facts.server_time - facts.rdb_last_save)  # both by the server's clock
     changes = facts.rdb_changes_since_save
     pending = "" if changes is None else f", {changes} changes since"
     return f"{save}; last save {ago:.0f} s ago{pending}"
 
 
-def render_redis(facts: ServerFacts, now: float | None = None) -> Table:
+def render_redis(facts: ServerFacts) -> Table:
     """The Redis server's memory used, ``maxmemory``, ``maxmemory-policy`` (anything but
     ``noeviction`` is flagged: a worker refuses it) and persistence (AOF, RDB)."""
-    now = time.time() if now is None else now
     t = Table(title="redis", show_header=False)
     t.add_column("fact")
     t.add_column("value")
@@ -151,7 +150,7 @@ def render_redis(facts: ServerFacts, now: float | None = None) -> Table:
     t.add_row("maxmemory", limit)
     t.add_row("maxmemory-policy", policy)
     t.add_row("AOF", aof)
-    t.add_row("RDB", _rdb(facts, now))
+    t.add_row("RDB", _rdb(facts))
     if facts.problem:
         t.add_row("not read", facts.problem)
     return t

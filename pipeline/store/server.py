@@ -39,6 +39,7 @@ class ServerFacts:
     rdb_changes_since_save: int | None = None
     rdb_save: str | None = None  # the `save` setting ('' = RDB snapshots off), CONFIG GET
     problem: str | None = None  # why some facts are missing
+    server_time: float | None = None  # the server's clock (Unix s) when they were read
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,14 +67,20 @@ def server_facts(client: redis.Redis) -> ServerFacts:
     answer at all raises ``redis.RedisError``."""
     problems: list[str] = []
     info: dict[str, Any] = {}
-    try:
-        with client.pipeline(transaction=False) as pipe:
-            pipe.info("memory")
-            pipe.info("persistence")
-            memory, persistence = pipe.execute()
-        info = {**memory, **persistence}
-    except redis.ResponseError as exc:  # INFO renamed or denied
-        problems.append(f"INFO refused ({exc})")
+    with client.pipeline(transaction=False) as pipe:
+        pipe.time()
+        pipe.info("memory")
+        pipe.info("persistence")
+        clock, memory, persistence = pipe.execute(raise_on_error=False)
+    for reply in (clock, memory, persistence):
+        if isinstance(reply, Exception) and not isinstance(reply, redis.ResponseError):
+            raise reply  # the server does not answer
+    for section in (memory, persistence):
+        if isinstance(section, redis.ResponseError):  # INFO renamed or denied
+            problems.append(f"INFO refused ({section})")
+            break
+        info.update(section)
+    now = None if isinstance(clock, Exception) else clock[0] + clock[1] / 1e6
     policy = info.get("maxmemory_policy")
     maxmemory = _int(info, "maxmemory")
     save: str | None = None
@@ -88,6 +95,7 @@ def server_facts(client: redis.Redis) -> ServerFacts:
         problems.append(f"CONFIG GET refused ({exc})")
     aof = _int(info, "aof_enabled")
     return ServerFacts(
+        server_time=now,
         used_memory=_int(info, "used_memory"),
         maxmemory=maxmemory,
         maxmemory_policy=str(policy) if policy is not None else None,
