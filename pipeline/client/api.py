@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..config import QueueConfig, Settings, load_settings, with_overrides
-from ..errors import InvalidRequest, UnknownRequest
+from ..errors import InvalidRequest, ReplicationError, UnknownRequest
 from ..gates import Gate, GateEnv, check_gates, queue_gate
 from ..store import Store
 from .models import Request, Result
@@ -166,7 +166,7 @@ class Pipeline:
     def submit(self, payload: dict[str, Any], **kw: Any) -> Request:
         """Submit one request. See :func:`pipeline.submit`."""
         rid, row = self._row(payload, **kw)
-        created = self.store.submit([row])[0]
+        created = self._store([rid], [row])[0]
         return Request(self, rid, created == 1)
 
     def submit_many(self, items: Iterable[dict[str, Any]]) -> list[Request]:
@@ -185,8 +185,17 @@ class Pipeline:
                 raise InvalidRequest(exc.field, f"item {i}: {exc.args[0]}") from None
             rows.append(row)
             ids.append(rid)
-        created = self.store.submit(rows) if rows else []
+        created = self._store(ids, rows) if rows else []
         return [Request(self, rid, c == 1) for rid, c in zip(ids, created, strict=True)]
+
+    def _store(self, ids: list[str], rows: list[list[str]]) -> list[Any]:
+        """Store the rows; a :class:`ReplicationError` (too few replicas confirmed them in
+        time: ``PIPELINE_REDIS_MIN_REPLICAS``) carries their ids, to submit them again."""
+        try:
+            return self.store.submit(rows)
+        except ReplicationError as exc:
+            exc.ids = list(ids)
+            raise
 
     # -- reading -------------------------------------------------------------------------
     def get(self, request_id: str) -> Request:

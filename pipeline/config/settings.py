@@ -151,6 +151,10 @@ class Settings:
     lookahead: int = -1  # attempts dispatched past a slot gate's capacity; -1: automatic
     direct_publish: bool = True  # the dispatch script pushes Celery messages (Redis broker)
     broker_acks: bool = False  # keep kombu's acks on a Redis broker (else consumed no_ack)
+    redis_sentinel_master: str | None = None  # the master's name when the URLs are sentinel://
+    redis_min_replicas: int = 0  # submit and terminal writes wait for this many replicas (WAIT)
+    redis_wait_timeout_ms: int = 1000  # ... at most this long
+    allow_eviction: bool = False  # start a worker on a Redis whose maxmemory-policy may evict
 
     def lookahead_for(self, capacity: int) -> int:
         """How many attempts the dispatcher sends past a slot gate of ``capacity``, to park

@@ -1,6 +1,7 @@
 """``redis-quota``: a limit per value of a request attribute (e.g. per user), in Redis.
 
-Params: ``address`` (optional Redis URL or ``host:port``; default: the pipeline's client),
+Params: ``address`` (optional Redis URL, ``host:port`` or a ``sentinel://`` list with
+``master_name``; default: the pipeline's client),
 ``attribute`` (``userid``; read from ``ctx.metadata``, ``metadata.userid`` also accepted),
 ``mode`` (``rate-limit`` default, or ``concurrency``), ``limit`` (int > 0, required),
 ``window`` (``1m``; seconds or ``"30s"``/``"500ms"``/``"1h"``; rate-limit only), ``prefix``

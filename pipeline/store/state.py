@@ -97,8 +97,12 @@ class Store:
     def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
         self.settings = settings
         self.keys = Keys.of(settings)
-        self.client = client or connect(settings.redis_url)
-        self.scripts = Scripts(self.client)
+        self.client = client or connect(
+            settings.redis_url, sentinel_master=settings.redis_sentinel_master
+        )
+        self.scripts = Scripts(
+            self.client, settings.redis_min_replicas, settings.redis_wait_timeout_ms
+        )
 
     def result_list_args(self, queue: QueueConfig) -> tuple[str, str, str]:
         """(list key or '' for none, max length, TTL in s) of a queue's result list, as the
