@@ -60,6 +60,25 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("endpoint-scrape", {"url": PROM, "metric": "m", "pods_url": PROM}, "pods_metric"),
     ("endpoint-scrape", {"url": PROM, "metric": "m", "cache_ttl_s": -1}, "cache_ttl_s"),
     ("endpoint-scrape", {"url": PROM, "metric": "m", "timeout_s": 30}, "timeout_s"),
+    ("endpoint-scrape", {"url": PROM, "metric": "m", "absent_value": "none"}, "absent_value"),
+    ("endpoint-scrape", {"url": PROM, "metric": "m", "admission": "eager"}, "admission"),
+    ("endpoint-scrape", {"url": PROM, "metric": "m", "admission": "counted"}, "max_count"),
+    (
+        "endpoint-scrape",
+        {
+            "url": PROM,
+            "metric": "m",
+            "admission": "counted",
+            "max_count_per_pod": 4,
+            "baseline": 0.1,
+        },
+        "baseline",
+    ),  # fmt: skip
+    (
+        "endpoint-scrape",
+        {"url": PROM, "metric": "m", "admission": "counted", "max_count_per_pod": 4, "fallback": 0},
+        "fallback",
+    ),  # fmt: skip
     ("prometheus-query", {"url": PROM}, "query"),
     ("prometheus-query", {"url": PROM, "query": "up", "fallback": "x"}, "fallback"),
     ("prometheus-query", {"url": "localhost:9090", "query": "up"}, "url"),
@@ -72,6 +91,7 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("prometheus-budget", {"url": PROM, "pool": "p", "baseline": 1.0}, "baseline"),
     ("prometheus-budget", {"url": PROM, "pool": "p", "baseline": -0.1}, "baseline"),
     ("prometheus-budget", {"url": PROM, "pool": "p", "fallback": "nan"}, "fallback"),
+    ("prometheus-budget", {"url": PROM, "pool": "p", "ready_pods_aggregation": "avg"}, "ready_"),
 ]
 
 
@@ -112,6 +132,16 @@ GOOD: list[tuple[str, dict[str, Any]]] = [
         {"saturation_gate": "local-max-concurrency", "saturation_gate_params": '{"limit": 1}'},
     ),
     ("endpoint-scrape", {"url": PROM, "metric": "m", "labels": '{"a": "b"}', "baseline": "0.1"}),
+    (
+        "endpoint-scrape",
+        {
+            "url": PROM,
+            "metric": "m",
+            "admission": "counted",
+            "max_count_per_pod": 8,
+            "absent_value": "0",
+        },
+    ),  # fmt: skip
     ("prometheus-query", {"url": PROM, "query": "up", "fallback": "0.5"}),
     ("prometheus-saturation", {"url": PROM, "pool": "p", "threshold": "0.7"}),
     ("prometheus-budget", {"url": PROM, "pool": "p", "max_concurrency": "10"}),
