@@ -30,6 +30,17 @@ def _metric_gates(gate: Gate) -> Iterator[Gate]:
         yield from _metric_gates(inner)
 
 
+def _leased_rate_gates(gate: Gate) -> Iterator[Gate]:
+    """``gate`` and the gates inside it of type ``redis-leased-rate``."""
+    if gate.type_name == "redis-leased-rate":
+        yield gate
+    for inner in getattr(gate, "gates", None) or []:
+        yield from _leased_rate_gates(inner)
+    inner = getattr(gate, "inner", None)
+    if inner is not None:
+        yield from _leased_rate_gates(inner)
+
+
 class ClusterCollector:
     """Series read from Redis (and this node's dispatcher) when ``/metrics`` is scraped."""
 
@@ -53,6 +64,38 @@ class ClusterCollector:
     def collect(self) -> Iterable[Metric]:
         yield from self._redis()
         yield from self._dispatcher()
+        yield from self._drain_limits()
+
+    def _drain_limits(self) -> Iterator[Metric]:
+        """The planner's lease of every ``redis-leased-rate`` gate, read from Redis now (the
+        same on every node); 0 while the lease is missing, expired or invalid."""
+        by_pool: dict[str, Gate] = {}
+        for _, gate in self.gates:
+            for g in _leased_rate_gates(gate):
+                by_pool.setdefault(str(getattr(g, "pool_id", "")), g)
+        if not by_pool:
+            return
+        rps = GaugeMetricFamily(
+            PREFIX + "drain_limit_rps",
+            "Admission rate leased by the planner (redis-leased-rate), req/s; 0 when invalid.",
+            labels=["pool_name"],
+        )
+        valid = GaugeMetricFamily(
+            PREFIX + "drain_limit_lease_valid",
+            "1 while the planner's lease is valid (also while paused at rate 0), else 0.",
+            labels=["pool_name"],
+        )
+        until = GaugeMetricFamily(
+            PREFIX + "drain_limit_valid_until_seconds",
+            "When the planner's lease ends (Unix s); 0 when invalid.",
+            labels=["pool_name"],
+        )
+        for pool, g in sorted(by_pool.items()):
+            g.budget()  # reads the lease (never raises; an error reads as invalid)
+            rps.add_metric([pool], float(getattr(g, "limit_rps", 0.0)))
+            valid.add_metric([pool], float(getattr(g, "lease_valid", 0)))
+            until.add_metric([pool], float(getattr(g, "valid_until_s", 0.0)))
+        yield from (rps, valid, until)
 
     def _redis(self) -> Iterator[Metric]:
         up = GaugeMetricFamily(PREFIX + "redis_up", "1 when Redis answered this scrape.")

@@ -97,6 +97,12 @@ class Keys:
         """Sorted set: admission log of a rate-limit gate, one per (key, window)."""
         return f"{self.prefix}gate:{gate}:rate:{window_s:g}:{attribute_value}"
 
+    def leased_rate_state(self, control_key: str) -> str:
+        """Hash: the token bucket (``tokens``, ``last_ms``) of a ``redis-leased-rate`` gate,
+        shared by every node; the planner's control hash (``control_key``) is named verbatim
+        in the gate's params, outside the prefix."""
+        return f"{self.prefix}gate:leased-rate:{control_key}:state"
+
     def wedged(self) -> str:
         """Hash: queue → Unix time since which the wedge detector has seen it wedged."""
         return f"{self.prefix}wedged"

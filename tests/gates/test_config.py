@@ -35,6 +35,11 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("redis-quota", {"limit": 5, "window": "0s"}, "window"),
     ("redis-quota", {"limit": 5, "window": -3}, "window"),
     ("redis-quota", {"limit": 5, "address": "ftp://x"}, "address"),
+    ("redis-leased-rate", {"pool_id": "p"}, "control_key"),
+    ("redis-leased-rate", {"control_key": "ctrl"}, "pool_id"),
+    ("redis-leased-rate", {"control_key": "ctrl", "pool_id": "p", "burst_seconds": 0}, "burst"),
+    ("redis-leased-rate", {"control_key": "c", "pool_id": "p", "burst_seconds": "inf"}, "burst"),
+    ("redis-leased-rate", {"control_key": "c", "pool_id": "p", "address": "ftp://x"}, "address"),
     ("composite", {}, "gates"),
     ("composite", {"gates": []}, "gates"),
     ("composite", {"gates": "[not json"}, "gates"),
@@ -125,6 +130,7 @@ GOOD: list[tuple[str, dict[str, Any]]] = [
     ("redis", {"address": "localhost:6379", "budget_key": "k"}),
     ("redis-quota", {"limit": "5", "window": "1m30s", "attribute": "metadata.userid"}),
     ("redis-quota", {"limit": 5.0, "window": 0.5, "mode": "concurrency"}),
+    ("redis-leased-rate", {"control_key": "ctrl:pool", "pool_id": "p", "burst_seconds": "2"}),
     ("composite", {"gates": json.dumps([LOCAL, {"gate_type": "constant"}])}),
     ("wait-on-refuse", {"gate": json.dumps(LOCAL)}),
     (
@@ -157,6 +163,14 @@ def test_valid_params_build_without_env(gate_type: str, params: dict[str, Any]) 
 
 def test_every_registered_type_is_covered() -> None:
     assert {t for t, _ in GOOD} == set(GATE_TYPES)
+
+
+def test_leased_rate_pool_id_defaults_to_the_pool_of_a_pool_gate() -> None:
+    inner = {"gate_type": "redis-leased-rate", "gate_params": {"control_key": "ctrl"}}
+    gate = build_gate("wait-on-refuse", {"gate": inner}, name="pool.batch")
+    assert gate.inner.pool_id == "batch"
+    comp = build_gate("composite", {"gates": [inner]}, name="pool.gpu-a")
+    assert comp.gates[0].pool_id == "gpu-a"
 
 
 def test_params_json_string_and_coercion() -> None:
