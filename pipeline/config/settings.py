@@ -130,6 +130,8 @@ class Settings:
     gate_wait_timeout_s: float = 300.0
     fairness_attribute: str = "userid"  # metadata key sent as the fairness identity
     fairness_header: str = "x-llm-d-inference-fairness-id"  # "" disables the stamp
+    # the header a queue's inference_objective is sent in ("" disables it)
+    objective_header: str = "x-llm-d-inference-objective"
     wedge_after_s: float = 300.0  # no completion this long while full and waiting: wedged
     park_s: float = 10.0  # an attempt refused by a full slot gate parks this long for a release
     lookahead: int = -1  # attempts dispatched past a slot gate's capacity; -1: automatic

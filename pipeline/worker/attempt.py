@@ -181,13 +181,21 @@ class Attempt:
     def _expired(self, attempted: bool, last: Outcome | None = None) -> Report:
         if last is not None and last.responded:
             return self._finish(
-                attempted=attempted, status_code=last.status_code, payload=last.body
+                attempted=attempted,
+                status_code=last.status_code,
+                payload=last.body,
+                error_message=_note(last),
             )
         prev = self.record.get("last_response")
         if prev:
             data = json.loads(prev)
+            code = int(data["status_code"])
+            reason = data.get("dropped_reason")
             return self._finish(
-                attempted=attempted, status_code=int(data["status_code"]), payload=data["payload"]
+                attempted=attempted,
+                status_code=code,
+                payload=data["payload"],
+                error_message=f"HTTP {code} (dropped: {reason})" if reason else None,
             )
         msg = "deadline exceeded"
         error = last.error if last is not None and last.error else self.record.get("last_error")
@@ -267,8 +275,9 @@ class Attempt:
         fairness identity (``metadata[fairness_attribute]``), which replaces any caller
         variant of that header in any letter case."""
         headers = {"Content-Type": "application/json", "x-request-id": self.id}
-        if self.queue.inference_objective:
-            headers["x-gateway-inference-objective"] = self.queue.inference_objective
+        objective = self.rt.settings.objective_header
+        if self.queue.inference_objective and objective:
+            headers[objective] = self.queue.inference_objective
         headers.update(self.extra_headers)
         name = self.rt.settings.fairness_header
         tenant = self.metadata.get(self.rt.settings.fairness_attribute, "")
@@ -298,7 +307,10 @@ class Attempt:
             )
         if outcome.kind is Kind.SUCCESS or (outcome.kind is Kind.FATAL and outcome.responded):
             return self._finish(
-                attempted=True, status_code=outcome.status_code, payload=outcome.body
+                attempted=True,
+                status_code=outcome.status_code,
+                payload=outcome.body,
+                error_message=_note(outcome),
             )
         if outcome.kind is Kind.FATAL:
             return self._error("INFERENCE_ERROR", outcome.error or "request failed", True)
@@ -314,16 +326,12 @@ class Attempt:
         )
         if delay is None:
             return self._expired(True, outcome)
-        last = (
-            {"status_code": outcome.status_code, "payload": outcome.body}
-            if outcome.responded
-            else None
-        )
-        reason = (
-            f"HTTP {outcome.status_code}"
-            if outcome.responded
-            else f"{outcome.category}: {outcome.error}"
-        )
+        last: dict[str, Any] | None = None
+        if outcome.responded:
+            last = {"status_code": outcome.status_code, "payload": outcome.body}
+            if outcome.dropped_reason:
+                last["dropped_reason"] = outcome.dropped_reason
+        reason = outcome.described if outcome.responded else f"{outcome.category}: {outcome.error}"
         return self._requeue(
             now + delay,
             reason,
@@ -332,6 +340,11 @@ class Attempt:
             error=outcome.error,
             status=Status.RETRY,
         )
+
+
+def _note(outcome: Outcome) -> str | None:
+    """What a result keeps of the gateway's drop reason (its ``error_message``)."""
+    return outcome.described if outcome.dropped_reason else None
 
 
 def _json_map(text: str | None, field: str) -> dict[str, str]:

@@ -194,6 +194,8 @@ def observed_send(
         s.latency.labels(*labels).observe((time.perf_counter() - start) * 1000)
     if outcome.status_code == 429:
         s.shed.labels(*labels).inc()
+    if outcome.dropped_reason:  # the gateway's flow control shed it: count its reason
+        s.gate_decisions.labels(*labels, outcome.dropped_reason).inc()
     obs = _current.get()
     if obs is not None:
         obs.outcome = outcome

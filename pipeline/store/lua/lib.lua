@@ -73,9 +73,10 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   end
   if error_code ~= '' then
     result.error_code = error_code
-    result.error_message = error_message
     outcome = error_code
   end
+  -- also without an error code: an HTTP result's note (the gateway's drop reason)
+  if error_message ~= '' then result.error_message = error_message end
   local json = cjson.encode(result)
   redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', now, 'token', '')
   redis.call('EXPIRE', rk, ttl)
@@ -120,7 +121,11 @@ local function expire(prefix, id, now, ttl)
   local f = redis.call('HMGET', prefix .. 'req:' .. id, 'last_response', 'last_error')
   if f[1] and f[1] ~= '' then
     local r = cjson.decode(f[1])
-    return terminal(prefix, id, now, ttl, tostring(r.status_code), r.payload, '', '')
+    local note = ''
+    if type(r.dropped_reason) == 'string' and r.dropped_reason ~= '' then
+      note = 'HTTP ' .. tostring(r.status_code) .. ' (dropped: ' .. r.dropped_reason .. ')'
+    end
+    return terminal(prefix, id, now, ttl, tostring(r.status_code), r.payload, '', note)
   end
   local message = 'deadline exceeded'
   if f[2] and f[2] ~= '' then message = message .. ' (last error: ' .. f[2] .. ')' end
