@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from ..config import QueueConfig, Settings
 from ..gates import Gate, GateEnv, attempt_gate
-from ..observability import metrics
+from ..observability import metrics, tracing
 from ..store import DirectPublish, Dispatched, Store
 from ..store import holder as make_holder
 
@@ -228,11 +228,29 @@ class Dispatcher:
                     )
                     n += 1
                     metrics.lease_reclaimed(q, "attempt")
+                    self._trace_reenqueue(q, rid, token)
                 for h in gate.reap(now):
                     log.warning("gate %s freed expired reservation %s", q.queue_name, h)
                     metrics.lease_reclaimed(q, "gate")
                 self.check_wedge(q.queue_name, gate, now)
         return n
+
+    def _trace_reenqueue(self, q: QueueConfig, request_id: str, token: str) -> None:
+        """A ``re-enqueue`` span for a reaped attempt, linked to its ``process-request`` span
+        (whose context the attempt left in its record). Tracing on only."""
+        if not tracing.enabled():
+            return
+        try:
+            traceparent = self.store.attempt_span(request_id, token)
+            tracing.reenqueue_span(
+                request_id,
+                token,
+                "lease expired",
+                queue_name=q.queue_name,
+                traceparent=traceparent,
+            )
+        except Exception as exc:  # noqa: BLE001 - observability never stops the reaper
+            log.warning("re-enqueue span of %s failed: %s", request_id, exc)
 
     def check_wedge(self, queue: str, gate: Gate, now: float) -> bool:
         """A queue is wedged when requests wait, its gate is at its limit and nothing has

@@ -262,6 +262,18 @@ class Store:
             args.extend(a)
         return int(self.scripts.renew(keys=[], args=args))
 
+    def note_span(self, request_id: str, token: str, traceparent: str) -> None:
+        """Record the running attempt's trace span (``attempt_span`` = ``<token> <traceparent>``)
+        so a reaper in another process can link its ``re-enqueue`` span to it. The record
+        exists while the attempt runs (a finished one keeps its TTL)."""
+        self.client.hset(self.keys.request(request_id), "attempt_span", f"{token} {traceparent}")
+
+    def attempt_span(self, request_id: str, token: str) -> str | None:
+        """The traceparent :meth:`note_span` left for this attempt (None for another one)."""
+        raw = self.client.hget(self.keys.request(request_id), "attempt_span")
+        noted_token, _, traceparent = str(raw or "").partition(" ")
+        return traceparent if raw and noted_token == token else None
+
     # -- client side ---------------------------------------------------------------------
     def cancel(self, request_id: str) -> bool:
         res = self.scripts.cancel(

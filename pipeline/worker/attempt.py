@@ -270,6 +270,10 @@ class Attempt:
             decision = self.acquire()
         return decision
 
+    def note_span(self, traceparent: str) -> None:
+        """Record this attempt's span context in its request (see ``Store.note_span``)."""
+        self.rt.store.note_span(self.id, self.token, traceparent)
+
     def headers(self) -> dict[str, str]:
         """Outgoing headers: defaults, then the request's own (they override), then the
         fairness identity (``metadata[fairness_attribute]``), which replaces any caller

@@ -15,6 +15,7 @@ import time
 
 from ..config import Settings, load_settings
 from ..gates import Decision, Gate, GateEnv, PreparedAcquire, attempt_gate, check_gates
+from ..observability import tracing
 from ..store import Store, run_batch
 from ..store import holder as make_holder
 from .attempt import Attempt
@@ -254,6 +255,8 @@ class Runtime:
                 reason,
                 "cancelled" if cancel else "requeued",
             )
+            if not cancel:
+                tracing.reenqueue_span(request_id, token, reason, queue_name=queue)
 
     def stop(self) -> None:
         self._stopping.set()

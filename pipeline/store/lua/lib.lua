@@ -5,7 +5,7 @@
 -- Record fields (hash <prefix>req:<id>): id, queue, pool, payload, priority, deadline,
 -- submitted_at, member, score, metadata, headers, endpoint, labels, result_list, state,
 -- token, attempts, dispatches, last_response, last_error, result, finished_at, worker,
--- started_at.
+-- started_at, attempt_span (tracing on: "<token> <traceparent>" of the running attempt).
 -- States: queued -> dispatched -> running -> (retry_wait -> queued ...) -> done.
 
 local function qkey(prefix, queue, name)
