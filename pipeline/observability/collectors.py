@@ -8,13 +8,15 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from ..config import Settings
 from ..gates import Gate, GateEnv, pool_gate, queue_gate
 from ..store import Store
+from ..store.scripts import register
 from . import metrics
-from .metrics import LABELS, PREFIX, queue_labels
+from .metrics import LABELS, PREFIX, PROXIMITY_BUCKETS_MS, queue_labels
 
 log = logging.getLogger("pipeline.metrics")
 
@@ -48,6 +50,7 @@ class ClusterCollector:
         self.settings = settings
         self.dispatcher = dispatcher
         self.store = Store(settings)
+        self._proximity = register(self.store.client, "deadline_proximity")
         env = GateEnv(self.store.client, self.store.keys, node="metrics")
         self.gates: list[tuple[tuple[str, str, str], Gate]] = [
             (queue_labels(q), queue_gate(settings, q.queue_name, env))
@@ -109,6 +112,9 @@ class ClusterCollector:
                     p.zcard(k.active(name))
                 p.hgetall(k.wedged())
                 *counts, wedged = p.execute()
+            proximity = self._proximity(
+                keys=[k.expiry(name) for name in names], args=list(PROXIMITY_BUCKETS_MS)
+            )
             gates = [(labels, g, g.in_flight(), g.capacity()) for labels, g in self.gates]
         except Exception as exc:  # noqa: BLE001 - a scrape reports Redis down, it never fails
             log.warning("metrics: cannot read Redis: %s", exc)
@@ -146,6 +152,34 @@ class ClusterCollector:
             if cap is not None:
                 limit.add_metric(labels, cap)
         yield from (depth, wedge, inflight, limit)
+        yield self._proximity_histogram(names, [int(c) for c in proximity])
+
+    def _proximity_histogram(self, names: list[str], counts: list[int]) -> Metric:
+        """``deadline_proximity_millis``: per queue, its waiting requests by time left before
+        their deadline (``le="0.0"``: already expired). A snapshot: use it per scrape
+        (``histogram_quantile`` of the buckets), never with ``rate()``. ``_sum`` is estimated
+        (each bucket's requests at its midpoint, those beyond the last bound at that bound)."""
+        hist = HistogramMetricFamily(
+            PREFIX + "deadline_proximity_millis",
+            "Waiting requests by time left before their deadline (ms), read from Redis now.",
+            labels=LABELS,
+        )
+        width = len(PROXIMITY_BUCKETS_MS) + 1
+        for i, name in enumerate(names):
+            row = counts[width * i : width * (i + 1)]
+            cumulative, total = row[:-1], row[-1]
+            buckets = [
+                (floatToGoString(b), c)
+                for b, c in zip(PROXIMITY_BUCKETS_MS, cumulative, strict=True)
+            ]
+            buckets.append(("+Inf", total))
+            estimate, previous, lo = 0.0, cumulative[0], 0.0
+            for bound, c in zip(PROXIMITY_BUCKETS_MS[1:], cumulative[1:], strict=True):
+                estimate += (c - previous) * (lo + bound) / 2
+                previous, lo = c, float(bound)
+            estimate += (total - previous) * lo
+            hist.add_metric(list(queue_labels(self.settings.queues[name])), buckets, estimate)
+        return hist
 
     def _dispatcher(self) -> Iterator[Metric]:
         budget = GaugeMetricFamily(

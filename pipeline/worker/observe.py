@@ -196,6 +196,7 @@ def observed_send(
     labels = metrics.queue_labels(attempt.queue)
     s = metrics.series()
     s.init_queue(labels)
+    s.dispatched.labels(*labels).inc()
     inflight = s.inflight.labels(*labels)
     inflight.inc()
     start = time.perf_counter()
