@@ -27,6 +27,7 @@ log = logging.getLogger("pipeline.dispatcher")
 
 NODE_TTL_S = 5.0  # a node missing heartbeats this long stops counting towards pool slots
 MAX_IDLE_S = 1.0  # longest block on the doorbell (also the node heartbeat cadence)
+INGEST_POLL_S = 0.25  # a reference producer rings no doorbell: look at its sorted set this often
 
 Sender = Callable[[list[Dispatched]], None]
 
@@ -72,6 +73,7 @@ class Dispatcher:
         # requests resulted) but never dispatched, so deadlines hold even with no worker there
         self.foreign = [q for p, qs in all_pools.items() if p not in self.pools for q in qs]
         self._foreign_due = 0.0
+        self.ingesting = any(q.ingest for qs in self.pools.values() for q in qs)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_beat = 0.0
@@ -130,7 +132,7 @@ class Dispatcher:
                 if now >= self._next_reap:
                     self.reap()
                     self._next_reap = now + self.settings.reaper_period_s
-                wait = min(MAX_IDLE_S, self._next_reap - now)
+                wait = min(INGEST_POLL_S if self.ingesting else MAX_IDLE_S, self._next_reap - now)
                 if next_event is not None:
                     wait = min(wait, next_event - now)
                 if wait > 0.001:
@@ -168,6 +170,8 @@ class Dispatcher:
     def _tick_queue(
         self, pool: str, q: QueueConfig, queues: list[QueueConfig], doorbell: str | None = None
     ) -> float | None:
+        if q.ingest:
+            self._ingest(q)
         gate = self.gates[q.queue_name]
         cap = gate.capacity()
         if cap is not None:
@@ -201,6 +205,22 @@ class Dispatcher:
         # otherwise the next move needs an event: a release or a submission rings the
         # doorbell, a due retry or deadline is next_event
         return res.next_event
+
+    def _ingest(self, q: QueueConfig) -> None:
+        """Take what a reference producer wrote into the queue's sorted set (see
+        ``pipeline.store.wire``); a failure is logged and retried on the next tick."""
+        try:
+            outcome = self.store.ingest(q)
+        except Exception as exc:  # noqa: BLE001 - the queue's own requests keep flowing
+            log.warning("queue %s: ingest from %s failed: %s", q.queue_name, q.queue_name, exc)
+            return
+        for word, ids in outcome.items():
+            if word == "invalid":
+                log.error("queue %s: malformed entries answered INVALID_REQUEST: %s",
+                          q.queue_name, ", ".join(i[:80] for i in ids))  # fmt: skip
+            elif word not in ("ingested", "gone", "busy"):
+                log.info("queue %s: %d %s entr(ies): %s", q.queue_name, len(ids), word,
+                         ", ".join(i[:80] for i in ids))  # fmt: skip
 
     def _send(self, moved: list[Dispatched]) -> None:
         try:

@@ -16,7 +16,9 @@ import redis
 
 from .fastredis import FastScript, call_batch
 
-SCRIPT_NAMES = ("submit", "dispatch", "start", "finish", "requeue", "cancel", "reap", "renew")
+SCRIPT_NAMES = (
+    "submit", "dispatch", "start", "finish", "requeue", "cancel", "reap", "renew", "ingest",
+)  # fmt: skip
 
 
 @cache

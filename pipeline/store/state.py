@@ -15,6 +15,7 @@ from typing import Any
 import redis
 
 from ..config import QueueConfig, Settings
+from . import wire
 from .connect import connect
 from .keys import Keys
 from .scripts import ScriptCall, Scripts
@@ -22,6 +23,13 @@ from .scripts import ScriptCall, Scripts
 SWEEP_LIMIT = 500
 SUBMIT_FIRST_CHUNK = 32  # rows in the first submit.lua call of a batch; each next one doubles
 SUBMIT_MAX_CHUNK = 500  # ... up to this many
+INGEST_BATCH = 100  # entries of a reference producer's sorted set one ingest call looks at
+
+
+def ordering_score(priority: int, deadline: float) -> float:
+    """The pending-set score: higher priority first, then earliest deadline (ms precision).
+    Submission order breaks ties (the member starts with a sequence number)."""
+    return (9 - priority) * 1e13 + round(deadline * 1000.0)
 
 
 def new_token() -> str:
@@ -95,6 +103,43 @@ class Store:
             items = json.dumps(rows[i : i + size], ensure_ascii=False, separators=(",", ":"))
             out.extend(self.scripts.submit(keys=[], args=[self.keys.prefix, time.time(), items]))
             i, size = i + size, min(SUBMIT_MAX_CHUNK, size * 2)
+        return out
+
+    # -- reference producers (a queue with "ingest": "llm-d-async") ---------------------
+    def ingest(self, queue: QueueConfig) -> dict[str, list[str]]:
+        """Move what a producer of the llm-d-async reference wrote into ``queue``'s sorted set
+        (its name, verbatim) into the queue: up to :data:`INGEST_BATCH` entries, in the set's
+        order, through ``ingest.lua`` (atomic; each entry at most once, whichever node takes
+        it). Returns the ids by outcome (``ingested``, ``invalid``, ``cancelled``, ...)."""
+        members = [str(m) for m in self.client.zrange(queue.queue_name, 0, INGEST_BATCH - 1)]
+        if not members:
+            return {}
+        entries: list[list[str]] = []
+        for member in members:
+            env = wire.parse(member, self.settings.max_payload_bytes)
+            if isinstance(env, wire.Malformed):
+                routed = wire.result_list(queue.result_queue_name, env.result_list)
+                entries.append([member, "bad", env.id, routed, env.message, env.token])
+                continue
+            entries.append([
+                member, "ok", env.id, env.token, repr(ordering_score(0, env.deadline)),
+                repr(env.deadline), env.payload, env.payload_ref,
+                json.dumps(env.metadata), json.dumps(env.headers), env.endpoint,
+                wire.result_list(queue.result_queue_name, env.result_list),
+            ])  # fmt: skip
+        words = self.scripts.ingest(
+            keys=[queue.queue_name],
+            args=[
+                self.keys.prefix,
+                queue.queue_name,
+                queue.worker_pool_id,
+                json.dumps(queue.labels) if queue.labels else "{}",
+                json.dumps(entries, ensure_ascii=False),
+            ],
+        )
+        out: dict[str, list[str]] = {}
+        for entry, word in zip(entries, words, strict=True):
+            out.setdefault(str(word), []).append(entry[2])
         return out
 
     # -- dispatcher ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from ..http.backoff import retry_delay
 from ..http.classify import Kind, Outcome, join_url, send
 from ..store import Store
 from ..store import holder as make_holder
+from ..store.keys import ref_cancel_key
 from . import observe
 from .bell import ReleaseBell, Ticket
 from .report import Mirrors, Report, Status, failure_message, result_dict
@@ -207,6 +208,8 @@ class Attempt:
     def run(self) -> Report:
         if time.time() >= self.deadline:
             return self._expired(False)
+        if self.record.get("wire") and self._cancelled_by_producer():
+            return self._error("CANCELLED", "cancelled")
         decision = self.decision or self.acquire()
         if decision.verdict is Verdict.WAIT:
             decision = self._park(self.rt.settings.gate_wait_timeout_s)
@@ -232,6 +235,14 @@ class Attempt:
                 )
             return self._error("GATE_DROPPED", "dropped by gate")
         return self._call()
+
+    def _cancelled_by_producer(self) -> bool:
+        """A request a reference producer wrote: did it cancel this generation since (its
+        ``request-cancel:<id>`` holds the generation's token)?"""
+        token = self.record.get("ref_token") or ""
+        if not token:
+            return False
+        return bool(self.rt.store.client.get(ref_cancel_key(self.id)) == token)
 
     def parks_on(self, decision: Decision) -> bool:
         """A full slot gate's Refuse: the attempt parks for a release (``PIPELINE_PARK_S``)

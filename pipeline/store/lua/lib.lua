@@ -5,7 +5,9 @@
 -- Record fields (hash <prefix>req:<id>): id, queue, pool, payload, priority, deadline,
 -- submitted_at, member, score, metadata, headers, endpoint, labels, result_list, state,
 -- token, attempts, dispatches, last_response, last_error, result, finished_at, worker,
--- started_at, attempt_span (tracing on: "<token> <traceparent>" of the running attempt).
+-- started_at, attempt_span (tracing on: "<token> <traceparent>" of the running attempt),
+-- wire ('llm-d-async' for a request a reference producer wrote; see ingest.lua) and
+-- ref_token (its generation token).
 -- States: queued -> dispatched -> running -> (retry_wait -> queued ...) -> done.
 
 local function qkey(prefix, queue, name)
@@ -49,6 +51,45 @@ local function celery_meta(key, meta, ttl, final)
   return 1
 end
 
+-- A JSON string the way Go's encoding/json writes it (the llm-d-async reference's wire
+-- format): cjson's escapes, but '/' left as is and <, >, &, U+2028, U+2029 as \u escapes.
+local function go_json(s)
+  local j = cjson.encode(s)
+  j = string.gsub(j, '\\/', '/')
+  j = string.gsub(j, '<', '\\u003c')
+  j = string.gsub(j, '>', '\\u003e')
+  j = string.gsub(j, '&', '\\u0026')
+  j = string.gsub(j, '\226\128\168', '\\u2028')
+  j = string.gsub(j, '\226\128\169', '\\u2029')
+  return j
+end
+
+-- A result in the reference's format (its ResultMessage plus request_token, fields in its
+-- order, empty ones left out): what its consumers BRPOP. An error's payload is
+-- {"error":"<message>"}, as the reference writes it. status_code / error_code / token are ''
+-- when absent.
+local function ref_result(id, status_code, payload, error_code, error_message, token)
+  local out = '{"id":' .. go_json(id)
+  if status_code ~= '' and tonumber(status_code) ~= 0 then
+    out = out .. ',"status_code":' .. tostring(tonumber(status_code))
+  end
+  if error_code ~= '' then payload = '{"error":' .. go_json(error_message) .. '}' end
+  out = out .. ',"payload":' .. go_json(payload)
+  if error_code ~= '' then out = out .. ',"error_code":' .. go_json(error_code) end
+  if error_message ~= '' then out = out .. ',"error_message":' .. go_json(error_message) end
+  if token ~= '' then out = out .. ',"request_token":' .. go_json(token) end
+  return out .. '}'
+end
+
+-- After a reference-format result is pushed: the producer's generation keys go, but only
+-- where they still hold this generation's token (a newer submission of the id keeps its own).
+local function ref_cleanup(id, token)
+  if token == '' then return end
+  for _, k in ipairs({'request-active:' .. id, 'request-cancel:' .. id}) do
+    if redis.call('GET', k) == token then redis.call('DEL', k) end
+  end
+end
+
 -- Write the terminal result of request `id` and take it out of every waiting and active set.
 -- status_code / error_code are '' when absent. `quiet`: do not publish the release on the
 -- freed channel (the attempt handed its slot over: nothing was freed). Returns the result JSON.
@@ -56,7 +97,7 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
     quiet)
   local rk = prefix .. 'req:' .. id
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'attempts', 'submitted_at',
-    'result_list')
+    'result_list', 'wire', 'ref_token')
   local queue, pool, member = f[1], f[2], f[3]
   redis.call('ZREM', qkey(prefix, queue, 'pending'), member)
   redis.call('ZREM', qkey(prefix, queue, 'delayed'), id)
@@ -80,7 +121,13 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   local json = cjson.encode(result)
   redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', now, 'token', '')
   redis.call('EXPIRE', rk, ttl)
-  redis.call('LPUSH', f[6], json)
+  if f[7] == 'llm-d-async' then  -- it came from a reference producer: its consumer's format
+    redis.call('LPUSH', f[6], ref_result(id, status_code, payload, error_code, error_message,
+      f[8] or ''))
+    ref_cleanup(id, f[8] or '')
+  else
+    redis.call('LPUSH', f[6], json)
+  end
   local nk = prefix .. 'notify:' .. id
   redis.call('RPUSH', nk, '1')
   redis.call('EXPIRE', nk, 300)
