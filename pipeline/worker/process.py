@@ -139,12 +139,11 @@ class Runtime:
                 continue
             try:
                 self.store.renew(live)
-                until = time.time() + self.settings.lease_s
                 by_queue: dict[str, list[str]] = {}
                 for rid, token, queue in live:
                     by_queue.setdefault(queue, []).append(make_holder(rid, token))
                 for queue, holders in by_queue.items():
-                    self.gate(queue).renew(holders, until)
+                    self.gate(queue).renew(holders, self.settings.lease_s)
             except Exception as exc:  # noqa: BLE001 - keep beating; leases tolerate a miss
                 log.warning("lease renewal failed: %s", exc)
 
@@ -163,13 +162,13 @@ class Runtime:
         prepared, generation = self._prepare_acquire(queue, request_id, token, worker)
         decision: Decision | None = None
         if prepared is None:
-            record = self.store.start(request_id, token, queue or "", worker)
+            started = self.store.start(request_id, token, queue or "", worker)
         else:
             start = self.store.start_call(request_id, token, queue or "", worker)
             reply, acquired = run_batch(self.store.client, [start, prepared.call])
             took = not isinstance(acquired, Exception) and prepared.took(acquired)
-            record = None if isinstance(reply, Exception) else self.store.started(reply)
-            if record is None:
+            started = None if isinstance(reply, Exception) else self.store.started(reply)
+            if started is None:
                 if took:  # the start failed or was fenced off: give the new slot back
                     self.release(queue or "", request_id, token)
                 if isinstance(reply, Exception):
@@ -179,10 +178,11 @@ class Runtime:
                 log.warning("gate %s failed for %s: %s", queue, request_id, acquired)
             else:
                 decision = prepared.decide(acquired)
-        if record is None:
+        if started is None:
             return None
+        record = started.record
         try:
-            attempt = Attempt(self, record, token, worker)
+            attempt = Attempt(self, record, token, worker, started.clock_offset)
         except (KeyError, ValueError, TypeError) as exc:
             # a record this worker cannot read (written by hand, or corrupted): end it
             message = f"unreadable request record: {type(exc).__name__}: {exc}"
@@ -216,8 +216,7 @@ class Runtime:
         generation = self.bell.generation(queue)
         holder = make_holder(request_id, token)
         try:
-            lease_until = time.time() + self.settings.lease_s
-            return gate.prepare_acquire(holder, worker, lease_until), generation
+            return gate.prepare_acquire(holder, worker, self.settings.lease_s), generation
         except Exception as exc:  # noqa: BLE001 - the attempt asks its gate the usual way
             log.warning("gate %s could not prepare for %s: %s", queue, request_id, exc)
             return None, generation
@@ -234,7 +233,7 @@ class Runtime:
         idempotent: a no-op when the attempt already finished."""
         queue = queue or self._queue_of(request_id)
         self.release(queue, request_id, token)
-        done: bool
+        done: object
         if cancel:
             done = None is not self.store.finish(
                 request_id,
@@ -246,7 +245,7 @@ class Runtime:
                 error_message=reason,
             )
         else:
-            done = self.store.requeue(request_id, token, due=time.time(), attempted=False)
+            done = self.store.requeue(request_id, token, delay=0.0, attempted=False)
         if done:
             log.warning(
                 "request %s attempt %s abandoned (%s): %s",

@@ -8,6 +8,7 @@
 -- pending / expiry sets, <prefix>seq, the pool's doorbell; and the reference's own
 -- request-cancel:<id>, request-active:<id> (cleaned with ref_cleanup) and payload keys.
 -- ARGV[1] prefix, ARGV[2] queue, ARGV[3] pool, ARGV[4] the queue's labels (JSON),
+-- ARGV[6] / ARGV[7] the result lists' bounds (max length, TTL in s: see push_result),
 -- ARGV[5] the entries: a JSON array of arrays, each one of
 --   [member, 'ok', id, token, score, deadline, payload (JSON text, or '' with a payload key),
 --    payload key ('' when inline), metadata (JSON), headers (JSON), endpoint, result list]
@@ -18,8 +19,8 @@
 -- removed), 'busy' (another generation of the id is still live: left in the sorted set until
 -- it ends), 'gone' (another dispatcher took it first).
 local prefix, queue, pool = ARGV[1], ARGV[2], ARGV[3]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local max_len, list_ttl = ARGV[6], ARGV[7]
+local now = server_now()
 local entries = cjson.decode(ARGV[5])
 local out = {}
 local woke = false
@@ -27,7 +28,7 @@ local woke = false
 -- a terminal result for an entry that never became a request of ours
 local function refuse(member, id, list, code, message, token)
   if redis.call('ZREM', KEYS[1], member) == 0 then return 'gone' end
-  redis.call('LPUSH', list, ref_result(id, '', '', code, message, token))
+  push_result(list, ref_result(id, '', '', code, message, token), max_len, list_ttl)
   ref_cleanup(id, token)
   return nil
 end
@@ -63,8 +64,9 @@ for i, e in ipairs(entries) do
         local m = string.format('%015d', seq) .. '|' .. id
         redis.call('HSET', rk, 'id', id, 'queue', queue, 'pool', pool, 'score', e[5],
           'priority', '0', 'deadline', e[6], 'payload', payload, 'metadata', e[9],
-          'headers', e[10], 'endpoint', e[11], 'result_list', list, 'labels', ARGV[4],
-          'member', m, 'submitted_at', string.format('%.6f', now), 'state', 'queued',
+          'headers', e[10], 'endpoint', e[11], 'result_list', list, 'result_list_max', max_len,
+          'result_list_ttl', list_ttl, 'labels', ARGV[4],
+          'member', m, 'submitted_at', fmt_time(now), 'state', 'queued',
           'token', '', 'attempts', 0, 'dispatches', 0, 'wire', 'llm-d-async',
           'ref_token', token)
         redis.call('ZADD', qkey(prefix, queue, 'pending'), e[5], m)
