@@ -254,8 +254,16 @@ class Runtime:
                 reason,
                 "cancelled" if cancel else "requeued",
             )
-            if not cancel:
-                tracing.reenqueue_span(request_id, token, reason, queue_name=queue)
+            if not cancel and tracing.enabled():
+                # the span's context: this process's, or (a pool child's, after a hard time
+                # limit or a lost child) the one the attempt left in its record
+                tracing.reenqueue_span(
+                    request_id,
+                    token,
+                    reason,
+                    queue_name=queue,
+                    traceparent=self.store.attempt_span(request_id, token),
+                )
 
     def stop(self) -> None:
         self._stopping.set()
