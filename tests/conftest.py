@@ -39,6 +39,9 @@ RESULTS_TAG = f"t{uuid.uuid4().hex[:6]}"  # this session's result lists
 # An attempt's HTTP timeout on the test queues: longer than any test holds a request at the
 # simulator (``held``), so a held attempt is never cut off and retried while the test works.
 HELD_S = 30
+# How long a worker node may take to start (import Celery, connect, register). A few seconds
+# on a quiet machine; on a loaded 2-core one (load average 18 measured) it took over 30 s.
+NODE_START_S = 90
 
 
 def held(name: str) -> dict[str, str]:
@@ -267,7 +270,11 @@ def start_worker(
                     raise AssertionError(f"worker exited: {log.read_text()[-3000:]}")
                 return client.zscore(key, name) is not None
 
-            wait_for(registered, 30, what=f"worker {name}")
+            try:
+                wait_for(registered, NODE_START_S, what=f"worker {name}")
+            except AssertionError:
+                w.stop()  # never leave a late node behind to serve a later test's queue
+                raise
         return w
 
     yield start

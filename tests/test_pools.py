@@ -18,7 +18,7 @@ from pipeline.errors import ConfigError
 from pipeline.gates import check_gates
 from pipeline.sim import SimServer
 
-from .conftest import ROOT, assert_idle, held, wait_for
+from .conftest import NODE_START_S, ROOT, assert_idle, held, wait_for
 
 
 def write_config(tmp_path: Path, sim_url: str) -> dict[str, str]:
@@ -81,7 +81,8 @@ def test_pool_gate_and_worker_cap(tmp_path: Path, env: dict[str, str], sim: SimS
             seen_running = max(seen_running, now)
             return now
 
-        sim.wait_held(hold, 2, timeout_s=30)  # the pool gate's limit is at the server
+        # the pool gate's limit is at the server (once the node, not waited for, has started)
+        sim.wait_held(hold, 2, timeout_s=NODE_START_S)
         wait_for(lambda: running() >= 2, 10, what="the held requests counted as running")
         sim.release(hold)
 
