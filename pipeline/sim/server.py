@@ -879,7 +879,7 @@ class SimServer:
         """How many requests are held under ``name`` now."""
         return self._call(lambda: len(self._sim.holds.get(name, ())))
 
-    def wait_held(self, name: str, n: int = 1, timeout_s: float = 10.0) -> None:
+    def wait_held(self, name: str, n: int = 1, timeout_s: float = 30.0) -> None:
         """Return once at least ``n`` requests are held under ``name``; TimeoutError after
         ``timeout_s`` seconds (polls every 5 ms)."""
         deadline = time.monotonic() + timeout_s
