@@ -24,7 +24,7 @@ from pipeline.config import Settings
 from pipeline.dispatch import Dispatcher
 from pipeline.observability import health, metrics
 from pipeline.store import DirectPublish, Dispatched
-from pipeline.worker import runtime
+from pipeline.worker import check_endpoints, runtime
 
 from .app import app, celery_queue, pool_of
 from .inference import infer
@@ -84,6 +84,8 @@ class DispatcherStep(bootsteps.StartStopStep):
     def start(self, worker: Any) -> None:
         _shutting_down.clear()
         rt = runtime()
+        for warning in check_endpoints(rt.settings):
+            log.warning("%s", warning)
         pools = served_pools(worker)
         self.dispatcher = Dispatcher(
             rt.settings,

@@ -26,6 +26,9 @@ def _setup_logging(level: str = "INFO") -> None:
 # -- worker -----------------------------------------------------------------------------
 def cmd_worker(args: argparse.Namespace) -> int:
     settings = check_gates(load_settings())  # a bad gate stops the node before it starts
+    from ..worker import check_endpoints
+
+    check_endpoints(settings)  # so does a missing api_key_env variable or TLS file
     pools = [p for p in (args.pools or "").split(",") if p] or sorted(settings.pools())
     from tasks.app import app, celery_queue
 

@@ -9,6 +9,7 @@ import json
 import logging
 import random
 import time
+from functools import partial
 from typing import Any, Protocol
 
 from ..config import QueueConfig, Settings
@@ -19,6 +20,7 @@ from ..store import Store
 from ..store import holder as make_holder
 from . import observe
 from .bell import ReleaseBell, Ticket
+from .endpoints import authorization, queue_tls
 from .report import Mirrors, Report, Status, failure_message, result_dict
 
 log = logging.getLogger("pipeline.worker")
@@ -265,7 +267,9 @@ class Attempt:
     def headers(self) -> dict[str, str]:
         """Outgoing headers: defaults, then the request's own (they override), then the
         fairness identity (``metadata[fairness_attribute]``), which replaces any caller
-        variant of that header in any letter case."""
+        variant of that header in any letter case, then the queue's API key
+        (``api_key_env``) as ``Authorization: Bearer …``, which likewise replaces a caller's
+        ``Authorization``: the queue's credentials decide what the gateway sees."""
         headers = {"Content-Type": "application/json", "x-request-id": self.id}
         if self.queue.inference_objective:
             headers["x-gateway-inference-objective"] = self.queue.inference_objective
@@ -273,9 +277,10 @@ class Attempt:
         name = self.rt.settings.fairness_header
         tenant = self.metadata.get(self.rt.settings.fairness_attribute, "")
         if name and tenant and len(tenant) <= 256 and tenant.isprintable():
-            for key in [k for k in headers if k.lower() == name.lower()]:
-                del headers[key]
-            headers[name] = tenant
+            _replace(headers, name, tenant)
+        bearer = authorization(self.queue)
+        if bearer is not None:
+            _replace(headers, "Authorization", bearer)
         return headers
 
     def url(self) -> str:
@@ -289,8 +294,14 @@ class Attempt:
             return self._expired(False)
         timeout = min(self.queue.request_timeout_s, left)
         try:
+            tls = queue_tls(self.queue)
             outcome = observe.observed_send(
-                self, send, self.url(), self.record["payload"], self.headers(), timeout
+                self,
+                send if tls is None else partial(send, tls=tls),
+                self.url(),
+                self.record["payload"],
+                self.headers(),
+                timeout,
             )
         except Exception as exc:  # noqa: BLE001 - e.g. a soft time limit inside the call
             outcome = Outcome(
@@ -332,6 +343,13 @@ class Attempt:
             error=outcome.error,
             status=Status.RETRY,
         )
+
+
+def _replace(headers: dict[str, str], name: str, value: str) -> None:
+    """Set ``name`` to ``value``, dropping every variant of it in any letter case."""
+    for key in [k for k in headers if k.lower() == name.lower()]:
+        del headers[key]
+    headers[name] = value
 
 
 def _json_map(text: str | None, field: str) -> dict[str, str]:

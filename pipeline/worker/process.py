@@ -19,6 +19,7 @@ from ..store import Store, run_batch
 from ..store import holder as make_holder
 from .attempt import Attempt
 from .bell import ReleaseBell, Ticket
+from .endpoints import check_endpoints
 
 log = logging.getLogger("pipeline.worker")
 
@@ -30,6 +31,7 @@ class Runtime:
 
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = check_gates(settings or load_settings())
+        check_endpoints(self.settings)  # a queue's API key variable is set, its TLS files load
         self.store = Store(self.settings)
         self.env = GateEnv(self.store.client, self.store.keys, node=_node_name())
         self._gates: dict[str, Gate] = {}
