@@ -11,8 +11,11 @@ from typing import Any
 
 from celery import bootsteps
 from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
     celeryd_after_setup,
     celeryd_init,
+    task_postrun,
     task_revoked,
     worker_process_init,
     worker_ready,
@@ -22,7 +25,7 @@ from celery.signals import (
 
 from pipeline.config import Settings
 from pipeline.dispatch import Dispatcher
-from pipeline.observability import health, metrics
+from pipeline.observability import health, logs, metrics
 from pipeline.store import DirectPublish, Dispatched
 from pipeline.worker import check_endpoints, runtime
 
@@ -220,3 +223,19 @@ def _on_revoked(
         cancel=cancel,
         reason="revoked" if cancel else "worker shutdown",
     )
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _on_logging_setup(logger: logging.Logger | None = None, **_: Any) -> None:
+    """``PIPELINE_LOG_FORMAT=json``: Celery's handlers (the root logger's and ``celery.task``'s,
+    in the node and in every prefork child) write one JSON object per line."""
+    if logger is not None and logs.log_format() == "json":
+        logs.use_json(logger)
+
+
+@task_postrun.connect
+def _on_postrun(**_: Any) -> None:
+    """After every attempt (retries included, once Celery logged its line): the pool thread's
+    log context is the next attempt's, not this one's."""
+    logs.clear()

@@ -19,7 +19,12 @@ log = logging.getLogger("pipeline.cli")
 
 
 def _setup_logging(level: str = "INFO") -> None:
+    from ..observability import logs
+
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logs.log_format() == "json":
+        logs.use_json(logging.getLogger())
+        logging.captureWarnings(True)  # a warning too is a JSON line, not raw stderr text
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
@@ -32,7 +37,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     pools = [p for p in (args.pools or "").split(",") if p] or sorted(settings.pools())
     from tasks.app import app, celery_queue
 
+    from ..observability import logs
+
+    # with JSON logs, no banner: every line the node writes is a JSON object
     argv = [
+        *(["--quiet"] if logs.log_format() == "json" else []),
         "worker",
         "-P",
         args.pool_impl,
