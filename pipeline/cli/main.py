@@ -1,4 +1,4 @@
-"""The ``pipeline`` command: run, worker, submit, status, sim, flower."""
+"""The ``pipeline`` command: run, worker, submit, status, reload, sim, flower."""
 
 from __future__ import annotations
 
@@ -120,6 +120,54 @@ def cmd_status(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
     return 0
+
+
+# -- reload -----------------------------------------------------------------------------
+def _live_nodes(client: Any, keys: Any) -> list[str]:
+    now = time.time()
+    nodes: set[str] = set()
+    for key in client.scan_iter(keys.pool_nodes_pattern(), count=1000):
+        nodes.update(str(n) for n in client.zrangebyscore(key, now, "+inf"))
+    return sorted(nodes)
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    """Ask every live worker node to re-read its queue and pool files; print each node's
+    outcome. Exit 0 when every node applied it (or had nothing to change), 1 otherwise."""
+    from ..store import Keys, connect
+
+    # only Redis and the key prefix are needed here: this host's queue file may not even
+    # validate (a node checks its own)
+    env = {k: v for k, v in os.environ.items() if k not in ("PIPELINE_QUEUES", "PIPELINE_POOLS")}
+    settings = load_settings(env)
+    keys = Keys.of(settings)
+    client = connect(settings.redis_url)
+    nodes = _live_nodes(client, keys)
+    generation = int(client.incr(keys.config_reload()))
+    if not nodes:
+        print("no live worker node: nothing to reload", file=sys.stderr)
+        return 1
+    outcomes: dict[str, dict[str, Any]] = {}
+    end = time.monotonic() + args.timeout
+    while len(outcomes) < len(nodes) and time.monotonic() < end:
+        for node, raw in zip(nodes, client.hmget(keys.config_reloads(), nodes), strict=True):
+            if raw and node not in outcomes:
+                data = json.loads(raw)
+                if int(data.get("generation", 0)) >= generation:
+                    outcomes[node] = data
+        time.sleep(0.1)
+    ok = True
+    for node in nodes:
+        data = outcomes.get(node)
+        if data is None:
+            ok = False
+            print(f"{node}: no answer within {args.timeout:g} s")
+            continue
+        result = data["result"]
+        ok = ok and result in ("success", "unchanged")
+        detail = f": {data['reason']}" if data.get("reason") else ""
+        print(f"{node}: {result}{detail}")
+    return 0 if ok else 1
 
 
 # -- sim / flower -----------------------------------------------------------------------
@@ -313,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true")
     p.add_argument("--interval", type=float, default=1.0)
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser(
+        "reload", help="every worker node re-reads its queue and pool files (as on SIGHUP)"
+    )
+    p.add_argument("--timeout", type=float, default=15.0, help="wait this long for the nodes")
+    p.set_defaults(func=cmd_reload)
 
     p = sub.add_parser("sim", help="the OpenAI-compatible simulator")
     from .. import sim

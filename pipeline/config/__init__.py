@@ -10,9 +10,21 @@ from .load import (
     parse_queues,
     with_overrides,
 )
+from .reload import (
+    ConfigChange,
+    diff_config,
+    from_snapshot,
+    reload_queue_files,
+    to_snapshot,
+)
 from .settings import DEFAULT_ENDPOINT, DEFAULT_REDIS_URL, PoolConfig, QueueConfig, Settings
 
 __all__ = [
+    "ConfigChange",
+    "diff_config",
+    "from_snapshot",
+    "reload_queue_files",
+    "to_snapshot",
     "DEFAULT_ENDPOINT",
     "DEFAULT_REDIS_URL",
     "PoolConfig",

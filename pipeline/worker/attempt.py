@@ -40,8 +40,16 @@ class Host(Protocol):
 
     def gate(self, queue: str) -> Gate: ...
 
+    def current_gate(self, queue: str) -> Gate | None: ...
+
     def release(
-        self, queue: str, request_id: str, token: str, *, hand_over: bool = False
+        self,
+        queue: str,
+        request_id: str,
+        token: str,
+        *,
+        hand_over: bool = False,
+        gate: Gate | None = None,
     ) -> bool: ...
 
 
@@ -86,7 +94,11 @@ class Attempt:
         )
 
     def acquire(self) -> Decision:
-        """Ask the gate (called from the task's ``before_start``)."""
+        """Ask the gate (called from the task's ``before_start``, and again while parked).
+        Holding nothing yet, the attempt asks the queue's gate under the current config (a
+        reload may have changed it since the attempt began); once admitted it keeps that
+        gate until it releases."""
+        self._follow_config()
         self._generation = self.rt.bell.generation(self.queue.queue_name)
         try:
             self.decision = self.gate.acquire(self._ctx())
@@ -96,6 +108,15 @@ class Attempt:
         if self.decision.labels:
             self.labels.update(self.decision.labels)
         return self.decision
+
+    def _follow_config(self) -> None:
+        if self._granted is not None or (self.decision is not None and self.decision.admitted):
+            return
+        name = self.queue.queue_name
+        gate = self.rt.current_gate(name)
+        if gate is not None and gate is not self.gate:
+            self.gate = gate
+            self.queue = self.rt.settings.queues.get(name, self.queue)
 
     # -- outcomes (each releases first) --------------------------------------------------
     def _release(self) -> bool:
@@ -108,7 +129,9 @@ class Attempt:
             held = ticket.held
         else:
             held = self.decision is not None and self.decision.admitted
-        return self.rt.release(self.queue.queue_name, self.id, self.token, hand_over=held)
+        return self.rt.release(
+            self.queue.queue_name, self.id, self.token, hand_over=held, gate=self.gate
+        )
 
     def _finish(
         self,
@@ -256,6 +279,7 @@ class Attempt:
                 self._generation,
                 min(PARK_POLL_S, left),
                 self._ctx() if self.gate.hands_over else None,
+                self.gate,
             )
             if ticket is not None and ticket.granted:
                 self._granted = ticket
