@@ -132,3 +132,29 @@ def test_json_logs_are_one_object_per_line_with_the_request_id(
     assert [r["attempt"] for r in retries] == [1, 2] and {r["status"] for r in retries} == {"retry"}
     (failed,) = [r for r in records if f"[{ids['failed']}] raised expected" in r["message"]]
     assert failed["status"] == 400 and failed["level"] == "INFO"
+
+
+def test_the_task_result_is_whole_for_the_backend_and_a_summary_for_the_log(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What Celery does with the task's return value: its result backend stores the whole
+    result (kombu's JSON, through ``__json__``), its success line and Flower show
+    ``saferepr`` of it — the summary (this breaks if Celery's ``saferepr`` stops falling back
+    to ``repr`` for a non-container: see docs/production.md, upgrading Celery)."""
+    from celery.utils.saferepr import saferepr
+
+    from tasks.app import app
+    from tasks.inference import TaskResult
+
+    result = {"id": "r1", "status_code": 200, "payload": "BODY-TEXT", "attempts": 2,
+              "submitted_at": 10.0, "finished_at": 10.25}  # fmt: skip
+    value = TaskResult(result)
+    meta = app.backend._get_result_meta(result=value, state="SUCCESS", traceback=None,
+                                        request=None)  # fmt: skip
+    assert json.loads(app.backend.encode(meta))["result"] == result
+    monkeypatch.delenv("PIPELINE_LOG_BODIES", raising=False)
+    shown = saferepr(value, 1024)
+    assert shown == "{'id': 'r1', 'status_code': 200, 'attempts': 2, 'latency_s': 0.25}"
+    monkeypatch.setenv("PIPELINE_LOG_BODIES", "1")
+    assert "'payload': 'BODY-TEXT'" in saferepr(value, 1024)
+    assert dict(value) == result
