@@ -9,7 +9,7 @@ pipeline's Redis.
 
 import os
 
-from pipeline.config import bool_env
+from pipeline.config import bool_env, celery_transport_options
 from pipeline.store.keys import celery_queue
 
 _redis = os.environ.get("PIPELINE_REDIS_URL") or "redis://localhost:6379/0"
@@ -39,8 +39,12 @@ result_extended = False
 task_default_queue = celery_queue("default", os.environ.get("PIPELINE_KEY_PREFIX") or "pl:")
 # Longer than the longest attempt (request_timeout_s, 300 s by default) plus the time a
 # message can wait for a slot; attempts are fenced by token, so a redelivery never runs twice.
-broker_transport_options = {"visibility_timeout": 3 * 3600}
-result_backend_transport_options = {"visibility_timeout": 3 * 3600}
+# A sentinel:// list (Celery's syntax: sentinel://h1:26379;sentinel://h2:26379/0) names the
+# master PIPELINE_REDIS_SENTINEL_MASTER: one setting for the broker, the result backend and the
+# pipeline's own Redis (kombu and Celery read it as the `master_name` transport option).
+_sentinel = celery_transport_options(os.environ.get("PIPELINE_REDIS_SENTINEL_MASTER"))
+broker_transport_options = {"visibility_timeout": 3 * 3600, **_sentinel}
+result_backend_transport_options = {"visibility_timeout": 3 * 3600, **_sentinel}
 
 worker_hijack_root_logger = False
 worker_redirect_stdouts = False

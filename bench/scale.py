@@ -16,6 +16,12 @@ Phases, on a private ``redis-server`` (so ``used_memory`` sees only this benchma
 3. end to end: a real worker node (threads, 64 slots) against a 0 ms simulator drains 3,000
    requests with a ~1k backlog (topped up by the client as it drains) and then with the 1M
    backlog; rate = completions / s after a 200-request warm-up.
+4. finished, never popped: 200,000 requests (``--finished``) end (a cancel: the same terminal
+   step as any result) on a queue with the default result list (trimmed to 100,000 entries,
+   expiring with the result TTL) and on one with ``result_list: false``; nobody pops either
+   list. Memory = ``used_memory`` delta / requests (the request records, which expire after
+   the result TTL, the notify lists, which expire after 5 min, and the result list), with the
+   list's own ``MEMORY USAGE`` and length: the list stops growing at its cap.
 
     .venv/bin/python bench/scale.py                  # ~3 min, ~1.5 GB of Redis memory
     .venv/bin/python bench/scale.py -n 100000        # a quicker look
@@ -108,7 +114,7 @@ def tick_phase(p: Any, queue: str, backlog: int) -> dict[str, Any]:
             for d in res.moved:  # frees the pool for the next call (untimed)
                 store.scripts.cancel(
                     keys=[p.store.keys.request(d.id)],
-                    args=[p.store.keys.prefix, time.time(), 60],
+                    args=[p.store.keys.prefix, 60],
                     client=pipe,
                 )
             pipe.execute()
@@ -116,6 +122,38 @@ def tick_phase(p: Any, queue: str, backlog: int) -> dict[str, Any]:
         if short > 0:
             p.submit_many(small_items(short, queue))
     return {"backlog": int(store.client.zcard(pending)), "rate": moved / spent, "moved": moved}
+
+
+def finished_phase(rh: RedisHandle, p: Any, n: int, queue: str) -> dict[str, Any]:
+    """Memory left by ``n`` finished requests of ``queue`` that nobody popped."""
+    rh.client.execute_command("MEMORY", "PURGE")
+    mem0 = rh.used_memory()
+    keys = p.store.keys
+    done = 0
+    while done < n:
+        batch = p.submit_many(small_items(min(CHUNK, n - done), queue))
+        with p.store.client.pipeline(transaction=False) as pipe:
+            for r in batch:
+                p.store.scripts.cancel(
+                    keys=[keys.request(r.id)], args=[keys.prefix, 3600], client=pipe
+                )
+            pipe.execute()
+        done += len(batch)
+    rh.client.execute_command("MEMORY", "PURGE")
+    mem1 = rh.used_memory()
+    record = int(rh.client.memory_usage(keys.request(batch[-1].id), samples=0) or 0)
+    notify = int(rh.client.memory_usage(keys.notify(batch[-1].id), samples=0) or 0)
+    recent = int(rh.client.memory_usage(keys.recent(queue), samples=0) or 0)
+    rl = keys.result_list(p.settings.queues[queue]) if p.settings.queues[queue].result_list else ""
+    return {
+        "per_req": (mem1 - mem0) / n,
+        "record": record,
+        "notify": notify,
+        "recent": recent / n,
+        "list_len": int(rh.client.llen(rl)) if rl else 0,
+        "list_bytes": int(rh.client.memory_usage(rl, samples=0) or 0) if rl else 0,
+        "list_ttl": int(rh.client.ttl(rl)) if rl else None,
+    }
 
 
 def e2e_phase(penv: PipelineEnv, pool: str, queue: str, top_up: int | None) -> dict[str, Any]:
@@ -155,6 +193,7 @@ def main() -> int:
     ap = base_parser(__doc__.split("\n\n")[0] if __doc__ else "")
     ap.add_argument("-n", type=int, default=1_000_000, help="requests to queue")
     ap.add_argument("--skip-e2e", action="store_true", help="skip phase 3")
+    ap.add_argument("--finished", type=int, default=200_000, help="phase 4 requests (0: skip)")
     args = ap.parse_args()
     with bench_session(args.redis_url) as (rh, workdir):
         sim = Sim(latency_ms=0)
@@ -162,6 +201,8 @@ def main() -> int:
             queues = [
                 queue_entry("big", sim.url, pool="pbig"),
                 queue_entry("small", sim.url, pool="psmall"),
+                queue_entry("fin_list", sim.url, pool="pfin"),
+                queue_entry("fin_nolist", sim.url, pool="pfin", result_list=False),
             ]
             penv = PipelineEnv(rh.url, queues, workdir)
             p = penv.pipeline()
@@ -179,6 +220,11 @@ def main() -> int:
                 e_small = e2e_phase(penv, "psmall", "small", SMALL)
                 e_big = e2e_phase(penv, "pbig", "big", None)
                 log(f"e2e: {e_small['rate']:.0f}/s at 1k, {e_big['rate']:.0f}/s at {args.n:,}")
+            fin_list = fin_nolist = None
+            if args.finished:
+                log(f"phase 4: {args.finished:,} finished requests nobody pops, with/without list")
+                fin_list = finished_phase(rh, p, args.finished, "fin_list")
+                fin_nolist = finished_phase(rh, p, args.finished, "fin_nolist")
         finally:
             sim.stop()
     mem_ok = sub["mem_per_req"] <= 1024
@@ -215,6 +261,34 @@ def main() -> int:
             ["end-to-end rate at ~1k queued (req/s)", f"{e_small['rate']:.0f}", "", ""],
             [f"end-to-end rate at {args.n:,} queued (req/s)", f"{e_big['rate']:.0f}", "", ""],
             ["  1k / big ratio", f"{e_ratio:.2f}", "<= 2", verdict(e_ratio <= 2)],
+        ]
+    if fin_list is not None and fin_nolist is not None:
+        cap = 100_000
+        rows += [
+            [
+                f"memory per finished request, result list on (B, {args.finished:,})",
+                f"{fin_list['per_req']:.0f}",
+                "",
+                "",
+            ],
+            [
+                "  of which: record / notify list (5 min) / recent zset (5 min)",
+                f"{fin_list['record']} / {fin_list['notify']} / {fin_list['recent']:.0f}",
+                "",
+                "",
+            ],
+            [
+                "  result list length / MEMORY USAGE (B)",
+                f"{fin_list['list_len']:,} / {fin_list['list_bytes']:,}",
+                f"<= {cap:,}",
+                verdict(fin_list["list_len"] <= cap and (fin_list["list_ttl"] or 0) > 0),
+            ],
+            [
+                "memory per finished request, result_list false (B)",
+                f"{fin_nolist['per_req']:.0f}",
+                "",
+                "",
+            ],
         ]
     print(table(["measure", "value", "target", ""], rows))
     print(

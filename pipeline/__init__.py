@@ -11,7 +11,14 @@ from typing import Any
 
 from .client import Pipeline, Request, Result, configure, default_pipeline
 from .config import QueueConfig, Settings, load_settings
-from .errors import ConfigError, InvalidRequest, PipelineError, UnknownRequest
+from .errors import (
+    ConfigError,
+    InvalidRequest,
+    PipelineError,
+    ReplicationError,
+    UnknownRequest,
+    UnsafeRedis,
+)
 
 __version__ = "0.1.0"
 
@@ -33,7 +40,8 @@ def submit(
     ``payload`` is the JSON body sent as is. ``deadline`` is absolute (Unix s), ``timeout`` is
     relative (s); give at most one (default: the queue's ``default_timeout_s``). ``priority``
     0-9, higher first. ``id`` is an idempotency key: a live id returns the live request.
-    Raises :class:`InvalidRequest` naming the bad field.
+    Raises :class:`InvalidRequest` naming the bad field, :class:`ReplicationError` when
+    ``PIPELINE_REDIS_MIN_REPLICAS`` replicas did not confirm the write in time.
     """
     return default_pipeline().submit(
         payload,
@@ -76,8 +84,10 @@ __all__ = [
     "QueueConfig",
     "Request",
     "Result",
+    "ReplicationError",
     "Settings",
     "UnknownRequest",
+    "UnsafeRedis",
     "cancel",
     "configure",
     "get",

@@ -21,3 +21,24 @@ class ConfigError(PipelineError):
 
 class UnknownRequest(PipelineError, KeyError):
     """No request with that id is known (never submitted, or its result has expired)."""
+
+
+class ReplicationError(PipelineError):
+    """A write reached the Redis master but not ``wanted`` replicas within ``timeout_ms``
+    (``PIPELINE_REDIS_MIN_REPLICAS`` / ``PIPELINE_REDIS_WAIT_TIMEOUT_MS``): it stands on the
+    master, but a failover now could lose it. ``acked`` replicas confirmed it. Raised by
+    ``submit``: submitting the same ids again is safe (a live id is not stored twice)."""
+
+    def __init__(self, what: str, wanted: int, acked: int, timeout_ms: int) -> None:
+        super().__init__(
+            f"{what}: stored on the Redis master, but {acked} of the {wanted} replica(s) "
+            f"PIPELINE_REDIS_MIN_REPLICAS asks for confirmed it within {timeout_ms} ms; it "
+            "could be lost if the master fails now. Submitting the same ids again is safe."
+        )
+        self.what, self.wanted, self.acked, self.timeout_ms = what, wanted, acked, timeout_ms
+        self.ids: list[str] = []  # the submitted ids, when the client knows them
+
+
+class UnsafeRedis(ConfigError):
+    """The pipeline's Redis is configured in a way that breaks its guarantees (a
+    ``maxmemory-policy`` that evicts keys); the message names the setting and the fix."""

@@ -7,7 +7,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***`` (for logs and status output)."""
+    """The URL with any password replaced by ``***`` (for logs and status output); each entry
+    of a ``;``-separated list (Celery's Sentinel syntax) too."""
+    if ";" in url:
+        return ";".join(redact_url(part) for part in url.split(";"))
     parts = urlsplit(url)
     if parts.password is None:
         return url

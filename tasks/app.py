@@ -10,20 +10,23 @@ from celery import Celery
 from pipeline.store import keys
 
 from . import compat
-from .backend import PipelineRedisBackend
+from .backend import PipelineRedisBackend, PipelineSentinelBackend
 
 compat.install()
 
 
 class PipelineCelery(Celery):
     """Celery, with :class:`~tasks.backend.PipelineRedisBackend` for a Redis result backend
-    (the ``CELERY_RESULT_BACKEND`` environment variable wins over ``celeryconfig`` in Celery,
-    so the class is picked here, when the backend is first used)."""
+    (:class:`~tasks.backend.PipelineSentinelBackend` for a ``sentinel://`` list; the
+    ``CELERY_RESULT_BACKEND`` environment variable wins over ``celeryconfig`` in Celery, so the
+    class is picked here, when the backend is first used)."""
 
     def _get_backend(self) -> Any:
-        url = self.conf.result_backend
-        if self.backend_cls is None and str(url).startswith(("redis://", "rediss://")):
+        url = str(self.conf.result_backend)
+        if self.backend_cls is None and url.startswith(("redis://", "rediss://")):
             return PipelineRedisBackend(app=self, url=url)
+        if self.backend_cls is None and url.startswith("sentinel://"):
+            return PipelineSentinelBackend(app=self, url=url)
         return super()._get_backend()
 
 

@@ -6,8 +6,10 @@ task cannot overwrite a SUCCESS). The pipeline already fences every attempt by i
 the live attempt of a request stores SUCCESS or FAILURE; a stale one raises ``Ignore`` and stores
 nothing. What remains — a late RETRY of an earlier attempt landing after a later attempt's final
 state — is handled inside one script (``celery_result.lua``): a non-final state never replaces a
-final one. Used when ``CELERY_RESULT_BACKEND`` is a ``redis://``/``rediss://`` URL (see
-``celeryconfig``); everything else (reading results, ``AsyncResult``) is Celery's own code.
+final one. Used when ``CELERY_RESULT_BACKEND`` is a ``redis://``/``rediss://`` URL, and as
+:class:`PipelineSentinelBackend` for a ``sentinel://`` list (see ``celeryconfig``: the master's
+name is ``PIPELINE_REDIS_SENTINEL_MASTER``); everything else (reading results,
+``AsyncResult``) is Celery's own code.
 
 When the result backend is the pipeline's own Redis, an attempt's finish / requeue script also
 writes its task's result (:meth:`PipelineRedisBackend.mirror`: the meta Celery would store,
@@ -23,7 +25,7 @@ from typing import Any
 
 from celery import states
 from celery.backends.base import BackendStoreError
-from celery.backends.redis import RedisBackend
+from celery.backends.redis import RedisBackend, SentinelBackend
 from kombu.utils.encoding import bytes_to_str
 
 from pipeline.store import Mirror
@@ -101,3 +103,8 @@ class PipelineRedisBackend(RedisBackend):
         key = self.get_key_for_task(task_id)
         self.ensure(self._store_script, ([key], args))
         return result
+
+
+class PipelineSentinelBackend(PipelineRedisBackend, SentinelBackend):
+    """:class:`PipelineRedisBackend` over Celery's ``SentinelBackend``: the client follows the
+    master the sentinels name (``result_backend_transport_options["master_name"]``)."""

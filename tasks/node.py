@@ -32,8 +32,10 @@ from celery.signals import (
 
 from pipeline.config import Settings
 from pipeline.dispatch import Dispatcher
+from pipeline.errors import UnsafeRedis
 from pipeline.observability import health, logs, metrics
-from pipeline.store import DirectPublish, Dispatched
+from pipeline.redact import redact_url
+from pipeline.store import DirectPublish, Dispatched, check_eviction
 from pipeline.worker import check_endpoints, runtime
 from pipeline.worker.process import SNAPSHOT_ENV
 from pipeline.worker.reload import Reloader
@@ -43,6 +45,9 @@ from .inference import infer
 
 log = logging.getLogger("pipeline.node")
 _shutting_down = threading.Event()
+# the schemes of a Redis broker (kombu's redis and sentinel transports share its key layout)
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
+EXIT_UNSAFE_REDIS = 2
 
 
 def send_to_celery(moved: list[Dispatched]) -> None:
@@ -71,7 +76,7 @@ def direct_publish(settings: Settings, pools: list[str], origin: str) -> dict[st
     if (
         not settings.direct_publish
         or str(conf.broker_url or "") != settings.redis_url
-        or not settings.redis_url.startswith(("redis://", "rediss://", "unix://"))
+        or not settings.redis_url.startswith(REDIS_SCHEMES)
         or options.get("global_keyprefix")
     ):
         return {}
@@ -180,6 +185,7 @@ def _on_init(sender: str | None = None, **_: Any) -> None:
     included) shares per-node gate state under the worker's hostname."""
     if sender:
         os.environ["PIPELINE_NODE"] = sender
+    refuse_unsafe_redis()
     metrics.setup_node(sender)
     _snapshot_path()
 
@@ -197,6 +203,19 @@ def _snapshot_path() -> None:
 
     atexit.register(_cleanup)
     os.environ[SNAPSHOT_ENV] = os.path.join(path, "config.json")
+
+
+def refuse_unsafe_redis() -> None:
+    """Stop the node before it starts (exit 2, one log line naming the setting and the fix)
+    when the pipeline's Redis may evict keys (``maxmemory-policy`` other than ``noeviction``),
+    unless ``PIPELINE_ALLOW_EVICTION=1`` (then a warning, at every start)."""
+    rt = runtime()
+    where = redact_url(rt.settings.redis_url)
+    try:
+        check_eviction(rt.store.client, where, allow=rt.settings.allow_eviction)
+    except UnsafeRedis as exc:
+        log.critical("refusing to start: %s", exc)
+        raise SystemExit(EXIT_UNSAFE_REDIS) from None
 
 
 @celeryd_after_setup.connect
@@ -220,9 +239,7 @@ def no_ack_broker(celery_app: Any) -> bool:
     """Whether the pipeline's queues are consumed without acks: a Redis broker, unless
     ``PIPELINE_BROKER_ACKS=1`` keeps kombu's acks (and its visibility-timeout redelivery)."""
     url = str(celery_app.conf.broker_url or "")
-    return (
-        url.startswith(("redis://", "rediss://", "unix://")) and not runtime().settings.broker_acks
-    )
+    return url.startswith(REDIS_SCHEMES) and not runtime().settings.broker_acks
 
 
 @worker_shutting_down.connect

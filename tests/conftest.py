@@ -79,6 +79,16 @@ def queue_entries(sim_url: str) -> list[dict[str, Any]]:
             "retry_base_delay_s": 1.0,
             "result_queue_name": f"{RESULTS_TAG}-results-slowretry",
         },
+        # bounded result lists (served by the session worker)
+        {
+            "queue_name": "capped",
+            "igw_base_url": sim_url,
+            "result_queue_name": f"{RESULTS_TAG}-results-capped",
+            "result_list_max_len": 5,
+            "result_ttl_seconds": 60,
+            **fast,
+        },
+        {"queue_name": "nolist", "igw_base_url": sim_url, "result_list": False, **fast},
         *gated_queue_entries(sim_url),
     ]
 
@@ -118,6 +128,12 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
         ("overadmit", "overadmit", quota(5), sim_url),
         ("chaos", "chaos", quota(8), sim_url),
         ("stalls", "default", quota(4), sim_url),
+        (
+            "skew",
+            "skew",
+            {"gate_type": "global-max-concurrency", "gate_params": {"limit": 4}},
+            sim_url,
+        ),
     ]
     entries = [
         {

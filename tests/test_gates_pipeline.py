@@ -30,7 +30,7 @@ def test_dispatch_moves_budget_times_free_capacity(pl: Pipeline) -> None:
     assert len(second) == 2
     assert len(pl.store.tick(q, [q], 1.0, 3, 8).moved) == 0  # queue capacity 3 < 6 active
     for d in first + second:
-        assert pl.store.requeue(d.id, d.token, due=0, attempted=False)
+        assert pl.store.requeue(d.id, d.token, delay=0, attempted=False)
     for rid in ids:
         assert pl.cancel(rid)
 

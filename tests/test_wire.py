@@ -179,14 +179,14 @@ def test_an_attempt_writes_its_tasks_celery_result_in_its_own_script(pl: Pipelin
 
         brief = "tasks.inference.AttemptRetry: HTTP 503\n"
         m = backend.mirror(retried.id, states.RETRY, traceback=brief)
-        assert pl.store.requeue(retried.id, retried.token, due=0, attempted=True, mirror=m)
+        assert pl.store.requeue(retried.id, retried.token, delay=0, attempted=True, mirror=m)
         got = _meta(backend, retried.id)
         assert got == _as_celery_stores(backend, retried.id, states.RETRY, None, brief)
         assert AsyncResult(retried.id, app=app).state == states.RETRY
 
         # a fenced-off attempt writes nothing; a RETRY never replaces a final state
         stale = backend.mirror(ok.id, states.RETRY, traceback="late")
-        assert not pl.store.requeue(ok.id, ok.token, due=0, attempted=True, mirror=stale)
+        assert not pl.store.requeue(ok.id, ok.token, delay=0, attempted=True, mirror=stale)
         assert AsyncResult(ok.id, app=app).state == states.SUCCESS
 
         # Celery's own write of the state the attempt mirrored is skipped; of another, not

@@ -95,7 +95,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 # -- status -----------------------------------------------------------------------------
 def cmd_status(args: argparse.Namespace) -> int:
     from ..client import Pipeline
-    from ..observability.status import render_status, status_snapshot
+    from ..observability.status import render_all, status_snapshot
 
     p = Pipeline()
     if args.json:
@@ -108,18 +108,30 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         console = Console()
         console.print(f"[dim]redis: {redact_url(p.settings.redis_url)}")
-        console.print(render_status(status_snapshot(p)))
+        console.print(render_all(status_snapshot(p), _server_facts(p)))
         return 0
     from rich.live import Live
 
-    with Live(render_status(status_snapshot(p)), refresh_per_second=4) as live:
+    with Live(render_all(status_snapshot(p), _server_facts(p)), refresh_per_second=4) as live:
         try:
             while True:
                 time.sleep(args.interval)
-                live.update(render_status(status_snapshot(p)))
+                live.update(render_all(status_snapshot(p), _server_facts(p)))
         except KeyboardInterrupt:
             pass
     return 0
+
+
+def _server_facts(p: Any) -> Any:
+    """The Redis server's memory and persistence, or None when it does not answer."""
+    import redis
+
+    from ..store import server_facts
+
+    try:
+        return server_facts(p.store.client)
+    except redis.RedisError:
+        return None
 
 
 # -- reload -----------------------------------------------------------------------------
@@ -222,7 +234,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     try:
         settings = load_settings(env)
-        if not redis_reachable(settings.redis_url):
+        if not redis_reachable(settings.redis_url, sentinel_master=settings.redis_sentinel_master):
             url = services.start_redis()
             console.print(f"[dim]no Redis reachable: started an embedded redis-server ({url})")
             env.update(PIPELINE_REDIS_URL=url, CELERY_BROKER_URL=url, CELERY_RESULT_BACKEND=url)
@@ -242,8 +254,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         needed = _pools_used(args.file, settings)
 
         def missing_pools() -> list[str]:
-            now = time.time()
             client = pipeline.store.client
+            sec, usec = client.time()  # liveness is scored by the server's clock
+            now = sec + usec / 1e6
             return [
                 p
                 for p in needed

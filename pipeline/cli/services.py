@@ -15,7 +15,9 @@ from typing import Any
 
 import redis
 
+from ..errors import PipelineError
 from ..redact import redact_url
+from ..store import connect
 
 log = logging.getLogger("pipeline.services")
 
@@ -26,14 +28,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def redis_reachable(url: str, timeout: float = 1.0) -> bool:
+def redis_reachable(url: str, timeout: float = 1.0, sentinel_master: str | None = None) -> bool:
+    """Whether the Redis at ``url`` (the master, for a ``sentinel://`` list) answers a PING."""
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+        client = connect(url, sentinel_master=sentinel_master, timeout=timeout)
         try:
             return bool(client.ping())
         finally:
             client.close()
-    except (redis.RedisError, OSError, ValueError):
+    except (redis.RedisError, OSError, ValueError, PipelineError):
         return False
 
 
@@ -95,6 +98,8 @@ class Services:
                 "",
                 "--appendonly",
                 "no",
+                "--maxmemory-policy",
+                "noeviction",  # the default, said out loud: a worker refuses anything else
                 "--daemonize",
                 "no",
             ],

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..config import QueueConfig, Settings, load_settings, with_overrides
-from ..errors import InvalidRequest, UnknownRequest
+from ..errors import InvalidRequest, ReplicationError, UnknownRequest
 from ..gates import Gate, GateEnv, check_gates, queue_gate
 from ..store import Store
 from .models import Request, Result
@@ -26,9 +26,10 @@ SUBMIT_KEYS = frozenset(
 
 
 def ordering_score(priority: int, deadline: float) -> float:
-    """The pending-set score: higher priority first, then earliest deadline (ms precision).
-    Submission order breaks ties (the member starts with a sequence number)."""
-    return (9 - priority) * 1e13 + round(deadline * 1000.0)
+    """The pending-set score submit.lua gives a request: higher priority first, then earliest
+    deadline (ms precision). Submission order breaks ties (the member starts with a sequence
+    number)."""
+    return (9 - priority) * 1e13 + math.floor(deadline * 1000.0 + 0.5)
 
 
 def _is_number(value: Any) -> bool:
@@ -84,24 +85,28 @@ def _check_id(rid: Any) -> str:
     return rid
 
 
-def _check_deadline(deadline: Any, timeout: Any, default_timeout_s: float) -> float:
-    """The absolute deadline (Unix s) from ``deadline`` or ``timeout`` (at most one)."""
-    now = time.time()
+def _check_deadline(deadline: Any, timeout: Any, default_timeout_s: float) -> tuple[str, str]:
+    """``(deadline, timeout)`` for submit.lua from ``deadline`` or ``timeout`` (at most one):
+    an absolute deadline (Unix s) stays as given; a relative timeout (or the queue's default)
+    becomes a deadline by the Redis server's clock when the request is stored, so a client
+    whose clock is off still gets the time it asked for. The "in the past" check of an absolute
+    deadline is a sanity check by this machine's clock; the server's clock decides expiry."""
     if deadline is not None and timeout is not None:
         raise InvalidRequest("deadline", "give deadline or timeout, not both")
     if deadline is not None:
+        now = time.time()
         if not _is_number(deadline):
             raise InvalidRequest("deadline", "must be a Unix time in seconds")
         if deadline <= now:
             raise InvalidRequest("deadline", "is in the past")
         if deadline > now + MAX_DEADLINE_AHEAD_S:
             raise InvalidRequest("deadline", "is more than 10 years ahead")
-        return float(deadline)
+        return repr(float(deadline)), ""
     if timeout is not None:
         if not _is_number(timeout) or timeout <= 0 or timeout > MAX_DEADLINE_AHEAD_S:
             raise InvalidRequest("timeout", "must be a positive number of seconds")
-        return now + float(timeout)
-    return now + default_timeout_s
+        return "", repr(float(timeout))
+    return "", repr(float(default_timeout_s))
 
 
 class Pipeline:
@@ -110,6 +115,9 @@ class Pipeline:
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = check_gates(settings or load_settings())
         self.store = Store(self.settings)
+        self._result_list = {
+            name: self.store.result_list_args(q) for name, q in self.settings.queues.items()
+        }
         self._gates: dict[str, Gate] = {}
         self._lock = threading.Lock()
 
@@ -128,7 +136,9 @@ class Pipeline:
         priority = kw.get("priority", 0)
         if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 9:
             raise InvalidRequest("priority", "must be an int from 0 to 9")
-        deadline = _check_deadline(kw.get("deadline"), kw.get("timeout"), q.default_timeout_s)
+        deadline, timeout = _check_deadline(
+            kw.get("deadline"), kw.get("timeout"), q.default_timeout_s
+        )
         metadata = _str_map(kw.get("metadata"), "metadata")
         headers = _str_map(kw.get("headers"), "headers", header=True)
         endpoint = kw.get("endpoint")
@@ -140,14 +150,14 @@ class Pipeline:
             rid,
             q.queue_name,
             q.worker_pool_id,
-            repr(ordering_score(priority, deadline)),
             str(priority),
-            repr(float(deadline)),
+            deadline,
+            timeout,
             body,
             _json_map(metadata),
             _json_map(headers),
             endpoint or "",
-            self.store.keys.result_list(q),
+            *self._result_list[q.queue_name],
             _json_map(q.labels),
         ]
         return rid, row
@@ -156,7 +166,7 @@ class Pipeline:
     def submit(self, payload: dict[str, Any], **kw: Any) -> Request:
         """Submit one request. See :func:`pipeline.submit`."""
         rid, row = self._row(payload, **kw)
-        created = self.store.submit([row])[0]
+        created = self._store([rid], [row])[0]
         return Request(self, rid, created == 1)
 
     def submit_many(self, items: Iterable[dict[str, Any]]) -> list[Request]:
@@ -175,8 +185,17 @@ class Pipeline:
                 raise InvalidRequest(exc.field, f"item {i}: {exc.args[0]}") from None
             rows.append(row)
             ids.append(rid)
-        created = self.store.submit(rows) if rows else []
+        created = self._store(ids, rows) if rows else []
         return [Request(self, rid, c == 1) for rid, c in zip(ids, created, strict=True)]
+
+    def _store(self, ids: list[str], rows: list[list[str]]) -> list[Any]:
+        """Store the rows; a :class:`ReplicationError` (too few replicas confirmed them in
+        time: ``PIPELINE_REDIS_MIN_REPLICAS``) carries their ids, to submit them again."""
+        try:
+            return self.store.submit(rows)
+        except ReplicationError as exc:
+            exc.ids = list(ids)
+            raise
 
     # -- reading -------------------------------------------------------------------------
     def get(self, request_id: str) -> Request:
@@ -212,8 +231,14 @@ class Pipeline:
             left = 1.0 if end is None else min(1.0, end - time.monotonic())
             if left <= 0:
                 raise TimeoutError(f"request {request_id} not done after {timeout} s")
-            if self.store.client.blpop([notify], timeout=max(left, 0.01)):
-                self.store.client.rpush(notify, "1")  # leave the bell ringing for other waiters
+            # wait for the bell without taking it: BLMOVE of the list onto itself returns as
+            # soon as it holds an element and leaves it there (for other waiters), and the
+            # key keeps the expiry the finishing script gave it (a pop then a push would
+            # re-create it without one: a key left for ever per waited request)
+            # (a float timeout: redis-py's blmove() types it int)
+            self.store.client.execute_command(
+                "BLMOVE", notify, notify, "RIGHT", "LEFT", max(left, 0.01)
+            )
 
     def iter_results(
         self, ids: Iterable[str], poll_s: float = 0.05, on_poll: Callable[[], None] | None = None
@@ -224,20 +249,21 @@ class Pipeline:
         client = self.store.client
         keys = self.store.keys
         queues = list(self.settings.queues)
-        since = time.time() - 1.0
-        last_full = 0.0
+        since = "-inf"  # the recent set is scored by the server's clock: so is `since`
+        last_full = float("-inf")  # the first round reads every id
         while remaining:
-            now = time.time()
-            if now - last_full > FULL_RESCAN_S:  # a safety net; the recent set is the path
+            with client.pipeline(transaction=False) as p:
+                p.time()
+                for q in queues:
+                    p.zrangebyscore(keys.recent(q), since, "+inf")
+                (sec, usec), *recent = p.execute()
+            if time.monotonic() - last_full > FULL_RESCAN_S:  # a safety net
                 candidates = list(remaining)
-                last_full = now
+                last_full = time.monotonic()
             else:
-                with client.pipeline(transaction=False) as p:
-                    for q in queues:
-                        p.zrangebyscore(keys.recent(q), since, "+inf")
-                    found = {i for ids_ in p.execute() for i in ids_}
+                found = {i for ids_ in recent for i in ids_}
                 candidates = [i for i in found if i in remaining]
-            since = now - 1.0
+            since = repr(sec + usec / 1e6 - 1.0)
             for i in range(0, len(candidates), 1000):
                 chunk = candidates[i : i + 1000]
                 with client.pipeline(transaction=False) as p:

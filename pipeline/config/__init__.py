@@ -10,6 +10,13 @@ from .load import (
     parse_queues,
     with_overrides,
 )
+from .redis_url import (
+    MASTER_VAR,
+    SentinelURL,
+    celery_transport_options,
+    is_sentinel,
+    parse_sentinel_url,
+)
 from .reload import (
     ConfigChange,
     diff_config,
@@ -27,13 +34,18 @@ __all__ = [
     "to_snapshot",
     "DEFAULT_ENDPOINT",
     "DEFAULT_REDIS_URL",
+    "MASTER_VAR",
     "PoolConfig",
     "QueueConfig",
+    "SentinelURL",
     "Settings",
     "bool_env",
+    "celery_transport_options",
     "default_queues",
+    "is_sentinel",
     "load_settings",
     "parse_pools",
     "parse_queues",
+    "parse_sentinel_url",
     "with_overrides",
 ]

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import ConfigError
+from .redis_url import MASTER_VAR, check_sentinel
 from .settings import (
     DEFAULT_ENDPOINT,
     DEFAULT_REDIS_URL,
@@ -99,6 +100,13 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         if (pools_path)
         else {}
     )
+    master = env.get(MASTER_VAR) or None
+    for var, url in (
+        ("PIPELINE_REDIS_URL", redis_url),
+        ("CELERY_BROKER_URL", env.get("CELERY_BROKER_URL") or ""),
+        ("CELERY_RESULT_BACKEND", env.get("CELERY_RESULT_BACKEND") or ""),
+    ):
+        check_sentinel(url, var, master)
     header = env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id")
     if header and not HEADER_NAME.match(header):
         raise ConfigError(f"PIPELINE_FAIRNESS_HEADER: {header!r} is not a valid header name")
@@ -121,7 +129,20 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         lookahead=_lookahead_env(env),
         direct_publish=bool_env(env, "PIPELINE_DIRECT_PUBLISH", True),
         broker_acks=bool_env(env, "PIPELINE_BROKER_ACKS", False),
+        redis_sentinel_master=master,
+        redis_min_replicas=_int_env(env, "PIPELINE_REDIS_MIN_REPLICAS", 0, lo=0),
+        redis_wait_timeout_ms=_int_env(env, "PIPELINE_REDIS_WAIT_TIMEOUT_MS", 1000, lo=1),
+        allow_eviction=bool_env(env, "PIPELINE_ALLOW_EVICTION", False),
     )
+
+
+def _int_env(env: dict[str, str], name: str, default: int, *, lo: int) -> int:
+    raw = env.get(name, "").strip()
+    if raw == "":
+        return default
+    if not raw.isdigit() or int(raw) < lo:
+        raise ConfigError(f"{name} must be an int >= {lo}, not {raw!r}")
+    return int(raw)
 
 
 def bool_env(env: Mapping[str, str], name: str, default: bool) -> bool:

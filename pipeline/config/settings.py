@@ -44,6 +44,12 @@ class QueueConfig:
     gate_params: dict[str, Any] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     result_queue_name: str | None = None
+    # the result list: every terminal result is also pushed there (for consumers that pop it);
+    # bounded: trimmed to result_list_max_len entries and expiring result_ttl_seconds after the
+    # latest push (None: the pipeline's result TTL); result_list false pushes nothing
+    result_list: bool = True
+    result_list_max_len: int = 100_000
+    result_ttl_seconds: float | None = None
     default_timeout_s: float = 3600.0
     request_timeout_s: float = 300.0
     retry_base_delay_s: float = 2.0
@@ -85,11 +91,13 @@ class QueueConfig:
             "request_timeout_s",
             "retry_base_delay_s",
             "retry_max_delay_s",
+            "result_ttl_seconds",
         ):
             value = entry.get(key, 1.0)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"{where}: {key} must be a positive number of seconds")
         _check_credentials(entry, where, urlsplit(url).scheme == "https")
+        _check_result_list(entry, where)
         try:
             return cls(**entry)
         except TypeError as exc:  # pragma: no cover - guarded by the checks above
@@ -114,6 +122,14 @@ def _check_credentials(entry: dict[str, Any], where: str, https: bool) -> None:
         raise ConfigError(f"{where}: tls_insecure_skip_verify must be true or false")
     if not https and (skip or any(entry.get(k) for k in TLS_FILES)):
         raise ConfigError(f"{where}: tls_* fields need an https igw_base_url")
+
+
+def _check_result_list(entry: dict[str, Any], where: str) -> None:
+    if not isinstance(entry.get("result_list", True), bool):
+        raise ConfigError(f"{where}: result_list must be true or false")
+    max_len = entry.get("result_list_max_len", 1)
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
+        raise ConfigError(f"{where}: result_list_max_len must be a positive int")
 
 
 @dataclass(frozen=True)
@@ -168,6 +184,10 @@ class Settings:
     lookahead: int = -1  # attempts dispatched past a slot gate's capacity; -1: automatic
     direct_publish: bool = True  # the dispatch script pushes Celery messages (Redis broker)
     broker_acks: bool = False  # keep kombu's acks on a Redis broker (else consumed no_ack)
+    redis_sentinel_master: str | None = None  # the master's name when the URLs are sentinel://
+    redis_min_replicas: int = 0  # submit and terminal writes wait for this many replicas (WAIT)
+    redis_wait_timeout_ms: int = 1000  # ... at most this long
+    allow_eviction: bool = False  # start a worker on a Redis whose maxmemory-policy may evict
 
     def lookahead_for(self, capacity: int) -> int:
         """How many attempts the dispatcher sends past a slot gate of ``capacity``, to park

@@ -132,23 +132,14 @@ class Dispatcher:
 
     # -- node registry -------------------------------------------------------------------
     def _heartbeat(self) -> None:
-        now = time.time()
-        c = self.store.client
-        with c.pipeline(transaction=False) as p:
-            for pool in self.pools:
-                p.zadd(self.keys.pool_nodes(pool), {self.node: now + NODE_TTL_S})
-                p.hset(self.keys.pool_slots(pool), self.node, self.slots)
-                p.zremrangebyscore(self.keys.pool_nodes(pool), "-inf", now)
-                p.zrange(self.keys.pool_nodes(pool), 0, -1)
-                p.hgetall(self.keys.pool_slots(pool))
-            res = p.execute()
-        for i, pool in enumerate(self.pools):
-            live, slots = res[5 * i + 3], res[5 * i + 4]
-            cap = sum(int(slots.get(n, 0)) for n in live) or self.slots
+        pools = list(self.pools)
+        beats = self.store.node_beat(self.node, self.slots, pools, NODE_TTL_S)
+        for pool, (total, live) in zip(pools, beats, strict=True):
+            cap = total or self.slots
             cfg = self.settings.pool_configs.get(pool)
             self.pool_cap[pool] = min(cap, cfg.workers) if cfg else cap
-            self.pool_nodes[pool] = max(1, len(live))
-        self._next_beat = now + MAX_IDLE_S
+            self.pool_nodes[pool] = max(1, live)
+        self._next_beat = time.monotonic() + MAX_IDLE_S
 
     # -- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -156,7 +147,7 @@ class Dispatcher:
         while not self._stop.is_set():
             try:
                 next_event = self.tick()
-                now = time.time()
+                now = time.monotonic()
                 if now >= self._next_beat:
                     self._heartbeat()
                 if now >= self._next_reap:
@@ -172,7 +163,8 @@ class Dispatcher:
                 self._stop.wait(0.5)
 
     def tick(self) -> float | None:
-        """Dispatch every queue once; returns the earliest known future event (Unix s)."""
+        """Dispatch every queue once; returns when the earliest known future event is due
+        (``time.monotonic()``: the scripts give delays by the server's clock)."""
         with self._lock:
             return self._tick()
 
@@ -185,7 +177,7 @@ class Dispatcher:
                 ne = self._tick_queue(pool, q, queues, self.keys.wake(pool) if i == 0 else None)
                 if ne is not None and (next_event is None or ne < next_event):
                     next_event = ne
-        now = time.time()
+        now = time.monotonic()
         if self.foreign and now >= self._foreign_due:
             # other pools' queues only when one of their events is due (or once a second),
             # not on every doorbell ring
@@ -193,9 +185,8 @@ class Dispatcher:
             for q in self.foreign:
                 res = self.store.tick(q, [q], 0.0, 0, 0)
                 metrics.deadline_expired(q, res.expired)
-                ne = res.next_event
-                if ne is not None:
-                    due = min(due, ne)
+                if res.next_event is not None:
+                    due = min(due, now + res.next_event)
             self._foreign_due = due
         if self.foreign and (next_event is None or self._foreign_due < next_event):
             next_event = self._foreign_due
@@ -233,10 +224,10 @@ class Dispatcher:
                 self.dispatched += len(res.moved)
             if budget < 1.0:
                 # a fractional budget moved a share of the free room: more may fit now
-                return time.time()
+                return time.monotonic()
         # otherwise the next move needs an event: a release or a submission rings the
         # doorbell, a due retry or deadline is next_event
-        return res.next_event
+        return None if res.next_event is None else time.monotonic() + res.next_event
 
     def _send(self, moved: list[Dispatched]) -> None:
         try:
@@ -245,22 +236,22 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 - put them back; the lease would also do it
             log.error("could not send %d request(s) to Celery: %s", len(moved), exc)
             for d in moved:
-                self.store.requeue(d.id, d.token, due=time.time() + 1.0, attempted=False)
+                self.store.requeue(d.id, d.token, delay=1.0, attempted=False)
 
     def reap(self) -> int:
         """Requeue attempts whose lease expired and free their gate reservations."""
         with self._lock:
             n = self._reap()
-            self._reap_retired(time.time())
+            self._reap_retired()
             return n
 
-    def _reap_retired(self, now: float) -> None:
+    def _reap_retired(self) -> None:
         """Free expired reservations of gates a reload replaced; forget a gate once it holds
         nothing (its live holders release on it when they end)."""
         keep = []
         for gate in self.retired:
             try:
-                for h in gate.reap(now):
+                for h in gate.reap():
                     log.warning("retired gate %s freed expired reservation %s", gate.name, h)
                 if gate.in_flight() > 0:
                     keep.append(gate)
@@ -273,11 +264,10 @@ class Dispatcher:
 
     def _reap(self) -> int:
         n = 0
-        now = time.time()
         for queues in self.pools.values():
             for q in queues:
                 gate = self.gates[q.queue_name]
-                for rid, token in self.store.reap(q.queue_name, now):
+                for rid, token in self.store.reap(q.queue_name):
                     gate.release(make_holder(rid, token))
                     log.warning(
                         "reaped request %s attempt %s on %s (lease expired)",
@@ -287,15 +277,16 @@ class Dispatcher:
                     )
                     n += 1
                     metrics.lease_reclaimed(q, "attempt")
-                for h in gate.reap(now):
+                for h in gate.reap():
                     log.warning("gate %s freed expired reservation %s", q.queue_name, h)
                     metrics.lease_reclaimed(q, "gate")
-                self.check_wedge(q.queue_name, gate, now)
+                self.check_wedge(q.queue_name, gate)
         return n
 
-    def check_wedge(self, queue: str, gate: Gate, now: float) -> bool:
+    def check_wedge(self, queue: str, gate: Gate) -> bool:
         """A queue is wedged when requests wait, its gate is at its limit and nothing has
-        finished for ``wedge_after_s``: log the holders and record it (``pl:wedged``)."""
+        finished for ``wedge_after_s`` (by the server's clock, which also timed the last
+        finish): log the holders and record it (``pl:wedged``)."""
         cap = gate.capacity()
         if cap is not None and gate.per_node:
             cap *= self.pool_nodes[self.settings.queues[queue].worker_pool_id]
@@ -304,7 +295,9 @@ class Dispatcher:
             p.zcard(self.keys.pending(queue))
             p.zcard(self.keys.active(queue))
             p.zrange(self.keys.recent(queue), -1, -1, withscores=True)
-            pending, active, last = p.execute()
+            p.time()
+            pending, active, last, (sec, usec) = p.execute()
+        now = sec + usec / 1e6
         held = gate.in_flight() if cap is not None else 0
         # waiting: in the queue, or dispatched and parked at a worker for a slot
         pending += max(0, active - held)

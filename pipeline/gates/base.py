@@ -20,7 +20,6 @@ Reservations kept in Redis are leases: renewed by the attempt's heartbeat
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -67,7 +66,7 @@ class AcquireContext:
     token: str
     queue: str
     worker: str
-    lease_until: float  # Unix s: when the reservation lapses unless renewed
+    lease_s: float  # how long the reservation lasts unless renewed (s, server clock)
     deadline: float  # Unix s
     metadata: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
@@ -109,9 +108,8 @@ class Gate:
     process parked for one, which goes to the server without a Redis round trip
     (:meth:`transfer` records the new holder meanwhile).
 
-    ``clock`` (Unix s) is what a gate reads as "now" when it compares lease expiries; tests
-    replace it to move time without sleeping. Leases themselves come from the caller
-    (``AcquireContext.lease_until``, :meth:`renew`), so they are Unix seconds too.
+    Leases are durations (``AcquireContext.lease_s``, :meth:`renew`): a gate's scripts judge
+    every expiry by the Redis server's clock, never a node's.
     """
 
     type_name: ClassVar[str] = ""
@@ -124,7 +122,6 @@ class Gate:
         self.name = name
         self.params = params
         self.env = env
-        self.clock: Callable[[], float] = time.time
 
     # -- admission -----------------------------------------------------------------------
     def budget(self) -> float:
@@ -144,9 +141,7 @@ class Gate:
     def acquire(self, ctx: AcquireContext) -> Decision:
         return CONTINUE
 
-    def prepare_acquire(
-        self, holder: str, worker: str, lease_until: float
-    ) -> PreparedAcquire | None:
+    def prepare_acquire(self, holder: str, worker: str, lease_s: float) -> PreparedAcquire | None:
         """The acquire as one script call that needs nothing of the request but its holder
         and worker, so the worker can send it in the same round trip as the attempt's start;
         None when the gate's acquire is not one such call (the attempt calls
@@ -163,11 +158,11 @@ class Gate:
         ``hands_over``); True when the taker now holds one. Only gates with ``hands_over``."""
         raise NotImplementedError(f"{self.type_name} gates do not hand reservations over")
 
-    def renew(self, holders: Iterable[str], lease_until: float) -> None:
-        """Extend the leases of live holders."""
+    def renew(self, holders: Iterable[str], lease_s: float) -> None:
+        """Extend the leases of live holders to ``lease_s`` from now (server clock)."""
 
-    def reap(self, now: float) -> list[str]:
-        """Free reservations whose lease expired before ``now``; returns their holders."""
+    def reap(self) -> list[str]:
+        """Free reservations whose lease expired (server clock); returns their holders."""
         return []
 
     def in_flight(self) -> int:

@@ -122,15 +122,15 @@ class CompositeGate(Gate):
             freed = gate.release(holder) or freed
         return freed
 
-    def renew(self, holders: Iterable[str], lease_until: float) -> None:
+    def renew(self, holders: Iterable[str], lease_s: float) -> None:
         listed = list(holders)
         for gate in self.gates:
-            gate.renew(listed, lease_until)
+            gate.renew(listed, lease_s)
 
-    def reap(self, now: float) -> list[str]:
+    def reap(self) -> list[str]:
         freed: dict[str, None] = {}
         for gate in self.gates:
-            freed.update(dict.fromkeys(gate.reap(now)))
+            freed.update(dict.fromkeys(gate.reap()))
         return list(freed)
 
     def holders(self) -> list[dict[str, Any]]:
@@ -175,11 +175,11 @@ class Wrapper(Gate):
     def release(self, holder: str) -> bool:
         return self.inner.release(holder)
 
-    def renew(self, holders: Iterable[str], lease_until: float) -> None:
-        self.inner.renew(holders, lease_until)
+    def renew(self, holders: Iterable[str], lease_s: float) -> None:
+        self.inner.renew(holders, lease_s)
 
-    def reap(self, now: float) -> list[str]:
-        return self.inner.reap(now)
+    def reap(self) -> list[str]:
+        return self.inner.reap()
 
     def in_flight(self) -> int:
         return self.inner.in_flight()

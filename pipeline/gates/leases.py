@@ -1,11 +1,15 @@
 """Lease-counted slots in Redis, shared by ``local-max-concurrency`` and ``redis-quota``.
 
 A slot pool is a sorted set of holders (``"<request id>:<token>"``) scored by lease expiry
-(Unix s) plus an info hash (holder → JSON: worker, acquired_at, ...). Acquire, release, renew
-and reap are Lua scripts (``pipeline/store/lua/gate_lease_*.lua``), each atomic. Only unexpired
-leases count, a renew never revives an expired lease, and a reap frees expired ones: so a
-crashed holder's slot comes back within one lease period plus one reaper pass, and the count
-never exceeds the limit (no whole-key TTL that could reset a busy counter).
+(Unix s) plus an info hash (holder → JSON: worker, acquired_at, ...). Acquire, release, renew,
+reap and the live count are Lua scripts (``pipeline/store/lua/gate_lease_*.lua``), each atomic.
+Only unexpired leases count, a renew never revives an expired lease, and a reap frees expired
+ones: so a crashed holder's slot comes back within one lease period plus one reaper pass, and
+the count never exceeds the limit (no whole-key TTL that could reset a busy counter).
+
+Every expiry is judged by the Redis server's clock (``TIME`` in the scripts): callers give a
+lease as a duration, never as a time of their own clock, so nodes whose clocks disagree by
+minutes still agree on which leases are live.
 """
 
 from __future__ import annotations
@@ -22,12 +26,6 @@ from ..store.scripts import ScriptCall, register
 # no reaper freed it), and a slot pool's keys expire this long after its latest lease.
 GRACE_S = 3600.0
 REAP_BATCH = 1000  # most leases one reap call frees per slot pool
-
-
-def fmt_time(t: float) -> str:
-    """A Unix time as ARGV text, with µs precision and no exponent (every lease time and
-    "now" a gate compares is rounded to the µs this way, on both sides)."""
-    return f"{t:.6f}"
 
 
 def split_holder(holder: str) -> tuple[str, str]:
@@ -70,84 +68,93 @@ class LeaseScripts:
         self.release = register(client, "gate_lease_release")
         self.renew = register(client, "gate_lease_renew")
         self.reap = register(client, "gate_lease_reap")
+        self.live = register(client, "gate_lease_live")
+        self.prune_nodes = register(client, "gate_nodes_prune")
 
 
 class LeaseSet:
-    """One slot pool: ``holders_key`` (sorted set) with its ``info_key`` (hash)."""
+    """One slot pool: ``holders_key`` (sorted set) with its ``info_key`` (hash). With a
+    ``registry`` (set key, member), taking a slot also lists the member there, in the same
+    atomic step (a per-node gate's node list)."""
 
-    def __init__(self, scripts: LeaseScripts, holders_key: str, info_key: str) -> None:
+    def __init__(
+        self,
+        scripts: LeaseScripts,
+        holders_key: str,
+        info_key: str,
+        registry: tuple[str, str] | None = None,
+    ) -> None:
         self.scripts = scripts
         self.client = scripts.client
         self.holders_key = holders_key
         self.info_key = info_key
+        self.registry = registry
 
     @property
     def _keys(self) -> list[str]:
         return [self.holders_key, self.info_key]
 
-    def acquire(
-        self, holder: str, now: float, lease_until: float, limit: int, info: dict[str, Any]
-    ) -> int:
-        """1 = new slot taken, 2 = holder already held one (lease extended), 0 = full."""
-        call = self.acquire_call(holder, now, lease_until, limit, info)
+    def _acquire_keys_args(
+        self, holder: str, lease_s: float, limit: int, info: dict[str, Any], giver: str = ""
+    ) -> tuple[list[str], list[Any]]:
+        args: list[Any] = [holder, repr(float(lease_s)), limit, json.dumps(info), GRACE_S, giver]
+        if self.registry is None:
+            return self._keys, args
+        return [*self._keys, self.registry[0]], [*args, self.registry[1]]
+
+    def acquire(self, holder: str, lease_s: float, limit: int, info: dict[str, Any]) -> int:
+        """1 = new slot taken, 2 = holder already held one (lease extended), 0 = full. The
+        lease lasts ``lease_s`` from now by the server's clock; ``info`` gains
+        ``acquired_at``."""
+        call = self.acquire_call(holder, lease_s, limit, info)
         return int(call.script(keys=call.keys, args=call.args))
 
     def acquire_call(
-        self, holder: str, now: float, lease_until: float, limit: int, info: dict[str, Any]
+        self, holder: str, lease_s: float, limit: int, info: dict[str, Any]
     ) -> ScriptCall:
         """:meth:`acquire` as a call to send in a batch (its reply is the same)."""
-        args = [holder, fmt_time(now), fmt_time(lease_until), limit, json.dumps(info), GRACE_S]
-        return ScriptCall(self.scripts.acquire, self._keys, args)
+        keys, args = self._acquire_keys_args(holder, lease_s, limit, info)
+        return ScriptCall(self.scripts.acquire, keys, args)
 
     def release(self, holder: str) -> bool:
         return bool(self.scripts.release(keys=self._keys, args=[holder]))
 
     def transfer(
-        self,
-        giver: str,
-        taker: str,
-        now: float,
-        lease_until: float,
-        limit: int,
-        info: dict[str, Any],
+        self, giver: str, taker: str, lease_s: float, limit: int, info: dict[str, Any]
     ) -> int:
         """Free ``giver``'s slot and take one for ``taker``, atomically: 1 = taken, 2 = the
         taker already held one, 0 = full (the giver held nothing and the pool is full)."""
-        args = [taker, fmt_time(now), fmt_time(lease_until), limit, json.dumps(info), GRACE_S]
-        return int(self.scripts.acquire(keys=self._keys, args=[*args, giver]))
+        keys, args = self._acquire_keys_args(taker, lease_s, limit, info, giver)
+        return int(self.scripts.acquire(keys=keys, args=args))
 
-    def renew(self, holders: Sequence[str], now: float, lease_until: float) -> int:
+    def renew(self, holders: Sequence[str], lease_s: float) -> int:
+        """Extend live holders' leases to ``lease_s`` from now (server clock)."""
         if not holders:
             return 0
-        args = [fmt_time(now), fmt_time(lease_until), GRACE_S, *holders]
+        args = [repr(float(lease_s)), GRACE_S, *holders]
         return int(self.scripts.renew(keys=self._keys, args=args))
 
-    def reap(self, now: float, only: Iterable[str] | None = None) -> list[str]:
+    def reap(self, only: Iterable[str] | None = None) -> list[str]:
         """Free expired leases: all of them, or only the listed holders (see the script)."""
         if only is None:
-            args: list[Any] = [fmt_time(now), "all", REAP_BATCH]
+            args: list[Any] = ["all", REAP_BATCH]
         else:
             listed = list(only)
             if not listed:
                 return []
-            args = [fmt_time(now), "listed", *listed]
+            args = ["listed", *listed]
         return [str(h) for h in self.scripts.reap(keys=self._keys, args=args)]
 
-    def count(self, now: float) -> int:
+    def count(self) -> int:
         """Unexpired leases (the ones that count against the limit)."""
-        return int(self.client.zcount(self.holders_key, f"({fmt_time(now)}", "+inf"))
+        return int(self.scripts.live(keys=self._keys, args=["count"])[1])
 
-    def live(self, now: float) -> list[dict[str, Any]]:
-        """Descriptions of the unexpired leases, earliest expiry first."""
-        rows = cast(
-            list[tuple[str, float]],
-            self.client.zrangebyscore(
-                self.holders_key, f"({fmt_time(now)}", "+inf", withscores=True
-            ),
-        )
-        if not rows:
-            return []
-        infos = cast(list[str | None], self.client.hmget(self.info_key, [h for h, _ in rows]))
+    def live(self) -> list[dict[str, Any]]:
+        """Descriptions of the unexpired leases, earliest expiry first (ages by the server's
+        clock)."""
+        reply = cast(list[Any], self.scripts.live(keys=self._keys, args=["list"]))
+        now = float(reply[0])
         return [
-            holder_entry(h, info, float(s), now) for (h, s), info in zip(rows, infos, strict=True)
+            holder_entry(str(reply[i]), reply[i + 2] or None, float(reply[i + 1]), now)
+            for i in range(1, len(reply), 3)
         ]

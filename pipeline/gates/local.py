@@ -42,21 +42,30 @@ class LocalMaxConcurrencyGate(Gate):
         if env is not None:
             self._scripts = LeaseScripts(env.client)
             self._slots = self._node_slots(env.node)
-        self._registered = False
 
     def _node_slots(self, node: str) -> LeaseSet:
         assert self.env is not None and self._scripts is not None
-        scope = f"{self.name}@{node}"
         keys = self.env.keys
-        return LeaseSet(self._scripts, keys.gate_holders(scope), keys.gate_info(scope))
+        return LeaseSet(
+            self._scripts,
+            keys.gate_node_holders(self.name, node),
+            keys.gate_node_info(self.name, node),
+            registry=(keys.gate_nodes(self.name), node),
+        )
 
     def _all_slots(self) -> list[LeaseSet]:
-        """This node's slot pool first, then every other node's that ever held one."""
+        """This node's slot pool first, then every other node's that holds one."""
         if self.env is None:
             return []
         nodes = self.env.client.smembers(self.env.keys.gate_nodes(self.name))
         names = sorted(n.decode() if isinstance(n, bytes) else n for n in nodes)
         return [self.slots] + [self._node_slots(n) for n in names if n != self.env.node]
+
+    def _prune_nodes(self) -> None:
+        """Forget nodes whose slot pool expired (see ``gate_nodes_prune.lua``)."""
+        assert self.env is not None and self._scripts is not None
+        head, _, tail = self.env.keys.gate_node_holders(self.name, "\0").partition("\0")
+        self._scripts.prune_nodes(keys=[self.env.keys.gate_nodes(self.name)], args=[head, tail])
 
     @property
     def slots(self) -> LeaseSet:
@@ -67,7 +76,7 @@ class LocalMaxConcurrencyGate(Gate):
     def budget(self) -> float:
         """Free share of this node's slots; 0.0 when Redis cannot be read."""
         try:
-            return max(0.0, (self.limit - self.slots.count(self.clock())) / self.limit)
+            return max(0.0, (self.limit - self.slots.count()) / self.limit)
         except Exception as exc:  # noqa: BLE001 - budget() never raises; fail closed
             log.warning("%s gate %s: cannot count holders: %s", self.type_name, self.name, exc)
             return 0.0
@@ -78,12 +87,6 @@ class LocalMaxConcurrencyGate(Gate):
     def capacity(self) -> int:
         return self.limit
 
-    def _register(self) -> None:
-        if self.per_node and not self._registered and self.env is not None:
-            # list this node once, so reapers elsewhere find its pool if it dies
-            self.env.client.sadd(self.env.keys.gate_nodes(self.name), self.env.node)
-            self._registered = True
-
     def _decide(self, reply: Any) -> Decision:
         if int(reply):
             return CONTINUE
@@ -91,20 +94,13 @@ class LocalMaxConcurrencyGate(Gate):
         return Decision(verdict, reason="gate_closed", wake_on_release=True)
 
     def acquire(self, ctx: AcquireContext) -> Decision:
-        self._register()
-        now = self.clock()
-        info = {"worker": ctx.worker, "acquired_at": now}
-        return self._decide(self.slots.acquire(ctx.holder, now, ctx.lease_until, self.limit, info))
+        info = {"worker": ctx.worker}
+        return self._decide(self.slots.acquire(ctx.holder, ctx.lease_s, self.limit, info))
 
-    def prepare_acquire(
-        self, holder: str, worker: str, lease_until: float
-    ) -> PreparedAcquire | None:
+    def prepare_acquire(self, holder: str, worker: str, lease_s: float) -> PreparedAcquire | None:
         if self.env is None:
             return None
-        self._register()
-        now = self.clock()
-        info = {"worker": worker, "acquired_at": now}
-        call = self.slots.acquire_call(holder, now, lease_until, self.limit, info)
+        call = self.slots.acquire_call(holder, lease_s, self.limit, {"worker": worker})
         return PreparedAcquire(call, self._decide, lambda reply: int(reply) == 1)
 
     def release(self, holder: str) -> bool:
@@ -117,25 +113,26 @@ class LocalMaxConcurrencyGate(Gate):
         return any(s.release(holder) for s in self._all_slots()[1:])
 
     def transfer(self, giver: str, ctx: AcquireContext) -> bool:
-        now = self.clock()
-        info = {"worker": ctx.worker, "acquired_at": now, "handed_over_by": giver}
-        return bool(self.slots.transfer(giver, ctx.holder, now, ctx.lease_until, self.limit, info))
+        info = {"worker": ctx.worker, "handed_over_by": giver}
+        return bool(self.slots.transfer(giver, ctx.holder, ctx.lease_s, self.limit, info))
 
-    def renew(self, holders: Iterable[str], lease_until: float) -> None:
-        self.slots.renew(list(holders), self.clock(), lease_until)
+    def renew(self, holders: Iterable[str], lease_s: float) -> None:
+        self.slots.renew(list(holders), lease_s)
 
-    def reap(self, now: float) -> list[str]:
-        """Free expired leases on every node (a dead node cannot reap its own)."""
-        return [h for s in self._all_slots() for h in s.reap(now)]
+    def reap(self) -> list[str]:
+        """Free expired leases on every node (a dead node cannot reap its own), and forget
+        nodes whose pool is gone."""
+        freed = [h for s in self._all_slots() for h in s.reap()]
+        if self.env is not None and self.per_node:
+            self._prune_nodes()
+        return freed
 
     def in_flight(self) -> int:
         """Unexpired leases on all nodes (``budget`` counts this node's only)."""
-        now = self.clock()
-        return sum(s.count(now) for s in self._all_slots())
+        return sum(s.count() for s in self._all_slots())
 
     def holders(self) -> list[dict[str, Any]]:
-        now = self.clock()
-        return [h for s in self._all_slots() for h in s.live(now)]
+        return [h for s in self._all_slots() for h in s.live()]
 
     def describe(self) -> dict[str, Any]:
         node = self.env.node if self.env is not None else None

@@ -1,6 +1,7 @@
 """``redis-quota``: a limit per value of a request attribute (e.g. per user), in Redis.
 
-Params: ``address`` (optional Redis URL or ``host:port``; default: the pipeline's client),
+Params: ``address`` (optional Redis URL, ``host:port`` or a ``sentinel://`` list with
+``master_name``; default: the pipeline's client),
 ``attribute`` (``userid``; read from ``ctx.metadata``, ``metadata.userid`` also accepted),
 ``mode`` (``rate-limit`` default, or ``concurrency``), ``limit`` (int > 0, required),
 ``window`` (``1m``; seconds or ``"30s"``/``"500ms"``/``"1h"``; rate-limit only), ``prefix``
@@ -37,7 +38,7 @@ from typing import Any, cast
 import redis
 
 from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
-from .leases import LeaseScripts, LeaseSet, fmt_time, holder_entry, register
+from .leases import LeaseScripts, LeaseSet, holder_entry, register
 from .params import Params
 from .redis_budget import connect, redis_url
 
@@ -99,13 +100,12 @@ class RedisQuotaGate(Gate):
         value = ctx.metadata.get(self.attribute)
         if not value:
             return CONTINUE
-        now = self.clock()
         if self.mode == "concurrency":
             key = self.holders_key(value)
-            info = {"key": key, "worker": ctx.worker, "acquired_at": now}
-            admitted = self._slots(key).acquire(ctx.holder, now, ctx.lease_until, self.limit, info)
+            info = {"key": key, "worker": ctx.worker}
+            admitted = self._slots(key).acquire(ctx.holder, ctx.lease_s, self.limit, info)
         else:
-            args = [fmt_time(now), repr(self.window_s), self.limit, ctx.holder]
+            args = [repr(self.window_s), self.limit, ctx.holder]
             admitted = int(self._rate(keys=[self.rate_key(value)], args=args))
         if admitted:
             return Decision(Verdict.CONTINUE, labels=dict(RESERVED))
@@ -141,7 +141,7 @@ class RedisQuotaGate(Gate):
             return False
         return self._slots(key).release(holder)
 
-    def renew(self, holders: Iterable[str], lease_until: float) -> None:
+    def renew(self, holders: Iterable[str], lease_s: float) -> None:
         if self.mode != "concurrency" or self.client is None:
             return
         wanted = list(holders)
@@ -153,22 +153,22 @@ class RedisQuotaGate(Gate):
             key = _key_of(info)
             if key is not None:
                 groups[key].append(holder)
-        now = self.clock()
         for key, members in groups.items():
-            self._slots(key).renew(members, now, lease_until)
+            self._slots(key).renew(members, lease_s)
 
-    def reap(self, now: float) -> list[str]:
+    def reap(self) -> list[str]:
         if self.mode != "concurrency" or self.client is None:
             return []
         freed: list[str] = []
         for key, members in self._index().items():
-            freed += self._slots(key).reap(now, only=members)
+            freed += self._slots(key).reap(only=members)
         return freed
 
-    def _live(self, now: float) -> list[tuple[str, float, str | None]]:
-        """(holder, lease expiry, info JSON) of this gate's unexpired leases."""
+    def _live(self) -> tuple[float, list[tuple[str, float, str | None]]]:
+        """The server's clock, and (holder, lease expiry, info JSON) of this gate's unexpired
+        leases by that clock."""
         if self.mode != "concurrency" or self.client is None:
-            return []
+            return 0.0, []
         infos = self._hgetall()
         groups: dict[str, list[str]] = defaultdict(list)
         for holder, info in infos.items():
@@ -176,26 +176,27 @@ class RedisQuotaGate(Gate):
             if key is not None:
                 groups[key].append(holder)
         if not groups:
-            return []
+            return 0.0, []
         with self.client.pipeline(transaction=False) as pipe:
+            pipe.time()
             for key, members in groups.items():
                 pipe.zmscore(key, members)
-            scores = pipe.execute()
+            (sec, usec), *scores = pipe.execute()
         out = []
-        now = float(fmt_time(now))  # compare at the µs precision the scores are stored with
+        now = float(f"{sec + usec / 1e6:.6f}")  # at the µs precision the scores are stored
         for (_, members), row in zip(groups.items(), scores, strict=True):
             for holder, score in zip(members, row, strict=True):
                 if score is not None and float(score) > now:
                     out.append((holder, float(score), infos.get(holder)))
-        return out
+        return now, out
 
     def in_flight(self) -> int:
         """This gate's unexpired concurrency leases (0 in rate-limit mode)."""
-        return len(self._live(self.clock()))
+        return len(self._live()[1])
 
     def holders(self) -> list[dict[str, Any]]:
-        now = self.clock()
-        return [holder_entry(h, info, exp, now) for h, exp, info in self._live(now)]
+        now, live = self._live()
+        return [holder_entry(h, info, exp, now) for h, exp, info in live]
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -1,6 +1,7 @@
 """``redis``: the budget is a number another system writes into a Redis key.
 
-Params: ``address`` (optional Redis URL or ``host:port``; default: the pipeline's own
+Params: ``address`` (optional Redis URL or ``host:port``, or a Sentinel list
+``sentinel://h1:26379;sentinel://h2:26379/0`` with ``master_name``; default: the pipeline's own
 client), ``budget_key`` (default ``dispatch-gate-budget``, used verbatim, without the
 pipeline's key prefix, so an external controller can write it).
 
@@ -13,12 +14,16 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import redis
 
+from ..config import is_sentinel, parse_sentinel_url
+from ..errors import ConfigError
 from ..redact import redact_url
+from ..store import connect as store_connect
 from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
 from .params import Params
 
@@ -27,11 +32,29 @@ log = logging.getLogger(__name__)
 _SCHEMES = ("redis", "rediss", "unix")
 
 
-def redis_url(p: Params, key: str = "address") -> str | None:
-    """The ``address`` param as a Redis URL (``host:port`` gets ``redis://``), or None."""
+@dataclass(frozen=True)
+class RedisAddress:
+    """A gate's own Redis: its URL, and the master's name when the URL lists sentinels."""
+
+    url: str
+    master_name: str | None = None
+
+
+def redis_url(p: Params, key: str = "address") -> RedisAddress | None:
+    """The ``address`` param as a Redis URL (``host:port`` gets ``redis://``), or None. A
+    Sentinel list (``sentinel://...;sentinel://...``) needs the ``master_name`` param."""
     address = p.opt_str(key)
     if address is None:
         return None
+    if is_sentinel(address):
+        try:
+            parse_sentinel_url(address, key)
+        except ConfigError as exc:
+            raise p.error(key, f"is not a Sentinel list ({exc})") from None
+        master = p.opt_str("master_name")
+        if not master:
+            raise p.error("master_name", "is required with a sentinel:// address")
+        return RedisAddress(address, master)
     url = address if "://" in address else f"redis://{address}"
     try:
         parts = urlsplit(url)
@@ -39,15 +62,14 @@ def redis_url(p: Params, key: str = "address") -> str | None:
     except ValueError as exc:
         raise p.error(key, f"is not a Redis URL or host:port ({exc})") from None
     if parts.scheme not in _SCHEMES or (parts.scheme != "unix" and not parts.hostname):
-        raise p.error(key, "must be a redis:// URL or host:port")
-    return url
+        raise p.error(key, "must be a redis:// URL, host:port or a sentinel:// list")
+    return RedisAddress(url)
 
 
-def connect(url: str) -> redis.Redis:
-    """A client of its own for a gate that names another Redis (decoded responses)."""
-    return redis.Redis.from_url(
-        url, decode_responses=True, socket_connect_timeout=5, socket_timeout=5
-    )
+def connect(address: RedisAddress) -> redis.Redis:
+    """A client of its own for a gate that names another Redis (decoded responses, 5 s
+    timeouts), through the one function that connects to Redis."""
+    return store_connect(address.url, sentinel_master=address.master_name, timeout=5)
 
 
 class RedisBudgetGate(Gate):
@@ -91,7 +113,7 @@ class RedisBudgetGate(Gate):
     def _problem(self, problem: str | None) -> float:
         """Log a problem once when it starts (and once when it ends); returns 0.0."""
         if problem != self._last_problem:
-            where = redact_url(self.url) if self.url else "the pipeline's Redis"
+            where = redact_url(self.url.url) if self.url else "the pipeline's Redis"
             if problem is None:
                 log.info("redis gate %s: budget readable again (%s)", self.name, where)
             else:

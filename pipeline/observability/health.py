@@ -24,6 +24,7 @@ import redis
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from ..config import Settings
+from ..store import connect
 from . import metrics
 from .collectors import scrape_registry
 
@@ -49,8 +50,11 @@ class NodeServer:
         self.registry = registry or scrape_registry(settings)
         self.checks = list(checks or [])
         self.stopping = threading.Event()
-        self._redis = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=PING_TIMEOUT_S, socket_connect_timeout=PING_TIMEOUT_S
+        self._redis = connect(
+            settings.redis_url,
+            sentinel_master=settings.redis_sentinel_master,
+            timeout=PING_TIMEOUT_S,
+            decode_responses=False,
         )
         self.httpd = ThreadingHTTPServer((host, port), _handler(self))
         self.httpd.daemon_threads = True

@@ -1,17 +1,19 @@
 """The status view: per queue counts, recent completions, the oldest waiting request's age and
-the tightest deadline slack, gate in-flight / limit and holders."""
+the tightest deadline slack, gate in-flight / limit and holders; and the Redis server's
+memory, eviction policy and persistence."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from rich import box
-from rich.console import Console, ConsoleOptions, RenderResult
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.table import Table
 from rich.text import Text
 
 from ..client import Pipeline
+from ..store import ServerFacts
+from ..store.server import SAFE_POLICY
 
 OLDEST_SCAN = 100_000  # pending members examined (in queue order) for the oldest one
 
@@ -49,8 +51,9 @@ def status_snapshot(p: Pipeline) -> dict[str, Any]:
     to the earliest deadline of a waiting request)."""
     info = p.inspect()
     k = p.store.keys
-    now = time.time()
     client = p.store.client
+    sec, usec = client.time()  # ages and slack by the server's clock, which set the times
+    now = sec + usec / 1e6
     with client.pipeline(transaction=False) as pipe:
         for name in info:
             pipe.zcount(k.recent(name), now - 60, "+inf")
@@ -170,3 +173,56 @@ class StatusView:
 
 def render_status(info: dict[str, Any]) -> StatusView:
     return StatusView(info)
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover - the loop always returns
+
+
+def _rdb(facts: ServerFacts) -> str:
+    if facts.rdb_save is None:
+        save = "save ? (CONFIG GET refused)"
+    elif facts.rdb_save.strip() == "":
+        save = 'snapshots off (save "")'
+    else:
+        save = f"save {facts.rdb_save}"
+    if facts.rdb_last_save is None or facts.server_time is None:
+        return save
+    ago = max(0.0, facts.server_time - facts.rdb_last_save)  # both by the server's clock
+    changes = facts.rdb_changes_since_save
+    pending = "" if changes is None else f", {changes} changes since"
+    return f"{save}; last save {ago:.0f} s ago{pending}"
+
+
+def render_redis(facts: ServerFacts) -> Table:
+    """The Redis server's memory used, ``maxmemory``, ``maxmemory-policy`` (anything but
+    ``noeviction`` is flagged: a worker refuses it) and persistence (AOF, RDB)."""
+    t = Table(title="redis", show_header=False)
+    t.add_column("fact")
+    t.add_column("value")
+    policy = facts.maxmemory_policy or "?"
+    if facts.maxmemory_policy not in (None, SAFE_POLICY):
+        policy += " (may evict the pipeline's keys: set noeviction)"
+    limit = "no limit" if facts.maxmemory == 0 else _bytes(facts.maxmemory)
+    aof = "?" if facts.aof_enabled is None else ("on" if facts.aof_enabled else "off")
+    t.add_row("memory used", _bytes(facts.used_memory))
+    t.add_row("maxmemory", limit)
+    t.add_row("maxmemory-policy", policy)
+    t.add_row("AOF", aof)
+    t.add_row("RDB", _rdb(facts))
+    if facts.problem:
+        t.add_row("not read", facts.problem)
+    return t
+
+
+def render_all(info: dict[str, Any], facts: ServerFacts | None) -> RenderableType:
+    """The queue table, after the Redis table when the facts were read."""
+    table = render_status(info)
+    return table if facts is None else Group(render_redis(facts), table)

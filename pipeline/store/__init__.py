@@ -5,6 +5,7 @@ they keep (:mod:`.state`). Imports only ``config`` and ``errors`` of the pipelin
 from .connect import connect
 from .keys import Keys, celery_queue, holder
 from .scripts import ScriptCall, Scripts, run_batch
+from .server import ServerFacts, check_eviction, server_facts
 from .state import DirectPublish, Dispatched, Mirror, Store, TickResult, new_token
 
 __all__ = [
@@ -14,11 +15,14 @@ __all__ = [
     "Mirror",
     "ScriptCall",
     "Scripts",
+    "ServerFacts",
     "Store",
     "TickResult",
     "celery_queue",
+    "check_eviction",
     "connect",
     "holder",
     "new_token",
     "run_batch",
+    "server_facts",
 ]

@@ -1,16 +1,59 @@
-"""Connections to the pipeline's Redis."""
+"""Connections to Redis: the one function everything that talks to Redis goes through (the
+store, the release bell's Pub/Sub, gates naming their own Redis, the health check, the CLI's
+reachability check).
+
+A ``redis://``, ``rediss://`` or ``unix://`` URL is one server. A ``sentinel://h1:26379;
+sentinel://h2:26379/0`` list (Celery's syntax, see :mod:`pipeline.config.redis_url`) is the
+master a group of sentinels monitors under ``sentinel_master``: each connection asks the
+sentinels for the current master when it connects, so after a failover a broken connection
+reconnects to the new master by itself (redis-py's ``SentinelConnectionPool``; a connection
+still open to a master that was demoted gets READONLY, drops and reconnects the same way).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
+from redis.sentinel import Sentinel
+
+from ..config import MASTER_VAR, is_sentinel, parse_sentinel_url
+from ..errors import ConfigError
+
+CONNECT_TIMEOUT_S = 5.0
 
 
-def connect(url: str) -> redis.Redis:
-    """A Redis client with decoded responses, keep-alive and retries on timeouts."""
-    return redis.Redis.from_url(
-        url,
-        decode_responses=True,
-        socket_keepalive=True,
-        health_check_interval=30,
-        socket_connect_timeout=5,
+def connect(
+    url: str,
+    *,
+    sentinel_master: str | None = None,
+    timeout: float | None = None,
+    decode_responses: bool = True,
+) -> redis.Redis:
+    """A Redis client (decoded responses unless told otherwise) with keep-alive, a health
+    check of idle connections and redis-py's retries. ``timeout`` (s) bounds connecting and
+    every reply (default: connecting only, 5 s). ``sentinel_master``: the master's name, needed
+    for a ``sentinel://`` URL (``PIPELINE_REDIS_SENTINEL_MASTER``)."""
+    options: dict[str, Any] = {
+        "decode_responses": decode_responses,
+        "socket_keepalive": True,
+        "health_check_interval": 30,
+        "socket_connect_timeout": CONNECT_TIMEOUT_S if timeout is None else timeout,
+    }
+    if timeout is not None:
+        options["socket_timeout"] = timeout
+    if not is_sentinel(url):
+        return redis.Redis.from_url(url, **options)
+    target = parse_sentinel_url(url)
+    if not sentinel_master:
+        raise ConfigError(f"a sentinel:// URL needs the master's name: set {MASTER_VAR}")
+    sentinel_options = {k: v for k, v in options.items() if k.startswith("socket_")}
+    sentinels = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
+    return sentinels.master_for(
+        sentinel_master,
+        redis_class=redis.Redis,
+        db=target.db,
+        username=target.username,
+        password=target.password,
+        **options,
     )

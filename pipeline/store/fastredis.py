@@ -13,21 +13,53 @@ A call falls back to redis-py's own path, which loads a missing script (NOSCRIPT
 reconnects with the client's retries, whenever the fast path cannot answer: so the behaviour
 on a restarted or unreachable server is redis-py's. Any other interruption between send and
 read drops the connection (it may hold an unread reply).
+
+The connections are built like the pool's own (``connection_class(**connection_kwargs)``): for
+a Sentinel-managed client that is a ``SentinelManagedConnection`` holding the pool's proxy, so
+each one asks the sentinels for the current master when it (re)connects, and one still open to
+a master that was demoted answers READONLY, drops and takes redis-py's path: after a failover
+every thread reconnects to the new master by itself.
+
+:class:`Replication`: a script whose writes must survive a failover is followed by Redis's
+``WAIT <replicas> <timeout>`` on the *same* connection (WAIT counts the replicas that have
+everything that connection wrote), in the same packed write: no extra round trip.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 from redis.connection import AbstractConnection
 from redis.exceptions import NoScriptError, ResponseError
 
+from ..errors import ReplicationError
+
+log = logging.getLogger("pipeline.store")
+
 _FALLBACK = (redis.ConnectionError, redis.TimeoutError, OSError)
+WARN_EVERY_S = 10.0  # a script's "not replicated" warning is logged at most this often
+
+
+@dataclass(frozen=True)
+class Replication:
+    """A script call returns only once ``replicas`` replicas have its writes (Redis ``WAIT``),
+    or ``timeout_ms`` passed: then it raises :class:`~pipeline.errors.ReplicationError`
+    (``strict``) or logs a warning (the write stands on the master). ``when``: WAIT only if the
+    reply says the call wrote something that must be kept (then as a second command on the
+    same connection); None: after every call, in the same write."""
+
+    replicas: int
+    timeout_ms: int
+    strict: bool = False
+    when: Callable[[Any], bool] | None = None
 
 
 class ThreadConnections:
@@ -51,16 +83,23 @@ class ThreadConnections:
         """``(sha, keys, args)`` calls sent in one write over this thread's connection, run in
         order (each atomic): their replies, an error reply in its call's place as the exception
         (NOSCRIPT included). None when the connection failed: nothing is known of what ran."""
+        return self.execute(
+            [("EVALSHA", sha, len(keys), *keys, *args) for sha, keys, args in calls]
+        )
+
+    def execute(self, commands: Sequence[Sequence[Any]]) -> list[Any] | None:
+        """Commands sent in one write over this thread's connection: their replies (an error
+        reply as the exception, in its place), or None when the connection failed."""
         conn = self.get()
         try:
-            conn.send_packed_command(
-                conn.pack_commands(
-                    [("EVALSHA", sha, len(keys), *keys, *args) for sha, keys, args in calls]
-                ),
-                check_health=False,
-            )
+            if not conn.is_connected:
+                # the connection's own connect(): a SentinelManagedConnection asks the sentinels
+                # for the master there (send_packed_command would connect to its default
+                # host, localhost:6379, instead)
+                conn.connect()
+            conn.send_packed_command(conn.pack_commands(commands), check_health=False)
             replies: list[Any] = []
-            for _ in calls:
+            for _ in commands:
                 try:
                     replies.append(conn.read_response())
                 except ResponseError as exc:  # read in full: the connection stays in step
@@ -91,26 +130,89 @@ def thread_connections(client: redis.Redis) -> ThreadConnections:
 
 class FastScript:
     """A Lua script registered on ``client``, called like redis-py's ``Script``
-    (``script(keys=[...], args=[...])``) over the calling thread's own connection."""
+    (``script(keys=[...], args=[...])``) over the calling thread's own connection, followed by
+    a WAIT for replicas when it has a :class:`Replication` (``name`` names it in errors)."""
 
-    def __init__(self, client: redis.Redis, text: str) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        text: str,
+        *,
+        name: str = "script",
+        replication: Replication | None = None,
+    ) -> None:
+        self.client = client
         self.script = client.register_script(text)  # the fallback: loads, retries
         self.sha: str = self.script.sha
         self.lanes = thread_connections(client)
+        self.name = name
+        self.replication = replication
+        self._warned = 0.0
 
     def __call__(
         self, keys: Sequence[Any] = (), args: Sequence[Any] = (), client: Any = None
     ) -> Any:
         if client is not None:  # queued on a redis-py pipeline (or another client), as Script
             return self.script(keys=keys, args=args, client=client)
-        replies = self.lanes.evalsha([(self.sha, keys, args)])
+        rep = self.replication
+        command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+        inline = rep is not None and rep.when is None
+        replies = self.lanes.execute(
+            [command, ("WAIT", rep.replicas, rep.timeout_ms)] if inline and rep else [command]
+        )
         if replies is not None:
             reply = replies[0]
             if not isinstance(reply, ResponseError):
+                if rep is not None:
+                    self._replicated(rep, reply, replies[1] if inline else None)
                 return reply
             if not isinstance(reply, NoScriptError):
                 raise reply  # the script's own error
-        return self.script(keys=keys, args=args)  # redis-py loads the script, or reconnects
+        if rep is None:
+            return self.script(keys=keys, args=args)  # redis-py loads the script, or reconnects
+        # redis-py's path, the script and its WAIT on one connection (a pipeline loads the
+        # script first and retries the pair on a broken connection)
+        with self.client.pipeline(transaction=False) as pipe:
+            self.script(keys=keys, args=args, client=pipe)
+            pipe.wait(rep.replicas, rep.timeout_ms)
+            reply, acked = pipe.execute()
+        self._check(rep, int(acked))
+        return reply
+
+    def _replicated(self, rep: Replication, reply: Any, acked: Any) -> None:
+        """Check the WAIT sent with the call (``acked``), or send it now when ``rep.when``
+        says the reply wrote something to keep: over the same thread connection, which made
+        the write (WAIT waits for everything the connection wrote)."""
+        if acked is None:
+            try:
+                needed = rep.when is None or rep.when(reply)
+            except Exception:  # noqa: BLE001 - an unexpected reply: wait, to be safe
+                needed = True
+            if not needed:
+                return
+            replies = self.lanes.execute([("WAIT", rep.replicas, rep.timeout_ms)])
+            acked = replies[0] if replies is not None else 0
+        if isinstance(acked, ResponseError):
+            raise acked
+        self._check(rep, int(acked))
+
+    def _check(self, rep: Replication, acked: int) -> None:
+        if acked >= rep.replicas:
+            return
+        error = ReplicationError(self.name, rep.replicas, acked, rep.timeout_ms)
+        if rep.strict:
+            raise error
+        now = time.monotonic()
+        if now - self._warned >= WARN_EVERY_S:
+            self._warned = now
+            log.warning(
+                "%s: written on the Redis master, but %d of %d replica(s) confirmed it "
+                "within %d ms (PIPELINE_REDIS_MIN_REPLICAS); a failover now could lose it",
+                self.name,
+                acked,
+                rep.replicas,
+                rep.timeout_ms,
+            )
 
 
 def call_batch(

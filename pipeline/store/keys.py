@@ -90,8 +90,17 @@ class Keys:
         return f"{self.prefix}gate:{gate}:info"
 
     def gate_nodes(self, gate: str) -> str:
-        """Set: worker nodes that have held reservations of a per-node gate."""
+        """Set: worker nodes whose slot pool of a per-node gate exists (listed when they take a
+        slot, dropped once the pool's keys expired: ``gate_nodes_prune.lua``)."""
         return f"{self.prefix}gate:{gate}:nodes"
+
+    def gate_node_holders(self, gate: str, node: str) -> str:
+        """Sorted set: one node's holders of a per-node gate (see :meth:`gate_holders`)."""
+        return self.gate_holders(f"{gate}@{node}")
+
+    def gate_node_info(self, gate: str, node: str) -> str:
+        """Hash: one node's holder descriptions of a per-node gate (see :meth:`gate_info`)."""
+        return self.gate_info(f"{gate}@{node}")
 
     def gate_rate(self, gate: str, attribute_value: str, window_s: float) -> str:
         """Sorted set: admission log of a rate-limit gate, one per (key, window)."""

@@ -14,9 +14,19 @@ from typing import Any
 
 import redis
 
-from .fastredis import FastScript, call_batch
+from .fastredis import FastScript, Replication, call_batch
 
-SCRIPT_NAMES = ("submit", "dispatch", "start", "finish", "requeue", "cancel", "reap", "renew")
+SCRIPT_NAMES = (
+    "submit",
+    "dispatch",
+    "start",
+    "finish",
+    "requeue",
+    "cancel",
+    "reap",
+    "renew",
+    "node_beat",
+)
 
 
 @cache
@@ -69,12 +79,44 @@ def run_batch(client: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     return replies
 
 
+def _tick_wrote_results(reply: Any) -> bool:
+    """Whether a dispatch tick wrote terminal results (requests expired while waiting, or
+    malformed entries reported): ``{moved, expired, next_event, rejected}``."""
+    return int(reply[1]) > 0 or len(reply[3]) > 0
+
+
+def replication(name: str, replicas: int, timeout_ms: int) -> Replication | None:
+    """How script ``name`` waits for ``replicas`` replicas (``PIPELINE_REDIS_MIN_REPLICAS``):
+    ``submit`` raises when they do not confirm in time (the caller must know an acknowledged
+    request may be lost); the scripts that write terminal results — ``finish`` (an attempt),
+    ``cancel``, and a dispatch tick that expired or rejected requests — wait and log a
+    warning (the result stands on the master, and the worker cannot do better). Requeues,
+    starts and dispatches are not waited for: lost in a failover, the request's lease lapses
+    and it runs again, fenced by its token."""
+    if replicas <= 0:
+        return None
+    if name == "submit":
+        return Replication(replicas, timeout_ms, strict=True)
+    if name in ("finish", "cancel"):
+        return Replication(replicas, timeout_ms)
+    if name == "dispatch":
+        return Replication(replicas, timeout_ms, when=_tick_wrote_results)
+    return None
+
+
 class Scripts:
     """The pipeline's scripts registered on one Redis client (EVALSHA over the calling thread's
-    own connection, reloaded on NOSCRIPT: see :mod:`pipeline.fastredis`)."""
+    own connection, reloaded on NOSCRIPT: see :mod:`pipeline.fastredis`); with ``replicas``,
+    those whose writes must survive a failover wait for that many replicas (see
+    :func:`replication`)."""
 
-    def __init__(self, client: redis.Redis) -> None:
-        self._scripts: dict[str, Any] = {n: FastScript(client, source(n)) for n in SCRIPT_NAMES}
+    def __init__(self, client: redis.Redis, replicas: int = 0, timeout_ms: int = 1000) -> None:
+        self._scripts: dict[str, Any] = {
+            n: FastScript(
+                client, source(n), name=n, replication=replication(n, replicas, timeout_ms)
+            )
+            for n in SCRIPT_NAMES
+        }
 
     def __getattr__(self, name: str) -> Any:
         try:

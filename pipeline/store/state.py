@@ -1,7 +1,9 @@
 """Redis operations on request state. Each one is a single atomic script or command.
 
 Used by the client API (submit, cancel, inspect), the dispatcher (dispatch ticks, reaping)
-and the Celery task (start, finish, requeue, renew). Times are Unix seconds.
+and the Celery task (start, finish, requeue, renew). Times are Unix seconds by the Redis
+server's clock: the scripts read it (``TIME``), and callers pass durations (a lease, a retry
+delay), never a time of their own clock — node clocks may disagree by minutes.
 """
 
 from __future__ import annotations
@@ -66,10 +68,26 @@ class DirectPublish:
 
 
 @dataclass(frozen=True)
+class Started:
+    """A started attempt: its request ``record``, and the Redis server's clock when it started
+    (``server_now``) against this process's (``local_now``): the attempt measures its deadline
+    by ``server_now + (time.time() - local_now)``, never by this machine's clock alone."""
+
+    record: dict[str, str]
+    server_now: float
+    local_now: float
+
+    @property
+    def clock_offset(self) -> float:
+        """Seconds to add to this machine's ``time.time()`` to read the server's clock."""
+        return self.server_now - self.local_now
+
+
+@dataclass(frozen=True)
 class TickResult:
     moved: list[Dispatched]
     expired: int
-    next_event: float | None  # Unix s: earliest due retry or waiting deadline
+    next_event: float | None  # s from now: the earliest due retry or waiting deadline
     rejected: list[str]
 
 
@@ -79,12 +97,24 @@ class Store:
     def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
         self.settings = settings
         self.keys = Keys.of(settings)
-        self.client = client or connect(settings.redis_url)
-        self.scripts = Scripts(self.client)
+        self.client = client or connect(
+            settings.redis_url, sentinel_master=settings.redis_sentinel_master
+        )
+        self.scripts = Scripts(
+            self.client, settings.redis_min_replicas, settings.redis_wait_timeout_ms
+        )
+
+    def result_list_args(self, queue: QueueConfig) -> tuple[str, str, str]:
+        """(list key or '' for none, max length, TTL in s) of a queue's result list, as the
+        scripts take them (request records carry them: see lib.lua's push_result)."""
+        if not queue.result_list:
+            return "", "0", "0"
+        ttl = queue.result_ttl_seconds or self.settings.result_ttl_s
+        return self.keys.result_list(queue), str(queue.result_list_max_len), str(int(ttl))
 
     # -- submit --------------------------------------------------------------------------
     def submit(self, rows: list[list[str]]) -> list[Any]:
-        """Store a batch of rows (see submit.lua for the 12 string fields) in chunks, each sent
+        """Store a batch of rows (see submit.lua for the 14 string fields) in chunks, each sent
         as one JSON argument in one round trip. Returns 1 per created request, or the state of
         the live duplicate. The first chunk is small and each next one twice as large, up to
         500 rows: the dispatcher starts on the head of a large batch within a millisecond of
@@ -93,7 +123,7 @@ class Store:
         i, size = 0, SUBMIT_FIRST_CHUNK
         while i < len(rows):
             items = json.dumps(rows[i : i + size], ensure_ascii=False, separators=(",", ":"))
-            out.extend(self.scripts.submit(keys=[], args=[self.keys.prefix, time.time(), items]))
+            out.extend(self.scripts.submit(keys=[], args=[self.keys.prefix, items]))
             i, size = i + size, min(SUBMIT_MAX_CHUNK, size * 2)
         return out
 
@@ -105,7 +135,6 @@ class Store:
         budget: float,
         queue_cap: int,
         pool_cap: int,
-        now: float | None = None,
         publish: DirectPublish | None = None,
         doorbell: str | None = None,
     ) -> TickResult:
@@ -113,7 +142,6 @@ class Store:
         ``floor(budget × free capacity)`` (see dispatch.lua). ``queue_cap`` -1: no limit.
         With ``publish`` the script also pushes the moved requests' Celery messages; with
         ``doorbell`` it first empties that list (the pool's rings this round answers)."""
-        now = time.time() if now is None else now
         k = self.keys
         name = queue.queue_name
         others = [k.active(q.queue_name) for q in pool_queues if q.queue_name != name]
@@ -122,17 +150,16 @@ class Store:
             k.delayed(name),
             k.expiry(name),
             k.active(name),
-            k.result_list(queue),
+            self.result_list_args(queue)[0],
             *([doorbell] if doorbell else []),
             *others,
         ]
         args = [
             k.prefix,
-            now,
             max(0.0, min(1.0, budget)),
             queue_cap,
             pool_cap,
-            now + self.settings.dispatch_lease_s,
+            self.settings.dispatch_lease_s,
             int(self.settings.result_ttl_s),
             SWEEP_LIMIT,
             new_token(),
@@ -141,6 +168,7 @@ class Store:
             publish.origin if publish else "",
             name,
             "1" if doorbell else "0",
+            *self.result_list_args(queue)[1:],
         ]
         moved_raw, expired, next_event, rejected = self.scripts.dispatch(keys=keys, args=args)
         moved = [
@@ -152,33 +180,40 @@ class Store:
         ne = float(next_event)
         return TickResult(moved, int(expired), ne if ne >= 0 else None, list(rejected))
 
-    def reap(self, queue: str, now: float | None = None) -> list[tuple[str, str]]:
+    def node_beat(
+        self, node: str, slots: int, pools: list[str], ttl_s: float
+    ) -> list[tuple[int, int]]:
+        """Register ``node`` (offering ``slots``) as live for ``ttl_s`` in each pool's registry
+        and drop nodes that stopped beating; per pool: (slots of its live nodes, live nodes)."""
+        keys = [k for p in pools for k in (self.keys.pool_nodes(p), self.keys.pool_slots(p))]
+        reply = self.scripts.node_beat(keys=keys, args=[node, slots, repr(float(ttl_s))])
+        return [(int(total), int(live)) for total, live in reply]
+
+    def reap(self, queue: str) -> list[tuple[str, str]]:
         """Requeue attempts of ``queue`` whose lease expired; returns (id, token) pairs."""
-        now = time.time() if now is None else now
-        raw = self.scripts.reap(keys=[self.keys.active(queue)], args=[self.keys.prefix, now, 1000])
+        raw = self.scripts.reap(keys=[self.keys.active(queue)], args=[self.keys.prefix, 1000])
         return [(raw[i], raw[i + 1]) for i in range(0, len(raw), 2)]
 
     # -- attempts ------------------------------------------------------------------------
-    def start(self, request_id: str, token: str, queue: str, worker: str) -> dict[str, str] | None:
+    def start(self, request_id: str, token: str, queue: str, worker: str) -> Started | None:
         """Begin an attempt; None when the message is stale (fenced off by its token)."""
         call = self.start_call(request_id, token, queue, worker)
         return self.started(call.script(keys=call.keys, args=call.args))
 
     def start_call(self, request_id: str, token: str, queue: str, worker: str) -> ScriptCall:
         """:meth:`start` as a call to send in a batch; :meth:`started` reads its reply."""
-        now = time.time()
         return ScriptCall(
             self.scripts.start,
             [self.keys.request(request_id), self.keys.active(queue)],
-            [token, now, now + self.settings.lease_s, worker],
+            [token, self.settings.lease_s, worker],
         )
 
     @staticmethod
-    def started(reply: Any) -> dict[str, str] | None:
+    def started(reply: Any) -> Started | None:
         if int(reply[0]) != 1:
             return None
-        it = iter(reply[1:])
-        return dict(zip(it, it, strict=True))
+        it = iter(reply[2:])
+        return Started(dict(zip(it, it, strict=True)), float(reply[1]), time.time())
 
     def finish(
         self,
@@ -205,7 +240,6 @@ class Store:
             args=[
                 self.keys.prefix,
                 token,
-                time.time(),
                 int(self.settings.result_ttl_s),
                 1 if attempted else 0,
                 "" if status_code is None else status_code,
@@ -223,15 +257,16 @@ class Store:
         request_id: str,
         token: str,
         *,
-        due: float,
+        delay: float,
         attempted: bool,
         last_response: dict[str, Any] | None = None,
         last_error: str | None = None,
         mirror: Mirror | None = None,
         handed_over: bool = False,
-    ) -> bool:
-        """Give the request back to its queue (now, or at ``due``) and write its ``mirror``
-        (``head`` alone); False when fenced off. ``handed_over`` as in :meth:`finish`."""
+    ) -> float | None:
+        """Give the request back to its queue (now, or ``delay`` s from now by the server's
+        clock) and write its ``mirror`` (``head`` alone). Returns the due time (Unix s, server
+        clock), None when fenced off. ``handed_over`` as in :meth:`finish`."""
         keys = [self.keys.request(request_id)]
         extra: list[Any] = []
         if mirror is not None:
@@ -242,8 +277,7 @@ class Store:
             args=[
                 self.keys.prefix,
                 token,
-                time.time(),
-                due,
+                repr(float(delay)),
                 1 if attempted else 0,
                 json.dumps(last_response) if last_response else "",
                 (last_error or "")[:500],
@@ -251,13 +285,13 @@ class Store:
                 *extra,
             ],
         )
-        return bool(res)
+        return float(res) if res else None
 
     def renew(self, attempts: list[tuple[str, str, str]]) -> int:
         """Extend the leases of live attempts given as (id, token, queue)."""
         if not attempts:
             return 0
-        args: list[Any] = [self.keys.prefix, time.time() + self.settings.lease_s]
+        args: list[Any] = [self.keys.prefix, self.settings.lease_s]
         for a in attempts:
             args.extend(a)
         return int(self.scripts.renew(keys=[], args=args))
@@ -266,7 +300,7 @@ class Store:
     def cancel(self, request_id: str) -> bool:
         res = self.scripts.cancel(
             keys=[self.keys.request(request_id)],
-            args=[self.keys.prefix, time.time(), int(self.settings.result_ttl_s)],
+            args=[self.keys.prefix, int(self.settings.result_ttl_s)],
         )
         return bool(res)
 

@@ -56,8 +56,19 @@ class Host(Protocol):
 class Attempt:
     """One attempt of one request, from a fenced start to exactly one outcome."""
 
-    def __init__(self, runtime: Host, record: dict[str, str], token: str, worker: str) -> None:
+    def __init__(
+        self,
+        runtime: Host,
+        record: dict[str, str],
+        token: str,
+        worker: str,
+        clock_offset: float = 0.0,
+    ) -> None:
         self.rt = runtime
+        # the Redis server's clock minus this machine's, read at the fenced start: deadlines
+        # (set by the server's clock) are measured by it, so a node whose clock is off by
+        # minutes neither sends after a deadline nor gives up before it
+        self.clock_offset = clock_offset
         self.record = record
         self.id = record["id"]
         self.token = token
@@ -81,13 +92,22 @@ class Attempt:
     def holder(self) -> str:
         return make_holder(self.id, self.token)
 
+    def now(self) -> float:
+        """The Redis server's clock (Unix s), as read at the start and carried on by this
+        machine's."""
+        return time.time() + self.clock_offset
+
+    def time_left(self) -> float:
+        """Seconds until the request's deadline, by the server's clock."""
+        return self.deadline - self.now()
+
     def _ctx(self) -> AcquireContext:
         return AcquireContext(
             request_id=self.id,
             token=self.token,
             queue=self.queue.queue_name,
             worker=self.worker,
-            lease_until=time.time() + self.rt.settings.lease_s,
+            lease_s=self.rt.settings.lease_s,
             deadline=self.deadline,
             metadata=self.metadata,
             labels=self.labels,
@@ -177,7 +197,7 @@ class Attempt:
 
     def _requeue(
         self,
-        due: float,
+        delay: float,
         reason: str,
         *,
         attempted: bool,
@@ -187,10 +207,10 @@ class Attempt:
     ) -> Report:
         handed_over = self._release()
         mirror = self.mirrors.retry(reason) if self.mirrors is not None else None
-        ok = self.rt.store.requeue(
+        due = self.rt.store.requeue(
             self.id,
             self.token,
-            due=due,
+            delay=delay,
             attempted=attempted,
             last_response=last,
             last_error=error,
@@ -198,7 +218,7 @@ class Attempt:
             handed_over=handed_over,
         )
         self.closed = True
-        if not ok:
+        if due is None:
             return Report(Status.STALE, "fenced off at requeue")
         self.mirrored = mirror.state if mirror is not None else None
         return Report(status, reason, due=due)
@@ -222,7 +242,7 @@ class Attempt:
 
     # -- the attempt ---------------------------------------------------------------------
     def run(self) -> Report:
-        if time.time() >= self.deadline:
+        if self.time_left() <= 0:
             return self._expired(False)
         decision = self.decision or self.acquire()
         if decision.verdict is Verdict.WAIT:
@@ -234,12 +254,12 @@ class Attempt:
         if decision.verdict is Verdict.REFUSE:
             lo, hi = REFUSE_DELAY_S
             return self._requeue(
-                time.time() + self.rt.rng.uniform(lo, hi),
+                self.rt.rng.uniform(lo, hi),
                 f"gate refused ({decision.reason or 'gate_closed'})",
                 attempted=False,
             )
         if decision.verdict is Verdict.WAIT:
-            return self._requeue(time.time(), "gate wait timed out", attempted=False)
+            return self._requeue(0.0, "gate wait timed out", attempted=False)
         if decision.verdict is Verdict.DROP:
             if decision.status_code is not None or decision.payload is not None:
                 return self._finish(
@@ -266,12 +286,12 @@ class Attempt:
         ``hands_over`` gate a holder of this process that is done hands its slot straight to
         the longest-parked attempt, admitted without asking the gate."""
         queue = self.queue.queue_name
-        end = min(self.deadline, time.time() + limit_s)
+        end = time.monotonic() + min(self.time_left(), limit_s)
         decision = self.decision or Decision(Verdict.WAIT)
         while (
             decision.verdict is Verdict.WAIT or self.parks_on(decision)
         ) and not self.rt.bell.closed:
-            left = end - time.time()
+            left = end - time.monotonic()
             if left <= 0:
                 break
             ticket = self.rt.bell.park(
@@ -313,7 +333,7 @@ class Attempt:
         )
 
     def _call(self) -> Report:
-        left = self.deadline - time.time()
+        left = self.time_left()
         if left <= 0:
             return self._expired(False)
         timeout = min(self.queue.request_timeout_s, left)
@@ -338,10 +358,9 @@ class Attempt:
         if outcome.kind is Kind.FATAL:
             return self._error("INFERENCE_ERROR", outcome.error or "request failed", True)
         retries = int(self.record.get("attempts") or 0)
-        now = time.time()
         delay = retry_delay(
             retries,
-            self.deadline - now,
+            self.time_left(),
             outcome.retry_after,
             self.queue.retry_base_delay_s,
             self.queue.retry_max_delay_s,
@@ -360,7 +379,7 @@ class Attempt:
             else f"{outcome.category}: {outcome.error}"
         )
         return self._requeue(
-            now + delay,
+            delay,
             reason,
             attempted=True,
             last=last,

@@ -218,12 +218,11 @@ class Runtime:
                 continue
             try:
                 self.store.renew([(a.id, a.token, a.queue.queue_name) for a in live])
-                until = time.time() + self.settings.lease_s
                 by_gate: dict[int, tuple[Gate, list[str]]] = {}
                 for a in live:  # each on the gate it holds (or asks)
                     by_gate.setdefault(id(a.gate), (a.gate, []))[1].append(a.holder)
                 for gate, holders in by_gate.values():
-                    gate.renew(holders, until)
+                    gate.renew(holders, self.settings.lease_s)
             except Exception as exc:  # noqa: BLE001 - keep beating; leases tolerate a miss
                 log.warning("lease renewal failed: %s", exc)
 
@@ -243,13 +242,13 @@ class Runtime:
         prepared, generation, gate = self._prepare_acquire(queue, request_id, token, worker)
         decision: Decision | None = None
         if prepared is None:
-            record = self.store.start(request_id, token, queue or "", worker)
+            started = self.store.start(request_id, token, queue or "", worker)
         else:
             start = self.store.start_call(request_id, token, queue or "", worker)
             reply, acquired = run_batch(self.store.client, [start, prepared.call])
             took = not isinstance(acquired, Exception) and prepared.took(acquired)
-            record = None if isinstance(reply, Exception) else self.store.started(reply)
-            if record is None:
+            started = None if isinstance(reply, Exception) else self.store.started(reply)
+            if started is None:
                 if took:  # the start failed or was fenced off: give the new slot back
                     self.release(queue or "", request_id, token, gate=gate)
                 if isinstance(reply, Exception):
@@ -259,10 +258,11 @@ class Runtime:
                 log.warning("gate %s failed for %s: %s", queue, request_id, acquired)
             else:
                 decision = prepared.decide(acquired)
-        if record is None:
+        if started is None:
             return None
+        record = started.record
         try:
-            attempt = Attempt(self, record, token, worker)
+            attempt = Attempt(self, record, token, worker, started.clock_offset)
         except (KeyError, ValueError, TypeError) as exc:
             # a record this worker cannot read (written by hand, or corrupted): end it
             message = f"unreadable request record: {type(exc).__name__}: {exc}"
@@ -297,8 +297,7 @@ class Runtime:
         generation = self.bell.generation(queue or "")
         holder = make_holder(request_id, token)
         try:
-            lease_until = time.time() + self.settings.lease_s
-            return gate.prepare_acquire(holder, worker, lease_until), generation, gate
+            return gate.prepare_acquire(holder, worker, self.settings.lease_s), generation, gate
         except Exception as exc:  # noqa: BLE001 - the attempt asks its gate the usual way
             log.warning("gate %s could not prepare for %s: %s", queue, request_id, exc)
             return None, generation, gate
@@ -315,7 +314,7 @@ class Runtime:
         idempotent: a no-op when the attempt already finished."""
         queue = queue or self._queue_of(request_id)
         self.release(queue, request_id, token)
-        done: bool
+        done: object
         if cancel:
             done = None is not self.store.finish(
                 request_id,
@@ -327,7 +326,7 @@ class Runtime:
                 error_message=reason,
             )
         else:
-            done = self.store.requeue(request_id, token, due=time.time(), attempted=False)
+            done = self.store.requeue(request_id, token, delay=0.0, attempted=False)
         if done:
             log.warning(
                 "request %s attempt %s abandoned (%s): %s",

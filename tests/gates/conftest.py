@@ -85,7 +85,7 @@ def ctx(
     request_id: str | None = None,
     token: str = "t1",
     *,
-    lease_until: float | None = None,
+    lease_s: float = LEASE_S,
     metadata: dict[str, str] | None = None,
     labels: dict[str, str] | None = None,
     worker: str = "w1",
@@ -97,11 +97,41 @@ def ctx(
         token=token,
         queue="q",
         worker=worker,
-        lease_until=now + LEASE_S if lease_until is None else lease_until,
+        lease_s=lease_s,
         deadline=now + 600,
         metadata=metadata or {},
         labels=labels or {},
     )
+
+
+def server_now(client: redis.Redis) -> float:
+    """The Redis server's clock (Unix s): the one every lease is judged by."""
+    sec, usec = client.time()
+    return float(sec) + usec / 1e6
+
+
+def lapse(env: GateEnv, *holders: str) -> None:
+    """Make ``holders``' leases expire now, as if their holders had crashed a lease period
+    ago: each one's expiry is set 1 s in the past by the server's clock, in whichever of the
+    test's slot pools holds it. (Gates judge expiry by the server's clock only, so a test
+    cannot move time; it moves the lease.)"""
+    past = f"{server_now(env.client) - 1.0:.6f}"
+    found = set()
+    for key in env.client.scan_iter(match=f"{env.keys.prefix}gate:*:holders", count=1000):
+        for h in holders:
+            if env.client.zscore(key, h) is not None:
+                env.client.zadd(key, {h: past}, xx=True)
+                found.add(h)
+    assert found == set(holders), f"no lease to lapse for {set(holders) - found}"
+
+
+def lease_expiry(env: GateEnv, holder: str) -> float:
+    """The holder's lease expiry (Unix s, server clock), from whichever pool holds it."""
+    for key in env.client.scan_iter(match=f"{env.keys.prefix}gate:*:holders", count=1000):
+        score = env.client.zscore(key, holder)
+        if score is not None:
+            return float(score)
+    raise AssertionError(f"{holder} holds no lease")
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +14,7 @@ from redis.retry import Retry
 
 from pipeline.gates import Gate, GateEnv, Verdict, build_gate
 
-from .conftest import REDIS_URL, ctx
+from .conftest import LEASE_S, REDIS_URL, ctx, lapse, lease_expiry, server_now, wait_until
 
 
 def test_admits_below_limit_refuses_at_it_and_resumes_after_release(
@@ -73,41 +72,49 @@ def test_holders_describe_request_attempt_worker_age_and_lease(
     assert entry["request_id"] == "req-1" and entry["attempt"] == "tok9"
     assert entry["worker"] == "celery@h1"
     assert 0 <= entry["age_s"] < 5
-    assert entry["lease_expires_at"] == pytest.approx(a.lease_until, abs=1e-5)
+    assert entry["lease_expires_at"] == pytest.approx(server_now(gate.env.client) + LEASE_S, abs=5)
     assert gate.describe()["in_flight"] == 1
     gate.release(a.holder)
 
 
-def test_expired_lease_stops_counting_and_reap_frees_it(make: Callable[..., Gate]) -> None:
+def test_expired_lease_stops_counting_and_reap_frees_it(
+    env: GateEnv, make: Callable[..., Gate]
+) -> None:
     gate = make("local-max-concurrency", {"limit": 1})
-    now = time.time()
-    gate.clock = lambda: now
-    a = ctx(lease_until=now + 10)
+    a = ctx()
     assert gate.acquire(a).admitted
-    assert not gate.acquire(ctx(lease_until=now + 10)).admitted
-    now += 11  # the holder crashed: no renewal
+    assert not gate.acquire(ctx()).admitted
+    lapse(env, a.holder)  # the holder crashed: a lease period without renewal
     assert gate.in_flight() == 0
-    assert gate.reap(now) == [a.holder]
-    assert gate.reap(now) == []
+    assert gate.reap() == [a.holder]
+    assert gate.reap() == []
     assert gate.release(a.holder) is False
 
 
+def test_a_lease_runs_out_by_the_servers_clock(make: Callable[..., Gate]) -> None:
+    """No caller's clock is involved: a 0.2 s lease stops counting 0.2 s later."""
+    gate = make("local-max-concurrency", {"limit": 1})
+    a = ctx(lease_s=0.2)
+    assert gate.acquire(a).admitted
+    wait_until(lambda: gate.in_flight() == 0, timeout_s=5)
+    assert gate.reap() == [a.holder]
+
+
 def test_renew_keeps_a_lease_alive_but_never_revives_an_expired_one(
-    make: Callable[..., Gate],
+    env: GateEnv, make: Callable[..., Gate]
 ) -> None:
     gate = make("local-max-concurrency", {"limit": 2})
-    now = time.time()
-    gate.clock = lambda: now
-    a, b = ctx(lease_until=now + 10), ctx(lease_until=now + 10)
+    a, b = ctx(lease_s=10), ctx(lease_s=10)
     gate.acquire(a)
     gate.acquire(b)
-    now += 5
-    gate.renew([a.holder], now + 10)  # a's heartbeat; b is silent
-    now += 6  # past both original expiries
+    before = lease_expiry(env, a.holder)
+    gate.renew([a.holder], 100)  # a's heartbeat moves its expiry later
+    assert lease_expiry(env, a.holder) >= before + 89
+    lapse(env, b.holder)  # b was silent for a lease period
     assert [h["request_id"] for h in gate.holders()] == [a.request_id]
-    gate.renew([a.holder, b.holder], now + 10)  # b's late heartbeat must not revive it
+    gate.renew([a.holder, b.holder], 100)  # b's late heartbeat must not revive it
     assert gate.in_flight() == 1
-    assert gate.reap(now) == [b.holder]
+    assert gate.reap() == [b.holder]
     gate.release(a.holder)
 
 
@@ -134,7 +141,9 @@ def test_reap_frees_a_dead_nodes_expired_leases(env: GateEnv) -> None:
     g_live = build_gate("local-max-concurrency", {"limit": 2}, name="q", env=env)
     c = ctx()
     assert g_dead.acquire(c).admitted
-    assert g_live.reap(c.lease_until + 1) == [c.holder]
+    assert g_live.reap() == []  # alive: nothing to free
+    lapse(env, c.holder)
+    assert g_live.reap() == [c.holder]
     assert g_live.in_flight() == 0
 
 
@@ -196,7 +205,7 @@ def test_transfer_hands_a_slot_over_in_one_step(make: Callable[..., Gate], kind:
     assert gate.in_flight() == 2
     entry = next(h for h in gate.holders() if h["request_id"] == "taker")
     assert entry["handed_over_by"] == "giver" and entry["worker"] == "celery@h2"
-    assert entry["lease_expires_at"] == pytest.approx(c.lease_until, abs=1e-5)
+    assert entry["lease_expires_at"] == pytest.approx(server_now(gate.env.client) + LEASE_S, abs=5)
     assert {h["handed_over_by"] for h in gate.holders() if h["request_id"] == "other"} == {None}
     assert gate.release(a.holder) is False  # the giver holds nothing any more
     for x in (b, c):
@@ -220,3 +229,24 @@ def test_gates_that_count_other_things_do_not_hand_over(make: Callable[..., Gate
     assert not quota.hands_over
     with pytest.raises(NotImplementedError):
         quota.transfer("a:1", ctx())
+
+
+def test_a_dead_nodes_entry_is_forgotten_once_its_slot_pool_is_gone(env: GateEnv) -> None:
+    """The per-node registry lists a node while its slot pool exists: a fleet that restarts
+    under new node names for months does not grow it."""
+    dead = GateEnv(env.client, env.keys, node="node-dead")
+    g_dead = build_gate("local-max-concurrency", {"limit": 2}, name="q", env=dead)
+    g_live = build_gate("local-max-concurrency", {"limit": 2}, name="q", env=env)
+    registry = env.keys.gate_nodes("q")
+    c = ctx()
+    assert g_dead.acquire(c).admitted
+    assert env.client.smembers(registry) == {"node-dead"}
+    assert g_live.reap() == [] and env.client.smembers(registry) == {"node-dead"}
+    lapse(env, c.holder)
+    assert g_live.reap() == [c.holder]  # its last lease freed: its pool is gone, and so is it
+    assert env.client.smembers(registry) == set()
+    d = ctx()
+    assert g_dead.acquire(d).admitted  # taking a slot lists it again, in the same step
+    assert env.client.smembers(registry) == {"node-dead"}
+    assert g_live.in_flight() == 1
+    g_dead.release(d.holder)

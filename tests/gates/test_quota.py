@@ -9,7 +9,7 @@ from typing import Any
 
 from pipeline.gates import Gate, GateEnv, Verdict
 
-from .conftest import ctx, wait_until
+from .conftest import ctx, lapse, server_now, wait_until
 
 ALICE = {"userid": "alice"}
 BOB = {"userid": "bob"}
@@ -59,38 +59,35 @@ def test_metadata_prefixed_attribute(make: Callable[..., Gate]) -> None:
 
 
 def test_lease_expiry_then_reap_frees_and_returns_the_holder(
-    make: Callable[..., Gate],
+    env: GateEnv, make: Callable[..., Gate]
 ) -> None:
     gate = make("redis-quota", conc(limit=1))
-    now = time.time()
-    gate.clock = lambda: now
-    a = ctx(metadata=ALICE, lease_until=now + 10)
+    a = ctx(metadata=ALICE)
     assert gate.acquire(a).admitted
-    assert not gate.acquire(ctx(metadata=ALICE, lease_until=now + 10)).admitted
-    now += 11  # a crashed and stopped renewing
+    assert not gate.acquire(ctx(metadata=ALICE)).admitted
+    lapse(env, a.holder)  # a crashed and stopped renewing
     assert gate.in_flight() == 0
-    assert gate.reap(now) == [a.holder]
-    assert gate.reap(now) == []
-    b = ctx(metadata=ALICE, lease_until=now + 10)
+    assert gate.reap() == [a.holder]
+    assert gate.reap() == []
+    b = ctx(metadata=ALICE)
     assert gate.acquire(b).admitted
     gate.release(b.holder)
 
 
 def test_renew_keeps_a_lease_alive_past_its_original_expiry(make: Callable[..., Gate]) -> None:
+    """A 0.3 s lease renewed every 0.1 s outlives its first expiry by the server's clock."""
     gate = make("redis-quota", conc(limit=1))
-    now = time.time()
-    gate.clock = lambda: now
-    a = ctx(metadata=ALICE, lease_until=now + 10)
+    a = ctx(metadata=ALICE, lease_s=0.3)
     gate.acquire(a)
-    for _ in range(3):
-        now += 8
-        gate.renew([a.holder, "unknown:h"], now + 10)
-    assert now > a.lease_until
-    assert gate.reap(now) == []
+    first = gate.holders()[0]["lease_expires_at"]
+    while server_now(gate.client) < first + 0.5:
+        gate.renew([a.holder, "unknown:h"], 0.3)
+        time.sleep(0.1)  # the heartbeat's period, not a wait for a condition
+    assert gate.reap() == []
     assert gate.in_flight() == 1
-    assert not gate.acquire(ctx(metadata=ALICE, lease_until=now + 10)).admitted
+    assert not gate.acquire(ctx(metadata=ALICE)).admitted
     (entry,) = gate.holders()
-    assert entry["request_id"] == a.request_id and entry["lease_expires_at"] > now
+    assert entry["request_id"] == a.request_id and entry["lease_expires_at"] > first
     gate.release(a.holder)
 
 
@@ -99,16 +96,14 @@ def test_reap_of_one_gate_leaves_another_gates_holders(
 ) -> None:
     g1 = make("redis-quota", conc(limit=2), name="q1")
     g2 = make("redis-quota", conc(limit=2), name="q2")
-    now = time.time()
-    g1.clock = g2.clock = lambda: now
-    a = ctx(metadata=ALICE, lease_until=now + 5)
-    b = ctx(metadata=ALICE, lease_until=now + 5)
+    a = ctx(metadata=ALICE)
+    b = ctx(metadata=ALICE)
     assert g1.acquire(a).admitted and g2.acquire(b).admitted
     # the two queues share alice's quota (same prefix): the third is over it
-    assert not g1.acquire(ctx(metadata=ALICE, lease_until=now + 5)).admitted
-    now += 6
-    assert g1.reap(now) == [a.holder]
-    assert g2.reap(now) == [b.holder]
+    assert not g1.acquire(ctx(metadata=ALICE)).admitted
+    lapse(env, a.holder, b.holder)
+    assert g1.reap() == [a.holder]
+    assert g2.reap() == [b.holder]
 
 
 def test_concurrent_acquires_never_exceed_the_limit(make: Callable[..., Gate]) -> None:
@@ -163,8 +158,6 @@ def test_rate_limit_admissions_in_the_same_instant_do_not_collide(
     make: Callable[..., Gate],
 ) -> None:
     gate = make("redis-quota", {"limit": 3, "window": 60})
-    now = time.time()
-    gate.clock = lambda: now  # every admission at the very same instant
     results = [gate.acquire(ctx(metadata=ALICE)).admitted for _ in range(5)]
     assert results == [True, True, True, False, False]
 

@@ -1,8 +1,10 @@
-"""Random sequences of acquire / release / retry / crash / reap against a model.
+"""Random sequences of acquire / release / retry / crash / lapse / reap against a model.
 
-For ``local-max-concurrency`` and ``redis-quota`` (concurrency mode): time is the gate's
-injectable clock; live holders renew on every tick (a heartbeat), crashed ones stop, and a
-stall skips heartbeats so that even live holders may lapse. Invariants after every step:
+For ``local-max-concurrency`` and ``redis-quota`` (concurrency mode). Leases are judged by the
+Redis server's clock, which a test cannot move: a lease "runs out" by having its expiry set in
+the past (``lapse``: what a lease period without heartbeats does). Live holders renew on
+every heartbeat, crashed ones never again; a stalled holder may lapse and then heartbeat
+again, which must not revive it. Invariants after every step:
 
 - ``in_flight()`` == the unexpired holders of the model, and never more than the limit
   (per attribute value for the quota);
@@ -12,7 +14,6 @@ stall skips heartbeats so that even live holders may lapse. Invariants after eve
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -30,6 +31,8 @@ from hypothesis.stateful import (
 
 from pipeline.gates import AcquireContext, Gate, GateEnv, build_gate
 
+from .conftest import lapse
+
 LEASE_S = 10.0
 LIMIT = 2
 USERS = ("alice", "bob")
@@ -46,7 +49,7 @@ class Holder:
     request_id: str
     token: str
     user: str
-    expiry: float
+    expired: bool = False
     crashed: bool = False
 
     @property
@@ -58,17 +61,10 @@ class Holder:
 class Model:
     holders: dict[str, Holder] = field(default_factory=dict)
 
-    def live(self, now: float, user: str | None = None) -> list[Holder]:
+    def live(self, user: str | None = None) -> list[Holder]:
         return [
-            h
-            for h in self.holders.values()
-            if not expired(h.expiry, now) and (user is None or h.user == user)
+            h for h in self.holders.values() if not h.expired and (user is None or h.user == user)
         ]
-
-
-def expired(expiry: float, now: float) -> bool:
-    """The gates compare Unix times rounded to the µs; so does the model."""
-    return float(f"{expiry:.6f}") <= float(f"{now:.6f}")
 
 
 class GateMachine(RuleBasedStateMachine):
@@ -81,13 +77,11 @@ class GateMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.now = time.time()
         self.model = Model()
         self.seq = 0
         self.gate: Gate = build_gate(
             self.gate_type, self.params, name=f"sm{uuid.uuid4().hex[:8]}", env=self.env
         )
-        self.gate.clock = lambda: self.now
 
     @initialize()
     def start(self) -> None:
@@ -99,19 +93,19 @@ class GateMachine(RuleBasedStateMachine):
             token=token,
             queue="q",
             worker="w",
-            lease_until=self.now + LEASE_S,
-            deadline=self.now + 1e4,
+            lease_s=LEASE_S,
+            deadline=2e9,
             metadata={"userid": user},
         )
 
     def _acquire(self, request_id: str, user: str) -> None:
         self.seq += 1
         token = f"t{self.seq}"
-        expected = len(self.model.live(self.now, user if self.per_user else None)) < LIMIT
+        expected = len(self.model.live(user if self.per_user else None)) < LIMIT
         decision = self.gate.acquire(self._ctx(request_id, token, user))
         assert decision.admitted == expected
         if expected:
-            h = Holder(request_id, token, user, self.now + LEASE_S)
+            h = Holder(request_id, token, user)
             self.model.holders[h.name] = h
 
     @rule(user=st.sampled_from(USERS))
@@ -142,25 +136,26 @@ class GateMachine(RuleBasedStateMachine):
         alive = sorted(n for n, h in self.model.holders.items() if not h.crashed)
         self.model.holders[data.draw(st.sampled_from(alive))].crashed = True
 
-    @rule(dt=st.floats(0.1, LEASE_S / 2))
-    def tick(self, dt: float) -> None:
-        """Time passes; the heartbeat renews every holder that has not crashed."""
-        self.now += dt
-        beating = [h for h in self.model.holders.values() if not h.crashed]
-        self.gate.renew([h.name for h in beating], self.now + LEASE_S)
-        for h in beating:
-            if not expired(h.expiry, self.now):  # an expired lease is never revived
-                h.expiry = max(h.expiry, self.now + LEASE_S)
+    @rule()
+    def heartbeat(self) -> None:
+        """Every holder that has not crashed renews — a lapsed one too (a stalled worker
+        that woke up): its lease must stay expired."""
+        beating = [h.name for h in self.model.holders.values() if not h.crashed]
+        self.gate.renew(beating, LEASE_S)
 
-    @rule(dt=st.floats(LEASE_S / 2, 2 * LEASE_S))
-    def stall(self, dt: float) -> None:
-        """Time passes with no heartbeat at all (a stuck worker or Redis outage)."""
-        self.now += dt
+    @precondition(lambda self: any(not h.expired for h in self.model.holders.values()))
+    @rule(data=st.data())
+    def lapse(self, data: st.DataObject) -> None:
+        """A lease period passes without a heartbeat for one holder (crashed or stalled)."""
+        live = sorted(n for n, h in self.model.holders.items() if not h.expired)
+        name = data.draw(st.sampled_from(live))
+        lapse(self.env, name)
+        self.model.holders[name].expired = True
 
     @rule()
     def reap(self) -> None:
-        expected = {n for n, h in self.model.holders.items() if expired(h.expiry, self.now)}
-        assert set(self.gate.reap(self.now)) == expected
+        expected = {n for n, h in self.model.holders.items() if h.expired}
+        assert set(self.gate.reap()) == expected
         for n in expected:
             del self.model.holders[n]
 
@@ -170,12 +165,12 @@ class GateMachine(RuleBasedStateMachine):
 
     @invariant()
     def counts_match(self) -> None:
-        live = self.model.live(self.now)
+        live = self.model.live()
         assert self.gate.in_flight() == len(live)
         held = {f"{h['request_id']}:{h['attempt']}" for h in self.gate.holders()}
         assert held == {h.name for h in live}
         for user in USERS if self.per_user else (None,):
-            assert len(self.model.live(self.now, user)) <= LIMIT
+            assert len(self.model.live(user)) <= LIMIT
         if not self.per_user:
             assert len(live) <= LIMIT
 

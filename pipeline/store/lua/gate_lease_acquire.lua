@@ -1,42 +1,53 @@
 -- gate_lease_acquire.lua: take one lease-counted slot of a gate (local-/global-max-concurrency,
--- or redis-quota in concurrency mode), or take over a giver's (ARGV[7]). Check and take are
--- one atomic step.
+-- or redis-quota in concurrency mode), or take over a giver's (ARGV[6]). Check and take are
+-- one atomic step. Every time is the Redis server's clock (TIME), never a caller's.
 -- KEYS[1] holders sorted set: member = holder "<request id>:<token>", score = lease expiry
 --         (Unix s).
 -- KEYS[2] info hash: holder -> JSON description (worker, acquired_at, ...).
--- ARGV[1] holder, ARGV[2] now (Unix s), ARGV[3] lease expiry (Unix s), ARGV[4] limit,
--- ARGV[5] info JSON, ARGV[6] grace (s): leases that expired more than this long ago are
---         purged here (their holder is gone for good), and both keys live this long past
---         the latest lease they hold.
--- ARGV[7] (optional) a giver: a holder whose slot is freed first, in the same atomic step, so
+-- KEYS[3] (optional) a registry set to list ARGV[7] in when a slot is taken (a per-node gate's
+--         nodes: reapers elsewhere find a dead node's pool through it; see
+--         gate_nodes_prune.lua, which drops nodes whose pool is gone).
+-- ARGV[1] holder, ARGV[2] lease (s from now), ARGV[3] limit,
+-- ARGV[4] info JSON (an object; the script adds "acquired_at", Unix s),
+-- ARGV[5] grace (s): leases that expired more than this long ago are purged here (their
+--         holder is gone for good), and both keys live this long past the latest lease they
+--         hold.
+-- ARGV[6] (optional) a giver: a holder whose slot is freed first, in the same atomic step, so
 --         the slot passes from it to ARGV[1] without ever being free (a hand-over; the taker
 --         fits unless the giver held nothing and the pool is full).
+-- ARGV[7] (with KEYS[3]) the registry member (the node).
 -- Only unexpired leases (score > now) count against the limit. A holder that already holds
 -- an unexpired lease keeps it (its expiry only ever moves later) and takes no second slot.
 -- Returns 1 when a new slot was taken, 2 when the holder already held one, 0 when full.
-local now, lease, grace = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[6])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local lease, grace = now + tonumber(ARGV[2]), tonumber(ARGV[5])
 
 for _, h in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - grace, 'LIMIT', 0, 100)) do
   redis.call('ZREM', KEYS[1], h)
   redis.call('HDEL', KEYS[2], h)
 end
 
-if ARGV[7] and ARGV[7] ~= '' then
-  redis.call('ZREM', KEYS[1], ARGV[7])
-  redis.call('HDEL', KEYS[2], ARGV[7])
+if ARGV[6] and ARGV[6] ~= '' then
+  redis.call('ZREM', KEYS[1], ARGV[6])
+  redis.call('HDEL', KEYS[2], ARGV[6])
 end
 
 local result = 1
 local cur = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if cur and tonumber(cur) > now then
-  redis.call('ZADD', KEYS[1], 'GT', lease, ARGV[1])
+  redis.call('ZADD', KEYS[1], 'GT', string.format('%.6f', lease), ARGV[1])
   result = 2
 else
-  if redis.call('ZCOUNT', KEYS[1], '(' .. ARGV[2], '+inf') >= tonumber(ARGV[4]) then
+  if redis.call('ZCOUNT', KEYS[1], '(' .. string.format('%.6f', now), '+inf')
+      >= tonumber(ARGV[3]) then
     return 0
   end
-  redis.call('ZADD', KEYS[1], lease, ARGV[1])
-  redis.call('HSET', KEYS[2], ARGV[1], ARGV[5])
+  local info = cjson.decode(ARGV[4])
+  info.acquired_at = now
+  redis.call('ZADD', KEYS[1], string.format('%.6f', lease), ARGV[1])
+  redis.call('HSET', KEYS[2], ARGV[1], cjson.encode(info))
+  if KEYS[3] then redis.call('SADD', KEYS[3], ARGV[7]) end
 end
 
 local top = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')

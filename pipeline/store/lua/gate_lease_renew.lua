@@ -1,17 +1,20 @@
 -- gate_lease_renew.lua: extend the leases of live holders (the attempt's heartbeat).
 -- A lease that already expired is NOT revived: its slot may have been given to someone
--- else, so reviving it could over-admit; the reaper frees it instead.
+-- else, so reviving it could over-admit; the reaper frees it instead. Every time is the Redis
+-- server's clock (TIME).
 -- KEYS[1] holders sorted set (member = holder, score = lease expiry, Unix s).
 -- KEYS[2] info hash (holder -> JSON description).
--- ARGV[1] now (Unix s), ARGV[2] new lease expiry (Unix s), ARGV[3] grace (s, see
---         gate_lease_acquire.lua), ARGV[4..] holders.
+-- ARGV[1] lease (s from now), ARGV[2] grace (s, see gate_lease_acquire.lua),
+-- ARGV[3..] holders.
 -- Expiries only move later. Returns the number of leases renewed.
-local now, lease, grace = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local lease, grace = now + tonumber(ARGV[1]), tonumber(ARGV[2])
 local n = 0
-for i = 4, #ARGV do
+for i = 3, #ARGV do
   local cur = redis.call('ZSCORE', KEYS[1], ARGV[i])
   if cur and tonumber(cur) > now then
-    redis.call('ZADD', KEYS[1], 'XX', 'GT', lease, ARGV[i])
+    redis.call('ZADD', KEYS[1], 'XX', 'GT', string.format('%.6f', lease), ARGV[i])
     n = n + 1
   end
 end

@@ -3,10 +3,23 @@
 -- Not a script on its own: it reads no KEYS or ARGV.
 --
 -- Record fields (hash <prefix>req:<id>): id, queue, pool, payload, priority, deadline,
--- submitted_at, member, score, metadata, headers, endpoint, labels, result_list, state,
--- token, attempts, dispatches, last_response, last_error, result, finished_at, worker,
--- started_at.
+-- submitted_at, member, score, metadata, headers, endpoint, labels, result_list (key, '' for
+-- none), result_list_max (entries kept, 0 = no trim), result_list_ttl (s, re-armed on every
+-- push, 0 = none), state, token, attempts, dispatches, last_response, last_error, result,
+-- finished_at, worker, started_at. Times are the server's clock (server_now).
 -- States: queued -> dispatched -> running -> (retry_wait -> queued ...) -> done.
+
+-- The Redis server's clock (Unix s, µs precision). Every "now" a script compares a lease, a due
+-- time or a deadline with comes from here, never from a caller: node clocks may disagree.
+local function server_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+-- A time as the text stored in records and sorted-set scores (µs, no exponent).
+local function fmt_time(t)
+  return string.format('%.6f', t)
+end
 
 local function qkey(prefix, queue, name)
   return prefix .. 'q:' .. queue .. ':' .. name
@@ -49,6 +62,18 @@ local function celery_meta(key, meta, ttl, final)
   return 1
 end
 
+-- Push a terminal result onto a queue's result list (`list` '' or false: the queue keeps none),
+-- trimmed to `max_len` entries (0 or absent: no trim) and expiring `ttl` s after the latest
+-- push (0 or absent: never), so a list nobody pops stays bounded.
+local function push_result(list, json, max_len, ttl)
+  if not list or list == '' then return end
+  redis.call('LPUSH', list, json)
+  max_len = tonumber(max_len) or 0
+  if max_len > 0 then redis.call('LTRIM', list, 0, max_len - 1) end
+  ttl = tonumber(ttl) or 0
+  if ttl > 0 then redis.call('EXPIRE', list, math.ceil(ttl)) end
+end
+
 -- Write the terminal result of request `id` and take it out of every waiting and active set.
 -- status_code / error_code are '' when absent. `quiet`: do not publish the release on the
 -- freed channel (the attempt handed its slot over: nothing was freed). Returns the result JSON.
@@ -56,7 +81,7 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
     quiet)
   local rk = prefix .. 'req:' .. id
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'attempts', 'submitted_at',
-    'result_list')
+    'result_list', 'result_list_max', 'result_list_ttl')
   local queue, pool, member = f[1], f[2], f[3]
   redis.call('ZREM', qkey(prefix, queue, 'pending'), member)
   redis.call('ZREM', qkey(prefix, queue, 'delayed'), id)
@@ -77,32 +102,33 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
     outcome = error_code
   end
   local json = cjson.encode(result)
-  redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', now, 'token', '')
+  redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', fmt_time(now),
+    'token', '')
   redis.call('EXPIRE', rk, ttl)
-  redis.call('LPUSH', f[6], json)
+  push_result(f[6], json, f[7], f[8])
   local nk = prefix .. 'notify:' .. id
   redis.call('RPUSH', nk, '1')
   redis.call('EXPIRE', nk, 300)
   redis.call('HINCRBY', qkey(prefix, queue, 'stats'), outcome, 1)
   local recent = qkey(prefix, queue, 'recent')
-  redis.call('ZADD', recent, now, id)
-  redis.call('ZREMRANGEBYSCORE', recent, '-inf', tonumber(now) - 300)
+  redis.call('ZADD', recent, fmt_time(now), id)
+  redis.call('ZREMRANGEBYSCORE', recent, '-inf', now - 300)
   wake(prefix, pool)
   if not quiet then freed(prefix, queue) end
   return json
 end
 
 -- Put a waiting request back into its queue: into the pending set at once, or into the
--- delayed set until `due`. The original ordering key (score, member) is kept. `quiet` as in
--- terminal().
+-- delayed set until `due` (server clock). The original ordering key (score, member) is kept.
+-- `quiet` as in terminal().
 local function enqueue(prefix, id, now, due, quiet)
   local rk = prefix .. 'req:' .. id
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline')
   local queue = f[1]
   redis.call('ZREM', qkey(prefix, queue, 'active'), id)
   redis.call('ZADD', qkey(prefix, queue, 'expiry'), f[5], id)
-  if tonumber(due) > tonumber(now) then
-    redis.call('ZADD', qkey(prefix, queue, 'delayed'), due, id)
+  if due > now then
+    redis.call('ZADD', qkey(prefix, queue, 'delayed'), fmt_time(due), id)
     redis.call('HSET', rk, 'state', 'retry_wait', 'token', '')
   else
     redis.call('ZADD', qkey(prefix, queue, 'pending'), f[4], f[3])

@@ -2,16 +2,21 @@
 -- KEYS: none passed; keys are derived from ARGV[1] (the prefix) and each item's id/queue:
 --   <prefix>req:<id> (hash), <prefix>q:<queue>:pending / :expiry (zsets), <prefix>seq,
 --   <prefix>pool:<pool>:wake.
--- ARGV[1] key prefix, ARGV[2] now (Unix s), ARGV[3] the items: a JSON array with one array of
---   12 strings per item: id, queue, pool, score (ordering key), priority, deadline (Unix s),
---   payload (JSON text), metadata (JSON), headers (JSON), endpoint, result_list (key),
---   labels (JSON). (One argument instead of 12 per item: the client encodes it in one call.)
+-- ARGV[1] key prefix, ARGV[2] the items: a JSON array with one array of 14 strings per item:
+--   id, queue, pool, priority (0-9), deadline (Unix s, the server's clock) or '',
+--   timeout (s from now by the server's clock, when deadline is ''), payload (JSON text),
+--   metadata (JSON), headers (JSON), endpoint, result_list (key, '' for none),
+--   result_list_max, result_list_ttl (see lib.lua), labels (JSON). (One argument instead of 14
+--   per item: the client encodes it in one call.)
+-- The ordering key (score) is (9 - priority) x 1e13 + the deadline in ms: higher priority
+-- first, then earliest deadline; the member's sequence number breaks ties (submission order).
 -- Returns one entry per item: 1 when created, else the state of the live request that
 -- already holds that id (idempotent submit).
-local prefix, now = ARGV[1], ARGV[2]
+local prefix = ARGV[1]
+local now = server_now()
 local out = {}
 local touched_pools = {}
-local items = cjson.decode(ARGV[3])
+local items = cjson.decode(ARGV[2])
 -- one INCRBY reserves a sequence number per item (a duplicate leaves a gap: only order counts)
 local seq0 = redis.call('INCRBY', prefix .. 'seq', #items) - #items
 for i, r in ipairs(items) do
@@ -23,12 +28,18 @@ for i, r in ipairs(items) do
   else
     if state then redis.call('DEL', rk) end
     local member = string.format('%015d', seq0 + i) .. '|' .. id
-    redis.call('HSET', rk, 'id', id, 'queue', queue, 'pool', pool, 'score', r[4],
-      'priority', r[5], 'deadline', r[6], 'payload', r[7], 'metadata', r[8], 'headers', r[9],
-      'endpoint', r[10], 'result_list', r[11], 'labels', r[12], 'member', member,
-      'submitted_at', now, 'state', 'queued', 'token', '', 'attempts', 0, 'dispatches', 0)
-    redis.call('ZADD', qkey(prefix, queue, 'pending'), r[4], member)
-    redis.call('ZADD', qkey(prefix, queue, 'expiry'), r[6], id)
+    local deadline = r[5]
+    if deadline == '' then deadline = fmt_time(now + tonumber(r[6])) end
+    local score = string.format('%.0f',
+      (9 - tonumber(r[4])) * 1e13 + math.floor(tonumber(deadline) * 1000 + 0.5))
+    redis.call('HSET', rk, 'id', id, 'queue', queue, 'pool', pool, 'score', score,
+      'priority', r[4], 'deadline', deadline, 'payload', r[7], 'metadata', r[8],
+      'headers', r[9], 'endpoint', r[10], 'result_list', r[11], 'result_list_max', r[12],
+      'result_list_ttl', r[13], 'labels', r[14], 'member', member,
+      'submitted_at', fmt_time(now), 'state', 'queued', 'token', '', 'attempts', 0,
+      'dispatches', 0)
+    redis.call('ZADD', qkey(prefix, queue, 'pending'), score, member)
+    redis.call('ZADD', qkey(prefix, queue, 'expiry'), deadline, id)
     touched_pools[pool] = true
     out[#out + 1] = 1
   end

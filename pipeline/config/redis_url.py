@@ -1,0 +1,85 @@
+"""Redis URLs in Celery's syntax, Sentinel lists included: plain data, nothing is connected to.
+
+A Sentinel-managed Redis is named by its sentinels, as Celery (kombu's ``sentinel`` transport
+and Celery's ``SentinelBackend``) takes it: ``sentinel://[[user]:password@]host[:port][/db]``
+entries joined by ``;``, e.g. ``sentinel://:pw@s1:26379/0;sentinel://s2:26379;sentinel://s3``.
+Each entry names a sentinel (port 26379 by default); the database, user name and password (of
+the Redis master, not of the sentinels) are the first entry's. The master's name is not in the
+URL: it is ``PIPELINE_REDIS_SENTINEL_MASTER``, one setting for the pipeline's Redis, the Celery
+broker and the result backend (Celery's ``master_name`` transport option).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+from ..errors import ConfigError
+
+SENTINEL_SCHEME = "sentinel"
+SENTINEL_PORT = 26379
+MASTER_VAR = "PIPELINE_REDIS_SENTINEL_MASTER"
+
+
+def is_sentinel(url: str) -> bool:
+    """Whether ``url`` names a Redis through its sentinels (``sentinel://...``)."""
+    return url.strip().lower().startswith(SENTINEL_SCHEME + "://")
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """The sentinels of a Sentinel list URL, and the master's database and credentials."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_sentinel_url(url: str, where: str = "PIPELINE_REDIS_URL") -> SentinelURL:
+    """Parse a ``sentinel://...;sentinel://...`` list; ConfigError naming ``where`` (the
+    setting) when an entry is not a sentinel URL with a host, or its port or db is bad."""
+    entries = [e.strip() for e in url.split(";") if e.strip()]
+    if not entries:
+        raise ConfigError(f"{where}: no sentinel in {url!r}")
+    sentinels: list[tuple[str, int]] = []
+    for i, entry in enumerate(entries):
+        try:
+            parts = urlsplit(entry)
+            port = parts.port or SENTINEL_PORT
+        except ValueError as exc:
+            raise ConfigError(f"{where}: sentinel #{i + 1}: bad URL ({exc})") from None
+        if parts.scheme.lower() != SENTINEL_SCHEME or not parts.hostname:
+            raise ConfigError(
+                f"{where}: sentinel #{i + 1} must be sentinel://host[:port][/db] "
+                "(entries joined by ';')"
+            )
+        sentinels.append((parts.hostname, port))
+    first = urlsplit(entries[0])
+    db_text = first.path.strip("/") or "0"
+    if not db_text.isdigit():
+        raise ConfigError(f"{where}: the database must be a number, not {db_text!r}")
+    return SentinelURL(
+        sentinels=tuple(sentinels),
+        db=int(db_text),
+        username=unquote(first.username) if first.username else None,
+        password=unquote(first.password) if first.password is not None else None,
+    )
+
+
+def check_sentinel(url: str, where: str, master: str | None) -> None:
+    """A Sentinel URL in ``where`` must parse and have the master's name set."""
+    if not is_sentinel(url):
+        return
+    parse_sentinel_url(url, where)
+    if not master:
+        raise ConfigError(
+            f"{where} names sentinels: set {MASTER_VAR} to the name of the master they "
+            "monitor (the name in `sentinel monitor <name> ...`)"
+        )
+
+
+def celery_transport_options(master: str | None) -> dict[str, str]:
+    """What Celery's Redis Sentinel broker transport and result backend need beyond the URL:
+    ``{"master_name": ...}`` (empty without a master name)."""
+    return {"master_name": master} if master else {}

@@ -1,0 +1,151 @@
+"""What the pipeline needs to know of its Redis server's own settings: memory, the eviction
+policy and persistence (for ``pipeline status``), and whether it may evict keys (a worker
+refuses to start on such a Redis).
+
+Everything the pipeline knows lives in Redis: an evicted lease, request record or queue entry
+breaks its guarantees (a slot that is never freed, a request that never ends) without any
+error. So the server must not evict: ``maxmemory-policy noeviction``, where a full Redis
+refuses writes instead (the callers see an error and retry). ``INFO`` is read first — it is
+allowed on managed Redis services that rename or disable ``CONFIG`` — and ``CONFIG GET`` only
+for what ``INFO`` does not say.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+
+from ..errors import UnsafeRedis
+
+log = logging.getLogger("pipeline.store")
+
+SAFE_POLICY = "noeviction"
+ALLOW_VAR = "PIPELINE_ALLOW_EVICTION"
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """Memory and persistence of a Redis server. ``None``: the server did not say (a command
+    refused or renamed)."""
+
+    used_memory: int | None = None  # bytes
+    maxmemory: int | None = None  # bytes; 0 = no limit
+    maxmemory_policy: str | None = None
+    aof_enabled: bool | None = None
+    rdb_last_save: float | None = None  # Unix s of the last successful RDB save
+    rdb_changes_since_save: int | None = None
+    rdb_save: str | None = None  # the `save` setting ('' = RDB snapshots off), CONFIG GET
+    problem: str | None = None  # why some facts are missing
+    server_time: float | None = None  # the server's clock (Unix s) when they were read
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _int(info: dict[str, Any], key: str) -> int | None:
+    try:
+        return int(info[key])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _config_get(client: redis.Redis, name: str) -> str | None:
+    reply = client.config_get(name)
+    value = reply.get(name) if isinstance(reply, dict) else None
+    if isinstance(value, bytes):
+        value = value.decode()
+    return None if value is None else str(value)
+
+
+def server_facts(client: redis.Redis) -> ServerFacts:
+    """Read ``INFO memory`` and ``INFO persistence`` (one round trip), then ``CONFIG GET`` for
+    what INFO lacks (the policy on a Redis older than 4, the ``save`` setting). A refused
+    command leaves its facts ``None`` and says why in ``problem``; a server that does not
+    answer at all raises ``redis.RedisError``."""
+    problems: list[str] = []
+    info: dict[str, Any] = {}
+    with client.pipeline(transaction=False) as pipe:
+        pipe.time()
+        pipe.info("memory")
+        pipe.info("persistence")
+        clock, memory, persistence = pipe.execute(raise_on_error=False)
+    for reply in (clock, memory, persistence):
+        if isinstance(reply, Exception) and not isinstance(reply, redis.ResponseError):
+            raise reply  # the server does not answer
+    for section in (memory, persistence):
+        if isinstance(section, redis.ResponseError):  # INFO renamed or denied
+            problems.append(f"INFO refused ({section})")
+            break
+        info.update(section)
+    now = None if isinstance(clock, Exception) else clock[0] + clock[1] / 1e6
+    policy = info.get("maxmemory_policy")
+    maxmemory = _int(info, "maxmemory")
+    save: str | None = None
+    try:
+        if policy is None:
+            policy = _config_get(client, "maxmemory-policy")
+        if maxmemory is None:
+            raw = _config_get(client, "maxmemory")
+            maxmemory = int(raw) if raw is not None and raw.isdigit() else None
+        save = _config_get(client, "save")
+    except redis.ResponseError as exc:  # CONFIG renamed or denied (managed Redis)
+        problems.append(f"CONFIG GET refused ({exc})")
+    aof = _int(info, "aof_enabled")
+    return ServerFacts(
+        server_time=now,
+        used_memory=_int(info, "used_memory"),
+        maxmemory=maxmemory,
+        maxmemory_policy=str(policy) if policy is not None else None,
+        aof_enabled=None if aof is None else aof == 1,
+        rdb_last_save=_int(info, "rdb_last_save_time"),
+        rdb_changes_since_save=_int(info, "rdb_changes_since_last_save"),
+        rdb_save=save,
+        problem="; ".join(problems) or None,
+    )
+
+
+def check_eviction(client: redis.Redis, where: str, *, allow: bool) -> ServerFacts | None:
+    """Refuse a Redis that may evict keys: :class:`UnsafeRedis` naming ``maxmemory-policy``,
+    the value found and the fix, unless ``allow`` (``PIPELINE_ALLOW_EVICTION=1``: a warning
+    instead). A policy nobody would tell (INFO and CONFIG refused) is a warning too, and so is
+    a server that does not answer (the node starts and reconnects as usual): the facts read,
+    or None then. ``where`` names the server (a redacted URL) in the messages."""
+    try:
+        facts = server_facts(client)
+    except (redis.RedisError, OSError) as exc:
+        log.warning(
+            "could not read maxmemory-policy of the Redis at %s (%s): it must be %s",
+            where,
+            type(exc).__name__,
+            SAFE_POLICY,
+        )
+        return None
+    policy = facts.maxmemory_policy
+    if policy is None:
+        log.warning(
+            "could not read maxmemory-policy of the Redis at %s (%s): make sure it is %s, "
+            "or keys the pipeline needs may be evicted",
+            where,
+            facts.problem,
+            SAFE_POLICY,
+        )
+    elif policy != SAFE_POLICY and not allow:
+        raise UnsafeRedis(
+            f"the Redis at {where} has maxmemory-policy {policy}: it may evict the pipeline's "
+            f"leases, requests and queue entries. Set maxmemory-policy {SAFE_POLICY} "
+            f"(redis.conf, or CONFIG SET maxmemory-policy {SAFE_POLICY}), "
+            f"or set {ALLOW_VAR}=1 to run anyway"
+        )
+    elif policy != SAFE_POLICY:
+        log.warning(
+            "%s=1: running on the Redis at %s with maxmemory-policy %s, which may evict the "
+            "pipeline's leases, requests and queue entries (set it to %s)",
+            ALLOW_VAR,
+            where,
+            policy,
+            SAFE_POLICY,
+        )
+    return facts
