@@ -18,12 +18,16 @@ import pytest
 
 from pipeline.client import Pipeline
 from pipeline.config import (
+    PoolConfig,
     QueueConfig,
     Settings,
     diff_config,
+    from_snapshot,
     load_settings,
+    parse_pools,
     parse_queues,
     reload_queue_files,
+    to_snapshot,
 )
 from pipeline.errors import ConfigError
 from pipeline.gates import same_attempt_gate
@@ -120,6 +124,32 @@ def test_reload_reads_the_files_again_and_names_what_is_wrong(tmp_path: Path) ->
         reload_queue_files(current, env)
     with pytest.raises(ConfigError, match="PIPELINE_QUEUES is not set"):
         reload_queue_files(current, {})
+
+
+def test_the_snapshot_children_follow_round_trips_every_field() -> None:
+    """What a node writes for its prefork children reads back as the same config, with
+    every field at its default and every field set (a field added later is covered)."""
+    plain = {"queue_name": "plain", "igw_base_url": "https://a"}
+    full = {
+        "queue_name": "full", "igw_base_url": "https://b", "id": "full-id",
+        "request_path_url": "/v1/chat/completions", "inference_objective": "o",
+        "worker_pool_id": "p2", **local_limit(3), "labels": {"tier": "batch"},
+        "result_queue_name": "full-results", "default_timeout_s": 10, "request_timeout_s": 5,
+        "retry_base_delay_s": 0.5, "retry_max_delay_s": 9, "api_key_env": "K",
+        "tls_ca_file": "/ca.pem", "tls_cert_file": "/c.pem", "tls_key_file": "/k.pem",
+        "tls_insecure_skip_verify": True, "result_list": False, "result_list_max_len": 7,
+        "result_ttl_seconds": 60,
+    }  # fmt: skip
+    # every field of a queue is set here: a new one must be added (and round-trip too)
+    assert set(full) == set(QueueConfig.__dataclass_fields__)
+    queues = parse_queues([plain, full], "q.json")
+    pools = parse_pools(
+        [{"id": "default"}, {"id": "p2", "workers": 3, **local_limit(2)}], "p.json", queues
+    )
+    settings = Settings(queues=queues, pool_configs=pools)
+    back = from_snapshot(Settings(), json.loads(json.dumps(to_snapshot(settings))), "snap")
+    assert back.queues == settings.queues and back.pool_configs == settings.pool_configs
+    assert isinstance(back.pool_configs["p2"], PoolConfig)
 
 
 # -- on a running node -----------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any
 
 from ..errors import ConfigError
@@ -77,10 +77,28 @@ def diff_config(old: Settings, new: Settings) -> ConfigChange:
     )
 
 
+def _entry(obj: Any) -> dict[str, Any]:
+    """A config dataclass as the file entry it came from: the fields that differ from their
+    default (an absent field is the default, as in the files; a ``null`` may not validate)."""
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if f.default is not MISSING:
+            default: Any = f.default
+        elif f.default_factory is not MISSING:
+            default = f.default_factory()
+        else:
+            out[f.name] = value
+            continue
+        if value != default:
+            out[f.name] = value
+    return out
+
+
 def to_snapshot(settings: Settings) -> dict[str, Any]:
     return {
-        "queues": [asdict(q) for q in settings.queues.values()],
-        "pools": [asdict(p) for p in settings.pool_configs.values()],
+        "queues": [_entry(q) for q in settings.queues.values()],
+        "pools": [_entry(p) for p in settings.pool_configs.values()],
     }
 
 

@@ -368,7 +368,11 @@ def node_settings() -> Settings:
     if _snapshot_stamp() is None:
         return load_settings()
     base = {k: v for k, v in os.environ.items() if k not in ("PIPELINE_QUEUES", "PIPELINE_POOLS")}
-    return read_snapshot(load_settings(base))
+    try:
+        return read_snapshot(load_settings(base))
+    except Exception as exc:  # noqa: BLE001 - the files, as at start, rather than nothing
+        log.error("cannot read the node's config snapshot, using the files: %s", exc)
+        return load_settings()
 
 
 def _node_name() -> str:
