@@ -10,6 +10,9 @@ import json
 import signal
 import subprocess
 import sys
+import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,8 +33,9 @@ from pipeline.config import (
     to_snapshot,
 )
 from pipeline.errors import ConfigError
-from pipeline.gates import same_attempt_gate
+from pipeline.gates import AcquireContext, same_attempt_gate
 from pipeline.sim import SimConfig, SimServer
+from pipeline.worker import Runtime
 from tests.conftest import ROOT, WorkerProc, assert_idle, local_limit, wait_for
 from tests.observability import FAST, Isolated, isolated, scrape, start_node, total
 
@@ -150,6 +154,47 @@ def test_the_snapshot_children_follow_round_trips_every_field() -> None:
     back = from_snapshot(Settings(), json.loads(json.dumps(to_snapshot(settings))), "snap")
     assert back.queues == settings.queues and back.pool_configs == settings.pool_configs
     assert isinstance(back.pool_configs["p2"], PoolConfig)
+
+
+def test_a_slot_of_a_replaced_gate_is_released_not_handed_over(env: dict[str, str]) -> None:
+    """Limit 1 → 3 while an attempt holds the slot and another is parked for it: the holder
+    releases its slot (the parked one is rung and asks the new gate) instead of handing it
+    over under the old gate's limit, whose transfer would fail after the taker had already
+    left for the server — one request more at the server than the gate counts."""
+    prefix = f"plrl{uuid.uuid4().hex[:6]}:"
+    base = Settings(redis_url=env["PIPELINE_REDIS_URL"], key_prefix=prefix, lease_s=30)
+
+    def with_limit(n: int) -> Settings:
+        entry = {"queue_name": "q", "igw_base_url": "http://127.0.0.1:9", **local_limit(n)}
+        return Settings(**{**base.__dict__, "queues": parse_queues([entry], "q.json")})
+
+    rt = Runtime(with_limit(1))
+
+    def ctx(rid: str) -> AcquireContext:
+        return AcquireContext(rid, "t", "q", "w@test", 30.0, time.time() + 60)
+
+    try:
+        old = rt.gate("q")
+        assert old.acquire(ctx("holder")).admitted
+        parked: list[Any] = []
+        gen = rt.bell.generation("q")
+        waiter = threading.Thread(
+            target=lambda: parked.append(rt.bell.park("q", gen, 10.0, ctx("waiter"), old))
+        )
+        waiter.start()
+        wait_for(lambda: rt.bell.waiting("q") == 1, 5, what="the parked attempt")
+        rt.apply(with_limit(3))
+        new = rt.gate("q")
+        assert new is not old and new.acquire(ctx("newcomer")).admitted  # 2 of 3
+        assert rt.release("q", "holder", "t", hand_over=True, gate=old) is False
+        waiter.join(10)
+        (ticket,) = parked
+        assert ticket is not None and ticket.rang and not ticket.granted
+        assert [h["request_id"] for h in new.holders()] == ["newcomer"]
+        new.release("newcomer:t")
+        assert new.in_flight() == 0
+    finally:
+        rt.stop()
 
 
 # -- on a running node -----------------------------------------------------------------------

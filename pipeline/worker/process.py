@@ -134,17 +134,21 @@ class Runtime:
         since have replaced); default: the queue's current gate.
 
         ``hand_over`` (the holder does hold a slot of a ``hands_over`` gate): when an attempt
-        of this process is parked for one of that gate, the slot goes straight to it — it is
-        woken at once, admitted, and heads for the server while this thread records the
-        transfer. True when the slot was handed over (nothing was freed: the finish / requeue
-        that follows publishes no release)."""
+        of this process is parked for one of that gate (the queue's current one), the slot
+        goes straight to it — it is woken at once, admitted, and heads for the server while
+        this thread records the transfer. True when the slot was handed over (nothing was
+        freed: the finish / requeue that follows publishes no release)."""
         holder = make_holder(request_id, token)
         with self._lock:
             self._live.pop(holder, None)
-        gate = gate or self.current_gate(queue)
+        current = self.current_gate(queue)
+        gate = gate or current
         if gate is None:
             return False
-        if hand_over and gate.hands_over:
+        # a hand-over is recorded with the gate's limit and the taker leaves for the server at
+        # once: only on the current gate, never one a reload replaced (its stale limit could
+        # refuse the transfer of a slot already given)
+        if hand_over and gate.hands_over and gate is current:
             ticket = self.bell.hand_over(queue, gate)
             if ticket is not None:
                 self._transfer(gate, holder, ticket)
