@@ -34,7 +34,8 @@ def failure_message(
         return f"{error_code}: {error_message or ''}"[:500]
     if log_bodies():
         return f"HTTP {status_code}: {payload or ''}"[:500]
-    return f"HTTP {status_code} ({len(payload.encode())}-byte response body)"
+    note = f"; {error_message}" if error_message else ""  # e.g. the gateway's drop reason
+    return f"HTTP {status_code} ({len(payload.encode())}-byte response body){note}"[:500]
 
 
 class Status(enum.Enum):
