@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -122,13 +123,20 @@ def browse(url: str, *args: str) -> str:
 def page_showing(url: str, needles: list[str], timeout: float = 90.0) -> str:
     """The page's DOM once it contains every one of ``needles``: Flower's tasks table fills
     in from a request the page makes after loading, and a browser on a busy machine can dump
-    the DOM before that answer arrived; load the page again until it shows them."""
+    the DOM before that answer arrived; load the page again until it shows them. The last
+    DOM is kept in ``artifacts/`` when they never show."""
+    last = [""]
 
     def shown() -> str | None:
-        dom = browse(url, "--dump-dom")
+        last[0] = dom = browse(url, "--dump-dom")
         return dom if all(n in dom for n in needles) else None
 
-    return wait_for(shown, timeout, interval=0.5, what=f"{needles} on {url}")  # type: ignore[no-any-return]
+    try:
+        return wait_for(shown, timeout, interval=0.5, what=f"{needles} on {url}")  # type: ignore[no-any-return]
+    except AssertionError:
+        ARTIFACTS.mkdir(exist_ok=True)
+        (ARTIFACTS / "flower-page-last.html").write_text(last[0])
+        raise
 
 
 def final(flower: Flower, rid: str) -> dict[str, Any]:
@@ -229,14 +237,15 @@ def test_flower_shows_requests_retries_and_gate_decisions(
         assert total(samples, ev, worker=w.name, type="task-gate-waiting") >= 1
         assert total(samples, ev, worker=w.name, type="task-retried") >= 3
 
-        # the tasks page, rendered by a real browser, lists them with their final states
-        dom = page_showing(
-            flower.url + "/tasks", [r.id for r in (ok, retried, bad, refused, parked)]
-        )
+        # the tasks page, rendered by a real browser, lists them with their final states. It
+        # shows 15 tasks, the latest first, of every worker on the broker (those of other test
+        # sessions on this Redis too, once Flower turned their events on): ask for this node's
+        tasks_page = f"{flower.url}/tasks?worker={quote(w.name)}"
+        dom = page_showing(tasks_page, [r.id for r in (ok, retried, bad, refused, parked)])
         ARTIFACTS.mkdir(exist_ok=True)
         shot = ARTIFACTS / "flower-tasks.png"
         shot.unlink(missing_ok=True)
-        browse(flower.url + "/tasks", f"--screenshot={shot}")
+        browse(tasks_page, f"--screenshot={shot}")
         assert shot.exists() and shot.stat().st_size > 10_000
         assert "pipeline.infer" in dom and "SUCCESS" in dom and "FAILURE" in dom
         # args and kwargs columns: request id, queue, priority and attempt number

@@ -386,8 +386,12 @@ def hold_as(tag: str) -> tuple[str, dict[str, str]]:
 
 @pytest.fixture
 def lookahead_two(start_worker: Any) -> Iterator[Any]:
-    """A node for the "parked" queue (limit 1) that dispatches two attempts past the limit."""
-    worker = start_worker(pools="parked", concurrency=4, extra_env={"PIPELINE_LOOKAHEAD": "2"})
+    """A node for the "parked" queue (limit 1) that dispatches two attempts past the limit.
+    Its attempts park for up to 60 s (not the default 10): one that gave up and went back to
+    the queue while a busy machine ran the test would park again behind the other, and the
+    slot would be handed over in another order."""
+    extra = {"PIPELINE_LOOKAHEAD": "2", "PIPELINE_PARK_S": "60"}
+    worker = start_worker(pools="parked", concurrency=4, extra_env=extra)
     yield worker
     worker.stop()
 
