@@ -29,6 +29,8 @@ ALLOWED: dict[str, set[str]] = {
     "sim": set(),
     # batches as objects, their file formats and the `pipeline run` client: on the client API
     "batch": {"client", "store", "config", "errors"},
+    # the HTTP service (`pipeline serve`): OpenAI's Files and Batches API over `batch`
+    "serve": {"batch", "client", "store", "config", "errors", "redact"},
     "cli": {
         "batch",
         "client",
@@ -39,6 +41,7 @@ ALLOWED: dict[str, set[str]] = {
         "http",
         "observability",
         "redact",
+        "serve",
         "sim",
         "store",
         "worker",

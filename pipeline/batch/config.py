@@ -37,7 +37,8 @@ class BatchSettings:
     """``retention_s``: how long a closed batch (and its invalid-line list) is kept;
     ``max_lines``: most input lines in one batch; ``files_dir``: where files live;
     ``max_file_bytes``: largest upload; ``file_ttl_s``: how long a file is kept;
-    ``max_active``: batches one tenant may have open at once (more: HTTP 429)."""
+    ``max_active``: batches one tenant may have open at once (more: HTTP 429); ``queue``: the
+    queue of the batches created through ``pipeline serve``."""
 
     retention_s: float = 7 * DAY
     max_lines: int = 1_000_000
@@ -45,6 +46,7 @@ class BatchSettings:
     max_file_bytes: int = 200 * 1024 * 1024
     file_ttl_s: float = 30 * DAY
     max_active: int = 100
+    queue: str = "default"
 
     @classmethod
     def from_env(cls, settings: Settings, env: Mapping[str, str] | None = None) -> BatchSettings:
@@ -56,6 +58,7 @@ class BatchSettings:
             max_file_bytes=int(_number(env, "PIPELINE_MAX_FILE_BYTES", 200 * 1024 * 1024)),
             file_ttl_s=_number(env, "PIPELINE_FILE_TTL_S", 30 * DAY),
             max_active=int(_number(env, "PIPELINE_BATCH_MAX_ACTIVE", 100)),
+            queue=env.get("PIPELINE_BATCH_QUEUE") or "default",
         )
 
     @property

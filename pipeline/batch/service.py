@@ -296,15 +296,33 @@ class Batches:
         return sum(1 for rec in self.records.records(ids) if rec.get("owner", "") == owner)
 
     # -- cancelling, waiting ------------------------------------------------------------------
-    def cancel(self, batch_id: str, owner: str | None = None) -> Batch:
+    def cancel(self, batch_id: str, owner: str | None = None, *, lines: bool = True) -> Batch:
         """Cancel: no line is stored any more, the lines not yet started are cancelled
         (attempts in flight finish); ``cancelling`` until the last result, then
-        ``cancelled``. A closed batch is returned unchanged."""
+        ``cancelled``. A closed batch is returned unchanged. ``lines=False``: only mark it;
+        the caller runs :meth:`cancel_lines` (``pipeline serve`` does, in the background)."""
         self.get(batch_id, owner)
-        status, submitted, todo = self.records.cancel(batch_id)
-        if todo:
-            self.records.cancel_lines(batch_id, submitted)
+        _, _, todo = self.records.cancel(batch_id)
+        if todo and lines:
+            self.cancel_lines(batch_id)
         return self.get(batch_id)
+
+    def cancel_lines(self, batch_id: str) -> int:
+        """Cancel the not-started lines of a ``cancelling`` batch (under its lease; again
+        after a canceller died half-way: cancelling is idempotent). Returns how many."""
+        # an enqueuer holding the lease stops at its next chunk (the batch takes no more lines)
+        end = time.monotonic() + LEASE_S
+        while not self.records.take_lease(batch_id, self.holder, LEASE_S):
+            if time.monotonic() > end:
+                return 0  # still held: the holder's successor (pipeline serve's loop) does it
+            time.sleep(0.05)
+        try:
+            rec = self.records.record(batch_id)
+            if rec.get("status") != "cancelling" or rec.get("cancel_done") == "1":
+                return 0
+            return self.records.cancel_lines(batch_id, int(rec.get("submitted") or 0))
+        finally:
+            self.records.drop_lease(batch_id, self.holder)
 
     def wait(
         self,
@@ -369,10 +387,15 @@ class Batches:
                 else:
                     err.write(openai_line(line, final))
                     n_err += 1
-        owner = batch.owner
-        self.files.add(out_id, f"{batch.id}_output.jsonl", "batch_output", owner)
-        self.files.add(err_id, f"{batch.id}_errors.jsonl", "batch_output", owner)
-        return (out_id if n_out else None), (err_id if n_err else None)
+        ids: list[str | None] = []
+        for fid, n, name in ((out_id, n_out, "output"), (err_id, n_err, "errors")):
+            if n:
+                self.files.add(fid, f"{batch.id}_{name}.jsonl", "batch_output", batch.owner)
+                ids.append(fid)
+            else:
+                blobs.delete(fid)
+                ids.append(None)
+        return ids[0], ids[1]
 
     def _input_custom_ids(self, batch: Batch) -> Callable[[int], dict[int, str]] | None:
         """custom_ids of the input's lines after a line number, read from the input (for

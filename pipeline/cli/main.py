@@ -156,6 +156,15 @@ def cmd_flower(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- serve ------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..serve import serve
+
+    _setup_logging(args.loglevel.upper())
+    serve(args.host, args.port, args.loglevel.lower())
+    return 0
+
+
 # -- run --------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
@@ -314,6 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true")
     p.add_argument("--interval", type=float, default=1.0)
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("serve", help="OpenAI's Files and Batches API and a batch page")
+    p.add_argument("--host", default="127.0.0.1", help="without PIPELINE_API_KEYS: loopback only")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--loglevel", default="info")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("sim", help="the OpenAI-compatible simulator")
     from .. import sim
