@@ -38,7 +38,9 @@ class BatchSettings:
     ``max_lines``: most input lines in one batch; ``files_dir``: where files live;
     ``max_file_bytes``: largest upload; ``file_ttl_s``: how long a file is kept;
     ``max_active``: batches one tenant may have open at once (more: HTTP 429); ``queue``: the
-    queue of the batches created through ``pipeline serve``."""
+    queue of the batches created through ``pipeline serve``; ``lease_s``: how long a process
+    that stopped (killed) still holds a batch's validation, enqueue, cancel or finalization
+    before another takes it over."""
 
     retention_s: float = 7 * DAY
     max_lines: int = 1_000_000
@@ -47,6 +49,7 @@ class BatchSettings:
     file_ttl_s: float = 30 * DAY
     max_active: int = 100
     queue: str = "default"
+    lease_s: int = 30
 
     @classmethod
     def from_env(cls, settings: Settings, env: Mapping[str, str] | None = None) -> BatchSettings:
@@ -59,6 +62,7 @@ class BatchSettings:
             file_ttl_s=_number(env, "PIPELINE_FILE_TTL_S", 30 * DAY),
             max_active=int(_number(env, "PIPELINE_BATCH_MAX_ACTIVE", 100)),
             queue=env.get("PIPELINE_BATCH_QUEUE") or "default",
+            lease_s=max(1, int(_number(env, "PIPELINE_BATCH_LEASE_S", 30))),
         )
 
     @property

@@ -80,7 +80,7 @@ def parse_line(
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        return LineError(number, "invalid_json_line", f"line {number}: not valid JSON: {exc}")
+        return LineError(number, "invalid_json_line", f"line {number}: not JSON: {exc}")
     if not isinstance(obj, dict):
         return LineError(number, "invalid_json_line", f"line {number}: not a JSON object")
     if extensions and "payload" in obj and "body" not in obj:

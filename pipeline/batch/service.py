@@ -37,7 +37,6 @@ from .records import BatchRecords
 
 BATCH_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 MAX_METADATA = 16
-LEASE_S = 30
 
 
 def new_batch_id() -> str:
@@ -143,7 +142,7 @@ class Batches:
         ``validating`` batch fails (bad lines in ``errors``) or starts; an ``in_progress`` one
         whose lines were not all stored resumes after the last stored line. Holds the batch's
         lease meanwhile; does nothing when another holder has it. Returns the batch after."""
-        if not self.records.take_lease(batch.id, self.holder, LEASE_S):
+        if not self.records.take_lease(batch.id, self.holder, self.settings.lease_s):
             return self.get(batch.id)
         try:
             return self._ingest(batch, opener)
@@ -217,7 +216,7 @@ class Batches:
 
     def _renewer(self, batch_id: str) -> Callable[[], None]:
         def renew() -> None:
-            self.records.take_lease(batch_id, self.holder, LEASE_S)
+            self.records.take_lease(batch_id, self.holder, self.settings.lease_s)
 
         return renew
 
@@ -311,8 +310,8 @@ class Batches:
         """Cancel the not-started lines of a ``cancelling`` batch (under its lease; again
         after a canceller died half-way: cancelling is idempotent). Returns how many."""
         # an enqueuer holding the lease stops at its next chunk (the batch takes no more lines)
-        end = time.monotonic() + LEASE_S
-        while not self.records.take_lease(batch_id, self.holder, LEASE_S):
+        end = time.monotonic() + self.settings.lease_s
+        while not self.records.take_lease(batch_id, self.holder, self.settings.lease_s):
             if time.monotonic() > end:
                 return 0  # still held: the holder's successor (pipeline serve's loop) does it
             time.sleep(0.05)
@@ -361,7 +360,7 @@ class Batches:
         assert self.files is not None, "finalize needs a file store"
         batch = self.get(batch_id)
         if batch.status != "finalizing" or not self.records.take_lease(
-            batch_id, self.holder, LEASE_S
+            batch_id, self.holder, self.settings.lease_s
         ):
             return batch
         try:
