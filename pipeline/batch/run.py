@@ -143,6 +143,7 @@ class RunOptions:
     output: str
     batch_id: str | None = None
     completion_window: str = "24h"
+    queue: str | None = None  # lines without a queue of their own (default: "default")
     out_format: str = "results"  # or "openai"
     error_output: str | None = None  # --format openai: the error file (default <output>.errors)
     timeout: float | None = None
@@ -165,8 +166,11 @@ class Run:
         path = os.path.abspath(self.opts.path)
         digest = file_digest(path)
         bid = self.opts.batch_id or content_batch_id(path)
+        queues = self.pipeline.settings.queues
+        queue = self.opts.queue or ("default" if "default" in queues else next(iter(queues)))
         batch, created = self.batches.create(
             batch_id=bid,
+            queue=queue,
             completion_window=self.opts.completion_window,
             metadata={"invalid_lines": "error_file"},
             source={"kind": "path", "path": path, "sha256": digest},
@@ -180,11 +184,18 @@ class Run:
             self.console.print(
                 f"[dim]attached to batch {bid} ({batch.status}: {c.done}/{c.total} done)"
             )
+        self.batch = self._store_lines(batch)
+        return self.batch
+
+    def _store_lines(self, batch: Batch) -> Batch:
+        """Check and store the batch's lines, or the rest of them, unless that is done or
+        another live process holds the batch (then it does it; a dead one's lease lapses and
+        the next poll takes over)."""
         if batch.status == "validating" or (
             batch.status == "in_progress" and batch.submitted < batch.lines
         ):
-            batch = self.batches.ingest(batch, lambda: open(path, "rb"))
-        self.batch = batch
+            path = os.path.abspath(self.opts.path)
+            return self.batches.ingest(batch, lambda: open(path, "rb"))
         return batch
 
     def follow(self) -> Batch:
@@ -210,6 +221,7 @@ class Run:
             task = progress.add_task("requests", total=c.total, completed=c.done, **fields)
 
             def on_poll(b: Batch) -> None:
+                b = self._store_lines(b)
                 rc = b.request_counts
                 fields.update(ok=rc.completed, failed=rc.failed)
                 now = time.monotonic()

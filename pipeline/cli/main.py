@@ -186,6 +186,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         output=args.output,
         batch_id=args.batch_id,
         completion_window=args.completion_window,
+        queue=args.queue,
         out_format=args.format,
         error_output=args.error_output,
         timeout=args.timeout,
@@ -326,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-id", help="the batch to create or attach to (default: from the file's content)"
     )
     p.add_argument("--completion-window", default="24h", help="every line's deadline (24h)")
+    p.add_argument("--queue", help="the queue of lines that name none (default: default)")
     p.add_argument(
         "--format",
         choices=["results", "openai"],

@@ -56,7 +56,7 @@ def test_the_batch_page_shows_every_batch_with_progress(
         assert m, f"{bid} not on the page"
         row = m.group(1)
         assert f">{status}<" in row
-        assert "class=\"bar\"" in row
+        assert 'class="bar"' in row
     ran_row = re.search(rf"<tr id=\"b-{ran.id}\">(.*?)</tr>", dom)
     assert ran_row and ">100 %<" in ran_row.group(1) and ">done<" in ran_row.group(1)
     waiting_row = re.search(rf"<tr id=\"b-{waiting.id}\">(.*?)</tr>", dom)
