@@ -19,6 +19,7 @@ answered (an HTTP error after retries), else ``null``. Error codes:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ import orjson
 
 from ..client import Result
 from .model import Batch
-from .records import BatchRecords
+from .records import READ_CHUNK, BatchRecords
 
 MESSAGES = {
     "batch_expired": "This request could not be executed before the completion window expired.",
@@ -34,22 +35,33 @@ MESSAGES = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class LineResult:
-    """One input line's outcome: ``ok`` (2xx/3xx), its ``result`` when it ran, the
-    validation ``error`` of an invalid line, or ``missing`` (never stored: cancelled or
-    expired before it was enqueued)."""
+    """One input line's outcome: ``data`` (its result as stored, see :class:`Result`) when it
+    ran, the validation ``invalid`` record of an invalid line, or ``missing`` (never stored:
+    cancelled or expired before it was enqueued; the error code)."""
 
     number: int
     request_id: str
     custom_id: str | None
-    result: Result | None = None
+    data: dict[str, Any] | None = None
     invalid: dict[str, Any] | None = None
-    missing: str | None = None  # the error code of a line never stored
+    missing: str | None = None
+    _result: Result | None = None
+
+    @property
+    def result(self) -> Result | None:
+        if self._result is None and self.data is not None:
+            self._result = Result.from_dict(self.data)
+        return self._result
 
     @property
     def ok(self) -> bool:
-        return self.result is not None and self.result.ok
+        d = self.data
+        if d is None or d.get("error_code"):
+            return False
+        status = d.get("status_code")
+        return isinstance(status, int) and status < 400
 
 
 def line_results(
@@ -59,21 +71,29 @@ def line_results(
 ) -> Iterator[LineResult]:
     """Every request line of ``batch`` in input order. Lines after the last one stored
     (cancelled or lapsed before they were enqueued) are known only from the input:
-    ``custom_ids(after)`` maps their line numbers to custom_ids (None: left out)."""
+    ``custom_ids(after)`` maps their line numbers to custom_ids (None: left out). The next
+    range of results is read while this one is handed out."""
     invalid = {int(r["line"]): r for r in records.invalid(batch.id)}
     last = batch.submitted
     missing_code = (
         "batch_cancelled" if batch.status in ("cancelled", "cancelling") else ("batch_expired")
     )
-    for lo in range(1, last + 1, 5000):
-        hi = min(last, lo + 4999)
-        for offset, (res, cid) in enumerate(records.results(batch.id, lo, hi)):
-            n = lo + offset
-            rid = batch.request_id(n)
-            if res is not None:
-                yield LineResult(n, rid, cid, Result.from_dict(orjson.loads(res)))
-            elif n in invalid:
-                yield LineResult(n, rid, invalid[n].get("custom_id"), invalid=invalid[n])
+    step = READ_CHUNK
+    ranges = [(lo, min(last, lo + step - 1)) for lo in range(1, last + 1, step)]
+    with ThreadPoolExecutor(1, thread_name_prefix="batch-read") as pool:
+        ahead = pool.submit(records.results, batch.id, *ranges[0]) if ranges else None
+        for i, (lo, _) in enumerate(ranges):
+            assert ahead is not None
+            chunk = ahead.result()
+            if i + 1 < len(ranges):
+                ahead = pool.submit(records.results, batch.id, *ranges[i + 1])
+            for offset, (res, cid) in enumerate(chunk):
+                n = lo + offset
+                if res is not None:
+                    yield LineResult(n, f"{batch.id}-{n}", cid, orjson.loads(res))
+                elif n in invalid:
+                    yield LineResult(n, f"{batch.id}-{n}", invalid[n].get("custom_id"),
+                                     invalid=invalid[n])  # fmt: skip
     if batch.lines > last:
         rest = custom_ids(last) if custom_ids is not None else {}
         for n in range(last + 1, batch.lines + 1):
@@ -91,37 +111,38 @@ def _body(payload: str) -> Any:
         return payload  # not JSON: the text as it came
 
 
-def error_code(result: Result, batch_status: str) -> str:
-    code = result.error_code
-    if code is None:
+def error_code(data: dict[str, Any], batch_status: str) -> str:
+    code = data.get("error_code")
+    if not code:
         return "http_error"
     if code == "DEADLINE_EXCEEDED":
         return "batch_expired" if batch_status == "expired" else "deadline_exceeded"
     if code == "CANCELLED":
         return "batch_cancelled"
-    return code.lower()
+    return str(code).lower()
 
 
 def openai_line(line: LineResult, batch_status: str) -> bytes:
     """OpenAI's output (ok) or error file line."""
     out: dict[str, Any] = {"id": line.request_id, "custom_id": line.custom_id}
-    r = line.result
-    if r is not None and r.status_code is not None:
+    d = line.data
+    status = d.get("status_code") if d is not None else None
+    if d is not None and status:
         out["response"] = {
-            "status_code": r.status_code,
+            "status_code": status,
             "request_id": line.request_id,
-            "body": _body(r.payload),
+            "body": _body(d.get("payload", "")),
         }
     else:
         out["response"] = None
     if line.ok:
         out["error"] = None
-    elif r is not None:
-        code = error_code(r, batch_status)
-        if r.error_code is None:
-            message = f"HTTP {r.status_code} after {r.attempts} attempt(s)"
+    elif d is not None:
+        code = error_code(d, batch_status)
+        if not d.get("error_code"):
+            message = f"HTTP {status} after {d.get('attempts', 0)} attempt(s)"
         else:
-            message = MESSAGES.get(code) or r.error_message or code
+            message = MESSAGES.get(code) or d.get("error_message") or code
         out["error"] = {"code": code, "message": message}
     elif line.invalid is not None:
         out["error"] = {"code": line.invalid["code"], "message": line.invalid["message"]}

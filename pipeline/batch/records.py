@@ -22,6 +22,7 @@ BATCH_SCRIPTS = (
     "batch_cancel_lines",
     "batch_finalized",
     "batch_lapse",
+    "batch_results",
 )
 CANCEL_CHUNK = 500  # request ids per batch_cancel_lines call
 READ_CHUNK = 1000  # request records per round trip when reading results
@@ -194,13 +195,11 @@ class BatchRecords:
         return float(sec) + float(usec) / 1e6
 
     def results(self, batch_id: str, first: int, last: int) -> list[tuple[str | None, str | None]]:
-        """(result JSON, custom_id) of lines ``first``..``last`` (None where no record)."""
+        """(result JSON, custom_id) of lines ``first``..``last`` (None where no record), read
+        :data:`READ_CHUNK` lines per call (batch_results.lua)."""
         out: list[tuple[str | None, str | None]] = []
-        k = self.keys
         for lo in range(first, last + 1, READ_CHUNK):
             hi = min(last, lo + READ_CHUNK - 1)
-            with self.client.pipeline(transaction=False) as p:
-                for n in range(lo, hi + 1):
-                    p.hmget(k.request(f"{batch_id}-{n}"), ["result", "custom_id"])
-                out.extend((r[0], r[1]) for r in p.execute())
+            flat = self._run("batch_results", batch_id, lo, hi)
+            out.extend(zip(flat[0::2], flat[1::2], strict=True))
         return out
