@@ -232,7 +232,7 @@ def _run_with_services(
             b = run.batches.cancel(run.batch.id)
             console.print(f"batch {b.id} cancelled ({b.status})")
         else:
-            console.print(run.reattach_hint())
+            console.print(run.reattach_hint(), soft_wrap=True)  # one line, to copy
             if embedded:
                 console.print(
                     "[yellow]its Redis is the embedded one this command started, which stops "

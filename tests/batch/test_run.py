@@ -143,3 +143,46 @@ def test_an_enqueue_cut_short_resumes_after_its_last_stored_line(
     assert done.status == "completed" and done.request_counts.completed == 300
     attempts = sim.stats()["attempts_by_request_id"]
     assert [attempts[done.request_id(n)] for n in range(1, 301)] == [1] * 300
+
+
+def test_ctrl_c_leaves_the_batch_running_and_says_how_to_reattach(
+    tmp_path: Path, env: dict[str, str], served: Pipeline
+) -> None:
+    """A line stalls at the simulator, so the batch is still running when the command gets
+    SIGINT: it exits 130 naming the batch and the command to re-attach, and the batch runs on;
+    with --cancel-on-exit the batch is cancelled."""
+    import signal
+    import subprocess
+    import sys
+
+    from pipeline.batch import content_batch_id
+    from tests.conftest import ROOT, wait_for
+
+    stall = {"headers": {"x-sim-fail-first": "100", "x-sim-fail-mode": "stall"}, "timeout": 60}
+    b = Batches(served)
+    for cancel in (False, True):
+        path = tmp_path / f"in-{cancel}.jsonl"
+        write_lines(path, f"int{int(cancel)}{tmp_path.name[-6:]}", 3, {0: stall})
+        bid = content_batch_id(path)
+        args = ["run", str(path), "-o", str(tmp_path / "o.jsonl"), "--no-progress"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", *args, *(["--cancel-on-exit"] if cancel else [])],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+        def two_done(bid: str = bid) -> bool:
+            return bool(b.records.record(bid)) and b.get(bid).request_counts.done == 2
+
+        wait_for(two_done, 30, what="two lines done, one stalled")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        if cancel:
+            assert f"batch {bid} cancelled" in err
+            assert b.wait(bid, timeout=30).status == "cancelled"
+        else:
+            assert f"batch {bid} keeps running; re-attach with: pipeline run {path}" in err
+            assert b.get(bid).status == "in_progress"
+            b.cancel(bid)
+            b.wait(bid, timeout=30)
+        assert not (tmp_path / "o.jsonl").exists()
