@@ -96,10 +96,12 @@ class Background:
         ids = records.active()
         for rec in records.records(ids):
             bid, status = rec["id"], rec.get("status")
+            if status in ("validating", "in_progress"):
+                # past its window with nobody storing its lines (any batch: the script checks)
+                status = records.lapse(bid)
             if rec.get("files") != "1":
                 continue  # created outside the service (pipeline run, Python): not ours
             if status in ("validating", "in_progress"):
-                records.lapse(bid)
                 stored = int(rec.get("submitted") or 0) >= int(rec.get("lines") or 0)
                 leased = records.client.exists(records.keys.batch_lease(bid))
                 if (status == "validating" or not stored) and not leased:
