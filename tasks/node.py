@@ -23,7 +23,7 @@ from celery.signals import (
 from pipeline.config import Settings
 from pipeline.dispatch import Dispatcher
 from pipeline.errors import UnsafeRedis
-from pipeline.observability import health, metrics
+from pipeline.observability import health, metrics, tracing
 from pipeline.redact import redact_url
 from pipeline.store import DirectPublish, Dispatched, check_eviction
 from pipeline.worker import runtime
@@ -208,6 +208,7 @@ def _on_shutdown(**_: Any) -> None:
     rt = runtime()
     for rid, token, queue in rt.live_holders():
         rt.abandon(rid, token, queue, cancel=False, reason="worker shutdown")
+    tracing.shutdown()  # flush the spans (re-enqueue ones included) before the process ends
 
 
 @task_revoked.connect

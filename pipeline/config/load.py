@@ -107,9 +107,13 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         ("CELERY_RESULT_BACKEND", env.get("CELERY_RESULT_BACKEND") or ""),
     ):
         check_sentinel(url, var, master)
-    header = env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id")
-    if header and not HEADER_NAME.match(header):
-        raise ConfigError(f"PIPELINE_FAIRNESS_HEADER: {header!r} is not a valid header name")
+    for var, default in (
+        ("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id"),
+        ("PIPELINE_OBJECTIVE_HEADER", "x-llm-d-inference-objective"),
+    ):
+        header = env.get(var, default)
+        if header and not HEADER_NAME.match(header):
+            raise ConfigError(f"{var}: {header!r} is not a valid header name")
     return Settings(
         redis_url=redis_url,
         broker_url=env.get("CELERY_BROKER_URL") or redis_url,
@@ -124,6 +128,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         gate_wait_timeout_s=_float_env(env, "PIPELINE_GATE_WAIT_TIMEOUT_S", 300.0),
         fairness_attribute=env.get("PIPELINE_FAIRNESS_ATTRIBUTE", "userid"),
         fairness_header=env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id"),
+        objective_header=env.get("PIPELINE_OBJECTIVE_HEADER", "x-llm-d-inference-objective"),
         wedge_after_s=_float_env(env, "PIPELINE_WEDGE_AFTER_S", 300.0),
         park_s=_float_env(env, "PIPELINE_PARK_S", 10.0),
         lookahead=_lookahead_env(env),

@@ -20,6 +20,7 @@ from ..errors import ConfigError
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+INGEST_FORMATS = ("llm-d-async",)  # wire formats a queue may ingest besides submit()
 HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 
 
@@ -47,6 +48,9 @@ class QueueConfig:
     request_timeout_s: float = 300.0
     retry_base_delay_s: float = 2.0
     retry_max_delay_s: float = 60.0
+    # "llm-d-async": also take the requests a reference producer writes into the sorted set
+    # named like the queue, and answer them on the reference's result list in its format
+    ingest: str | None = None
 
     @property
     def queue_id(self) -> str:
@@ -84,6 +88,9 @@ class QueueConfig:
             value = entry.get(key, 1.0)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"{where}: {key} must be a positive number of seconds")
+        if entry.get("ingest") not in (None, "", *INGEST_FORMATS):
+            formats = ", ".join(INGEST_FORMATS)
+            raise ConfigError(f"{where}: ingest must be one of {formats}, not {entry['ingest']!r}")
         _check_result_list(entry, where)
         try:
             return cls(**entry)
@@ -146,6 +153,8 @@ class Settings:
     gate_wait_timeout_s: float = 300.0
     fairness_attribute: str = "userid"  # metadata key sent as the fairness identity
     fairness_header: str = "x-llm-d-inference-fairness-id"  # "" disables the stamp
+    # the header a queue's inference_objective is sent in ("" disables it)
+    objective_header: str = "x-llm-d-inference-objective"
     wedge_after_s: float = 300.0  # no completion this long while full and waiting: wedged
     park_s: float = 10.0  # an attempt refused by a full slot gate parks this long for a release
     lookahead: int = -1  # attempts dispatched past a slot gate's capacity; -1: automatic

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from ..config import QueueConfig, Settings
 from ..gates import Gate, GateEnv, attempt_gate
-from ..observability import metrics
+from ..observability import metrics, tracing
 from ..store import DirectPublish, Dispatched, Store
 from ..store import holder as make_holder
 
@@ -27,6 +27,7 @@ log = logging.getLogger("pipeline.dispatcher")
 
 NODE_TTL_S = 5.0  # a node missing heartbeats this long stops counting towards pool slots
 MAX_IDLE_S = 1.0  # longest block on the doorbell (also the node heartbeat cadence)
+INGEST_POLL_S = 0.25  # a reference producer rings no doorbell: look at its sorted set this often
 
 Sender = Callable[[list[Dispatched]], None]
 
@@ -72,6 +73,7 @@ class Dispatcher:
         # requests resulted) but never dispatched, so deadlines hold even with no worker there
         self.foreign = [q for p, qs in all_pools.items() if p not in self.pools for q in qs]
         self._foreign_due = 0.0
+        self.ingesting = any(q.ingest for qs in self.pools.values() for q in qs)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_beat = 0.0
@@ -121,7 +123,7 @@ class Dispatcher:
                 if now >= self._next_reap:
                     self.reap()
                     self._next_reap = now + self.settings.reaper_period_s
-                wait = min(MAX_IDLE_S, self._next_reap - now)
+                wait = min(INGEST_POLL_S if self.ingesting else MAX_IDLE_S, self._next_reap - now)
                 if next_event is not None:
                     wait = min(wait, next_event - now)
                 if wait > 0.001:
@@ -159,6 +161,8 @@ class Dispatcher:
     def _tick_queue(
         self, pool: str, q: QueueConfig, queues: list[QueueConfig], doorbell: str | None = None
     ) -> float | None:
+        if q.ingest:
+            self._ingest(q)
         gate = self.gates[q.queue_name]
         cap = gate.capacity()
         if cap is not None:
@@ -193,6 +197,22 @@ class Dispatcher:
         # doorbell, a due retry or deadline is next_event
         return None if res.next_event is None else time.monotonic() + res.next_event
 
+    def _ingest(self, q: QueueConfig) -> None:
+        """Take what a reference producer wrote into the queue's sorted set (see
+        ``pipeline.store.wire``); a failure is logged and retried on the next tick."""
+        try:
+            outcome = self.store.ingest(q)
+        except Exception as exc:  # noqa: BLE001 - the queue's own requests keep flowing
+            log.warning("queue %s: ingest from %s failed: %s", q.queue_name, q.queue_name, exc)
+            return
+        for word, ids in outcome.items():
+            if word == "invalid":
+                log.error("queue %s: malformed entries answered INVALID_REQUEST: %s",
+                          q.queue_name, ", ".join(i[:80] for i in ids))  # fmt: skip
+            elif word not in ("ingested", "gone", "busy"):
+                log.info("queue %s: %d %s entr(ies): %s", q.queue_name, len(ids), word,
+                         ", ".join(i[:80] for i in ids))  # fmt: skip
+
     def _send(self, moved: list[Dispatched]) -> None:
         try:
             self.send(moved)
@@ -218,11 +238,29 @@ class Dispatcher:
                     )
                     n += 1
                     metrics.lease_reclaimed(q, "attempt")
+                    self._trace_reenqueue(q, rid, token)
                 for h in gate.reap():
                     log.warning("gate %s freed expired reservation %s", q.queue_name, h)
                     metrics.lease_reclaimed(q, "gate")
                 self.check_wedge(q.queue_name, gate)
         return n
+
+    def _trace_reenqueue(self, q: QueueConfig, request_id: str, token: str) -> None:
+        """A ``re-enqueue`` span for a reaped attempt, linked to its ``process-request`` span
+        (whose context the attempt left in its record). Tracing on only."""
+        if not tracing.enabled():
+            return
+        try:
+            traceparent = self.store.attempt_span(request_id, token)
+            tracing.reenqueue_span(
+                request_id,
+                token,
+                "lease expired",
+                queue_name=q.queue_name,
+                traceparent=traceparent,
+            )
+        except Exception as exc:  # noqa: BLE001 - observability never stops the reaper
+            log.warning("re-enqueue span of %s failed: %s", request_id, exc)
 
     def check_wedge(self, queue: str, gate: Gate) -> bool:
         """A queue is wedged when requests wait, its gate is at its limit and nothing has

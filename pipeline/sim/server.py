@@ -17,9 +17,13 @@ All times are monotonic seconds unless a name ends in ``_ms`` (milliseconds).
 Per-request fault headers (they pass through any client unchanged):
 ``x-sim-fail-first: N`` fails the first N attempts of the ``x-request-id`` (without that header
 every request is a first attempt) with ``x-sim-fail-status`` (503), adding ``Retry-After`` from
-``x-sim-retry-after``; ``x-sim-fail-mode: stall|drop`` hangs (up to ``STALL_CAP_S``) or closes the
-connection instead. ``x-sim-latency-ms`` replaces the whole simulated delay. ``POST /sim/faults``
-``{"id", "fail_first", "status", "retry_after", "mode"}`` scripts the same for an id; headers win.
+``x-sim-retry-after`` and, like an llm-d gateway whose flow control shed the request,
+``x-llm-d-request-dropped-reason`` from ``x-sim-dropped-reason``; ``x-sim-fail-mode:
+stall|drop`` hangs (up to ``STALL_CAP_S``) or closes the connection instead.
+``x-sim-latency-ms`` replaces the whole simulated delay. ``POST /sim/faults`` ``{"id",
+"fail_first", "status", "retry_after", "mode", "dropped_reason"}`` scripts the same for an
+id; headers win. ``SimConfig.overload_dropped_reason`` adds the drop-reason header to overload
+rejections.
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ class SimConfig:
     max_concurrency: int = 0  # 0 = unlimited
     overload: str = "429"  # "429" | "503" | "queue"
     overload_retry_after_s: float = 1.0  # Retry-After of overload rejections, seconds
+    # x-llm-d-request-dropped-reason of overload rejections (as a gateway's flow control sends)
+    overload_dropped_reason: str | None = None
     failure_rate: float = 0.0  # probability of a random failure per admitted request
     failure_status: int = 503
     seed: int = 0  # seeds the failure and jitter RNGs
@@ -81,6 +87,7 @@ class _Fault:
     status: int = 503
     retry_after: str | None = None
     mode: str = "status"
+    dropped_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -143,9 +150,16 @@ def _json(status: int, obj: object, extra: str = "") -> _Reply:
     return status, json.dumps(obj, separators=(",", ":")).encode(), _JSON + extra
 
 
-def _error(status: int, message: str, retry_after: str | None = None) -> _Reply:
+DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+
+
+def _error(
+    status: int, message: str, retry_after: str | None = None, dropped: str | None = None
+) -> _Reply:
     kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     extra = f"Retry-After: {retry_after}\r\n" if retry_after is not None else ""
+    if dropped is not None:
+        extra += f"{DROPPED_REASON_HEADER}: {dropped}\r\n"
     return _json(status, {"error": {"message": message, "type": kind, "code": status}}, extra)
 
 
@@ -197,6 +211,13 @@ def _fake_text(prompt: str, n: int) -> str:
     """Deterministic ``n`` fake tokens derived from the prompt."""
     h = zlib.crc32(prompt.encode())
     return "".join(" " + _VOCAB[(h + i * 7919) % len(_VOCAB)] for i in range(n))
+
+
+def _header_value(value: str) -> str:
+    """A value safe to echo in a response header (no CR, LF or NUL)."""
+    if any(c in value for c in "\r\n\0"):
+        raise ValueError("a header value must not contain CR, LF or NUL")
+    return value
 
 
 class _Timer:
@@ -427,9 +448,11 @@ class _Sim:
         try:
             spec = json.loads(req.body)
             retry = spec.get("retry_after")
+            dropped = spec.get("dropped_reason")
             fault = _Fault(int(spec.get("fail_first", 1)), int(spec.get("status", 503)),
                            None if retry is None else _fmt_s(float(retry)),
-                           str(spec.get("mode", "status")))  # fmt: skip
+                           str(spec.get("mode", "status")),
+                           None if dropped is None else _header_value(str(dropped)))  # fmt: skip
             self.script_fault(str(spec["id"]), fault)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             return _error(400, f"bad fault spec: {exc!r}")
@@ -506,7 +529,8 @@ class _Sim:
             if cfg.overload != "queue":
                 retry = _fmt_s(cfg.overload_retry_after_s)
                 status = 503 if cfg.overload == "503" else 429
-                self.answer(conn, p, _error(status, "server overloaded", retry))
+                reply = _error(status, "server overloaded", retry, cfg.overload_dropped_reason)
+                self.answer(conn, p, reply)
                 return
             p.waiter = asyncio.get_running_loop().create_future()
             self.waiters.append(p)
@@ -555,7 +579,14 @@ class _Sim:
                 return None, latency
             status = int(h.get("x-sim-fail-status", "503"))
             mode = h.get("x-sim-fail-mode", "status")
-            fault = _Fault(int(h["x-sim-fail-first"]), status, h.get("x-sim-retry-after"), mode)
+            dropped = h.get("x-sim-dropped-reason")
+            fault = _Fault(
+                int(h["x-sim-fail-first"]),
+                status,
+                h.get("x-sim-retry-after"),
+                mode,
+                None if dropped is None else _header_value(dropped),
+            )
         except ValueError as exc:
             raise _HttpError(400, f"bad x-sim-* header: {exc}") from None
         if fault.mode not in FAULT_MODES:
@@ -575,7 +606,8 @@ class _Sim:
                 p.task = asyncio.ensure_future(self._stall(conn))
             else:
                 msg = f"simulated failure (attempt {job.attempt} of {fault.fail_first})"
-                self.answer(conn, p, _error(fault.status, msg, fault.retry_after))
+                reply = _error(fault.status, msg, fault.retry_after, fault.dropped_reason)
+                self.answer(conn, p, reply)
             return
         if cfg.failure_rate and self.fail_rng.random() < cfg.failure_rate:
             self.answer(conn, p, _error(cfg.failure_status, "simulated random failure"))
@@ -763,10 +795,12 @@ class SimServer:
         status: int = 503,
         retry_after: float | None = None,
         mode: str = "status",
+        dropped_reason: str | None = None,
     ) -> None:
-        """Make the first ``fail_first`` attempts of ``request_id`` fail; mode status|stall|drop."""
+        """Make the first ``fail_first`` attempts of ``request_id`` fail; mode status|stall|drop;
+        ``dropped_reason`` is sent as ``x-llm-d-request-dropped-reason``."""
         retry = None if retry_after is None else _fmt_s(retry_after)
-        fault = _Fault(fail_first, status, retry, mode)
+        fault = _Fault(fail_first, status, retry, mode, dropped_reason)
         self._call(lambda: self._sim.script_fault(request_id, fault))
 
     def __enter__(self) -> SimServer:
@@ -792,6 +826,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-concurrency", type=int, default=0, help="admitted at once (0 = unlimited)")
     add("--overload", choices=("429", "503", "queue"), default="429", help="above the limit")
     add("--retry-after", type=float, default=1.0, help="Retry-After on overload, seconds")
+    add("--dropped-reason", default=None, help="x-llm-d-request-dropped-reason on overload")
     add("--failure-rate", type=float, default=0.0, help="random failure probability, 0..1")
     add("--failure-status", type=int, default=503, help="status of random failures")
     add("--seed", type=int, default=0, help="RNG seed for failures and jitter")
@@ -807,6 +842,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         overload=args.overload,
         overload_retry_after_s=args.retry_after,
+        overload_dropped_reason=args.dropped_reason,
         failure_rate=args.failure_rate,
         failure_status=args.failure_status,
         seed=args.seed,

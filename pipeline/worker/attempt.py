@@ -17,6 +17,7 @@ from ..http.backoff import retry_delay
 from ..http.classify import Kind, Outcome, join_url, send
 from ..store import Store
 from ..store import holder as make_holder
+from ..store.keys import ref_cancel_key
 from . import observe
 from .bell import ReleaseBell, Ticket
 from .report import Mirrors, Report, Status, failure_message, result_dict
@@ -201,13 +202,21 @@ class Attempt:
     def _expired(self, attempted: bool, last: Outcome | None = None) -> Report:
         if last is not None and last.responded:
             return self._finish(
-                attempted=attempted, status_code=last.status_code, payload=last.body
+                attempted=attempted,
+                status_code=last.status_code,
+                payload=last.body,
+                error_message=_note(last),
             )
         prev = self.record.get("last_response")
         if prev:
             data = json.loads(prev)
+            code = int(data["status_code"])
+            reason = data.get("dropped_reason")
             return self._finish(
-                attempted=attempted, status_code=int(data["status_code"]), payload=data["payload"]
+                attempted=attempted,
+                status_code=code,
+                payload=data["payload"],
+                error_message=f"HTTP {code} (dropped: {reason})" if reason else None,
             )
         msg = "deadline exceeded"
         error = last.error if last is not None and last.error else self.record.get("last_error")
@@ -219,6 +228,8 @@ class Attempt:
     def run(self) -> Report:
         if self.time_left() <= 0:
             return self._expired(False)
+        if self.record.get("wire") and self._cancelled_by_producer():
+            return self._error("CANCELLED", "cancelled")
         decision = self.decision or self.acquire()
         if decision.verdict is Verdict.WAIT:
             decision = self._park(self.rt.settings.gate_wait_timeout_s)
@@ -244,6 +255,14 @@ class Attempt:
                 )
             return self._error("GATE_DROPPED", "dropped by gate")
         return self._call()
+
+    def _cancelled_by_producer(self) -> bool:
+        """A request a reference producer wrote: did it cancel this generation since (its
+        ``request-cancel:<id>`` holds the generation's token)?"""
+        token = self.record.get("ref_token") or ""
+        if not token:
+            return False
+        return bool(self.rt.store.client.get(ref_cancel_key(self.id)) == token)
 
     def parks_on(self, decision: Decision) -> bool:
         """A full slot gate's Refuse: the attempt parks for a release (``PIPELINE_PARK_S``)
@@ -282,13 +301,18 @@ class Attempt:
             decision = self.acquire()
         return decision
 
+    def note_span(self, traceparent: str) -> None:
+        """Record this attempt's span context in its request (see ``Store.note_span``)."""
+        self.rt.store.note_span(self.id, self.token, traceparent)
+
     def headers(self) -> dict[str, str]:
         """Outgoing headers: defaults, then the request's own (they override), then the
         fairness identity (``metadata[fairness_attribute]``), which replaces any caller
         variant of that header in any letter case."""
         headers = {"Content-Type": "application/json", "x-request-id": self.id}
-        if self.queue.inference_objective:
-            headers["x-gateway-inference-objective"] = self.queue.inference_objective
+        objective = self.rt.settings.objective_header
+        if self.queue.inference_objective and objective:
+            headers[objective] = self.queue.inference_objective
         headers.update(self.extra_headers)
         name = self.rt.settings.fairness_header
         tenant = self.metadata.get(self.rt.settings.fairness_attribute, "")
@@ -318,7 +342,10 @@ class Attempt:
             )
         if outcome.kind is Kind.SUCCESS or (outcome.kind is Kind.FATAL and outcome.responded):
             return self._finish(
-                attempted=True, status_code=outcome.status_code, payload=outcome.body
+                attempted=True,
+                status_code=outcome.status_code,
+                payload=outcome.body,
+                error_message=_note(outcome),
             )
         if outcome.kind is Kind.FATAL:
             return self._error("INFERENCE_ERROR", outcome.error or "request failed", True)
@@ -333,16 +360,12 @@ class Attempt:
         )
         if delay is None:
             return self._expired(True, outcome)
-        last = (
-            {"status_code": outcome.status_code, "payload": outcome.body}
-            if outcome.responded
-            else None
-        )
-        reason = (
-            f"HTTP {outcome.status_code}"
-            if outcome.responded
-            else f"{outcome.category}: {outcome.error}"
-        )
+        last: dict[str, Any] | None = None
+        if outcome.responded:
+            last = {"status_code": outcome.status_code, "payload": outcome.body}
+            if outcome.dropped_reason:
+                last["dropped_reason"] = outcome.dropped_reason
+        reason = outcome.described if outcome.responded else f"{outcome.category}: {outcome.error}"
         return self._requeue(
             delay,
             reason,
@@ -351,6 +374,11 @@ class Attempt:
             error=outcome.error,
             status=Status.RETRY,
         )
+
+
+def _note(outcome: Outcome) -> str | None:
+    """What a result keeps of the gateway's drop reason (its ``error_message``)."""
+    return outcome.described if outcome.dropped_reason else None
 
 
 def _json_map(text: str | None, field: str) -> dict[str, str]:

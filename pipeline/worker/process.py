@@ -15,6 +15,7 @@ import time
 
 from ..config import Settings, load_settings
 from ..gates import Decision, Gate, GateEnv, PreparedAcquire, attempt_gate, check_gates
+from ..observability import tracing
 from ..store import Store, run_batch
 from ..store import holder as make_holder
 from .attempt import Attempt
@@ -253,6 +254,16 @@ class Runtime:
                 reason,
                 "cancelled" if cancel else "requeued",
             )
+            if not cancel and tracing.enabled():
+                # the span's context: this process's, or (a pool child's, after a hard time
+                # limit or a lost child) the one the attempt left in its record
+                tracing.reenqueue_span(
+                    request_id,
+                    token,
+                    reason,
+                    queue_name=queue,
+                    traceparent=self.store.attempt_span(request_id, token),
+                )
 
     def stop(self) -> None:
         self._stopping.set()
