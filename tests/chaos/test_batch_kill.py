@@ -111,10 +111,6 @@ def test_kill_9_of_pipeline_serve_mid_batch(
         w.stop()
 
 
-def run_cmd(env: dict[str, str], args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "pipeline", "run", *args]
-
-
 def test_kill_9_of_pipeline_run_mid_batch(
     iso: Isolated, start_worker: Callable[..., WorkerProc], slow_sim: SimServer, tmp_path: Path
 ) -> None:
