@@ -8,6 +8,12 @@ slots, and runs the reaper that requeues attempts whose lease expired.
 
 One dispatcher runs in every worker node (main process). Several may run against one Redis:
 each tick is one atomic script, so they never over-dispatch.
+
+A config reload (:meth:`Dispatcher.apply`) swaps its queues and gates between two ticks. A
+queue whose gate is configured as before keeps its gate object; a changed gate is rebuilt, and
+the old one is kept for the reaper until it holds nothing (its holders release on the gate
+they acquired: when its keys changed, e.g. a new ``gate_type``, a reservation of a holder that
+died is freed from the old keys all the same).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from ..config import QueueConfig, Settings
-from ..gates import Gate, GateEnv, attempt_gate
+from ..gates import Gate, GateEnv, attempt_gate, same_attempt_gate
 from ..observability import metrics, tracing
 from ..store import DirectPublish, Dispatched, Store
 from ..store import holder as make_holder
@@ -54,24 +60,16 @@ class Dispatcher:
         # pools whose Celery queue lives in the pipeline's Redis: the dispatch script pushes
         # their messages itself (one atomic step, no publish round trip); the rest use `send`
         self.direct = direct or {}
-        all_pools = settings.pools()
-        self.pools = {p: all_pools.get(p, []) for p in pools}
-        env = GateEnv(self.store.client, self.keys, node=node)
-        pool_gates: dict[str, Gate | None] = {}
-        self.gates: dict[str, Gate] = {
-            q.queue_name: attempt_gate(settings, q.queue_name, env, pool_gates)
-            for qs in self.pools.values()
-            for q in qs
-        }
-        for qs in self.pools.values():
-            for q in qs:
-                metrics.dispatch_budget(q, self.gates[q.queue_name])
+        self._env = GateEnv(self.store.client, self.keys, node=node)
+        self._lock = threading.RLock()  # a tick / reap pass, or a config swap (apply)
+        self.pools: dict[str, list[QueueConfig]] = {p: [] for p in pools}
+        self.gates: dict[str, Gate] = {}
+        self.retired: list[Gate] = []  # gates replaced by a reload, reaped until empty
+        self.foreign: list[QueueConfig] = []
+        self.full_since: dict[str, float] = {}
+        self._bind(settings)
         self.pool_cap: dict[str, int] = {p: slots for p in pools}
         self.pool_nodes: dict[str, int] = {p: 1 for p in pools}
-        self.full_since: dict[str, float] = {}
-        # queues of pools this node does not serve: swept (due retries promoted, expired
-        # requests resulted) but never dispatched, so deadlines hold even with no worker there
-        self.foreign = [q for p, qs in all_pools.items() if p not in self.pools for q in qs]
         self._foreign_due = 0.0
         self.ingesting = any(q.ingest for qs in self.pools.values() for q in qs)
         self._stop = threading.Event()
@@ -79,6 +77,40 @@ class Dispatcher:
         self._next_beat = 0.0
         self._next_reap = 0.0
         self.dispatched = 0
+
+    def _bind(self, settings: Settings, old: Settings | None = None) -> None:
+        """Take ``settings``' queues of the served pools, keeping the gate of every queue
+        whose gate is configured as in ``old``."""
+        all_pools = settings.pools()
+        pools = {p: all_pools.get(p, []) for p in self.pools}
+        pool_gates: dict[str, Gate | None] = {}
+        gates: dict[str, Gate] = {}
+        for qs in pools.values():
+            for q in qs:
+                name = q.queue_name
+                kept = self.gates.get(name)
+                if kept is not None and old is not None and same_attempt_gate(old, settings, name):
+                    gates[name] = kept
+                else:
+                    gates[name] = attempt_gate(settings, name, self._env, pool_gates)
+                metrics.dispatch_budget(q, gates[name])
+        for name, gate in self.gates.items():
+            if gates.get(name) is not gate:
+                self.retired.append(gate)
+            if name not in gates:
+                metrics.forget_queue(name)
+                self.full_since.pop(name, None)
+        self.settings, self.pools, self.gates = settings, pools, gates
+        # queues of pools this node does not serve: swept (due retries promoted, expired
+        # requests resulted) but never dispatched, so deadlines hold even with no worker there
+        self.foreign = [q for p, qs in all_pools.items() if p not in self.pools for q in qs]
+
+    def apply(self, settings: Settings) -> None:
+        """Switch to reloaded settings between two ticks (the pools served stay the same:
+        they are the node's Celery queues)."""
+        with self._lock:
+            self._bind(settings, self.settings)
+            self._foreign_due = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> Dispatcher:
@@ -97,7 +129,7 @@ class Dispatcher:
                 self.store.client.hdel(self.keys.pool_slots(pool), self.node)
         except Exception as exc:  # noqa: BLE001 - best effort; the entry expires anyway
             log.warning("could not deregister node %s: %s", self.node, exc)
-        for gate in self.gates.values():
+        for gate in [*self.gates.values(), *self.retired]:
             gate.close()
 
     # -- node registry -------------------------------------------------------------------
@@ -135,6 +167,10 @@ class Dispatcher:
     def tick(self) -> float | None:
         """Dispatch every queue once; returns when the earliest known future event is due
         (``time.monotonic()``: the scripts give delays by the server's clock)."""
+        with self._lock:
+            return self._tick()
+
+    def _tick(self) -> float | None:
         next_event: float | None = None
         for pool, queues in self.pools.items():
             for i, q in enumerate(queues):
@@ -224,6 +260,29 @@ class Dispatcher:
 
     def reap(self) -> int:
         """Requeue attempts whose lease expired and free their gate reservations."""
+        with self._lock:
+            n = self._reap()
+            self._reap_retired()
+            return n
+
+    def _reap_retired(self) -> None:
+        """Free expired reservations of gates a reload replaced; forget a gate once it holds
+        nothing (its live holders release on it when they end)."""
+        keep = []
+        for gate in self.retired:
+            try:
+                for h in gate.reap():
+                    log.warning("retired gate %s freed expired reservation %s", gate.name, h)
+                if gate.in_flight() > 0:
+                    keep.append(gate)
+                else:
+                    gate.close()
+            except Exception as exc:  # noqa: BLE001 - try again on the next pass
+                log.warning("retired gate %s: %s", gate.name, exc)
+                keep.append(gate)
+        self.retired = keep
+
+    def _reap(self) -> int:
         n = 0
         for queues in self.pools.values():
             for q in queues:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 import http.client
 import re
+import ssl
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from . import call as httpcall
 from .backoff import parse_retry_after
@@ -24,7 +26,7 @@ class Outcome:
     body: str = ""
     retry_after: float | None = None  # seconds, from the Retry-After header
     error: str | None = None  # transport error text when there was no response
-    category: str = ""  # RATE_LIMIT, SERVER_ERROR, INVALID_REQ, TRANSPORT, TIMEOUT, ...
+    category: str = ""  # RATE_LIMIT, SERVER_ERROR, INVALID_REQ, TRANSPORT, TLS, TIMEOUT, ...
     # the gateway's x-llm-d-request-dropped-reason (its flow control shed the request):
     # rejected-saturated, evicted-queue-pressure, ...
     dropped_reason: str | None = None
@@ -73,13 +75,32 @@ def classify(
     return Outcome(Kind.FATAL, status, body, category=category, dropped_reason=reason)
 
 
-def send(url: str, body: str, headers: dict[str, str], timeout_s: float) -> Outcome:
-    """POST ``body`` to ``url``; never raises. ``timeout_s`` bounds the whole call."""
+def tls_error(url: str, exc: ssl.SSLError) -> str:
+    """A TLS failure in words: what failed, against which server."""
+    parts = urlsplit(url)
+    where = f"{parts.hostname}:{parts.port or 443}"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS certificate verify failed for {where}: {exc.verify_message}"
+    return f"TLS error with {where}: {exc.reason or exc}"
+
+
+def send(
+    url: str,
+    body: str,
+    headers: dict[str, str],
+    timeout_s: float,
+    tls: httpcall.TLS | None = None,
+) -> Outcome:
+    """POST ``body`` to ``url``; never raises. ``timeout_s`` bounds the whole call. A TLS
+    failure (an unknown CA, a rejected client certificate) is a transport error: retried
+    within the deadline like a refused connection, with category ``TLS``."""
     try:
-        resp = httpcall.post(url, body.encode(), headers, timeout_s)
+        resp = httpcall.post(url, body.encode(), headers, timeout_s, tls)
     except httpcall.CallTimeout:
         return Outcome(Kind.RETRY, error=f"timed out after {timeout_s:.1f} s", category="TIMEOUT")
-    except ValueError as exc:  # a URL that cannot be sent to
+    except ssl.SSLError as exc:  # before ValueError: a verify error is both
+        return Outcome(Kind.RETRY, error=tls_error(url, exc), category="TLS")
+    except ValueError as exc:  # a URL that cannot be sent to, TLS files that cannot be loaded
         return Outcome(Kind.FATAL, error=str(exc), category="INVALID_REQ")
     except (OSError, http.client.HTTPException) as exc:
         return Outcome(Kind.RETRY, error=f"{type(exc).__name__}: {exc}", category="TRANSPORT")

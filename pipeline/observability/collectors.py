@@ -47,24 +47,33 @@ class ClusterCollector:
     """Series read from Redis (and this node's dispatcher) when ``/metrics`` is scraped."""
 
     def __init__(self, settings: Settings, dispatcher: Any = None) -> None:
-        self.settings = settings
         self.dispatcher = dispatcher
         self.store = Store(settings)
         self._proximity = register(self.store.client, "deadline_proximity")
+        self._bind(settings)
+
+    def _bind(self, settings: Settings) -> None:
+        """Report ``settings``' queues and gates (again after a config reload)."""
         env = GateEnv(self.store.client, self.store.keys, node="metrics")
-        self.gates: list[tuple[tuple[str, str, str], Gate]] = [
+        gates: list[tuple[tuple[str, str, str], Gate]] = [
             (queue_labels(q), queue_gate(settings, q.queue_name, env))
             for q in settings.queues.values()
         ]
         for pool in sorted(settings.pools()):
             pg = pool_gate(settings, pool, env)
             if pg is not None:
-                self.gates.append((("", "", pool), pg))
+                gates.append((("", "", pool), pg))
+        for q in settings.queues.values():
+            metrics.series().init_queue(queue_labels(q))
+        self.settings, self.gates = settings, gates
 
     def describe(self) -> Iterable[Metric]:
         return []
 
     def collect(self) -> Iterable[Metric]:
+        current = getattr(self.dispatcher, "settings", None)
+        if isinstance(current, Settings) and current is not self.settings:
+            self._bind(current)  # the node reloaded its config
         yield from self._redis()
         yield from self._dispatcher()
         yield from self._drain_limits()

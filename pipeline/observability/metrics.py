@@ -133,6 +133,20 @@ class _Series:
             registry=registry,
             multiprocess_mode="livesum",
         )
+        # the reference's queue-config reload series (no queue labels)
+        self.config_reloads = Counter(
+            PREFIX + "queue_config_reloads_total",
+            "Queue and pool config reloads by result (success, error); an unchanged file "
+            "counts as neither.",
+            ("result",),
+            registry=registry,
+        )
+        self.config_success = Gauge(
+            PREFIX + "queue_config_last_success_timestamp_seconds",
+            "Unix time the node last applied its queue config (at start, or a reload).",
+            registry=registry,
+            multiprocess_mode="max",
+        )
         self._initialised: set[tuple[str, str, str]] = set()
         self._lock = threading.Lock()
 
@@ -282,6 +296,27 @@ def deadline_expired(q: QueueConfig, n: int) -> None:
     """``n`` waiting requests of ``q`` reached their deadline (DEADLINE_EXCEEDED results)."""
     if n > 0:
         count(series().deadlines, q, n=n)
+
+
+def config_applied(at: float, reload: bool) -> None:
+    """The node applied its queue config at Unix time ``at``: at start (``reload`` False:
+    the counters start at 0) or by a reload (counted as a success)."""
+    s = series()
+    for result in ("success", "error"):
+        s.config_reloads.labels(result)
+    if reload:
+        s.config_reloads.labels("success").inc()
+    s.config_success.set(at)
+
+
+def config_rejected() -> None:
+    """A reload was rejected (the old config stays)."""
+    series().config_reloads.labels("error").inc()
+
+
+def forget_queue(name: str) -> None:
+    """A queue left this node's config: stop reporting its dispatch budget."""
+    _budgets.pop(name, None)
 
 
 def lease_reclaimed(q: QueueConfig, kind: str, n: int = 1) -> None:

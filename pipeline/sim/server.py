@@ -24,6 +24,12 @@ stall|drop`` hangs (up to ``STALL_CAP_S``) or closes the connection instead.
 "fail_first", "status", "retry_after", "mode", "dropped_reason"}`` scripts the same for an
 id; headers win. ``SimConfig.overload_dropped_reason`` adds the drop-reason header to overload
 rejections.
+
+Credentials, like a gateway's: with ``api_key`` set, an inference call without
+``Authorization: Bearer <api_key>`` is answered 401 (counted in ``unauthorized``; the CLI
+reads the key from an environment variable, ``--api-key-env``, never from its arguments).
+With ``tls_cert_file`` / ``tls_key_file`` it serves HTTPS; with ``tls_client_ca_file`` too, it
+requires a client certificate signed by that CA (mTLS) and refuses the handshake without one.
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ import concurrent.futures
 import heapq
 import itertools
 import json
+import os
 import random
 import signal
+import ssl
 import threading
 import time
 import zlib
@@ -51,7 +59,12 @@ STALL_CAP_S = 600.0  # a stalled attempt is dropped after this many seconds
 MAX_HEAD_BYTES = 64 * 1024
 MAX_BODY_BYTES = 16 * 1024 * 1024
 FAULT_MODES = ("status", "stall", "drop")
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
 _VOCAB = ("the", "model", "token", "quick", "signal", "river", "stone", "light", "cloud",
           "vector", "amber", "orbit", "delta", "pixel", "harbor", "forest", "echo", "metal",
           "spark", "field", "ocean", "quartz", "ember", "lattice", "north", "summit", "cedar",
@@ -79,6 +92,21 @@ class SimConfig:
     seed: int = 0  # seeds the failure and jitter RNGs
     record_arrivals: bool = False  # keep (arrival_s, finish_s, request_id) per answered request
     model_name: str = MODEL_NAME
+    api_key: str | None = None  # inference calls must carry "Authorization: Bearer <api_key>"
+    tls_cert_file: str | None = None  # serve HTTPS with this certificate (PEM) ...
+    tls_key_file: str | None = None  # ... and its key
+    tls_client_ca_file: str | None = None  # require client certificates signed by this CA
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The server-side TLS context, or None to serve plain HTTP."""
+        if not self.tls_cert_file:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+        if self.tls_client_ca_file:
+            ctx.load_verify_locations(self.tls_client_ca_file)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,7 +412,7 @@ class _Sim:
 
     def reset(self) -> dict[str, bool]:
         """Zero counters, per-id attempts, scripted faults and recorded arrivals."""
-        self.requests = self.dropped = self.stalled = self.connections = 0
+        self.requests = self.dropped = self.stalled = self.connections = self.unauthorized = 0
         self.by_status: dict[int, int] = {}
         self.attempts: dict[str, int] = {}
         self.faults.clear()
@@ -404,6 +432,7 @@ class _Sim:
             "dropped": self.dropped,
             "stalled": self.stalled,
             "connections": self.connections,
+            "unauthorized": self.unauthorized,
         }
 
     def metrics(self) -> str:
@@ -519,6 +548,11 @@ class _Sim:
         attempt = 1
         if p.rid is not None:
             attempt = self.attempts[p.rid] = self.attempts.get(p.rid, 0) + 1
+        key = self.config.api_key
+        if key and req.headers.get("authorization") != f"Bearer {key}":
+            self.unauthorized += 1
+            self.answer(conn, p, _error(401, "missing or wrong API key"))
+            return
         try:
             job = self._job(req, attempt)
         except _HttpError as exc:
@@ -666,7 +700,13 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 async def _listen(sim: _Sim, host: str, port: int) -> asyncio.Server:
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: _Conn(sim), host, port, backlog=1024)
+    return await loop.create_server(
+        lambda: _Conn(sim), host, port, backlog=1024, ssl=sim.config.ssl_context()
+    )
+
+
+def _scheme(config: SimConfig) -> str:
+    return "https" if config.tls_cert_file else "http"
 
 
 async def _shutdown(server: asyncio.Server, sim: _Sim) -> None:
@@ -692,7 +732,8 @@ async def serve(
     server = await _listen(sim, host, port)
     try:
         if on_listening is not None:
-            on_listening(f"http://{host}:{server.sockets[0].getsockname()[1]}")
+            port = server.sockets[0].getsockname()[1]
+            on_listening(f"{_scheme(config)}://{host}:{port}")
         await server.serve_forever()
     finally:
         await _shutdown(server, sim)
@@ -720,8 +761,9 @@ class SimServer:
 
     @property
     def url(self) -> str:
-        """Base URL without a trailing slash, e.g. ``http://127.0.0.1:40123``."""
-        return f"http://{self.host}:{self._port}"
+        """Base URL without a trailing slash, e.g. ``http://127.0.0.1:40123`` (``https://``
+        when it serves TLS)."""
+        return f"{_scheme(self.config)}://{self.host}:{self._port}"
 
     def start_in_thread(self, timeout_s: float = 10.0) -> SimServer:
         """Start listening on a fresh loop in a daemon thread; returns once bound."""
@@ -831,6 +873,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--failure-status", type=int, default=503, help="status of random failures")
     add("--seed", type=int, default=0, help="RNG seed for failures and jitter")
     add("--record-arrivals", action="store_true", help="record arrivals for GET /sim/arrivals")
+    add("--api-key-env", metavar="VAR", help="require 'Authorization: Bearer $VAR' (else 401)")
+    add("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
+    add("--tls-key", metavar="PEM", help="the certificate's private key")
+    add("--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA")
+
+
+def _api_key(var: str | None) -> str | None:
+    if not var:
+        return None
+    key = os.environ.get(var)
+    if not key:
+        raise SystemExit(f"pipeline sim: --api-key-env: {var} is not set (or empty)")
+    return key
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -847,7 +902,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         failure_status=args.failure_status,
         seed=args.seed,
         record_arrivals=args.record_arrivals,
+        api_key=_api_key(args.api_key_env),
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        tls_client_ca_file=args.tls_client_ca,
     )
+    if args.tls_client_ca and not args.tls_cert:
+        raise SystemExit("pipeline sim: --tls-client-ca needs --tls-cert (and --tls-key)")
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

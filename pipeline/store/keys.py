@@ -163,7 +163,21 @@ class Keys:
         """Sorted set: every file; score = when it expires (its bytes are removed then)."""
         return f"{self.prefix}files:expiry"
 
+    def pool_nodes_pattern(self) -> str:
+        """Glob matching every pool's :meth:`pool_nodes` key."""
+        return f"{self.prefix}pool:*:nodes"
+
     # -- global --------------------------------------------------------------------------
+    def config_reload(self) -> str:
+        """String counter: the config generation ``pipeline reload`` asked for; every node
+        re-reads its queue and pool files when it moves (see ``pipeline.worker.reload``)."""
+        return f"{self.prefix}config:reload"
+
+    def config_reloads(self) -> str:
+        """Hash: worker node → JSON outcome of its latest reload (generation, result, reason,
+        what changed), for ``pipeline reload`` to report."""
+        return f"{self.prefix}config:reloads"
+
     def freed_channel(self) -> str:
         """Pub/Sub channel: a queue's name is published on it each time an attempt of that
         queue ends or goes back (its gate reservation was released just before), so attempts

@@ -9,6 +9,7 @@ import json
 import logging
 import random
 import time
+from functools import partial
 from typing import Any, Protocol
 
 from ..config import QueueConfig, Settings
@@ -20,6 +21,7 @@ from ..store import holder as make_holder
 from ..store.keys import ref_cancel_key
 from . import observe
 from .bell import ReleaseBell, Ticket
+from .endpoints import authorization, queue_tls
 from .report import Mirrors, Report, Status, failure_message, result_dict
 
 log = logging.getLogger("pipeline.worker")
@@ -39,8 +41,16 @@ class Host(Protocol):
 
     def gate(self, queue: str) -> Gate: ...
 
+    def current_gate(self, queue: str) -> Gate | None: ...
+
     def release(
-        self, queue: str, request_id: str, token: str, *, hand_over: bool = False
+        self,
+        queue: str,
+        request_id: str,
+        token: str,
+        *,
+        hand_over: bool = False,
+        gate: Gate | None = None,
     ) -> bool: ...
 
 
@@ -105,7 +115,11 @@ class Attempt:
         )
 
     def acquire(self) -> Decision:
-        """Ask the gate (called from the task's ``before_start``)."""
+        """Ask the gate (called from the task's ``before_start``, and again while parked).
+        Holding nothing yet, the attempt asks the queue's gate under the current config (a
+        reload may have changed it since the attempt began); once admitted it keeps that
+        gate until it releases."""
+        self._follow_config()
         self._generation = self.rt.bell.generation(self.queue.queue_name)
         try:
             self.decision = self.gate.acquire(self._ctx())
@@ -115,6 +129,15 @@ class Attempt:
         if self.decision.labels:
             self.labels.update(self.decision.labels)
         return self.decision
+
+    def _follow_config(self) -> None:
+        if self._granted is not None or (self.decision is not None and self.decision.admitted):
+            return
+        name = self.queue.queue_name
+        gate = self.rt.current_gate(name)
+        if gate is not None and gate is not self.gate:
+            self.gate = gate
+            self.queue = self.rt.settings.queues.get(name, self.queue)
 
     # -- outcomes (each releases first) --------------------------------------------------
     def _release(self) -> bool:
@@ -127,7 +150,9 @@ class Attempt:
             held = ticket.held
         else:
             held = self.decision is not None and self.decision.admitted
-        return self.rt.release(self.queue.queue_name, self.id, self.token, hand_over=held)
+        return self.rt.release(
+            self.queue.queue_name, self.id, self.token, hand_over=held, gate=self.gate
+        )
 
     def _finish(
         self,
@@ -293,6 +318,7 @@ class Attempt:
                 self._generation,
                 min(PARK_POLL_S, left),
                 self._ctx() if self.gate.hands_over else None,
+                self.gate,
             )
             if ticket is not None and ticket.granted:
                 self._granted = ticket
@@ -308,7 +334,9 @@ class Attempt:
     def headers(self) -> dict[str, str]:
         """Outgoing headers: defaults, then the request's own (they override), then the
         fairness identity (``metadata[fairness_attribute]``), which replaces any caller
-        variant of that header in any letter case."""
+        variant of that header in any letter case, then the queue's API key
+        (``api_key_env``) as ``Authorization: Bearer …``, which likewise replaces a caller's
+        ``Authorization``: the queue's credentials decide what the gateway sees."""
         headers = {"Content-Type": "application/json", "x-request-id": self.id}
         objective = self.rt.settings.objective_header
         if self.queue.inference_objective and objective:
@@ -317,9 +345,10 @@ class Attempt:
         name = self.rt.settings.fairness_header
         tenant = self.metadata.get(self.rt.settings.fairness_attribute, "")
         if name and tenant and len(tenant) <= 256 and tenant.isprintable():
-            for key in [k for k in headers if k.lower() == name.lower()]:
-                del headers[key]
-            headers[name] = tenant
+            _replace(headers, name, tenant)
+        bearer = authorization(self.queue)
+        if bearer is not None:
+            _replace(headers, "Authorization", bearer)
         return headers
 
     def url(self) -> str:
@@ -333,8 +362,14 @@ class Attempt:
             return self._expired(False)
         timeout = min(self.queue.request_timeout_s, left)
         try:
+            tls = queue_tls(self.queue)
             outcome = observe.observed_send(
-                self, send, self.url(), self.record["payload"], self.headers(), timeout
+                self,
+                send if tls is None else partial(send, tls=tls),
+                self.url(),
+                self.record["payload"],
+                self.headers(),
+                timeout,
             )
         except Exception as exc:  # noqa: BLE001 - e.g. a soft time limit inside the call
             outcome = Outcome(
@@ -374,6 +409,13 @@ class Attempt:
             error=outcome.error,
             status=Status.RETRY,
         )
+
+
+def _replace(headers: dict[str, str], name: str, value: str) -> None:
+    """Set ``name`` to ``value``, dropping every variant of it in any letter case."""
+    for key in [k for k in headers if k.lower() == name.lower()]:
+        del headers[key]
+    headers[name] = value
 
 
 def _note(outcome: Outcome) -> str | None:
