@@ -115,6 +115,7 @@ def test_kill_9_of_pipeline_run_mid_batch(
     iso: Isolated, start_worker: Callable[..., WorkerProc], slow_sim: SimServer, tmp_path: Path
 ) -> None:
     w, _ = start_node(start_worker, iso, concurrency=4)
+    proc: subprocess.Popen[bytes] | None = None
     try:
         path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         with open(path, "w") as fh:
@@ -171,4 +172,7 @@ def test_kill_9_of_pipeline_run_mid_batch(
         assert all(r["status_code"] == 200 for r in rows)
         check_once(slow_sim, [r["request_id"] for r in rows])
     finally:
+        if proc is not None and proc.poll() is None:  # a failed test leaves no run behind
+            proc.kill()
+            proc.wait()
         w.stop()
