@@ -60,6 +60,10 @@ BOUNDED = [
     r"q:[^:]+:recent",  # trimmed to the last 5 minutes at every finish
     r"pool:[^:]+:(nodes|slots|wake)",  # live nodes (dead ones pruned), a doorbell
     r"gate:[^:]+:nodes",  # nodes whose slot pool exists (pruned by the reaper)
+    # one entry per unexpired batch / file: pruned when its record expires (batch_create.lua,
+    # Files.sweep); active batches only; a doorbell of at most one element
+    r"batches(:expiry|:active|:bell)?",
+    r"files(:expiry)?",
 ]
 
 
