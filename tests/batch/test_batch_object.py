@@ -137,14 +137,15 @@ def test_cancel_of_a_batch_nobody_serves(pl: Pipeline) -> None:
     assert b.cancel(batch.id).status == "cancelled"  # again: unchanged
 
 
-def test_the_completion_window_is_every_lines_deadline(pl: Pipeline, start_worker: Any) -> None:
+def test_the_completion_window_is_every_lines_deadline(pl: Pipeline, worker: Any) -> None:
     """A batch on a queue no worker serves: when its window passes, a worker node's sweep
     ends every line DEADLINE_EXCEEDED unsent and the batch is expired."""
     b = Batches(pl)
     batch = b.submit_batch([chat(f"x{i}") for i in range(3)], queue="solo",
                            completion_window=1.5)  # fmt: skip
     assert batch.completion_window == "1.5s"
-    start_worker(pools="default", concurrency=1)  # any node sweeps every queue
+    # the session's node sweeps every queue (a second node on its pool would stay for the
+    # rest of the session and double every per-node limit of the pool's queues)
     done = b.wait(batch.id, timeout=30)
     assert done.status == "expired" and done.expired_at
     assert done.request_counts.failed == 3
