@@ -10,6 +10,7 @@ from .load import (
     parse_queues,
     with_overrides,
 )
+from .merge import LANES, MergePolicy, parse_merge_policy, read_merge_policy
 from .redis_url import (
     MASTER_VAR,
     SentinelURL,
@@ -22,7 +23,9 @@ from .settings import DEFAULT_ENDPOINT, DEFAULT_REDIS_URL, PoolConfig, QueueConf
 __all__ = [
     "DEFAULT_ENDPOINT",
     "DEFAULT_REDIS_URL",
+    "LANES",
     "MASTER_VAR",
+    "MergePolicy",
     "PoolConfig",
     "QueueConfig",
     "SentinelURL",
@@ -32,8 +35,10 @@ __all__ = [
     "default_queues",
     "is_sentinel",
     "load_settings",
+    "parse_merge_policy",
     "parse_pools",
     "parse_queues",
     "parse_sentinel_url",
+    "read_merge_policy",
     "with_overrides",
 ]
