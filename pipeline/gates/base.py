@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import redis
 
 from ..store.keys import Keys
+from ..store.sched import QuotaSpec
 from ..store.scripts import ScriptCall
 
 
@@ -49,6 +50,9 @@ class Decision:
     # a Refuse that a release of this gate's own reservations can end (a full slot pool, not
     # a closed metric): the attempt may park for a release instead of going back to the queue
     wake_on_release: bool = False
+    # the release bell to park on for such a Refuse: None for the queue's (a slot gate), a
+    # quota key for a per-key quota (published when a request of that key leaves)
+    wake_key: str | None = None
 
     @property
     def admitted(self) -> bool:
@@ -137,6 +141,19 @@ class Gate:
     def capacity(self) -> int | None:
         """Most reservations this gate grants at once, or None when it does not count."""
         return None
+
+    def quota_specs(self) -> list[QuotaSpec]:
+        """The blocking per-key concurrency quotas in this gate (its own, or its inner
+        gates'): the dispatcher counts each key's requests against them and holds a tenant
+        at its limit back, instead of sending attempts the gate must refuse. ``lookahead`` is
+        left 0 (the dispatcher sets it)."""
+        return []
+
+    def wake_keys(self, ctx: AcquireContext) -> list[str]:
+        """The release bells (``Decision.wake_key``) a refusal of ``ctx`` may park on, besides
+        its queue's: read before each acquire, so a release between a refusal and the park is
+        never missed."""
+        return []
 
     def acquire(self, ctx: AcquireContext) -> Decision:
         return CONTINUE

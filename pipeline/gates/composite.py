@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..errors import ConfigError
+from ..store.sched import QuotaSpec
 from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
 from .params import Params
 
@@ -85,6 +86,12 @@ class CompositeGate(Gate):
     def capacity(self) -> int | None:
         caps = [c for c in (g.capacity() for g in self.gates) if c is not None]
         return min(caps) if caps else None
+
+    def quota_specs(self) -> list[QuotaSpec]:
+        return [s for g in self.gates for s in g.quota_specs()]
+
+    def wake_keys(self, ctx: AcquireContext) -> list[str]:
+        return [k for g in self.gates for k in g.wake_keys(ctx)]
 
     def acquire(self, ctx: AcquireContext) -> Decision:
         taken: list[Gate] = []
@@ -168,6 +175,12 @@ class Wrapper(Gate):
 
     def capacity(self) -> int | None:
         return self.inner.capacity()
+
+    def quota_specs(self) -> list[QuotaSpec]:
+        return self.inner.quota_specs()
+
+    def wake_keys(self, ctx: AcquireContext) -> list[str]:
+        return self.inner.wake_keys(ctx)
 
     def acquire(self, ctx: AcquireContext) -> Decision:
         return self.inner.acquire(ctx)

@@ -25,7 +25,15 @@ window)``.
   limit is Continue ``classification=overflow`` and holds nothing.
 
 Redis errors propagate from :meth:`acquire` (the worker turns them into a Refuse with reason
-``error``). ``budget()`` is 1.0 and ``capacity()`` None: a quota never sizes dispatch.
+``error``). ``budget()`` is 1.0 and ``capacity()`` None: a quota has no overall capacity.
+
+**Quota-aware dispatch** (concurrency, blocking): :meth:`quota_specs` tells the dispatcher the
+key and limit, so the dispatch script counts each key's dispatched and running requests and
+holds a tenant at its limit back (``lua/sched.lua``) instead of sending attempts this gate
+must refuse. A few attempts past the limit (look-ahead) are sent when the pool has room: their
+refusal is ``wake_on_release`` with ``wake_key`` = the quota key, so they park at the worker
+and take the key's next released slot (a request of the key leaving the active state publishes
+the key on the release bell's channel).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from typing import Any, cast
 
 import redis
 
+from ..store.sched import QuotaSpec
 from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
 from .leases import LeaseScripts, LeaseSet, holder_entry, register
 from .params import Params
@@ -96,6 +105,20 @@ class RedisQuotaGate(Gate):
         return self._env().keys.gate_holders(self.quota_key(value))
 
     # -- admission -----------------------------------------------------------------------
+    @property
+    def keyed_slots(self) -> bool:
+        """Blocking concurrency: a refused request waits for a slot of its key."""
+        return self.mode == "concurrency" and self.gating_mode == "blocking"
+
+    def quota_specs(self) -> list[QuotaSpec]:
+        if not self.keyed_slots:
+            return []
+        return [QuotaSpec(self.quota_key(""), self.attribute, self.limit, local=self.url is None)]
+
+    def wake_keys(self, ctx: AcquireContext) -> list[str]:
+        value = ctx.metadata.get(self.attribute)
+        return [self.quota_key(value)] if value and self.keyed_slots else []
+
     def acquire(self, ctx: AcquireContext) -> Decision:
         value = ctx.metadata.get(self.attribute)
         if not value:
@@ -111,7 +134,14 @@ class RedisQuotaGate(Gate):
             return Decision(Verdict.CONTINUE, labels=dict(RESERVED))
         if self.gating_mode == "classifying":
             return Decision(Verdict.CONTINUE, labels=dict(OVERFLOW))
-        return Decision(Verdict.REFUSE, reason="quota_exhausted", labels=dict(OVERFLOW))
+        wake = self.quota_key(value) if self.mode == "concurrency" else None
+        return Decision(
+            Verdict.REFUSE,
+            reason="quota_exhausted",
+            labels=dict(OVERFLOW),
+            wake_on_release=wake is not None,
+            wake_key=wake,
+        )
 
     # -- reservations (concurrency mode; rate-limit admissions are never refunded) ---------
     def _index(self) -> dict[str, list[str]]:

@@ -77,6 +77,10 @@ class Attempt:
         self.mirrored: str | None = None  # the state of the mirror written, if any
         self._granted: Ticket | None = None  # the slot came by hand-over (see Runtime.release)
         self._generation = 0  # the release bell's, read before the last gate call
+        # the bells a refusal may park on besides the queue's (per-key quotas), and their
+        # generations read before the last gate call
+        self._wake_keys = self.gate.wake_keys(self._ctx())
+        self._key_generations: dict[str, int] = {}
 
     @property
     def holder(self) -> str:
@@ -106,6 +110,7 @@ class Attempt:
     def acquire(self) -> Decision:
         """Ask the gate (called from the task's ``before_start``)."""
         self._generation = self.rt.bell.generation(self.queue.queue_name)
+        self._key_generations = {k: self.rt.bell.generation(k) for k in self._wake_keys}
         try:
             self.decision = self.gate.acquire(self._ctx())
         except Exception as exc:  # noqa: BLE001 - a gate error refuses, it never crashes
@@ -269,11 +274,12 @@ class Attempt:
             left = end - time.monotonic()
             if left <= 0:
                 break
+            key = decision.wake_key or queue  # a per-key quota's bell, else the queue's
             ticket = self.rt.bell.park(
-                queue,
-                self._generation,
+                key,
+                self._key_generations.get(key, self._generation),
                 min(PARK_POLL_S, left),
-                self._ctx() if self.gate.hands_over else None,
+                self._ctx() if self.gate.hands_over and key == queue else None,
             )
             if ticket is not None and ticket.granted:
                 self._granted = ticket
@@ -290,6 +296,7 @@ class Attempt:
         if self.queue.inference_objective:
             headers["x-gateway-inference-objective"] = self.queue.inference_objective
         headers.update(self.extra_headers)
+        headers.update(self.rt.settings.merge_policy.headers(self.queue.labels))  # the lane's
         name = self.rt.settings.fairness_header
         tenant = self.metadata.get(self.rt.settings.fairness_attribute, "")
         if name and tenant and len(tenant) <= 256 and tenant.isprintable():

@@ -6,7 +6,9 @@
 -- submitted_at, member, score, metadata, headers, endpoint, labels, result_list (key, '' for
 -- none), result_list_max (entries kept, 0 = no trim), result_list_ttl (s, re-armed on every
 -- push, 0 = none), state, token, attempts, dispatches, last_response, last_error, result,
--- finished_at, worker, started_at. Times are the server's clock (server_now).
+-- finished_at, worker, started_at, tenant (indexed queues: the tenant attribute's value),
+-- qkeys (JSON list of the quota keys a dispatched attempt counts against; see sched.lua).
+-- Times are the server's clock (server_now).
 -- States: queued -> dispatched -> running -> (retry_wait -> queued ...) -> done.
 
 -- The Redis server's clock (Unix s, µs precision). Every "now" a script compares a lease, a due
@@ -83,7 +85,10 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'attempts', 'submitted_at',
     'result_list', 'result_list_max', 'result_list_ttl')
   local queue, pool, member = f[1], f[2], f[3]
-  redis.call('ZREM', qkey(prefix, queue, 'pending'), member)
+  if redis.call('ZREM', qkey(prefix, queue, 'pending'), member) == 1 then
+    sched_remove(prefix, queue, id, member)
+  end
+  sched_leave(prefix, id)
   redis.call('ZREM', qkey(prefix, queue, 'delayed'), id)
   redis.call('ZREM', qkey(prefix, queue, 'expiry'), id)
   redis.call('ZREM', qkey(prefix, queue, 'active'), id)
@@ -126,12 +131,14 @@ local function enqueue(prefix, id, now, due, quiet)
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline')
   local queue = f[1]
   redis.call('ZREM', qkey(prefix, queue, 'active'), id)
+  sched_leave(prefix, id)
   redis.call('ZADD', qkey(prefix, queue, 'expiry'), f[5], id)
   if due > now then
     redis.call('ZADD', qkey(prefix, queue, 'delayed'), fmt_time(due), id)
     redis.call('HSET', rk, 'state', 'retry_wait', 'token', '')
   else
     redis.call('ZADD', qkey(prefix, queue, 'pending'), f[4], f[3])
+    sched_add(prefix, queue, id, f[4], f[3])
     redis.call('HSET', rk, 'state', 'queued', 'token', '')
     wake(prefix, f[2])
   end

@@ -39,6 +39,7 @@ for i, r in ipairs(items) do
       'submitted_at', fmt_time(now), 'state', 'queued', 'token', '', 'attempts', 0,
       'dispatches', 0)
     redis.call('ZADD', qkey(prefix, queue, 'pending'), score, member)
+    sched_add(prefix, queue, id, score, member, r[8])
     redis.call('ZADD', qkey(prefix, queue, 'expiry'), deadline, id)
     touched_pools[pool] = true
     out[#out + 1] = 1
