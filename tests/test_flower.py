@@ -152,7 +152,8 @@ def test_flower_shows_requests_retries_and_gate_decisions(
     start_worker: Callable[..., WorkerProc],
     sim: SimServer,
 ) -> None:
-    w, _ = start_node(start_worker, iso, concurrency=4)
+    # a look-ahead attempt over its quota parks 0.2 s, then is refused and goes back
+    w, _ = start_node(start_worker, iso, concurrency=4, extra_env={"PIPELINE_PARK_S": "0.2"})
     try:
         pl, f = iso.pl, iso.queue("f")
         task_events_on(flower, pl, f)

@@ -62,6 +62,9 @@ def nodes(
     started: list[WorkerProc] = []
 
     def start(iso: Isolated, **kw: Any) -> tuple[WorkerProc, int]:
+        # a look-ahead attempt over its quota parks 0.2 s, then is refused (counted) and goes
+        # back: the workload's second request of user u1 is refused while the first runs
+        kw["extra_env"] = {"PIPELINE_PARK_S": "0.2", **kw.get("extra_env", {})}
         w, port = start_node(start_worker, iso, **kw)
         started.append(w)
         return w, port

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import httpx
 import pytest
 
 from pipeline.client import Pipeline
@@ -132,21 +133,44 @@ def dispatches(pl: Pipeline, rid: str) -> int:
     return int(pl.record(rid).get("dispatches", 0))
 
 
-def test_gate_refuse(served: Pipeline, sim: SimServer) -> None:
+def test_over_quota_parks_for_its_key(served: Pipeline, sim: SimServer) -> None:
+    """quota1 (concurrency 1 per user): a second request of the user is sent past the limit
+    (quota look-ahead), is refused, holds nothing and parks for a release of its key; it takes
+    the slot when the first request's attempt ends, without going back to the queue."""
     user = {"userid": uid("u")}
     first = hold_slot(served, "quota1", user, 1500)
-    second = served.submit(
-        {"p": 2}, id=uid("refused"), queue="quota1", timeout=30, metadata=user
-    ).id
-    wait_for(
-        lambda: dispatches(served, second) >= 2,
-        10,
-        what="a refusal and a new dispatch",
-    )
-    assert sim_attempts(sim, second) == 0  # refused attempts never reach the server
+    second = served.submit({"p": 2}, id=uid("parked"), queue="quota1", timeout=30, metadata=user).id
+    wait_running(served, second)  # started and parked at the worker
+    assert served.state(first) == "running" and sim_attempts(sim, second) == 0
     assert finished(served, "quota1", first).ok
     res = finished(served, "quota1", second)
-    assert res.ok and res.attempts == 1  # a refusal is not an attempt
+    assert res.ok and res.attempts == 1
+    assert dispatches(served, second) == 1  # admitted by its first dispatch
+    arrivals = {rid: (a, f) for a, f, rid in httpx.get(f"{sim.url}/sim/arrivals").json()}
+    assert arrivals[second][0] >= arrivals[first][1]  # never both at the server
+
+
+def test_gate_refuse(pl: Pipeline, sim: SimServer, start_worker: Any) -> None:
+    """A refusal (a look-ahead attempt parked past ``PIPELINE_PARK_S``) holds nothing, goes
+    back to the queue and is dispatched again; a refusal is not an attempt."""
+    worker = start_worker(pools="qrefuse", concurrency=4, extra_env={"PIPELINE_PARK_S": "0.3"})
+    try:
+        user = {"userid": uid("u")}
+        first = hold_slot(pl, "qrefuse", user, 1500)
+        second = pl.submit(
+            {"p": 2}, id=uid("refused"), queue="qrefuse", timeout=30, metadata=user
+        ).id
+        wait_for(
+            lambda: dispatches(pl, second) >= 2,
+            10,
+            what="a refusal and a new dispatch",
+        )
+        assert sim_attempts(sim, second) == 0  # refused attempts never reach the server
+        assert finished(pl, "qrefuse", first).ok
+        res = finished(pl, "qrefuse", second)
+        assert res.ok and res.attempts == 1  # a refusal is not an attempt
+    finally:
+        worker.stop()
 
 
 def test_wait_times_out_and_requeues(served: Pipeline, sim: SimServer) -> None:
