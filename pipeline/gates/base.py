@@ -20,7 +20,7 @@ Reservations kept in Redis are leases: renewed by the attempt's heartbeat
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -107,10 +107,12 @@ class Gate:
     dispatcher multiplies it by the live nodes). Wrapper gates copy it from the inner gate that
     sets their capacity, on the instance.
 
-    ``hands_over`` is True for a plain slot gate (``local-`` / ``global-max-concurrency``): a
-    holder of this process that is done with the server hands its slot to an attempt of this
-    process parked for one, which goes to the server without a Redis round trip
-    (:meth:`transfer` records the new holder meanwhile).
+    ``hands_over`` is True for a plain slot gate (``local-`` / ``global-max-concurrency``), a
+    blocking concurrency quota (a slot of the holder's key) and a composite of such quotas
+    followed by one slot gate: a holder of this process that is done with the server hands its
+    slot to an attempt of this process parked for one (on :meth:`handover_bell`), which goes to
+    the server without a Redis round trip (:meth:`transfer` records the new holder
+    meanwhile).
 
     Leases are durations (``AcquireContext.lease_s``, :meth:`renew`): a gate's scripts judge
     every expiry by the Redis server's clock, never a node's.
@@ -121,6 +123,9 @@ class Gate:
     # a reservation is one interchangeable slot, so a holder that is done may hand it straight
     # to an attempt parked for one (:meth:`transfer`) instead of releasing it
     hands_over: ClassVar[bool] = False
+    # a per-key slot (a blocking concurrency quota): an attempt parked for another gate of a
+    # composite keeps it (it is its tenant's, and released on every exit path like the rest)
+    per_key: ClassVar[bool] = False
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         self.name = name
@@ -169,6 +174,12 @@ class Gate:
     def release(self, holder: str) -> bool:
         """Free ``holder``'s reservation. Idempotent; returns True if one was freed."""
         return False
+
+    def handover_bell(self, queue: str, wake: Sequence[str]) -> str | None:
+        """The bell whose parked attempts a holder of this gate may hand its reservation to
+        (see ``hands_over``): the queue's for a slot gate; None when it hands nothing over.
+        ``wake``: the holder's :meth:`wake_keys`."""
+        return queue if self.hands_over else None
 
     def transfer(self, giver: str, ctx: AcquireContext) -> bool:
         """Hand ``giver``'s reservation to ``ctx.holder`` in one atomic step (see

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import redis
@@ -73,6 +73,10 @@ class RedisQuotaGate(Gate):
             raise p.error("window", "must be a positive duration in rate-limit mode")
         self.prefix = p.get_str("prefix", "quota:")
         self.gating_mode = p.get_choice("gating_mode", ("blocking", "classifying"), "blocking")
+        # blocking concurrency: one interchangeable slot per key, handed over on the key's bell
+        keyed = self.mode == "concurrency" and self.gating_mode == "blocking"
+        setattr(self, "per_key", keyed)  # noqa: B010 - instance override
+        setattr(self, "hands_over", keyed)  # noqa: B010 - instance override
         self.client: redis.Redis | None = None
         self._own_client = False
         if env is not None:
@@ -80,6 +84,7 @@ class RedisQuotaGate(Gate):
             self._own_client = self.url is not None
             self._leases = LeaseScripts(self.client)
             self._rate = register(self.client, "gate_rate_acquire")
+            self._release = register(self.client, "gate_quota_release")
 
     # -- keys ----------------------------------------------------------------------------
     def quota_key(self, value: str) -> str:
@@ -105,19 +110,26 @@ class RedisQuotaGate(Gate):
         return self._env().keys.gate_holders(self.quota_key(value))
 
     # -- admission -----------------------------------------------------------------------
-    @property
-    def keyed_slots(self) -> bool:
-        """Blocking concurrency: a refused request waits for a slot of its key."""
-        return self.mode == "concurrency" and self.gating_mode == "blocking"
-
     def quota_specs(self) -> list[QuotaSpec]:
-        if not self.keyed_slots:
+        if not self.per_key:
             return []
         return [QuotaSpec(self.quota_key(""), self.attribute, self.limit, local=self.url is None)]
 
     def wake_keys(self, ctx: AcquireContext) -> list[str]:
         value = ctx.metadata.get(self.attribute)
-        return [self.quota_key(value)] if value and self.keyed_slots else []
+        return [self.quota_key(value)] if value and self.per_key else []
+
+    def handover_bell(self, queue: str, wake: Sequence[str]) -> str | None:
+        """The holder's key: its slot goes to an attempt parked for the same key."""
+        return wake[0] if self.per_key and len(wake) == 1 else None
+
+    def transfer(self, giver: str, ctx: AcquireContext) -> bool:
+        value = ctx.metadata.get(self.attribute)
+        if not value or not self.per_key:
+            return False
+        key = self.holders_key(value)
+        info = {"key": key, "worker": ctx.worker, "handed_over_by": giver}
+        return bool(self._slots(key).transfer(giver, ctx.holder, ctx.lease_s, self.limit, info))
 
     def acquire(self, ctx: AcquireContext) -> Decision:
         value = ctx.metadata.get(self.attribute)
@@ -164,12 +176,10 @@ class RedisQuotaGate(Gate):
         return cast(dict[str, str], self.client.hgetall(self._index_key()))
 
     def release(self, holder: str) -> bool:
+        """One round trip: the index entry names the holder's key (``gate_quota_release``)."""
         if self.mode != "concurrency" or self.client is None:
             return False
-        key = _key_of(cast(str | None, self.client.hget(self._index_key(), holder)))
-        if key is None:
-            return False
-        return self._slots(key).release(holder)
+        return bool(self._release(keys=[self._index_key()], args=[holder]))
 
     def renew(self, holders: Iterable[str], lease_s: float) -> None:
         if self.mode != "concurrency" or self.client is None:

@@ -9,6 +9,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ..config import QueueConfig, Settings
@@ -39,7 +40,13 @@ class Host(Protocol):
     def gate(self, queue: str) -> Gate: ...
 
     def release(
-        self, queue: str, request_id: str, token: str, *, hand_over: bool = False
+        self,
+        queue: str,
+        request_id: str,
+        token: str,
+        *,
+        hand_over: bool = False,
+        wake: Sequence[str] = (),
     ) -> bool: ...
 
 
@@ -131,7 +138,10 @@ class Attempt:
             held = ticket.held
         else:
             held = self.decision is not None and self.decision.admitted
-        return self.rt.release(self.queue.queue_name, self.id, self.token, hand_over=held)
+        wake = self._wake_keys if held else ()  # it held a slot of these keys: ring them
+        return self.rt.release(
+            self.queue.queue_name, self.id, self.token, hand_over=held, wake=wake
+        )
 
     def _finish(
         self,
@@ -275,11 +285,12 @@ class Attempt:
             if left <= 0:
                 break
             key = decision.wake_key or queue  # a per-key quota's bell, else the queue's
+            handover = self.gate.handover_bell(queue, self._wake_keys)
             ticket = self.rt.bell.park(
                 key,
                 self._key_generations.get(key, self._generation),
                 min(PARK_POLL_S, left),
-                self._ctx() if self.gate.hands_over and key == queue else None,
+                self._ctx() if key == handover else None,
             )
             if ticket is not None and ticket.granted:
                 self._granted = ticket

@@ -12,6 +12,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Sequence
 
 from ..config import Settings, load_settings
 from ..gates import Decision, Gate, GateEnv, PreparedAcquire, attempt_gate, check_gates
@@ -50,8 +51,18 @@ class Runtime:
                 self._gates[queue] = gate
             return gate
 
-    def release(self, queue: str, request_id: str, token: str, *, hand_over: bool = False) -> bool:
-        """Release a holder's reservation: idempotent, retried, logged when it fails.
+    def release(
+        self,
+        queue: str,
+        request_id: str,
+        token: str,
+        *,
+        hand_over: bool = False,
+        wake: Sequence[str] = (),
+    ) -> bool:
+        """Release a holder's reservation: idempotent, retried, logged when it fails. The
+        queue's bell rings, and so do the ``wake`` bells (the quota keys the holder held a
+        slot of), for attempts of this process parked on them.
 
         ``hand_over`` (the holder does hold a slot of a ``hands_over`` gate): when an attempt
         of this process is parked for one, the slot goes straight to it — it is woken at
@@ -64,16 +75,22 @@ class Runtime:
         if queue not in self.settings.queues:
             return False
         gate = self.gate(queue)
-        if hand_over and gate.hands_over:
-            ticket = self.bell.hand_over(queue)
+        bell = gate.handover_bell(queue, wake) if hand_over else None
+        if bell is not None:
+            ticket = self.bell.hand_over(bell)
             if ticket is not None:
                 self._transfer(gate, holder, ticket)
+                for key in wake:  # quota slots the transfer released (a composite's)
+                    if key != bell:
+                        self.bell.ring(key, echo=True)
                 return True
         for i in range(RELEASE_TRIES):
             try:
                 gate.release(holder)
                 # the finish / requeue that follows publishes the release to other processes
                 self.bell.ring(queue, echo=True)
+                for key in wake:
+                    self.bell.ring(key, echo=True)
                 return False
             except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
                 log.warning(

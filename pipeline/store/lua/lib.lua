@@ -88,7 +88,7 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   if redis.call('ZREM', qkey(prefix, queue, 'pending'), member) == 1 then
     sched_remove(prefix, queue, id, member)
   end
-  sched_leave(prefix, id)
+  sched_leave(prefix, id, quiet)
   redis.call('ZREM', qkey(prefix, queue, 'delayed'), id)
   redis.call('ZREM', qkey(prefix, queue, 'expiry'), id)
   redis.call('ZREM', qkey(prefix, queue, 'active'), id)
@@ -131,7 +131,7 @@ local function enqueue(prefix, id, now, due, quiet)
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline')
   local queue = f[1]
   redis.call('ZREM', qkey(prefix, queue, 'active'), id)
-  sched_leave(prefix, id)
+  sched_leave(prefix, id, quiet)
   redis.call('ZADD', qkey(prefix, queue, 'expiry'), f[5], id)
   if due > now then
     redis.call('ZADD', qkey(prefix, queue, 'delayed'), fmt_time(due), id)

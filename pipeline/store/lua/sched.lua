@@ -194,8 +194,9 @@ end
 
 -- Request `id` left the active state (finished, requeued, reaped, cancelled): it no longer
 -- counts against its quota keys; tenants waiting for them become ready, and attempts parked
--- for them are woken (the key is published on the freed channel).
-local function sched_leave(prefix, id)
+-- for them are woken (the key is published on the freed channel) unless `quiet` (its attempt
+-- handed its slot over: nothing was freed).
+local function sched_leave(prefix, id, quiet)
   local rk = prefix .. 'req:' .. id
   local qkeys = redis.call('HGET', rk, 'qkeys')
   if not qkeys or qkeys == '' then return end
@@ -211,6 +212,6 @@ local function sched_leave(prefix, id)
       local q, tk = string.match(m, '^([^\n]*)\n(.*)$')
       if q then sched_unblock(prefix, q, tk) end
     end
-    redis.call('PUBLISH', prefix .. 'freed', qk)
+    if not quiet then redis.call('PUBLISH', prefix .. 'freed', qk) end
   end
 end
