@@ -152,8 +152,9 @@ def test_flower_shows_requests_retries_and_gate_decisions(
     start_worker: Callable[..., WorkerProc],
     sim: SimServer,
 ) -> None:
-    # a look-ahead attempt over its quota parks 0.2 s, then is refused and goes back
-    w, _ = start_node(start_worker, iso, concurrency=4, extra_env={"PIPELINE_PARK_S": "0.2"})
+    # a look-ahead attempt over its quota parks 0.2 s, then is refused and goes back (room
+    # for the look-ahead attempts: a tenant at its quota gets them only from free slots)
+    w, _ = start_node(start_worker, iso, concurrency=8, extra_env={"PIPELINE_PARK_S": "0.2"})
     try:
         pl, f = iso.pl, iso.queue("f")
         task_events_on(flower, pl, f)
@@ -166,13 +167,15 @@ def test_flower_shows_requests_retries_and_gate_decisions(
             queue=f,
             headers={"x-sim-fail-first": "1", "x-sim-fail-status": "400"},
         )
-        # two requests of one user on a concurrency-1 quota: the second is refused, and on
-        # the wait-on-refuse queue the second is parked
+        # two requests of one user on a concurrency-1 quota: the second (sent past the
+        # limit) parks 0.2 s for the user's key and is refused, and on the wait-on-refuse
+        # queue another user's second is parked (a Wait); the two queues share the quota keys
         slow = {"x-sim-latency-ms": "1500"}
         user = {"metadata": {"userid": "u1"}}
         holder = pl.submit({"prompt": "q1"}, queue=iso.queue("quota"), headers=slow, **user)
         wait_for(lambda: pl.state(holder.id) == "running", 10, what="the quota holder")
         refused = pl.submit({"prompt": "q2"}, queue=iso.queue("quota"), **user)
+        user = {"metadata": {"userid": "u2"}}
         parker = pl.submit({"prompt": "p1"}, queue=iso.queue("park"), headers=slow, **user)
         wait_for(lambda: pl.state(parker.id) == "running", 10, what="the park holder")
         parked = pl.submit({"prompt": "p2"}, queue=iso.queue("park"), **user)

@@ -9,7 +9,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ..config import QueueConfig, Settings
@@ -81,6 +81,7 @@ class Attempt:
         self.decision: Decision | None = None
         self.closed = False
         self.mirrors: Mirrors | None = None  # set by the task layer
+        self.send_event: Callable[..., Any] | None = None  # Celery's, set by the task layer
         self.mirrored: str | None = None  # the state of the mirror written, if any
         self._granted: Ticket | None = None  # the slot came by hand-over (see Runtime.release)
         self._generation = 0  # the release bell's, read before the last gate call
@@ -240,7 +241,7 @@ class Attempt:
         elif self.parks_on(decision):
             decision = self._park(self.rt.settings.park_s)
             if not decision.admitted:
-                observe.gate_decision(self, decision)
+                observe.gate_decision(self, decision, self.send_event)
         if decision.verdict is Verdict.REFUSE:
             lo, hi = REFUSE_DELAY_S
             return self._requeue(
