@@ -57,6 +57,9 @@ def test_a_tenant_at_its_limit_is_held_back_then_woken_by_a_leave(redis_url: str
         assert sent(b, "A") == set(a[:3])
         keys = b.store.keys
         assert b.client.hget(keys.blocked("q"), "A") == "quota:userid:A"
+        tenants = b.pl.inspect()["q"]["tenants"]
+        assert tenants == {"ready": 0, "held_back": 1}
+        assert b.pl.inspect()["other"]["tenants"] is None  # not indexed
         assert tick(b, 20) == []  # held back: nothing more of A, and not looked at
         b.client.delete(keys.wake("p"))
         token = {d.id: d.token for d in moved}
