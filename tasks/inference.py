@@ -12,12 +12,14 @@ Celery skips ``after_return`` for RETRY/IGNORED; that is why the body releases f
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from celery import Task, states
 from celery.exceptions import Ignore, Retry
 
+from pipeline.observability import logs
 from pipeline.store import Mirror
 from pipeline.worker import Attempt, Status, observe, runtime
 
@@ -37,6 +39,46 @@ class AttemptRetry(Retry, BriefTraceback):
 
     def __repr__(self) -> str:
         return f"Retry({self.message!r}, {self.humanize()})"
+
+
+class TaskResult(Mapping[str, Any]):
+    """A request's terminal result as the task's return value: the whole result for Celery's
+    result backend (``__json__``, the JSON kombu writes), but only its summary — id, status,
+    attempts, latency, no response body unless ``PIPELINE_LOG_BODIES=1`` — as its ``repr``,
+    which is what Celery's "Task … succeeded in …s: …" log line and Flower's result column
+    show (``celery.app.trace`` logs ``saferepr`` of the return value, and ``saferepr`` takes
+    the ``repr`` of anything that is not a plain container)."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: dict[str, Any]) -> None:
+        self._result = result
+
+    def __getitem__(self, key: str) -> Any:
+        return self._result[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._result)
+
+    def __len__(self) -> int:
+        return len(self._result)
+
+    def __json__(self) -> dict[str, Any]:
+        return self._result
+
+    def __repr__(self) -> str:
+        return repr(logs.result_summary(self._result, logs.log_bodies()))
+
+
+def _log_outcome(report: Any) -> None:
+    """Put the attempt's outcome into the log context of the lines Celery logs next."""
+    result = report.result
+    if result is not None:
+        summary = logs.result_summary(result)
+        status = summary.get("status_code") or summary.get("error_code")
+        logs.bind(status=status, attempts=summary["attempts"], latency_s=summary.get("latency_s"))
+    else:
+        logs.bind(status=report.status.value)
 
 
 class CeleryMirrors:
@@ -86,6 +128,7 @@ class InferenceTask(Task):
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request_id, token = args[0], args[1]
+        logs.bind(request_id=request_id, queue=kwargs.get("queue"), attempt=kwargs.get("attempt"))
         attempt = runtime().begin(
             request_id, token, self.request.hostname or "worker", kwargs.get("queue")
         )
@@ -98,13 +141,14 @@ class InferenceTask(Task):
             observe.attempt_started(attempt, self.send_event)
         self.request.pipeline_attempt = attempt
 
-    def run(self, request_id: str, token: str, **info: Any) -> dict[str, Any] | None:
+    def run(self, request_id: str, token: str, **info: Any) -> TaskResult | None:
         attempt: Attempt | None = getattr(self.request, "pipeline_attempt", None)
         if attempt is None:
             raise Ignore()
         report = observe.observed_run(attempt)
+        _log_outcome(report)
         if report.status is Status.SUCCESS:
-            return report.result
+            return None if report.result is None else TaskResult(report.result)
         if report.status is Status.FAILED:
             raise RequestFailed(report.reason)
         if report.status in (Status.RETRY, Status.REQUEUED):

@@ -1,18 +1,28 @@
-"""Worker-node integration: a bootstep that runs the dispatcher in the worker's main process,
-and the signal handlers that release reservations on paths where no task hook runs."""
+"""Worker-node integration: a bootstep that runs the dispatcher (and the config reloader) in
+the worker's main process, and the signal handlers that release reservations on paths where
+no task hook runs. ``SIGHUP`` reloads the node's queue and pool files (Celery's own SIGHUP
+handler would restart the worker)."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
+import shutil
+import signal
+import tempfile
 import threading
+import time
 from typing import Any
 
 from celery import bootsteps
 from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
     celeryd_after_setup,
     celeryd_init,
+    task_postrun,
     task_revoked,
     worker_process_init,
     worker_ready,
@@ -23,10 +33,12 @@ from celery.signals import (
 from pipeline.config import Settings
 from pipeline.dispatch import Dispatcher
 from pipeline.errors import UnsafeRedis
-from pipeline.observability import health, metrics
+from pipeline.observability import health, logs, metrics, tracing
 from pipeline.redact import redact_url
 from pipeline.store import DirectPublish, Dispatched, check_eviction
-from pipeline.worker import runtime
+from pipeline.worker import check_endpoints, runtime
+from pipeline.worker.process import SNAPSHOT_ENV
+from pipeline.worker.reload import Reloader
 
 from .app import app, celery_queue, pool_of
 from .inference import infer
@@ -85,10 +97,13 @@ class DispatcherStep(bootsteps.StartStopStep):
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         self.dispatcher: Dispatcher | None = None
+        self.reloader: Reloader | None = None
 
     def start(self, worker: Any) -> None:
         _shutting_down.clear()
         rt = runtime()
+        for warning in check_endpoints(rt.settings):
+            log.warning("%s", warning)
         pools = served_pools(worker)
         self.dispatcher = Dispatcher(
             rt.settings,
@@ -99,20 +114,25 @@ class DispatcherStep(bootsteps.StartStopStep):
             store=rt.store,
             direct=direct_publish(rt.settings, pools, f"{os.getpid()}@{worker.hostname}"),
         )
+        self.reloader = Reloader(rt, worker.hostname, [self.dispatcher])
+        metrics.config_applied(time.time(), reload=False)
         # started by worker_ready: a node offers its slots only once it consumes, so nothing
         # is dispatched into a queue nobody reads yet
-        _ready_to_start.append((worker, self.dispatcher))
+        _ready_to_start.append((worker, self.dispatcher, self.reloader))
 
     def stop(self, worker: Any) -> None:
         _shutting_down.set()
         health.stop_node()
+        if self.reloader is not None:
+            self.reloader.stop()
+            self.reloader = None
         if self.dispatcher is not None:
             self.dispatcher.stop()
             self.dispatcher = None
 
 
 app.steps["worker"].add(DispatcherStep)
-_ready_to_start: list[tuple[Any, Dispatcher]] = []
+_ready_to_start: list[tuple[Any, Dispatcher, Reloader]] = []
 
 
 def freeze_startup_heap(collect: bool = True) -> None:
@@ -129,13 +149,26 @@ def freeze_startup_heap(collect: bool = True) -> None:
 def _on_process_init(**_: Any) -> None:
     # a prefork child: its heap is the parent's copy; no collect (it would dirty shared pages)
     freeze_startup_heap(collect=False)
+    # a reload is the node's (its main process); a child follows the node's snapshot
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+def _reload_on_sighup(reloader: Reloader) -> None:
+    """SIGHUP reloads the config instead of restarting the worker (Celery's handler, installed
+    when the worker started, is replaced)."""
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("not in the main thread: SIGHUP does not reload (use `pipeline reload`)")
+        return
+    signal.signal(signal.SIGHUP, lambda *_: reloader.request())
 
 
 @worker_ready.connect
 def _on_ready(**_: Any) -> None:
     while _ready_to_start:
-        worker, dispatcher = _ready_to_start.pop()
+        worker, dispatcher, reloader = _ready_to_start.pop()
         dispatcher.start()
+        reloader.start()
+        _reload_on_sighup(reloader)
         health.start_node(worker, dispatcher, dispatcher.settings)
         log.info(
             "pipeline dispatcher started on %s for pools %s (%s slots)",
@@ -154,6 +187,22 @@ def _on_init(sender: str | None = None, **_: Any) -> None:
         os.environ["PIPELINE_NODE"] = sender
     refuse_unsafe_redis()
     metrics.setup_node(sender)
+    _snapshot_path()
+
+
+def _snapshot_path() -> None:
+    """Where this node writes the config it accepted on a reload, for its pool children (a
+    fresh private directory per node start, removed at exit; see ``Runtime.follow_snapshot``).
+    Never inherited: a node started by another process gets its own."""
+    path = tempfile.mkdtemp(prefix="pipeline-config-")
+    owner = os.getpid()
+
+    def _cleanup() -> None:
+        if os.getpid() == owner:
+            shutil.rmtree(path, ignore_errors=True)
+
+    atexit.register(_cleanup)
+    os.environ[SNAPSHOT_ENV] = os.path.join(path, "config.json")
 
 
 def refuse_unsafe_redis() -> None:
@@ -208,6 +257,7 @@ def _on_shutdown(**_: Any) -> None:
     rt = runtime()
     for rid, token, queue in rt.live_holders():
         rt.abandon(rid, token, queue, cancel=False, reason="worker shutdown")
+    tracing.shutdown()  # flush the spans (re-enqueue ones included) before the process ends
 
 
 @task_revoked.connect
@@ -235,3 +285,19 @@ def _on_revoked(
         cancel=cancel,
         reason="revoked" if cancel else "worker shutdown",
     )
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _on_logging_setup(logger: logging.Logger | None = None, **_: Any) -> None:
+    """``PIPELINE_LOG_FORMAT=json``: Celery's handlers (the root logger's and ``celery.task``'s,
+    in the node and in every prefork child) write one JSON object per line."""
+    if logger is not None and logs.log_format() == "json":
+        logs.use_json(logger)
+
+
+@task_postrun.connect
+def _on_postrun(**_: Any) -> None:
+    """After every attempt (retries included, once Celery logged its line): the pool thread's
+    log context is the next attempt's, not this one's."""
+    logs.clear()

@@ -8,8 +8,11 @@ import time
 import uuid
 from typing import Any
 
+import pytest
+
 from pipeline.client import Pipeline
-from pipeline.config import QueueConfig, with_overrides
+from pipeline.config import QueueConfig, load_settings, with_overrides
+from pipeline.errors import ConfigError
 from pipeline.sim import SimServer
 from pipeline.worker import Attempt, Runtime
 
@@ -112,5 +115,15 @@ def test_fairness_identity_header(env: dict[str, str], pl: Pipeline) -> None:
     off = with_overrides(settings, queues=[q], fairness_header="")
     headers = Attempt(Runtime(off), record, "tok", "w").headers()
     assert "x-llm-d-inference-fairness-id" not in headers
-    assert headers["x-gateway-inference-objective"] == "obj"
+    # the objective goes out in the header the reference documents and its lanes use
+    assert headers["x-llm-d-inference-objective"] == "obj"
+    assert "x-gateway-inference-objective" not in headers
     assert isinstance(off.queues["default"], QueueConfig)
+    # PIPELINE_OBJECTIVE_HEADER names another header (the old one, for an older gateway)
+    old = load_settings({**env, "PIPELINE_OBJECTIVE_HEADER": "x-gateway-inference-objective"})
+    old = with_overrides(old, queues=[q])
+    headers = Attempt(Runtime(old), record, "tok", "w").headers()
+    assert headers["x-gateway-inference-objective"] == "obj"
+    assert "x-llm-d-inference-objective" not in headers
+    with pytest.raises(ConfigError, match="PIPELINE_OBJECTIVE_HEADER"):
+        load_settings({**env, "PIPELINE_OBJECTIVE_HEADER": "bad header"})

@@ -17,9 +17,12 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from pipeline.config import load_settings
+from pipeline.observability.collectors import scrape_registry
 from pipeline.observability.health import NodeServer
 from pipeline.observability.status import render_status, status_snapshot
 from pipeline.sim import SimServer
@@ -42,6 +45,12 @@ REASONS = {"gate_closed", "quota_exhausted", "dropped", "error"}
 PARK_SHORT = {"PIPELINE_PARK_S": "0.2"}
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "pipeline.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
+KEDA = ROOT / "deploy" / "keda" / "scaledobject.yaml"
+DRAIN_LIMIT_SERIES = {
+    "pipeline_drain_limit_rps",
+    "pipeline_drain_limit_lease_valid",
+    "pipeline_drain_limit_valid_until_seconds",
+}
 
 
 def fail_first(n: int, status: int = 503) -> dict[str, str]:
@@ -116,6 +125,9 @@ def assert_workload_counts(samples: Samples, iso: Isolated) -> None:
     orphan = {"queue_name": iso.queue("orphan")}
     assert total(samples, "pipeline_request_total", **m) == 10
     assert total(samples, "pipeline_request_total", **q) == 2
+    # every HTTP attempt, retries included: 6 + 2×3 + 2 + 1 on m, 2 on quota
+    assert total(samples, "pipeline_dispatched_requests_total", **m) == 15
+    assert total(samples, "pipeline_dispatched_requests_total", **q) == 2
     assert total(samples, "pipeline_successful_requests_total", **m) == 9
     assert total(samples, "pipeline_successful_requests_total", **q) == 2
     assert total(samples, "pipeline_failed_requests_total", **m) == 1
@@ -170,8 +182,10 @@ def test_counts_with_two_thread_nodes(
     text = httpx.get(f"http://127.0.0.1:{ports[0]}/metrics", timeout=5).text
     served = set(re.findall(r"^(?:# TYPE )?(pipeline_[a-z_]+)", text, re.M))
     readme = (ROOT / "README.md").read_text().partition("## Watching it run")[2]
-    for source in (DASHBOARD.read_text(), ALERTS.read_text(), readme):
+    for source in (DASHBOARD.read_text(), ALERTS.read_text(), KEDA.read_text(), readme):
         named = set(re.findall(r"\bpipeline_[a-z_]+[a-z]", source))
+        # served only beside a redis-leased-rate gate: tests/test_leased_rate.py checks them
+        named -= DRAIN_LIMIT_SERIES
         assert named and named <= served, sorted(named - served)
 
 
@@ -340,3 +354,90 @@ def test_status_view_shows_oldest_waiting_and_holders(
         assert iso.pl.cancel(rid)
     assert iso.pl.wait(holder.id, timeout=15).ok
     assert_idle(iso.pl)
+
+
+def test_deadline_proximity_histogram_is_read_from_the_sorted_sets(
+    env: dict[str, str], sim: SimServer, tmp_path: Path
+) -> None:
+    """Waiting requests by time left before their deadline, read from Redis at scrape time
+    (no worker serves these queues, so nothing sweeps them): cumulative buckets, ``le="0.0"``
+    for those already past their deadline, ``+Inf`` for all of them."""
+    iso = isolated(
+        env,
+        tmp_path,
+        [
+            {"queue_name": "wait", "igw_base_url": sim.url},
+            {"queue_name": "empty", "igw_base_url": sim.url},
+        ],
+    )
+    q = iso.queue("wait")
+    late = iso.pl.submit({"prompt": "late"}, queue=q, timeout=0.05)
+    for timeout in (10, 10, 10, 100, 100, 2 * 86_400):
+        iso.pl.submit({"prompt": "w"}, queue=q, timeout=timeout)
+    deadline = float(iso.pl.record(late.id)["deadline"])
+    wait_for(lambda: time.time() > deadline + 0.01, 5, what="the first deadline to pass")
+    text = generate_latest(scrape_registry(iso.settings)).decode()
+    samples = [
+        (s.name, dict(s.labels), float(s.value))
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    ]
+    name = "pipeline_deadline_proximity_millis_bucket"
+    buckets = {lab["le"]: v for n, lab, v in samples if n == name and lab["queue_name"] == q}
+    assert buckets["0.0"] == 1  # past its deadline, still waiting
+    assert buckets["1000.0"] == buckets["5000.0"] == 1
+    assert buckets["15000.0"] == buckets["60000.0"] == 4
+    assert buckets["120000.0"] == buckets["8.64e+07"] == 6  # 24 h, as Go formats it
+    assert buckets["+Inf"] == 7  # the 2-day one counts in the total only
+    assert total(samples, "pipeline_deadline_proximity_millis_count", queue_name=q) == 7
+    # sum estimated at the buckets' midpoints: 3 × 10 s, 2 × 90 s, 1 × 24 h (the last bound)
+    estimate = 3 * 10_000 + 2 * 90_000 + 86_400_000
+    assert total(samples, "pipeline_deadline_proximity_millis_sum", queue_name=q) == estimate
+    empty = {lab["le"]: v for n, lab, v in samples
+             if n == name and lab["queue_name"] == iso.queue("empty")}  # fmt: skip
+    assert len(empty) == 15 and set(empty.values()) == {0.0}  # every bucket, even at 0
+    for rid in [late.id]:
+        assert iso.pl.cancel(rid)
+    for key in iso.pl.store.client.scan_iter(iso.env["PIPELINE_KEY_PREFIX"] + "req:*"):
+        iso.pl.cancel(key.split(":")[-1])
+    assert_idle(iso.pl)
+
+
+def test_gateway_drop_reason_and_attempts_are_counted(
+    env: dict[str, str], sim: SimServer, tmp_path: Path,
+    nodes: Callable[..., tuple[WorkerProc, int]],
+) -> None:  # fmt: skip
+    """A 429 whose gateway said why it shed the request is a gate decision with that reason;
+    both HTTP attempts count in ``dispatched_requests_total``, the request once."""
+    iso = isolated(env, tmp_path, [{"queue_name": "g", "igw_base_url": sim.url}])
+    _, port = nodes(iso, concurrency=2)
+    q = iso.queue("g")
+    headers = {**fail_first(1, 429), "x-sim-dropped-reason": "rejected-saturated"}
+    assert iso.pl.submit({"prompt": "x"}, queue=q, headers=headers).result(timeout=20).ok
+    s = scrape(port)
+    assert total(s, "pipeline_gate_decisions_total", queue_name=q, reason="rejected-saturated") == 1
+    assert total(s, "pipeline_dispatched_requests_total", queue_name=q) == 2
+    assert total(s, "pipeline_request_total", queue_name=q) == 1
+    assert total(s, "pipeline_shedded_requests_total", queue_name=q) == 1
+    assert_idle(iso.pl)
+
+
+def test_keda_scaled_object_scales_on_pending_depth_and_deadline_proximity() -> None:
+    """The example parses as a KEDA ScaledObject whose Prometheus triggers query the pipeline's
+    pending depth and deadline proximity (that these series are served is checked above)."""
+    import yaml
+
+    obj = yaml.safe_load(KEDA.read_text())
+    assert (obj["apiVersion"], obj["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    spec = obj["spec"]
+    assert (
+        spec["scaleTargetRef"]["name"] and 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    )
+    triggers = spec["triggers"]
+    assert {t["type"] for t in triggers} == {"prometheus"}
+    queries = " ".join(t["metadata"]["query"] for t in triggers)
+    assert 'pipeline_queue_depth{state="pending"}' in queries
+    assert "pipeline_deadline_proximity_millis_bucket" in queries
+    for t in triggers:
+        assert float(t["metadata"]["threshold"]) > 0
+        assert t["metadata"]["serverAddress"].startswith("http")

@@ -283,3 +283,34 @@ def test_get_and_unknown(pl: Pipeline) -> None:
     with pytest.raises(TimeoutError):
         req.result(timeout=0.2)
     req.cancel()
+
+
+DROPPED = {"x-sim-fail-status": "429", "x-sim-dropped-reason": "rejected-saturated"}
+
+
+def test_gateway_drop_reason_is_kept_in_the_retry_reason_and_the_result(
+    served: Pipeline,
+) -> None:
+    """A 429 with ``x-llm-d-request-dropped-reason`` (an llm-d gateway's flow control shed
+    it): the Celery RETRY reason and, when the deadline ends the retries, the result's
+    ``error_message`` name the reason."""
+    req = served.submit(
+        {"prompt": "x"},
+        id=uid(),
+        timeout=60,
+        queue="slowretry",
+        headers={"x-sim-fail-first": "1", "x-sim-retry-after": "2", **DROPPED},
+    )
+    wait_for(lambda: AsyncResult(req.id).state == "RETRY", 10, what="Celery RETRY")
+    assert "HTTP 429 (dropped: rejected-saturated)" in str(AsyncResult(req.id).traceback)
+    res = req.result(timeout=15)
+    assert res.ok and res.error_message is None
+    shed = served.submit(
+        {"prompt": "x"}, id=uid(), timeout=1.0, headers={"x-sim-fail-first": "1000", **DROPPED}
+    )
+    res = shed.result(timeout=15)
+    assert (res.status_code, res.error_code) == (429, None)
+    assert res.error_message == "HTTP 429 (dropped: rejected-saturated)"
+    assert res.to_dict()["error_message"] == res.error_message
+    # the record's result (what the result list also carries) keeps it too
+    assert json.loads(served.record(shed.id)["result"])["error_message"] == res.error_message

@@ -463,3 +463,31 @@ def test_cli_serves_until_sigterm() -> None:
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_drop_reason_header_like_an_llm_d_gateway(start: Callable[..., SimServer]) -> None:
+    """Scripted faults and overload rejections can carry the gateway's
+    ``x-llm-d-request-dropped-reason``; the attempt's classifier reads it."""
+    from pipeline.http.classify import send
+
+    sim = start(max_concurrency=1, overload_dropped_reason="rejected-saturated")
+    faulted = {"x-request-id": "d1", "x-sim-fail-first": "1", "x-sim-fail-status": "503",
+               "x-sim-dropped-reason": "evicted-queue-pressure"}  # fmt: skip
+    with httpx.Client(base_url=sim.url) as client:
+        first = client.post(COMPLETIONS, json=BODY, headers=faulted)
+        assert first.headers["x-llm-d-request-dropped-reason"] == "evicted-queue-pressure"
+        assert client.post("/sim/faults", json={"id": "d2", "dropped_reason": "evicted"}).is_success
+        bad = {"id": "d3", "dropped_reason": "a\r\nx-evil: 1"}
+        assert client.post("/sim/faults", json=bad).status_code == 400
+    url, body = sim.url + COMPLETIONS, json.dumps(BODY)
+    out = send(url, body, {"x-request-id": "d2", "Content-Type": "application/json"}, 5)
+    assert (out.status_code, out.dropped_reason) == (503, "evicted")
+    assert out.described == "HTTP 503 (dropped: evicted)"
+    assert send(url, body, {"x-request-id": "d2"}, 5).dropped_reason is None  # second: 200
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(post, sim.url, {"x-sim-latency-ms": "400"})
+        wait_until(lambda: sim.stats()["in_flight"] == 1)
+        shed = send(url, body, {}, 5)
+        assert holder.result().status_code == 200
+    assert (shed.status_code, shed.dropped_reason) == (429, "rejected-saturated")
+    assert shed.category == "RATE_LIMIT"

@@ -21,6 +21,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from pipeline.config import with_overrides
+from pipeline.dispatch import Dispatcher
 from pipeline.observability import tracing
 from pipeline.worker import Report, Runtime, Status, observe
 from tests.conftest import ROOT, WorkerProc, assert_idle, wait_for
@@ -38,6 +40,7 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[dict[str, str]] = []
         self.script: dict[str, list[int]] = {}
+        self.hold: dict[str, threading.Event] = {}  # an id's calls wait until it is set
         rec = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -45,6 +48,9 @@ class Recorder:
                 self.rfile.read(int(self.headers.get("content-length", 0)))
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 rec.calls.append(headers)
+                gate = rec.hold.get(headers.get("x-request-id", ""))
+                if gate is not None:
+                    gate.wait(30)
                 todo = rec.script.get(headers.get("x-request-id", ""), [])
                 status = todo.pop(0) if todo else 200
                 body = json.dumps({"choices": [{"text": "ok"}]} if status == 200 else {}).encode()
@@ -124,7 +130,7 @@ def test_attempt_span_continues_the_callers_trace_and_propagates_it(
 ) -> None:
     iso = traced
     req = iso.pl.submit(
-        {"prompt": "hi"},
+        {"model": "m-7", "prompt": "hi"},
         queue=iso.queue("t"),
         metadata={"traceparent": TRACEPARENT, "tracestate": "vendor=abc", "userid": "u"},
     )
@@ -139,15 +145,20 @@ def test_attempt_span_continues_the_callers_trace_and_propagates_it(
         assert format(span.context.trace_id, "032x") == TRACE_ID
         assert span.parent is not None and format(span.parent.span_id, "016x") == PARENT_SPAN
         assert span.parent.is_remote
-        assert span.attributes is not None
-        assert span.attributes["request.id"] == req.id
-        assert span.attributes["queue.name"] == iso.queue("t")
-        assert span.attributes["queue.id"] == iso.queue("t")
-        assert span.attributes["retry.count"] == i
+        attrs = span.attributes
+        assert attrs is not None
+        # the reference's current names, and the old ones for one release
+        assert attrs["gen_ai.request.id"] == attrs["request.id"] == req.id
+        assert attrs["gen_ai.request.model"] == "m-7"
+        assert attrs["llm_d.async.queue.name"] == attrs["queue.name"] == iso.queue("t")
+        assert attrs["llm_d.async.queue.id"] == attrs["queue.id"] == iso.queue("t")
+        assert attrs["llm_d.async.retry_count"] == attrs["retry.count"] == i
         # a retryable failure records its category but is not an error
         assert span.status.status_code is StatusCode.UNSET
-    assert attempts[0].attributes["error.category"] == "SERVER_ERROR"  # type: ignore[index]
+    first = attempts[0].attributes or {}
+    assert first["llm_d.async.error.category"] == first["error.category"] == "SERVER_ERROR"
     assert "error.category" not in (attempts[1].attributes or {})
+    assert "llm_d.async.error.category" not in (attempts[1].attributes or {})
     for call, attempt, seen in zip(calls, attempts, recorder.calls_for(req.id), strict=True):
         assert call.kind is SpanKind.CLIENT
         assert call.parent is not None and call.parent.span_id == attempt.context.span_id
@@ -169,12 +180,102 @@ def test_fatal_error_marks_the_span_and_a_new_trace_starts_without_context(
     assert span.parent is None
     assert span.status.status_code is StatusCode.ERROR
     assert span.attributes is not None and span.attributes["error.category"] == "INVALID_REQ"
+    assert span.attributes["llm_d.async.error.category"] == "INVALID_REQ"
+    assert "gen_ai.request.model" not in span.attributes  # the payload names no model
     (seen,) = recorder.calls_for(req.id)
     assert seen["traceparent"].split("-")[1] == format(span.context.trace_id, "032x")
 
 
+def start_held_attempt(
+    iso: Isolated, rt: Runtime, recorder: Recorder, rid: str
+) -> tuple[threading.Thread, list[Report], str]:
+    """Dispatch ``rid`` and run its attempt in a thread; the recorder holds its HTTP call
+    until the test sets ``recorder.hold[rid]``. Returns the thread, its report (once it ends)
+    and the attempt's token."""
+    q = iso.settings.queues[iso.queue("t")]
+    recorder.hold[rid] = threading.Event()
+    (moved,) = wait_for(lambda: iso.pl.store.tick(q, [q], 1.0, -1, 1).moved, 10)
+    attempt = rt.begin(rid, moved.token, "test-node", q.queue_name)
+    assert attempt is not None
+    attempt.acquire()
+    reports: list[Report] = []
+    thread = threading.Thread(target=lambda: reports.append(observe.observed_run(attempt)))
+    thread.start()
+    wait_for(lambda: recorder.calls_for(rid), 10, what="the held call")
+    return thread, reports, moved.token
+
+
+def linked_reenqueue(exporter: InMemorySpanExporter, rid: str) -> tuple[ReadableSpan, ReadableSpan]:
+    """The request's ``re-enqueue`` span and the ``process-request`` span it links to."""
+    spans = exporter.get_finished_spans()
+    (reenqueue,) = by_name(spans, "re-enqueue")
+    attempt = next(
+        s for s in by_name(spans, "process-request") if (s.attributes or {})["request.id"] == rid
+    )
+    assert reenqueue.parent is None  # a trace of its own
+    assert [link.context.span_id for link in reenqueue.links] == [attempt.context.span_id]
+    assert reenqueue.links[0].context.trace_id == attempt.context.trace_id
+    attrs = reenqueue.attributes or {}
+    assert attrs["gen_ai.request.id"] == attrs["request.id"] == rid
+    return reenqueue, attempt
+
+
+def test_reenqueue_span_when_a_node_requeues_an_attempt_at_shutdown(
+    traced: Isolated, rt: Runtime, recorder: Recorder, exporter: InMemorySpanExporter
+) -> None:
+    """A node shutting down requeues its cut-off attempt (``Runtime.abandon``, as the
+    ``worker_shutdown`` handler does): a ``re-enqueue`` span links to that attempt's span."""
+    iso = traced
+    req = iso.pl.submit(
+        {"prompt": "slow"}, queue=iso.queue("t"), metadata={"traceparent": TRACEPARENT}
+    )
+    thread, reports, token = start_held_attempt(iso, rt, recorder, req.id)
+    rt.abandon(req.id, token, iso.queue("t"), cancel=False, reason="worker shutdown")
+    assert iso.pl.state(req.id) == "queued"
+    recorder.hold[req.id].set()
+    thread.join(10)
+    assert reports[0].status is Status.STALE  # its late outcome is fenced off
+    reenqueue, attempt = linked_reenqueue(exporter, req.id)
+    assert (reenqueue.attributes or {})["llm_d.async.reenqueue.reason"] == "worker shutdown"
+    assert format(attempt.context.trace_id, "032x") == TRACE_ID  # the caller's trace
+    assert reenqueue.context.trace_id != attempt.context.trace_id
+    del recorder.hold[req.id]
+    assert run_one_attempt(iso, rt, req.id).status is Status.SUCCESS
+
+
+def test_reenqueue_span_when_the_reaper_requeues_an_attempt(
+    traced: Isolated, rt: Runtime, recorder: Recorder, exporter: InMemorySpanExporter
+) -> None:
+    """The attempt's process stops renewing its lease (as if it died); another node's reaper
+    requeues the request and links its ``re-enqueue`` span to the attempt's span through the
+    context the attempt left in Redis (the reaper's process never saw that span)."""
+    iso = traced
+    settings = with_overrides(iso.settings, lease_s=0.5)
+    dying = Runtime(settings)
+    req = iso.pl.submit({"prompt": "orphan"}, queue=iso.queue("t"))
+    thread, reports, token = start_held_attempt(iso, dying, recorder, req.id)
+    assert iso.pl.record(req.id)["attempt_span"].startswith(token + " ")
+    dying.stop()  # no more lease renewals
+    tracing._attempts.clear()  # the reaper is another process: it knows only what Redis says
+    reaper = Dispatcher(settings, [iso.pool()], node="reaper", slots=1, send=lambda m: None,
+                        store=iso.pl.store)  # fmt: skip
+    try:
+        wait_for(lambda: reaper.reap() == 1, 10, interval=0.1, what="the reaper")
+    finally:
+        reaper.stop()
+    recorder.hold[req.id].set()
+    thread.join(10)
+    assert reports[0].status is Status.STALE
+    reenqueue, _ = linked_reenqueue(exporter, req.id)
+    assert (reenqueue.attributes or {})["llm_d.async.reenqueue.reason"] == "lease expired"
+    del recorder.hold[req.id]
+    assert run_one_attempt(iso, rt, req.id).status is Status.SUCCESS
+
+
 SCRIPT = """
 import json, sys
+from pipeline.config import with_overrides
+from pipeline.dispatch import Dispatcher
 from pipeline.observability import tracing
 from pipeline.client import Pipeline
 from pipeline.worker import Runtime, observe

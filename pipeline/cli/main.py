@@ -1,4 +1,4 @@
-"""The ``pipeline`` command: run, worker, submit, status, sim, flower."""
+"""The ``pipeline`` command: run, worker, submit, status, reload, sim, flower."""
 
 from __future__ import annotations
 
@@ -19,17 +19,29 @@ log = logging.getLogger("pipeline.cli")
 
 
 def _setup_logging(level: str = "INFO") -> None:
+    from ..observability import logs
+
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logs.log_format() == "json":
+        logs.use_json(logging.getLogger())
+        logging.captureWarnings(True)  # a warning too is a JSON line, not raw stderr text
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 # -- worker -----------------------------------------------------------------------------
 def cmd_worker(args: argparse.Namespace) -> int:
     settings = check_gates(load_settings())  # a bad gate stops the node before it starts
+    from ..worker import check_endpoints
+
+    check_endpoints(settings)  # so does a missing api_key_env variable or TLS file
     pools = [p for p in (args.pools or "").split(",") if p] or sorted(settings.pools())
     from tasks.app import app, celery_queue
 
+    from ..observability import logs
+
+    # with JSON logs, no banner: every line the node writes is a JSON object
     argv = [
+        *(["--quiet"] if logs.log_format() == "json" else []),
         "worker",
         "-P",
         args.pool_impl,
@@ -120,6 +132,54 @@ def _server_facts(p: Any) -> Any:
         return server_facts(p.store.client)
     except redis.RedisError:
         return None
+
+
+# -- reload -----------------------------------------------------------------------------
+def _live_nodes(client: Any, keys: Any) -> list[str]:
+    now = time.time()
+    nodes: set[str] = set()
+    for key in client.scan_iter(keys.pool_nodes_pattern(), count=1000):
+        nodes.update(str(n) for n in client.zrangebyscore(key, now, "+inf"))
+    return sorted(nodes)
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    """Ask every live worker node to re-read its queue and pool files; print each node's
+    outcome. Exit 0 when every node applied it (or had nothing to change), 1 otherwise."""
+    from ..store import Keys, connect
+
+    # only Redis and the key prefix are needed here: this host's queue file may not even
+    # validate (a node checks its own)
+    env = {k: v for k, v in os.environ.items() if k not in ("PIPELINE_QUEUES", "PIPELINE_POOLS")}
+    settings = load_settings(env)
+    keys = Keys.of(settings)
+    client = connect(settings.redis_url)
+    nodes = _live_nodes(client, keys)
+    generation = int(client.incr(keys.config_reload()))
+    if not nodes:
+        print("no live worker node: nothing to reload", file=sys.stderr)
+        return 1
+    outcomes: dict[str, dict[str, Any]] = {}
+    end = time.monotonic() + args.timeout
+    while len(outcomes) < len(nodes) and time.monotonic() < end:
+        for node, raw in zip(nodes, client.hmget(keys.config_reloads(), nodes), strict=True):
+            if raw and node not in outcomes:
+                data = json.loads(raw)
+                if int(data.get("generation", 0)) >= generation:
+                    outcomes[node] = data
+        time.sleep(0.1)
+    ok = True
+    for node in nodes:
+        data = outcomes.get(node)
+        if data is None:
+            ok = False
+            print(f"{node}: no answer within {args.timeout:g} s")
+            continue
+        result = data["result"]
+        ok = ok and result in ("success", "unchanged")
+        detail = f": {data['reason']}" if data.get("reason") else ""
+        print(f"{node}: {result}{detail}")
+    return 0 if ok else 1
 
 
 # -- sim / flower -----------------------------------------------------------------------
@@ -314,6 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true")
     p.add_argument("--interval", type=float, default=1.0)
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser(
+        "reload", help="every worker node re-reads its queue and pool files (as on SIGHUP)"
+    )
+    p.add_argument("--timeout", type=float, default=15.0, help="wait this long for the nodes")
+    p.set_defaults(func=cmd_reload)
 
     p = sub.add_parser("sim", help="the OpenAI-compatible simulator")
     from .. import sim

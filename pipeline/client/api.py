@@ -15,21 +15,16 @@ from ..config import QueueConfig, Settings, load_settings, with_overrides
 from ..errors import InvalidRequest, ReplicationError, UnknownRequest
 from ..gates import Gate, GateEnv, check_gates, queue_gate
 from ..store import Store
+from ..store.state import ordering_score
 from .models import Request, Result
 
 MAX_ID_LENGTH = 256
 FULL_RESCAN_S = 30.0  # iter_results re-reads every waiting id this often (recent keeps 300 s)
 MAX_DEADLINE_AHEAD_S = 10 * 365 * 24 * 3600.0
+__all__ = ["Pipeline", "configure", "default_pipeline", "ordering_score"]
 SUBMIT_KEYS = frozenset(
     {"queue", "id", "priority", "deadline", "timeout", "metadata", "headers", "endpoint"}
 )
-
-
-def ordering_score(priority: int, deadline: float) -> float:
-    """The pending-set score submit.lua gives a request: higher priority first, then earliest
-    deadline (ms precision). Submission order breaks ties (the member starts with a sequence
-    number)."""
-    return (9 - priority) * 1e13 + math.floor(deadline * 1000.0 + 0.5)
 
 
 def _is_number(value: Any) -> bool:

@@ -14,6 +14,7 @@ ERROR_CODES = (
     "GATE_ERROR",
     "INFERENCE_ERROR",
     "INVALID_REQUEST",
+    "PAYLOAD_UNAVAILABLE",
 )
 STATES = ("queued", "retry_wait", "dispatched", "running", "done")
 
@@ -62,6 +63,8 @@ class Result:
         if self.error_code is not None:
             out["error_code"] = self.error_code
             out["error_message"] = self.error_message or ""
+        elif self.error_message:  # an HTTP result's note: the gateway's drop reason
+            out["error_message"] = self.error_message
         out.update(
             attempts=self.attempts,
             queue=self.queue,

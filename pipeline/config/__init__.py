@@ -18,9 +18,21 @@ from .redis_url import (
     is_sentinel,
     parse_sentinel_url,
 )
+from .reload import (
+    ConfigChange,
+    diff_config,
+    from_snapshot,
+    reload_queue_files,
+    to_snapshot,
+)
 from .settings import DEFAULT_ENDPOINT, DEFAULT_REDIS_URL, PoolConfig, QueueConfig, Settings
 
 __all__ = [
+    "ConfigChange",
+    "diff_config",
+    "from_snapshot",
+    "reload_queue_files",
+    "to_snapshot",
     "DEFAULT_ENDPOINT",
     "DEFAULT_REDIS_URL",
     "LANES",

@@ -108,13 +108,18 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         ("CELERY_RESULT_BACKEND", env.get("CELERY_RESULT_BACKEND") or ""),
     ):
         check_sentinel(url, var, master)
-    header = env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id")
-    if header and not HEADER_NAME.match(header):
-        raise ConfigError(f"PIPELINE_FAIRNESS_HEADER: {header!r} is not a valid header name")
+    for var, default in (
+        ("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id"),
+        ("PIPELINE_OBJECTIVE_HEADER", "x-llm-d-inference-objective"),
+    ):
+        header = env.get(var, default)
+        if header and not HEADER_NAME.match(header):
+            raise ConfigError(f"{var}: {header!r} is not a valid header name")
     merge_path = env.get("PIPELINE_MERGE_POLICY")
     merge = read_merge_policy(merge_path) if merge_path else MergePolicy()
+    fairness_header = env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id")
     if merge.fairness_header is not None:  # the reference's parameter wins
-        header = merge.fairness_header
+        fairness_header = merge.fairness_header
     return Settings(
         redis_url=redis_url,
         broker_url=env.get("CELERY_BROKER_URL") or redis_url,
@@ -130,7 +135,8 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         fairness_attribute=(
             merge.fairness_attribute or env.get("PIPELINE_FAIRNESS_ATTRIBUTE", "userid")
         ).removeprefix("metadata."),
-        fairness_header=header,
+        fairness_header=fairness_header,
+        objective_header=env.get("PIPELINE_OBJECTIVE_HEADER", "x-llm-d-inference-objective"),
         wedge_after_s=_float_env(env, "PIPELINE_WEDGE_AFTER_S", 300.0),
         park_s=_float_env(env, "PIPELINE_PARK_S", 10.0),
         lookahead=_lookahead_env(env),

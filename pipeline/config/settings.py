@@ -4,8 +4,13 @@ connects to anything; :mod:`pipeline.config.load` reads it from files and the en
 Queues use the reference's JSON field names (``queue_name``, ``igw_base_url``,
 ``request_path_url``, ``inference_objective``, ``worker_pool_id``, ``gate_type``,
 ``gate_params``, ``labels``, ``result_queue_name``) plus ours (``default_timeout_s``,
-``request_timeout_s``, ``retry_base_delay_s``, ``retry_max_delay_s``). All durations are in
-seconds.
+``request_timeout_s``, ``retry_base_delay_s``, ``retry_max_delay_s``; the endpoint's
+credentials: ``api_key_env``, ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``,
+``tls_insecure_skip_verify``). All durations are in seconds.
+
+A queue names its API key's *environment variable*, never the key: the config (which clients
+load too, and which a node may copy) holds no secret. Whether the variable is set and the TLS
+files load is checked where they are used, at worker start (``pipeline.worker.check_endpoints``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from .merge import MergePolicy
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+INGEST_FORMATS = ("llm-d-async",)  # wire formats a queue may ingest besides submit()
 HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+TLS_FILES = ("tls_ca_file", "tls_cert_file", "tls_key_file")
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,14 @@ class QueueConfig:
     # of its pool's dispatches, and whether its tenants take turns at each priority
     weight: float = 1.0
     fair_share: bool = False
+    api_key_env: str | None = None  # the variable whose value is sent as "Bearer <value>"
+    tls_ca_file: str | None = None  # PEM CA bundle the server's certificate must chain to
+    tls_cert_file: str | None = None  # client certificate (mTLS), PEM
+    tls_key_file: str | None = None  # its private key, PEM (or inside tls_cert_file)
+    tls_insecure_skip_verify: bool = False  # do not verify the server's certificate
+    # "llm-d-async": also take the requests a reference producer writes into the sorted set
+    # named like the queue, and answer them on the reference's result list in its format
+    ingest: str | None = None
 
     @property
     def queue_id(self) -> str:
@@ -89,12 +105,36 @@ class QueueConfig:
             value = entry.get(key, 1.0)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"{where}: {key} must be a positive number of seconds")
+        _check_credentials(entry, where, urlsplit(url).scheme == "https")
+        if entry.get("ingest") not in (None, "", *INGEST_FORMATS):
+            formats = ", ".join(INGEST_FORMATS)
+            raise ConfigError(f"{where}: ingest must be one of {formats}, not {entry['ingest']!r}")
         _check_result_list(entry, where)
         _check_scheduling(entry, where)
         try:
             return cls(**entry)
         except TypeError as exc:  # pragma: no cover - guarded by the checks above
             raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _check_credentials(entry: dict[str, Any], where: str, https: bool) -> None:
+    """``api_key_env`` and the ``tls_*`` fields of a queue entry (types and names only)."""
+    env = entry.get("api_key_env")
+    if env is not None and (not isinstance(env, str) or not ENV_NAME.match(env)):
+        raise ConfigError(
+            f"{where}: api_key_env must name an environment variable ([A-Za-z_][A-Za-z0-9_]*)"
+        )
+    for key in TLS_FILES:
+        value = entry.get(key)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"{where}: {key} must be a file path")
+    if entry.get("tls_key_file") and not entry.get("tls_cert_file"):
+        raise ConfigError(f"{where}: tls_key_file needs tls_cert_file")
+    skip = entry.get("tls_insecure_skip_verify", False)
+    if not isinstance(skip, bool):
+        raise ConfigError(f"{where}: tls_insecure_skip_verify must be true or false")
+    if not https and (skip or any(entry.get(k) for k in TLS_FILES)):
+        raise ConfigError(f"{where}: tls_* fields need an https igw_base_url")
 
 
 def _check_result_list(entry: dict[str, Any], where: str) -> None:
@@ -160,6 +200,8 @@ class Settings:
     gate_wait_timeout_s: float = 300.0
     fairness_attribute: str = "userid"  # metadata key sent as the fairness identity
     fairness_header: str = "x-llm-d-inference-fairness-id"  # "" disables the stamp
+    # the header a queue's inference_objective is sent in ("" disables it)
+    objective_header: str = "x-llm-d-inference-objective"
     wedge_after_s: float = 300.0  # no completion this long while full and waiting: wedged
     park_s: float = 10.0  # an attempt refused by a full slot gate parks this long for a release
     lookahead: int = -1  # attempts dispatched past a slot gate's capacity; -1: automatic

@@ -12,6 +12,13 @@ requeues attempts whose lease expired.
 
 One dispatcher runs in every worker node (main process). Several may run against one Redis:
 each tick is one atomic script for the whole pool, so they never over-dispatch or disagree.
+
+A config reload (:meth:`Dispatcher.apply`) swaps its queues and gates between two ticks. A
+queue whose gate is configured as before keeps its gate object; a changed gate is rebuilt, and
+the old one is kept for the reaper until it holds nothing (its holders release on the gate
+they acquired: when its keys changed, e.g. a new ``gate_type``, a reservation of a holder that
+died is freed from the old keys all the same). The queues are indexed by tenant again as the
+new configuration needs (``setup_queues``).
 """
 
 from __future__ import annotations
@@ -24,8 +31,8 @@ import time
 from collections.abc import Callable
 
 from ..config import QueueConfig, Settings
-from ..gates import Gate, GateEnv, attempt_gate
-from ..observability import metrics
+from ..gates import Gate, GateEnv, attempt_gate, same_attempt_gate
+from ..observability import metrics, tracing
 from ..store import DirectPublish, Dispatched, MergeArgs, QueueTick, QuotaSpec, Store, sched
 from ..store import holder as make_holder
 
@@ -33,6 +40,7 @@ log = logging.getLogger("pipeline.dispatcher")
 
 NODE_TTL_S = 5.0  # a node missing heartbeats this long stops counting towards pool slots
 MAX_IDLE_S = 1.0  # longest block on the doorbell (also the node heartbeat cadence)
+INGEST_POLL_S = 0.25  # a reference producer rings no doorbell: look at its sorted set this often
 
 Sender = Callable[[list[Dispatched]], None]
 
@@ -59,39 +67,68 @@ class Dispatcher:
         # pools whose Celery queue lives in the pipeline's Redis: the dispatch script pushes
         # their messages itself (one atomic step, no publish round trip); the rest use `send`
         self.direct = direct or {}
-        all_pools = settings.pools()
-        self.pools = {p: all_pools.get(p, []) for p in pools}
-        env = GateEnv(self.store.client, self.keys, node=node)
-        pool_gates: dict[str, Gate | None] = {}
-        self.gates: dict[str, Gate] = {
-            q.queue_name: attempt_gate(settings, q.queue_name, env, pool_gates)
-            for qs in self.pools.values()
-            for q in qs
-        }
-        for qs in self.pools.values():
-            for q in qs:
-                metrics.dispatch_budget(q, self.gates[q.queue_name])
+        self._env = GateEnv(self.store.client, self.keys, node=node)
+        self._lock = threading.RLock()  # a tick / reap pass, or a config swap (apply)
+        self.pools: dict[str, list[QueueConfig]] = {p: [] for p in pools}
+        self.gates: dict[str, Gate] = {}
         # per queue: the per-key quotas the dispatch script counts (with their look-ahead)
-        self.specs: dict[str, tuple[QuotaSpec, ...]] = {
-            name: tuple(
-                dataclasses.replace(s, lookahead=settings.lookahead_for(s.limit))
-                for s in gate.quota_specs()
-            )
-            for name, gate in self.gates.items()
-        }
+        self.specs: dict[str, tuple[QuotaSpec, ...]] = {}
+        self.retired: list[Gate] = []  # gates replaced by a reload, reaped until empty
+        self.foreign: list[QueueConfig] = []
+        self.full_since: dict[str, float] = {}
         self.rng = random.Random()
+        self._bind(settings)
         self.pool_cap: dict[str, int] = {p: slots for p in pools}
         self.pool_nodes: dict[str, int] = {p: 1 for p in pools}
-        self.full_since: dict[str, float] = {}
-        # queues of pools this node does not serve: swept (due retries promoted, expired
-        # requests resulted) but never dispatched, so deadlines hold even with no worker there
-        self.foreign = [q for p, qs in all_pools.items() if p not in self.pools for q in qs]
         self._foreign_due = 0.0
+        self.ingesting = any(q.ingest for qs in self.pools.values() for q in qs)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_beat = 0.0
         self._next_reap = 0.0
         self.dispatched = 0
+
+    def _bind(self, settings: Settings, old: Settings | None = None) -> None:
+        """Take ``settings``' queues of the served pools, keeping the gate of every queue
+        whose gate is configured as in ``old``."""
+        all_pools = settings.pools()
+        pools = {p: all_pools.get(p, []) for p in self.pools}
+        pool_gates: dict[str, Gate | None] = {}
+        gates: dict[str, Gate] = {}
+        for qs in pools.values():
+            for q in qs:
+                name = q.queue_name
+                kept = self.gates.get(name)
+                if kept is not None and old is not None and same_attempt_gate(old, settings, name):
+                    gates[name] = kept
+                else:
+                    gates[name] = attempt_gate(settings, name, self._env, pool_gates)
+                metrics.dispatch_budget(q, gates[name])
+        for name, gate in self.gates.items():
+            if gates.get(name) is not gate:
+                self.retired.append(gate)
+            if name not in gates:
+                metrics.forget_queue(name)
+                self.full_since.pop(name, None)
+        self.settings, self.pools, self.gates = settings, pools, gates
+        self.specs = {
+            name: tuple(
+                dataclasses.replace(s, lookahead=settings.lookahead_for(s.limit))
+                for s in gate.quota_specs()
+            )
+            for name, gate in gates.items()
+        }
+        # queues of pools this node does not serve: swept (due retries promoted, expired
+        # requests resulted) but never dispatched, so deadlines hold even with no worker there
+        self.foreign = [q for p, qs in all_pools.items() if p not in self.pools for q in qs]
+
+    def apply(self, settings: Settings) -> None:
+        """Switch to reloaded settings between two ticks (the pools served stay the same:
+        they are the node's Celery queues)."""
+        with self._lock:
+            self._bind(settings, self.settings)
+            self._foreign_due = 0.0
+            self.setup_queues()
 
     # -- lifecycle -----------------------------------------------------------------------
     def indexed(self, q: QueueConfig) -> bool:
@@ -138,7 +175,7 @@ class Dispatcher:
                 self.store.client.hdel(self.keys.pool_slots(pool), self.node)
         except Exception as exc:  # noqa: BLE001 - best effort; the entry expires anyway
             log.warning("could not deregister node %s: %s", self.node, exc)
-        for gate in self.gates.values():
+        for gate in [*self.gates.values(), *self.retired]:
             gate.close()
 
     # -- node registry -------------------------------------------------------------------
@@ -164,7 +201,7 @@ class Dispatcher:
                 if now >= self._next_reap:
                     self.reap()
                     self._next_reap = now + self.settings.reaper_period_s
-                wait = min(MAX_IDLE_S, self._next_reap - now)
+                wait = min(INGEST_POLL_S if self.ingesting else MAX_IDLE_S, self._next_reap - now)
                 if next_event is not None:
                     wait = min(wait, next_event - now)
                 if wait > 0.001:
@@ -176,6 +213,10 @@ class Dispatcher:
     def tick(self) -> float | None:
         """Dispatch every pool once; returns when the earliest known future event is due
         (``time.monotonic()``: the scripts give delays by the server's clock)."""
+        with self._lock:
+            return self._tick()
+
+    def _tick(self) -> float | None:
         next_event: float | None = None
         for pool, queues in self.pools.items():
             # the tick empties the pool's doorbell: the rings pushed so far are all answered
@@ -219,6 +260,9 @@ class Dispatcher:
     def _tick_pool(
         self, pool: str, queues: list[QueueConfig], doorbell: str | None = None
     ) -> float | None:
+        for q in queues:
+            if q.ingest:
+                self._ingest(q)
         entries = [self._queue_tick(pool, q) for q in queues]
         policy = self.settings.merge_policy
         direct = self.direct.get(pool)
@@ -251,6 +295,22 @@ class Dispatcher:
         # doorbell, a due retry or deadline is next_event
         return None if res.next_event is None else time.monotonic() + res.next_event
 
+    def _ingest(self, q: QueueConfig) -> None:
+        """Take what a reference producer wrote into the queue's sorted set (see
+        ``pipeline.store.wire``); a failure is logged and retried on the next tick."""
+        try:
+            outcome = self.store.ingest(q)
+        except Exception as exc:  # noqa: BLE001 - the queue's own requests keep flowing
+            log.warning("queue %s: ingest from %s failed: %s", q.queue_name, q.queue_name, exc)
+            return
+        for word, ids in outcome.items():
+            if word == "invalid":
+                log.error("queue %s: malformed entries answered INVALID_REQUEST: %s",
+                          q.queue_name, ", ".join(i[:80] for i in ids))  # fmt: skip
+            elif word not in ("ingested", "gone", "busy"):
+                log.info("queue %s: %d %s entr(ies): %s", q.queue_name, len(ids), word,
+                         ", ".join(i[:80] for i in ids))  # fmt: skip
+
     def _send(self, moved: list[Dispatched]) -> None:
         try:
             self.send(moved)
@@ -262,6 +322,29 @@ class Dispatcher:
 
     def reap(self) -> int:
         """Requeue attempts whose lease expired and free their gate reservations."""
+        with self._lock:
+            n = self._reap()
+            self._reap_retired()
+            return n
+
+    def _reap_retired(self) -> None:
+        """Free expired reservations of gates a reload replaced; forget a gate once it holds
+        nothing (its live holders release on it when they end)."""
+        keep = []
+        for gate in self.retired:
+            try:
+                for h in gate.reap():
+                    log.warning("retired gate %s freed expired reservation %s", gate.name, h)
+                if gate.in_flight() > 0:
+                    keep.append(gate)
+                else:
+                    gate.close()
+            except Exception as exc:  # noqa: BLE001 - try again on the next pass
+                log.warning("retired gate %s: %s", gate.name, exc)
+                keep.append(gate)
+        self.retired = keep
+
+    def _reap(self) -> int:
         n = 0
         for queues in self.pools.values():
             for q in queues:
@@ -276,6 +359,7 @@ class Dispatcher:
                     )
                     n += 1
                     metrics.lease_reclaimed(q, "attempt")
+                    self._trace_reenqueue(q, rid, token)
                 for h in gate.reap():
                     log.warning("gate %s freed expired reservation %s", q.queue_name, h)
                     metrics.lease_reclaimed(q, "gate")
@@ -284,6 +368,23 @@ class Dispatcher:
                     sched.recheck(self.store.scripts, self.keys, q.queue_name)
                 self.check_wedge(q.queue_name, gate)
         return n
+
+    def _trace_reenqueue(self, q: QueueConfig, request_id: str, token: str) -> None:
+        """A ``re-enqueue`` span for a reaped attempt, linked to its ``process-request`` span
+        (whose context the attempt left in its record). Tracing on only."""
+        if not tracing.enabled():
+            return
+        try:
+            traceparent = self.store.attempt_span(request_id, token)
+            tracing.reenqueue_span(
+                request_id,
+                token,
+                "lease expired",
+                queue_name=q.queue_name,
+                traceparent=traceparent,
+            )
+        except Exception as exc:  # noqa: BLE001 - observability never stops the reaper
+            log.warning("re-enqueue span of %s failed: %s", request_id, exc)
 
     def check_wedge(self, queue: str, gate: Gate) -> bool:
         """A queue is wedged when requests wait, its gate is at its limit and nothing has

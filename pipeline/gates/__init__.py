@@ -8,7 +8,7 @@ attempt of a queue passes and checks a whole configuration's gates. Imports ``co
 """
 
 from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, PreparedAcquire, Verdict
-from .chain import attempt_gate, check_gates, pool_gate, queue_gate
+from .chain import attempt_gate, check_gates, pool_gate, queue_gate, same_attempt_gate
 from .registry import GATE_TYPES, build_gate
 
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "check_gates",
     "pool_gate",
     "queue_gate",
+    "same_attempt_gate",
 ]

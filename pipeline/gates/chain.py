@@ -42,6 +42,19 @@ def attempt_gate(
     return CompositeGate.of(f"{queue}+pool.{pool}", [gate, pg], env)
 
 
+def same_attempt_gate(old: Settings, new: Settings, queue: str) -> bool:
+    """Whether ``queue``'s attempt gate (its own and its pool's) is configured the same in
+    both: a reload keeps that gate (and its reservations' keys) as it is."""
+    a, b = old.queues.get(queue), new.queues.get(queue)
+    if a is None or b is None:
+        return False
+    return (a.gate_type, a.gate_params, a.worker_pool_id) == (
+        b.gate_type,
+        b.gate_params,
+        b.worker_pool_id,
+    ) and old.pool_configs.get(a.worker_pool_id) == new.pool_configs.get(b.worker_pool_id)
+
+
 def check_gates(settings: Settings) -> Settings:
     """Validate every queue's and pool's gate (type and params; nothing is connected to):
     ConfigError naming the queue or pool. Returns ``settings``."""

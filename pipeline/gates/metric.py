@@ -20,14 +20,21 @@ Prometheus gates (``url`` = the HTTP API base, default ``$PROMETHEUS_URL``; an i
   0.0).
 - ``prometheus-saturation``: ``pool`` (required), ``namespace``, ``threshold`` (0.8, a
   saturation in (0, 1]), ``fallback`` (budget, 0.0 — the reference fails open here).
-  D = ``1 - inference_extension_flow_control_pool_saturation{inference_pool, namespace}``,
-  closed at D ≤ 1 − threshold.
+  D = ``1 - llm_d_epp_flow_control_pool_saturation{inference_pool, namespace}`` (the name
+  current llm-d routers export), or, when that query has no sample, the same on the older
+  ``inference_extension_flow_control_pool_saturation`` (an EPP that only exports the old
+  name keeps working; the reference dropped it). Closed at D ≤ 1 − threshold.
 - ``prometheus-budget``: ``pool`` (required), ``namespace``, ``max_concurrency`` (100 per
-  ready pod, > 0), ``baseline`` B (0.05, in [0, 1)), ``fallback`` (budget, 0.0). D from the
-  first of three queries that returns a sample (the reference's cascade, same PromQL):
-  [0] EPP flow-control queue size over ready pods × max_concurrency, [1] mean per-pod queue
-  size over max_concurrency, [2] vLLM running requests over ready pods × max_concurrency.
-  Closed at D ≤ B; the gate closes at ``max_concurrency × (1 − B)`` load per ready pod.
+  ready pod, > 0), ``baseline`` B (0.05, in [0, 1)), ``fallback`` (budget, 0.0),
+  ``ready_pods_aggregation`` (``max`` default, or ``sum``). D from the first of three queries
+  that returns a sample (the reference's cascade): [0] EPP flow-control queue size over ready
+  pods × max_concurrency, [1] mean per-pod queue size over max_concurrency, [2] vLLM running
+  requests over ready pods × max_concurrency. Ready pods are aggregated across EPP replicas
+  into one number *before* the division (each replica exports its own
+  ``inference_pool_ready_pods`` series, and dividing by several series fails in Prometheus:
+  the reference's #489). ``max``: every replica reports the whole pool's count, so the largest
+  is the pool; ``sum``: replicas report disjoint shares. Closed at D ≤ B; the gate closes at
+  ``max_concurrency × (1 − B)`` load per ready pod.
 """
 
 from __future__ import annotations
@@ -121,8 +128,8 @@ class MetricGate(Gate):
             self._http = httpx.Client(timeout=self.timeout_s, follow_redirects=True)
         return self._http
 
-    def value(self) -> float:
-        """D from the cache, or read now (and cache the value or the error)."""
+    def reading(self) -> _Reading:
+        """The cached reading, or a new one (the value or the error) when it is too old."""
         with self._lock:
             cached = self._reading
             if cached is None or time.monotonic() - cached.at >= self.cache_ttl_s:
@@ -131,6 +138,11 @@ class MetricGate(Gate):
                 except Exception as exc:  # noqa: BLE001 - every failure is "unavailable"
                     cached = _Reading(time.monotonic(), None, str(exc) or type(exc).__name__)
                 self._reading = cached
+        return cached
+
+    def value(self) -> float:
+        """D from the cache, or read now (and cache the value or the error)."""
+        cached = self.reading()
         if cached.error is not None or cached.value is None:
             raise MetricUnavailable(cached.error or "no value")
         return cached.value
@@ -261,6 +273,13 @@ class PrometheusQueryGate(PrometheusGate):
         return 0.0
 
 
+# the EPP's pool saturation gauge: the name current llm-d routers export, then the older one
+SATURATION_METRICS = (
+    "llm_d_epp_flow_control_pool_saturation",
+    "inference_extension_flow_control_pool_saturation",
+)
+
+
 class PrometheusSaturationGate(PrometheusGate):
     type_name = "prometheus-saturation"
 
@@ -272,12 +291,22 @@ class PrometheusSaturationGate(PrometheusGate):
         labels = {"inference_pool": pool}
         if namespace:
             labels["namespace"] = namespace
-        self.promql = "1 - " + promql_selector(
-            "inference_extension_flow_control_pool_saturation", labels
-        )
+        self.queries = ["1 - " + promql_selector(name, labels) for name in SATURATION_METRICS]
+        self.promql = self.queries[0]
+        self.source_metric: str | None = None
 
     def read(self) -> float:
-        return self.query_required(self.promql)
+        """The current metric's value, else the old name's (an EPP of an older release)."""
+        for name, promql in zip(SATURATION_METRICS, self.queries, strict=True):
+            value = self.query(promql)
+            if value is not None:
+                self.source_metric = name
+                return value
+        self.source_metric = None
+        raise MetricUnavailable(f"no sample for {' nor '.join(self.queries)}")
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "source_metric": self.source_metric}
 
     def closing_threshold(self) -> float:
         return 1.0 - self.saturation_threshold
@@ -292,7 +321,8 @@ class PrometheusBudgetGate(PrometheusGate):
         namespace = self.p.opt_str("namespace")
         self.max_concurrency = self.p.get_float("max_concurrency", 100.0, lo=0.0, lo_open=True)
         self.baseline = self.p.get_float("baseline", 0.05, lo=0.0, hi=1.0, hi_open=True)
-        self.queries = budget_queries(pool, namespace, self.max_concurrency)
+        self.aggregation = self.p.get_choice("ready_pods_aggregation", ("max", "sum"), "max")
+        self.queries = budget_queries(pool, namespace, self.max_concurrency, self.aggregation)
         self.source_index: int | None = None
         log.info(
             "prometheus-budget gate %s: pool %s closes at %.4g load per ready pod; sources: %s",
@@ -325,14 +355,18 @@ class PrometheusBudgetGate(PrometheusGate):
         return {**super().describe(), "source_index": self.source_index}
 
 
-def budget_queries(pool: str, namespace: str | None, max_concurrency: float) -> list[str]:
-    """The reference's three PromQL sources of D for ``prometheus-budget``, in order."""
+def budget_queries(
+    pool: str, namespace: str | None, max_concurrency: float, aggregation: str = "max"
+) -> list[str]:
+    """The reference's three PromQL sources of D for ``prometheus-budget``, in order. The
+    ready-pod count is aggregated over EPP replicas (``aggregation``) into one series before
+    it divides, so several replicas' series never make the division fail."""
     by_pool = {"inference_pool": pool}
     by_name = {"name": pool}
     if namespace:
         by_pool["namespace"] = namespace
         by_name["namespace"] = namespace
-    ready = promql_selector("inference_pool_ready_pods", by_name)
+    ready = f"{aggregation}({promql_selector('inference_pool_ready_pods', by_name)})"
     max_c = f"{max_concurrency:g}"
     flow = promql_selector("inference_extension_flow_control_queue_size", by_pool)
     per_pod = promql_selector("inference_pool_per_pod_queue_size", by_name)

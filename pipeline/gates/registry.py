@@ -11,6 +11,7 @@ from .base import Gate, GateEnv
 from .composite import CompositeGate, WaitOnRefuseGate
 from .constant import ConstantGate
 from .global_ import GlobalMaxConcurrencyGate
+from .leased_rate import RedisLeasedRateGate
 from .local import LocalMaxConcurrencyGate
 from .metric import PrometheusBudgetGate, PrometheusQueryGate, PrometheusSaturationGate
 from .quota import RedisQuotaGate
@@ -26,6 +27,7 @@ GATE_TYPES: dict[str, type[Gate]] = {
         GlobalMaxConcurrencyGate,
         RedisBudgetGate,
         RedisQuotaGate,
+        RedisLeasedRateGate,
         CompositeGate,
         WaitOnRefuseGate,
         TierPriorityAdmissionGate,

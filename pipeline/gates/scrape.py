@@ -11,18 +11,32 @@ them one pod), plus ``cache_ttl_s`` / ``timeout_s`` (see :mod:`.metric`).
 saturation = value / (pods × max_count_per_pod), clamped to [0, 1]; D = 1 − saturation;
 budget = max(0, D − baseline). A missing sample, a pod count ≤ 0, an HTTP error or a NaN all
 read as unavailable → budget ``max(0, 1 − fallback − baseline)``.
+
+``absent_value`` (optional number): when the page was read but has no matching sample (a
+gauge that vanishes while idle), this is the reading instead of an error. Not applied to the
+pods metric.
+
+``admission`` — ``budget`` (default: the above) or ``counted`` (needs ``max_count_per_pod``
+> 0; ``baseline`` must be 0 and ``fallback`` unset): each reading gives a *headroom*
+max(0, pods × max_count_per_pod − value), and the gate admits at most floor(headroom)
+attempts per reading, then refuses until the next reading (at most one per ``cache_ttl_s``).
+A failed reading admits nothing. Budget is 1 while an admission of the current reading is
+left, else 0. The count is per gate instance (per worker process), like the reference's per
+replica; admissions are not refunded (a release is a no-op). ``last_value`` is the headroom
+and ``threshold`` 0.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import threading
 from typing import Any
 
 import httpx
 
 from ..redact import redact_url
-from .base import GateEnv
+from .base import CONTINUE, AcquireContext, Decision, GateEnv, Verdict
 from .metric import MetricGate, MetricUnavailable, finite
 from .params import Params
 
@@ -109,8 +123,23 @@ class EndpointScrapeGate(MetricGate):
         self.pods_metric = pods_metric
         self.pods_labels = p.get_str_map("pods_labels")
         self.pods: float | None = None
+        self.absent_value = p.get_float("absent_value") if p.has("absent_value") else None
+        self.admission = p.get_choice("admission", ("budget", "counted"), "budget")
+        if self.admission == "counted":
+            if self.max_count_per_pod <= 0:
+                raise p.error("max_count_per_pod", "must be > 0 with admission 'counted'")
+            if self.baseline != 0:
+                raise p.error("baseline", "must be 0 with admission 'counted'")
+            if p.has("fallback"):
+                raise p.error("fallback", "is not used with admission 'counted' (a failed "
+                              "reading admits nothing)")  # fmt: skip
+        self._counted_lock = threading.Lock()
+        self._counted_reading: object = None  # the reading the count below belongs to
+        self._counted_admitted = 0
 
-    def _scrape(self, url: str, metric: str, labels: dict[str, str]) -> float:
+    def _scrape(
+        self, url: str, metric: str, labels: dict[str, str], absent: float | None = None
+    ) -> float:
         where = redact_url(url)
         try:
             resp = self.http().get(url)
@@ -120,11 +149,13 @@ class EndpointScrapeGate(MetricGate):
             raise MetricUnavailable(f"GET {where}: HTTP {resp.status_code}")
         value = first_sample(resp.text, metric, labels)
         if value is None:
+            if absent is not None:
+                return absent
             raise MetricUnavailable(f"{metric} {labels or ''} not found at {where}")
         return finite(value, metric)
 
     def read(self) -> float:
-        value = self._scrape(self.url, self.metric, self.labels)
+        value = self._scrape(self.url, self.metric, self.labels, self.absent_value)
         max_count = self.max_count_per_pod
         if self.pods_url is not None and self.pods_metric is not None:
             pods = self._scrape(self.pods_url, self.pods_metric, self.pods_labels)
@@ -132,17 +163,60 @@ class EndpointScrapeGate(MetricGate):
                 raise MetricUnavailable(f"ready pods is {pods:g}; cannot size capacity")
             self.pods = pods
             max_count = pods * self.max_count_per_pod
+        if self.admission == "counted":
+            if value < 0:
+                raise MetricUnavailable(f"{self.metric} is negative ({value:g})")
+            return max(0.0, max_count - value)  # headroom: admissions this reading allows
         saturation = value / max_count if max_count > 0 else value
         return 1.0 - min(1.0, max(0.0, saturation))
 
     def closing_threshold(self) -> float:
-        return self.baseline
+        return 0.0 if self.admission == "counted" else self.baseline
 
     def fallback_budget(self) -> float:
+        if self.admission == "counted":
+            return 0.0
         return max(0.0, 1.0 - self.fallback - self.baseline)
 
+    # -- admission "counted" ----------------------------------------------------------------
+    def _claim(self, take: bool) -> bool:
+        """Whether the current reading (a new one at most every ``cache_ttl_s``) allows one
+        more admission; with ``take``, count it. A new reading starts the count again; a
+        failed one allows nothing. Sets the gauges (value = headroom, threshold 0)."""
+        reading = self.reading()
+        self.threshold = 0.0
+        self.last_value = reading.value
+        self.source_available = reading.value is not None
+        self._transition(reading.error)
+        if reading.value is None:
+            return False
+        with self._counted_lock:
+            if reading is not self._counted_reading:
+                self._counted_reading, self._counted_admitted = reading, 0
+            if self._counted_admitted >= math.floor(reading.value):
+                return False
+            if take:
+                self._counted_admitted += 1
+            return True
+
+    def budget(self) -> float:
+        if self.admission != "counted":
+            return super().budget()
+        return 1.0 if self._claim(take=False) else 0.0
+
+    def acquire(self, ctx: AcquireContext) -> Decision:
+        if self.admission != "counted":
+            return super().acquire(ctx)
+        if self._claim(take=True):
+            return CONTINUE
+        return Decision(Verdict.REFUSE, reason="gate_closed")
+
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "url": redact_url(self.url), "metric": self.metric}
+        out = {**super().describe(), "url": redact_url(self.url), "metric": self.metric}
+        if self.admission == "counted":
+            out["admission"] = "counted"
+            out["admitted_this_reading"] = self._counted_admitted
+        return out
 
 
 def _http_url(url: str, p: Params, key: str) -> str:

@@ -7,9 +7,13 @@ hundreds of attempt threads. httpx cost 1.1 ms of CPU per call against the simul
 ``http.client`` 0.18-0.24 ms (its response headers go through the ``email`` parser); this
 module writes the request in one ``sendall`` and parses the response itself: ~0.03 ms.
 
-- One connection per (thread, scheme, host, port), kept alive and reused; a connection the
-  server closed while idle is detected before reuse (its socket reads EOF) and replaced, so a
-  request is never written into a dead connection and never sent twice.
+- One connection per (thread, scheme, host, port, TLS settings), kept alive and reused; a
+  connection the server closed while idle is detected before reuse (its socket reads EOF) and
+  replaced, so a request is never written into a dead connection and never sent twice. Two
+  queues with different :class:`TLS` settings never share a connection, even to one server.
+- HTTPS verifies the server against the system CAs, or a queue's own CA file; a client
+  certificate is presented for mTLS (:class:`TLS`; one ``ssl.SSLContext`` per settings value,
+  built once and kept until :func:`reset_tls`).
 - ``timeout_s`` bounds the whole call: connect (at most 10 s of it), send and every read of the
   response, which is read in chunks against the same deadline.
 - The response body is framed by ``Content-Length``, ``Transfer-Encoding: chunked`` or the
@@ -31,7 +35,6 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
-from functools import cache
 from urllib.parse import urljoin, urlsplit
 
 MAX_REDIRECTS = 5
@@ -73,20 +76,70 @@ class _Conn:
                 self.sock = None
 
 
+@dataclass(frozen=True)
+class TLS:
+    """How an HTTPS connection is set up: the CA bundle that verifies the server (None: the
+    system's), a client certificate and key (mTLS), or no verification at all."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    insecure_skip_verify: bool = False
+
+    def context(self) -> ssl.SSLContext:
+        """A new context; ``ValueError`` naming the field (``tls_ca_file``, ``tls_cert_file``)
+        when a file cannot be loaded."""
+        try:
+            ctx = ssl.create_default_context(cafile=self.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"tls_ca_file: cannot load {self.ca_file}: {exc}") from None
+        if self.cert_file:
+            try:
+                ctx.load_cert_chain(self.cert_file, self.key_file)
+            except (OSError, ssl.SSLError) as exc:
+                files = " / ".join(f for f in (self.cert_file, self.key_file) if f)
+                raise ValueError(
+                    f"tls_cert_file / tls_key_file: cannot load {files}: {exc}"
+                ) from None
+        if self.insecure_skip_verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+
+SYSTEM_TLS = TLS()
+_ConnKey = tuple[str, str, int, TLS]
+
+
 class _Local(threading.local):
     pid = 0
-    conns: dict[tuple[str, str, int], _Conn]
+    conns: dict[_ConnKey, _Conn]
 
     def __init__(self) -> None:
         self.conns = {}
 
 
 _local = _Local()
+_contexts: dict[TLS, ssl.SSLContext] = {}
+_contexts_lock = threading.Lock()
 
 
-@cache
-def _tls() -> ssl.SSLContext:
-    return ssl.create_default_context()
+def tls_context(tls: TLS) -> ssl.SSLContext:
+    """The process's context for ``tls`` (built on first use)."""
+    ctx = _contexts.get(tls)
+    if ctx is None:
+        with _contexts_lock:
+            ctx = _contexts.get(tls)
+            if ctx is None:
+                ctx = _contexts[tls] = tls.context()
+    return ctx
+
+
+def reset_tls() -> None:
+    """Forget the built contexts, so the next new connection loads the files again (after a
+    certificate rotation and a config reload). Open connections are kept."""
+    with _contexts_lock:
+        _contexts.clear()
 
 
 def _dropped(conn: _Conn) -> bool:
@@ -101,11 +154,11 @@ def _dropped(conn: _Conn) -> bool:
     return bool(readable)  # an idle connection that reads anything has seen EOF or garbage
 
 
-def _connection(scheme: str, host: str, port: int, connect_s: float) -> _Conn:
+def _connection(key: _ConnKey, connect_s: float) -> _Conn:
     if _local.pid != os.getpid():
         _local.pid = os.getpid()
         _local.conns = {}
-    key = (scheme, host, port)
+    scheme, host, port, tls = key
     conn = _local.conns.get(key)
     if conn is not None and not _dropped(conn):
         return conn
@@ -115,7 +168,7 @@ def _connection(scheme: str, host: str, port: int, connect_s: float) -> _Conn:
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if scheme == "https":
-            sock = _tls().wrap_socket(sock, server_hostname=host)
+            sock = tls_context(tls).wrap_socket(sock, server_hostname=host)
     except BaseException:
         sock.close()
         raise
@@ -123,8 +176,8 @@ def _connection(scheme: str, host: str, port: int, connect_s: float) -> _Conn:
     return conn
 
 
-def _discard(scheme: str, host: str, port: int) -> None:
-    conn = _local.conns.pop((scheme, host, port), None)
+def _discard(key: _ConnKey) -> None:
+    conn = _local.conns.pop(key, None)
     if conn is not None:
         conn.close()
 
@@ -255,10 +308,13 @@ def _read_response(conn: _Conn, deadline: float) -> tuple[Response, bool]:
     return Response(status, body, headers), close
 
 
-def post(url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> Response:
-    """POST ``body`` to ``url``. Raises :class:`CallTimeout` past ``timeout_s``, ``ValueError``
-    for a URL it cannot send to, and ``OSError`` / ``http.client.HTTPException`` for transport
-    failures."""
+def post(
+    url: str, body: bytes, headers: dict[str, str], timeout_s: float, tls: TLS | None = None
+) -> Response:
+    """POST ``body`` to ``url`` (an https URL with ``tls``, default: verified against the
+    system's CAs). Raises :class:`CallTimeout` past ``timeout_s``, ``ValueError`` for a URL it
+    cannot send to or TLS files it cannot load, and ``OSError`` (``ssl.SSLError`` included) /
+    ``http.client.HTTPException`` for transport failures."""
     deadline = time.monotonic() + timeout_s
     for _ in range(MAX_REDIRECTS + 1):
         parts = urlsplit(url)
@@ -269,20 +325,21 @@ def post(url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> Re
         port = parts.port or (443 if scheme == "https" else 80)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         request = _request(target, parts.netloc.rpartition("@")[2], body, headers)
+        key = (scheme, host, port, tls or SYSTEM_TLS)
         try:
-            conn = _connection(scheme, host, port, min(_left(deadline), 10.0))
+            conn = _connection(key, min(_left(deadline), 10.0))
             assert conn.sock is not None
             conn.sock.settimeout(_left(deadline))
             conn.sock.sendall(request)
             out, close = _read_response(conn, deadline)
         except TimeoutError as exc:
-            _discard(scheme, host, port)
+            _discard(key)
             raise CallTimeout() from exc
         except BaseException:
-            _discard(scheme, host, port)
+            _discard(key)
             raise
         if close:
-            _discard(scheme, host, port)
+            _discard(key)
         location = out.headers.get("location")
         if out.status in (307, 308) and location:
             url = urljoin(url, location)

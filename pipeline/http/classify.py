@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import enum
 import http.client
+import re
+import ssl
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from . import call as httpcall
 from .backoff import parse_retry_after
@@ -23,11 +26,33 @@ class Outcome:
     body: str = ""
     retry_after: float | None = None  # seconds, from the Retry-After header
     error: str | None = None  # transport error text when there was no response
-    category: str = ""  # RATE_LIMIT, SERVER_ERROR, INVALID_REQ, TRANSPORT, TIMEOUT, ...
+    category: str = ""  # RATE_LIMIT, SERVER_ERROR, INVALID_REQ, TRANSPORT, TLS, TIMEOUT, ...
+    # the gateway's x-llm-d-request-dropped-reason (its flow control shed the request):
+    # rejected-saturated, evicted-queue-pressure, ...
+    dropped_reason: str | None = None
 
     @property
     def responded(self) -> bool:
         return self.status_code is not None
+
+    @property
+    def described(self) -> str:
+        """``HTTP 429``, with the gateway's drop reason: ``HTTP 429 (dropped: ...)``."""
+        text = f"HTTP {self.status_code}"
+        return f"{text} (dropped: {self.dropped_reason})" if self.dropped_reason else text
+
+
+DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+_REASON = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def dropped_reason(value: str | None) -> str | None:
+    """The gateway's drop reason as sent (e.g. ``rejected-saturated``), or ``other`` when it
+    is not a short token (it becomes a metric label and goes into results)."""
+    if not value:
+        return None
+    value = value.strip()
+    return value if _REASON.match(value) else "other"
 
 
 def join_url(base: str, path: str) -> str:
@@ -35,26 +60,49 @@ def join_url(base: str, path: str) -> str:
     return base.rstrip("/") + "/" + path.lstrip("/")
 
 
-def classify(status: int, body: str, retry_after: str | None) -> Outcome:
+def classify(
+    status: int, body: str, retry_after: str | None, dropped: str | None = None
+) -> Outcome:
     if status < 400:
         return Outcome(Kind.SUCCESS, status, body)
     ra = parse_retry_after(retry_after)
+    reason = dropped_reason(dropped)
     if status == 429:
-        return Outcome(Kind.RETRY, status, body, ra, category="RATE_LIMIT")
+        return Outcome(Kind.RETRY, status, body, ra, category="RATE_LIMIT", dropped_reason=reason)
     if status >= 500:
-        return Outcome(Kind.RETRY, status, body, ra, category="SERVER_ERROR")
+        return Outcome(Kind.RETRY, status, body, ra, category="SERVER_ERROR", dropped_reason=reason)
     category = "AUTH_ERROR" if status in (401, 403) else "INVALID_REQ"
-    return Outcome(Kind.FATAL, status, body, category=category)
+    return Outcome(Kind.FATAL, status, body, category=category, dropped_reason=reason)
 
 
-def send(url: str, body: str, headers: dict[str, str], timeout_s: float) -> Outcome:
-    """POST ``body`` to ``url``; never raises. ``timeout_s`` bounds the whole call."""
+def tls_error(url: str, exc: ssl.SSLError) -> str:
+    """A TLS failure in words: what failed, against which server."""
+    parts = urlsplit(url)
+    where = f"{parts.hostname}:{parts.port or 443}"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS certificate verify failed for {where}: {exc.verify_message}"
+    return f"TLS error with {where}: {exc.reason or exc}"
+
+
+def send(
+    url: str,
+    body: str,
+    headers: dict[str, str],
+    timeout_s: float,
+    tls: httpcall.TLS | None = None,
+) -> Outcome:
+    """POST ``body`` to ``url``; never raises. ``timeout_s`` bounds the whole call. A TLS
+    failure (an unknown CA, a rejected client certificate) is a transport error: retried
+    within the deadline like a refused connection, with category ``TLS``."""
     try:
-        resp = httpcall.post(url, body.encode(), headers, timeout_s)
+        resp = httpcall.post(url, body.encode(), headers, timeout_s, tls)
     except httpcall.CallTimeout:
         return Outcome(Kind.RETRY, error=f"timed out after {timeout_s:.1f} s", category="TIMEOUT")
-    except ValueError as exc:  # a URL that cannot be sent to
+    except ssl.SSLError as exc:  # before ValueError: a verify error is both
+        return Outcome(Kind.RETRY, error=tls_error(url, exc), category="TLS")
+    except ValueError as exc:  # a URL that cannot be sent to, TLS files that cannot be loaded
         return Outcome(Kind.FATAL, error=str(exc), category="INVALID_REQ")
     except (OSError, http.client.HTTPException) as exc:
         return Outcome(Kind.RETRY, error=f"{type(exc).__name__}: {exc}", category="TRANSPORT")
-    return classify(resp.status, resp.text, resp.headers.get("retry-after"))
+    h = resp.headers
+    return classify(resp.status, resp.text, h.get("retry-after"), h.get(DROPPED_REASON_HEADER))

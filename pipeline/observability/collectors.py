@@ -8,13 +8,15 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from ..config import Settings
 from ..gates import Gate, GateEnv, pool_gate, queue_gate
 from ..store import Store
+from ..store.scripts import register
 from . import metrics
-from .metrics import LABELS, PREFIX, queue_labels
+from .metrics import LABELS, PREFIX, PROXIMITY_BUCKETS_MS, queue_labels
 
 log = logging.getLogger("pipeline.metrics")
 
@@ -30,29 +32,82 @@ def _metric_gates(gate: Gate) -> Iterator[Gate]:
         yield from _metric_gates(inner)
 
 
+def _leased_rate_gates(gate: Gate) -> Iterator[Gate]:
+    """``gate`` and the gates inside it of type ``redis-leased-rate``."""
+    if gate.type_name == "redis-leased-rate":
+        yield gate
+    for inner in getattr(gate, "gates", None) or []:
+        yield from _leased_rate_gates(inner)
+    inner = getattr(gate, "inner", None)
+    if inner is not None:
+        yield from _leased_rate_gates(inner)
+
+
 class ClusterCollector:
     """Series read from Redis (and this node's dispatcher) when ``/metrics`` is scraped."""
 
     def __init__(self, settings: Settings, dispatcher: Any = None) -> None:
-        self.settings = settings
         self.dispatcher = dispatcher
         self.store = Store(settings)
+        self._proximity = register(self.store.client, "deadline_proximity")
+        self._bind(settings)
+
+    def _bind(self, settings: Settings) -> None:
+        """Report ``settings``' queues and gates (again after a config reload)."""
         env = GateEnv(self.store.client, self.store.keys, node="metrics")
-        self.gates: list[tuple[tuple[str, str, str], Gate]] = [
+        gates: list[tuple[tuple[str, str, str], Gate]] = [
             (queue_labels(q), queue_gate(settings, q.queue_name, env))
             for q in settings.queues.values()
         ]
         for pool in sorted(settings.pools()):
             pg = pool_gate(settings, pool, env)
             if pg is not None:
-                self.gates.append((("", "", pool), pg))
+                gates.append((("", "", pool), pg))
+        for q in settings.queues.values():
+            metrics.series().init_queue(queue_labels(q))
+        self.settings, self.gates = settings, gates
 
     def describe(self) -> Iterable[Metric]:
         return []
 
     def collect(self) -> Iterable[Metric]:
+        current = getattr(self.dispatcher, "settings", None)
+        if isinstance(current, Settings) and current is not self.settings:
+            self._bind(current)  # the node reloaded its config
         yield from self._redis()
         yield from self._dispatcher()
+        yield from self._drain_limits()
+
+    def _drain_limits(self) -> Iterator[Metric]:
+        """The planner's lease of every ``redis-leased-rate`` gate, read from Redis now (the
+        same on every node); 0 while the lease is missing, expired or invalid."""
+        by_pool: dict[str, Gate] = {}
+        for _, gate in self.gates:
+            for g in _leased_rate_gates(gate):
+                by_pool.setdefault(str(getattr(g, "pool_id", "")), g)
+        if not by_pool:
+            return
+        rps = GaugeMetricFamily(
+            PREFIX + "drain_limit_rps",
+            "Admission rate leased by the planner (redis-leased-rate), req/s; 0 when invalid.",
+            labels=["pool_name"],
+        )
+        valid = GaugeMetricFamily(
+            PREFIX + "drain_limit_lease_valid",
+            "1 while the planner's lease is valid (also while paused at rate 0), else 0.",
+            labels=["pool_name"],
+        )
+        until = GaugeMetricFamily(
+            PREFIX + "drain_limit_valid_until_seconds",
+            "When the planner's lease ends (Unix s); 0 when invalid.",
+            labels=["pool_name"],
+        )
+        for pool, g in sorted(by_pool.items()):
+            g.budget()  # reads the lease (never raises; an error reads as invalid)
+            rps.add_metric([pool], float(getattr(g, "limit_rps", 0.0)))
+            valid.add_metric([pool], float(getattr(g, "lease_valid", 0)))
+            until.add_metric([pool], float(getattr(g, "valid_until_s", 0.0)))
+        yield from (rps, valid, until)
 
     def _redis(self) -> Iterator[Metric]:
         up = GaugeMetricFamily(PREFIX + "redis_up", "1 when Redis answered this scrape.")
@@ -66,6 +121,9 @@ class ClusterCollector:
                     p.zcard(k.active(name))
                 p.hgetall(k.wedged())
                 *counts, wedged = p.execute()
+            proximity = self._proximity(
+                keys=[k.expiry(name) for name in names], args=list(PROXIMITY_BUCKETS_MS)
+            )
             gates = [(labels, g, g.in_flight(), g.capacity()) for labels, g in self.gates]
         except Exception as exc:  # noqa: BLE001 - a scrape reports Redis down, it never fails
             log.warning("metrics: cannot read Redis: %s", exc)
@@ -103,6 +161,34 @@ class ClusterCollector:
             if cap is not None:
                 limit.add_metric(labels, cap)
         yield from (depth, wedge, inflight, limit)
+        yield self._proximity_histogram(names, [int(c) for c in proximity])
+
+    def _proximity_histogram(self, names: list[str], counts: list[int]) -> Metric:
+        """``deadline_proximity_millis``: per queue, its waiting requests by time left before
+        their deadline (``le="0.0"``: already expired). A snapshot: use it per scrape
+        (``histogram_quantile`` of the buckets), never with ``rate()``. ``_sum`` is estimated
+        (each bucket's requests at its midpoint, those beyond the last bound at that bound)."""
+        hist = HistogramMetricFamily(
+            PREFIX + "deadline_proximity_millis",
+            "Waiting requests by time left before their deadline (ms), read from Redis now.",
+            labels=LABELS,
+        )
+        width = len(PROXIMITY_BUCKETS_MS) + 1
+        for i, name in enumerate(names):
+            row = counts[width * i : width * (i + 1)]
+            cumulative, total = row[:-1], row[-1]
+            buckets = [
+                (floatToGoString(b), c)
+                for b, c in zip(PROXIMITY_BUCKETS_MS, cumulative, strict=True)
+            ]
+            buckets.append(("+Inf", total))
+            estimate, previous, lo = 0.0, cumulative[0], 0.0
+            for bound, c in zip(PROXIMITY_BUCKETS_MS[1:], cumulative[1:], strict=True):
+                estimate += (c - previous) * (lo + bound) / 2
+                previous, lo = c, float(bound)
+            estimate += (total - previous) * lo
+            hist.add_metric(list(queue_labels(self.settings.queues[name])), buckets, estimate)
+        return hist
 
     def _dispatcher(self) -> Iterator[Metric]:
         budget = GaugeMetricFamily(

@@ -6,13 +6,15 @@ Series (prefix ``pipeline_``; labels ``queue_id``, ``queue_name``, ``pool_name``
 reference's ``async_*`` series — see the README's table):
 
 *Counted where they happen, per node* (Prometheus sums over nodes):
-``request_total`` (a request's first attempt), ``request_retries_total`` (each scheduled
-backoff retry), ``successful_requests_total``, ``failed_requests_total`` (fatal HTTP 4xx,
-``INFERENCE_ERROR``, ``GATE_DROPPED``), ``exceeded_deadline_requests_total`` (every deadline
-path: expired while waiting, or retries exhausted by the deadline), ``shedded_requests_total``
-(each 429 answer), ``gate_decisions_total{reason}`` (an attempt refused, parked or dropped by
-its gate; reasons ``gate_closed``, ``quota_exhausted``, ``dropped``, ``error``, all initialised
-to 0), ``lease_reclaims_total{kind}`` (``attempt``: an attempt whose lease expired was requeued;
+``request_total`` (a request's first attempt), ``dispatched_requests_total`` (every HTTP
+attempt, retries included), ``request_retries_total`` (each scheduled backoff retry),
+``successful_requests_total``, ``failed_requests_total`` (fatal HTTP 4xx, ``INFERENCE_ERROR``,
+``GATE_DROPPED``), ``exceeded_deadline_requests_total`` (every deadline path: expired while
+waiting, or retries exhausted by the deadline), ``shedded_requests_total`` (each 429 answer),
+``gate_decisions_total{reason}`` (an attempt refused, parked or dropped by its gate; reasons
+``gate_closed``, ``quota_exhausted``, ``dropped``, ``error``, all initialised to 0; and the
+gateway's drop reason, e.g. ``rejected-saturated``, when its flow control shed an attempt),
+``lease_reclaims_total{kind}`` (``attempt``: an attempt whose lease expired was requeued;
 ``gate``: an expired gate reservation was freed), the histograms
 ``inference_latency_time_millis`` (each HTTP call, ms) and ``queue_residence_time_millis``
 (submission → first attempt start, ms), and the gauge ``inflight_requests`` (HTTP calls in
@@ -20,6 +22,8 @@ progress on this node).
 
 *Read at scrape time* (from Redis: the same cluster-wide value on every node, so aggregate
 with ``max``, not ``sum``): ``queue_depth{state=pending|retry_wait|running}``,
+``deadline_proximity_millis`` (a histogram of the time left before the deadline of every
+waiting request, ms; ``le="0.0"`` = already expired, still waiting for the sweep),
 ``gate_in_flight`` / ``gate_limit`` (per gate, label ``gate_type``; pool gates have empty queue
 labels), ``queue_wedged`` (1 while the wedge detector flags the queue), ``redis_up``. *From
 this node's dispatcher*: ``dispatch_budget`` (the queue gate's budget at scrape time, 0..1),
@@ -65,6 +69,9 @@ LATENCY_BUCKETS_MS = (10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30
 RESIDENCE_BUCKETS_MS = (500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000, 300_000, 900_000,
                         1_800_000, 3_600_000, 7_200_000, 21_600_000, 43_200_000,
                         86_400_000)  # fmt: skip
+# ms of time left before the deadline; the reference's bounds (0 = already expired)
+PROXIMITY_BUCKETS_MS = (0, 1_000, 5_000, 15_000, 30_000, 60_000, 120_000, 300_000, 600_000,
+                        1_800_000, 3_600_000, 7_200_000, 21_600_000, 86_400_000)  # fmt: skip
 DEFAULT_PORT = 9808
 DEFAULT_HOST = "127.0.0.1"
 GATE_EVENTS = {  # Flower task events, by gate verdict
@@ -87,6 +94,9 @@ class _Series:
             return Counter(PREFIX + name, doc, LABELS + extra, registry=registry)
 
         self.requests = counter("request_total", "Requests started (first attempt only).")
+        self.dispatched = counter(
+            "dispatched_requests_total", "HTTP attempts sent to the model server (retries too)."
+        )
         self.retries = counter("request_retries_total", "Backoff retries scheduled.")
         self.successes = counter("successful_requests_total", "Requests ended with HTTP < 400.")
         self.failures = counter(
@@ -123,6 +133,20 @@ class _Series:
             registry=registry,
             multiprocess_mode="livesum",
         )
+        # the reference's queue-config reload series (no queue labels)
+        self.config_reloads = Counter(
+            PREFIX + "queue_config_reloads_total",
+            "Queue and pool config reloads by result (success, error); an unchanged file "
+            "counts as neither.",
+            ("result",),
+            registry=registry,
+        )
+        self.config_success = Gauge(
+            PREFIX + "queue_config_last_success_timestamp_seconds",
+            "Unix time the node last applied its queue config (at start, or a reload).",
+            registry=registry,
+            multiprocess_mode="max",
+        )
         self._initialised: set[tuple[str, str, str]] = set()
         self._lock = threading.Lock()
 
@@ -133,8 +157,8 @@ class _Series:
         with self._lock:
             if labels in self._initialised:
                 return
-            for c in (self.requests, self.retries, self.successes, self.failures,
-                      self.deadlines, self.shed):  # fmt: skip
+            for c in (self.requests, self.dispatched, self.retries, self.successes,
+                      self.failures, self.deadlines, self.shed):  # fmt: skip
                 c.labels(*labels)
             for reason in GATE_REASONS:
                 self.gate_decisions.labels(*labels, reason)
@@ -272,6 +296,27 @@ def deadline_expired(q: QueueConfig, n: int) -> None:
     """``n`` waiting requests of ``q`` reached their deadline (DEADLINE_EXCEEDED results)."""
     if n > 0:
         count(series().deadlines, q, n=n)
+
+
+def config_applied(at: float, reload: bool) -> None:
+    """The node applied its queue config at Unix time ``at``: at start (``reload`` False:
+    the counters start at 0) or by a reload (counted as a success)."""
+    s = series()
+    for result in ("success", "error"):
+        s.config_reloads.labels(result)
+    if reload:
+        s.config_reloads.labels("success").inc()
+    s.config_success.set(at)
+
+
+def config_rejected() -> None:
+    """A reload was rejected (the old config stays)."""
+    series().config_reloads.labels("error").inc()
+
+
+def forget_queue(name: str) -> None:
+    """A queue left this node's config: stop reporting its dispatch budget."""
+    _budgets.pop(name, None)
 
 
 def lease_reclaimed(q: QueueConfig, kind: str, n: int = 1) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.console import Group, RenderableType
+from rich import box
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.table import Table
+from rich.text import Text
 
 from ..client import Pipeline
 from ..store import ServerFacts
@@ -70,43 +72,107 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} s"
 
 
-def render_status(info: dict[str, Any]) -> Table:
+WIDE_MIN = 150  # columns from which one table holds everything; below: two narrower tables
+MAX_HOLDERS = 3  # holders listed per gate (then "+N")
+
+
+def _holders(gate: dict[str, Any], sep: str) -> str:
+    holders = gate.get("holders", [])
+    shown = [f"{h.get('request_id')}#{h.get('attempt')}" for h in holders[:MAX_HOLDERS]]
+    if len(holders) > MAX_HOLDERS:
+        shown.append(f"+{len(holders) - MAX_HOLDERS}")
+    return sep.join(shown)
+
+
+def _in_flight(gate: dict[str, Any]) -> str:
+    limit = "-" if gate.get("limit") is None else str(gate["limit"])
+    return f"{gate['in_flight']} / {limit}"
+
+
+def _name(name: str, q: dict[str, Any]) -> Text:
+    text = Text(name, overflow="fold")
+    if q.get("wedged_since"):
+        text.append(" (wedged)", style="bold red")
+    return text
+
+
+def _counts(q: dict[str, Any]) -> list[str]:
+    return [
+        str(q["pending"]),
+        str(q["retry_wait"]),
+        str(q["running"]),
+        str(q.get("done_last_minute", "")),
+        _seconds(q.get("oldest_pending_age_s")),
+        _seconds(q.get("min_deadline_slack_s")),
+    ]
+
+
+_COUNT_COLUMNS = ("pending", "retry_wait", "running", "done/min", "oldest", "slack")
+
+
+def wide_table(info: dict[str, Any]) -> Table:
+    """Everything in one row per queue (wide terminals)."""
     t = Table(title="pipeline status")
-    for col in (
-        "queue",
-        "pool",
-        "pending",
-        "retry_wait",
-        "running",
-        "done/min",
-        "oldest",
-        "slack",
-        "gate",
-        "in flight / limit",
-        "holders",
-    ):
-        t.add_column(col)
+    t.add_column("queue", overflow="fold")
+    t.add_column("pool", overflow="fold")
+    for col in _COUNT_COLUMNS:
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("gate", overflow="fold")
+    t.add_column("in flight / limit", justify="right", no_wrap=True)
+    t.add_column("holders", overflow="fold")
     for name, q in info.items():
         g = q["gate"]
-        limit = "-" if g.get("limit") is None else str(g["limit"])
-        holders = g.get("holders", [])
-        shown = ", ".join(f"{h.get('request_id')}#{h.get('attempt')}" for h in holders[:3])
-        if len(holders) > 3:
-            shown += f" +{len(holders) - 3}"
         t.add_row(
-            name + (" (wedged)" if q.get("wedged_since") else ""),
-            q["pool"],
-            str(q["pending"]),
-            str(q["retry_wait"]),
-            str(q["running"]),
-            str(q.get("done_last_minute", "")),
-            _seconds(q.get("oldest_pending_age_s")),
-            _seconds(q.get("min_deadline_slack_s")),
-            g["type"],
-            f"{g['in_flight']} / {limit}",
-            shown,
+            _name(name, q), q["pool"], *_counts(q), g["type"], _in_flight(g), _holders(g, ", ")
         )
     return t
+
+
+def queues_table(info: dict[str, Any]) -> Table:
+    """The counts, one row per queue (narrow terminals; see :func:`gates_table`)."""
+    t = Table(title="pipeline status: queues", box=box.SIMPLE_HEAD, padding=(0, 1))
+    t.add_column("queue", overflow="fold", ratio=1, min_width=8)
+    for col in ("pending", "retry", "running", "done/min", "oldest", "slack"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for name, q in info.items():
+        t.add_row(_name(name, q), *_counts(q))
+    return t
+
+
+def gates_table(info: dict[str, Any]) -> Table:
+    """Each queue's gate: type, in flight / limit, holders one per line; the queue's pool
+    under its name."""
+    t = Table(title="gates", box=box.SIMPLE_HEAD, padding=(0, 1))
+    t.add_column("queue / pool", overflow="fold", ratio=1, min_width=8)
+    t.add_column("gate", no_wrap=True)
+    t.add_column("in flight", justify="right", no_wrap=True)
+    t.add_column("holders", overflow="fold", ratio=1, min_width=12)
+    for name, q in info.items():
+        g = q["gate"]
+        cell = _name(name, q)
+        cell.append(f"\n{q['pool']}", style="dim")
+        t.add_row(cell, g["type"], _in_flight(g), _holders(g, "\n"))
+    return t
+
+
+class StatusView:
+    """``pipeline status`` as a rich renderable that fits the terminal: one table from
+    :data:`WIDE_MIN` columns on, else the counts and the gates as two tables that fit 80
+    columns (queue names and holders wrap; no header is cut)."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.info = info
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if options.max_width >= WIDE_MIN:
+            yield wide_table(self.info)
+        else:
+            yield queues_table(self.info)
+            yield gates_table(self.info)
+
+
+def render_status(info: dict[str, Any]) -> StatusView:
+    return StatusView(info)
 
 
 def _bytes(n: int | None) -> str:

@@ -1,10 +1,16 @@
 """Optional OpenTelemetry tracing of attempts (the ``[otel]`` extra).
 
-Per attempt, a ``process-request`` span with the reference's attributes (``request.id``,
-``queue.id``, ``queue.name``, ``retry.count``, ``error.category``) and a child ``http-request``
-span around the HTTP call. A W3C ``traceparent`` / ``tracestate`` (and ``baggage``) found in the
-request's ``metadata`` is the parent of the attempt span; the HTTP span's context is injected
-into the outgoing request headers, so the model server continues the trace.
+Per attempt, a ``process-request`` span with the reference's current attributes
+(``gen_ai.request.id``, ``gen_ai.request.model`` — the payload's ``model`` —,
+``llm_d.async.queue.id``, ``llm_d.async.queue.name``, ``llm_d.async.retry_count``,
+``llm_d.async.error.category``) and, for one release, the same values under the old names
+(``request.id``, ``queue.id``, ``queue.name``, ``retry.count``, ``error.category``), with a child
+``http-request`` span around the HTTP call. A W3C ``traceparent`` / ``tracestate`` (and
+``baggage``) found in the request's ``metadata`` is the parent of the attempt span; the HTTP
+span's context is injected into the outgoing request headers, so the model server continues
+the trace. When an attempt is requeued without finishing — its node shuts down, or the reaper
+finds its lease expired — a ``re-enqueue`` span (a new trace) links to its ``process-request``
+span (:func:`reenqueue_span`).
 
 It is on when ``opentelemetry`` is importable and the standard environment asks for traces:
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (exporter ``otlp``) or
@@ -21,9 +27,11 @@ A provider is set up per process, after a fork (prefork pool children get their 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -33,12 +41,22 @@ log = logging.getLogger("pipeline.tracing")
 SERVICE_NAME = "celery-llm-pipeline"
 TRACER_NAME = "pipeline"
 PROPAGATED = ("traceparent", "tracestate", "baggage")
+# current attribute name -> the name it had before (both are set, for one release)
+ALIASES = {
+    "gen_ai.request.id": "request.id",
+    "llm_d.async.queue.id": "queue.id",
+    "llm_d.async.queue.name": "queue.name",
+    "llm_d.async.retry_count": "retry.count",
+    "llm_d.async.error.category": "error.category",
+}
+_REMEMBERED = 4096  # attempt span contexts kept per process for re-enqueue links
 
 _lock = threading.Lock()
 _pid: int | None = None  # process the state below belongs to
 _tracer: Any = None  # an opentelemetry Tracer, or None when tracing is off
 _provider: Any = None  # the SDK provider we created (shut down at exit), if any
 _override: Any = None  # a provider installed by use_tracer_provider()
+_attempts: OrderedDict[str, Any] = OrderedDict()  # holder -> its process-request SpanContext
 
 
 def _wanted(env: Mapping[str, str]) -> bool:
@@ -159,8 +177,19 @@ class AttemptSpan:
         self.span = span
 
     def set(self, key: str, value: Any) -> None:
+        """Set an attribute (and its old name too, see ``ALIASES``)."""
         if self.span is not None and value is not None:
             self.span.set_attribute(key, value)
+            old = ALIASES.get(key)
+            if old is not None:
+                self.span.set_attribute(old, value)
+
+    def traceparent(self) -> str | None:
+        """The span's W3C ``traceparent``, or None when tracing is off."""
+        if self.span is None:
+            return None
+        c = self.span.get_span_context()
+        return f"00-{c.trace_id:032x}-{c.span_id:016x}-{c.trace_flags:02x}"
 
     def fail(self, description: str) -> None:
         """Mark the span as an error (fatal outcomes only, as in the reference)."""
@@ -177,12 +206,42 @@ def _carrier(metadata: Mapping[str, str]) -> dict[str, str]:
     return {k.lower(): v for k, v in metadata.items() if k.lower() in PROPAGATED}
 
 
+def model_of(payload: str | None) -> str | None:
+    """The non-empty string ``model`` of a JSON payload, else None."""
+    try:
+        model = json.loads(payload or "").get("model")
+    except (ValueError, AttributeError):
+        return None
+    return model if isinstance(model, str) and model else None
+
+
+def _attrs(**current: Any) -> dict[str, Any]:
+    """Attributes under their current names and their old ones; empty values left out."""
+    out: dict[str, Any] = {}
+    for key, value in current.items():
+        if value is None or value == "":
+            continue
+        name = key.replace("__", ".")
+        out[name] = value
+        if name in ALIASES:
+            out[ALIASES[name]] = value
+    return out
+
+
 @contextmanager
 def attempt_span(
-    request_id: str, queue_id: str, queue_name: str, retry_count: int, metadata: Mapping[str, str]
+    request_id: str,
+    queue_id: str,
+    queue_name: str,
+    retry_count: int,
+    metadata: Mapping[str, str],
+    *,
+    payload: str | None = None,
+    holder: str | None = None,
 ) -> Iterator[AttemptSpan]:
     """The ``process-request`` span of one attempt, child of the trace context in the
-    request's ``metadata`` (if any), current for the block."""
+    request's ``metadata`` (if any), current for the block. ``holder`` (``id:token``): the
+    span's context is remembered for a later ``re-enqueue`` link (:func:`reenqueue_span`)."""
     t = tracer()
     if t is None:
         yield _OFF
@@ -190,14 +249,57 @@ def attempt_span(
     from opentelemetry.propagate import extract
 
     parent = extract(_carrier(metadata))
-    attributes = {
-        "request.id": request_id,
-        "queue.id": queue_id,
-        "queue.name": queue_name,
-        "retry.count": retry_count,
-    }
+    attributes = _attrs(
+        gen_ai__request__id=request_id,
+        gen_ai__request__model=model_of(payload),
+        llm_d__async__queue__id=queue_id,
+        llm_d__async__queue__name=queue_name,
+    )
+    attributes["llm_d.async.retry_count"] = attributes["retry.count"] = retry_count
     with t.start_as_current_span("process-request", context=parent, attributes=attributes) as s:
+        if holder is not None:
+            with _lock:
+                _attempts[holder] = s.get_span_context()
+                while len(_attempts) > _REMEMBERED:
+                    _attempts.popitem(last=False)
         yield AttemptSpan(s)
+
+
+def reenqueue_span(
+    request_id: str,
+    token: str,
+    reason: str,
+    *,
+    queue_name: str = "",
+    traceparent: str | None = None,
+) -> None:
+    """A ``re-enqueue`` span: a new trace (no parent) recording that an attempt was put back
+    in its queue without finishing (``reason``: node shutdown, expired lease, ...), linked to
+    that attempt's ``process-request`` span — remembered in this process, or given as the
+    ``traceparent`` the attempt left in Redis. Without either there is no link."""
+    t = tracer()
+    if t is None:
+        return
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    with _lock:
+        linked = _attempts.pop(f"{request_id}:{token}", None)
+    if linked is None and traceparent:
+        ctx = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
+        found = trace.get_current_span(ctx).get_span_context()
+        linked = found if found.is_valid else None
+    links = [trace.Link(linked)] if linked is not None else []
+    attributes = _attrs(
+        gen_ai__request__id=request_id,
+        llm_d__async__queue__name=queue_name,
+        llm_d__async__reenqueue__reason=reason,
+    )
+    span = t.start_span(
+        "re-enqueue", context=otel_context.Context(), links=links, attributes=attributes
+    )
+    span.end()
 
 
 @contextmanager

@@ -17,9 +17,19 @@ All times are monotonic seconds unless a name ends in ``_ms`` (milliseconds).
 Per-request fault headers (they pass through any client unchanged):
 ``x-sim-fail-first: N`` fails the first N attempts of the ``x-request-id`` (without that header
 every request is a first attempt) with ``x-sim-fail-status`` (503), adding ``Retry-After`` from
-``x-sim-retry-after``; ``x-sim-fail-mode: stall|drop`` hangs (up to ``STALL_CAP_S``) or closes the
-connection instead. ``x-sim-latency-ms`` replaces the whole simulated delay. ``POST /sim/faults``
-``{"id", "fail_first", "status", "retry_after", "mode"}`` scripts the same for an id; headers win.
+``x-sim-retry-after`` and, like an llm-d gateway whose flow control shed the request,
+``x-llm-d-request-dropped-reason`` from ``x-sim-dropped-reason``; ``x-sim-fail-mode:
+stall|drop`` hangs (up to ``STALL_CAP_S``) or closes the connection instead.
+``x-sim-latency-ms`` replaces the whole simulated delay. ``POST /sim/faults`` ``{"id",
+"fail_first", "status", "retry_after", "mode", "dropped_reason"}`` scripts the same for an
+id; headers win. ``SimConfig.overload_dropped_reason`` adds the drop-reason header to overload
+rejections.
+
+Credentials, like a gateway's: with ``api_key`` set, an inference call without
+``Authorization: Bearer <api_key>`` is answered 401 (counted in ``unauthorized``; the CLI
+reads the key from an environment variable, ``--api-key-env``, never from its arguments).
+With ``tls_cert_file`` / ``tls_key_file`` it serves HTTPS; with ``tls_client_ca_file`` too, it
+requires a client certificate signed by that CA (mTLS) and refuses the handshake without one.
 """
 
 from __future__ import annotations
@@ -30,8 +40,10 @@ import concurrent.futures
 import heapq
 import itertools
 import json
+import os
 import random
 import signal
+import ssl
 import threading
 import time
 import zlib
@@ -47,7 +59,12 @@ STALL_CAP_S = 600.0  # a stalled attempt is dropped after this many seconds
 MAX_HEAD_BYTES = 64 * 1024
 MAX_BODY_BYTES = 16 * 1024 * 1024
 FAULT_MODES = ("status", "stall", "drop")
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
 _VOCAB = ("the", "model", "token", "quick", "signal", "river", "stone", "light", "cloud",
           "vector", "amber", "orbit", "delta", "pixel", "harbor", "forest", "echo", "metal",
           "spark", "field", "ocean", "quartz", "ember", "lattice", "north", "summit", "cedar",
@@ -68,11 +85,28 @@ class SimConfig:
     max_concurrency: int = 0  # 0 = unlimited
     overload: str = "429"  # "429" | "503" | "queue"
     overload_retry_after_s: float = 1.0  # Retry-After of overload rejections, seconds
+    # x-llm-d-request-dropped-reason of overload rejections (as a gateway's flow control sends)
+    overload_dropped_reason: str | None = None
     failure_rate: float = 0.0  # probability of a random failure per admitted request
     failure_status: int = 503
     seed: int = 0  # seeds the failure and jitter RNGs
     record_arrivals: bool = False  # keep (arrival_s, finish_s, request_id) per answered request
     model_name: str = MODEL_NAME
+    api_key: str | None = None  # inference calls must carry "Authorization: Bearer <api_key>"
+    tls_cert_file: str | None = None  # serve HTTPS with this certificate (PEM) ...
+    tls_key_file: str | None = None  # ... and its key
+    tls_client_ca_file: str | None = None  # require client certificates signed by this CA
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The server-side TLS context, or None to serve plain HTTP."""
+        if not self.tls_cert_file:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+        if self.tls_client_ca_file:
+            ctx.load_verify_locations(self.tls_client_ca_file)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +115,7 @@ class _Fault:
     status: int = 503
     retry_after: str | None = None
     mode: str = "status"
+    dropped_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -143,9 +178,16 @@ def _json(status: int, obj: object, extra: str = "") -> _Reply:
     return status, json.dumps(obj, separators=(",", ":")).encode(), _JSON + extra
 
 
-def _error(status: int, message: str, retry_after: str | None = None) -> _Reply:
+DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+
+
+def _error(
+    status: int, message: str, retry_after: str | None = None, dropped: str | None = None
+) -> _Reply:
     kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     extra = f"Retry-After: {retry_after}\r\n" if retry_after is not None else ""
+    if dropped is not None:
+        extra += f"{DROPPED_REASON_HEADER}: {dropped}\r\n"
     return _json(status, {"error": {"message": message, "type": kind, "code": status}}, extra)
 
 
@@ -197,6 +239,13 @@ def _fake_text(prompt: str, n: int) -> str:
     """Deterministic ``n`` fake tokens derived from the prompt."""
     h = zlib.crc32(prompt.encode())
     return "".join(" " + _VOCAB[(h + i * 7919) % len(_VOCAB)] for i in range(n))
+
+
+def _header_value(value: str) -> str:
+    """A value safe to echo in a response header (no CR, LF or NUL)."""
+    if any(c in value for c in "\r\n\0"):
+        raise ValueError("a header value must not contain CR, LF or NUL")
+    return value
 
 
 class _Timer:
@@ -363,7 +412,7 @@ class _Sim:
 
     def reset(self) -> dict[str, bool]:
         """Zero counters, per-id attempts, scripted faults and recorded arrivals."""
-        self.requests = self.dropped = self.stalled = self.connections = 0
+        self.requests = self.dropped = self.stalled = self.connections = self.unauthorized = 0
         self.by_status: dict[int, int] = {}
         self.attempts: dict[str, int] = {}
         self.faults.clear()
@@ -383,6 +432,7 @@ class _Sim:
             "dropped": self.dropped,
             "stalled": self.stalled,
             "connections": self.connections,
+            "unauthorized": self.unauthorized,
         }
 
     def metrics(self) -> str:
@@ -427,9 +477,11 @@ class _Sim:
         try:
             spec = json.loads(req.body)
             retry = spec.get("retry_after")
+            dropped = spec.get("dropped_reason")
             fault = _Fault(int(spec.get("fail_first", 1)), int(spec.get("status", 503)),
                            None if retry is None else _fmt_s(float(retry)),
-                           str(spec.get("mode", "status")))  # fmt: skip
+                           str(spec.get("mode", "status")),
+                           None if dropped is None else _header_value(str(dropped)))  # fmt: skip
             self.script_fault(str(spec["id"]), fault)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             return _error(400, f"bad fault spec: {exc!r}")
@@ -496,6 +548,11 @@ class _Sim:
         attempt = 1
         if p.rid is not None:
             attempt = self.attempts[p.rid] = self.attempts.get(p.rid, 0) + 1
+        key = self.config.api_key
+        if key and req.headers.get("authorization") != f"Bearer {key}":
+            self.unauthorized += 1
+            self.answer(conn, p, _error(401, "missing or wrong API key"))
+            return
         try:
             job = self._job(req, attempt)
         except _HttpError as exc:
@@ -506,7 +563,8 @@ class _Sim:
             if cfg.overload != "queue":
                 retry = _fmt_s(cfg.overload_retry_after_s)
                 status = 503 if cfg.overload == "503" else 429
-                self.answer(conn, p, _error(status, "server overloaded", retry))
+                reply = _error(status, "server overloaded", retry, cfg.overload_dropped_reason)
+                self.answer(conn, p, reply)
                 return
             p.waiter = asyncio.get_running_loop().create_future()
             self.waiters.append(p)
@@ -555,7 +613,14 @@ class _Sim:
                 return None, latency
             status = int(h.get("x-sim-fail-status", "503"))
             mode = h.get("x-sim-fail-mode", "status")
-            fault = _Fault(int(h["x-sim-fail-first"]), status, h.get("x-sim-retry-after"), mode)
+            dropped = h.get("x-sim-dropped-reason")
+            fault = _Fault(
+                int(h["x-sim-fail-first"]),
+                status,
+                h.get("x-sim-retry-after"),
+                mode,
+                None if dropped is None else _header_value(dropped),
+            )
         except ValueError as exc:
             raise _HttpError(400, f"bad x-sim-* header: {exc}") from None
         if fault.mode not in FAULT_MODES:
@@ -575,7 +640,8 @@ class _Sim:
                 p.task = asyncio.ensure_future(self._stall(conn))
             else:
                 msg = f"simulated failure (attempt {job.attempt} of {fault.fail_first})"
-                self.answer(conn, p, _error(fault.status, msg, fault.retry_after))
+                reply = _error(fault.status, msg, fault.retry_after, fault.dropped_reason)
+                self.answer(conn, p, reply)
             return
         if cfg.failure_rate and self.fail_rng.random() < cfg.failure_rate:
             self.answer(conn, p, _error(cfg.failure_status, "simulated random failure"))
@@ -634,7 +700,13 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 async def _listen(sim: _Sim, host: str, port: int) -> asyncio.Server:
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: _Conn(sim), host, port, backlog=1024)
+    return await loop.create_server(
+        lambda: _Conn(sim), host, port, backlog=1024, ssl=sim.config.ssl_context()
+    )
+
+
+def _scheme(config: SimConfig) -> str:
+    return "https" if config.tls_cert_file else "http"
 
 
 async def _shutdown(server: asyncio.Server, sim: _Sim) -> None:
@@ -660,7 +732,8 @@ async def serve(
     server = await _listen(sim, host, port)
     try:
         if on_listening is not None:
-            on_listening(f"http://{host}:{server.sockets[0].getsockname()[1]}")
+            port = server.sockets[0].getsockname()[1]
+            on_listening(f"{_scheme(config)}://{host}:{port}")
         await server.serve_forever()
     finally:
         await _shutdown(server, sim)
@@ -688,8 +761,9 @@ class SimServer:
 
     @property
     def url(self) -> str:
-        """Base URL without a trailing slash, e.g. ``http://127.0.0.1:40123``."""
-        return f"http://{self.host}:{self._port}"
+        """Base URL without a trailing slash, e.g. ``http://127.0.0.1:40123`` (``https://``
+        when it serves TLS)."""
+        return f"{_scheme(self.config)}://{self.host}:{self._port}"
 
     def start_in_thread(self, timeout_s: float = 10.0) -> SimServer:
         """Start listening on a fresh loop in a daemon thread; returns once bound."""
@@ -763,10 +837,12 @@ class SimServer:
         status: int = 503,
         retry_after: float | None = None,
         mode: str = "status",
+        dropped_reason: str | None = None,
     ) -> None:
-        """Make the first ``fail_first`` attempts of ``request_id`` fail; mode status|stall|drop."""
+        """Make the first ``fail_first`` attempts of ``request_id`` fail; mode status|stall|drop;
+        ``dropped_reason`` is sent as ``x-llm-d-request-dropped-reason``."""
         retry = None if retry_after is None else _fmt_s(retry_after)
-        fault = _Fault(fail_first, status, retry, mode)
+        fault = _Fault(fail_first, status, retry, mode, dropped_reason)
         self._call(lambda: self._sim.script_fault(request_id, fault))
 
     def __enter__(self) -> SimServer:
@@ -792,10 +868,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-concurrency", type=int, default=0, help="admitted at once (0 = unlimited)")
     add("--overload", choices=("429", "503", "queue"), default="429", help="above the limit")
     add("--retry-after", type=float, default=1.0, help="Retry-After on overload, seconds")
+    add("--dropped-reason", default=None, help="x-llm-d-request-dropped-reason on overload")
     add("--failure-rate", type=float, default=0.0, help="random failure probability, 0..1")
     add("--failure-status", type=int, default=503, help="status of random failures")
     add("--seed", type=int, default=0, help="RNG seed for failures and jitter")
     add("--record-arrivals", action="store_true", help="record arrivals for GET /sim/arrivals")
+    add("--api-key-env", metavar="VAR", help="require 'Authorization: Bearer $VAR' (else 401)")
+    add("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
+    add("--tls-key", metavar="PEM", help="the certificate's private key")
+    add("--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA")
+
+
+def _api_key(var: str | None) -> str | None:
+    if not var:
+        return None
+    key = os.environ.get(var)
+    if not key:
+        raise SystemExit(f"pipeline sim: --api-key-env: {var} is not set (or empty)")
+    return key
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -807,11 +897,18 @@ def run_from_args(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         overload=args.overload,
         overload_retry_after_s=args.retry_after,
+        overload_dropped_reason=args.dropped_reason,
         failure_rate=args.failure_rate,
         failure_status=args.failure_status,
         seed=args.seed,
         record_arrivals=args.record_arrivals,
+        api_key=_api_key(args.api_key_env),
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        tls_client_ca_file=args.tls_client_ca,
     )
+    if args.tls_client_ca and not args.tls_cert:
+        raise SystemExit("pipeline sim: --tls-client-ca needs --tls-cert (and --tls-key)")
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -1,9 +1,12 @@
 """Every Redis key the pipeline uses, in one place.
 
 All keys share one prefix (``PIPELINE_KEY_PREFIX``, default ``pl:``) so a deployment can share a
-Redis database with other software, and so tests can isolate themselves. The only exception is
-a queue's *result list* when the queue config names one (``result_queue_name``): that name is
-used verbatim, as in the reference, so existing consumers that ``BRPOP`` it keep working.
+Redis database with other software, and so tests can isolate themselves. The exceptions are
+named verbatim, as in the reference, so its producers and consumers keep working: a queue's
+*result list* when the queue config names one (``result_queue_name``), and for a queue that
+ingests the reference's wire format (``"ingest": "llm-d-async"``) its sorted set (the queue's
+name), the result lists its messages name, and the producer's ``request-active:<id>`` /
+``request-cancel:<id>`` (:func:`ref_active_key`, :func:`ref_cancel_key`) and payload keys.
 """
 
 from __future__ import annotations
@@ -163,11 +166,31 @@ class Keys:
         """Sorted set: admission log of a rate-limit gate, one per (key, window)."""
         return f"{self.prefix}gate:{gate}:rate:{window_s:g}:{attribute_value}"
 
+    def leased_rate_state(self, control_key: str) -> str:
+        """Hash: the token bucket (``tokens``, ``last_ms``) of a ``redis-leased-rate`` gate,
+        shared by every node; the planner's control hash (``control_key``) is named verbatim
+        in the gate's params, outside the prefix."""
+        return f"{self.prefix}gate:leased-rate:{control_key}:state"
+
     def wedged(self) -> str:
         """Hash: queue → Unix time since which the wedge detector has seen it wedged."""
         return f"{self.prefix}wedged"
 
+    def pool_nodes_pattern(self) -> str:
+        """Glob matching every pool's :meth:`pool_nodes` key."""
+        return f"{self.prefix}pool:*:nodes"
+
     # -- global --------------------------------------------------------------------------
+    def config_reload(self) -> str:
+        """String counter: the config generation ``pipeline reload`` asked for; every node
+        re-reads its queue and pool files when it moves (see ``pipeline.worker.reload``)."""
+        return f"{self.prefix}config:reload"
+
+    def config_reloads(self) -> str:
+        """Hash: worker node → JSON outcome of its latest reload (generation, result, reason,
+        what changed), for ``pipeline reload`` to report."""
+        return f"{self.prefix}config:reloads"
+
     def freed_channel(self) -> str:
         """Pub/Sub channel: a queue's name is published on it each time an attempt of that
         queue ends or goes back (its gate reservation was released just before), so attempts
@@ -194,6 +217,17 @@ def celery_queue_prefix(prefix: str = "pl:") -> str:
     if prefix == "pl:":
         return "pipeline."
     return "pipeline." + "".join(c for c in prefix if c.isalnum() or c in "_-") + "."
+
+
+# -- the llm-d-async reference's own keys (verbatim, outside the prefix; see store/wire.py) --
+def ref_cancel_key(request_id: str) -> str:
+    """String: the generation token a reference producer cancelled (``CancelRequests``)."""
+    return f"request-cancel:{request_id}"
+
+
+def ref_active_key(request_id: str) -> str:
+    """String: the generation token of a reference producer's live submission of the id."""
+    return f"request-active:{request_id}"
 
 
 def holder(request_id: str, token: str) -> str:

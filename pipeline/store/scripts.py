@@ -26,6 +26,7 @@ SCRIPT_NAMES = (
     "reap",
     "renew",
     "node_beat",
+    "ingest",
     "sched_index",
     "sched_recheck",
 )

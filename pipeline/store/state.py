@@ -9,6 +9,7 @@ delay), never a time of their own clock — node clocks may disagree by minutes.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any
 import redis
 
 from ..config import QueueConfig, Settings
-from . import sched
+from . import sched, wire
 from .connect import connect
 from .keys import Keys
 from .sched import MergeArgs, PoolTickResult, QueueTick
@@ -26,6 +27,14 @@ from .scripts import ScriptCall, Scripts
 SWEEP_LIMIT = 500
 SUBMIT_FIRST_CHUNK = 32  # rows in the first submit.lua call of a batch; each next one doubles
 SUBMIT_MAX_CHUNK = 500  # ... up to this many
+INGEST_BATCH = 100  # entries of a reference producer's sorted set one ingest call looks at
+
+
+def ordering_score(priority: int, deadline: float) -> float:
+    """The pending-set score submit.lua gives a request: higher priority first, then earliest
+    deadline (ms precision). Submission order breaks ties (the member starts with a sequence
+    number)."""
+    return (9 - priority) * 1e13 + math.floor(deadline * 1000.0 + 0.5)
 
 
 def new_token() -> str:
@@ -127,6 +136,45 @@ class Store:
             items = json.dumps(rows[i : i + size], ensure_ascii=False, separators=(",", ":"))
             out.extend(self.scripts.submit(keys=[], args=[self.keys.prefix, items]))
             i, size = i + size, min(SUBMIT_MAX_CHUNK, size * 2)
+        return out
+
+    # -- reference producers (a queue with "ingest": "llm-d-async") ---------------------
+    def ingest(self, queue: QueueConfig) -> dict[str, list[str]]:
+        """Move what a producer of the llm-d-async reference wrote into ``queue``'s sorted set
+        (its name, verbatim) into the queue: up to :data:`INGEST_BATCH` entries, in the set's
+        order, through ``ingest.lua`` (atomic; each entry at most once, whichever node takes
+        it). Returns the ids by outcome (``ingested``, ``invalid``, ``cancelled``, ...)."""
+        members = [str(m) for m in self.client.zrange(queue.queue_name, 0, INGEST_BATCH - 1)]
+        if not members:
+            return {}
+        entries: list[list[str]] = []
+        for member in members:
+            env = wire.parse(member, self.settings.max_payload_bytes)
+            if isinstance(env, wire.Malformed):
+                routed = wire.result_list(queue.result_queue_name, env.result_list)
+                entries.append([member, "bad", env.id, routed, env.message, env.token])
+                continue
+            entries.append([
+                member, "ok", env.id, env.token, repr(ordering_score(0, env.deadline)),
+                repr(env.deadline), env.payload, env.payload_ref,
+                json.dumps(env.metadata), json.dumps(env.headers), env.endpoint,
+                wire.result_list(queue.result_queue_name, env.result_list),
+            ])  # fmt: skip
+        words = self.scripts.ingest(
+            keys=[queue.queue_name],
+            args=[
+                self.keys.prefix,
+                queue.queue_name,
+                queue.worker_pool_id,
+                json.dumps(queue.labels) if queue.labels else "{}",
+                json.dumps(entries, ensure_ascii=False),
+                str(queue.result_list_max_len),
+                str(int(queue.result_ttl_seconds or self.settings.result_ttl_s)),
+            ],
+        )
+        out: dict[str, list[str]] = {}
+        for entry, word in zip(entries, words, strict=True):
+            out.setdefault(str(word), []).append(entry[2])
         return out
 
     # -- dispatcher ----------------------------------------------------------------------
@@ -327,6 +375,18 @@ class Store:
         for a in attempts:
             args.extend(a)
         return int(self.scripts.renew(keys=[], args=args))
+
+    def note_span(self, request_id: str, token: str, traceparent: str) -> None:
+        """Record the running attempt's trace span (``attempt_span`` = ``<token> <traceparent>``)
+        so a reaper in another process can link its ``re-enqueue`` span to it. The record
+        exists while the attempt runs (a finished one keeps its TTL)."""
+        self.client.hset(self.keys.request(request_id), "attempt_span", f"{token} {traceparent}")
+
+    def attempt_span(self, request_id: str, token: str) -> str | None:
+        """The traceparent :meth:`note_span` left for this attempt (None for another one)."""
+        raw = self.client.hget(self.keys.request(request_id), "attempt_span")
+        noted_token, _, traceparent = str(raw or "").partition(" ")
+        return traceparent if raw and noted_token == token else None
 
     # -- client side ---------------------------------------------------------------------
     def cancel(self, request_id: str) -> bool:

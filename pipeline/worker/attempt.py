@@ -10,6 +10,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 from ..config import QueueConfig, Settings
@@ -18,8 +19,10 @@ from ..http.backoff import retry_delay
 from ..http.classify import Kind, Outcome, join_url, send
 from ..store import Store
 from ..store import holder as make_holder
+from ..store.keys import ref_cancel_key
 from . import observe
 from .bell import ReleaseBell, Ticket
+from .endpoints import authorization, queue_tls
 from .report import Mirrors, Report, Status, failure_message, result_dict
 
 log = logging.getLogger("pipeline.worker")
@@ -39,6 +42,8 @@ class Host(Protocol):
 
     def gate(self, queue: str) -> Gate: ...
 
+    def current_gate(self, queue: str) -> Gate | None: ...
+
     def release(
         self,
         queue: str,
@@ -46,6 +51,7 @@ class Host(Protocol):
         token: str,
         *,
         hand_over: bool = False,
+        gate: Gate | None = None,
         wake: Sequence[str] = (),
     ) -> bool: ...
 
@@ -116,7 +122,11 @@ class Attempt:
         )
 
     def acquire(self) -> Decision:
-        """Ask the gate (called from the task's ``before_start``)."""
+        """Ask the gate (called from the task's ``before_start``, and again while parked).
+        Holding nothing yet, the attempt asks the queue's gate under the current config (a
+        reload may have changed it since the attempt began); once admitted it keeps that
+        gate until it releases."""
+        self._follow_config()
         self._generation = self.rt.bell.generation(self.queue.queue_name)
         self._key_generations = {k: self.rt.bell.generation(k) for k in self._wake_keys}
         try:
@@ -127,6 +137,22 @@ class Attempt:
         if self.decision.labels:
             self.labels.update(self.decision.labels)
         return self.decision
+
+    def _follow_config(self) -> None:
+        if self._granted is not None or (self.decision is not None and self.decision.admitted):
+            return
+        name = self.queue.queue_name
+        gate = self.rt.current_gate(name)
+        if gate is not None and gate is not self.gate:
+            # a parked attempt may keep its tenant's quota slot of the old gate: give it back
+            # (idempotent; on failure its lease lapses, no longer renewed)
+            try:
+                self.gate.release(self.holder)
+            except Exception as exc:  # noqa: BLE001 - the lease is the safety net
+                log.warning("release of %s on a replaced gate failed: %s", self.holder, exc)
+            self.gate = gate
+            self.queue = self.rt.settings.queues.get(name, self.queue)
+            self._wake_keys = self.gate.wake_keys(self._ctx())
 
     # -- outcomes (each releases first) --------------------------------------------------
     def _release(self) -> bool:
@@ -141,7 +167,7 @@ class Attempt:
             held = self.decision is not None and self.decision.admitted
         wake = self._wake_keys if held else ()  # it held a slot of these keys: ring them
         return self.rt.release(
-            self.queue.queue_name, self.id, self.token, hand_over=held, wake=wake
+            self.queue.queue_name, self.id, self.token, hand_over=held, gate=self.gate, wake=wake
         )
 
     def _finish(
@@ -217,13 +243,21 @@ class Attempt:
     def _expired(self, attempted: bool, last: Outcome | None = None) -> Report:
         if last is not None and last.responded:
             return self._finish(
-                attempted=attempted, status_code=last.status_code, payload=last.body
+                attempted=attempted,
+                status_code=last.status_code,
+                payload=last.body,
+                error_message=_note(last),
             )
         prev = self.record.get("last_response")
         if prev:
             data = json.loads(prev)
+            code = int(data["status_code"])
+            reason = data.get("dropped_reason")
             return self._finish(
-                attempted=attempted, status_code=int(data["status_code"]), payload=data["payload"]
+                attempted=attempted,
+                status_code=code,
+                payload=data["payload"],
+                error_message=f"HTTP {code} (dropped: {reason})" if reason else None,
             )
         msg = "deadline exceeded"
         error = last.error if last is not None and last.error else self.record.get("last_error")
@@ -235,6 +269,8 @@ class Attempt:
     def run(self) -> Report:
         if self.time_left() <= 0:
             return self._expired(False)
+        if self.record.get("wire") and self._cancelled_by_producer():
+            return self._error("CANCELLED", "cancelled")
         decision = self.decision or self.acquire()
         if decision.verdict is Verdict.WAIT:
             decision = self._park(self.rt.settings.gate_wait_timeout_s)
@@ -260,6 +296,14 @@ class Attempt:
                 )
             return self._error("GATE_DROPPED", "dropped by gate")
         return self._call()
+
+    def _cancelled_by_producer(self) -> bool:
+        """A request a reference producer wrote: did it cancel this generation since (its
+        ``request-cancel:<id>`` holds the generation's token)?"""
+        token = self.record.get("ref_token") or ""
+        if not token:
+            return False
+        return bool(self.rt.store.client.get(ref_cancel_key(self.id)) == token)
 
     def parks_on(self, decision: Decision) -> bool:
         """A full slot gate's Refuse: the attempt parks for a release (``PIPELINE_PARK_S``)
@@ -292,6 +336,7 @@ class Attempt:
                 self._key_generations.get(key, self._generation),
                 min(PARK_POLL_S, left),
                 self._ctx() if key == handover else None,
+                self.gate,
             )
             if ticket is not None and ticket.granted:
                 self._granted = ticket
@@ -300,21 +345,29 @@ class Attempt:
             decision = self.acquire()
         return decision
 
+    def note_span(self, traceparent: str) -> None:
+        """Record this attempt's span context in its request (see ``Store.note_span``)."""
+        self.rt.store.note_span(self.id, self.token, traceparent)
+
     def headers(self) -> dict[str, str]:
         """Outgoing headers: defaults, then the request's own (they override), then the
         fairness identity (``metadata[fairness_attribute]``), which replaces any caller
-        variant of that header in any letter case."""
+        variant of that header in any letter case, then the queue's API key
+        (``api_key_env``) as ``Authorization: Bearer …``, which likewise replaces a caller's
+        ``Authorization``: the queue's credentials decide what the gateway sees."""
         headers = {"Content-Type": "application/json", "x-request-id": self.id}
-        if self.queue.inference_objective:
-            headers["x-gateway-inference-objective"] = self.queue.inference_objective
+        objective = self.rt.settings.objective_header
+        if self.queue.inference_objective and objective:
+            headers[objective] = self.queue.inference_objective
         headers.update(self.extra_headers)
         headers.update(self.rt.settings.merge_policy.headers(self.queue.labels))  # the lane's
         name = self.rt.settings.fairness_header
         tenant = self.metadata.get(self.rt.settings.fairness_attribute, "")
         if name and tenant and len(tenant) <= 256 and tenant.isprintable():
-            for key in [k for k in headers if k.lower() == name.lower()]:
-                del headers[key]
-            headers[name] = tenant
+            _replace(headers, name, tenant)
+        bearer = authorization(self.queue)
+        if bearer is not None:
+            _replace(headers, "Authorization", bearer)
         return headers
 
     def url(self) -> str:
@@ -328,8 +381,14 @@ class Attempt:
             return self._expired(False)
         timeout = min(self.queue.request_timeout_s, left)
         try:
+            tls = queue_tls(self.queue)
             outcome = observe.observed_send(
-                self, send, self.url(), self.record["payload"], self.headers(), timeout
+                self,
+                send if tls is None else partial(send, tls=tls),
+                self.url(),
+                self.record["payload"],
+                self.headers(),
+                timeout,
             )
         except Exception as exc:  # noqa: BLE001 - e.g. a soft time limit inside the call
             outcome = Outcome(
@@ -337,7 +396,10 @@ class Attempt:
             )
         if outcome.kind is Kind.SUCCESS or (outcome.kind is Kind.FATAL and outcome.responded):
             return self._finish(
-                attempted=True, status_code=outcome.status_code, payload=outcome.body
+                attempted=True,
+                status_code=outcome.status_code,
+                payload=outcome.body,
+                error_message=_note(outcome),
             )
         if outcome.kind is Kind.FATAL:
             return self._error("INFERENCE_ERROR", outcome.error or "request failed", True)
@@ -352,16 +414,12 @@ class Attempt:
         )
         if delay is None:
             return self._expired(True, outcome)
-        last = (
-            {"status_code": outcome.status_code, "payload": outcome.body}
-            if outcome.responded
-            else None
-        )
-        reason = (
-            f"HTTP {outcome.status_code}"
-            if outcome.responded
-            else f"{outcome.category}: {outcome.error}"
-        )
+        last: dict[str, Any] | None = None
+        if outcome.responded:
+            last = {"status_code": outcome.status_code, "payload": outcome.body}
+            if outcome.dropped_reason:
+                last["dropped_reason"] = outcome.dropped_reason
+        reason = outcome.described if outcome.responded else f"{outcome.category}: {outcome.error}"
         return self._requeue(
             delay,
             reason,
@@ -370,6 +428,18 @@ class Attempt:
             error=outcome.error,
             status=Status.RETRY,
         )
+
+
+def _replace(headers: dict[str, str], name: str, value: str) -> None:
+    """Set ``name`` to ``value``, dropping every variant of it in any letter case."""
+    for key in [k for k in headers if k.lower() == name.lower()]:
+        del headers[key]
+    headers[name] = value
+
+
+def _note(outcome: Outcome) -> str | None:
+    """What a result keeps of the gateway's drop reason (its ``error_message``)."""
+    return outcome.described if outcome.dropped_reason else None
 
 
 def _json_map(text: str | None, field: str) -> dict[str, str]:

@@ -52,10 +52,11 @@ class Ticket:
     a holder of this process (``granted``: go to the server; the giver is recording the
     transfer in Redis and sets ``transferred`` when done, ``held`` telling whether it took)."""
 
-    __slots__ = ("ctx", "_wake", "done", "rang", "granted", "held", "transferred")
+    __slots__ = ("ctx", "gate", "_wake", "done", "rang", "granted", "held", "transferred")
 
-    def __init__(self, ctx: Any = None) -> None:
+    def __init__(self, ctx: Any = None, gate: Any = None) -> None:
         self.ctx = ctx  # what a giver needs to transfer a slot to this waiter; None: no hand-over
+        self.gate = gate  # the gate the waiter asks: only a holder of that gate hands it a slot
         self._wake = threading.Lock()
         self._wake.acquire()
         self.done = False  # woken, granted or timed out (under the bell's lock)
@@ -142,16 +143,17 @@ class ReleaseBell:
             if echo:
                 self._expect_echo(queue)
 
-    def hand_over(self, queue: str) -> Ticket | None:
-        """Grant the longest-waiting hand-over ticket of ``queue`` a slot and wake it; None
-        when nobody waits for one (release the slot instead). The caller must
+    def hand_over(self, queue: str, gate: Any = None) -> Ticket | None:
+        """Grant the longest-waiting hand-over ticket of ``queue`` a slot of ``gate`` and wake
+        it; None when nobody waits for one of that gate (release the slot instead: right after
+        a config reload, a waiter may still ask the gate it was dispatched under). The caller must
         then record the transfer and set ``ticket.held`` / ``ticket.transferred``, and not
         publish a release (the finish / requeue that follows is told ``handed_over``)."""
         with self._lock:
             if self.closed:
                 return None
             waiters = self._waiters.get(queue)
-            if not waiters or waiters[0].ctx is None:
+            if not waiters or waiters[0].ctx is None or waiters[0].gate is not gate:
                 return None
             ticket = self._pop_waiter(queue)
             assert ticket is not None
@@ -179,9 +181,11 @@ class ReleaseBell:
         ticket = self.park(queue, generation, timeout)
         return ticket is None or ticket.rang or ticket.granted
 
-    def park(self, queue: str, generation: int, timeout: float, ctx: Any = None) -> Ticket | None:
-        """Wait as :meth:`wait` does; with ``ctx`` the waiter may be granted a slot by
-        :meth:`hand_over`. None when it returned at once (it rang before, or closed),
+    def park(
+        self, queue: str, generation: int, timeout: float, ctx: Any = None, gate: Any = None
+    ) -> Ticket | None:
+        """Wait as :meth:`wait` does; with ``ctx`` the waiter may be granted a slot of ``gate``
+        by :meth:`hand_over`. None when it returned at once (it rang before, or closed),
         else the ticket: ``granted``, ``rang``, or neither (timed out)."""
         if self.closed:
             return None
@@ -189,7 +193,7 @@ class ReleaseBell:
         with self._lock:
             if self._gen.get(queue, 0) != generation or self.closed:
                 return None
-            ticket = Ticket(ctx)
+            ticket = Ticket(ctx, gate)
             self._waiters[queue].append(ticket)
         ticket._wake.acquire(timeout=max(0.0, timeout))
         with self._lock:

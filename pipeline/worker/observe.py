@@ -33,6 +33,8 @@ class Attempt(Protocol):
 
     def parks_on(self, decision: Decision) -> bool: ...
 
+    def note_span(self, traceparent: str) -> None: ...
+
     def run(self) -> Report: ...
 
 
@@ -108,7 +110,12 @@ def observed_run(attempt: Attempt) -> Report:
             q.queue_name,
             int(attempt.record.get("attempts") or 0),
             attempt.metadata,
+            payload=attempt.record.get("payload"),
+            holder=f"{attempt.id}:{attempt.token}",
         ) as span:
+            traceparent = span.traceparent()
+            if traceparent is not None:
+                _note_span(attempt, traceparent)
             report = attempt.run()
             _annotate(span, attempt, report, obs)
     finally:
@@ -118,6 +125,15 @@ def observed_run(attempt: Attempt) -> Report:
     except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
         log.warning("metrics for %s failed: %s", attempt.id, exc)
     return report
+
+
+def _note_span(attempt: Attempt, traceparent: str) -> None:
+    """Leave the attempt span's context in Redis, for the reaper's ``re-enqueue`` link should
+    this process die (tracing on only)."""
+    try:
+        attempt.note_span(traceparent)
+    except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
+        log.warning("could not note the span of %s: %s", attempt.id, exc)
 
 
 def _is_deadline(result: dict[str, Any]) -> bool:
@@ -159,7 +175,7 @@ def _annotate(
     elif report.status is Status.REQUEUED and attempt.decision is not None:
         category = f"GATE_{attempt.decision.verdict.name}"
     if category:
-        span.set("error.category", category)
+        span.set("llm_d.async.error.category", category)  # and error.category
     span.set("pipeline.outcome", report.status.value)
     if result.get("status_code") is not None:
         span.set("http.response.status_code", result["status_code"])
@@ -180,6 +196,7 @@ def observed_send(
     labels = metrics.queue_labels(attempt.queue)
     s = metrics.series()
     s.init_queue(labels)
+    s.dispatched.labels(*labels).inc()
     inflight = s.inflight.labels(*labels)
     inflight.inc()
     start = time.perf_counter()
@@ -194,6 +211,8 @@ def observed_send(
         s.latency.labels(*labels).observe((time.perf_counter() - start) * 1000)
     if outcome.status_code == 429:
         s.shed.labels(*labels).inc()
+    if outcome.dropped_reason:  # the gateway's flow control shed it: count its reason
+        s.gate_decisions.labels(*labels, outcome.dropped_reason).inc()
     obs = _current.get()
     if obs is not None:
         obs.outcome = outcome

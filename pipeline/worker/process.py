@@ -2,7 +2,14 @@
 Redis, the release bell, a heartbeat thread renewing the leases of live attempts), created
 lazily and again after a fork. It starts attempts (fenced by their token, with the gate's
 acquire in the same round trip when it can) and releases reservations — idempotently, retried,
-and handed straight to a parked attempt of this process when the gate allows."""
+and handed straight to a parked attempt of this process when the gate allows.
+
+Config reloads: the node's main process applies a reload to its runtime
+(:meth:`Runtime.apply`) and writes the accepted queues and pools to a snapshot file
+(``PIPELINE_CONFIG_SNAPSHOT``, set before the pool forks); a prefork child compares the file
+with the one it last read (one ``stat``) when an attempt begins, and applies it when it moved.
+An attempt keeps the gate it acquired until it releases; one not yet admitted asks the
+current gate."""
 
 from __future__ import annotations
 
@@ -13,17 +20,30 @@ import random
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
-from ..config import Settings, load_settings
-from ..gates import Decision, Gate, GateEnv, PreparedAcquire, attempt_gate, check_gates
+from ..config import Settings, from_snapshot, load_settings, to_snapshot
+from ..gates import (
+    Decision,
+    Gate,
+    GateEnv,
+    PreparedAcquire,
+    attempt_gate,
+    check_gates,
+    same_attempt_gate,
+)
+from ..http.call import reset_tls
+from ..observability import tracing
 from ..store import Store, run_batch
 from ..store import holder as make_holder
 from .attempt import Attempt
 from .bell import ReleaseBell, Ticket
+from .endpoints import check_endpoints
 
 log = logging.getLogger("pipeline.worker")
 
 RELEASE_TRIES = 4
+SNAPSHOT_ENV = "PIPELINE_CONFIG_SNAPSHOT"  # the node's accepted queue config, for its children
 
 
 class Runtime:
@@ -31,12 +51,14 @@ class Runtime:
 
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = check_gates(settings or load_settings())
+        check_endpoints(self.settings)  # a queue's API key variable is set, its TLS files load
         self.store = Store(self.settings)
         self.env = GateEnv(self.store.client, self.store.keys, node=_node_name())
         self._gates: dict[str, Gate] = {}
         self._pool_gates: dict[str, Gate | None] = {}
-        self._live: dict[str, tuple[str, str, str]] = {}  # holder -> (id, token, queue)
-        self._lock = threading.Lock()
+        self._live: dict[str, Attempt] = {}  # holder -> its attempt (renewed on its gate)
+        self._lock = threading.RLock()
+        self._snapshot: tuple[int, int, int] | None = None  # the snapshot applied, if any
         self._heartbeat: threading.Thread | None = None
         self._stopping = threading.Event()
         self.rng = random.Random()
@@ -51,6 +73,54 @@ class Runtime:
                 self._gates[queue] = gate
             return gate
 
+    def current_gate(self, queue: str) -> Gate | None:
+        """The queue's gate under the current config; None for a queue it no longer has."""
+        return self.gate(queue) if queue in self.settings.queues else None
+
+    def apply(self, settings: Settings) -> None:
+        """Switch to reloaded settings (validated by the caller). Gates configured as before
+        stay; a changed one is built anew on first use. Attempts keep the gate they hold."""
+        with self._lock:
+            old, self.settings = self.settings, settings
+            for name in list(self._gates):
+                if not same_attempt_gate(old, settings, name):
+                    del self._gates[name]
+            for pool in list(self._pool_gates):
+                if old.pool_configs.get(pool) != settings.pool_configs.get(pool):
+                    del self._pool_gates[pool]
+        reset_tls()  # new connections load the TLS files again (a rotated certificate)
+
+    def follow_snapshot(self) -> bool:
+        """Apply the node's config snapshot if it moved since this process last read it (a
+        prefork child learning of a reload); True when it applied one."""
+        stamp = _snapshot_stamp()
+        if stamp is None or stamp == self._snapshot:
+            return False
+        with self._lock:
+            if stamp == self._snapshot:
+                return False
+            self._snapshot = stamp
+            try:
+                settings = read_snapshot(self.settings)
+            except Exception as exc:  # noqa: BLE001 - keep the config this process has
+                log.error("cannot read the node's config snapshot: %s", exc)
+                return False
+            self.apply(settings)
+        log.info("followed the node's config reload (%d queues)", len(settings.queues))
+        return True
+
+    def publish_snapshot(self) -> None:
+        """Write this runtime's queues and pools for the node's other processes (the main
+        process, after a reload it accepted)."""
+        path = os.environ.get(SNAPSHOT_ENV)
+        if not path:
+            return
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(to_snapshot(self.settings), fh)
+        os.replace(tmp, path)
+        self._snapshot = _snapshot_stamp()
+
     def release(
         self,
         queue: str,
@@ -58,26 +128,34 @@ class Runtime:
         token: str,
         *,
         hand_over: bool = False,
+        gate: Gate | None = None,
         wake: Sequence[str] = (),
     ) -> bool:
         """Release a holder's reservation: idempotent, retried, logged when it fails. The
         queue's bell rings, and so do the ``wake`` bells (the quota keys the holder held a
         slot of), for attempts of this process parked on them.
 
+        ``gate``: the gate the holder acquired (an attempt's own, which a config reload may
+        since have replaced); default: the queue's current gate.
+
         ``hand_over`` (the holder does hold a slot of a ``hands_over`` gate): when an attempt
-        of this process is parked for one, the slot goes straight to it — it is woken at
-        once, admitted, and heads for the server while this thread records the transfer.
-        True when the slot was handed over (nothing was freed: the finish / requeue that
-        follows publishes no release)."""
+        of this process is parked for one of that gate (the queue's current one), the slot
+        goes straight to it — it is woken at once, admitted, and heads for the server while
+        this thread records the transfer. True when the slot was handed over (nothing was
+        freed: the finish / requeue that follows publishes no release)."""
         holder = make_holder(request_id, token)
         with self._lock:
             self._live.pop(holder, None)
-        if queue not in self.settings.queues:
+        current = self.current_gate(queue)
+        gate = gate or current
+        if gate is None:
             return False
-        gate = self.gate(queue)
-        bell = gate.handover_bell(queue, wake) if hand_over else None
+        # a hand-over is recorded with the gate's limit and the taker leaves for the server at
+        # once: only on the current gate, never one a reload replaced (its stale limit could
+        # refuse the transfer of a slot already given)
+        bell = gate.handover_bell(queue, wake) if hand_over and gate is current else None
         if bell is not None:
-            ticket = self.bell.hand_over(bell)
+            ticket = self.bell.hand_over(bell, gate)
             if ticket is not None:
                 self._transfer(gate, holder, ticket)
                 for key in wake:  # quota slots the transfer released (a composite's)
@@ -137,9 +215,9 @@ class Runtime:
             ticket.transferred.set()
 
     # -- heartbeat -----------------------------------------------------------------------
-    def _track(self, request_id: str, token: str, queue: str) -> None:
+    def _track(self, attempt: Attempt) -> None:
         with self._lock:
-            self._live[make_holder(request_id, token)] = (request_id, token, queue)
+            self._live[attempt.holder] = attempt
             if self._heartbeat is None or not self._heartbeat.is_alive():
                 self._heartbeat = threading.Thread(
                     target=self._beat, name="pipeline-heartbeat", daemon=True
@@ -154,18 +232,18 @@ class Runtime:
             if not live:
                 continue
             try:
-                self.store.renew(live)
-                by_queue: dict[str, list[str]] = {}
-                for rid, token, queue in live:
-                    by_queue.setdefault(queue, []).append(make_holder(rid, token))
-                for queue, holders in by_queue.items():
-                    self.gate(queue).renew(holders, self.settings.lease_s)
+                self.store.renew([(a.id, a.token, a.queue.queue_name) for a in live])
+                by_gate: dict[int, tuple[Gate, list[str]]] = {}
+                for a in live:  # each on the gate it holds (or asks)
+                    by_gate.setdefault(id(a.gate), (a.gate, []))[1].append(a.holder)
+                for gate, holders in by_gate.values():
+                    gate.renew(holders, self.settings.lease_s)
             except Exception as exc:  # noqa: BLE001 - keep beating; leases tolerate a miss
                 log.warning("lease renewal failed: %s", exc)
 
     def live_holders(self) -> list[tuple[str, str, str]]:
         with self._lock:
-            return list(self._live.values())
+            return [(a.id, a.token, a.queue.queue_name) for a in self._live.values()]
 
     # -- attempts ------------------------------------------------------------------------
     def begin(
@@ -174,8 +252,9 @@ class Runtime:
         """Start an attempt (fenced by ``token``); None for a stale message. When the queue's
         gate can (``Gate.prepare_acquire``), its acquire goes to Redis in the same round trip
         as the start, and the attempt begins with that decision."""
+        self.follow_snapshot()
         queue = queue if queue in self.settings.queues else self._queue_of(request_id)
-        prepared, generation = self._prepare_acquire(queue, request_id, token, worker)
+        prepared, generation, gate = self._prepare_acquire(queue, request_id, token, worker)
         decision: Decision | None = None
         if prepared is None:
             started = self.store.start(request_id, token, queue or "", worker)
@@ -186,7 +265,7 @@ class Runtime:
             started = None if isinstance(reply, Exception) else self.store.started(reply)
             if started is None:
                 if took:  # the start failed or was fenced off: give the new slot back
-                    self.release(queue or "", request_id, token)
+                    self.release(queue or "", request_id, token, gate=gate)
                 if isinstance(reply, Exception):
                     raise reply
                 return None
@@ -204,7 +283,7 @@ class Runtime:
             message = f"unreadable request record: {type(exc).__name__}: {exc}"
             log.error("request %s: %s", request_id, message)
             if decision is not None and decision.admitted:
-                self.release(queue or "", request_id, token)
+                self.release(queue or "", request_id, token, gate=gate)
             self.store.finish(
                 request_id,
                 token,
@@ -215,27 +294,28 @@ class Runtime:
                 error_message=message,
             )
             return None
-        if decision is not None:
+        if decision is not None and gate is not None:
+            attempt.gate = gate  # the gate that decided, even if a reload just replaced it
             attempt.decision = decision
             attempt._generation = generation
-        self._track(request_id, token, record["queue"])
+        self._track(attempt)
         return attempt
 
     def _prepare_acquire(
         self, queue: str | None, request_id: str, token: str, worker: str
-    ) -> tuple[PreparedAcquire | None, int]:
+    ) -> tuple[PreparedAcquire | None, int, Gate | None]:
         """The queue's gate acquire as a script call, with the release bell's generation read
-        before it (see ``Attempt._park``); None when the gate has none."""
-        if queue not in self.settings.queues:
-            return None, 0
-        gate = self.gate(queue)
-        generation = self.bell.generation(queue)
+        before it (see ``Attempt._park``) and the gate; None when the gate has none."""
+        gate = self.current_gate(queue or "")
+        if gate is None:
+            return None, 0, None
+        generation = self.bell.generation(queue or "")
         holder = make_holder(request_id, token)
         try:
-            return gate.prepare_acquire(holder, worker, self.settings.lease_s), generation
+            return gate.prepare_acquire(holder, worker, self.settings.lease_s), generation, gate
         except Exception as exc:  # noqa: BLE001 - the attempt asks its gate the usual way
             log.warning("gate %s could not prepare for %s: %s", queue, request_id, exc)
-            return None, generation
+            return None, generation, gate
 
     def _queue_of(self, request_id: str) -> str:
         queue = self.store.client.hget(self.store.keys.request(request_id), "queue")
@@ -270,10 +350,54 @@ class Runtime:
                 reason,
                 "cancelled" if cancel else "requeued",
             )
+            if not cancel and tracing.enabled():
+                # the span's context: this process's, or (a pool child's, after a hard time
+                # limit or a lost child) the one the attempt left in its record
+                tracing.reenqueue_span(
+                    request_id,
+                    token,
+                    reason,
+                    queue_name=queue,
+                    traceparent=self.store.attempt_span(request_id, token),
+                )
 
     def stop(self) -> None:
         self._stopping.set()
         self.bell.stop()
+
+
+def _snapshot_stamp() -> tuple[int, int, int] | None:
+    """(inode, mtime ns, size) of the node's config snapshot; None when there is none."""
+    path = os.environ.get(SNAPSHOT_ENV)
+    if not path:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def read_snapshot(base: Settings) -> Settings:
+    """``base`` with the queues and pools of the node's config snapshot."""
+    path = os.environ[SNAPSHOT_ENV]
+    with open(path, encoding="utf-8") as fh:
+        data: Any = json.load(fh)
+    return from_snapshot(base, data, path)
+
+
+def node_settings() -> Settings:
+    """A new process's settings: the node's accepted config when a reload wrote one (so a
+    child forked after a reload — or after a rejected edit of the files — runs what the node
+    runs), else the environment and the files."""
+    if _snapshot_stamp() is None:
+        return load_settings()
+    base = {k: v for k, v in os.environ.items() if k not in ("PIPELINE_QUEUES", "PIPELINE_POOLS")}
+    try:
+        return read_snapshot(load_settings(base))
+    except Exception as exc:  # noqa: BLE001 - the files, as at start, rather than nothing
+        log.error("cannot read the node's config snapshot, using the files: %s", exc)
+        return load_settings()
 
 
 def _node_name() -> str:
@@ -302,5 +426,11 @@ def runtime() -> Runtime:
         rt = _runtimes.get(pid)
         if rt is None:
             _runtimes.clear()
-            rt = _runtimes[pid] = Runtime(_settings_override)
+            if _settings_override is not None:
+                rt = Runtime(_settings_override)
+            else:
+                stamp = _snapshot_stamp()  # before reading: a newer file is followed later
+                rt = Runtime(node_settings())
+                rt._snapshot = stamp
+            _runtimes[pid] = rt
         return rt

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..observability.logs import log_bodies
 from ..store import Mirror
 
 
@@ -25,9 +26,16 @@ class Mirrors(Protocol):
 def failure_message(
     status_code: int | None, payload: str, error_code: str | None, error_message: str | None
 ) -> str:
-    """What a request that ended without success reports: its status or error code first."""
-    code = error_code or f"HTTP {status_code}"
-    return f"{code}: {(error_message if error_code else None) or payload or ''}"[:500]
+    """What a request that ended without success reports (the Celery exception Flower and the
+    worker's log show): its status or error code first, then the pipeline's own message — but
+    not a response body, which is user data, unless ``PIPELINE_LOG_BODIES=1`` (the body stays
+    in the request's result, ``Result.payload``)."""
+    if error_code:
+        return f"{error_code}: {error_message or ''}"[:500]
+    if log_bodies():
+        return f"HTTP {status_code}: {payload or ''}"[:500]
+    note = f"; {error_message}" if error_message else ""  # e.g. the gateway's drop reason
+    return f"HTTP {status_code} ({len(payload.encode())}-byte response body){note}"[:500]
 
 
 class Status(enum.Enum):

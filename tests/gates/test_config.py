@@ -37,6 +37,11 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("redis-quota", {"limit": 5, "window": "0s"}, "window"),
     ("redis-quota", {"limit": 5, "window": -3}, "window"),
     ("redis-quota", {"limit": 5, "address": "ftp://x"}, "address"),
+    ("redis-leased-rate", {"pool_id": "p"}, "control_key"),
+    ("redis-leased-rate", {"control_key": "ctrl"}, "pool_id"),
+    ("redis-leased-rate", {"control_key": "ctrl", "pool_id": "p", "burst_seconds": 0}, "burst"),
+    ("redis-leased-rate", {"control_key": "c", "pool_id": "p", "burst_seconds": "inf"}, "burst"),
+    ("redis-leased-rate", {"control_key": "c", "pool_id": "p", "address": "ftp://x"}, "address"),
     ("composite", {}, "gates"),
     ("composite", {"gates": []}, "gates"),
     ("composite", {"gates": "[not json"}, "gates"),
@@ -62,6 +67,25 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("endpoint-scrape", {"url": PROM, "metric": "m", "pods_url": PROM}, "pods_metric"),
     ("endpoint-scrape", {"url": PROM, "metric": "m", "cache_ttl_s": -1}, "cache_ttl_s"),
     ("endpoint-scrape", {"url": PROM, "metric": "m", "timeout_s": 30}, "timeout_s"),
+    ("endpoint-scrape", {"url": PROM, "metric": "m", "absent_value": "none"}, "absent_value"),
+    ("endpoint-scrape", {"url": PROM, "metric": "m", "admission": "eager"}, "admission"),
+    ("endpoint-scrape", {"url": PROM, "metric": "m", "admission": "counted"}, "max_count"),
+    (
+        "endpoint-scrape",
+        {
+            "url": PROM,
+            "metric": "m",
+            "admission": "counted",
+            "max_count_per_pod": 4,
+            "baseline": 0.1,
+        },
+        "baseline",
+    ),  # fmt: skip
+    (
+        "endpoint-scrape",
+        {"url": PROM, "metric": "m", "admission": "counted", "max_count_per_pod": 4, "fallback": 0},
+        "fallback",
+    ),  # fmt: skip
     ("prometheus-query", {"url": PROM}, "query"),
     ("prometheus-query", {"url": PROM, "query": "up", "fallback": "x"}, "fallback"),
     ("prometheus-query", {"url": "localhost:9090", "query": "up"}, "url"),
@@ -74,6 +98,7 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("prometheus-budget", {"url": PROM, "pool": "p", "baseline": 1.0}, "baseline"),
     ("prometheus-budget", {"url": PROM, "pool": "p", "baseline": -0.1}, "baseline"),
     ("prometheus-budget", {"url": PROM, "pool": "p", "fallback": "nan"}, "fallback"),
+    ("prometheus-budget", {"url": PROM, "pool": "p", "ready_pods_aggregation": "avg"}, "ready_"),
 ]
 
 
@@ -108,6 +133,7 @@ GOOD: list[tuple[str, dict[str, Any]]] = [
     ("redis-quota", {"limit": 2, "address": "sentinel://s1;sentinel://s2/1", "master_name": "m"}),
     ("redis-quota", {"limit": "5", "window": "1m30s", "attribute": "metadata.userid"}),
     ("redis-quota", {"limit": 5.0, "window": 0.5, "mode": "concurrency"}),
+    ("redis-leased-rate", {"control_key": "ctrl:pool", "pool_id": "p", "burst_seconds": "2"}),
     ("composite", {"gates": json.dumps([LOCAL, {"gate_type": "constant"}])}),
     ("wait-on-refuse", {"gate": json.dumps(LOCAL)}),
     (
@@ -115,6 +141,16 @@ GOOD: list[tuple[str, dict[str, Any]]] = [
         {"saturation_gate": "local-max-concurrency", "saturation_gate_params": '{"limit": 1}'},
     ),
     ("endpoint-scrape", {"url": PROM, "metric": "m", "labels": '{"a": "b"}', "baseline": "0.1"}),
+    (
+        "endpoint-scrape",
+        {
+            "url": PROM,
+            "metric": "m",
+            "admission": "counted",
+            "max_count_per_pod": 8,
+            "absent_value": "0",
+        },
+    ),  # fmt: skip
     ("prometheus-query", {"url": PROM, "query": "up", "fallback": "0.5"}),
     ("prometheus-saturation", {"url": PROM, "pool": "p", "threshold": "0.7"}),
     ("prometheus-budget", {"url": PROM, "pool": "p", "max_concurrency": "10"}),
@@ -130,6 +166,14 @@ def test_valid_params_build_without_env(gate_type: str, params: dict[str, Any]) 
 
 def test_every_registered_type_is_covered() -> None:
     assert {t for t, _ in GOOD} == set(GATE_TYPES)
+
+
+def test_leased_rate_pool_id_defaults_to_the_pool_of_a_pool_gate() -> None:
+    inner = {"gate_type": "redis-leased-rate", "gate_params": {"control_key": "ctrl"}}
+    gate = build_gate("wait-on-refuse", {"gate": inner}, name="pool.batch")
+    assert gate.inner.pool_id == "batch"
+    comp = build_gate("composite", {"gates": [inner]}, name="pool.gpu-a")
+    assert comp.gates[0].pool_id == "gpu-a"
 
 
 def test_params_json_string_and_coercion() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -214,14 +215,34 @@ def test_prometheus_saturation(stub: Stub, gates: Callable[..., Gate]) -> None:
     stub.default = "0.5"  # D = 1 - saturation 0.5
     assert gate.budget() == pytest.approx(0.3)  # 0.5 - (1 - 0.8)
     assert stub.queries[-1] == (
-        "1 - inference_extension_flow_control_pool_saturation"
-        '{inference_pool="pool-a",namespace="ns"}'
+        '1 - llm_d_epp_flow_control_pool_saturation{inference_pool="pool-a",namespace="ns"}'
     )
+    assert gate.describe()["source_metric"] == "llm_d_epp_flow_control_pool_saturation"
     assert gate.threshold == pytest.approx(0.2)
     stub.default = "0.2"  # saturation 0.8: at the threshold
     assert gate.budget() == 0.0 and not gate.acquire(ctx()).admitted
     stub.default = "0.25"
     assert gate.budget() == pytest.approx(0.05) and gate.acquire(ctx()).admitted
+
+
+def test_prometheus_saturation_falls_back_to_the_old_metric_name(
+    stub: Stub, gates: Callable[..., Gate]
+) -> None:
+    """An EPP of an older release exports only the old name: the gate reads that one (the
+    reference, since #445, would see no data); with neither, the fallback applies."""
+    gate = gates("prometheus-saturation", {"url": stub.url, "pool": "p"})
+    stub.values = {"llm_d_epp_": None, "inference_extension_flow_control": "0.5"}
+    assert gate.budget() == pytest.approx(0.3)
+    assert stub.queries == [
+        '1 - llm_d_epp_flow_control_pool_saturation{inference_pool="p"}',
+        '1 - inference_extension_flow_control_pool_saturation{inference_pool="p"}',
+    ]
+    assert gate.describe()["source_metric"] == "inference_extension_flow_control_pool_saturation"
+    stub.values = {"llm_d_epp_": "0.9", "inference_extension_flow_control": "0.1"}
+    assert gate.budget() == pytest.approx(0.7)  # the current name wins when both exist
+    stub.values = {"llm_d_epp_": None, "inference_extension_flow_control": None}
+    assert gate.budget() == 0.0 and gate.source_available is False
+    assert gate.describe()["source_metric"] is None
 
 
 # -- prometheus-budget --------------------------------------------------------------------------
@@ -235,7 +256,7 @@ def test_prometheus_budget_cascade(stub: Stub, gates: Callable[..., Gate]) -> No
     assert gate.source_index == 1
     assert stub.queries == [
         "1 - (sum by(inference_pool)(inference_extension_flow_control_queue_size"
-        '{inference_pool="p"}) / on() (inference_pool_ready_pods{name="p"} * 10))',
+        '{inference_pool="p"}) / on() (max(inference_pool_ready_pods{name="p"}) * 10))',
         '1 - (avg by(name)(inference_pool_per_pod_queue_size{name="p"}) / 10)',
     ]
     stub.values = {"flow_control_queue_size": "0.9"}
@@ -245,7 +266,7 @@ def test_prometheus_budget_cascade(stub: Stub, gates: Callable[..., Gate]) -> No
     assert gate.source_index == 2
     assert stub.queries[-1] == (
         '1 - (sum(vllm:num_requests_running{inference_pool="p"}) / on() '
-        '(inference_pool_ready_pods{name="p"} * 10))'
+        '(max(inference_pool_ready_pods{name="p"}) * 10))'
     )
     stub.values = {"flow_control": None, "per_pod": None, "num_requests_running": None}
     assert gate.budget() == 0.0 and gate.source_available is False
@@ -363,3 +384,175 @@ def test_endpoint_scrape_against_the_simulator(gates: Callable[..., Gate]) -> No
         assert gate.acquire(ctx()).admitted
     finally:
         sim.stop()
+
+
+# -- prometheus-budget with several EPP replicas --------------------------------------------
+class EppReplicas(Stub):
+    """A Prometheus API over the series of several EPP replicas of one pool, which evaluates
+    the three budget queries the way Prometheus does: ``X / on() (<ready> * N)`` needs exactly
+    one series on the right, so with one ``inference_pool_ready_pods`` series per replica an
+    unaggregated right side is an execution error (HTTP 422), as in Prometheus; ``max(...)``
+    and ``sum(...)`` aggregate the replicas first."""
+
+    def __init__(self, ready: list[float], flow_queue: list[float] | None) -> None:
+        super().__init__()
+        self.ready = ready  # one series per replica
+        self.flow_queue = flow_queue  # one series per replica; None: not exported
+
+    def prometheus(self, query: str) -> tuple[int, str, str]:
+        m = re.search(
+            r"on\(\) \((?:(max|sum)\()?inference_pool_ready_pods\{[^}]*\}\)? \* (\d+)", query
+        )
+        if "flow_control_queue_size" not in query or m is None:
+            return super().prometheus(query) if "flow_control" not in query else self._empty()
+        if self.flow_queue is None:
+            return self._empty()
+        agg, max_c = m.group(1), float(m.group(2))
+        if agg is None and len(self.ready) > 1:
+            err = {
+                "status": "error",
+                "errorType": "execution",
+                "error": "found duplicate series for the match group {} on the right hand-side "
+                "of the operation; many-to-many matching not allowed: matching labels must be "
+                "unique on one side",
+            }
+            return 422, json.dumps(err), "application/json"
+        pods = sum(self.ready) if agg == "sum" else max(self.ready)
+        value = 1 - sum(self.flow_queue) / (pods * max_c)
+        body = {
+            "status": "success",
+            "data": {"resultType": "vector", "result": [{"metric": {}, "value": [0, str(value)]}]},
+        }
+        return 200, json.dumps(body), "application/json"
+
+    def _empty(self) -> tuple[int, str, str]:
+        body = {"status": "success", "data": {"resultType": "vector", "result": []}}
+        return 200, json.dumps(body), "application/json"
+
+
+def test_prometheus_budget_reads_the_flow_control_source_behind_several_epp_replicas(
+    gates: Callable[..., Gate],
+) -> None:
+    """Two EPP replicas each export the pool's 4 ready pods and their own queue (6 + 2): the
+    ready count is aggregated before the division, so source [0] answers: D = 1 − 8 / (4 × 10).
+    Without the aggregation (the reference before #489) that query is an error in Prometheus
+    and the cascade falls through."""
+    prom = EppReplicas(ready=[4, 4], flow_queue=[6, 2])
+    try:
+        prom.default = None  # the other two sources have no data
+        gate = gates("prometheus-budget", {"url": prom.url, "pool": "p", "max_concurrency": 10,
+                                           "baseline": 0.1})  # fmt: skip
+        assert gate.budget() == pytest.approx(0.7)  # D 0.8 − B 0.1
+        assert gate.source_index == 0 and gate.source_available
+        # replicas that each see a disjoint share of the pool: sum them
+        prom.ready = [2, 2]
+        summed = gates("prometheus-budget", {"url": prom.url, "pool": "p", "max_concurrency": 10,
+                                             "baseline": 0.1,
+                                             "ready_pods_aggregation": "sum"})  # fmt: skip
+        assert summed.budget() == pytest.approx(0.7) and summed.source_index == 0
+        # what the reference's unaggregated query got from the same Prometheus
+        old = prom.prometheus(
+            "1 - (sum by(inference_pool)(inference_extension_flow_control_queue_size"
+            '{inference_pool="p"}) / on() (inference_pool_ready_pods{name="p"} * 10))'
+        )
+        assert old[0] == 422
+        # one replica: both forms agree
+        prom.ready, prom.flow_queue = [4], [8]
+        assert gate.budget() == pytest.approx(0.7)
+    finally:
+        prom.close()
+
+
+# -- endpoint-scrape: absent_value and admission "counted" ----------------------------------
+def test_endpoint_scrape_absent_value_reads_a_vanished_gauge_as_the_given_value(
+    stub: Stub, gates: Callable[..., Gate], sim: SimServer
+) -> None:
+    stub.texts["/metrics"] = METRICS
+    base = {"url": stub.url + "/metrics", "metric": "absent_metric", "max_count_per_pod": 4}
+    assert gates("endpoint-scrape", base).budget() == 0.0  # absent: fallback (closed)
+    gate = gates("endpoint-scrape", {**base, "absent_value": 0})
+    assert gate.budget() == 1.0 and gate.source_available  # absent = idle, not an error
+    assert gates("endpoint-scrape", {**base, "absent_value": 3}).budget() == pytest.approx(0.25)
+    stub.texts["/metrics"] = "absent_metric 2\n"  # present again: the sample wins
+    assert gate.budget() == pytest.approx(0.5)
+    stub.status = 500  # an unreadable page is still an error, absent_value or not
+    assert gate.budget() == 0.0 and not gate.source_available
+    # the simulator's page: a series for another model is absent for this gate
+    on_sim = gates(
+        "endpoint-scrape",
+        {"url": sim.url + "/metrics", "metric": "vllm:num_requests_waiting",
+         "labels": {"model_name": "another-model"}, "max_count_per_pod": 2,
+         "absent_value": 0},
+    )  # fmt: skip
+    assert on_sim.budget() == 1.0 and on_sim.last_value == 1.0
+
+
+def test_endpoint_scrape_absent_value_is_not_applied_to_the_pods_metric(
+    stub: Stub, gates: Callable[..., Gate]
+) -> None:
+    stub.texts["/metrics"] = "waiting 1\n"
+    stub.texts["/pods"] = "other_metric 3\n"
+    gate = gates(
+        "endpoint-scrape",
+        {"url": stub.url + "/metrics", "metric": "waiting", "max_count_per_pod": 2,
+         "pods_url": stub.url + "/pods", "pods_metric": "ready_pods", "absent_value": 0},
+    )  # fmt: skip
+    assert gate.budget() == 0.0 and gate.source_available is False
+
+
+@pytest.fixture
+def sim() -> Iterator[SimServer]:
+    server = SimServer(SimConfig(latency_ms=60_000)).start_in_thread()
+    yield server
+    server.stop()
+
+
+def test_endpoint_scrape_counted_admits_the_headroom_of_each_reading(
+    gates: Callable[..., Gate], sim: SimServer
+) -> None:
+    """Three requests run at the simulator: with room for 5, one reading admits exactly 2
+    attempts and refuses the third (and the budget reads 0); a new reading counts afresh."""
+    gate = gates(
+        "endpoint-scrape",
+        {"url": sim.url + "/metrics", "metric": "vllm:num_requests_running",
+         "max_count_per_pod": 5, "admission": "counted", "cache_ttl_s": 600},
+    )  # fmt: skip
+    body = {"prompt": "hold", "max_tokens": 1}
+    with ThreadPoolExecutor(3) as pool:
+        for _ in range(3):
+            pool.submit(httpx.post, sim.url + "/v1/completions", json=body, timeout=5)
+        wait_until(lambda: sim.stats()["in_flight"] == 3, timeout_s=5)
+        assert gate.budget() == 1.0
+        decisions = [gate.acquire(ctx()) for _ in range(3)]
+        assert [d.verdict for d in decisions] == [Verdict.CONTINUE] * 2 + [Verdict.REFUSE]
+        assert decisions[2].reason == "gate_closed"
+        assert gate.budget() == 0.0
+        assert (gate.last_value, gate.threshold, gate.source_available) == (2.0, 0.0, True)
+        assert gate.describe()["admitted_this_reading"] == 2
+        assert gate.release(ctx().holder) is False  # nothing to refund
+        gate.cache_ttl_s = 0  # the next call takes a new reading: its headroom counts again
+        assert gate.acquire(ctx()).admitted
+        gate.cache_ttl_s = 600
+        assert gate.acquire(ctx()).admitted and not gate.acquire(ctx()).admitted
+        sim.stop()  # requests end with the server; the page is gone: a failed reading
+    gate.cache_ttl_s = 0
+    assert not gate.acquire(ctx()).admitted and gate.budget() == 0.0
+    assert gate.source_available is False
+
+
+def test_endpoint_scrape_counted_with_fractional_and_negative_readings(
+    stub: Stub, gates: Callable[..., Gate]
+) -> None:
+    params = {"url": stub.url + "/metrics", "metric": "running", "max_count_per_pod": 4,
+              "admission": "counted"}  # fmt: skip
+    gate = gates("endpoint-scrape", params)  # cache_ttl_s 0: every call is a reading
+    stub.texts["/metrics"] = "running 3.5\n"  # headroom 0.5: floor is 0
+    assert not gate.acquire(ctx()).admitted and gate.budget() == 0.0
+    stub.texts["/metrics"] = "running 9\n"  # over capacity: headroom 0, not negative
+    assert not gate.acquire(ctx()).admitted and gate.last_value == 0.0
+    stub.texts["/metrics"] = "running -1\n"  # not a count: a failed reading
+    assert not gate.acquire(ctx()).admitted and gate.source_available is False
+    stub.texts["/metrics"] = "running 2.5\n"  # headroom 1.5 per reading: one each
+    assert gate.acquire(ctx()).admitted and gate.acquire(ctx()).admitted
+    cached = gates("endpoint-scrape", {**params, "cache_ttl_s": 600})
+    assert cached.acquire(ctx()).admitted and not cached.acquire(ctx()).admitted

@@ -6,9 +6,11 @@
 -- submitted_at, member, score, metadata, headers, endpoint, labels, result_list (key, '' for
 -- none), result_list_max (entries kept, 0 = no trim), result_list_ttl (s, re-armed on every
 -- push, 0 = none), state, token, attempts, dispatches, last_response, last_error, result,
--- finished_at, worker, started_at, tenant (indexed queues: the tenant attribute's value),
--- qkeys (JSON list of the quota keys a dispatched attempt counts against; see sched.lua).
--- Times are the server's clock (server_now).
+-- finished_at, worker, started_at, attempt_span (tracing on: "<token> <traceparent>" of the
+-- running attempt), wire ('llm-d-async' for a request a reference producer wrote; see
+-- ingest.lua), ref_token (its generation token), tenant (indexed queues: the tenant
+-- attribute's value) and qkeys (JSON list of the quota keys a dispatched attempt counts
+-- against; see sched.lua). Times are the server's clock (server_now).
 -- States: queued -> dispatched -> running -> (retry_wait -> queued ...) -> done.
 
 -- The Redis server's clock (Unix s, µs precision). Every "now" a script compares a lease, a due
@@ -64,6 +66,45 @@ local function celery_meta(key, meta, ttl, final)
   return 1
 end
 
+-- A JSON string the way Go's encoding/json writes it (the llm-d-async reference's wire
+-- format): cjson's escapes, but '/' left as is and <, >, &, U+2028, U+2029 as \u escapes.
+local function go_json(s)
+  local j = cjson.encode(s)
+  j = string.gsub(j, '\\/', '/')
+  j = string.gsub(j, '<', '\\u003c')
+  j = string.gsub(j, '>', '\\u003e')
+  j = string.gsub(j, '&', '\\u0026')
+  j = string.gsub(j, '\226\128\168', '\\u2028')
+  j = string.gsub(j, '\226\128\169', '\\u2029')
+  return j
+end
+
+-- A result in the reference's format (its ResultMessage plus request_token, fields in its
+-- order, empty ones left out): what its consumers BRPOP. An error's payload is
+-- {"error":"<message>"}, as the reference writes it. status_code / error_code / token are ''
+-- when absent.
+local function ref_result(id, status_code, payload, error_code, error_message, token)
+  local out = '{"id":' .. go_json(id)
+  if status_code ~= '' and tonumber(status_code) ~= 0 then
+    out = out .. ',"status_code":' .. tostring(tonumber(status_code))
+  end
+  if error_code ~= '' then payload = '{"error":' .. go_json(error_message) .. '}' end
+  out = out .. ',"payload":' .. go_json(payload)
+  if error_code ~= '' then out = out .. ',"error_code":' .. go_json(error_code) end
+  if error_message ~= '' then out = out .. ',"error_message":' .. go_json(error_message) end
+  if token ~= '' then out = out .. ',"request_token":' .. go_json(token) end
+  return out .. '}'
+end
+
+-- After a reference-format result is pushed: the producer's generation keys go, but only
+-- where they still hold this generation's token (a newer submission of the id keeps its own).
+local function ref_cleanup(id, token)
+  if token == '' then return end
+  for _, k in ipairs({'request-active:' .. id, 'request-cancel:' .. id}) do
+    if redis.call('GET', k) == token then redis.call('DEL', k) end
+  end
+end
+
 -- Push a terminal result onto a queue's result list (`list` '' or false: the queue keeps none),
 -- trimmed to `max_len` entries (0 or absent: no trim) and expiring `ttl` s after the latest
 -- push (0 or absent: never), so a list nobody pops stays bounded.
@@ -83,7 +124,7 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
     quiet)
   local rk = prefix .. 'req:' .. id
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'attempts', 'submitted_at',
-    'result_list', 'result_list_max', 'result_list_ttl')
+    'result_list', 'result_list_max', 'result_list_ttl', 'wire', 'ref_token')
   local queue, pool, member = f[1], f[2], f[3]
   if redis.call('ZREM', qkey(prefix, queue, 'pending'), member) == 1 then
     sched_remove(prefix, queue, id, member)
@@ -103,14 +144,21 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   end
   if error_code ~= '' then
     result.error_code = error_code
-    result.error_message = error_message
     outcome = error_code
   end
+  -- also without an error code: an HTTP result's note (the gateway's drop reason)
+  if error_message ~= '' then result.error_message = error_message end
   local json = cjson.encode(result)
   redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', fmt_time(now),
     'token', '')
   redis.call('EXPIRE', rk, ttl)
-  push_result(f[6], json, f[7], f[8])
+  if f[9] == 'llm-d-async' then  -- it came from a reference producer: its consumer's format
+    push_result(f[6], ref_result(id, status_code, payload, error_code, error_message,
+      f[10] or ''), f[7], f[8])
+    ref_cleanup(id, f[10] or '')
+  else
+    push_result(f[6], json, f[7], f[8])
+  end
   local nk = prefix .. 'notify:' .. id
   redis.call('RPUSH', nk, '1')
   redis.call('EXPIRE', nk, 300)
@@ -153,7 +201,11 @@ local function expire(prefix, id, now, ttl)
   local f = redis.call('HMGET', prefix .. 'req:' .. id, 'last_response', 'last_error')
   if f[1] and f[1] ~= '' then
     local r = cjson.decode(f[1])
-    return terminal(prefix, id, now, ttl, tostring(r.status_code), r.payload, '', '')
+    local note = ''
+    if type(r.dropped_reason) == 'string' and r.dropped_reason ~= '' then
+      note = 'HTTP ' .. tostring(r.status_code) .. ' (dropped: ' .. r.dropped_reason .. ')'
+    end
+    return terminal(prefix, id, now, ttl, tostring(r.status_code), r.payload, '', note)
   end
   local message = 'deadline exceeded'
   if f[2] and f[2] ~= '' then message = message .. ' (last error: ' .. f[2] .. ')' end

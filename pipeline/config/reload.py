@@ -1,0 +1,111 @@
+"""Reloading the queue and pool files into running settings (plain data; what a worker node
+does with the result is ``pipeline.worker.reload``).
+
+- :func:`reload_queue_files`: the settings with ``queues`` and ``pool_configs`` read again from
+  ``PIPELINE_QUEUES`` / ``PIPELINE_POOLS`` (validated field by field, as at start); every other
+  setting stays as it is (a process's environment does not change).
+- :func:`diff_config`: which queues were added, removed or changed, and which pools changed.
+- :func:`to_snapshot` / :func:`from_snapshot`: the queues and pools a node accepted, as JSON,
+  for its prefork children to follow (no secret is in it: a queue names its API key's
+  variable, not the key).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from typing import Any
+
+from ..errors import ConfigError
+from .load import _read_json, parse_pools, parse_queues
+from .settings import Settings
+
+
+def reload_queue_files(current: Settings, env: Mapping[str, str] | None = None) -> Settings:
+    """``current`` with the queue and pool files read again; ConfigError when a file is
+    missing, not JSON or does not validate (naming the file, entry and field)."""
+    env = os.environ if env is None else env
+    path = env.get("PIPELINE_QUEUES")
+    if not path:
+        raise ConfigError("PIPELINE_QUEUES is not set: there is no queue file to reload")
+    queues = parse_queues(_read_json(path, "PIPELINE_QUEUES"), path)
+    pools_path = env.get("PIPELINE_POOLS")
+    pools = (
+        parse_pools(_read_json(pools_path, "PIPELINE_POOLS"), pools_path, queues)
+        if (pools_path)
+        else {}
+    )
+    return replace(current, queues=queues, pool_configs=pools)
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()  # queues whose entry differs (any field)
+    pools: tuple[str, ...] = ()  # pools added, removed or changed
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.changed or self.pools)
+
+    def describe(self) -> str:
+        parts = [
+            f"{label} {', '.join(names)}"
+            for label, names in (
+                ("added", self.added),
+                ("changed", self.changed),
+                ("removed", self.removed),
+                ("pools changed", self.pools),
+            )
+            if names
+        ]
+        return "; ".join(parts) or "no change"
+
+    def as_dict(self) -> dict[str, list[str]]:
+        return {k: list(v) for k, v in asdict(self).items()}
+
+
+def diff_config(old: Settings, new: Settings) -> ConfigChange:
+    oq, nq = old.queues, new.queues
+    op, np_ = old.pool_configs, new.pool_configs
+    return ConfigChange(
+        added=tuple(sorted(set(nq) - set(oq))),
+        removed=tuple(sorted(set(oq) - set(nq))),
+        changed=tuple(sorted(n for n in set(oq) & set(nq) if oq[n] != nq[n])),
+        pools=tuple(sorted(p for p in set(op) | set(np_) if op.get(p) != np_.get(p))),
+    )
+
+
+def _entry(obj: Any) -> dict[str, Any]:
+    """A config dataclass as the file entry it came from: the fields that differ from their
+    default (an absent field is the default, as in the files; a ``null`` may not validate)."""
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if f.default is not MISSING:
+            default: Any = f.default
+        elif f.default_factory is not MISSING:
+            default = f.default_factory()
+        else:
+            out[f.name] = value
+            continue
+        if value != default:
+            out[f.name] = value
+    return out
+
+
+def to_snapshot(settings: Settings) -> dict[str, Any]:
+    return {
+        "queues": [_entry(q) for q in settings.queues.values()],
+        "pools": [_entry(p) for p in settings.pool_configs.values()],
+    }
+
+
+def from_snapshot(base: Settings, data: Any, source: str) -> Settings:
+    """``base`` with the queues and pools of a :func:`to_snapshot` (validated again)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: not a config snapshot")
+    queues = parse_queues(data.get("queues"), source)
+    pools = parse_pools(data["pools"], source, queues) if data.get("pools") else {}
+    return replace(base, queues=queues, pool_configs=pools)

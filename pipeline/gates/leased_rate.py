@@ -1,0 +1,154 @@
+"""``redis-leased-rate``: a pool-wide admission rate that an external planner leases.
+
+A planner (NVIDIA Dynamo Planner in the reference's design, or any controller) writes a Redis
+hash at ``control_key`` with five non-empty fields: ``api_version`` (must be
+``llm-d.ai/v1alpha1``), ``pool_id`` (must equal the gate's), ``max_admission_rps`` (a finite
+number ≥ 0; ``0`` pauses), ``valid_until_unix_ms`` (an integer; the lease holds while it is
+later than the Redis server's clock) and ``decision_id``. The gate enforces that rate with one
+token bucket shared by every node (``gate_leased_rate.lua``: one atomic script, clock = Redis
+``TIME``): capacity ``max(1, rate × burst_seconds)``, refilled continuously, one token per
+admitted attempt.
+
+Params: ``control_key`` (required; used verbatim, outside the pipeline's key prefix, so the
+planner can write it), ``pool_id`` (default: the worker pool, when the gate is a pool's gate),
+``address`` (optional Redis URL or ``host:port``; default: the pipeline's Redis),
+``state_key`` (default ``Keys.leased_rate_state(control_key)``), ``burst_seconds`` (1.0, > 0).
+
+Fails closed: a missing, expired, mismatched or malformed lease, a Redis error or a rate × burst
+that overflows all **refuse** (reason ``gate_closed``; ``error`` for a Redis error), so a
+``wait-on-refuse`` around it parks the attempt. A paused lease (rate 0) refuses too. Budget
+(what the dispatcher scales by) is 1 for a valid lease with rate > 0, else 0, and never
+touches the bucket. Admissions are not refunded (rate, not concurrency): release, renew and
+reap are no-ops, and a composite that rolls back after this gate admitted keeps the token
+spent. After each call the instance exposes ``limit_rps``, ``lease_valid`` (1 also while
+paused) and ``valid_until_s`` for the ``pipeline_drain_limit_*`` gauges (0 when invalid).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import redis
+
+from ..store.scripts import register
+from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .params import Params
+from .redis_budget import connect, redis_url
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "llm-d.ai/v1alpha1"
+ADMITTED, EMPTY, PAUSED, INVALID = 1, 0, -1, -2
+
+
+def owning_pool(name: str) -> str | None:
+    """The worker pool of a pool gate (named ``pool.<id>``, inner gates ``pool.<id>/<i>``)."""
+    if name.startswith("pool."):
+        return name[len("pool.") :].split("/")[0] or None
+    return None
+
+
+class RedisLeasedRateGate(Gate):
+    type_name = "redis-leased-rate"
+
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        super().__init__(name, params, env)
+        p = Params(self.type_name, name, params)
+        self.url = redis_url(p)
+        self.control_key = p.get_str("control_key", required=True)
+        pool = p.opt_str("pool_id") or owning_pool(name)
+        if not pool:
+            raise p.error("pool_id", "is required (it defaults to the pool of a pool gate)")
+        self.pool_id = pool
+        self.burst_s = p.get_float("burst_seconds", 1.0, lo=0.0, lo_open=True)
+        self._state_param = p.opt_str("state_key")
+        self.limit_rps = 0.0
+        self.lease_valid = 0
+        self.valid_until_s = 0.0
+        self.decision_id = ""
+        self._problem: str | None = None
+        self.client: redis.Redis | None = None
+        self._own_client = False
+        if env is not None:
+            self.client = connect(self.url) if self.url else env.client
+            self._own_client = self.url is not None
+            self._script = register(self.client, "gate_leased_rate")
+
+    @property
+    def state_key(self) -> str:
+        if self._state_param:
+            return self._state_param
+        if self.env is None:
+            raise RuntimeError(f"gate {self.name!r} is not bound to Redis (env is None)")
+        return self.env.keys.leased_rate_state(self.control_key)
+
+    def _call(self, mode: str) -> int:
+        """Run the script; record the lease for the gauges; returns the verdict."""
+        if self.client is None:
+            raise RuntimeError(f"gate {self.name!r} is not bound to Redis (env is None)")
+        verdict, rate, until, decision, reason = self._script(
+            keys=[self.control_key, self.state_key],
+            args=[API_VERSION, self.pool_id, repr(self.burst_s), mode],
+        )
+        verdict = int(verdict)
+        if verdict == INVALID:
+            self._note(0.0, 0, 0.0, "", f"no valid lease ({reason})")
+        else:
+            self._note(float(rate), 1, int(until) / 1000.0, str(decision), None)
+        return verdict
+
+    def _note(
+        self, rate: float, valid: int, until_s: float, decision: str, problem: str | None
+    ) -> None:
+        self.limit_rps, self.lease_valid, self.valid_until_s = rate, valid, until_s
+        if decision and decision != self.decision_id:
+            log.info(
+                "redis-leased-rate gate %s: pool %s decision %s, %g req/s until %.3f",
+                self.name, self.pool_id, decision, rate, until_s,
+            )  # fmt: skip
+        self.decision_id = decision
+        if problem != self._problem:
+            if problem is None:
+                log.info("redis-leased-rate gate %s: lease valid again", self.name)
+            else:
+                log.warning(
+                    "redis-leased-rate gate %s: %s at %s; refusing (fails closed)",
+                    self.name, problem, self.control_key,
+                )  # fmt: skip
+            self._problem = problem
+
+    def budget(self) -> float:
+        """1 for a valid lease with a rate > 0, else 0 (never touches the bucket)."""
+        try:
+            return 1.0 if self._call("peek") == ADMITTED else 0.0
+        except Exception as exc:  # noqa: BLE001 - budget() never raises; fail closed
+            self._note(0.0, 0, 0.0, "", f"cannot read the lease: {exc}")
+            return 0.0
+
+    def acquire(self, ctx: AcquireContext) -> Decision:
+        try:
+            verdict = self._call("take")
+        except Exception as exc:  # noqa: BLE001 - a Redis error refuses (fails closed)
+            self._note(0.0, 0, 0.0, "", f"cannot read the lease: {exc}")
+            return Decision(Verdict.REFUSE, reason="error")
+        if verdict == ADMITTED:
+            return CONTINUE
+        return Decision(Verdict.REFUSE, reason="gate_closed")
+
+    def describe(self) -> dict[str, Any]:
+        self.budget()  # read the lease now
+        return {
+            **super().describe(),
+            "control_key": self.control_key,
+            "pool_id": self.pool_id,
+            "limit_rps": self.limit_rps,
+            "lease_valid": bool(self.lease_valid),
+            "valid_until_s": self.valid_until_s if math.isfinite(self.valid_until_s) else None,
+            "decision_id": self.decision_id,
+        }
+
+    def close(self) -> None:
+        if self._own_client and self.client is not None:
+            self.client.close()

@@ -1,0 +1,105 @@
+"""What a worker logs about a request, and how: the request id, queue, attempt, status, attempts
+and latency — never the request's or the response's body (user data, and possibly large)
+unless ``PIPELINE_LOG_BODIES=1``; plain text, or one JSON object per line with
+``PIPELINE_LOG_FORMAT=json`` for log shippers.
+
+- :func:`bind` / :func:`clear`: the fields of the attempt a thread is running (a context
+  variable, set by the task around each attempt), added to every record logged meanwhile.
+- :class:`JsonFormatter`: ``{"ts", "level", "logger", "message", "request_id", "queue",
+  "attempt", ...}`` on one line; a record without bound fields takes the request id from
+  Celery's own ``extra={"data": {"id": ...}}`` (its "received" and "succeeded" lines).
+- :func:`result_summary`: a terminal result as logged (what Celery's "Task … succeeded" line
+  and Flower show in place of the return value): id, status or error code, attempts, latency.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import os
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+LOG_FORMATS = ("text", "json")
+_FIELDS = ("request_id", "queue", "attempt", "status", "attempts", "latency_s")
+_context: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "pipeline_log_context", default=None
+)
+
+
+def log_bodies(environ: Mapping[str, str] | None = None) -> bool:
+    """``PIPELINE_LOG_BODIES=1``: logs (and Celery's view of a result) may show bodies."""
+    raw = (os.environ if environ is None else environ).get("PIPELINE_LOG_BODIES", "")
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def log_format(environ: Mapping[str, str] | None = None) -> str:
+    """``PIPELINE_LOG_FORMAT``: ``text`` (default) or ``json``; anything else is ``text``."""
+    raw = (os.environ if environ is None else environ).get("PIPELINE_LOG_FORMAT", "")
+    raw = raw.strip().lower()
+    return raw if raw in LOG_FORMATS else "text"
+
+
+def bind(**fields: Any) -> None:
+    """Add fields (``request_id``, ``queue``, ``attempt``, ``status``, ...) to this thread's
+    (or task's) log context."""
+    current = _context.get()
+    _context.set({**(current or {}), **{k: v for k, v in fields.items() if v is not None}})
+
+
+def clear() -> None:
+    _context.set(None)
+
+
+def current() -> dict[str, Any]:
+    return dict(_context.get() or {})
+
+
+def result_summary(result: Mapping[str, Any], bodies: bool = False) -> dict[str, Any]:
+    """The loggable part of a terminal result (the wire form of ``Result``)."""
+    out: dict[str, Any] = {"id": result.get("id")}
+    if result.get("status_code") is not None:
+        out["status_code"] = result["status_code"]
+    if result.get("error_code"):
+        out["error_code"] = result["error_code"]
+    out["attempts"] = result.get("attempts")
+    submitted, finished = result.get("submitted_at"), result.get("finished_at")
+    if isinstance(submitted, int | float) and isinstance(finished, int | float):
+        out["latency_s"] = round(max(0.0, finished - submitted), 3)
+    if bodies:
+        out["payload"] = result.get("payload")
+    return out
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line (newlines inside values are escaped)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "process": record.process,
+            "thread": record.threadName,
+        }
+        fields = _context.get()
+        if fields:
+            out.update((k, fields[k]) for k in _FIELDS if k in fields)
+        data = getattr(record, "data", None)
+        if "request_id" not in out and isinstance(data, dict) and data.get("id"):
+            out["request_id"] = str(data["id"])
+        if record.exc_info:
+            out["exc_info"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            out["stack_info"] = self.formatStack(record.stack_info)
+        return json.dumps(out, default=str, ensure_ascii=False)
+
+
+def use_json(logger: logging.Logger) -> None:
+    """Give every handler of ``logger`` the JSON formatter."""
+    formatter = JsonFormatter()
+    for handler in logger.handlers:
+        handler.setFormatter(formatter)

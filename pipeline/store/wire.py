@@ -1,0 +1,170 @@
+"""The llm-d-async reference's Redis wire format, for queues with ``"ingest": "llm-d-async"``.
+
+A reference producer (its Go ``producer`` package, llm-d's batch gateway) writes each request
+as a member of a sorted set named like the queue: an envelope ``{"internal": {...},
+"request_kind": "plain"|"redis"|"pubsub", "data": {"id", "created", "deadline", "payload",
+"metadata", "headers", "endpoint", "model"}}``, scored by its deadline (Unix s, plus a
+fraction that orders equal deadlines by submission), with ``request-active:<id>`` holding the
+submission's generation token (``internal.request_token``) and ``request-cancel:<id>`` the
+token it cancelled. Its consumers ``BRPOP`` a result list of JSON records ``{"id",
+"status_code", "payload", "error_code", "error_message", "request_token"}``.
+
+:func:`parse` reads one member into an :class:`Envelope` (or the reason it cannot be served);
+:meth:`pipeline.store.Store.ingest` moves a batch of them into the queue (``ingest.lua``: one
+atomic step, at most once per entry). The result record of a request that came this way is
+written in the reference's format by ``lib.lua``'s ``terminal`` (``ref_result``), on the list
+the reference would use: the queue's ``result_queue_name`` when configured, else the message's
+``internal.result_queue_name``, else ``result-list``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("plain", "redis", "pubsub")
+DEFAULT_RESULT_LIST = "result-list"  # the reference's transport default
+MAX_ID_LENGTH = 256
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_PAYLOAD_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """One request as a reference producer wrote it, checked against this pipeline's rules."""
+
+    id: str
+    token: str  # internal.request_token ("" for old token-less envelopes)
+    deadline: float  # Unix s
+    payload: str  # compact JSON text ("" when it is in payload_ref)
+    payload_ref: str  # the key holding the payload (WithPayloadKeys), else ""
+    metadata: dict[str, str]
+    headers: dict[str, str]
+    endpoint: str
+    result_list: str  # the message's own result list, "" when it names none
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A member that cannot be served: its id (or the member itself), what is wrong, and
+    whatever routing could still be read from it."""
+
+    id: str
+    message: str
+    token: str = ""
+    result_list: str = ""
+
+
+class _Bad(ValueError):
+    pass
+
+
+def _str_map(value: Any, field: str, *, header: bool = False) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _Bad(f"data.{field} must be an object of strings")
+    for k, v in value.items():
+        if not isinstance(v, str):
+            raise _Bad(f"data.{field}[{k!r}] must be a string")
+        if header and (not _TOKEN.match(k) or any(c in v for c in "\r\n\0")):
+            raise _Bad(f"data.headers: {k!r} is not a valid HTTP header")
+    return dict(value)
+
+
+def _text(value: Any, field: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise _Bad(f"{field} must be a string")
+    return value
+
+
+def _envelope(doc: Any, max_payload_bytes: int) -> Envelope:
+    if not isinstance(doc, dict):
+        raise _Bad("not a JSON object")
+    if doc.get("request_kind") not in KINDS:
+        raise _Bad(f"request_kind must be one of {', '.join(KINDS)}")
+    internal = doc.get("internal") or {}
+    data = doc.get("data")
+    if not isinstance(internal, dict) or not isinstance(data, dict):
+        raise _Bad("internal and data must be objects")
+    deadline = data.get("deadline")
+    if isinstance(deadline, bool) or not isinstance(deadline, int | float):
+        raise _Bad("data.deadline must be a Unix time in seconds")
+    if not math.isfinite(deadline) or deadline <= 0:
+        raise _Bad("data.deadline must be a positive Unix time")
+    payload_ref = _text(internal.get("payload_ref"), "internal.payload_ref")
+    payload = data.get("payload")
+    if payload is None and payload_ref:
+        body = ""
+    elif isinstance(payload, dict):
+        body = _PAYLOAD_JSON.encode(payload)
+        if len(body.encode("utf-8")) > max_payload_bytes:
+            raise _Bad(f"data.payload is larger than max_payload_bytes ({max_payload_bytes})")
+    else:
+        raise _Bad("data.payload must be a JSON object")
+    endpoint = _text(data.get("endpoint"), "data.endpoint")
+    if endpoint and (
+        not endpoint.startswith("/") or "://" in endpoint or _CONTROL.search(endpoint)
+    ):
+        raise _Bad("data.endpoint must be a URL path starting with '/'")
+    result_list = _text(internal.get("result_queue_name"), "internal.result_queue_name")
+    if not result_list and doc.get("request_kind") == "redis":
+        result_list = _text(data.get("result_queue_name"), "data.result_queue_name")
+    return Envelope(
+        id=_id(data.get("id")),
+        token=_text(internal.get("request_token"), "internal.request_token"),
+        deadline=float(deadline),
+        payload=body,
+        payload_ref=payload_ref,
+        metadata=_str_map(data.get("metadata"), "metadata"),
+        headers=_str_map(data.get("headers"), "headers", header=True),
+        endpoint=endpoint,
+        result_list=result_list,
+    )
+
+
+def _id(value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
+        raise _Bad(f"data.id must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+    if _CONTROL.search(value):
+        raise _Bad("data.id must not contain control characters")
+    return value
+
+
+def parse(member: str, max_payload_bytes: int) -> Envelope | Malformed:
+    """One sorted-set member as an :class:`Envelope`, or :class:`Malformed` saying why not."""
+    try:
+        doc = json.loads(member)
+    except ValueError as exc:
+        return Malformed(member[:MAX_ID_LENGTH], f"malformed queue entry: not JSON ({exc})")
+    try:
+        return _envelope(doc, max_payload_bytes)
+    except (_Bad, ValueError, TypeError, RecursionError) as exc:
+        return _salvage(doc, f"malformed queue entry: {exc}", member)
+
+
+def _salvage(doc: Any, message: str, member: str) -> Malformed:
+    """What a malformed envelope still tells: its id, token and result list, if readable."""
+    data = doc.get("data") if isinstance(doc, dict) else None
+    internal = doc.get("internal") if isinstance(doc, dict) else None
+    rid = data.get("id") if isinstance(data, dict) else None
+    token = internal.get("request_token") if isinstance(internal, dict) else None
+    routed = internal.get("result_queue_name") if isinstance(internal, dict) else None
+    return Malformed(
+        rid if isinstance(rid, str) and rid else member[:MAX_ID_LENGTH],
+        message,
+        token if isinstance(token, str) else "",
+        routed if isinstance(routed, str) else "",
+    )
+
+
+def result_list(configured: str | None, message: str) -> str:
+    """The reference's result routing: the queue's configured list wins, then the message's,
+    then its default ``result-list``."""
+    return configured or message or DEFAULT_RESULT_LIST

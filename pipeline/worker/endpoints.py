@@ -1,0 +1,61 @@
+"""A queue's endpoint credentials as the worker uses them: the API key read from the
+environment variable the queue names (``api_key_env``) and its TLS settings (``tls_*``).
+
+The key lives only in the worker's environment and in the outgoing ``Authorization`` header:
+never in the queue file, Redis, a result, a log line, a metric or Flower. :func:`check_endpoints`
+runs where the key and the files are needed — at worker start and on a config reload, not in a
+client, which submits without them — and turns a missing variable or an unloadable file into
+a ``ConfigError`` naming the queue and the field.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+from ..config import QueueConfig, Settings
+from ..errors import ConfigError
+from ..http.call import TLS
+
+log = logging.getLogger("pipeline.worker")
+
+
+def queue_tls(q: QueueConfig) -> TLS | None:
+    """The queue's TLS settings; None for the defaults (the system's CAs, no client cert)."""
+    if not (q.tls_ca_file or q.tls_cert_file or q.tls_insecure_skip_verify):
+        return None
+    return TLS(q.tls_ca_file, q.tls_cert_file, q.tls_key_file, q.tls_insecure_skip_verify)
+
+
+def authorization(q: QueueConfig, environ: Mapping[str, str] = os.environ) -> str | None:
+    """``Bearer <key>`` for a queue with ``api_key_env``, else None."""
+    if not q.api_key_env:
+        return None
+    return f"Bearer {environ.get(q.api_key_env, '')}"
+
+
+def check_endpoints(settings: Settings, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """Check every queue's credentials: its ``api_key_env`` variable is set and not empty, its
+    TLS files load. Raises ``ConfigError`` naming the queue and field; returns warnings to log
+    (a queue that skips certificate verification)."""
+    warnings: list[str] = []
+    for q in settings.queues.values():
+        if q.api_key_env and not environ.get(q.api_key_env):
+            raise ConfigError(
+                f"queue {q.queue_name!r}: api_key_env: the environment variable "
+                f"{q.api_key_env} is not set (or empty) in this worker"
+            )
+        tls = queue_tls(q)
+        if tls is None:
+            continue
+        try:
+            tls.context()
+        except ValueError as exc:
+            raise ConfigError(f"queue {q.queue_name!r}: {exc}") from None
+        if tls.insecure_skip_verify:
+            warnings.append(
+                f"queue {q.queue_name!r}: tls_insecure_skip_verify is on: the certificate of "
+                f"{q.igw_base_url} is not verified (anyone on the path can read the requests)"
+            )
+    return warnings
