@@ -220,3 +220,32 @@ def test_the_quota_gate_parks_a_refusal_on_its_key(redis_url: str) -> None:
         for g in (gate, rate, composite):
             g.close()
     client.close()
+
+
+def test_a_reload_indexes_a_queue_that_needs_it_and_stops_for_one_that_does_not(
+    redis_url: str,
+) -> None:
+    """The dispatcher indexes its queues at start and again after a reload (``apply``):
+    turning ``fair_share`` on indexes the requests already waiting, turning it off (with no
+    quota in the gates) removes the index and dispatch follows the pending order again."""
+    from dataclasses import replace
+
+    from pipeline.dispatch.dispatcher import Dispatcher
+
+    with bench(redis_url, QUEUES) as b:
+        ids = submit(b, "A", 2, "a") + submit(b, "B", 2, "b", offset=100)
+        settings = b.pl.settings
+        d = Dispatcher(settings, ["p"], node="n1", slots=4, send=lambda moved: None)
+        d.setup_queues()
+        keys, c = b.store.keys, b.client
+        assert not c.exists(keys.sched("q"))  # nothing needs it
+        fair = replace(settings.queues["q"], fair_share=True)
+        d.apply(replace(settings, queues={**settings.queues, "q": fair}))
+        check_consistent(b, "q")
+        assert [m.id for m in d.store.tick(fair, [fair], 1.0, -1, 2).moved] == [ids[0], ids[2]]
+        d.apply(settings)
+        assert not c.exists(keys.sched("q"), keys.ready("q"))
+        assert not c.keys(keys.prefix + "q:q:t:*")
+        assert [m.id for m in d.store.tick(fair, [fair], 1.0, -1, 4).moved] == [ids[1], ids[3]]
+        for gate in d.gates.values():
+            gate.close()
