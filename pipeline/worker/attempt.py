@@ -351,7 +351,8 @@ class Attempt:
 
     def headers(self) -> dict[str, str]:
         """Outgoing headers: defaults, then the request's own (they override), then the
-        fairness identity (``metadata[fairness_attribute]``), which replaces any caller
+        merge policy's lane headers (tier-priority: ``priority_header``, the lane's objective),
+        then the fairness identity (``metadata[fairness_attribute]``), which replaces any caller
         variant of that header in any letter case, then the queue's API key
         (``api_key_env``) as ``Authorization: Bearer …``, which likewise replaces a caller's
         ``Authorization``: the queue's credentials decide what the gateway sees."""
@@ -360,7 +361,8 @@ class Attempt:
         if self.queue.inference_objective and objective:
             headers[objective] = self.queue.inference_objective
         headers.update(self.extra_headers)
-        headers.update(self.rt.settings.merge_policy.headers(self.queue.labels))  # the lane's
+        for key, value in self.rt.settings.merge_policy.headers(self.queue.labels).items():
+            _replace(headers, key, value)  # the lane's (tier-priority), over the caller's
         name = self.rt.settings.fairness_header
         tenant = self.metadata.get(self.rt.settings.fairness_attribute, "")
         if name and tenant and len(tenant) <= 256 and tenant.isprintable():
