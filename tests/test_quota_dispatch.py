@@ -74,7 +74,7 @@ def test_a_tenant_at_its_limit_is_held_back_then_woken_by_a_leave(redis_url: str
         def published() -> bool:
             m = pubsub.get_message(timeout=0.1)
             if m:
-                msgs.append(m["data"])
+                msgs.extend(m["data"].split("\n"))  # "<queue>\n<key>..."
             return "quota:userid:A" in msgs
 
         wait_for(published, 5, what="the key published on the freed channel")

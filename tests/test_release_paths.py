@@ -663,7 +663,7 @@ def test_a_quota_hand_over_publishes_no_release_of_the_key(pl: Pipeline) -> None
             if message is not None:
                 released.append(message["data"])
         listener.close()
-        assert released == ["quota:userid:qh-user", "qprep"]  # b's release only
+        assert released == ["qprep\nquota:userid:qh-user"]  # b's release only, with its key
         assert not list(s.client.scan_iter(s.keys.prefix + "gate:*:sent"))
     finally:
         rt.stop()

@@ -193,8 +193,9 @@ class Keys:
 
     def freed_channel(self) -> str:
         """Pub/Sub channel: a queue's name is published on it each time an attempt of that
-        queue ends or goes back (its gate reservation was released just before), so attempts
-        parked for a slot wake up (see ``pipeline.bell``)."""
+        queue ends or goes back (its gate reservation was released just before), followed by
+        the quota keys the attempt counted against, one per line (``<queue>\n<key>...``), so
+        attempts parked for a slot or a key wake up (see ``pipeline.bell``)."""
         return f"{self.prefix}freed"
 
     def seq(self) -> str:

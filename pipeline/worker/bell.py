@@ -24,10 +24,11 @@ bounded (the caller re-asks its gate on time-out), so a lost message — the lis
 reconnecting after a Redis restart, a lease freed by a reaper — costs latency, never liveness.
 
 Besides queues, a bell rings for each per-key quota key (``quota:userid:alice``): the scripts
-publish the key when a request of it leaves the active state, and an attempt refused by that
-key parks on it (``Decision.wake_key``). There may be any number of keys, so the bell keeps
-generations only for names someone read (at most ``MAX_NAMES``, least recently read first
-out; a waiter whose name was dropped just asks its gate again) and no empty waiter lines.
+publish the key with the queue when a request of it leaves the active state (one message,
+``<queue>\n<key>...``), and an attempt refused by that key parks on it (``Decision.wake_key``).
+There may be any number of keys, so the bell keeps generations only for names someone read
+(at most ``MAX_NAMES``, least recently read first out; a waiter whose name was dropped just
+asks its gate again) and no empty waiter lines.
 """
 
 from __future__ import annotations
@@ -264,9 +265,10 @@ class ReleaseBell:
                     if message is None or message.get("type") != "message":
                         continue
                     data = message.get("data")
-                    queue = data.decode() if isinstance(data, bytes) else str(data)
-                    if not self._is_echo(queue):
-                        self.ring(queue)
+                    text = data.decode() if isinstance(data, bytes) else str(data)
+                    for name in text.split("\n"):  # the queue, then quota keys it released
+                        if not self._is_echo(name):
+                            self.ring(name)
             except Exception as exc:  # noqa: BLE001 - keep listening; waits are bounded
                 log.warning("release bell lost its subscription (%s); reconnecting", exc)
                 # everything published while away is lost: wake every waiter to re-ask

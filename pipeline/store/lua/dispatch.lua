@@ -292,19 +292,26 @@ local function take(q)
   end
 end
 
--- the merge policy's state (shared by the pool's dispatchers)
+-- the merge policy's state (shared by the pool's dispatchers), when there is a choice
 local merge_key = prefix .. 'pool:' .. cfg.pool .. ':merge'
 local tiered = cfg.policy == 'tier-priority'
-local fields, total_w = {}, 0
+local choosers, total_w = 0, 0
 for _, q in ipairs(Q) do
-  fields[#fields + 1] = 'c:' .. q.name
+  if q.allowed > 0 then choosers = choosers + 1 end
   if q.dispatch then total_w = total_w + q.weight end
 end
-for l = 0, 5 do fields[#fields + 1] = 'w:' .. l end
-local vals = redis.call('HMGET', merge_key, unpack(fields))
-for i, q in ipairs(Q) do q.c = tonumber(vals[i]) or (q.rand or 0) * total_w end
+local stateful = choosers > 1 -- one queue with room: nothing to merge, no state to keep
 local waited = {}
-for l = 0, 5 do waited[l] = tonumber(vals[#Q + 1 + l]) or 0 end
+for l = 0, 5 do waited[l] = 0 end
+for _, q in ipairs(Q) do q.c = 0 end
+if stateful then
+  local fields = {}
+  for _, q in ipairs(Q) do fields[#fields + 1] = 'c:' .. q.name end
+  for l = 0, 5 do fields[#fields + 1] = 'w:' .. l end
+  local vals = redis.call('HMGET', merge_key, unpack(fields))
+  for i, q in ipairs(Q) do q.c = tonumber(vals[i]) or (q.rand or 0) * total_w end
+  for l = 0, 5 do waited[l] = tonumber(vals[#Q + 1 + l]) or 0 end
+end
 local merged = false
 
 -- The queue to dispatch from next, the queues it was chosen among, the lanes with something
@@ -362,7 +369,7 @@ while n_free > 0 do
   end
 end
 
-if merged then
+if merged and stateful then
   local out = {}
   for _, q in ipairs(Q) do
     out[#out + 1] = 'c:' .. q.name

@@ -39,7 +39,9 @@ end
 
 -- An attempt of `queue` ended or went back, its gate reservation released just before:
 -- wake attempts parked for a slot (pipeline/bell.py subscribes).
-local function freed(prefix, queue)
+-- `also`: more names to ring with it (the quota keys the attempt held, '\n'-separated, or '').
+local function freed(prefix, queue, also)
+  if also and also ~= '' then queue = queue .. '\n' .. also end
   redis.call('PUBLISH', prefix .. 'freed', queue)
 end
 
@@ -129,7 +131,7 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   if redis.call('ZREM', qkey(prefix, queue, 'pending'), member) == 1 then
     sched_remove(prefix, queue, id, member)
   end
-  sched_leave(prefix, id, quiet)
+  local keys = sched_leave(prefix, id)
   redis.call('ZREM', qkey(prefix, queue, 'delayed'), id)
   redis.call('ZREM', qkey(prefix, queue, 'expiry'), id)
   redis.call('ZREM', qkey(prefix, queue, 'active'), id)
@@ -167,7 +169,7 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   redis.call('ZADD', recent, fmt_time(now), id)
   redis.call('ZREMRANGEBYSCORE', recent, '-inf', now - 300)
   wake(prefix, pool)
-  if not quiet then freed(prefix, queue) end
+  if not quiet then freed(prefix, queue, keys) end
   return json
 end
 
@@ -179,7 +181,7 @@ local function enqueue(prefix, id, now, due, quiet)
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline')
   local queue = f[1]
   redis.call('ZREM', qkey(prefix, queue, 'active'), id)
-  sched_leave(prefix, id, quiet)
+  local keys = sched_leave(prefix, id)
   redis.call('ZADD', qkey(prefix, queue, 'expiry'), f[5], id)
   if due > now then
     redis.call('ZADD', qkey(prefix, queue, 'delayed'), fmt_time(due), id)
@@ -190,7 +192,7 @@ local function enqueue(prefix, id, now, due, quiet)
     redis.call('HSET', rk, 'state', 'queued', 'token', '')
     wake(prefix, f[2])
   end
-  if not quiet then freed(prefix, queue) end
+  if not quiet then freed(prefix, queue, keys) end
 end
 
 local DEADLINE_PAYLOAD = '{"error": "deadline exceeded"}'

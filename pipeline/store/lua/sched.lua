@@ -18,8 +18,9 @@
 -- A dispatched request of a blocking concurrency quota key is listed in
 -- <prefix>gate:<quota key>:sent (what the dispatch script counts against the key's limit) and
 -- its record's qkeys field (JSON list of quota keys) says so, until it leaves the active state:
--- then sched_leave() takes it out, makes the key's blocked tenants ready again, rings their
--- pools' doorbells and publishes the key on the freed channel (attempts parked for it wake).
+-- then sched_leave() takes it out, makes the key's blocked tenants ready again and rings their
+-- pools' doorbells; lib.lua publishes the keys with the queue's release on the freed channel,
+-- one message "<queue>\n<key>..." (attempts parked for a key wake).
 -- Every function here is a no-op for a queue that is not indexed.
 
 local SCHED_SPAN = 562949953421312 -- 2^49 ring tickets per priority band (fair share)
@@ -193,16 +194,16 @@ local function sched_block(prefix, c, tk, rm, qk)
 end
 
 -- Request `id` left the active state (finished, requeued, reaped, cancelled): it no longer
--- counts against its quota keys; tenants waiting for them become ready, and attempts parked
--- for them are woken (the key is published on the freed channel) unless `quiet` (its attempt
--- handed its slot over: nothing was freed).
-local function sched_leave(prefix, id, quiet)
+-- counts against its quota keys, and tenants waiting for them become ready. Returns the keys
+-- ('\n'-separated, '' for none), which the caller publishes with its queue's release on the
+-- freed channel (attempts parked for them wake) unless its attempt handed its slot over.
+local function sched_leave(prefix, id)
   local rk = prefix .. 'req:' .. id
   local qkeys = redis.call('HGET', rk, 'qkeys')
-  if not qkeys or qkeys == '' then return end
+  if not qkeys or qkeys == '' then return '' end
   redis.call('HDEL', rk, 'qkeys')
   local ok, list = pcall(cjson.decode, qkeys)
-  if not ok or type(list) ~= 'table' then return end
+  if not ok or type(list) ~= 'table' then return '' end
   for _, qk in ipairs(list) do
     redis.call('ZREM', prefix .. 'gate:' .. qk .. ':sent', id)
     local reg = prefix .. 'gate:' .. qk .. ':blocked'
@@ -212,6 +213,6 @@ local function sched_leave(prefix, id, quiet)
       local q, tk = string.match(m, '^([^\n]*)\n(.*)$')
       if q then sched_unblock(prefix, q, tk) end
     end
-    if not quiet then redis.call('PUBLISH', prefix .. 'freed', qk) end
   end
+  return table.concat(list, '\n')
 end
