@@ -156,15 +156,19 @@ def fair_phase(rh: RedisHandle, p: Any, n: int) -> dict[str, Any]:
     for queue in ("fsmall", "fbig"):
         sched.setup(s.client, s.scripts, s.keys, queue, "pf" + queue, "userid", True)
     p.submit_many(small_items(SMALL, "fsmall", 100))
+    rh.client.execute_command("MEMORY", "PURGE")
+    mem0 = rh.used_memory()
     done = 0
     while done < n:
         size = min(CHUNK, n - done)
         p.submit_many(small_items(size, "fbig", 10_000))
         done += size
+    rh.client.execute_command("MEMORY", "PURGE")
+    mem_per_req = (rh.used_memory() - mem0) / n
     tenants = int(rh.client.zcard(s.keys.ready("fbig")))
     small = tick_phase(p, "fsmall", SMALL, 100)
     big = tick_phase(p, "fbig", n, 10_000)
-    return {"small": small, "big": big, "tenants": tenants}
+    return {"small": small, "big": big, "tenants": tenants, "mem_per_req": mem_per_req}
 
 
 def finished_phase(rh: RedisHandle, p: Any, n: int, queue: str) -> dict[str, Any]:
@@ -323,6 +327,12 @@ def main() -> int:
             [
                 f"fair share: rate at {fair_n:,} / {fair['tenants']:,} tenants",
                 f"{fb['rate']:,.0f}",
+                "",
+                "",
+            ],
+            [
+                "  Redis memory per waiting request, indexed by tenant (B)",
+                f"{fair['mem_per_req']:.0f}",
                 "",
                 "",
             ],
