@@ -124,8 +124,10 @@ class RedisQuotaGate(Gate):
         return wake[0] if self.per_key and len(wake) == 1 else None
 
     def transfer(self, giver: str, ctx: AcquireContext) -> bool:
+        if not self.per_key:
+            return super().transfer(giver, ctx)  # rate-limit, classifying: nothing to hand
         value = ctx.metadata.get(self.attribute)
-        if not value or not self.per_key:
+        if not value:
             return False
         key = self.holders_key(value)
         info = {"key": key, "worker": ctx.worker, "handed_over_by": giver}
