@@ -126,12 +126,12 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
     quiet)
   local rk = prefix .. 'req:' .. id
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'attempts', 'submitted_at',
-    'result_list', 'result_list_max', 'result_list_ttl', 'wire', 'ref_token')
+    'result_list', 'result_list_max', 'result_list_ttl', 'wire', 'ref_token', 'qkeys')
   local queue, pool, member = f[1], f[2], f[3]
   if redis.call('ZREM', qkey(prefix, queue, 'pending'), member) == 1 then
     sched_remove(prefix, queue, id, member)
   end
-  local keys = sched_leave(prefix, id)
+  local keys = sched_leave(prefix, id, f[11])
   redis.call('ZREM', qkey(prefix, queue, 'delayed'), id)
   redis.call('ZREM', qkey(prefix, queue, 'expiry'), id)
   redis.call('ZREM', qkey(prefix, queue, 'active'), id)
@@ -178,10 +178,10 @@ end
 -- `quiet` as in terminal().
 local function enqueue(prefix, id, now, due, quiet)
   local rk = prefix .. 'req:' .. id
-  local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline')
+  local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline', 'qkeys')
   local queue = f[1]
   redis.call('ZREM', qkey(prefix, queue, 'active'), id)
-  local keys = sched_leave(prefix, id)
+  local keys = sched_leave(prefix, id, f[6])
   redis.call('ZADD', qkey(prefix, queue, 'expiry'), f[5], id)
   if due > now then
     redis.call('ZADD', qkey(prefix, queue, 'delayed'), fmt_time(due), id)

@@ -197,11 +197,10 @@ end
 -- counts against its quota keys, and tenants waiting for them become ready. Returns the keys
 -- ('\n'-separated, '' for none), which the caller publishes with its queue's release on the
 -- freed channel (attempts parked for them wake) unless its attempt handed its slot over.
-local function sched_leave(prefix, id)
-  local rk = prefix .. 'req:' .. id
-  local qkeys = redis.call('HGET', rk, 'qkeys')
+-- `qkeys`: the record's qkeys field (read by the caller with the rest of the record).
+local function sched_leave(prefix, id, qkeys)
   if not qkeys or qkeys == '' then return '' end
-  redis.call('HDEL', rk, 'qkeys')
+  redis.call('HDEL', prefix .. 'req:' .. id, 'qkeys')
   local ok, list = pcall(cjson.decode, qkeys)
   if not ok or type(list) ~= 'table' then return '' end
   for _, qk in ipairs(list) do
