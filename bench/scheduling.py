@@ -66,17 +66,20 @@ def merge_run(penv: PipelineEnv, weights: tuple[int, int], seed: int) -> dict[st
     return {"lo": lo, "hi": hi, "ok": lo >= expect - 4 and hi <= expect + 4, "expect": expect}
 
 
-def coin_misses(weights: tuple[int, int], runs: int = 1000) -> float:
-    """Share of runs in which a fresh weighted coin per dispatch leaves the ± 10 % band."""
+def coin_misses(weights: tuple[int, int], runs: int = 1000) -> tuple[float, float]:
+    """How often a fresh weighted coin per dispatch leaves the ± 10 % band: in one window of
+    40 dispatches, and anywhere in a run of 400."""
     rng = random.Random(1)
     share = weights[0] / sum(weights)
     expect = WINDOW * share
-    missed = 0
+    first = anywhere = 0
     for _ in range(runs):
         order = ["a" if rng.random() < share else "b" for _ in range(DISPATCHES)]
         lo, hi = windows(order, "a")
-        missed += lo < expect - 4 or hi > expect + 4
-    return missed / runs
+        anywhere += lo < expect - 4 or hi > expect + 4
+        n = order[:WINDOW].count("a")
+        first += n < expect - 4 or n > expect + 4
+    return first / runs, anywhere / runs
 
 
 def fair_run(penv: PipelineEnv) -> int:
@@ -141,10 +144,12 @@ def main() -> int:
                         verdict(r["ok"]),
                     ]
                 )
+            one, anywhere = coin_misses(weights)
             rows.append(
                 [
-                    f"  (a fresh coin per dispatch, {weights[0]}:{weights[1]}: runs missing)",
-                    f"{coin_misses(weights):.0%}",
+                    f"  (a fresh coin per dispatch, {weights[0]}:{weights[1]}: misses in one / "
+                    "any window)",
+                    f"{one:.0%} / {anywhere:.0%}",
                     "",
                     "",
                 ]
