@@ -299,9 +299,12 @@ def assert_idle(p: Pipeline, timeout: float = 20.0) -> None:
         if p.store.client.zcard(k)
     ]
     assert not leftover, f"gate keys still hold slots: {leftover}"
-    # nor does the dispatcher still count a request of a quota key (lua/sched.lua)
+    # nor does the dispatcher still count a request of a quota key, or hold a tenant back
+    # for one (lua/sched.lua)
     counted = [k for k in p.store.client.scan_iter(keys.prefix + "gate:*:sent")]
     assert not counted, f"quota keys still count requests: {counted}"
+    held = [k for k in p.store.client.scan_iter(keys.prefix + "gate:*:blocked")]
+    assert not held, f"quota keys still hold tenants back: {held}"
 
 
 @pytest.fixture
