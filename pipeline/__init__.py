@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .batch import Batch, Batches, UnknownBatch
 from .client import Pipeline, Request, Result, configure, default_pipeline
 from .config import QueueConfig, Settings, load_settings
 from .errors import (
@@ -71,12 +72,53 @@ def cancel(id: str) -> bool:
     return default_pipeline().cancel(id)
 
 
+def _batches() -> Batches:
+    return Batches(default_pipeline())
+
+
+def submit_batch(
+    lines_or_path: Any,
+    completion_window: str | float = "24h",
+    metadata: dict[str, str] | None = None,
+    priority: int = 0,
+    queue: str = "default",
+    *,
+    endpoint: str | None = None,
+    id: str | None = None,
+) -> Batch:
+    """Submit a batch of OpenAI batch lines (a path to a JSONL file, or the lines as dicts or
+    JSON text) whose requests must all finish within ``completion_window`` (``"24h"``): the
+    whole input is checked first, then every line is stored as a request of ``queue``. A
+    ``failed`` batch lists its bad lines in ``errors`` (``metadata={"invalid_lines":
+    "error_file"}`` runs the good ones instead). ``id``: an idempotency key."""
+    return _batches().submit_batch(
+        lines_or_path,
+        completion_window=completion_window,
+        metadata=metadata,
+        priority=priority,
+        queue=queue,
+        endpoint=endpoint,
+        batch_id=id,
+    )
+
+
+def get_batch(id: str) -> Batch:
+    """A batch by id; raises :class:`UnknownBatch`."""
+    return _batches().get(id)
+
+
+def list_batches(after: str | None = None, limit: int = 20) -> list[Batch]:
+    """Batches, newest first (``after``: the last id of the previous page)."""
+    return _batches().list(after=after, limit=limit)[0]
+
+
 def inspect() -> dict[str, Any]:
     """Per queue: pending, retry_wait, running and the gate's type, limit, in-flight, holders."""
     return default_pipeline().inspect()
 
 
 __all__ = [
+    "Batch",
     "ConfigError",
     "InvalidRequest",
     "Pipeline",
@@ -86,13 +128,17 @@ __all__ = [
     "Result",
     "ReplicationError",
     "Settings",
+    "UnknownBatch",
     "UnknownRequest",
     "UnsafeRedis",
     "cancel",
     "configure",
     "get",
+    "get_batch",
     "inspect",
+    "list_batches",
     "load_settings",
     "submit",
+    "submit_batch",
     "submit_many",
 ]

@@ -1,5 +1,6 @@
-"""Shared fixtures: a real Redis (fail, never skip, when it is missing), the simulator, a real
-worker node in a subprocess, and a client bound to an isolated key prefix.
+"""Shared fixtures: a real Redis (fail, never skip, when it is missing), the simulator, real
+worker nodes — in a subprocess (``start_worker``, ``worker``) or in this process (``in_process``:
+pytest-celery's session worker, threads pool) — and a client bound to an isolated key prefix.
 
 Every test that uses ``pl`` ends with the leak check: all queues drain and no gate holds a
 reservation.
@@ -18,16 +19,35 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
+from celery.app.trace import setup_worker_optimizations
+from celery.contrib.testing.worker import TestWorkController
+from celery.signals import worker_ready
 
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
 from pipeline.sim import SimConfig, SimServer
 from pipeline.store import Keys
+from pipeline.store.keys import celery_queue
 
 REDIS_URL = os.environ.get("PIPELINE_TEST_REDIS_URL", "redis://127.0.0.1:6379/12")
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_TAG = f"t{uuid.uuid4().hex[:6]}"  # this session's result lists
+
+
+# An attempt's HTTP timeout on the test queues: longer than any test holds a request at the
+# simulator (``held``), so a held attempt is never cut off and retried while the test works.
+HELD_S = 30
+# How long a worker node may take to start (import Celery, connect, register). A few seconds
+# on a quiet machine; on a loaded 2-core one (load average 18 measured) it took over 30 s.
+NODE_START_S = 90
+
+
+def held(name: str) -> dict[str, str]:
+    """Request headers that make the simulator hold the request (in flight, its slot taken)
+    until the test calls ``sim.release(name)``: no race against a fixed latency."""
+    return {"x-sim-hold": name}
 
 
 def wait_for(
@@ -61,7 +81,7 @@ def sim() -> Iterator[SimServer]:
 
 
 def queue_entries(sim_url: str) -> list[dict[str, Any]]:
-    fast = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.4, "request_timeout_s": 5}
+    fast = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.4, "request_timeout_s": HELD_S}
     return [
         {"queue_name": "default", "igw_base_url": sim_url, **fast},
         # served only by workers started inside a test (ordering, expiry, cancel)
@@ -114,7 +134,7 @@ def tenants_gate(per_tenant: int, overall: int) -> dict[str, Any]:
 def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
     """Queues with gates that hold reservations, one result list each (named per session:
     result lists use their configured name verbatim, outside the key prefix)."""
-    fast = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.4, "request_timeout_s": 5}
+    fast = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.4, "request_timeout_s": HELD_S}
     dead = "http://127.0.0.1:9"  # discard port: nothing listens, connections are refused
     wait_quota = {"gate_type": "wait-on-refuse", "gate_params": {"gate": quota(1)}}
     specs: list[tuple[str, str, dict[str, Any], str]] = [
@@ -144,6 +164,7 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
         ("fairq", "fairq", {"fair_share": True}, sim_url),
         ("merge1", "merge", {}, sim_url),
         ("merge2", "merge", {}, sim_url),
+        ("inproc", "inproc", local_limit(2), sim_url),  # served by the in-process node
         (
             "skew",
             "skew",
@@ -187,6 +208,7 @@ def env(
         "PIPELINE_GATE_WAIT_TIMEOUT_S": "1",
         "PIPELINE_WEDGE_AFTER_S": "1",
         "PIPELINE_RESULT_TTL_S": "3600",
+        "PIPELINE_METRICS_PORT": "0",  # the tests that scrape a node give it a port of its own
     }
     os.environ.update(e)
     yield {**os.environ, **e}
@@ -264,7 +286,11 @@ def start_worker(
                     raise AssertionError(f"worker exited: {log.read_text()[-3000:]}")
                 return client.zscore(key, name) is not None
 
-            wait_for(registered, 30, what=f"worker {name}")
+            try:
+                wait_for(registered, NODE_START_S, what=f"worker {name}")
+            except AssertionError:
+                w.stop()  # never leave a late node behind to serve a later test's queue
+                raise
         return w
 
     yield start
@@ -309,14 +335,86 @@ def assert_idle(p: Pipeline, timeout: float = 20.0) -> None:
 
 @pytest.fixture
 def pl(env: dict[str, str], sim: SimServer) -> Iterator[Pipeline]:
-    """A client bound to the test environment; checks for leaks afterwards."""
+    """A client bound to the test environment; checks for leaks afterwards (after answering
+    any request a failed test left held at the simulator)."""
     sim.reset()
     p = Pipeline(load_settings(env))
     yield p
+    sim.release_all()
     assert_idle(p)
 
 
 @pytest.fixture
 def served(pl: Pipeline, worker: WorkerProc) -> Pipeline:
     """``pl`` with the session worker running."""
+    return pl
+
+
+# -- the in-process worker node: pytest-celery's session worker ---------------------------------
+# For the tests that need a Celery worker but not a separate process (the task's wiring, the
+# messages the dispatch script writes, result meta, revoke). pytest-celery 1.3 loads
+# ``celery.contrib.pytest``, whose ``celery_session_worker`` runs ``start_worker`` (a
+# ``WorkController`` in a thread of this process) with the fixtures below. Subprocess workers
+# stay where a separate process is the point: SIGKILL, prefork, time limits, warm shutdown,
+# a node's own environment (metrics port, key prefix, broker acks).
+IN_PROCESS_POOL = "inproc"
+
+
+class InProcessNode(TestWorkController):
+    """The embedded test worker as a pipeline node. Like ``celery worker`` (and unlike the
+    bare test controller) it runs tasks through the worker's tracer, which gives a task its
+    node's name (``request.hostname``), and sends ``worker_ready`` once it consumes, which
+    starts the node's dispatcher (``tasks.node``). It does not send ``celeryd_init`` /
+    ``celeryd_after_setup``: this process keeps its environment, and the node consumes with
+    kombu's acks."""
+
+    def on_before_init(self, **kwargs: Any) -> None:
+        setup_worker_optimizations(self.app, self.hostname)
+        super().on_before_init(**kwargs)
+
+    def on_consumer_ready(self, consumer: Any) -> None:
+        worker_ready.send(sender=consumer)
+        super().on_consumer_ready(consumer)
+
+
+@pytest.fixture(scope="session")
+def celery_session_app(env: dict[str, str]) -> Celery:
+    """The project's own app, not pytest-celery's ``TestApp``: the task, its result backend
+    and the node's bootstep are registered on ``tasks.app``. ``celeryconfig`` is read when the
+    app's configuration is first used — after ``env`` has set this session's variables."""
+    from tasks.app import app
+
+    assert str(app.conf.broker_url) == env["CELERY_BROKER_URL"], "app configured before env"
+    return app
+
+
+@pytest.fixture(scope="session")
+def celery_includes() -> tuple[str, ...]:
+    return ("tasks.node",)  # the dispatcher bootstep and the release signal handlers
+
+
+@pytest.fixture(scope="session")
+def celery_worker_pool() -> str:
+    return "threads"  # the pipeline's default pool; prefork is tested with subprocess nodes
+
+
+@pytest.fixture(scope="session")
+def celery_worker_parameters(env: dict[str, str]) -> dict[str, Any]:
+    return {
+        "queues": [celery_queue(IN_PROCESS_POOL, env["PIPELINE_KEY_PREFIX"])],
+        "concurrency": 4,
+        "hostname": f"inproc-{RESULTS_TAG}@test",
+        "WorkController": InProcessNode,
+        # the ping task (celery.contrib.testing.tasks) would go to Celery's default queue,
+        # which the session's subprocess node consumes; being ready is enough here
+        "perform_ping_check": False,
+        "shutdown_timeout": 30,
+    }
+
+
+@pytest.fixture
+def in_process(pl: Pipeline, celery_session_worker: TestWorkController) -> Pipeline:
+    """``pl`` with the in-process node serving the ``inproc`` queue (limit 2)."""
+    key = pl.store.keys.pool_nodes(IN_PROCESS_POOL)
+    wait_for(lambda: pl.store.client.zscore(key, celery_session_worker.hostname) is not None)
     return pl

@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.client import Pipeline
 from pipeline.config import Settings, load_settings
-from tests.conftest import WorkerProc, wait_for
+from tests.conftest import HELD_S, NODE_START_S, WorkerProc, wait_for
 
-FAST = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.2, "request_timeout_s": 5}
+FAST = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.2, "request_timeout_s": HELD_S}
 
 
 @dataclass
@@ -92,11 +92,15 @@ def start_node(
         wait=False,
     )
     if wait:
-        wait_ready(w, port)
+        try:
+            wait_ready(w, port)
+        except AssertionError:
+            w.stop()  # never leave a late node behind to serve a later test's queue
+            raise
     return w, port
 
 
-def wait_ready(w: WorkerProc, port: int, timeout: float = 30.0) -> None:
+def wait_ready(w: WorkerProc, port: int, timeout: float = NODE_START_S) -> None:
     def ready() -> bool:
         if w.proc.poll() is not None:
             raise AssertionError(f"worker exited: {w.log.read_text()[-3000:]}")

@@ -1,9 +1,14 @@
 """Bad messages and records (the submit() cases are in test_submit_validation.py): each gets
-a terminal INVALID_REQUEST result or is rejected, the worker keeps running, nothing is lost."""
+a terminal INVALID_REQUEST result or is rejected, the worker keeps running, nothing is lost.
+
+What reaches a worker goes to the in-process node (``in_process``: pytest-celery's session
+worker serving the ``inproc`` queue), whose Celery queue the test writes to directly; a
+batch file goes through ``pipeline run`` and the session's subprocess node."""
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import uuid
 from collections.abc import Callable
@@ -23,9 +28,16 @@ def uid(tag: str = "bad") -> str:
     return f"{tag}-{uuid.uuid4().hex[:8]}"
 
 
+NODE_QUEUE = "inproc"  # the queue (and pool) the in-process node serves
+
+
 def worker_still_serves(pl: Pipeline) -> None:
-    rid = pl.submit({"p": "after"}, id=uid("alive"), timeout=30).id
+    """A request sent after the bad input is served, so the node took the bad input first
+    (a Celery queue is FIFO): on a Redis broker nothing is left in it."""
+    rid = pl.submit({"p": "after"}, id=uid("alive"), queue=NODE_QUEUE, timeout=30).id
     assert pl.wait(rid, 15).ok
+    if pl.settings.redis_url == os.environ.get("CELERY_BROKER_URL"):
+        assert pl.store.client.llen(celery_queue(NODE_QUEUE)) == 0
 
 
 def default_results(pl: Pipeline, queue: str) -> list[dict[str, Any]]:
@@ -35,18 +47,19 @@ def default_results(pl: Pipeline, queue: str) -> list[dict[str, Any]]:
 
 # -- garbage written into a queue's sorted set by hand ---------------------------------------
 @pytest.mark.parametrize("member", ["garbage", "000000000000001|no-such-request", "|", "12|"])
-def test_garbage_in_the_sorted_set(served: Pipeline, member: str) -> None:
-    served.store.client.zadd(served.store.keys.pending("default"), {member: 1.0})
+def test_garbage_in_the_sorted_set(in_process: Pipeline, member: str) -> None:
+    served = in_process
+    served.store.client.zadd(served.store.keys.pending(NODE_QUEUE), {member: 1.0})
     expected_id = member.split("|", 1)[1] if "|" in member and member.split("|", 1)[1] else member
 
     def reported() -> bool:
         return any(
             r["id"] == expected_id and r.get("error_code") == "INVALID_REQUEST"
-            for r in default_results(served, "default")
+            for r in default_results(served, NODE_QUEUE)
         )
 
     wait_for(reported, 10, what="INVALID_REQUEST result for the garbage entry")
-    assert served.inspect()["default"]["pending"] == 0
+    assert served.inspect()[NODE_QUEUE]["pending"] == 0
     worker_still_serves(served)
 
 
@@ -63,10 +76,11 @@ CORRUPTIONS: list[tuple[str, Callable[[Any, str], None]]] = [
 
 @pytest.mark.parametrize(("name", "corrupt"), CORRUPTIONS, ids=[c[0] for c in CORRUPTIONS])
 def test_corrupted_record_ends_invalid(
-    served: Pipeline, name: str, corrupt: Callable[[Any, str], None]
+    in_process: Pipeline, name: str, corrupt: Callable[[Any, str], None]
 ) -> None:
     import tasks
 
+    served = in_process
     q = served.settings.queues["crash"]  # no worker serves it: dispatch by hand
     rid = served.submit({"p": 1}, id=uid(name), queue="crash", timeout=30).id
     corrupt(served.store.client, served.store.keys.request(rid))
@@ -76,7 +90,7 @@ def test_corrupted_record_ends_invalid(
             args=(rid, d.token),
             kwargs={"queue": "crash"},
             task_id=rid,
-            queue=celery_queue("default"),
+            queue=celery_queue(NODE_QUEUE),
         )
     res = served.wait(rid, 15)
     assert res.error_code == "INVALID_REQUEST" and "unreadable" in (res.error_message or "")
@@ -97,42 +111,44 @@ MESSAGES: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
 
 @pytest.mark.parametrize(("name", "args", "kwargs"), MESSAGES, ids=[m[0] for m in MESSAGES])
 def test_malformed_task_message(
-    served: Pipeline, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    in_process: Pipeline, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
     import tasks
 
     tasks.infer.apply_async(
-        args=args, kwargs=kwargs, task_id=uid(name), queue=celery_queue("default")
+        args=args, kwargs=kwargs, task_id=uid(name), queue=celery_queue(NODE_QUEUE)
     )
-    worker_still_serves(served)
+    worker_still_serves(in_process)
 
 
-def test_a_live_request_with_a_stale_token_is_not_run_twice(served: Pipeline) -> None:
+def test_a_live_request_with_a_stale_token_is_not_run_twice(in_process: Pipeline) -> None:
     import tasks
 
-    rid = served.submit({"p": 1}, id=uid("stale"), timeout=30).id
+    served = in_process
+    rid = served.submit({"p": 1}, id=uid("stale"), queue=NODE_QUEUE, timeout=30).id
     assert served.wait(rid, 15).ok
     tasks.infer.apply_async(
         args=(rid, "old-token"),
-        kwargs={"queue": "default"},
+        kwargs={"queue": NODE_QUEUE},
         task_id=rid,
-        queue=celery_queue("default"),
+        queue=celery_queue(NODE_QUEUE),
     )
     worker_still_serves(served)
     assert served.wait(rid, 1).attempts == 1
-    assert [r["id"] for r in default_results(served, "default")].count(rid) == 1
+    assert [r["id"] for r in default_results(served, NODE_QUEUE)].count(rid) == 1
 
 
-def test_pickled_message_is_rejected(served: Pipeline, env: dict[str, str]) -> None:
+def test_pickled_message_is_rejected(in_process: Pipeline, env: dict[str, str]) -> None:
     """JSON only on the wire: a pickle-serialised message is refused, never executed."""
+    served = in_process
     rid = served.submit({"p": 1}, id=uid("pickle"), queue="solo", timeout=30).id
     body = pickle.dumps(((rid, "tok"), {"queue": "solo"}, {}))
     with Connection(env["CELERY_BROKER_URL"]) as conn:
         producer = Producer(conn)
         producer.publish(
             body,
-            routing_key=celery_queue("default"),
-            exchange=Exchange(celery_queue("default"), type="direct"),
+            routing_key=celery_queue(NODE_QUEUE),
+            exchange=Exchange(celery_queue(NODE_QUEUE), type="direct"),
             content_type="application/x-python-serialize",
             content_encoding="binary",
             headers={

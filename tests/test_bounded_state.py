@@ -65,6 +65,10 @@ BOUNDED = [
     r"q:[^:]+:(ready|blocked)",  # one entry per tenant with waiting requests only
     r"q:[^:]+:t:.*",  # a tenant's waiting requests only (an empty sorted set is no key)
     r"gate:.+:(sent|blocked)",  # a quota key's active requests / tenants held back only
+    # one entry per unexpired batch / file: pruned when its record expires (batch_create.lua,
+    # Files.sweep); active batches only; a doorbell of at most one element
+    r"batches(:expiry|:active|:bell)?",
+    r"files(:expiry)?",
 ]
 
 

@@ -1,7 +1,7 @@
 """Flower shows the truth about requests and gates: a real Flower (``pipeline flower``) against
 a real worker node, checked through Flower's REST API and its tasks page in headless Chromium
-(Debian's ``chromium``; ``.ci/run`` installs it when missing). The page's screenshot is saved
-under ``artifacts/``."""
+(Debian's ``chromium``; ``.ci/system-deps``, which ``make test`` and ``.ci/run`` call, installs
+it when missing). The page's screenshot is saved under ``artifacts/``."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
 
 from pipeline.sim import SimServer
-from tests.conftest import ROOT, WorkerProc, assert_idle, quota, wait_for
+from tests.conftest import ROOT, WorkerProc, assert_idle, held, quota, wait_for
 from tests.observability import Isolated, free_port, isolated, start_node, total
 
 ARTIFACTS = ROOT / "artifacts"
@@ -103,7 +104,7 @@ def flower(iso: Isolated, tmp_path: Path) -> Iterator[Flower]:
 
 def chromium() -> str:
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert exe, "chromium is required (apt-get install -y chromium; .ci/run installs it)"
+    assert exe, "chromium is required (apt-get install -y chromium; .ci/system-deps installs it)"
     return exe
 
 
@@ -117,6 +118,25 @@ def browse(url: str, *args: str) -> str:
         )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
+
+
+def page_showing(url: str, needles: list[str], timeout: float = 90.0) -> str:
+    """The page's DOM once it contains every one of ``needles``: Flower's tasks table fills
+    in from a request the page makes after loading, and a browser on a busy machine can dump
+    the DOM before that answer arrived; load the page again until it shows them. The last
+    DOM is kept in ``artifacts/`` when they never show."""
+    last = [""]
+
+    def shown() -> str | None:
+        last[0] = dom = browse(url, "--dump-dom")
+        return dom if all(n in dom for n in needles) else None
+
+    try:
+        return wait_for(shown, timeout, interval=0.5, what=f"{needles} on {url}")  # type: ignore[no-any-return]
+    except AssertionError:
+        ARTIFACTS.mkdir(exist_ok=True)
+        (ARTIFACTS / "flower-page-last.html").write_text(last[0])
+        raise
 
 
 def final(flower: Flower, rid: str) -> dict[str, Any]:
@@ -167,27 +187,33 @@ def test_flower_shows_requests_retries_and_gate_decisions(
             queue=f,
             headers={"x-sim-fail-first": "1", "x-sim-fail-status": "400"},
         )
-        # two requests of one user on a concurrency-1 quota: the second (sent past the
-        # limit) parks 0.2 s for the user's key and is refused, and on the wait-on-refuse
-        # queue another user's second is parked (a Wait); the two queues share the quota keys
-        slow = {"x-sim-latency-ms": "1500"}
+        # users u1's and u2's one slot each (a concurrency-1 quota; the two queues share the
+        # keys) are held at the simulator until the test has seen the gate's decisions: u1's
+        # next request (sent past the limit) parks 0.2 s for u1's key and is refused on the
+        # quota queue, u2's is parked (a Wait) on the wait-on-refuse queue
         user = {"metadata": {"userid": "u1"}}
-        holder = pl.submit({"prompt": "q1"}, queue=iso.queue("quota"), headers=slow, **user)
-        wait_for(lambda: pl.state(holder.id) == "running", 10, what="the quota holder")
+        holder = pl.submit(
+            {"prompt": "q1"}, queue=iso.queue("quota"), headers=held(iso.tag), **user
+        )
+        sim.wait_held(iso.tag)
         refused = pl.submit({"prompt": "q2"}, queue=iso.queue("quota"), **user)
-        user = {"metadata": {"userid": "u2"}}
-        parker = pl.submit({"prompt": "p1"}, queue=iso.queue("park"), headers=slow, **user)
-        wait_for(lambda: pl.state(parker.id) == "running", 10, what="the park holder")
-        parked = pl.submit({"prompt": "p2"}, queue=iso.queue("park"), **user)
+        other = {"metadata": {"userid": "u2"}}
+        holder2 = pl.submit(
+            {"prompt": "p1"}, queue=iso.queue("park"), headers=held(iso.tag + "2"), **other
+        )
+        sim.wait_held(iso.tag + "2")
+        parked = pl.submit({"prompt": "p2"}, queue=iso.queue("park"), **other)
 
         # while its user's slot is held, the parked request's task shows the gate's event
         def parked_state() -> bool:
             t = flower.task(parked.id)
             return bool(t and t["state"] == "GATE-WAITING")
 
-        wait_for(parked_state, 10, interval=0.05, what="GATE-WAITING in flower")
+        wait_for(parked_state, 20, interval=0.05, what="GATE-WAITING in flower")
+        wait_for(lambda: int(pl.record(refused.id).get("dispatches", 0)) >= 2, 20, what="a refusal")
+        assert sim.release(iso.tag) == 1 and sim.release(iso.tag + "2") == 1
 
-        for req in (ok, retried, refused, holder, parker, parked):
+        for req in (ok, retried, refused, holder, holder2, parked):
             t = final(flower, req.id)
             assert t["state"] == "SUCCESS", t
             assert t["name"] == "pipeline.infer"
@@ -219,22 +245,22 @@ def test_flower_shows_requests_retries_and_gate_decisions(
         assert total(samples, ev, worker=w.name, type="task-gate-waiting") >= 1
         assert total(samples, ev, worker=w.name, type="task-retried") >= 3
 
-        # the tasks page, rendered by a real browser, lists them with their final states
+        # the tasks page, rendered by a real browser, lists them with their final states. It
+        # shows 15 tasks, the latest first, of every worker on the broker (those of other test
+        # sessions on this Redis too, once Flower turned their events on): ask for this node's
+        tasks_page = f"{flower.url}/tasks?worker={quote(w.name)}"
+        dom = page_showing(tasks_page, [r.id for r in (ok, retried, bad, refused, parked)])
         ARTIFACTS.mkdir(exist_ok=True)
         shot = ARTIFACTS / "flower-tasks.png"
         shot.unlink(missing_ok=True)
-        browse(flower.url + "/tasks", f"--screenshot={shot}")
+        browse(tasks_page, f"--screenshot={shot}")
         assert shot.exists() and shot.stat().st_size > 10_000
-        dom = browse(flower.url + "/tasks", "--dump-dom")
-        for req in (ok, retried, bad, refused, parked):
-            assert req.id in dom, f"{req.id} not on the tasks page"
         assert "pipeline.infer" in dom and "SUCCESS" in dom and "FAILURE" in dom
         # args and kwargs columns: request id, queue, priority and attempt number
         assert f"'queue': '{f}', 'priority': 3, 'attempt': 3" in dom.replace("&#39;", "'")
         assert "HTTP 400" in dom
         # and a task's own page shows the retry's reason
-        page = browse(f"{flower.url}/task/{refused.id}", "--dump-dom")
-        assert "gate refused (quota_exhausted)" in page and refused.id in page
+        page_showing(f"{flower.url}/task/{refused.id}", ["gate refused (quota_exhausted)"])
     finally:
         w.stop()
 

@@ -16,7 +16,7 @@ from pipeline.errors import ConfigError
 from pipeline.sim import SimServer
 from pipeline.worker import Attempt, Runtime
 
-from .conftest import wait_for
+from .conftest import held, wait_for
 
 
 def uid(tag: str) -> str:
@@ -42,15 +42,11 @@ def test_a_tenant_over_quota_does_not_block_others(served: Pipeline, sim: SimSer
     """quota1: one request in flight per userid. Tenant A floods the queue first; tenant B's
     requests, submitted after, finish while A's first request still holds A's only slot."""
     a, b = {"userid": uid("a")}, {"userid": uid("b")}
+    hold = uid("hold")
     slow = served.submit(
-        {"p": 0},
-        id=uid("a0"),
-        queue="quota1",
-        timeout=60,
-        metadata=a,
-        headers={"x-sim-latency-ms": "4000"},
+        {"p": 0}, id=uid("a0"), queue="quota1", timeout=60, metadata=a, headers=held(hold)
     ).id
-    wait_for(lambda: served.state(slow) == "running", 10, what="tenant A holds its slot")
+    sim.wait_held(hold)  # tenant A holds its slot
     flood = [
         served.submit({"p": i}, queue="quota1", timeout=60, metadata=a, priority=9).id
         for i in range(5)
@@ -59,34 +55,37 @@ def test_a_tenant_over_quota_does_not_block_others(served: Pipeline, sim: SimSer
     for rid in others:
         assert served.wait(rid, 10).ok
     assert served.state(slow) == "running"  # B finished while A's slot was still taken
+    assert sim.release(hold) == 1
     for rid in [slow, *flood]:
         assert served.wait(rid, 30).ok
 
 
-def test_inspect_lists_holders(served: Pipeline) -> None:
-    rid = served.submit(
-        {"p": 0}, id=uid("h"), queue="lim2", timeout=30, headers={"x-sim-latency-ms": "1500"}
-    ).id
-    wait_for(lambda: served.state(rid) == "running", 10, what="running")
+def test_inspect_lists_holders(served: Pipeline, sim: SimServer) -> None:
+    hold = uid("hold")
+    rid = served.submit({"p": 0}, id=uid("h"), queue="lim2", timeout=30, headers=held(hold)).id
+    sim.wait_held(hold)
     gate = served.inspect()["lim2"]["gate"]
     assert gate["type"] == "local-max-concurrency" and gate["limit"] == 2
     (holder,) = [h for h in gate["holders"] if h["request_id"] == rid]
     assert holder["attempt"] == served.record(rid)["token"]
     assert holder["worker"] and holder["age_s"] >= 0
     assert holder["lease_expires_at"] > time.time()
+    sim.release(hold)
     assert served.wait(rid, 10).ok
 
 
-def test_wedge_detector_flags_a_full_queue_with_no_completions(served: Pipeline) -> None:
-    """lim1 with PIPELINE_WEDGE_AFTER_S=1: a request holding the only slot for 3 s while
-    another waits is reported, and the report clears once work completes."""
-    slow = served.submit(
-        {"p": 0}, id=uid("w"), queue="lim1", timeout=60, headers={"x-sim-latency-ms": "3000"}
-    ).id
-    wait_for(lambda: served.state(slow) == "running", 10, what="slot taken")
+def test_wedge_detector_flags_a_full_queue_with_no_completions(
+    served: Pipeline, sim: SimServer
+) -> None:
+    """lim1 with PIPELINE_WEDGE_AFTER_S=1: a request holding the only slot while another
+    waits is reported, and the report clears once work completes."""
+    hold = uid("hold")
+    slow = served.submit({"p": 0}, id=uid("w"), queue="lim1", timeout=60, headers=held(hold)).id
+    sim.wait_held(hold)  # the only slot is taken until the test releases it
     waiting = served.submit({"p": 1}, id=uid("w"), queue="lim1", timeout=60).id
-    since = wait_for(lambda: served.inspect()["lim1"]["wedged_since"], 5, what="wedge report")
+    since = wait_for(lambda: served.inspect()["lim1"]["wedged_since"], 10, what="wedge report")
     assert since <= time.time()
+    sim.release(hold)
     assert served.wait(slow, 10).ok and served.wait(waiting, 10).ok
     wait_for(lambda: served.inspect()["lim1"]["wedged_since"] is None, 5, what="report cleared")
 

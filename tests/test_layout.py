@@ -27,7 +27,12 @@ ALLOWED: dict[str, set[str]] = {
     "worker": {"observability", "http", "gates", "store", "config", "errors"},
     "dispatch": {"observability", "gates", "store", "config", "errors"},
     "sim": set(),
+    # batches as objects, their file formats and the `pipeline run` client: on the client API
+    "batch": {"client", "store", "config", "errors"},
+    # the HTTP service (`pipeline serve`): OpenAI's Files and Batches API over `batch`
+    "serve": {"batch", "client", "store", "config", "errors", "redact"},
     "cli": {
+        "batch",
         "client",
         "config",
         "dispatch",
@@ -36,11 +41,12 @@ ALLOWED: dict[str, set[str]] = {
         "http",
         "observability",
         "redact",
+        "serve",
         "sim",
         "store",
         "worker",
     },  # fmt: skip
-    "__init__": {"client", "config", "errors"},
+    "__init__": {"batch", "client", "config", "errors"},
     "__main__": {"cli"},
 }
 

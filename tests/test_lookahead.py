@@ -11,7 +11,7 @@ from pipeline.client import Pipeline
 from pipeline.config import Settings
 from pipeline.sim import SimServer
 
-from .conftest import assert_idle, wait_for
+from .conftest import assert_idle, held, wait_for
 
 
 def uid(tag: str) -> str:
@@ -22,15 +22,12 @@ def dispatches(pl: Pipeline, rid: str) -> int:
     return int(pl.record(rid).get("dispatches", 0))
 
 
-def hold(pl: Pipeline, queue: str, latency_ms: int) -> str:
-    rid = pl.submit(
-        {"p": "holder"},
-        id=uid("hold"),
-        queue=queue,
-        timeout=60,
-        headers={"x-sim-latency-ms": str(latency_ms)},
-    ).id
-    wait_for(lambda: pl.state(rid) == "running", 10, what="the slot holder")
+def hold(pl: Pipeline, sim: SimServer, queue: str) -> str:
+    """Submit a request that holds the queue's slot at the simulator until the test calls
+    ``sim.release(<its id>)``; returns its id once it is held."""
+    rid = uid("hold")
+    pl.submit({"p": "holder"}, id=rid, queue=queue, timeout=60, headers=held(rid))
+    sim.wait_held(rid)
     return rid
 
 
@@ -38,12 +35,14 @@ def test_a_request_dispatched_ahead_parks_and_takes_the_released_slot(
     served: Pipeline, sim: SimServer
 ) -> None:
     sim.reset()
-    first = hold(served, "lim1", 1500)
+    first = hold(served, sim, "lim1")
     second = served.submit({"p": "ahead"}, id=uid("ahead"), queue="lim1", timeout=60).id
     # dispatched past the full gate (look-ahead 1 for limit 1) and started: parked, not queued
     wait_for(lambda: served.state(second) == "running", 10, what="the parked attempt")
     assert served.state(first) == "running"  # still holding the only slot
     assert served.inspect()["lim1"]["gate"]["in_flight"] == 1
+    assert sim.stats()["attempts_by_request_id"].get(second) is None  # not at the server
+    sim.release(first)
     assert served.wait(first, 20).ok
     res = served.wait(second, 20)
     assert res.ok and res.attempts == 1
@@ -58,10 +57,11 @@ def test_a_parked_attempt_that_waits_too_long_goes_back_to_the_queue(
     worker = start_worker(pools="parked", concurrency=4, extra_env={"PIPELINE_PARK_S": "0.3"})
     try:
         sim.reset()
-        first = hold(pl, "parked", 2000)
+        first = hold(pl, sim, "parked")
         second = pl.submit({"p": "impatient"}, id=uid("park"), queue="parked", timeout=60).id
         # parks 0.3 s, is refused and goes back (a refusal, not an attempt), then comes again
         wait_for(lambda: dispatches(pl, second) >= 2, 10, what="the parked attempt requeued")
+        sim.release(first)
         assert pl.wait(first, 20).ok
         res = pl.wait(second, 20)
         assert res.ok and res.attempts == 1
@@ -92,11 +92,18 @@ def test_a_warm_shutdown_sends_parked_attempts_back_to_the_queue(
     pl: Pipeline, sim: SimServer, start_worker: Any
 ) -> None:
     worker = start_worker(pools="parked", concurrency=4, extra_env={"PIPELINE_PARK_S": "60"})
-    first = hold(pl, "parked", 2500)
+    first = hold(pl, sim, "parked")
     second = pl.submit({"p": "parked"}, id=uid("park"), queue="parked", timeout=60).id
     wait_for(lambda: pl.state(second) == "running", 10, what="the parked attempt")
     worker.proc.terminate()  # warm shutdown: the holder finishes, the parked one goes back
     # without the bell closing, the parked attempt would hold the node up for 60 s
+    wait_for(
+        lambda: pl.state(second) in ("queued", "retry_wait"),
+        20,
+        what="the parked attempt back in its queue while the holder still runs",
+    )
+    assert pl.state(first) == "running" and worker.proc.poll() is None
+    sim.release(first)
     wait_for(lambda: worker.proc.poll() is not None, 20, what="the node to stop")
     assert pl.wait(first, 5).ok
     assert pl.state(second) in ("queued", "retry_wait")
@@ -112,28 +119,32 @@ def test_a_warm_shutdown_sends_parked_attempts_back_to_the_queue(
 def test_a_global_limit_holds_across_nodes_and_a_release_on_one_wakes_a_parked_attempt_on_another(
     pl: Pipeline, sim: SimServer, start_worker: Any
 ) -> None:
-    """``global-max-concurrency`` 2 on two nodes: never more than 2 at the server; attempts
-    parked on either node take slots freed on either (the release bell over Pub/Sub)."""
-    nodes = [start_worker(pools="global", concurrency=4) for _ in range(2)]
+    """``global-max-concurrency`` 2 on two nodes: node A (2 slots) holds both slots at the
+    server; node B takes the next request (A has no free slot) and parks it; a release on A
+    wakes it on B (the release bell over Pub/Sub) — never more than 2 at the server."""
+    nodes = [start_worker(pools="global", concurrency=2)]
     try:
         sim.reset()
-        ids = [
-            pl.submit(
-                {"p": i},
-                id=uid("global"),
-                queue="global2",
-                timeout=60,
-                headers={"x-sim-latency-ms": "150"},
-            ).id
-            for i in range(10)
+        holding = uid("hold")
+        holders = [
+            pl.submit({"p": i}, id=uid("held"), queue="global2", timeout=60, headers=held(holding))
+            for i in range(2)
         ]
-        results = [pl.wait(rid, 30) for rid in ids]
-        assert all(r.ok and r.attempts == 1 for r in results)
+        sim.wait_held(holding, 2)  # both on A, the only node yet: the global limit is reached
+        nodes.append(start_worker(pools="global", concurrency=4))
+        parked = pl.submit({"p": "b"}, id=uid("parked"), queue="global2", timeout=60).id
+        wait_for(lambda: pl.state(parked) == "running", 10, what="the attempt parked on B")
+        assert pl.inspect()["global2"]["gate"]["in_flight"] == 2
+        assert parked not in sim.stats()["attempts_by_request_id"]  # parked, not at the server
+        assert sim.release(holding) == 2
+        res = pl.wait(parked, 30)
+        assert res.ok and res.attempts == 1
+        assert all(pl.wait(r.id, 30).ok for r in holders)
         assert sim.stats()["max_concurrency_observed"] == 2
-        workers = {pl.record(rid).get("worker") for rid in ids}
-        assert workers == {n.name for n in nodes}  # both nodes served some
-        # parked attempts were admitted by a release, not by going back to the queue
-        assert sum(dispatches(pl, rid) for rid in ids) == len(ids)
+        assert {pl.record(r.id).get("worker") for r in holders} == {nodes[0].name}
+        assert pl.record(parked).get("worker") == nodes[1].name
+        # admitted by A's release while parked on B, not by going back to the queue
+        assert dispatches(pl, parked) == 1
         assert_idle(pl)
     finally:
         for n in nodes:

@@ -5,23 +5,25 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
-
-import pytest
 
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
 
+from .conftest import wait_for
+
 LIMIT = 5  # the "overadmit" queue: redis-quota, mode concurrency, limit 5 per userid
 
 
-def run_load(pl: Pipeline, n: int, latency_ms: int, fail_share: float) -> None:
+def workload(n: int, fail_share: float, headers: dict[str, str]) -> list[dict[str, Any]]:
     rng = random.Random(11)
     items = []
     for i in range(n):
-        headers = {"x-sim-latency-ms": str(latency_ms)}
+        h = dict(headers)
         if rng.random() < fail_share:
-            headers.update({"x-sim-fail-first": "1", "x-sim-fail-status": "503"})
+            h.update({"x-sim-fail-first": "1", "x-sim-fail-status": "503"})
         items.append(
             {
                 "payload": {"i": i},
@@ -29,31 +31,74 @@ def run_load(pl: Pipeline, n: int, latency_ms: int, fail_share: float) -> None:
                 "timeout": 120,
                 "queue": "overadmit",
                 "metadata": {"userid": "tenant-a"},
-                "headers": headers,
+                "headers": h,
             }
         )
-    reqs = pl.submit_many(items)
-    results = list(pl.iter_results([r.id for r in reqs]))
-    assert len(results) == n and all(r.ok for r in results)
+    return items
 
 
-@pytest.mark.parametrize(
-    ("lease_s", "n", "latency_ms"),
-    [("30", 300, 30), ("0.4", 40, 800)],
-    ids=["default-leases", "leases-shorter-than-requests"],
-)
-def test_three_nodes_never_exceed_the_limit(
-    pl: Pipeline, sim: SimServer, start_worker: Any, lease_s: str, n: int, latency_ms: int
-) -> None:
+def all_ok(pl: Pipeline, ids: list[str]) -> None:
+    results = list(pl.iter_results(ids))
+    assert len(results) == len(ids) and all(r.ok for r in results)
+
+
+@contextmanager
+def three_nodes(start_worker: Any, lease_s: str) -> Iterator[None]:
+    """Three nodes for the ``overadmit`` pool, with leases of ``lease_s`` seconds."""
     extra = {"PIPELINE_LEASE_S": lease_s, "PIPELINE_REAPER_PERIOD_S": "0.2"}
     workers = [start_worker(pools="overadmit", concurrency=16, extra_env=extra) for _ in range(3)]
     try:
+        yield
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_three_nodes_never_exceed_the_limit(
+    pl: Pipeline, sim: SimServer, start_worker: Any
+) -> None:
+    with three_nodes(start_worker, lease_s="30"):
         sim.reset()
-        run_load(pl, n, latency_ms, fail_share=0.2)
+        items = workload(300, 0.2, {"x-sim-latency-ms": "30"})
+        all_ok(pl, [r.id for r in pl.submit_many(items)])
         stats = sim.stats()
         assert stats["max_concurrency_observed"] <= LIMIT, stats
         assert stats["max_concurrency_observed"] == LIMIT, stats  # and the limit is used
         assert pl.inspect()["overadmit"]["gate"]["in_flight"] == 0
-    finally:
-        for w in workers:
-            w.stop()
+
+
+def test_requests_that_outlive_their_leases_are_renewed_not_reaped(
+    pl: Pipeline, sim: SimServer, start_worker: Any
+) -> None:
+    """The limit's five requests are held at the server until each has outlived the lease it
+    started with (3 s): the heartbeat renews the leases, so no reaper frees a slot and no
+    sixth request reaches the server; released, the rest run. (A lease is a promise to renew
+    within ``PIPELINE_LEASE_S``: one of 0.4 s against 800 ms requests was missed on a loaded
+    2-core machine, the reaper freed a live holder's slot and a sixth was admitted.)"""
+    with three_nodes(start_worker, lease_s="3"):
+        sim.reset()
+        name = f"oa-{uuid.uuid4().hex[:8]}"
+        ids = [r.id for r in pl.submit_many(workload(40, 0.2, {"x-sim-hold": name}))]
+        sim.wait_held(name, LIMIT)
+
+        def holders() -> dict[tuple[str, str], float]:
+            gate = pl.inspect()["overadmit"]["gate"]
+            return {(h["request_id"], h["attempt"]): h["lease_expires_at"] for h in gate["holders"]}
+
+        first = holders()
+        assert len(first) == LIMIT
+
+        def outlived() -> dict[tuple[str, str], float] | None:
+            sec, usec = pl.store.client.time()  # the clock leases are kept by
+            now = holders()
+            return now if sec + usec / 1e6 > max(first.values()) + 0.5 else None
+
+        renewed = wait_for(outlived, 30, interval=0.1, what="the held requests to outlive a lease")
+        assert set(renewed) == set(first)  # the same five, none reaped
+        assert all(renewed[k] > first[k] for k in first)  # each lease renewed
+        assert sim.held(name) == LIMIT and sim.stats()["in_flight"] == LIMIT
+        sim.release(name)
+        all_ok(pl, ids)
+        stats = sim.stats()
+        assert stats["max_concurrency_observed"] == LIMIT, stats
+        assert pl.inspect()["overadmit"]["gate"]["in_flight"] == 0

@@ -13,7 +13,7 @@ from celery.result import AsyncResult
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
 
-from .conftest import wait_for
+from .conftest import held, wait_for
 
 
 def uid(tag: str = "r") -> str:
@@ -90,16 +90,14 @@ def test_429_retry_after_is_honoured(served: Pipeline, sim: SimServer) -> None:
     assert second - first >= 1.0  # not earlier than Retry-After, though the backoff is 0.05 s
 
 
-def test_retry_state_is_visible_in_celery(served: Pipeline) -> None:
-    req = served.submit(
-        {"prompt": "x"},
-        id=uid(),
-        timeout=60,
-        queue="slowretry",
-        headers={"x-sim-fail-first": "1", "x-sim-fail-status": "503", "x-sim-retry-after": "2"},
-    )
-    wait_for(lambda: req.state() == "retry_wait", 10, what="retry_wait")
-    assert wait_for(lambda: AsyncResult(req.id).state == "RETRY", 5, what="Celery RETRY")
+def test_retry_state_is_visible_in_celery(served: Pipeline, sim: SimServer) -> None:
+    rid = uid()
+    fail_once = {"x-sim-fail-first": "1", "x-sim-fail-status": "503"}
+    req = served.submit({"prompt": "x"}, id=rid, timeout=60, headers={**fail_once, **held(rid)})
+    sim.wait_held(rid)  # the retry's attempt, held: the request's last Celery state is RETRY
+    assert AsyncResult(req.id).state == "RETRY"
+    assert sim.stats()["attempts_by_request_id"][rid] == 2
+    sim.release(rid)
     assert req.result(timeout=15).ok
     assert wait_for(lambda: AsyncResult(req.id).state == "SUCCESS", 5, what="Celery SUCCESS")
 

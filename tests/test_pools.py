@@ -18,7 +18,7 @@ from pipeline.errors import ConfigError
 from pipeline.gates import check_gates
 from pipeline.sim import SimServer
 
-from .conftest import ROOT, assert_idle, wait_for
+from .conftest import NODE_START_S, ROOT, assert_idle, held, wait_for
 
 
 def write_config(tmp_path: Path, sim_url: str) -> dict[str, str]:
@@ -66,17 +66,28 @@ def test_pool_gate_and_worker_cap(tmp_path: Path, env: dict[str, str], sim: SimS
         )
     try:
         sim.reset()
+        hold = f"pools-{uuid.uuid4().hex[:6]}"
         reqs = [
-            pl.submit({"i": i}, queue=q, timeout=60, headers={"x-sim-latency-ms": "300"})
+            pl.submit({"i": i}, queue=q, timeout=60, headers=held(hold))
             for i in range(6)
             for q in ("pooled", "pooled2")
         ]
         seen_running = 0
 
-        def done() -> bool:
+        def running() -> int:
             nonlocal seen_running
             info = pl.inspect()
-            seen_running = max(seen_running, info["pooled"]["running"] + info["pooled2"]["running"])
+            now = info["pooled"]["running"] + info["pooled2"]["running"]
+            seen_running = max(seen_running, now)
+            return now
+
+        # the pool gate's limit is at the server (once the node, not waited for, has started)
+        sim.wait_held(hold, 2, timeout_s=NODE_START_S)
+        wait_for(lambda: running() >= 2, 10, what="the held requests counted as running")
+        sim.release(hold)
+
+        def done() -> bool:
+            running()  # keeps sampling the count until the end
             return all(pl.state(r.id) == "done" for r in reqs)
 
         wait_for(done, 60, interval=0.05, what="all pooled requests")

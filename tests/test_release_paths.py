@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-import httpx
 import pytest
 
 from pipeline.client import Pipeline
@@ -29,7 +28,7 @@ from pipeline.worker import Runtime
 from pipeline.worker import process as worker_module
 from tasks.app import celery_queue
 
-from .conftest import assert_idle, wait_for
+from .conftest import assert_idle, held, wait_for
 
 
 def uid(tag: str) -> str:
@@ -115,17 +114,12 @@ def test_connection_error(served: Pipeline) -> None:
 
 
 # -- gate verdicts -----------------------------------------------------------------------
-def hold_slot(pl: Pipeline, queue: str, user: dict[str, str], latency_ms: int) -> str:
-    """Submit a slow request that takes ``user``'s only quota slot; returns once it runs."""
-    rid = pl.submit(
-        {"p": 1},
-        id=uid("holder"),
-        queue=queue,
-        timeout=30,
-        metadata=user,
-        headers={"x-sim-latency-ms": str(latency_ms)},
-    ).id
-    wait_running(pl, rid)
+def hold_slot(pl: Pipeline, sim: SimServer, queue: str, user: dict[str, str]) -> str:
+    """Submit a request that takes ``user``'s only quota slot and is held at the simulator
+    until ``sim.release(<its id>)``; returns its id once it is held."""
+    rid = uid("holder")
+    pl.submit({"p": 1}, id=rid, queue=queue, timeout=30, metadata=user, headers=held(rid))
+    sim.wait_held(rid)
     return rid
 
 
@@ -138,16 +132,15 @@ def test_over_quota_parks_for_its_key(served: Pipeline, sim: SimServer) -> None:
     (quota look-ahead), is refused, holds nothing and parks for a release of its key; it takes
     the slot when the first request's attempt ends, without going back to the queue."""
     user = {"userid": uid("u")}
-    first = hold_slot(served, "quota1", user, 1500)
+    first = hold_slot(served, sim, "quota1", user)
     second = served.submit({"p": 2}, id=uid("parked"), queue="quota1", timeout=30, metadata=user).id
     wait_running(served, second)  # started and parked at the worker
-    assert served.state(first) == "running" and sim_attempts(sim, second) == 0
+    assert sim_attempts(sim, second) == 0
+    sim.release(first)
     assert finished(served, "quota1", first).ok
     res = finished(served, "quota1", second)
     assert res.ok and res.attempts == 1
     assert dispatches(served, second) == 1  # admitted by its first dispatch
-    arrivals = {rid: (a, f) for a, f, rid in httpx.get(f"{sim.url}/sim/arrivals").json()}
-    assert arrivals[second][0] >= arrivals[first][1]  # never both at the server
 
 
 def test_gate_refuse(pl: Pipeline, sim: SimServer, start_worker: Any) -> None:
@@ -156,7 +149,7 @@ def test_gate_refuse(pl: Pipeline, sim: SimServer, start_worker: Any) -> None:
     worker = start_worker(pools="qrefuse", concurrency=4, extra_env={"PIPELINE_PARK_S": "0.3"})
     try:
         user = {"userid": uid("u")}
-        first = hold_slot(pl, "qrefuse", user, 1500)
+        first = hold_slot(pl, sim, "qrefuse", user)
         second = pl.submit(
             {"p": 2}, id=uid("refused"), queue="qrefuse", timeout=30, metadata=user
         ).id
@@ -166,6 +159,7 @@ def test_gate_refuse(pl: Pipeline, sim: SimServer, start_worker: Any) -> None:
             what="a refusal and a new dispatch",
         )
         assert sim_attempts(sim, second) == 0  # refused attempts never reach the server
+        sim.release(first)
         assert finished(pl, "qrefuse", first).ok
         res = finished(pl, "qrefuse", second)
         assert res.ok and res.attempts == 1  # a refusal is not an attempt
@@ -175,7 +169,7 @@ def test_gate_refuse(pl: Pipeline, sim: SimServer, start_worker: Any) -> None:
 
 def test_wait_times_out_and_requeues(served: Pipeline, sim: SimServer) -> None:
     user = {"userid": uid("u")}
-    first = hold_slot(served, "quotawait", user, 2500)
+    first = hold_slot(served, sim, "quotawait", user)
     second = served.submit(
         {"p": 2}, id=uid("waiter"), queue="quotawait", timeout=30, metadata=user
     ).id
@@ -185,6 +179,8 @@ def test_wait_times_out_and_requeues(served: Pipeline, sim: SimServer) -> None:
         10,
         what="requeue after the wait timed out",
     )
+    assert sim_attempts(sim, second) == 0
+    sim.release(first)
     assert finished(served, "quotawait", first).ok
     res = finished(served, "quotawait", second)
     assert res.ok and res.attempts == 1
@@ -192,21 +188,25 @@ def test_wait_times_out_and_requeues(served: Pipeline, sim: SimServer) -> None:
 
 def test_deadline_passes_while_waiting(served: Pipeline, sim: SimServer) -> None:
     user = {"userid": uid("u")}
-    first = hold_slot(served, "quotawait", user, 2500)
+    first = hold_slot(served, sim, "quotawait", user)
     second = served.submit(
         {"p": 2}, id=uid("late"), queue="quotawait", timeout=0.8, metadata=user
     ).id
-    res = finished(served, "quotawait", second)
+    res = served.wait(second, 20)  # the slot stays held: the deadline passes while it waits
     assert res.error_code == "DEADLINE_EXCEEDED" and res.attempts == 0
     assert sim_attempts(sim, second) == 0
+    sim.release(first)
+    assert finished(served, "quotawait", second) == res
     assert finished(served, "quotawait", first).ok
 
 
 # -- ends that are not the task's own ----------------------------------------------------
-def test_cancel_at_start(served: Pipeline, sim: SimServer) -> None:
-    """Cancelled after dispatch, before the attempt starts: the message is fenced off."""
+def test_cancel_at_start(in_process: Pipeline, sim: SimServer) -> None:
+    """Cancelled after dispatch, before the attempt starts: the message is fenced off (sent to
+    the in-process node's Celery queue)."""
     import tasks
 
+    served = in_process
     q = served.settings.queues["crash"]  # no worker serves this pool now: we dispatch by hand
     rid = served.submit({"p": 1}, id=uid("cancel"), queue="crash", timeout=30).id
     moved = served.store.tick(q, [q], 1.0, -1, 10).moved
@@ -216,13 +216,33 @@ def test_cancel_at_start(served: Pipeline, sim: SimServer) -> None:
         args=(rid, moved[0].token),
         kwargs={"queue": "crash"},
         task_id=rid,
-        queue=celery_queue("default"),
+        queue=celery_queue("inproc"),
     )
     # a request sent after it through the same Celery queue completes after it was handled
-    after = served.submit({"p": 2}, id=uid("after"), queue="lim2", timeout=30).id
-    assert finished(served, "lim2", after).ok
+    after = served.submit({"p": 2}, id=uid("after"), queue="inproc", timeout=30).id
+    assert finished(served, "inproc", after).ok
     res = finished(served, "crash", rid)
     assert res.error_code == "CANCELLED" and sim_attempts(sim, rid) == 0
+
+
+def test_revoke_before_the_attempt_starts(
+    in_process: Pipeline, sim: SimServer, celery_session_worker: Any
+) -> None:
+    """Celery's own revoke (``celery control revoke``, Flower's button) of a request whose
+    message has not reached a worker yet: the node discards the message, ``task_revoked``
+    ends the request CANCELLED, nothing is sent and no slot stays taken."""
+    import tasks
+
+    pl = in_process
+    rid = uid("revoked")
+    node = celery_session_worker.hostname
+    replies = tasks.app.control.revoke(rid, destination=[node], reply=True, timeout=10)
+    assert [list(r) for r in replies] == [[node]] and rid in str(replies)  # the node has it
+    pl.submit({"p": 1}, id=rid, queue="inproc", timeout=30)  # dispatched to the node at once
+    res = finished(pl, "inproc", rid)
+    assert res.error_code == "CANCELLED" and res.attempts == 0
+    assert sim_attempts(sim, rid) == 0
+    assert pl.record(rid).get("dispatches") == "1"  # it did reach the node: the node ended it
 
 
 def _children(pid: int) -> list[int]:
@@ -315,40 +335,41 @@ def test_sigkill_of_the_worker_node(pl: Pipeline, start_worker: Any, sim: SimSer
         survivor.stop()
 
 
-def test_warm_shutdown_with_a_request_in_flight(pl: Pipeline, start_worker: Any) -> None:
+def test_warm_shutdown_with_a_request_in_flight(
+    pl: Pipeline, start_worker: Any, sim: SimServer
+) -> None:
     w = start_worker(pools="crash", concurrency=4)
-    rid = pl.submit(
+    rid = uid("warm")
+    pl.submit(
         {"p": 1},
-        id=uid("warm"),
+        id=rid,
         queue="crash",
         timeout=60,
         metadata={"userid": "warm-user"},
-        headers={"x-sim-latency-ms": "1500"},
-    ).id
-    wait_running(pl, rid)
+        headers=held(rid),
+    )
+    sim.wait_held(rid)
     w.proc.send_signal(signal.SIGTERM)  # warm: the running attempt finishes first
+    nodes = pl.store.keys.pool_nodes("crash")
+    wait_for(lambda: pl.store.client.zscore(nodes, w.name) is None, 20, what="shutdown begun")
+    assert w.proc.poll() is None and pl.state(rid) == "running"  # waiting for the attempt
+    sim.release(rid)
     res = finished(pl, "crash", rid, timeout=30)
     assert res.ok and res.attempts == 1
     assert w.proc.wait(30) is not None
 
 
 # -- the seed's two failure modes ------------------------------------------------------
-def test_retried_request_holds_exactly_one_reservation(served: Pipeline) -> None:
+def test_retried_request_holds_exactly_one_reservation(served: Pipeline, sim: SimServer) -> None:
     """Accounting drift: dispatched, retried, re-dispatched — one reservation, never two."""
-    rid = served.submit(
-        {"p": 1},
-        id=uid("drift"),
-        queue="lim2",
-        timeout=30,
-        headers={"x-sim-fail-first": "1", "x-sim-fail-status": "503", "x-sim-latency-ms": "800"},
-    ).id
-    wait_for(
-        lambda: served.record(rid).get("attempts") == "1" and served.state(rid) == "running",
-        10,
-        what="second attempt running",
-    )
+    rid = uid("drift")
+    fail_once = {"x-sim-fail-first": "1", "x-sim-fail-status": "503"}
+    served.submit({"p": 1}, id=rid, queue="lim2", timeout=30, headers={**fail_once, **held(rid)})
+    sim.wait_held(rid)  # the first attempt got its 503 at once; the second is held
+    assert served.record(rid).get("attempts") == "1" and served.state(rid) == "running"
     holders = [h for h in served.inspect()["lim2"]["gate"]["holders"] if h["request_id"] == rid]
     assert len(holders) == 1 and gate_in_flight(served, "lim2") == 1
+    sim.release(rid)
     assert finished(served, "lim2", rid).ok
 
 
@@ -379,25 +400,37 @@ def park_behind(pl: Pipeline, queue: str, tag: str, headers: dict[str, str]) -> 
     return rid
 
 
+def hold_as(tag: str) -> tuple[str, dict[str, str]]:
+    """A hold name and the headers that hold a request under it at the simulator."""
+    name = uid(tag)
+    return name, held(name)
+
+
 @pytest.fixture
 def lookahead_two(start_worker: Any) -> Iterator[Any]:
-    """A node for the "parked" queue (limit 1) that dispatches two attempts past the limit."""
-    worker = start_worker(pools="parked", concurrency=4, extra_env={"PIPELINE_LOOKAHEAD": "2"})
+    """A node for the "parked" queue (limit 1) that dispatches two attempts past the limit.
+    Its attempts park for up to 60 s (not the default 10): one that gave up and went back to
+    the queue while a busy machine ran the test would park again behind the other, and the
+    slot would be handed over in another order."""
+    extra = {"PIPELINE_LOOKAHEAD": "2", "PIPELINE_PARK_S": "60"}
+    worker = start_worker(pools="parked", concurrency=4, extra_env=extra)
     yield worker
     worker.stop()
 
 
 @pytest.mark.usefixtures("lookahead_two")
 def test_finish_hands_the_slot_to_a_parked_attempt(pl: Pipeline, sim: SimServer) -> None:
-    giver = park_behind(pl, "parked", "giver", {"x-sim-latency-ms": "1500"})
-    taker = park_behind(pl, "parked", "taker", {"x-sim-latency-ms": "1000"})
+    giving, hold_giver = hold_as("giving")
+    taking, hold_taker = hold_as("taking")
+    giver = park_behind(pl, "parked", "giver", hold_giver)
+    sim.wait_held(giving)
+    taker = park_behind(pl, "parked", "taker", hold_taker)  # parked behind the giver
     assert gate_in_flight(pl, "parked") == 1
-    wait_for(
-        lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == giver,
-        10,
-        what="the giver's slot handed to the parked taker",
-    )
+    sim.release(giving)
+    sim.wait_held(taking)  # the taker at the server, in the slot the giver handed over
+    assert (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == giver
     assert gate_in_flight(pl, "parked") == 1
+    sim.release(taking)
     assert finished(pl, "parked", giver).ok
     res = finished(pl, "parked", taker)
     assert res.ok and res.attempts == 1 and pl.record(taker).get("dispatches") == "1"
@@ -406,18 +439,20 @@ def test_finish_hands_the_slot_to_a_parked_attempt(pl: Pipeline, sim: SimServer)
 
 @pytest.mark.usefixtures("lookahead_two")
 def test_retry_hands_the_slot_to_a_parked_attempt(pl: Pipeline, sim: SimServer) -> None:
-    first = park_behind(pl, "parked", "first", {"x-sim-latency-ms": "1500"})
+    holding_first, hold_first = hold_as("first")
+    taking, hold_taker = hold_as("taking")
+    first = park_behind(pl, "parked", "first", hold_first)
+    sim.wait_held(holding_first)
     retried = park_behind(
         pl, "parked", "retried", {"x-sim-fail-first": "1", "x-sim-fail-status": "503"}
     )
-    taker = park_behind(pl, "parked", "taker", {"x-sim-latency-ms": "1000"})
+    taker = park_behind(pl, "parked", "taker", hold_taker)
     # first -> retried (503: backs off, requeued) -> taker, each slot handed over
-    wait_for(
-        lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == retried,
-        10,
-        what="the retried attempt's slot handed to the parked taker",
-    )
+    sim.release(holding_first)
+    sim.wait_held(taking)
+    assert (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == retried
     assert gate_in_flight(pl, "parked") == 1
+    sim.release(taking)
     for rid in (first, taker):
         assert finished(pl, "parked", rid).ok
     res = finished(pl, "parked", retried)
@@ -551,21 +586,16 @@ def test_finish_hands_a_quota_slot_to_an_attempt_parked_for_its_key(
     """quota1 (1 per user): the user's second request, sent past the limit, parks on the
     user's key; the first one's finish hands it the key's slot (no release, no re-acquire)."""
     user = {"userid": uid("u")}
-    giver = hold_slot(served, "quota1", user, 1500)
-    taker = served.submit(
-        {"p": 2},
-        id=uid("taker"),
-        queue="quota1",
-        timeout=30,
-        metadata=user,
-        headers={"x-sim-latency-ms": "1000"},  # holds the slot long enough to be seen
-    ).id
-    wait_running(served, taker)
-    wait_for(
-        lambda: (holder_of(served, "quota1", taker) or {}).get("handed_over_by") == giver,
-        10,
-        what="the giver's quota slot handed to the taker",
+    giver = hold_slot(served, sim, "quota1", user)
+    taker = uid("taker")
+    served.submit(
+        {"p": 2}, id=taker, queue="quota1", timeout=30, metadata=user, headers=held(taker)
     )
+    wait_running(served, taker)  # parked for the key
+    sim.release(giver)
+    sim.wait_held(taker)  # at the server, with the slot handed over
+    assert (holder_of(served, "quota1", taker) or {}).get("handed_over_by") == giver
+    sim.release(taker)
     assert finished(served, "quota1", giver).ok
     res = finished(served, "quota1", taker)
     assert res.ok and res.attempts == 1 and dispatches(served, taker) == 1
@@ -575,46 +605,33 @@ def test_finish_hands_a_quota_slot_to_an_attempt_parked_for_its_key(
 def test_a_composite_hands_its_global_slot_to_an_attempt_holding_its_own_quota(
     pl: Pipeline, sim: SimServer, start_worker: Any
 ) -> None:
-    """tenants: quota 2 per user, then global 6 (one composite). Six slow requests of three
+    """tenants: quota 2 per user, then global 6 (one composite). Six held requests of three
     users fill the global limit; a fourth user's request parks on the global gate, keeping its
     own quota slot, and takes a finishing holder's global slot by hand-over."""
     worker = start_worker(pools="tenants", concurrency=16)
     try:
-        slow = {"x-sim-latency-ms": "1500"}
-        holders = [
-            pl.submit(
-                {"p": i},
-                id=uid("g"),
-                queue="tenants",
-                timeout=60,
-                headers=slow,
-                metadata={"userid": f"u{i // 2}"},
-            ).id  # fmt: skip
-            for i in range(6)
-        ]
+        holders = []
+        for i in range(6):
+            rid = uid("g")
+            pl.submit({"p": i}, id=rid, queue="tenants", timeout=60, headers=held(rid),
+                      metadata={"userid": f"u{i // 2}"})  # fmt: skip
+            holders.append(rid)
         for rid in holders:
-            wait_running(pl, rid)
-        wait_for(lambda: gate_in_flight(pl, "tenants") == 6, 10, what="the global limit full")
-        taker = pl.submit(
-            {"p": "t"},
-            id=uid("taker"),
-            queue="tenants",
-            timeout=60,
-            metadata={"userid": "u9"},
-            headers={"x-sim-latency-ms": "1000"},
-        ).id
+            sim.wait_held(rid)
+        taker = uid("taker")
+        pl.submit({"p": "t"}, id=taker, queue="tenants", timeout=60, headers=held(taker),
+                  metadata={"userid": "u9"})  # fmt: skip
         wait_running(pl, taker)  # dispatched ahead, parked on the global gate
         keys, c = pl.store.keys, pl.store.client
         token = pl.record(taker)["token"]
         quota_holders = keys.gate_holders("quota:userid:u9")
         wait_for(lambda: c.zscore(quota_holders, f"{taker}:{token}"), 10, what="its own quota")
-
-        def handed() -> str | None:
-            info = c.hget(keys.gate_info("tenants/1"), f"{taker}:{token}")
-            return json.loads(info).get("handed_over_by") if info else None
-
-        giver = wait_for(handed, 10, what="a global slot handed to the taker")
-        assert giver.rsplit(":", 1)[0] in holders
+        sim.release(holders[0])
+        sim.wait_held(taker)
+        info = c.hget(keys.gate_info("tenants/1"), f"{taker}:{token}")
+        assert info and json.loads(info)["handed_over_by"].rsplit(":", 1)[0] == holders[0]
+        for rid in [*holders[1:], taker]:
+            sim.release(rid)
         for rid in [*holders, taker]:
             assert finished(pl, "tenants", rid).ok
         assert dispatches(pl, taker) == 1

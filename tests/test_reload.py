@@ -36,7 +36,7 @@ from pipeline.errors import ConfigError
 from pipeline.gates import AcquireContext, same_attempt_gate
 from pipeline.sim import SimConfig, SimServer
 from pipeline.worker import Runtime
-from tests.conftest import ROOT, WorkerProc, assert_idle, local_limit, wait_for
+from tests.conftest import ROOT, WorkerProc, assert_idle, held, local_limit, wait_for
 from tests.observability import FAST, Isolated, isolated, scrape, start_node, total
 
 
@@ -86,8 +86,9 @@ def nodes(
 
 @pytest.fixture
 def slow_sim() -> Iterator[SimServer]:
-    """A simulator of this test's own, whose concurrency the test reads."""
-    with SimServer(SimConfig(latency_ms=400)) as server:
+    """A simulator of this test's own, whose concurrency the test reads; the tests hold their
+    requests there (``x-sim-hold``) until they have looked."""
+    with SimServer(SimConfig()) as server:
         yield server
 
 
@@ -247,13 +248,18 @@ def test_a_new_limit_applies_while_reservations_are_held(
     iso = isolated(env, tmp_path, [{**q, **local_limit(2)}])
     w, _ = nodes(iso, concurrency=8, pool_impl=pool_impl)
     pl = iso.pl
-    ids = [pl.submit({"prompt": f"p{i}"}, queue=iso.queue("lim")).id for i in range(30)]
-    wait_for(lambda: slow_sim.stats()["in_flight"] == 2, 15, what="two in flight")
+    hold = held(iso.tag)  # every request stays at the server until the test releases them
+    ids = [
+        pl.submit({"prompt": f"p{i}"}, queue=iso.queue("lim"), headers=hold).id for i in range(30)
+    ]
+    slow_sim.wait_held(iso.tag, 2)
     assert pl.inspect()[iso.queue("lim")]["gate"]["in_flight"] == 2
     pl = write_queues(iso, [{**q, **local_limit(5)}])
     out = reload(iso)
     assert out.returncode == 0, out.stdout + out.stderr
-    wait_for(lambda: slow_sim.stats()["in_flight"] == 5, 20, what="five in flight")
+    slow_sim.wait_held(iso.tag, 5)  # the old gate's two still held, three more by the new one
+    assert slow_sim.stats()["in_flight"] == 5
+    slow_sim.release(iso.tag)
     for rid in ids:
         assert pl.wait(rid, timeout=60).ok
     stats = slow_sim.stats()
@@ -271,12 +277,16 @@ def test_a_new_gate_type_keeps_old_holders_releasing_on_the_old_gate(
     iso = isolated(env, tmp_path, [{**q, **local_limit(2)}])
     w, _ = nodes(iso, concurrency=6)
     pl = iso.pl
-    ids = [pl.submit({"prompt": f"p{i}"}, queue=iso.queue("swap")).id for i in range(16)]
-    wait_for(lambda: slow_sim.stats()["in_flight"] == 2, 15, what="two in flight")
+    hold = held(iso.tag)  # every request stays at the server until the test releases them
+    ids = [
+        pl.submit({"prompt": f"p{i}"}, queue=iso.queue("swap"), headers=hold).id for i in range(16)
+    ]
+    slow_sim.wait_held(iso.tag, 2)  # the old gate's two: held until after the reload
     glob = {"gate_type": "global-max-concurrency", "gate_params": {"limit": 3}}
     pl = write_queues(iso, [{**q, **glob}])
     out = reload(iso)
     assert out.returncode == 0, out.stdout + out.stderr
+    slow_sim.release(iso.tag)
     for rid in ids:
         assert pl.wait(rid, timeout=60).ok
     stats = slow_sim.stats()

@@ -18,7 +18,7 @@ from pipeline.config import load_settings
 from pipeline.redact import redact_url
 from pipeline.sim import SimServer
 
-from .conftest import ROOT, wait_for
+from .conftest import NODE_START_S, ROOT, wait_for
 
 PASSWORD = "s3cret-" + uuid.uuid4().hex[:8]
 
@@ -113,7 +113,7 @@ def test_password_urls_work_and_never_leak(
     try:
         pl = Pipeline(load_settings(env))
         req = pl.submit({"prompt": "secret"}, timeout=60)
-        assert req.result(timeout=30).ok
+        assert req.result(timeout=NODE_START_S + 30).ok  # the worker starts meanwhile
         status = subprocess.run(
             [sys.executable, "-m", "pipeline", "status", "--json"],
             env=env,

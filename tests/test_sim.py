@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pipeline.sim import server as server_module
 from pipeline.sim.server import SimConfig, SimServer, _Clock
 
 COMPLETIONS = "/v1/completions"
@@ -167,11 +168,13 @@ def test_metrics_format(start: Callable[..., SimServer]) -> None:
 
 
 def test_queue_overload_gauges_follow_load(start: Callable[..., SimServer]) -> None:
-    sim = start(max_concurrency=2, overload="queue", latency_ms=300)
+    sim = start(max_concurrency=2, overload="queue")
     with ThreadPoolExecutor(5) as pool:
-        futures = [pool.submit(post, sim.url) for _ in range(5)]
+        futures = [pool.submit(post, sim.url, {"x-sim-hold": "q"}) for _ in range(5)]
+        sim.wait_held("q", 2)
         wait_until(lambda: gauges(sim.url) == (2, 3))
         assert sim.stats()["waiting"] == 3
+        assert sim.release("q") == 2  # the three queued ones pass: "q" is released
         statuses = [f.result().status_code for f in futures]
     assert statuses == [200] * 5
     assert gauges(sim.url) == (0, 0)
@@ -183,12 +186,13 @@ def test_queue_overload_gauges_follow_load(start: Callable[..., SimServer]) -> N
 def test_queued_request_abandoned_by_client_is_forgotten(start: Callable[..., SimServer]) -> None:
     sim = start(max_concurrency=1, overload="queue")
     with ThreadPoolExecutor(2) as pool:
-        holder = pool.submit(post, sim.url, {"x-sim-latency-ms": "800"})
-        wait_until(lambda: sim.stats()["in_flight"] == 1)
-        with pytest.raises(httpx.ReadTimeout):
+        holder = pool.submit(post, sim.url, {"x-sim-hold": "h"})
+        sim.wait_held("h")
+        with pytest.raises(httpx.ReadTimeout):  # queued behind the holder until it gives up
             httpx.post(sim.url + COMPLETIONS, json=BODY, timeout=0.2)
         wait_until(lambda: sim.stats()["waiting"] == 0)
         assert sim.stats()["in_flight"] == 1
+        sim.release("h")
         assert holder.result().status_code == 200
     stats = sim.stats()
     assert stats["in_flight"] == 0 and stats["max_concurrency_observed"] == 1
@@ -203,9 +207,10 @@ def test_overload_rejects_with_retry_after(
 ) -> None:
     sim = start(max_concurrency=2, overload=mode, overload_retry_after_s=retry_after)
     with ThreadPoolExecutor(2) as pool:
-        holders = [pool.submit(post, sim.url, {"x-sim-latency-ms": "400"}) for _ in range(2)]
-        wait_until(lambda: sim.stats()["in_flight"] == 2)
+        holders = [pool.submit(post, sim.url, {"x-sim-hold": "h"}) for _ in range(2)]
+        sim.wait_held("h", 2)
         rejected = [post(sim.url) for _ in range(4)]
+        assert sim.release("h") == 2
         assert all(h.result().status_code == 200 for h in holders)
     assert [r.status_code for r in rejected] == [int(mode)] * 4
     assert all(r.headers["retry-after"] == header for r in rejected)
@@ -216,11 +221,85 @@ def test_overload_rejects_with_retry_after(
     assert stats["requests"] == 7 and stats["by_status"] == {"200": 3, mode: 4}
 
 
+def test_held_requests_stay_in_flight_until_released(start: Callable[..., SimServer]) -> None:
+    """``x-sim-hold: NAME`` keeps a request open (in flight, in the gauges) until NAME is
+    released; releasing answers them as usual and opens the name for later requests."""
+    sim = start()
+    unheld = post(sim.url).json()
+    with ThreadPoolExecutor(3) as pool:
+        a = [pool.submit(post, sim.url, {"x-sim-hold": "a"}) for _ in range(2)]
+        b = pool.submit(post, sim.url, {"x-sim-hold": "b"})
+        sim.wait_held("a", 2)
+        sim.wait_held("b", 1)
+        stats = sim.stats()
+        assert stats["held"] == {"a": 2, "b": 1} and stats["in_flight"] == 3
+        assert gauges(sim.url) == (3, 0)
+        assert not any(f.done() for f in [*a, b])
+        assert sim.release("a") == 2
+        answers = [f.result() for f in a]
+        assert [r.status_code for r in answers] == [200, 200]
+        assert answers[0].json()["choices"] == unheld["choices"]  # the usual body
+        assert post(sim.url, {"x-sim-hold": "a"}, timeout=30).status_code == 200  # "a" is open
+        assert sim.stats()["held"] == {"b": 1} and not b.done()
+        assert sim.release("nobody") == 0
+        # the same over HTTP, for a simulator in another process
+        resp = httpx.post(sim.url + "/sim/release", json={"name": "b"})
+        assert resp.status_code == 200 and resp.json() == {"released": 1}
+        assert b.result().status_code == 200
+    for bad in ({}, {"name": ""}, {"name": 3}):
+        assert httpx.post(sim.url + "/sim/release", json=bad).status_code == 400
+    stats = sim.stats()
+    assert stats["held"] == {} and stats["in_flight"] == 0 and stats["by_status"] == {"200": 5}
+
+
+def test_wait_held_times_out(start: Callable[..., SimServer]) -> None:
+    sim = start()
+    with pytest.raises(TimeoutError, match="0 of 1 requests held under 'x'"):
+        sim.wait_held("x", 1, timeout_s=0.05)
+
+
+def test_reset_answers_held_requests_and_stop_ends_them(start: Callable[..., SimServer]) -> None:
+    """Held requests never outlive the test: ``reset()`` answers them (and closes the names it
+    opened), a client that hangs up takes its request out of the hold, ``stop()`` ends it."""
+    sim = start()
+    with ThreadPoolExecutor(2) as pool:
+        two = [pool.submit(post, sim.url, {"x-sim-hold": name}) for name in ("x", "y")]
+        sim.wait_held("x")
+        sim.wait_held("y")
+        assert sim.release_all() == 2
+        assert [f.result().status_code for f in two] == [200, 200]
+        held = pool.submit(post, sim.url, {"x-sim-hold": "r"})
+        sim.wait_held("r")
+        sim.reset()
+        assert held.result().status_code == 200
+        assert sim.stats()["held"] == {}
+        with socket.create_connection(("127.0.0.1", sim.port), timeout=5) as sock:
+            sock.sendall(raw_request(COMPLETIONS, BODY, "x-sim-hold: r\r\n"))
+            sim.wait_held("r")  # held again: reset closed the name
+        wait_until(lambda: sim.stats()["held"] == {} and sim.stats()["in_flight"] == 0)
+        again = pool.submit(post, sim.url, {"x-sim-hold": "r"})
+        sim.wait_held("r")
+        sim.stop()
+        with pytest.raises(httpx.RemoteProtocolError):
+            again.result()
+
+
+def test_a_request_is_held_at_most_the_cap(
+    start: Callable[..., SimServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_module, "HOLD_CAP_S", 0.05)
+    sim = start()
+    assert post(sim.url, {"x-sim-hold": "forgotten"}, timeout=30).status_code == 200
+    assert sim.stats()["held"] == {}
+
+
 def test_max_concurrency_observed_is_exact_without_limit(start: Callable[..., SimServer]) -> None:
-    sim = start(latency_ms=300)
+    sim = start()
     with ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(post, sim.url) for _ in range(6)]
-        wait_until(lambda: sim.stats()["in_flight"] == 6)
+        futures = [pool.submit(post, sim.url, {"x-sim-hold": "h"}) for _ in range(6)]
+        sim.wait_held("h", 6)
+        assert sim.stats()["in_flight"] == 6
+        sim.release("h")
         assert all(f.result().status_code == 200 for f in futures)
     stats = sim.stats()
     assert stats["max_concurrency_observed"] == 6 and stats["in_flight"] == 0
@@ -231,10 +310,8 @@ def test_latency_config_and_header_override(start: Callable[..., SimServer]) -> 
     began = time.monotonic()
     assert post(sim.url).status_code == 200  # 60 + 4 tokens * 10 ms
     assert time.monotonic() - began >= 0.1
-    slow = start(latency_ms=2000)
-    began = time.monotonic()
-    assert post(slow.url, {"x-sim-latency-ms": "0"}).status_code == 200
-    assert time.monotonic() - began < 1.5
+    slow = start(latency_ms=600_000)  # ten minutes: only the override answers within 30 s
+    assert post(slow.url, {"x-sim-latency-ms": "0"}, timeout=30).status_code == 200
 
 
 def test_failure_rate_is_seeded(start: Callable[..., SimServer]) -> None:
@@ -293,11 +370,11 @@ def test_faults_scripted_by_endpoint_and_api(start: Callable[..., SimServer]) ->
 def test_stall_holds_slot_until_client_gives_up(start: Callable[..., SimServer]) -> None:
     sim = start()
     headers = {"x-request-id": "s1", "x-sim-fail-first": "1", "x-sim-fail-mode": "stall"}
-    with ThreadPoolExecutor(1) as pool:
-        stalled = pool.submit(post, sim.url, headers, timeout=0.5)
-        wait_until(lambda: sim.stats()["in_flight"] == 1)
-        with pytest.raises(httpx.ReadTimeout):
-            stalled.result()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with socket.create_connection(("127.0.0.1", sim.port), timeout=5) as sock:
+        sock.sendall(raw_request(COMPLETIONS, BODY, extra))
+        wait_until(lambda: sim.stats()["stalled"] == 1)
+        assert sim.stats()["in_flight"] == 1  # held until the client hangs up
     wait_until(lambda: sim.stats()["in_flight"] == 0)
     assert post(sim.url, headers).status_code == 200
     stats = sim.stats()
@@ -346,12 +423,14 @@ def test_pipelined_requests_answered_in_order(start: Callable[..., SimServer]) -
     expected = {
         p: post(sim.url, body={"prompt": p, "max_tokens": 3}).json() for p in ("slow", "fast")
     }
-    slow = raw_request(
-        COMPLETIONS, {"prompt": "slow", "max_tokens": 3}, "x-sim-latency-ms: 200\r\n"
-    )
+    slow = raw_request(COMPLETIONS, {"prompt": "slow", "max_tokens": 3}, "x-sim-hold: slow\r\n")
     fast = raw_request(COMPLETIONS, {"prompt": "fast", "max_tokens": 3})
     with socket.create_connection(("127.0.0.1", sim.port), timeout=5) as sock:
         sock.sendall(slow + fast + raw_request("/health"))
+        sim.wait_held("slow")
+        wait_until(lambda: sim.stats()["by_status"] == {"200": 3})  # "fast" answered, unwritten
+        assert sim.stats()["in_flight"] == 2
+        sim.release("slow")
         buf = bytearray()
         answers = [read_response(sock, buf) for _ in range(3)]
     assert [status for status, _, _ in answers] == [200, 200, 200]
@@ -457,7 +536,16 @@ def test_cli_serves_until_sigterm() -> None:
             line = proc.stdout.readline()
             match = re.fullmatch(r"simulator listening on (http://127\.0\.0\.1:\d+)\n", line)
             assert match, line
-            assert httpx.get(match.group(1) + "/health").json() == {"status": "ok"}
+            url = match.group(1)
+            assert httpx.get(url + "/health").json() == {"status": "ok"}
+            with ThreadPoolExecutor(1) as pool:  # hold and release over HTTP, across processes
+                held = pool.submit(post, url, {"x-sim-hold": "cli"})
+                wait_until(lambda: httpx.get(url + "/sim/stats").json()["held"] == {"cli": 1})
+                assert post(url).status_code == 503  # the held request has the only slot
+                assert httpx.post(url + "/sim/release", json={"name": "cli"}).json() == {
+                    "released": 1
+                }
+                assert held.result().status_code == 200
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=10) == 0
         finally:
@@ -485,9 +573,10 @@ def test_drop_reason_header_like_an_llm_d_gateway(start: Callable[..., SimServer
     assert out.described == "HTTP 503 (dropped: evicted)"
     assert send(url, body, {"x-request-id": "d2"}, 5).dropped_reason is None  # second: 200
     with ThreadPoolExecutor(1) as pool:
-        holder = pool.submit(post, sim.url, {"x-sim-latency-ms": "400"})
-        wait_until(lambda: sim.stats()["in_flight"] == 1)
+        holder = pool.submit(post, sim.url, {"x-sim-hold": "h"})
+        sim.wait_held("h")
         shed = send(url, body, {}, 5)
+        sim.release("h")
         assert holder.result().status_code == 200
     assert (shed.status_code, shed.dropped_reason) == (429, "rejected-saturated")
     assert shed.category == "RATE_LIMIT"

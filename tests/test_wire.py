@@ -7,9 +7,10 @@ write)."""
 from __future__ import annotations
 
 import base64
-import gc
 import json
 import re
+import subprocess
+import sys
 import uuid
 from dataclasses import replace
 from typing import Any
@@ -18,19 +19,19 @@ import redis
 from celery import states
 from celery.app.task import Context
 from celery.result import AsyncResult
-from celery.signals import worker_ready
 from kombu import Consumer, Queue
 from kombu.message import Message
 
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
+from pipeline.sim import SimServer
 from pipeline.store import DirectPublish
 from tasks.app import app
 from tasks.backend import PipelineRedisBackend
 from tasks.inference import AttemptRetry, RequestFailed, infer
 from tasks.node import direct_publish
 
-from .conftest import RESULTS_TAG, wait_for
+from .conftest import RESULTS_TAG, ROOT, held, wait_for
 
 
 def _decoded(raw: str) -> dict[str, Any]:
@@ -203,26 +204,29 @@ def test_an_attempt_writes_its_tasks_celery_result_in_its_own_script(pl: Pipelin
             backend.forget(rid)
 
 
-def test_celery_shows_each_attempts_outcome(pl: Pipeline, worker: Any) -> None:
-    """End to end through a worker node: RETRY with the reason as a one-line traceback (not
-    Celery's tracer frames), then SUCCESS with the pipeline's result; a failed request's
-    FAILURE names its status."""
+def test_celery_shows_each_attempts_outcome(
+    in_process: Pipeline, sim: SimServer, celery_session_worker: Any
+) -> None:
+    """Through a Celery worker (the in-process node: its dispatcher pushes the messages, its
+    consumer runs them): RETRY with the reason as a one-line traceback (not Celery's tracer
+    frames), then SUCCESS with the pipeline's result; a failed request's FAILURE names its
+    status."""
+    pl = in_process
+    rid = f"celery-{uuid.uuid4().hex[:8]}"
+    fail_once = {"x-sim-fail-first": "1", "x-sim-fail-status": "503"}
     retried = pl.submit(
-        {"prompt": "x"},
-        id=f"celery-{uuid.uuid4().hex[:8]}",
-        timeout=60,
-        queue="slowretry",
-        headers={"x-sim-fail-first": "1", "x-sim-fail-status": "503", "x-sim-retry-after": "2"},
+        {"prompt": "x"}, id=rid, timeout=60, queue="inproc", headers={**fail_once, **held(rid)}
     )
     failed = pl.submit(
         {"prompt": "x"},
         id=f"celery-{uuid.uuid4().hex[:8]}",
+        queue="inproc",
         headers={"x-sim-fail-first": "1", "x-sim-fail-status": "400"},
     )
-    assert wait_for(
-        lambda: AsyncResult(retried.id, app=app).state == states.RETRY, 10, what="RETRY"
-    )
+    sim.wait_held(rid)  # the second attempt: the first one's RETRY is the task's state now
+    assert AsyncResult(retried.id, app=app).state == states.RETRY
     assert AsyncResult(retried.id, app=app).traceback == "tasks.inference.AttemptRetry: HTTP 503\n"
+    sim.release(rid)
     assert retried.result(timeout=15).ok
     assert wait_for(
         lambda: AsyncResult(retried.id, app=app).state == states.SUCCESS, 5, what="SUCCESS"
@@ -238,6 +242,8 @@ def test_celery_shows_each_attempts_outcome(pl: Pipeline, worker: Any) -> None:
     assert isinstance(err.result, RequestFailed)
     assert re.fullmatch(r"HTTP 400 \(\d+-byte response body\)", str(err.result))
     assert err.traceback == f"tasks.inference.RequestFailed: {err.result}\n"
+    ran_on = {pl.record(r.id)["worker"] for r in (retried, failed)}
+    assert ran_on == {celery_session_worker.hostname}
 
 
 def _unacked(client: redis.Redis, rid: str) -> bool:
@@ -246,7 +252,7 @@ def _unacked(client: redis.Redis, rid: str) -> bool:
 
 
 def test_a_redis_broker_is_consumed_without_kombus_unacked_bookkeeping(
-    pl: Pipeline, redis_url: str, start_worker: Any
+    pl: Pipeline, redis_url: str, start_worker: Any, sim: SimServer
 ) -> None:
     """Two Redis round trips per message in the consumer's thread (record, then delete on
     ack) buy a redelivery the pipeline does not use: its reaper requeues a lost attempt's
@@ -259,15 +265,11 @@ def test_a_redis_broker_is_consumed_without_kombus_unacked_bookkeeping(
             pools="parked", concurrency=2, extra_env={"PIPELINE_BROKER_ACKS": acks}
         )
         try:
-            rid = pl.submit(
-                {"p": acks},
-                id=f"acks{acks}-{uuid.uuid4().hex[:8]}",
-                queue="parked",
-                timeout=60,
-                headers={"x-sim-latency-ms": "1500"},
-            ).id
-            wait_for(lambda r=rid: pl.state(r) == "running", 10, what="the attempt running")
+            rid = f"acks{acks}-{uuid.uuid4().hex[:8]}"
+            pl.submit({"p": acks}, id=rid, queue="parked", timeout=60, headers=held(rid))
+            sim.wait_held(rid)  # the attempt runs: its message was delivered, not yet acked
             assert _unacked(client, rid) is expect_unacked
+            sim.release(rid)
             assert pl.wait(rid, 20).ok
             wait_for(lambda r=rid: not _unacked(client, r), 10, what="nothing left unacked")
         finally:
@@ -321,18 +323,34 @@ def test_a_tick_answers_every_ring_of_its_pool_and_still_counts_the_pool(pl: Pip
             pl.cancel(rid)
 
 
-def test_a_ready_node_freezes_its_startup_heap() -> None:
+FREEZE_CHECK = """
+import gc
+from celery.signals import worker_ready
+import tasks  # the node's signal handlers
+gc.unfreeze()
+worker_ready.send(sender=None)
+frozen = gc.get_freeze_count()
+cycle = []
+cycle.append(cycle)
+del cycle
+print(frozen, gc.collect(), gc.get_freeze_count())
+"""
+
+
+def test_a_ready_node_freezes_its_startup_heap(env: dict[str, str]) -> None:
     """At worker_ready the node moves its startup heap out of the collector's reach (a full
-    collection of it stalled every hand-off ~50 ms); cycles made later are still collected."""
-    gc.unfreeze()
-    try:
-        worker_ready.send(sender=None)
-        frozen = gc.get_freeze_count()
-        assert frozen > 0
-        cycle: list[Any] = []
-        cycle.append(cycle)
-        del cycle
-        assert gc.collect() >= 1
-        assert gc.get_freeze_count() == frozen
-    finally:
-        gc.unfreeze()
+    collection of it stalled every hand-off ~50 ms); cycles made later are still collected.
+    In a process of its own: the freeze is process-wide, and threads of this one (the
+    simulator, the in-process node) free frozen objects while it counts."""
+    out = subprocess.run(
+        [sys.executable, "-c", FREEZE_CHECK],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    frozen, collected, after = (int(x) for x in out.stdout.split()[-3:])
+    assert frozen > 0 and collected >= 1
+    assert after == frozen  # the collection left the frozen heap alone

@@ -22,7 +22,7 @@ from pipeline.config import load_settings
 from pipeline.errors import ConfigError
 from pipeline.sim import SimServer
 from pipeline.store import wire
-from tests.conftest import WorkerProc, assert_idle, wait_for
+from tests.conftest import WorkerProc, assert_idle, held, wait_for
 from tests.observability import Isolated, isolated, start_node
 
 # the reference producer's submit (§1.1): sequence per (queue, deadline), generation keys, ZADD
@@ -307,12 +307,12 @@ def test_a_duplicate_member_is_served_once_and_a_new_generation_waits_its_turn(
     producer = Producer(client, q, results)
     consumer = Consumer(client, results)
     rid1 = rid()
-    slow = {"x-sim-latency-ms": "600"}
-    t1, member = producer.submit(rid1, {"prompt": "one"}, headers=slow)
+    t1, member = producer.submit(rid1, {"prompt": "one"}, headers=held(rid1))
     start_node(start_worker, iso, pools="p", concurrency=2)
-    wait_for(lambda: iso.pl.state(rid1) == "running", 10, what="the first generation")
+    sim.wait_held(rid1, timeout_s=30)  # the first generation runs until the test releases it
     client.zadd(q, {member: 1})  # the same entry again (a re-add by another dispatcher)
     t2, _ = producer.submit(rid1, {"prompt": "two"})  # a new generation of the live id
+    sim.release(rid1)
     first = consumer.get()[1]
     second = consumer.get()[1]
     assert [first["request_token"], second["request_token"]] == [t1, t2]

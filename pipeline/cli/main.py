@@ -216,81 +216,149 @@ def cmd_flower(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- serve ------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..serve import serve
+
+    _setup_logging(args.loglevel.upper())
+    serve(args.host, args.port, args.loglevel.lower())
+    return 0
+
+
 # -- run --------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..client import Pipeline
-    from ..client.batchfile import run_batch
-    from .services import Services, redis_reachable, wait_until
+    from ..batch import BatchSettings
+    from ..batch.run import Run, RunError, RunOptions, check_file
 
     console = Console(stderr=True)
+    settings = load_settings()
+    try:  # the whole file is read and checked before anything is started
+        check_file(
+            args.file, settings.max_payload_bytes, BatchSettings.from_env(settings).max_lines
+        )
+    except RunError as exc:
+        print(f"pipeline run: {exc}", file=sys.stderr)
+        return 2
+    opts = RunOptions(
+        path=args.file,
+        output=args.output,
+        batch_id=args.batch_id,
+        completion_window=args.completion_window,
+        queue=args.queue,
+        out_format=args.format,
+        error_output=args.error_output,
+        timeout=args.timeout,
+        show_progress=not args.no_progress,
+    )
+    return _run_with_services(args, opts, console, Run, RunError)
+
+
+def _run_with_services(
+    args: argparse.Namespace, opts: Any, console: Any, run_cls: Any, run_error: Any
+) -> int:
+    from ..client import Pipeline
+    from .services import Services
+
     services = Services()
 
     def on_term(signum: int, _frame: Any) -> None:  # stop what we started, also on SIGTERM
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
-    env = dict(os.environ)
+    started = time.time()
+    run = None
     try:
-        settings = load_settings(env)
-        if not redis_reachable(settings.redis_url, sentinel_master=settings.redis_sentinel_master):
-            url = services.start_redis()
-            console.print(f"[dim]no Redis reachable: started an embedded redis-server ({url})")
-            env.update(PIPELINE_REDIS_URL=url, CELERY_BROKER_URL=url, CELERY_RESULT_BACKEND=url)
-        if not env.get("PIPELINE_QUEUES") and not env.get("PIPELINE_ENDPOINT"):
-            sim_args = [
-                "--latency-ms",
-                str(args.sim_latency_ms),
-                "--jitter-ms",
-                str(args.sim_jitter_ms),
-            ]
-            url = services.start_simulator(sim_args)
-            console.print(f"[dim]no endpoint configured: started the simulator ({url})")
-            env["PIPELINE_ENDPOINT"] = url
-        os.environ.update(env)
-        settings = load_settings(env)
-        pipeline = Pipeline(settings)
-        needed = _pools_used(args.file, settings)
-
-        def missing_pools() -> list[str]:
-            client = pipeline.store.client
-            sec, usec = client.time()  # liveness is scored by the server's clock
-            now = sec + usec / 1e6
-            return [
-                p
-                for p in needed
-                if client.zcount(pipeline.store.keys.pool_nodes(p), now, "+inf") == 0
-            ]
-
-        if missing_pools():
-            pools = ",".join(missing_pools())
-            worker_args = ["--pools", pools, "-c", str(args.concurrency), "--loglevel", "WARNING"]
-            services.start_worker(env, worker_args, log_path=args.worker_log)
-            console.print(
-                f"[dim]no worker running for pool(s) {pools}: started one "
-                f"({args.concurrency} slots, log: {args.worker_log})"
-            )
-            wait_until(lambda: not missing_pools(), 60, "worker")
-        with (
-            open(args.file, "rb") as infile,
-            open(args.output, "w", encoding="utf-8") as out,
-        ):
-            summary = run_batch(
-                pipeline,
-                infile,
-                out,
-                console=console,
-                timeout=args.timeout,
-                show_progress=not args.no_progress,
-            )
+        env, embedded = _start_services(args, services, console)
+        pipeline = Pipeline(load_settings(env))
+        _start_worker(args, services, console, env, pipeline)
+        run = run_cls(pipeline, opts, console)
+        run.start()
+        batch = run.follow()
+        summary = run.write(started)
         console.print(summary.table())
-        console.print(f"results: {args.output}")
+        console.print(f"batch {batch.id} {batch.status}; results: {opts.output}")
         if args.json_summary:
             print(json.dumps(summary.as_dict()))
         return 0
+    except run_error as exc:
+        print(f"pipeline run: {exc}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, TimeoutError) as exc:
+        if run is None or run.batch is None:
+            return 130 if isinstance(exc, KeyboardInterrupt) else 1
+        if args.cancel_on_exit:
+            b = run.batches.cancel(run.batch.id)
+            console.print(f"batch {b.id} cancelled ({b.status})")
+        else:
+            console.print(run.reattach_hint(), soft_wrap=True)  # one line, to copy
+            if embedded:
+                console.print(
+                    "[yellow]its Redis is the embedded one this command started, which stops "
+                    "now: running the command again starts the batch afresh"
+                )
+            elif services.procs:
+                console.print("the worker this command started stops now; re-attaching starts one")
+        return 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         services.close()
+
+
+def _start_services(
+    args: argparse.Namespace, services: Any, console: Any
+) -> tuple[dict[str, str], bool]:
+    """An embedded Redis and the simulator when none is configured; returns the environment
+    and whether the Redis is the embedded one."""
+    from .services import redis_reachable
+
+    env = dict(os.environ)
+    settings = load_settings(env)
+    embedded = False
+    if not redis_reachable(settings.redis_url, sentinel_master=settings.redis_sentinel_master):
+        url = services.start_redis()
+        embedded = True
+        console.print(f"[dim]no Redis reachable: started an embedded redis-server ({url})")
+        env.update(PIPELINE_REDIS_URL=url, CELERY_BROKER_URL=url, CELERY_RESULT_BACKEND=url)
+    if not env.get("PIPELINE_QUEUES") and not env.get("PIPELINE_ENDPOINT"):
+        sim_args = [
+            "--latency-ms",
+            str(args.sim_latency_ms),
+            "--jitter-ms",
+            str(args.sim_jitter_ms),
+        ]
+        url = services.start_simulator(sim_args)
+        console.print(f"[dim]no endpoint configured: started the simulator ({url})")
+        env["PIPELINE_ENDPOINT"] = url
+    os.environ.update(env)
+    return env, embedded
+
+
+def _start_worker(
+    args: argparse.Namespace, services: Any, console: Any, env: dict[str, str], pipeline: Any
+) -> None:
+    """A worker node for the pools the file's lines use, when none is running."""
+    from .services import wait_until
+
+    needed = _pools_used(args.file, pipeline.settings)
+
+    def missing_pools() -> list[str]:
+        client = pipeline.store.client
+        sec, usec = client.time()  # liveness is scored by the server's clock
+        now = sec + usec / 1e6
+        return [
+            p for p in needed if client.zcount(pipeline.store.keys.pool_nodes(p), now, "+inf") == 0
+        ]
+
+    if missing_pools():
+        pools = ",".join(missing_pools())
+        worker_args = ["--pools", pools, "-c", str(args.concurrency), "--loglevel", "WARNING"]
+        services.start_worker(env, worker_args, log_path=args.worker_log)
+        console.print(
+            f"[dim]no worker running for pool(s) {pools}: started one "
+            f"({args.concurrency} slots, log: {args.worker_log})"
+        )
+        wait_until(lambda: not missing_pools(), 60, "worker")
 
 
 def _pools_used(path: str, settings: Any) -> list[str]:
@@ -312,10 +380,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipeline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("run", help="run a JSONL batch and write its results")
+    p = sub.add_parser("run", help="run a JSONL batch and write its results (resumable)")
     p.add_argument("file")
     p.add_argument("-o", "--output", default="results.jsonl")
-    p.add_argument("--timeout", type=float, default=None, help="give up after this many s")
+    p.add_argument(
+        "--batch-id", help="the batch to create or attach to (default: from the file's content)"
+    )
+    p.add_argument("--completion-window", default="24h", help="every line's deadline (24h)")
+    p.add_argument("--queue", help="the queue of lines that name none (default: default)")
+    p.add_argument(
+        "--format",
+        choices=["results", "openai"],
+        default="results",
+        help="results: one result line per request; openai: OpenAI's output and error files",
+    )
+    p.add_argument("--error-output", help="--format openai: the error file (<output>.errors)")
+    p.add_argument(
+        "--cancel-on-exit", action="store_true", help="on Ctrl-C or --timeout, cancel the batch"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=None, help="stop waiting after this many s (exit 1)"
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json-summary", action="store_true", help="also print the summary as JSON")
     p.add_argument(
@@ -374,6 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true")
     p.add_argument("--interval", type=float, default=1.0)
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("serve", help="OpenAI's Files and Batches API and a batch page")
+    p.add_argument("--host", default="127.0.0.1", help="without PIPELINE_API_KEYS: loopback only")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--loglevel", default="info")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(
         "reload", help="every worker node re-reads its queue and pool files (as on SIGHUP)"

@@ -1,6 +1,6 @@
 """The client API: submit requests, read their state and results, cancel, inspect
-(:mod:`.api`), the public value types (:mod:`.models`) and batch files (:mod:`.batchfile`,
-``pipeline run``). Imports ``config``, ``store``, ``gates`` and ``errors`` of the pipeline."""
+(:mod:`.api`) and the public value types (:mod:`.models`). Imports ``config``, ``store``,
+``gates`` and ``errors`` of the pipeline."""
 
 from .api import Pipeline, configure, default_pipeline, ordering_score
 from .models import Request, Result

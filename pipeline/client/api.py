@@ -157,6 +157,12 @@ class Pipeline:
         ]
         return rid, row
 
+    def prepare(self, payload: Any, **kw: Any) -> tuple[str, list[str]]:
+        """Check one submission as :meth:`submit` does, without storing it: its id and its
+        row for submit.lua (``pipeline.batch`` stores batch lines itself). Raises
+        InvalidRequest naming the field."""
+        return self._row(payload, **kw)
+
     # -- submit --------------------------------------------------------------------------
     def submit(self, payload: dict[str, Any], **kw: Any) -> Request:
         """Submit one request. See :func:`pipeline.submit`."""

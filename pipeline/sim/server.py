@@ -3,8 +3,8 @@
 A single-threaded asyncio HTTP/1.1 server (hand-written parser on ``asyncio.Protocol``;
 keep-alive, ``Connection: close`` and in-order answers to pipelined requests). It serves
 ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, vLLM-style
-``/metrics`` and the control endpoints ``/sim/stats``, ``/sim/reset``, ``/sim/faults`` and
-``/sim/arrivals``.
+``/metrics`` and the control endpoints ``/sim/stats``, ``/sim/reset``, ``/sim/faults``,
+``/sim/release`` and ``/sim/arrivals``.
 
 Request life cycle for an inference call: count it (and its attempt per ``x-request-id``), parse
 the JSON body (400 if invalid), admit it (above ``max_concurrency``: 429/503 with
@@ -24,6 +24,16 @@ stall|drop`` hangs (up to ``STALL_CAP_S``) or closes the connection instead.
 "fail_first", "status", "retry_after", "mode", "dropped_reason"}`` scripts the same for an
 id; headers win. ``SimConfig.overload_dropped_reason`` adds the drop-reason header to overload
 rejections.
+
+Held requests (for tests that need N requests in flight, without racing a latency):
+``x-sim-hold: NAME`` keeps an admitted request that would answer 200 open — in flight, holding
+its concurrency slot, as a slow request would — until the name is released:
+``SimServer.release(NAME)`` in process, ``POST /sim/release {"name": NAME}`` from another.
+Releasing answers every request held under the name (200, the usual body) and opens the name:
+later requests carrying it (a retry) are not held, until ``reset()``. ``SimServer.wait_held``
+(or ``held`` in ``/sim/stats``) tells how many are held. Bounds: ``reset()`` releases every
+name, ``stop()`` closes the connections, and a request is never held longer than
+``HOLD_CAP_S`` (then answered as if released).
 
 Credentials, like a gateway's: with ``api_key`` set, an inference call without
 ``Authorization: Bearer <api_key>`` is answered 401 (counted in ``unauthorized``; the CLI
@@ -56,6 +66,7 @@ from typing import Any, TypeVar
 
 MODEL_NAME = "sim-model"
 STALL_CAP_S = 600.0  # a stalled attempt is dropped after this many seconds
+HOLD_CAP_S = 120.0  # a held request is answered after this many seconds if nobody released it
 MAX_HEAD_BYTES = 64 * 1024
 MAX_BODY_BYTES = 16 * 1024 * 1024
 FAULT_MODES = ("status", "stall", "drop")
@@ -127,6 +138,7 @@ class _Job:
     fault: _Fault | None
     latency_ms: float | None  # per-request override of the whole delay
     attempt: int
+    hold: str | None = None  # x-sim-hold: answer the 200 when this name is released
 
 
 @dataclass(slots=True)
@@ -148,7 +160,8 @@ class _Pending:
     """One request's place in its connection's in-order response queue."""
 
     __slots__ = (
-        "keep_alive", "arrival", "admitted", "reply", "held", "task", "waiter", "inference", "rid"
+        "keep_alive", "arrival", "admitted", "reply", "held", "task", "waiter", "inference", "rid",
+        "hold",
     )  # fmt: skip
 
     def __init__(self, keep_alive: bool) -> None:
@@ -157,10 +170,11 @@ class _Pending:
         self.admitted = 0.0  # when it got its concurrency slot, if it waited for one
         self.reply: _Reply | None = None
         self.held = False  # owns a concurrency slot (counted in in_flight)
-        self.task: asyncio.Task[None] | _Timer | None = None
+        self.task: asyncio.Task[None] | _Timer | asyncio.TimerHandle | None = None
         self.waiter: asyncio.Future[None] | None = None  # set while queued for a slot
         self.inference = False
         self.rid: str | None = None
+        self.hold: str | None = None  # the name it is held under, while held
 
 
 def _reason(status: int) -> str:
@@ -398,6 +412,8 @@ class _Sim:
         self.conns: set[_Conn] = set()
         self.waiters: deque[_Pending] = deque()
         self.faults: dict[str, _Fault] = {}
+        self.holds: dict[str, dict[_Pending, tuple[_Conn, _Reply]]] = {}  # name -> held requests
+        self.released: set[str] = set()  # names released since the last reset
         self.in_flight = 0
         self.routes: dict[tuple[str, str], Callable[[_Request], _Reply]] = {
             ("GET", "/health"): lambda r: _json(200, {"status": "ok"}),
@@ -407,11 +423,15 @@ class _Sim:
             ("POST", "/sim/reset"): lambda r: _json(200, self.reset()),
             ("GET", "/sim/arrivals"): lambda r: _json(200, self.arrivals),
             ("POST", "/sim/faults"): self._post_fault,
+            ("POST", "/sim/release"): self._post_release,
         }
         self.reset()
 
     def reset(self) -> dict[str, bool]:
-        """Zero counters, per-id attempts, scripted faults and recorded arrivals."""
+        """Answer every held request, then zero counters, per-id attempts, scripted faults,
+        released hold names and recorded arrivals."""
+        self.release_all()
+        self.released.clear()
         self.requests = self.dropped = self.stalled = self.connections = self.unauthorized = 0
         self.by_status: dict[int, int] = {}
         self.attempts: dict[str, int] = {}
@@ -431,6 +451,7 @@ class _Sim:
             "attempts_by_request_id": dict(self.attempts),
             "dropped": self.dropped,
             "stalled": self.stalled,
+            "held": {name: len(held) for name, held in self.holds.items()},
             "connections": self.connections,
             "unauthorized": self.unauthorized,
         }
@@ -469,6 +490,48 @@ class _Sim:
             raise ValueError(f"mode must be one of {FAULT_MODES}, not {fault.mode!r}")
         self.faults[rid] = fault
 
+    def release(self, name: str) -> int:
+        """Answer every request held under ``name`` (200, the usual body) and let later ones
+        carrying it pass; returns how many were held."""
+        self.released.add(name)
+        held = self.holds.pop(name, {})
+        answered = 0
+        for p, (conn, reply) in list(held.items()):
+            if p.hold != name:  # its connection went away while an earlier one was answered
+                continue
+            self._unhold(p)
+            self.answer(conn, p, reply)
+            answered += 1
+        return answered
+
+    def release_all(self) -> int:
+        """Release every name that holds a request; returns how many requests were held."""
+        return sum(self.release(name) for name in list(self.holds))
+
+    def _hold(self, conn: _Conn, p: _Pending, name: str, reply: _Reply) -> None:
+        p.hold = name
+        self.holds.setdefault(name, {})[p] = (conn, reply)
+        p.task = asyncio.get_running_loop().call_later(HOLD_CAP_S, self._hold_expired, p)
+
+    def _unhold(self, p: _Pending) -> tuple[_Conn, _Reply] | None:
+        """Take ``p`` out of its hold (and cancel its cap); returns what it was held with."""
+        name, p.hold = p.hold, None
+        if name is None:
+            return None
+        if isinstance(p.task, asyncio.TimerHandle):
+            p.task.cancel()
+            p.task = None
+        held = self.holds.get(name)
+        entry = held.pop(p, None) if held is not None else None
+        if held is not None and not held:
+            del self.holds[name]
+        return entry
+
+    def _hold_expired(self, p: _Pending) -> None:
+        entry = self._unhold(p)
+        if entry is not None:
+            self.answer(entry[0], p, entry[1])
+
     def _models(self, req: _Request) -> _Reply:
         model = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "sim"}
         return _json(200, {"object": "list", "data": [model]})
@@ -486,6 +549,15 @@ class _Sim:
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             return _error(400, f"bad fault spec: {exc!r}")
         return _json(200, {"ok": True})
+
+    def _post_release(self, req: _Request) -> _Reply:
+        try:
+            name = json.loads(req.body)["name"]
+        except (ValueError, TypeError, KeyError) as exc:
+            return _error(400, f'bad release spec, want {{"name": ...}}: {exc!r}')
+        if not isinstance(name, str) or not name:
+            return _error(400, "'name' must be a non-empty string")
+        return _json(200, {"released": self.release(name)})
 
     # -- request flow -------------------------------------------------------------------------
 
@@ -517,7 +589,9 @@ class _Sim:
         self.forget(p)
 
     def forget(self, p: _Pending) -> None:
-        """Release whatever ``p`` holds: its queue place or its concurrency slot."""
+        """Release whatever ``p`` holds: its hold, its queue place or its concurrency slot."""
+        if p.hold is not None:
+            self._unhold(p)
         if p.waiter is not None:
             if not p.held and p in self.waiters:
                 self.waiters.remove(p)
@@ -602,7 +676,8 @@ class _Sim:
         fault, latency = self._header_overrides(req)
         if fault is None:
             fault = self.faults.get(req.headers.get("x-request-id", ""))
-        return _Job(chat, str(model), prompt, max_tokens, fault, latency, attempt)
+        hold = req.headers.get("x-sim-hold") or None
+        return _Job(chat, str(model), prompt, max_tokens, fault, latency, attempt, hold)
 
     @staticmethod
     def _header_overrides(req: _Request) -> tuple[_Fault | None, float | None]:
@@ -652,7 +727,9 @@ class _Sim:
             if cfg.jitter_ms:
                 delay_ms += self.jitter_rng.uniform(0.0, cfg.jitter_ms)
         reply = self._completion(job)
-        if delay_ms > 0:
+        if job.hold is not None and job.hold not in self.released:
+            self._hold(conn, p, job.hold, reply)
+        elif delay_ms > 0:
             due = max(p.arrival, p.admitted) + delay_ms / 1000.0
             p.task = self.clock().call_at(due, self.answer, conn, p, reply)
         else:
@@ -827,8 +904,31 @@ class SimServer:
         return self._call(self._sim.stats)
 
     def reset(self) -> None:
-        """Same as ``POST /sim/reset``."""
+        """Same as ``POST /sim/reset`` (answers every held request first)."""
         self._call(self._sim.reset)
+
+    def release(self, name: str) -> int:
+        """Same as ``POST /sim/release {"name": name}``: answer every request held under
+        ``name`` (``x-sim-hold``) and let later ones pass; returns how many were held."""
+        return self._call(lambda: self._sim.release(name))
+
+    def release_all(self) -> int:
+        """Release every name that holds a request (``reset()`` does too, and zeroes the
+        counters); returns how many requests were held."""
+        return self._call(self._sim.release_all)
+
+    def held(self, name: str) -> int:
+        """How many requests are held under ``name`` now."""
+        return self._call(lambda: len(self._sim.holds.get(name, ())))
+
+    def wait_held(self, name: str, n: int = 1, timeout_s: float = 30.0) -> None:
+        """Return once at least ``n`` requests are held under ``name``; TimeoutError after
+        ``timeout_s`` seconds (polls every 5 ms)."""
+        deadline = time.monotonic() + timeout_s
+        while (got := self.held(name)) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{got} of {n} requests held under {name!r}")
+            time.sleep(0.005)
 
     def script_fault(
         self,

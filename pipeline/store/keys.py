@@ -176,6 +176,50 @@ class Keys:
         """Hash: queue → Unix time since which the wedge detector has seen it wedged."""
         return f"{self.prefix}wedged"
 
+    # -- batches and files (pipeline/batch/) -------------------------------------------
+    def batch(self, batch_id: str) -> str:
+        """Hash: a batch (status, counts, timestamps, file ids; see ``batch_*.lua``). Expires
+        its retention after it closes (and at the latest its window plus retention)."""
+        return f"{self.prefix}batch:{batch_id}"
+
+    def batch_invalid(self, batch_id: str) -> str:
+        """List: a batch's invalid lines kept for its error file (JSON); expires with it."""
+        return f"{self.prefix}batch:{batch_id}:invalid"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """String with a TTL: the process validating, enqueuing, cancelling or finalizing a
+        batch (another takes over once it lapses)."""
+        return f"{self.prefix}batch:{batch_id}:lease"
+
+    def batches(self) -> str:
+        """Sorted set: every unexpired batch; score = created_at (Unix s, server clock)."""
+        return f"{self.prefix}batches"
+
+    def batches_expiry(self) -> str:
+        """Sorted set: every unexpired batch; score = when its record expires. Expired ones
+        are pruned from :meth:`batches`, this set and :meth:`batches_active`."""
+        return f"{self.prefix}batches:expiry"
+
+    def batches_active(self) -> str:
+        """Set: batches not yet closed (validating, in_progress, cancelling, finalizing)."""
+        return f"{self.prefix}batches:active"
+
+    def batches_bell(self) -> str:
+        """List used as a doorbell (at most one element): a batch is waiting to finalize."""
+        return f"{self.prefix}batches:bell"
+
+    def file(self, file_id: str) -> str:
+        """Hash: a file's record (name, bytes, purpose, owner); expires with the file."""
+        return f"{self.prefix}file:{file_id}"
+
+    def files(self) -> str:
+        """Sorted set: every unexpired file; score = created_at (Unix s)."""
+        return f"{self.prefix}files"
+
+    def files_expiry(self) -> str:
+        """Sorted set: every file; score = when it expires (its bytes are removed then)."""
+        return f"{self.prefix}files:expiry"
+
     def pool_nodes_pattern(self) -> str:
         """Glob matching every pool's :meth:`pool_nodes` key."""
         return f"{self.prefix}pool:*:nodes"

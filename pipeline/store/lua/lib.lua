@@ -8,9 +8,10 @@
 -- push, 0 = none), state, token, attempts, dispatches, last_response, last_error, result,
 -- finished_at, worker, started_at, attempt_span (tracing on: "<token> <traceparent>" of the
 -- running attempt), wire ('llm-d-async' for a request a reference producer wrote; see
--- ingest.lua), ref_token (its generation token), tenant (indexed queues: the tenant
--- attribute's value) and qkeys (JSON list of the quota keys a dispatched attempt counts
--- against; see sched.lua). Times are the server's clock (server_now).
+-- ingest.lua), ref_token (its generation token), for a line of a batch, batch and
+-- custom_id (see batch_create.lua), tenant (indexed queues: the tenant attribute's value) and
+-- qkeys (JSON list of the quota keys a dispatched attempt counts against; see sched.lua).
+-- Times are the server's clock (server_now).
 -- States: queued -> dispatched -> running -> (retry_wait -> queued ...) -> done.
 
 -- The Redis server's clock (Unix s, µs precision). Every "now" a script compares a lease, a due
@@ -119,6 +120,53 @@ local function push_result(list, json, max_len, ttl)
   if ttl > 0 then redis.call('EXPIRE', list, math.ceil(ttl)) end
 end
 
+-- Batches (pipeline/batch/; hash <prefix>batch:<id>, see batch_create.lua for its fields).
+-- Close batch `id` with its final status (completed, expired, cancelled or failed) at `now`:
+-- it and its invalid-line list expire `retention` s later, and it leaves the active set.
+local function batch_close(prefix, id, final, now)
+  local bk = prefix .. 'batch:' .. id
+  local retention = tonumber(redis.call('HGET', bk, 'retention')) or 604800
+  redis.call('HSET', bk, 'status', final, final .. '_at', fmt_time(now))
+  for _, k in ipairs({bk, bk .. ':invalid'}) do redis.call('EXPIRE', k, math.ceil(retention)) end
+  redis.call('SREM', prefix .. 'batches:active', id)
+  redis.call('ZADD', prefix .. 'batches:expiry', fmt_time(now + retention), id)
+end
+
+-- When every line of a running or cancelling batch has its result, end it: cancelled if it
+-- was cancelled, expired if its window has passed, else completed. A batch whose files are
+-- assembled by `pipeline serve` (field files = '1') goes to finalizing first and rings the
+-- finalizers' doorbell; the finalizer closes it (batch_finalized.lua).
+local function batch_settle(prefix, id, now)
+  local bk = prefix .. 'batch:' .. id
+  local b = redis.call('HMGET', bk, 'status', 'total', 'completed', 'failed', 'expires_at',
+    'files')
+  if b[1] ~= 'in_progress' and b[1] ~= 'cancelling' then return end
+  if (tonumber(b[3]) or 0) + (tonumber(b[4]) or 0) < (tonumber(b[2]) or 0) then return end
+  local final = 'completed'
+  if b[1] == 'cancelling' then
+    final = 'cancelled'
+  elseif now >= (tonumber(b[5]) or now + 1) then
+    final = 'expired'
+  end
+  redis.call('HSET', bk, 'finalizing_at', fmt_time(now), 'final_status', final)
+  if b[6] == '1' then
+    redis.call('HSET', bk, 'status', 'finalizing')
+    local bell = prefix .. 'batches:bell'
+    if redis.call('LLEN', bell) == 0 then redis.call('RPUSH', bell, id) end
+  else
+    batch_close(prefix, id, final, now)
+  end
+end
+
+-- A line of batch `id` got its terminal result (`ok`: a 2xx/3xx response): count it, in the
+-- same atomic step as the result, and end the batch when it was the last.
+local function batch_count(prefix, id, ok, now)
+  local bk = prefix .. 'batch:' .. id
+  if redis.call('EXISTS', bk) == 0 then return end
+  redis.call('HINCRBY', bk, ok and 'completed' or 'failed', 1)
+  batch_settle(prefix, id, now)
+end
+
 -- Write the terminal result of request `id` and take it out of every waiting and active set.
 -- status_code / error_code are '' when absent. `quiet`: do not publish the release on the
 -- freed channel (the attempt handed its slot over: nothing was freed). Returns the result JSON.
@@ -165,6 +213,8 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   redis.call('RPUSH', nk, '1')
   redis.call('EXPIRE', nk, 300)
   redis.call('HINCRBY', qkey(prefix, queue, 'stats'), outcome, 1)
+  local batch = redis.call('HGET', rk, 'batch')
+  if batch then batch_count(prefix, batch, outcome == 'ok', now) end
   local recent = qkey(prefix, queue, 'recent')
   redis.call('ZADD', recent, fmt_time(now), id)
   redis.call('ZREMRANGEBYSCORE', recent, '-inf', now - 300)
@@ -175,9 +225,18 @@ end
 
 -- Put a waiting request back into its queue: into the pending set at once, or into the
 -- delayed set until `due` (server clock). The original ordering key (score, member) is kept.
--- `quiet` as in terminal().
+-- A line of a cancelling batch ends CANCELLED instead. `quiet` as in terminal().
 local function enqueue(prefix, id, now, due, quiet)
   local rk = prefix .. 'req:' .. id
+  local batch = redis.call('HGET', rk, 'batch')
+  if batch then  -- a line of a batch being cancelled gets no new attempt
+    local b = redis.call('HMGET', prefix .. 'batch:' .. batch, 'status', 'result_ttl')
+    if b[1] == 'cancelling' then
+      terminal(prefix, id, now, tonumber(b[2]) or 604800, '', '{"error": "batch cancelled"}',
+        'CANCELLED', 'batch cancelled', quiet)
+      return
+    end
+  end
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline', 'qkeys')
   local queue = f[1]
   redis.call('ZREM', qkey(prefix, queue, 'active'), id)

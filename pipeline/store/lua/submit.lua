@@ -1,7 +1,8 @@
 -- submit.lua: accept a batch of requests atomically, item by item.
 -- KEYS: none passed; keys are derived from ARGV[1] (the prefix) and each item's id/queue:
 --   <prefix>req:<id> (hash), <prefix>q:<queue>:pending / :expiry (zsets), <prefix>seq,
---   <prefix>pool:<pool>:wake.
+--   <prefix>pool:<pool>:wake, and for a queue indexed by tenant its scheduling keys
+--   (sched.lua: the tenant's sub-queue, the ready set).
 -- ARGV[1] key prefix, ARGV[2] the items: a JSON array with one array of 14 strings per item:
 --   id, queue, pool, priority (0-9), deadline (Unix s, the server's clock) or '',
 --   timeout (s from now by the server's clock, when deadline is ''), payload (JSON text),
@@ -10,13 +11,30 @@
 --   per item: the client encodes it in one call.)
 -- The ordering key (score) is (9 - priority) x 1e13 + the deadline in ms: higher priority
 -- first, then earliest deadline; the member's sequence number breaks ties (submission order).
+-- With ARGV[3] a batch id, the items are that batch's lines (pipeline/batch/): each item has a
+-- 15th field, its custom_id, stored with the batch id in the record; the call covers the
+-- batch's input lines after ARGV[4] up to ARGV[5] (line numbers) and is fenced: it stores
+-- nothing and returns {'stopped', status} unless the batch is validating or in progress and
+-- not stopped, or {'fenced', lines covered so far} unless the batch has covered exactly ARGV[4]
+-- lines (so no line is ever stored twice, whoever enqueues it and however often).
 -- Returns one entry per item: 1 when created, else the state of the live request that
 -- already holds that id (idempotent submit).
 local prefix = ARGV[1]
 local now = server_now()
+local batch = ARGV[3] or ''
+if batch ~= '' then
+  local bk = prefix .. 'batch:' .. batch
+  local b = redis.call('HMGET', bk, 'status', 'submitted', 'stopped')
+  if (b[1] ~= 'validating' and b[1] ~= 'in_progress') or b[3] == '1' then
+    return {'stopped', b[1] or 'missing'}
+  end
+  if tonumber(b[2]) ~= tonumber(ARGV[4]) then return {'fenced', b[2]} end
+  redis.call('HSET', bk, 'submitted', ARGV[5])
+end
 local out = {}
 local touched_pools = {}
 local items = cjson.decode(ARGV[2])
+if batch ~= '' then redis.call('HINCRBY', prefix .. 'batch:' .. batch, 'unsubmitted', -#items) end
 -- one INCRBY reserves a sequence number per item (a duplicate leaves a gap: only order counts)
 local seq0 = redis.call('INCRBY', prefix .. 'seq', #items) - #items
 for i, r in ipairs(items) do
@@ -38,6 +56,7 @@ for i, r in ipairs(items) do
       'result_list_ttl', r[13], 'labels', r[14], 'member', member,
       'submitted_at', fmt_time(now), 'state', 'queued', 'token', '', 'attempts', 0,
       'dispatches', 0)
+    if batch ~= '' then redis.call('HSET', rk, 'batch', batch, 'custom_id', r[15]) end
     redis.call('ZADD', qkey(prefix, queue, 'pending'), score, member)
     sched_add(prefix, queue, id, score, member, r[8])
     redis.call('ZADD', qkey(prefix, queue, 'expiry'), deadline, id)

@@ -1,0 +1,275 @@
+"""From an input file to queued requests: the whole input is checked first (:func:`scan`:
+line by line, unique custom_ids, size limits), its rows spooled to a temporary file so that
+memory stays flat whatever the input's size; then the rows are stored chunk by chunk
+(:func:`enqueue`), each chunk fenced by line numbers in submit.lua so that no line is stored
+twice — by a second enqueuer, or by one resuming after a crash.
+
+Every line's request id is ``<batch id>-<line number>``; its deadline is the batch's
+``expires_at`` (the server's clock at creation + the completion window), or earlier when a
+``pipeline run`` line asks for a shorter ``timeout`` / ``deadline`` of its own.
+"""
+
+from __future__ import annotations
+
+import struct
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import orjson
+
+from ..client import Pipeline
+from ..errors import InvalidRequest
+from .lines import Line, LineError, parse_line
+from .records import BatchRecords
+
+FIRST_CHUNK = 32  # rows in the first submit call: the dispatcher starts on the head at once
+MAX_CHUNK = 500  # ... doubling up to this many (one call holds single-threaded Redis ~10 ms)
+MAX_ERRORS = 1000  # errors listed in a failed batch's ``errors`` (then one summary entry)
+_HEAD = struct.Struct("<QQQ")  # a spooled chunk: after, upto, length of its items
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What every row of one batch shares."""
+
+    batch_id: str
+    queue: str
+    priority: int
+    deadline: float  # the batch's expires_at (Unix s, server clock)
+    created_at: float  # the batch's created_at (server clock): per-line timeouts count from it
+    metadata: str  # the requests' metadata JSON (the tenant as the fairness attribute)
+    endpoint: str | None  # every line's url must be this one (None: any known url)
+    extensions: bool  # pipeline run lines
+    error_file: bool  # invalid lines go to the error file, the rest runs
+
+
+@dataclass
+class Scan:
+    """The result of checking an input: ``total`` request lines (valid or not), the last
+    ``lines`` number, the ``invalid`` ones, and the valid rows spooled for :func:`enqueue`."""
+
+    total: int = 0
+    lines: int = 0
+    invalid: list[LineError] = field(default_factory=list)
+    duplicates: dict[str, list[int]] = field(default_factory=dict)
+    model: str | None = None
+    spool: IO[bytes] | None = None
+    chunks: int = 0
+
+    def errors(self) -> list[dict[str, Any]]:
+        """The batch's ``errors.data``: each invalid line (the first :data:`MAX_ERRORS`)."""
+        out = [e.as_error() for e in self.invalid[:MAX_ERRORS]]
+        if len(self.invalid) > MAX_ERRORS:
+            more = len(self.invalid) - MAX_ERRORS
+            out.append({"code": "too_many_errors", "line": None, "param": None,
+                        "message": f"and {more} more invalid lines"})  # fmt: skip
+        return out
+
+    def chunks_iter(self) -> Iterator[tuple[int, int, bytes]]:
+        """The spooled chunks in order: (after line, up to line, submit.lua items)."""
+        if self.spool is None:
+            return
+        self.spool.seek(0)
+        for _ in range(self.chunks):
+            after, upto, n = _HEAD.unpack(self.spool.read(_HEAD.size))
+            yield after, upto, self.spool.read(n)
+
+    def close(self) -> None:
+        if self.spool is not None:
+            self.spool.close()
+            self.spool = None
+
+
+def input_lines(source: IO[bytes] | Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
+    """(line number from 1, line without its end) of a binary input."""
+    for number, raw in enumerate(source, 1):
+        yield number, raw.rstrip(b"\r\n")
+
+
+class RowBuilder:
+    """Rows for submit.lua (14 fields and the custom_id) from valid lines."""
+
+    def __init__(self, pipeline: Pipeline, ctx: RowContext) -> None:
+        self.pipeline = pipeline
+        self.ctx = ctx
+        settings = pipeline.settings
+        if ctx.queue not in settings.queues:
+            raise InvalidRequest("queue", f"unknown queue {ctx.queue!r}")
+        q = settings.queues[ctx.queue]
+        self.deadline = repr(ctx.deadline)
+        labels = orjson.dumps(q.labels).decode() if q.labels else "{}"
+        self.head = [q.queue_name, q.worker_pool_id, str(ctx.priority)]
+        self.tail = [*pipeline.store.result_list_args(q), labels]
+
+    def row(self, line: Line) -> list[str] | LineError:
+        rid = f"{self.ctx.batch_id}-{line.number}"
+        if line.extra is None:
+            return [
+                rid, *self.head, self.deadline, "", line.body, self.ctx.metadata, "{}",
+                line.url or "", *self.tail, line.custom_id,
+            ]  # fmt: skip
+        return self._extended(rid, line)
+
+    def _extended(self, rid: str, line: Line) -> list[str] | LineError:
+        """A run line with its own priority, deadline, timeout, metadata, headers or queue:
+        checked by :meth:`Pipeline.prepare`, as ``submit`` checks its arguments."""
+        extra = dict(line.extra or {})
+        own_deadline = extra.pop("deadline", None)
+        own_timeout = extra.pop("timeout", None)
+        extra.setdefault("queue", self.ctx.queue)
+        extra.setdefault("priority", self.ctx.priority)
+        try:
+            _, row = self.pipeline.prepare(
+                orjson.loads(line.body),
+                id=rid,
+                endpoint=line.url,
+                deadline=own_deadline,
+                timeout=own_timeout if own_deadline is None else None,
+                **extra,
+            )
+        except InvalidRequest as exc:
+            return LineError(
+                line.number, "invalid_request", f"line {line.number}: {exc}", exc.field,
+                line.custom_id,
+            )  # fmt: skip
+        deadline = self.ctx.deadline
+        if own_deadline is not None:
+            deadline = min(deadline, float(own_deadline))
+        elif own_timeout is not None:
+            deadline = min(deadline, self.ctx.created_at + float(own_timeout))
+        row[4], row[5] = repr(deadline), ""
+        if self.ctx.metadata != "{}" and row[7] == "{}":
+            row[7] = self.ctx.metadata
+        return [*row, line.custom_id]
+
+
+def scan(
+    source: Iterable[tuple[int, bytes]],
+    builder: RowBuilder | None,
+    *,
+    max_body_bytes: int,
+    max_lines: int,
+    enqueue_after: int = 0,
+    renew: Callable[[], None] | None = None,
+) -> Scan:
+    """Check every line; with a ``builder``, spool the rows of valid lines after line
+    ``enqueue_after`` (a resumed batch has stored the lines up to it). Without one, only
+    check (``pipeline run`` does before it starts anything)."""
+    s = _Scanner(builder, max_body_bytes, enqueue_after, renew)
+    for number, raw in source:
+        s.out.lines = number
+        if not raw.strip():
+            continue
+        s.out.total += 1
+        if s.out.total > max_lines:
+            s.out.invalid.append(
+                LineError(number, "too_many_lines", f"more than {max_lines} lines", None)
+            )
+            break
+        s.line(number, raw)
+    s.flush()
+    return s.out
+
+
+class _Scanner:
+    def __init__(
+        self,
+        builder: RowBuilder | None,
+        max_body_bytes: int,
+        enqueue_after: int,
+        renew: Callable[[], None] | None,
+    ) -> None:
+        self.builder = builder
+        ctx = builder.ctx if builder is not None else None
+        self.endpoint = ctx.endpoint if ctx else None
+        self.extensions = ctx.extensions if ctx else True
+        self.max_body_bytes = max_body_bytes
+        self.enqueue_after = enqueue_after
+        self.renew = renew
+        self.out = Scan()
+        if builder is not None:
+            self.out.spool = tempfile.TemporaryFile(prefix="pipeline-batch-")
+        self.seen: dict[str, int] = {}
+        self.rows: list[list[str]] = []
+        self.after, self.size = enqueue_after, FIRST_CHUNK
+
+    def line(self, number: int, raw: bytes) -> None:
+        parsed = parse_line(
+            number,
+            raw,
+            endpoint=self.endpoint,
+            max_body_bytes=self.max_body_bytes,
+            extensions=self.extensions,
+        )
+        if isinstance(parsed, Line):
+            parsed = self._unique(parsed)
+        if isinstance(parsed, LineError):
+            self.out.invalid.append(parsed)
+            return
+        if self.out.model is None:
+            self.out.model = parsed.model
+        if self.builder is None or number <= self.enqueue_after:
+            return
+        row = self.builder.row(parsed)
+        if isinstance(row, LineError):
+            self.out.invalid.append(row)
+            return
+        self.rows.append(row)
+        if len(self.rows) >= self.size:
+            _spool(self.out, self.after, number, self.rows)
+            self.after, self.rows, self.size = number, [], min(MAX_CHUNK, self.size * 2)
+            if self.renew is not None and self.out.chunks % 20 == 0:
+                self.renew()
+
+    def _unique(self, line: Line) -> Line | LineError:
+        first = self.seen.setdefault(line.custom_id, line.number)
+        if first == line.number:
+            return line
+        self.out.duplicates.setdefault(line.custom_id, [first]).append(line.number)
+        return LineError(
+            line.number, "duplicate_custom_id",
+            f"line {line.number}: custom_id {line.custom_id!r} already used on line {first}",
+            "custom_id", line.custom_id,
+        )  # fmt: skip
+
+    def flush(self) -> None:
+        if self.builder is not None and self.out.lines > self.after:
+            _spool(self.out, self.after, self.out.lines, self.rows)
+
+
+def _spool(out: Scan, after: int, upto: int, rows: list[list[str]]) -> None:
+    assert out.spool is not None
+    items = orjson.dumps(rows)
+    out.spool.write(_HEAD.pack(after, upto, len(items)))
+    out.spool.write(items)
+    out.chunks += 1
+
+
+def invalid_record(err: LineError) -> bytes:
+    """An invalid line as kept for the error file (``<prefix>batch:<id>:invalid``)."""
+    return orjson.dumps(
+        {"line": err.number, "custom_id": err.custom_id, "code": err.code, "message": err.message}
+    )
+
+
+def enqueue(
+    records: BatchRecords,
+    batch_id: str,
+    result: Scan,
+    renew: Callable[[], None] | None = None,
+) -> str:
+    """Store the spooled chunks in order. Returns ``done``, ``stopped:<status>`` (cancelled
+    or lapsed: it takes no more lines) or ``fenced`` (another enqueuer is ahead)."""
+    for i, (after, upto, items) in enumerate(result.chunks_iter()):
+        reply = records.submit_chunk(batch_id, after, upto, items)
+        if reply.stopped:
+            return f"stopped:{reply.status}"
+        if not reply.stored:
+            if reply.submitted >= upto:
+                continue  # this chunk was stored before (a resumed enqueue)
+            return "fenced"
+        if renew is not None and i % 20 == 19:
+            renew()
+    return "done"

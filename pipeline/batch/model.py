@@ -1,0 +1,205 @@
+"""The batch object: OpenAI's ``Batch`` fields and statuses, read from its Redis record."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..errors import InvalidRequest, PipelineError
+
+STATUSES = (
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+)
+FINAL = frozenset({"failed", "completed", "expired", "cancelled"})
+TIMES = (
+    "created_at",
+    "in_progress_at",
+    "expires_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
+MAX_WINDOW_S = 10 * 365 * 24 * 3600.0
+_WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
+_UNIT = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+class UnknownBatch(PipelineError, KeyError):
+    """No batch with that id is known (never created, or expired after its retention)."""
+
+
+class UnknownFile(PipelineError, KeyError):
+    """No file with that id is known (never uploaded, deleted, or expired)."""
+
+
+def window_seconds(window: str | float | int) -> float:
+    """A completion window as seconds: ``"24h"`` (OpenAI's only value), ``"90m"``, ``"2d"``,
+    ``"30s"``, or a number of seconds."""
+    if isinstance(window, int | float) and not isinstance(window, bool):
+        seconds = float(window)
+    elif isinstance(window, str) and (m := _WINDOW.match(window)):
+        seconds = float(m.group(1)) * _UNIT[m.group(2)]
+    else:
+        raise InvalidRequest(
+            "completion_window", f"must be like '24h', '90m' or seconds, not {window!r}"
+        )
+    if not 0 < seconds <= MAX_WINDOW_S:
+        raise InvalidRequest("completion_window", "must be a positive duration up to 10 years")
+    return seconds
+
+
+@dataclass(frozen=True)
+class RequestCounts:
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+    @property
+    def done(self) -> int:
+        return self.completed + self.failed
+
+
+class BatchSource(Protocol):
+    """What a :class:`Batch` handle asks of its client (:class:`pipeline.batch.Batches`)."""
+
+    def get(self, batch_id: str) -> Batch: ...
+
+    def cancel(self, batch_id: str) -> Batch: ...
+
+    def wait(self, batch_id: str, timeout: float | None = None) -> Batch: ...
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A batch as it was when read. Times are Unix seconds by the Redis server's clock (None
+    until they happen); ``expires_at`` is every line's deadline."""
+
+    id: str
+    status: str
+    endpoint: str
+    completion_window: str
+    input_file_id: str | None
+    request_counts: RequestCounts
+    created_at: float
+    expires_at: float
+    in_progress_at: float | None = None
+    finalizing_at: float | None = None
+    completed_at: float | None = None
+    failed_at: float | None = None
+    expired_at: float | None = None
+    cancelling_at: float | None = None
+    cancelled_at: float | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: list[dict[str, Any]] | None = None
+    metadata: dict[str, str] | None = None
+    model: str | None = None
+    owner: str = ""
+    queue: str = "default"
+    lines: int = 0  # the input's last line number (known once validated)
+    submitted: int = 0  # input lines enqueued so far (line numbers 1..submitted)
+    source: dict[str, Any] = field(default_factory=dict)
+    files: bool = False  # its output and error files are assembled by `pipeline serve`
+    _client: BatchSource | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def done(self) -> bool:
+        """Closed: completed, expired, cancelled or failed (its counts no longer change)."""
+        return self.status in FINAL
+
+    def request_id(self, line: int) -> str:
+        """The pipeline request id of input line ``line`` (see ``GET /v1/requests/{id}``)."""
+        return f"{self.id}-{line}"
+
+    # -- the handle -----------------------------------------------------------------------
+    def refresh(self) -> Batch:
+        assert self._client is not None, "a Batch read without a client"
+        return self._client.get(self.id)
+
+    def cancel(self) -> Batch:
+        """Cancel every line that has not started an attempt (attempts in flight finish); the
+        batch is ``cancelling`` until they have, then ``cancelled``. Returns it afterwards."""
+        assert self._client is not None, "a Batch read without a client"
+        return self._client.cancel(self.id)
+
+    def wait(self, timeout: float | None = None) -> Batch:
+        """Block until the batch is closed; raises TimeoutError after ``timeout`` s."""
+        assert self._client is not None, "a Batch read without a client"
+        return self._client.wait(self.id, timeout)
+
+    # -- wire forms -----------------------------------------------------------------------
+    @classmethod
+    def from_record(cls, rec: dict[str, str], client: BatchSource | None = None) -> Batch:
+        def t(name: str) -> float | None:
+            v = rec.get(name)
+            return float(v) if v else None
+
+        counts = RequestCounts(
+            int(rec.get("total") or 0), int(rec.get("completed") or 0), int(rec.get("failed") or 0)
+        )
+        return cls(
+            id=rec["id"],
+            status=rec.get("status", "validating"),
+            endpoint=rec.get("endpoint", ""),
+            completion_window=rec.get("completion_window", ""),
+            input_file_id=rec.get("input_file_id") or None,
+            request_counts=counts,
+            created_at=float(rec.get("created_at") or 0),
+            expires_at=float(rec.get("expires_at") or 0),
+            in_progress_at=t("in_progress_at"),
+            finalizing_at=t("finalizing_at"),
+            completed_at=t("completed_at"),
+            failed_at=t("failed_at"),
+            expired_at=t("expired_at"),
+            cancelling_at=t("cancelling_at"),
+            cancelled_at=t("cancelled_at"),
+            output_file_id=rec.get("output_file_id") or None,
+            error_file_id=rec.get("error_file_id") or None,
+            errors=json.loads(rec["errors"]) if rec.get("errors") else None,
+            metadata=json.loads(rec["metadata"]) if rec.get("metadata") else None,
+            model=rec.get("model") or None,
+            owner=rec.get("owner", ""),
+            queue=rec.get("queue", "default"),
+            lines=int(rec.get("lines") or 0),
+            submitted=int(rec.get("submitted") or 0),
+            source=json.loads(rec["source"]) if rec.get("source") else {},
+            files=rec.get("files") == "1",
+            _client=client,
+        )
+
+    def to_openai(self) -> dict[str, Any]:
+        """OpenAI's ``Batch`` object (times as integer Unix seconds)."""
+
+        def t(v: float | None) -> int | None:
+            return None if v is None else int(v)
+
+        c = self.request_counts
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": self.endpoint,
+            "model": self.model,
+            "errors": None if not self.errors else {"object": "list", "data": self.errors},
+            "input_file_id": self.input_file_id or "",
+            "completion_window": self.completion_window,
+            "status": self.status,
+            "output_file_id": self.output_file_id,
+            "error_file_id": self.error_file_id,
+        }
+        for name in TIMES:
+            out[name] = t(getattr(self, name))
+        out["request_counts"] = {"total": c.total, "completed": c.completed, "failed": c.failed}
+        out["metadata"] = self.metadata
+        return out

@@ -1,0 +1,176 @@
+"""A batch's results, line by line, in input order: OpenAI's output and error file lines, or
+``pipeline run``'s result lines (the pipeline's own :class:`~pipeline.client.Result` shape).
+
+OpenAI's shapes: an output line (a 2xx/3xx answer) is
+``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}``; an
+error line has ``"error": {"code", "message"}`` and the ``response`` when the model server
+answered (an HTTP error after retries), else ``null``. Error codes:
+
+============================== =====================================================
+``http_error``                 the server answered 4xx, or 429/5xx until the deadline
+``batch_expired``              the completion window passed before it ran
+``batch_cancelled``            the batch was cancelled before it started
+``deadline_exceeded``          a line's own, shorter deadline passed (``pipeline run``)
+``invalid_request`` and others a bad line (its validation code), or the pipeline's own
+                               error code in lower case (``gate_dropped``, ...)
+============================== =====================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..client import Result
+from .model import Batch
+from .records import READ_CHUNK, BatchRecords
+
+MESSAGES = {
+    "batch_expired": "This request could not be executed before the completion window expired.",
+    "batch_cancelled": "This request was cancelled before it started.",
+}
+
+
+@dataclass
+class LineResult:
+    """One input line's outcome: ``data`` (its result as stored, see :class:`Result`) when it
+    ran, the validation ``invalid`` record of an invalid line, or ``missing`` (never stored:
+    cancelled or expired before it was enqueued; the error code)."""
+
+    number: int
+    request_id: str
+    custom_id: str | None
+    data: dict[str, Any] | None = None
+    invalid: dict[str, Any] | None = None
+    missing: str | None = None
+    _result: Result | None = None
+
+    @property
+    def result(self) -> Result | None:
+        if self._result is None and self.data is not None:
+            self._result = Result.from_dict(self.data)
+        return self._result
+
+    @property
+    def ok(self) -> bool:
+        d = self.data
+        if d is None or d.get("error_code"):
+            return False
+        status = d.get("status_code")
+        return isinstance(status, int) and status < 400
+
+
+def line_results(
+    records: BatchRecords,
+    batch: Batch,
+    custom_ids: Callable[[int], dict[int, str]] | None = None,
+) -> Iterator[LineResult]:
+    """Every request line of ``batch`` in input order. Lines after the last one stored
+    (cancelled or lapsed before they were enqueued) are known only from the input:
+    ``custom_ids(after)`` maps their line numbers to custom_ids (None: left out). The next
+    range of results is read while this one is handed out."""
+    invalid = {int(r["line"]): r for r in records.invalid(batch.id)}
+    last = batch.submitted
+    missing_code = (
+        "batch_cancelled" if batch.status in ("cancelled", "cancelling") else ("batch_expired")
+    )
+    step = READ_CHUNK
+    ranges = [(lo, min(last, lo + step - 1)) for lo in range(1, last + 1, step)]
+    with ThreadPoolExecutor(1, thread_name_prefix="batch-read") as pool:
+        ahead = pool.submit(records.results, batch.id, *ranges[0]) if ranges else None
+        for i, (lo, _) in enumerate(ranges):
+            assert ahead is not None
+            chunk = ahead.result()
+            if i + 1 < len(ranges):
+                ahead = pool.submit(records.results, batch.id, *ranges[i + 1])
+            for offset, (res, cid) in enumerate(chunk):
+                n = lo + offset
+                if res is not None:
+                    yield LineResult(n, f"{batch.id}-{n}", cid, orjson.loads(res))
+                elif n in invalid:
+                    yield LineResult(n, f"{batch.id}-{n}", invalid[n].get("custom_id"),
+                                     invalid=invalid[n])  # fmt: skip
+    if batch.lines > last:
+        rest = custom_ids(last) if custom_ids is not None else {}
+        for n in range(last + 1, batch.lines + 1):
+            if n in invalid:
+                yield LineResult(n, batch.request_id(n), invalid[n].get("custom_id"),
+                                 invalid=invalid[n])  # fmt: skip
+            elif n in rest:
+                yield LineResult(n, batch.request_id(n), rest[n], missing=missing_code)
+
+
+def _body(payload: str) -> Any:
+    try:
+        return orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return payload  # not JSON: the text as it came
+
+
+def error_code(data: dict[str, Any], batch_status: str) -> str:
+    code = data.get("error_code")
+    if not code:
+        return "http_error"
+    if code == "DEADLINE_EXCEEDED":
+        return "batch_expired" if batch_status == "expired" else "deadline_exceeded"
+    if code == "CANCELLED":
+        return "batch_cancelled"
+    return str(code).lower()
+
+
+def openai_line(line: LineResult, batch_status: str) -> bytes:
+    """OpenAI's output (ok) or error file line."""
+    out: dict[str, Any] = {"id": line.request_id, "custom_id": line.custom_id}
+    d = line.data
+    status = d.get("status_code") if d is not None else None
+    if d is not None and status:
+        out["response"] = {
+            "status_code": status,
+            "request_id": line.request_id,
+            "body": _body(d.get("payload", "")),
+        }
+    else:
+        out["response"] = None
+    if line.ok:
+        out["error"] = None
+    elif d is not None:
+        code = error_code(d, batch_status)
+        if not d.get("error_code"):
+            message = f"HTTP {status} after {d.get('attempts', 0)} attempt(s)"
+        else:
+            message = MESSAGES.get(code) or d.get("error_message") or code
+        out["error"] = {"code": code, "message": message}
+    elif line.invalid is not None:
+        out["error"] = {"code": line.invalid["code"], "message": line.invalid["message"]}
+    else:
+        code = line.missing or "batch_cancelled"
+        out["error"] = {"code": code, "message": MESSAGES[code]}
+    return orjson.dumps(out) + b"\n"
+
+
+def result_line(line: LineResult) -> bytes:
+    """``pipeline run``'s result line: the :class:`Result` fields, ``id`` being the line's
+    custom_id (or ``id``), plus ``custom_id`` and the pipeline's ``request_id``."""
+    key = line.custom_id or f"line-{line.number}"
+    if line.result is not None:
+        row = line.result.to_dict()
+    else:
+        if line.invalid is not None:
+            code, message = "INVALID_REQUEST", str(line.invalid["message"])
+        elif line.missing == "batch_expired":
+            code, message = "DEADLINE_EXCEEDED", MESSAGES["batch_expired"]
+        else:
+            code, message = "CANCELLED", MESSAGES["batch_cancelled"]
+        row = {
+            "payload": orjson.dumps({"error": message}).decode(),
+            "error_code": code,
+            "error_message": message,
+        }
+    row["id"] = key
+    row["custom_id"] = line.custom_id
+    row["request_id"] = line.request_id
+    return orjson.dumps(row) + b"\n"

@@ -1,0 +1,205 @@
+"""Batch state in Redis: each step is one atomic script (``pipeline/store/lua/batch_*.lua``,
+plus ``submit.lua``'s batch fence). The counts are kept by ``lib.lua``: every script that
+writes a request's terminal result counts it in its batch in the same step."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..store import Store
+from ..store.fastredis import FastScript
+from ..store.scripts import replication, source
+
+BATCH_SCRIPTS = (
+    "batch_create",
+    "batch_start",
+    "batch_cancel",
+    "batch_cancel_lines",
+    "batch_finalized",
+    "batch_lapse",
+    "batch_results",
+)
+CANCEL_CHUNK = 500  # request ids per batch_cancel_lines call
+READ_CHUNK = 1000  # request records per round trip when reading results
+
+
+@dataclass(frozen=True)
+class Created:
+    created: bool  # False: a batch with that id existed
+    created_at: float
+    expires_at: float
+    status: str
+
+
+@dataclass(frozen=True)
+class ChunkReply:
+    """What submit.lua answered for one chunk of a batch's lines: ``stored`` (True: the lines
+    are in), else ``stopped`` (the batch takes no more lines: ``status``) or ``fenced``
+    (another enqueuer covered lines up to ``submitted`` already)."""
+
+    stored: bool
+    stopped: bool = False
+    status: str = ""
+    submitted: int = 0
+
+
+class BatchRecords:
+    """The batch scripts and reads, on one pipeline :class:`Store`."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.client = store.client
+        self.keys = store.keys
+        rep = store.settings.redis_min_replicas
+        timeout = store.settings.redis_wait_timeout_ms
+        self._scripts = {
+            # cancelling lines writes terminal results: wait for replicas as cancel.lua does
+            name: FastScript(
+                self.client,
+                source(name),
+                name=name,
+                replication=replication(
+                    "cancel" if name == "batch_cancel_lines" else name, rep, timeout
+                ),
+            )
+            for name in BATCH_SCRIPTS
+        }
+
+    def _run(self, name: str, *args: Any) -> Any:
+        return self._scripts[name](keys=[], args=[self.keys.prefix, *args])
+
+    # -- life cycle -----------------------------------------------------------------------
+    def create(
+        self, batch_id: str, window_s: float, retention_s: float, fields: dict[str, str]
+    ) -> Created:
+        created, at, expires, status = self._run(
+            "batch_create", batch_id, repr(window_s), repr(retention_s), json.dumps(fields)
+        )
+        return Created(int(created) == 1, float(at), float(expires), str(status))
+
+    def start(
+        self, batch_id: str, *, total: int, invalid: int, lines: int, model: str | None
+    ) -> str:
+        """Validation passed: the batch runs (``in_progress``) with ``total`` requests of
+        which ``invalid`` are already failed (they go to the error file)."""
+        return str(
+            self._run("batch_start", batch_id, "ok", total, invalid, lines, "[]", model or "")
+        )
+
+    def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> str:
+        """Validation failed: the batch is ``failed`` with ``errors``."""
+        return str(self._run("batch_start", batch_id, "failed", 0, 0, 0, json.dumps(errors), ""))
+
+    def push_invalid(self, batch_id: str, records: Sequence[bytes]) -> None:
+        """Keep invalid lines (JSON records) for the error file; they expire with the batch."""
+        if not records:
+            return
+        key = self.keys.batch_invalid(batch_id)
+        ttl = self.client.ttl(self.keys.batch(batch_id))
+        with self.client.pipeline(transaction=False) as p:
+            for i in range(0, len(records), 1000):
+                p.rpush(key, *records[i : i + 1000])
+            p.expire(key, max(1, int(ttl)))
+            p.execute()
+
+    def invalid(self, batch_id: str) -> list[dict[str, Any]]:
+        raw = self.client.lrange(self.keys.batch_invalid(batch_id), 0, -1)
+        return [orjson.loads(r) for r in raw]
+
+    def submit_chunk(self, batch_id: str, after: int, upto: int, items: bytes) -> ChunkReply:
+        """Store the batch's lines after line ``after`` up to line ``upto`` (``items``: the
+        JSON array of submit.lua rows of the valid ones), fenced (see submit.lua)."""
+        reply = self.store.scripts.submit(
+            keys=[], args=[self.keys.prefix, items, batch_id, after, upto]
+        )
+        if reply and reply[0] == "stopped":
+            return ChunkReply(False, stopped=True, status=str(reply[1]))
+        if reply and reply[0] == "fenced":
+            return ChunkReply(False, submitted=int(reply[1] or 0))
+        return ChunkReply(True, submitted=upto)
+
+    def cancel(self, batch_id: str) -> tuple[str, int, bool]:
+        """(status afterwards, lines submitted, whether the caller should now cancel the
+        submitted lines that have not started)."""
+        status, submitted, todo = self._run("batch_cancel", batch_id)
+        return str(status), int(submitted), todo == "1"
+
+    def cancel_lines(self, batch_id: str, submitted: int) -> int:
+        """Cancel the not-started requests of lines 1..``submitted``; returns how many."""
+        n = 0
+        ttl = int(self.store.settings.result_ttl_s)
+        for first in range(1, submitted + 1, CANCEL_CHUNK):
+            ids = [
+                f"{batch_id}-{i}"
+                for i in range(first, min(submitted, first + CANCEL_CHUNK - 1) + 1)
+            ]
+            n += int(self._run("batch_cancel_lines", ttl, *ids))
+        self.client.hset(self.keys.batch(batch_id), "cancel_done", "1")
+        return n
+
+    def finalized(
+        self, batch_id: str, output_file_id: str | None, error_file_id: str | None
+    ) -> str:
+        return str(
+            self._run("batch_finalized", batch_id, output_file_id or "", error_file_id or "")
+        )
+
+    def lapse(self, batch_id: str) -> str:
+        """Close a batch whose window passed while nobody enqueues it (see batch_lapse.lua)."""
+        return str(self._run("batch_lapse", batch_id))
+
+    # -- leases (who validates, enqueues, cancels or finalizes a batch) -----------------------
+    def take_lease(self, batch_id: str, holder: str, ttl_s: int = 30) -> bool:
+        key = self.keys.batch_lease(batch_id)
+        return bool(self.client.set(key, holder, nx=True, ex=ttl_s)) or (
+            self.client.get(key) == holder and bool(self.client.expire(key, ttl_s))
+        )
+
+    def drop_lease(self, batch_id: str, holder: str) -> None:
+        key = self.keys.batch_lease(batch_id)
+        if self.client.get(key) == holder:
+            self.client.delete(key)
+
+    # -- reading --------------------------------------------------------------------------
+    def record(self, batch_id: str) -> dict[str, str]:
+        return self.client.hgetall(self.keys.batch(batch_id))  # type: ignore[return-value]
+
+    def records(self, batch_ids: Sequence[str]) -> list[dict[str, str]]:
+        with self.client.pipeline(transaction=False) as p:
+            for bid in batch_ids:
+                p.hgetall(self.keys.batch(bid))
+            return [r for r in p.execute() if r]
+
+    def page(self, after: str | None, limit: int) -> tuple[list[str], bool]:
+        """Batch ids newest first, after the id ``after`` (a cursor); and whether more follow."""
+        index = self.keys.batches()
+        start = 0
+        if after:
+            rank = self.client.zrevrank(index, after)
+            if rank is None:
+                return [], False
+            start = int(rank) + 1  # type: ignore[arg-type]
+        ids = self.client.zrevrange(index, start, start + limit)
+        return list(ids[:limit]), len(ids) > limit  # type: ignore[arg-type]
+
+    def active(self) -> list[str]:
+        return sorted(self.client.smembers(self.keys.batches_active()))  # type: ignore[arg-type]
+
+    def server_time(self) -> float:
+        sec, usec = self.client.time()
+        return float(sec) + float(usec) / 1e6
+
+    def results(self, batch_id: str, first: int, last: int) -> list[tuple[str | None, str | None]]:
+        """(result JSON, custom_id) of lines ``first``..``last`` (None where no record), read
+        :data:`READ_CHUNK` lines per call (batch_results.lua)."""
+        out: list[tuple[str | None, str | None]] = []
+        for lo in range(first, last + 1, READ_CHUNK):
+            hi = min(last, lo + READ_CHUNK - 1)
+            flat = self._run("batch_results", batch_id, lo, hi)
+            out.extend(zip(flat[0::2], flat[1::2], strict=True))
+        return out

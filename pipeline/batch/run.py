@@ -1,0 +1,306 @@
+"""``pipeline run FILE.jsonl``: a client of batch objects. The batch's id follows from the
+file's content (or ``--batch-id``), so running the same command again attaches to the same
+batch: lines already stored are not sent again, finished results are reused, and a batch
+whose lines were not all stored (the command was killed half-way) resumes after the last
+stored line. The output is written whole, then renamed into place, with exactly one line
+per input line (per custom_id). Ctrl-C leaves the batch running (``--cancel-on-exit``
+cancels it).
+
+Input lines are OpenAI Batch API lines (``custom_id``, ``method``, ``url``, ``body``) or
+objects of :func:`pipeline.submit` arguments with a ``payload`` (``id`` is their custom_id),
+either carrying ``priority``, ``timeout``, ``deadline``, ``headers``, ``metadata`` or
+``queue`` of their own. An invalid line gets an error line of its own; the others run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import statistics
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ..client import Pipeline
+from .ingest import Scan, input_lines, scan
+from .model import Batch
+from .output import LineResult, openai_line, result_line
+from .service import Batches, content_batch_id
+
+
+class RunError(Exception):
+    """The run cannot start: one line for the user, exit status 2."""
+
+
+@dataclass
+class Summary:
+    total: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    attempts: int = 0
+    latencies: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def add(self, line: LineResult) -> None:
+        self.total += 1
+        r = line.result
+        if r is None:
+            key = (
+                "INVALID_REQUEST"
+                if line.invalid is not None
+                else ("DEADLINE_EXCEEDED" if line.missing == "batch_expired" else "CANCELLED")
+            )
+        elif r.ok:
+            key = f"ok ({r.status_code})"
+        elif r.error_code:
+            key = r.error_code
+        else:
+            key = f"HTTP {r.status_code}"
+        self.outcomes[key] += 1
+        if r is not None:
+            self.attempts += r.attempts
+            if r.latency_s is not None:
+                self.latencies.append(r.latency_s)
+
+    def table(self) -> Table:
+        t = Table(title="Batch summary", show_header=True)
+        t.add_column("outcome")
+        t.add_column("requests", justify="right")
+        for key, n in sorted(self.outcomes.items()):
+            t.add_row(key, str(n))
+        t.add_section()
+        t.add_row("total", str(self.total))
+        t.add_row("HTTP attempts", str(self.attempts))
+        if self.latencies:
+            lat = sorted(self.latencies)
+            t.add_row("latency p50", f"{_pct(lat, 50):.2f} s")
+            t.add_row("latency p95", f"{_pct(lat, 95):.2f} s")
+        t.add_row("wall time", f"{self.wall_s:.2f} s")
+        if self.wall_s > 0:
+            t.add_row("throughput", f"{self.total / self.wall_s:.1f} req/s")
+        return t
+
+    def as_dict(self) -> dict[str, Any]:
+        lat = sorted(self.latencies)
+        return {
+            "total": self.total,
+            "outcomes": dict(self.outcomes),
+            "attempts": self.attempts,
+            "latency_p50_s": _pct(lat, 50) if lat else None,
+            "latency_p95_s": _pct(lat, 95) if lat else None,
+            "mean_latency_s": statistics.fmean(lat) if lat else None,
+            "wall_s": self.wall_s,
+        }
+
+
+def _pct(sorted_values: list[float], p: float) -> float:
+    i = min(len(sorted_values) - 1, max(0, round(p / 100 * (len(sorted_values) - 1))))
+    return sorted_values[i]
+
+
+def check_file(path: str, max_body_bytes: int, max_lines: int) -> Scan:
+    """Read and check the whole file before anything is started: RunError (one line) when
+    it cannot be read, has no request lines, or repeats a custom_id (naming the lines)."""
+    try:
+        with open(path, "rb") as fh:
+            result = scan(input_lines(fh), None, max_body_bytes=max_body_bytes,
+                          max_lines=max_lines)  # fmt: skip
+    except OSError as exc:
+        raise RunError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if result.total == 0:
+        raise RunError(f"{path}: no request lines")
+    if result.duplicates:
+        parts = [
+            f"{cid!r} on lines {', '.join(map(str, lines))}"
+            for cid, lines in list(result.duplicates.items())[:5]
+        ]
+        more = len(result.duplicates) - 5
+        tail = f" (and {more} more)" if more > 0 else ""
+        raise RunError(f"{path}: duplicate custom_id {'; '.join(parts)}{tail}")
+    too_many = [e for e in result.invalid if e.code == "too_many_lines"]
+    if too_many:
+        raise RunError(f"{path}: {too_many[0].message}")
+    return result
+
+
+def file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class RunOptions:
+    path: str
+    output: str
+    batch_id: str | None = None
+    completion_window: str = "24h"
+    queue: str | None = None  # lines without a queue of their own (default: "default")
+    out_format: str = "results"  # or "openai"
+    error_output: str | None = None  # --format openai: the error file (default <output>.errors)
+    timeout: float | None = None
+    show_progress: bool = True
+
+
+class Run:
+    """One ``pipeline run``: create or attach, store the lines, follow, write the output."""
+
+    def __init__(self, pipeline: Pipeline, opts: RunOptions, console: Console) -> None:
+        self.batches = Batches(pipeline)
+        self.pipeline = pipeline
+        self.opts = opts
+        self.console = console
+        self.batch: Batch | None = None
+        self.attached = False
+
+    def start(self) -> Batch:
+        """Create the file's batch (or find it) and store its lines (or the rest of them)."""
+        path = os.path.abspath(self.opts.path)
+        digest = file_digest(path)
+        bid = self.opts.batch_id or content_batch_id(path)
+        queues = self.pipeline.settings.queues
+        queue = self.opts.queue or ("default" if "default" in queues else next(iter(queues)))
+        batch, created = self.batches.create(
+            batch_id=bid,
+            queue=queue,
+            completion_window=self.opts.completion_window,
+            metadata={"invalid_lines": "error_file"},
+            source={"kind": "path", "path": path, "sha256": digest},
+            extensions=True,
+        )
+        if not created and batch.source.get("sha256") not in (None, digest):
+            raise RunError(f"batch {bid} was created from other content than {self.opts.path}")
+        self.attached = not created
+        if self.attached:
+            c = batch.request_counts
+            self.console.print(
+                f"[dim]attached to batch {bid} ({batch.status}: {c.done}/{c.total} done)"
+            )
+        self.batch = self._store_lines(batch)
+        return self.batch
+
+    def _store_lines(self, batch: Batch) -> Batch:
+        """Check and store the batch's lines, or the rest of them, unless that is done or
+        another live process holds the batch (then it does it; a dead one's lease lapses and
+        the next poll takes over)."""
+        if batch.status == "validating" or (
+            batch.status == "in_progress" and batch.submitted < batch.lines
+        ):
+            path = os.path.abspath(self.opts.path)
+            return self.batches.ingest(batch, lambda: open(path, "rb"))
+        return batch
+
+    def follow(self) -> Batch:
+        """Wait for the batch to close, with a progress bar; TimeoutError after --timeout."""
+        assert self.batch is not None
+        progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn(
+                "ok {task.fields[ok]}  failed {task.fields[failed]}  "
+                "retrying {task.fields[retrying]}  in flight {task.fields[running]}"
+            ),
+            TimeElapsedColumn(),
+            console=self.console,
+            disable=not self.opts.show_progress,
+            transient=False,
+        )
+        fields: dict[str, Any] = {"ok": 0, "failed": 0, "retrying": 0, "running": 0}
+        last_inspect = [0.0]
+        with progress:
+            c = self.batch.request_counts
+            task = progress.add_task("requests", total=c.total, completed=c.done, **fields)
+
+            def on_poll(b: Batch) -> None:
+                b = self._store_lines(b)
+                rc = b.request_counts
+                fields.update(ok=rc.completed, failed=rc.failed)
+                now = time.monotonic()
+                if now - last_inspect[0] > 0.5:  # queue-wide numbers: once in a while
+                    info = self.pipeline.inspect()
+                    fields["retrying"] = sum(q["retry_wait"] for q in info.values())
+                    fields["running"] = sum(q["running"] for q in info.values())
+                    last_inspect[0] = now
+                if b.done:
+                    fields.update(retrying=0, running=0)
+                progress.update(task, total=rc.total, completed=rc.done, **fields)
+
+            self.batch = self.batches.wait(
+                self.batch.id, timeout=self.opts.timeout, poll_s=0.25, on_poll=on_poll
+            )
+        return self.batch
+
+    def write(self, started: float) -> Summary:
+        """Write the output (and with --format openai the error file) whole, then rename."""
+        assert self.batch is not None
+        summary = Summary()
+        final = self.batch.status
+        openai = self.opts.out_format == "openai"
+        out_path = Path(self.opts.output)
+        err_path = Path(self.opts.error_output or _errors_path(out_path))
+        ids = self.batches._input_custom_ids(self.batch)
+        with _atomic(out_path) as out, _atomic(err_path if openai else None) as err:
+            for line in self.batches.lines(self.batch, ids):
+                summary.add(line)
+                if not openai:
+                    out.write(result_line(line))
+                elif line.ok:
+                    out.write(openai_line(line, final))
+                else:
+                    err.write(openai_line(line, final))
+        summary.wall_s = time.time() - started
+        return summary
+
+    def reattach_hint(self) -> str:
+        assert self.batch is not None
+        return (
+            f"batch {self.batch.id} keeps running; re-attach with: "
+            f"pipeline run {self.opts.path} -o {self.opts.output}"
+            + (f" --batch-id {self.batch.id}" if self.opts.batch_id else "")
+        )
+
+
+def _errors_path(out: Path) -> Path:
+    return out.with_name(out.stem + ".errors" + (out.suffix or ".jsonl"))
+
+
+class _atomic:
+    """A file written under a temporary name in the same directory, renamed into place when
+    the block ends without an error (``None``: a sink that writes nothing)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.fh: Any = None
+        self.tmp = ""
+
+    def __enter__(self) -> Any:
+        if self.path is None:
+            return _Null()
+        fd, self.tmp = tempfile.mkstemp(
+            prefix=f".{self.path.name}.", dir=str(self.path.parent.resolve() or ".")
+        )
+        self.fh = os.fdopen(fd, "wb")
+        return self.fh
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if self.path is None:
+            return
+        self.fh.close()
+        if exc_type is None:
+            os.replace(self.tmp, self.path)
+        else:
+            os.unlink(self.tmp)
+
+
+class _Null:
+    def write(self, data: bytes) -> int:
+        return len(data)

@@ -1,0 +1,448 @@
+"""Batches: create one from an input, validate and enqueue it, read, list, cancel and wait for
+it, and write its output. Used by ``pipeline.submit_batch`` (Python), ``pipeline serve``
+(the HTTP API) and ``pipeline run`` (the command-line client).
+
+Who does what: the creator checks the whole input and stores its lines (:meth:`ingest`); the
+scripts that finish requests count them and end the batch (``lib.lua``); a batch whose
+output files are assembled by ``pipeline serve`` (``files``) waits in ``finalizing`` for it
+(:meth:`finalize`). A creator that stops half-way is taken over from its input by whoever
+holds the batch's lease next (``pipeline serve`` for uploaded files, ``pipeline run`` for
+its file on re-attach): the lines are fenced, so none is stored twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+from ..client import Pipeline
+from ..errors import InvalidRequest
+from .config import BatchSettings
+from .files import Files
+from .ingest import RowBuilder, RowContext, Scan, enqueue, input_lines, invalid_record, scan
+from .lines import KNOWN_URLS
+from .model import FINAL, Batch, UnknownBatch, window_seconds
+from .output import LineResult, line_results, openai_line
+from .records import BatchRecords
+
+BATCH_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+MAX_METADATA = 16
+
+
+def new_batch_id() -> str:
+    return "batch_" + secrets.token_hex(12)
+
+
+def content_batch_id(path: str | Path) -> str:
+    """The id ``pipeline run`` gives a file's batch: from its content, so running the same
+    file again attaches to the same batch."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return "batch_" + h.hexdigest()[:32]
+
+
+def _check_metadata(metadata: Any) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA:
+        raise InvalidRequest("metadata", f"must be an object of at most {MAX_METADATA} pairs")
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512:
+            raise InvalidRequest("metadata", "keys must be strings of <= 64, values <= 512")
+    return dict(metadata)
+
+
+def _holder() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+class Batches:
+    """Batches of one :class:`Pipeline` (its Redis, queues and settings)."""
+
+    def __init__(
+        self, pipeline: Pipeline, settings: BatchSettings | None = None, files: Files | None = None
+    ) -> None:
+        self.pipeline = pipeline
+        self.settings = settings or BatchSettings.from_env(pipeline.settings)
+        self.records = BatchRecords(pipeline.store)
+        self.files = files
+        self.holder = _holder()
+
+    # -- creating ---------------------------------------------------------------------------
+    def create(
+        self,
+        *,
+        batch_id: str | None = None,
+        endpoint: str | None = None,
+        completion_window: str | float = "24h",
+        metadata: dict[str, str] | None = None,
+        priority: int = 0,
+        queue: str = "default",
+        tenant: str | None = None,
+        input_file_id: str | None = None,
+        source: dict[str, Any] | None = None,
+        files: bool = False,
+        extensions: bool = False,
+    ) -> tuple[Batch, bool]:
+        """Store a new batch (``validating``), or find the one with ``batch_id``; returns it
+        and whether it was created. Its lines are stored by :meth:`ingest`."""
+        bid = batch_id or new_batch_id()
+        if not BATCH_ID.match(bid):
+            raise InvalidRequest("batch_id", "must be 1-128 characters of [A-Za-z0-9_.-]")
+        window = window_seconds(completion_window)
+        meta = _check_metadata(metadata)
+        if endpoint is not None and endpoint not in KNOWN_URLS:
+            raise InvalidRequest("endpoint", f"must be one of {', '.join(sorted(KNOWN_URLS))}")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 9:
+            raise InvalidRequest("priority", "must be an int from 0 to 9")
+        if queue not in self.pipeline.settings.queues:
+            raise InvalidRequest("queue", f"unknown queue {queue!r}")
+        invalid_lines = meta.get("invalid_lines", "fail")
+        if invalid_lines not in ("fail", "error_file"):
+            raise InvalidRequest("metadata", "invalid_lines must be 'fail' or 'error_file'")
+        req_meta = {self.pipeline.settings.fairness_attribute: tenant} if tenant else {}
+        fields = {
+            "endpoint": endpoint or "",
+            "completion_window": completion_window
+            if isinstance(completion_window, str)
+            else f"{window:g}s",
+            "input_file_id": input_file_id or "",
+            "metadata": json.dumps(meta) if meta else "",
+            "files": "1" if files else "0",
+            "owner": tenant or "",
+            "queue": queue,
+            "priority": str(priority),
+            "source": json.dumps(source or {}),
+            "invalid_lines": invalid_lines,
+            "extensions": "1" if extensions else "0",
+            "req_metadata": json.dumps(req_meta) if req_meta else "{}",
+            "result_ttl": str(int(self.pipeline.settings.result_ttl_s)),
+        }
+        created = self.records.create(bid, window, self.settings.retention_s, fields)
+        return self.get(bid), created.created
+
+    def ingest(
+        self,
+        batch: Batch,
+        opener: Callable[[], IO[bytes] | Iterable[bytes]],
+    ) -> Batch:
+        """Check the batch's whole input (``opener()`` opens it) and store its lines: a
+        ``validating`` batch fails (bad lines in ``errors``) or starts; an ``in_progress`` one
+        whose lines were not all stored resumes after the last stored line. Holds the batch's
+        lease meanwhile; does nothing when another holder has it. Returns the batch after."""
+        if not self.records.take_lease(batch.id, self.holder, self.settings.lease_s):
+            return self.get(batch.id)
+        try:
+            return self._ingest(batch, opener)
+        finally:
+            self.records.drop_lease(batch.id, self.holder)
+
+    def _ingest(self, batch: Batch, opener: Callable[[], IO[bytes] | Iterable[bytes]]) -> Batch:
+        rec = self.records.record(batch.id)
+        status = rec.get("status")
+        if status not in ("validating", "in_progress"):
+            return self.get(batch.id)
+        resume_after = int(rec.get("submitted") or 0) if status == "in_progress" else 0
+        if status == "in_progress" and resume_after >= int(rec.get("lines") or 0):
+            return self.get(batch.id)  # every line is stored
+        ctx = RowContext(
+            batch_id=batch.id,
+            queue=rec.get("queue", "default"),
+            priority=int(rec.get("priority") or 0),
+            deadline=float(rec["expires_at"]),
+            created_at=float(rec["created_at"]),
+            metadata=rec.get("req_metadata") or "{}",
+            endpoint=rec.get("endpoint") or None,
+            extensions=rec.get("extensions") == "1",
+            error_file=rec.get("invalid_lines") == "error_file",
+        )
+        source = opener()
+        try:
+            result = scan(
+                input_lines(source),
+                RowBuilder(self.pipeline, ctx),
+                max_body_bytes=self.pipeline.settings.max_payload_bytes,
+                max_lines=self.settings.max_lines,
+                enqueue_after=resume_after,
+                renew=self._renewer(batch.id),
+            )
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+        try:
+            if status == "validating" and not self._start(batch.id, ctx, result):
+                return self.get(batch.id)
+            enqueue(self.records, batch.id, result, self._renewer(batch.id))
+        finally:
+            result.close()
+        return self.get(batch.id)
+
+    def _start(self, batch_id: str, ctx: RowContext, result: Scan) -> bool:
+        """Fail or start a validated batch; True when its lines are to be stored."""
+        fatal = result.total == 0 or any(e.code == "too_many_lines" for e in result.invalid)
+        if fatal or (result.invalid and not ctx.error_file):
+            errors = result.errors() or [
+                {
+                    "code": "empty_file",
+                    "line": None,
+                    "param": None,
+                    "message": "the input has no request lines",
+                }  # fmt: skip
+            ]
+            self.records.fail(batch_id, errors)
+            return False
+        self.records.push_invalid(batch_id, [invalid_record(e) for e in result.invalid])
+        status = self.records.start(
+            batch_id,
+            total=result.total,
+            invalid=len(result.invalid),
+            lines=result.lines,
+            model=result.model,
+        )
+        return status == "in_progress"
+
+    def _renewer(self, batch_id: str) -> Callable[[], None]:
+        def renew() -> None:
+            self.records.take_lease(batch_id, self.holder, self.settings.lease_s)
+
+        return renew
+
+    def submit_batch(
+        self,
+        lines_or_path: str | Path | Iterable[dict[str, Any] | str | bytes],
+        *,
+        completion_window: str | float = "24h",
+        metadata: dict[str, str] | None = None,
+        priority: int = 0,
+        queue: str = "default",
+        endpoint: str | None = None,
+        batch_id: str | None = None,
+        tenant: str | None = None,
+    ) -> Batch:
+        """Create a batch from OpenAI batch lines (a path to a JSONL file, or the lines as
+        dicts or JSON text), check them all and store them; returns the batch (``failed``
+        with ``errors`` when lines are bad, unless ``metadata["invalid_lines"]`` is
+        ``"error_file"``). ``batch_id``: an idempotency key (an existing batch is resumed)."""
+        if isinstance(lines_or_path, str | Path):
+            path = os.path.abspath(lines_or_path)
+            if not os.path.isfile(path):
+                raise InvalidRequest("lines_or_path", f"no such file: {lines_or_path}")
+            source: dict[str, Any] = {"kind": "path", "path": path}
+
+            def opener() -> IO[bytes] | Iterable[bytes]:
+                return open(path, "rb")
+
+        else:
+            items = [_line_bytes(x) for x in lines_or_path]
+            source = {"kind": "inline"}
+
+            def opener() -> IO[bytes] | Iterable[bytes]:
+                return iter(items)
+
+        batch, _ = self.create(
+            batch_id=batch_id,
+            endpoint=endpoint,
+            completion_window=completion_window,
+            metadata=metadata,
+            priority=priority,
+            queue=queue,
+            tenant=tenant,
+            source=source,
+            extensions=True,
+        )
+        return self.ingest(batch, opener)
+
+    # -- reading ----------------------------------------------------------------------------
+    def get(self, batch_id: str, owner: str | None = None) -> Batch:
+        rec = self.records.record(batch_id)
+        if not rec or (owner is not None and rec.get("owner", "") != owner):
+            raise UnknownBatch(batch_id)
+        return Batch.from_record(rec, self)
+
+    def list(
+        self, *, after: str | None = None, limit: int = 20, owner: str | None = None
+    ) -> tuple[list[Batch], bool]:
+        """Batches newest first after the id ``after``; and whether more follow. With an
+        ``owner``, only that tenant's."""
+        out: list[Batch] = []
+        cursor = after
+        while True:
+            ids, more = self.records.page(cursor, max(limit, 100))
+            for rec in self.records.records(ids):
+                if owner is None or rec.get("owner", "") == owner:
+                    out.append(Batch.from_record(rec, self))
+                    if len(out) > limit:
+                        return out[:limit], True
+            if not more or not ids:
+                return out, False
+            cursor = ids[-1]
+
+    def active_count(self, owner: str) -> int:
+        ids = self.records.active()
+        return sum(1 for rec in self.records.records(ids) if rec.get("owner", "") == owner)
+
+    # -- cancelling, waiting ------------------------------------------------------------------
+    def cancel(self, batch_id: str, owner: str | None = None, *, lines: bool = True) -> Batch:
+        """Cancel: no line is stored any more, the lines not yet started are cancelled
+        (attempts in flight finish); ``cancelling`` until the last result, then
+        ``cancelled``. A closed batch is returned unchanged. ``lines=False``: only mark it;
+        the caller runs :meth:`cancel_lines` (``pipeline serve`` does, in the background)."""
+        self.get(batch_id, owner)
+        _, _, todo = self.records.cancel(batch_id)
+        if todo and lines:
+            self.cancel_lines(batch_id)
+        return self.get(batch_id)
+
+    def cancel_lines(self, batch_id: str) -> int:
+        """Cancel the not-started lines of a ``cancelling`` batch (under its lease; again
+        after a canceller died half-way: cancelling is idempotent). Returns how many."""
+        # an enqueuer holding the lease stops at its next chunk (the batch takes no more lines)
+        end = time.monotonic() + self.settings.lease_s
+        while not self.records.take_lease(batch_id, self.holder, self.settings.lease_s):
+            if time.monotonic() > end:
+                return 0  # still held: the holder's successor (pipeline serve's loop) does it
+            time.sleep(0.05)
+        try:
+            rec = self.records.record(batch_id)
+            if rec.get("status") != "cancelling" or rec.get("cancel_done") == "1":
+                return 0
+            return self.records.cancel_lines(batch_id, int(rec.get("submitted") or 0))
+        finally:
+            self.records.drop_lease(batch_id, self.holder)
+
+    def wait(
+        self,
+        batch_id: str,
+        timeout: float | None = None,
+        poll_s: float = 0.2,
+        on_poll: Callable[[Batch], None] | None = None,
+    ) -> Batch:
+        """Poll until the batch is closed; raises TimeoutError after ``timeout`` s."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            batch = self.get(batch_id)
+            if on_poll is not None:
+                on_poll(batch)
+            if batch.status in FINAL:
+                return batch
+            if batch.status in ("validating", "in_progress"):
+                # past its window with nobody storing its lines: close it (the script checks
+                # the window by the server's clock and the lease; otherwise it does nothing)
+                self.records.lapse(batch_id)
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError(f"batch {batch_id} not done after {timeout} s")
+            time.sleep(poll_s)
+
+    # -- results ----------------------------------------------------------------------------
+    def lines(
+        self, batch: Batch, custom_ids: Callable[[int], dict[int, str]] | None = None
+    ) -> Iterator[LineResult]:
+        """Every request line's outcome, in input order (see :func:`line_results`)."""
+        return line_results(self.records, batch, custom_ids)
+
+    def finalize(self, batch_id: str) -> Batch:
+        """Write a ``finalizing`` batch's output and error files (OpenAI's format) and close
+        it. Idempotent: file ids follow from the batch id, files are written whole then
+        renamed. Needs :attr:`files`."""
+        assert self.files is not None, "finalize needs a file store"
+        batch = self.get(batch_id)
+        if batch.status != "finalizing" or not self.records.take_lease(
+            batch_id, self.holder, self.settings.lease_s
+        ):
+            return batch
+        try:
+            ids = self.write_files(batch)
+            self.records.finalized(batch_id, *ids)
+        finally:
+            self.records.drop_lease(batch_id, self.holder)
+        return self.get(batch_id)
+
+    def write_files(self, batch: Batch) -> tuple[str | None, str | None]:
+        """Write the batch's output and error files; returns their ids (None when empty)."""
+        assert self.files is not None
+        blobs = self.files.blobs
+        out_id, err_id = f"file-{batch.id}-output", f"file-{batch.id}-errors"
+        final = self.records.record(batch.id).get("final_status", batch.status)
+        n_out = n_err = 0
+        custom_ids = self._input_custom_ids(batch)
+        with blobs.writer(out_id) as out, blobs.writer(err_id) as err:
+            for line in self.lines(batch, custom_ids):
+                if line.ok:
+                    out.write(openai_line(line, final))
+                    n_out += 1
+                else:
+                    err.write(openai_line(line, final))
+                    n_err += 1
+        ids: list[str | None] = []
+        for fid, n, name in ((out_id, n_out, "output"), (err_id, n_err, "errors")):
+            if n:
+                self.files.add(fid, f"{batch.id}_{name}.jsonl", "batch_output", batch.owner)
+                ids.append(fid)
+            else:
+                blobs.delete(fid)
+                ids.append(None)
+        return ids[0], ids[1]
+
+    def _input_custom_ids(self, batch: Batch) -> Callable[[int], dict[int, str]] | None:
+        """custom_ids of the input's lines after a line number, read from the input (for
+        lines never stored: cancelled or lapsed before they were enqueued)."""
+        opener = self.opener(batch)
+        if opener is None:
+            return None
+
+        def read(after: int) -> dict[int, str]:
+            out: dict[int, str] = {}
+            src = opener()
+            try:
+                for n, raw in input_lines(src):
+                    if n <= after or not raw.strip():
+                        continue
+                    try:
+                        obj = orjson.loads(raw)
+                    except orjson.JSONDecodeError:
+                        continue
+                    if isinstance(obj, dict):
+                        cid = obj.get("custom_id", obj.get("id", f"line-{n}"))
+                        if isinstance(cid, str):
+                            out[n] = cid
+            finally:
+                close = getattr(src, "close", None)
+                if close is not None:
+                    close()
+            return out
+
+        return read
+
+    def opener(self, batch: Batch) -> Callable[[], IO[bytes]] | None:
+        """How to open the batch's input again: its uploaded file, or its path."""
+        kind = batch.source.get("kind")
+        if kind == "file" and self.files is not None and batch.input_file_id:
+            blobs, fid = self.files.blobs, batch.input_file_id
+            if not blobs.exists(fid):
+                return None
+            return lambda: blobs.open(fid)
+        if kind == "path" and os.path.isfile(batch.source.get("path", "")):
+            path = batch.source["path"]
+            return lambda: open(path, "rb")
+        return None
+
+
+def _line_bytes(item: dict[str, Any] | str | bytes) -> bytes:
+    if isinstance(item, bytes):
+        return item
+    if isinstance(item, str):
+        return item.encode("utf-8")
+    return orjson.dumps(item)

@@ -1,0 +1,30 @@
+-- batch_cancel.lua: cancel a batch. A validating batch is cancelled at once (nothing was
+-- submitted). A running one becomes `cancelling`: no line is submitted any more (submit.lua
+-- checks `stopped`), the lines not yet submitted are counted failed now, and the caller then
+-- cancels the submitted lines that have not started (batch_cancel_lines.lua); attempts in
+-- flight finish, and the last result ends the batch `cancelled` (lib.lua batch_settle).
+-- KEYS: none passed; <prefix>batch:<id> derived from the prefix.
+-- ARGV[1] prefix, ARGV[2] batch id.
+-- Returns {status afterwards, lines submitted (the ids to cancel), '1' if the caller should
+-- cancel the submitted lines (cancelling, and no canceller finished that yet) else '0'}.
+local prefix, id = ARGV[1], ARGV[2]
+local bk = prefix .. 'batch:' .. id
+local f = redis.call('HMGET', bk, 'status', 'submitted', 'unsubmitted', 'cancel_done')
+local status = f[1]
+if not status then return {'missing', 0, '0'} end
+local now = server_now()
+if status == 'validating' then
+  redis.call('HSET', bk, 'cancelling_at', fmt_time(now), 'stopped', '1')
+  batch_close(prefix, id, 'cancelled', now)
+  return {'cancelled', 0, '0'}
+end
+if status == 'in_progress' then
+  redis.call('HSET', bk, 'status', 'cancelling', 'cancelling_at', fmt_time(now), 'stopped', '1',
+    'unsubmitted', 0)
+  redis.call('HINCRBY', bk, 'failed', tonumber(f[3]) or 0)
+  batch_settle(prefix, id, now)
+  status = redis.call('HGET', bk, 'status')
+end
+local todo = '0'
+if status == 'cancelling' and f[4] ~= '1' then todo = '1' end
+return {status, tonumber(f[2]) or 0, todo}

@@ -1,0 +1,19 @@
+-- batch_cancel_lines.lua: cancel requests of a cancelling batch that have not started an
+-- attempt (queued, waiting out a retry, or dispatched but not started: such an attempt holds
+-- no gate reservation, and its start is fenced off). Attempts already running finish.
+-- KEYS: none passed; <prefix>req:<id> derived from the prefix.
+-- ARGV[1] prefix, ARGV[2] result TTL (s), ARGV[3..] request ids.
+-- Returns how many this call cancelled.
+local prefix, ttl = ARGV[1], ARGV[2]
+local now = server_now()
+local n = 0
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  local state = redis.call('HGET', prefix .. 'req:' .. id, 'state')
+  if state == 'queued' or state == 'retry_wait' or state == 'dispatched' then
+    terminal(prefix, id, now, ttl, '', '{"error": "batch cancelled"}', 'CANCELLED',
+      'batch cancelled')
+    n = n + 1
+  end
+end
+return n
