@@ -12,7 +12,11 @@ Phases, on a private ``redis-server`` (so ``used_memory`` sees only this benchma
 2. dispatch script: ``Store.tick`` (one ``dispatch.lua`` call, as the dispatcher makes it)
    moving 64 requests per call, timed over 200 calls, on a 1k backlog (queue ``small``) and on
    the 1M backlog; between calls (untimed) the moved requests are cancelled, which frees the
-   pool, and the backlog is topped up to its size.
+   pool, and the backlog is topped up to its size. Also the script's own time in Redis per
+   moved request (``INFO commandstats``, evalsha µs: load-independent).
+5. fair share (``--fair``, default the same size as phase 1; 0 skips it): the same on a queue
+   with ``fair_share`` (indexed by tenant: every dispatch picks the next tenant's turn), 1k
+   waiting over 100 tenants against 1M waiting over 10,000 tenants.
 3. end to end: a real worker node (threads, 64 slots) against a 0 ms simulator drains 3,000
    requests with a ~1k backlog (topped up by the client as it drains) and then with the 1M
    backlog; rate = completions / s after a 200-request warm-up.
@@ -60,8 +64,20 @@ E2E_N = 3_000
 E2E_WARM = 200
 
 
-def small_items(n: int, queue: str) -> list[dict[str, Any]]:
-    return [{"payload": BODY, "queue": queue} for _ in range(n)]
+def small_items(n: int, queue: str, tenants: int = 0) -> list[dict[str, Any]]:
+    """``n`` small items; with ``tenants``, spread round-robin over that many userids."""
+    if not tenants:
+        return [{"payload": BODY, "queue": queue} for _ in range(n)]
+    return [
+        {"payload": BODY, "queue": queue, "metadata": {"userid": f"t{i % tenants}"}}
+        for i in range(n)
+    ]
+
+
+def script_usec(client: Any) -> int:
+    """Time Redis spent in EVALSHA so far (µs; a private server: only this benchmark)."""
+    stats = client.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("usec", 0))
 
 
 def submit_phase(rh: RedisHandle, p: Any, n: int) -> dict[str, Any]:
@@ -98,17 +114,20 @@ def submit_phase(rh: RedisHandle, p: Any, n: int) -> dict[str, Any]:
     }
 
 
-def tick_phase(p: Any, queue: str, backlog: int) -> dict[str, Any]:
+def tick_phase(p: Any, queue: str, backlog: int, tenants: int = 0) -> dict[str, Any]:
     """Dispatch-script rate on a backlog kept at ``backlog`` requests."""
     store = p.store
     q = p.settings.queues[queue]
     pending = p.store.keys.pending(queue)
     spent = 0.0
+    usec = 0
     moved = 0
     for _ in range(TICKS):
+        u0 = script_usec(store.client)
         t0 = time.perf_counter()
         res = store.tick(q, [q], 1.0, -1, TICK_BATCH)
         spent += time.perf_counter() - t0
+        usec += script_usec(store.client) - u0
         moved += len(res.moved)
         with store.client.pipeline(transaction=False) as pipe:
             for d in res.moved:  # frees the pool for the next call (untimed)
@@ -120,8 +139,36 @@ def tick_phase(p: Any, queue: str, backlog: int) -> dict[str, Any]:
             pipe.execute()
         short = backlog - int(store.client.zcard(pending))
         if short > 0:
-            p.submit_many(small_items(short, queue))
-    return {"backlog": int(store.client.zcard(pending)), "rate": moved / spent, "moved": moved}
+            p.submit_many(small_items(short, queue, tenants))
+    return {
+        "backlog": int(store.client.zcard(pending)),
+        "rate": moved / spent,
+        "moved": moved,
+        "usec": usec / max(1, moved),
+    }
+
+
+def fair_phase(rh: RedisHandle, p: Any, n: int) -> dict[str, Any]:
+    """Fair-share dispatch at 1k waiting (100 tenants) and at ``n`` (10,000 tenants)."""
+    from pipeline.store import sched
+
+    s = p.store
+    for queue in ("fsmall", "fbig"):
+        sched.setup(s.client, s.scripts, s.keys, queue, "pf" + queue, "userid", True)
+    p.submit_many(small_items(SMALL, "fsmall", 100))
+    rh.client.execute_command("MEMORY", "PURGE")
+    mem0 = rh.used_memory()
+    done = 0
+    while done < n:
+        size = min(CHUNK, n - done)
+        p.submit_many(small_items(size, "fbig", 10_000))
+        done += size
+    rh.client.execute_command("MEMORY", "PURGE")
+    mem_per_req = (rh.used_memory() - mem0) / n
+    tenants = int(rh.client.zcard(s.keys.ready("fbig")))
+    small = tick_phase(p, "fsmall", SMALL, 100)
+    big = tick_phase(p, "fbig", n, 10_000)
+    return {"small": small, "big": big, "tenants": tenants, "mem_per_req": mem_per_req}
 
 
 def finished_phase(rh: RedisHandle, p: Any, n: int, queue: str) -> dict[str, Any]:
@@ -194,7 +241,9 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=1_000_000, help="requests to queue")
     ap.add_argument("--skip-e2e", action="store_true", help="skip phase 3")
     ap.add_argument("--finished", type=int, default=200_000, help="phase 4 requests (0: skip)")
+    ap.add_argument("--fair", type=int, default=None, help="phase 5 requests (0: skip)")
     args = ap.parse_args()
+    fair_n = args.n if args.fair is None else args.fair
     with bench_session(args.redis_url) as (rh, workdir):
         sim = Sim(latency_ms=0)
         try:
@@ -203,6 +252,8 @@ def main() -> int:
                 queue_entry("small", sim.url, pool="psmall"),
                 queue_entry("fin_list", sim.url, pool="pfin"),
                 queue_entry("fin_nolist", sim.url, pool="pfin", result_list=False),
+                queue_entry("fsmall", sim.url, pool="pffsmall", fair_share=True),
+                queue_entry("fbig", sim.url, pool="pffbig", fair_share=True),
             ]
             penv = PipelineEnv(rh.url, queues, workdir)
             p = penv.pipeline()
@@ -220,6 +271,14 @@ def main() -> int:
                 e_small = e2e_phase(penv, "psmall", "small", SMALL)
                 e_big = e2e_phase(penv, "pbig", "big", None)
                 log(f"e2e: {e_small['rate']:.0f}/s at 1k, {e_big['rate']:.0f}/s at {args.n:,}")
+            fair = None
+            if fair_n:
+                log(f"phase 5: fair share, 1k over 100 tenants and {fair_n:,} over 10,000")
+                fair = fair_phase(rh, p, fair_n)
+                log(
+                    f"fair: {fair['small']['usec']:.1f} µs per dispatch at 1k, "
+                    f"{fair['big']['usec']:.1f} at {fair_n:,}"
+                )
             fin_list = fin_nolist = None
             if args.finished:
                 log(f"phase 4: {args.finished:,} finished requests nobody pops, with/without list")
@@ -254,7 +313,42 @@ def main() -> int:
         ["dispatch.lua rate at 1k queued (req/s)", f"{t_small['rate']:,.0f}", "", ""],
         [f"dispatch.lua rate at {args.n:,} queued (req/s)", f"{t_big['rate']:,.0f}", "", ""],
         ["  1k / big ratio", f"{tick_ratio:.2f}", "<= 2", verdict(tick_ratio <= 2)],
+        [
+            "  Redis time per dispatch at 1k / big (µs)",
+            f"{t_small['usec']:.1f} / {t_big['usec']:.1f}",
+            "",
+            "",
+        ],
     ]
+    if fair is not None:
+        fs, fb = fair["small"], fair["big"]
+        rows += [
+            ["fair share: dispatch.lua rate at 1k / 100 tenants", f"{fs['rate']:,.0f}", "", ""],
+            [
+                f"fair share: rate at {fair_n:,} / {fair['tenants']:,} tenants",
+                f"{fb['rate']:,.0f}",
+                "",
+                "",
+            ],
+            [
+                "  Redis memory per waiting request, indexed by tenant (B)",
+                f"{fair['mem_per_req']:.0f}",
+                "",
+                "",
+            ],
+            [
+                "  cost per dispatch big / 1k (wall)",
+                f"{fs['rate'] / fb['rate']:.2f}",
+                "<= 2",
+                verdict(fs["rate"] / fb["rate"] <= 2),
+            ],
+            [
+                "  Redis time per dispatch 1k / big (µs), ratio",
+                f"{fs['usec']:.1f} / {fb['usec']:.1f}, {fb['usec'] / fs['usec']:.2f}",
+                "<= 2",
+                verdict(fb["usec"] / fs["usec"] <= 2),
+            ],
+        ]
     if e_small is not None and e_big is not None:
         e_ratio = e_small["rate"] / e_big["rate"]
         rows += [

@@ -1,26 +1,37 @@
 """Target 1, utilisation: a gate with limit 16 in front of a simulator with 100 ms latency must
 keep it busy: 2,000 requests at >= 0.95 of the ceiling limit/latency (160 req/s), and never
-more than 16 at the simulator (``max_concurrency_observed``). Three scenarios, one run:
+more than 16 at the simulator (``max_concurrency_observed``). Scenarios, one run:
 
 - ``1 node``: one worker node (threads, 64 slots), ``local-max-concurrency`` limit 16;
 - ``1 node, 20% 503``: the same, with every 5th request answered 503 on its first attempt
   (retried after the queue's backoff, 50 ms base);
 - ``3 nodes``: three worker nodes (64 slots each) sharing one global limit: a
-  ``global-max-concurrency`` gate (limit 16; look-ahead and parking across nodes), then, for
-  comparison, a ``redis-quota`` gate in concurrency mode (limit 16, all requests of one user;
-  no capacity, so no look-ahead: a refused attempt goes back to the queue), alone and with the
-  pool capped at 16 workers.
+  ``global-max-concurrency`` gate (limit 16; look-ahead and parking across nodes);
+- ``redis-quota`` in concurrency mode, limit 16, all requests of one tenant, on one node and
+  on three, with and without the 503s: the dispatcher counts the tenant's requests against its
+  quota (quota-aware dispatch) and sends a few past it, which park for the key's next release;
+  and, for comparison, with the pool capped at 16 workers;
+- eight tenants, each ``redis-quota`` concurrency 3, behind one ``global-max-concurrency`` 16
+  (one composite gate), their requests submitted in blocks of 50 per tenant, so the head of
+  the queue is one tenant at a time (one node and three), without and with ``fair_share``
+  (in exact order the tenants drain one block after another, so the last blocks belong to
+  a few tenants, each capped at 3: a tail the pool cannot fill; taking turns, they drain
+  together).
 
 Throughput = requests / (first submit .. the simulator's N-th 200, by its own clock). All
-results are then read back through ``Pipeline.iter_results`` and must be 200.
+results are then read back through ``Pipeline.iter_results`` and must be 200. ``dispatches
+/ req`` counts how often a request went to a worker (1.0: no attempt was refused back to the
+queue).
 
-    .venv/bin/python bench/utilisation.py            # ~1 min
+    .venv/bin/python bench/utilisation.py            # ~2 min
+    .venv/bin/python bench/utilisation.py --only quota-1node --only tenants8
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +61,22 @@ from bench.handoff import handoffs, mean_concurrency
 
 LIMIT = 16
 LATENCY_MS = 100.0
+TENANTS, PER_TENANT, BLOCK = 8, 3, 50
+TENANTS_GATE = {
+    "gate_type": "composite",
+    "gate_params": {"gates": [quota_gate(PER_TENANT), global_gate(LIMIT)]},
+}
+
+
+def tenant_items(n: int, tag: str, fail_every: int = 0) -> list[dict[str, Any]]:
+    """``n`` items of ``TENANTS`` tenants in blocks of ``BLOCK`` (tenant 0's first 50, then
+    tenant 1's, ...): the head of the queue is one tenant at a time."""
+    out = items(n, tag, fail_every)
+    for i, it in enumerate(out):
+        it["metadata"] = {"userid": f"tenant{(i // BLOCK) % TENANTS}"}
+    return out
+
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     "1node": {"nodes": 1, "gate": local_gate(LIMIT), "label": "1 node, local-max-concurrency 16"},
     "503": {
@@ -63,12 +90,49 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "gate": global_gate(LIMIT),
         "label": "3 nodes, global-max-concurrency 16",
     },
-    "3nodes": {"nodes": 3, "gate": quota_gate(LIMIT), "label": "3 nodes, redis-quota 16 (global)"},
+    "quota-1node": {"nodes": 1, "gate": quota_gate(LIMIT), "label": "1 node, redis-quota 16"},
+    "quota-503": {
+        "nodes": 1,
+        "gate": quota_gate(LIMIT),
+        "fail_every": 5,
+        "label": "1 node, redis-quota 16, 20% 503",
+    },
+    "3nodes": {"nodes": 3, "gate": quota_gate(LIMIT), "label": "3 nodes, redis-quota 16"},
+    "3nodes-quota-503": {
+        "nodes": 3,
+        "gate": quota_gate(LIMIT),
+        "fail_every": 5,
+        "label": "3 nodes, redis-quota 16, 20% 503",
+    },
     "3nodes-pool": {
         "nodes": 3,
         "gate": quota_gate(LIMIT),
         "pool_workers": LIMIT,
         "label": "3 nodes, redis-quota 16 + pool workers 16",
+    },
+    "tenants8": {
+        "nodes": 1,
+        "gate": TENANTS_GATE,
+        "make": tenant_items,
+        "label": "1 node, 8 tenants x quota 3, global 16",
+    },
+    "tenants8-3nodes": {
+        "nodes": 3,
+        "gate": TENANTS_GATE,
+        "make": tenant_items,
+        "label": "3 nodes, 8 tenants x quota 3, global 16",
+    },
+    "tenants8-fair": {
+        "nodes": 1,
+        "gate": {**TENANTS_GATE, "fair_share": True},
+        "make": tenant_items,
+        "label": "1 node, 8 tenants x quota 3, global 16, fair",
+    },
+    "tenants8-fair-3nodes": {
+        "nodes": 3,
+        "gate": {**TENANTS_GATE, "fair_share": True},
+        "make": tenant_items,
+        "label": "3 nodes, 8 tenants x quota 3, global 16, fair",
     },
 }
 
@@ -81,13 +145,14 @@ def run_batch(
     tag: str,
     fail_every: int = 0,
     pids: dict[str, int] | None = None,
+    make: Callable[..., list[dict[str, Any]]] = items,
 ) -> dict[str, Any]:
     """Submit ``n`` requests through the pipeline and wait for them; returns measurements."""
     p = penv.pipeline()
-    warm = [dict(it, queue=queue) for it in items(LIMIT * 2, f"{tag}-warm")]
+    warm = [dict(it, queue=queue) for it in make(LIMIT * 2, f"{tag}-warm")]
     list(p.iter_results([r.id for r in p.submit_many(warm)]))
     sim.reset()
-    batch = [dict(it, queue=queue) for it in items(n, tag, fail_every)]
+    batch = [dict(it, queue=queue) for it in make(n, tag, fail_every)]
     cpu = CpuMeter(pids or {}).start()
     t0 = time.monotonic()
     reqs = p.submit_many(batch)
@@ -97,6 +162,10 @@ def run_batch(
     elapsed = t1 - t0
     results = list(p.iter_results([r.id for r in reqs]))
     bad = [r for r in results if r.status_code != 200]
+    with p.store.client.pipeline(transaction=False) as pipe:
+        for r in reqs:
+            pipe.hget(p.store.keys.request(r.id), "dispatches")
+        dispatches = sum(int(d or 0) for d in pipe.execute())
     stats = sim.stats()
     arrivals = sim.arrivals()
     gaps = [g * 1000 for g in handoffs(arrivals, LIMIT)]
@@ -115,6 +184,7 @@ def run_batch(
         "handoff_p50": pct(gaps, 50),
         "cpu": cpu.used,
         "cpu_ms": cpu.per_request_ms(n),
+        "dispatches": dispatches / n,
     }
 
 
@@ -128,6 +198,7 @@ def scenario(
     fail_every: int = 0,
     label: str,
     pool_workers: int | None = None,
+    make: Callable[..., list[dict[str, Any]]] = items,
 ) -> dict[str, Any]:
     sim = Sim(latency_ms=LATENCY_MS, record_arrivals=True)
     workers: list[Node] = []
@@ -139,7 +210,7 @@ def scenario(
         log(f"{label}: {nodes} node(s) up, running {n} requests")
         pids = process_ids(rh, sim, [w.proc.pid for w in workers])
         tag = f"u{len(label)}{nodes}{fail_every}"
-        res = run_batch(penv, sim, "util", n, tag, fail_every, pids)
+        res = run_batch(penv, sim, "util", n, tag, fail_every, pids, make)
     finally:
         for w in workers:
             w.stop()
@@ -179,6 +250,7 @@ def main() -> int:
                 "sim service ms",
                 "hand-off p50 ms",
                 "HTTP attempts",
+                "dispatches / req",
                 "not 200",
                 "target",
             ],
@@ -192,6 +264,7 @@ def main() -> int:
                     r["service_ms"],
                     r["handoff_p50"],
                     r["sim_requests"],
+                    r["dispatches"],
                     r["not_ok"],
                     verdict(r["ok"]),
                 ]

@@ -135,6 +135,7 @@ class InferenceTask(Task):
         if attempt is not None:
             if mirrors_results(self, self.request):
                 attempt.mirrors = CeleryMirrors(self.backend, task_id)
+            attempt.send_event = self.send_event  # a park that ends refused tells Flower
             if attempt.decision is None:  # not decided with the start (Runtime.begin)
                 attempt.acquire()
             observe.attempt_started(attempt, self.send_event)

@@ -122,6 +122,15 @@ def quota(n: int) -> dict[str, Any]:
     return {"gate_type": "redis-quota", "gate_params": params}
 
 
+def tenants_gate(per_tenant: int, overall: int) -> dict[str, Any]:
+    """A per-tenant concurrency quota behind one global limit, in one composite gate."""
+    inner = [
+        quota(per_tenant),
+        {"gate_type": "global-max-concurrency", "gate_params": {"limit": overall}},
+    ]
+    return {"gate_type": "composite", "gate_params": {"gates": inner}}
+
+
 def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
     """Queues with gates that hold reservations, one result list each (named per session:
     result lists use their configured name verbatim, outside the key prefix)."""
@@ -139,6 +148,7 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
         ),
         ("lim2", "default", local_limit(2), sim_url),
         ("quota1", "default", quota(1), sim_url),
+        ("qrefuse", "qrefuse", quota(1), sim_url),
         ("quotawait", "default", wait_quota, sim_url),
         ("dead", "default", local_limit(4), dead),
         ("prefork", "prefork", local_limit(4), sim_url),
@@ -148,6 +158,12 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
         ("overadmit", "overadmit", quota(5), sim_url),
         ("chaos", "chaos", quota(8), sim_url),
         ("stalls", "default", quota(4), sim_url),
+        # scheduling: tenants behind per-tenant quotas, fair share, two queues on one pool
+        ("tenants", "tenants", tenants_gate(2, 6), sim_url),
+        ("mtchaos", "mtchaos", tenants_gate(3, 8), sim_url),
+        ("fairq", "fairq", {"fair_share": True}, sim_url),
+        ("merge1", "merge", {}, sim_url),
+        ("merge2", "merge", {}, sim_url),
         ("inproc", "inproc", local_limit(2), sim_url),  # served by the in-process node
         (
             "skew",
@@ -309,6 +325,12 @@ def assert_idle(p: Pipeline, timeout: float = 20.0) -> None:
         if p.store.client.zcard(k)
     ]
     assert not leftover, f"gate keys still hold slots: {leftover}"
+    # nor does the dispatcher still count a request of a quota key, or hold a tenant back
+    # for one (lua/sched.lua)
+    counted = [k for k in p.store.client.scan_iter(keys.prefix + "gate:*:sent")]
+    assert not counted, f"quota keys still count requests: {counted}"
+    held = [k for k in p.store.client.scan_iter(keys.prefix + "gate:*:blocked")]
+    assert not held, f"quota keys still hold tenants back: {held}"
 
 
 @pytest.fixture

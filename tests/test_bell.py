@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -175,3 +176,30 @@ def test_a_waiter_that_timed_out_is_not_granted(bell: ReleaseBell) -> None:
     ticket = bell.park("q", bell.generation("q"), 0.05, "ctx")
     assert ticket is not None and not ticket.granted and not ticket.rang
     assert bell.waiting("q") == 0 and bell.hand_over("q") is None
+
+
+def test_the_bell_keeps_a_bounded_number_of_names() -> None:
+    """Quota keys are unbounded in number: generations are kept only for names read lately
+    (at most MAX_NAMES, never one a waiter is parked on), never for a name only rung, and a
+    waiter line goes when it empties."""
+    import redis as redis_mod
+
+    from pipeline.worker import bell as bell_module
+
+    b = bell_module.ReleaseBell(redis_mod.Redis(), "unused")
+    b._listen = lambda: None  # type: ignore[method-assign]  # no Pub/Sub needed here
+    for i in range(3 * bell_module.MAX_NAMES):
+        b.ring(f"quota:userid:u{i}")
+    assert len(b._gen) == 0
+    gen = b.generation("quota:userid:w")
+    tickets: list[Any] = []
+    waiter = threading.Thread(target=lambda: tickets.append(b.park("quota:userid:w", gen, 10)))
+    waiter.start()
+    wait_for(lambda: b.waiting("quota:userid:w") == 1, 5, what="the waiter parked")
+    for i in range(2 * bell_module.MAX_NAMES):
+        b.generation(f"quota:userid:v{i}")
+    assert len(b._gen) <= bell_module.MAX_NAMES + 1 and "quota:userid:w" in b._gen
+    b.ring("quota:userid:w")
+    waiter.join(5)
+    assert tickets and tickets[0].rang
+    assert not b._waiters

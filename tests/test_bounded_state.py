@@ -60,6 +60,11 @@ BOUNDED = [
     r"q:[^:]+:recent",  # trimmed to the last 5 minutes at every finish
     r"pool:[^:]+:(nodes|slots|wake)",  # live nodes (dead ones pruned), a doorbell
     r"gate:[^:]+:nodes",  # nodes whose slot pool exists (pruned by the reaper)
+    r"pool:[^:]+:merge",  # the merge policy's state: one field per queue and lane
+    r"q:[^:]+:sched",  # an indexed queue's settings and counters (a few fields)
+    r"q:[^:]+:(ready|blocked)",  # one entry per tenant with waiting requests only
+    r"q:[^:]+:t:.*",  # a tenant's waiting requests only (an empty sorted set is no key)
+    r"gate:.+:(sent|blocked)",  # a quota key's active requests / tenants held back only
     # one entry per unexpired batch / file: pruned when its record expires (batch_create.lua,
     # Files.sweep); active batches only; a doorbell of at most one element
     r"batches(:expiry|:active|:bell)?",

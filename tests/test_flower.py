@@ -172,7 +172,9 @@ def test_flower_shows_requests_retries_and_gate_decisions(
     start_worker: Callable[..., WorkerProc],
     sim: SimServer,
 ) -> None:
-    w, _ = start_node(start_worker, iso, concurrency=4)
+    # a look-ahead attempt over its quota parks 0.2 s, then is refused and goes back (room
+    # for the look-ahead attempts: a tenant at its quota gets them only from free slots)
+    w, _ = start_node(start_worker, iso, concurrency=8, extra_env={"PIPELINE_PARK_S": "0.2"})
     try:
         pl, f = iso.pl, iso.queue("f")
         task_events_on(flower, pl, f)
@@ -185,16 +187,22 @@ def test_flower_shows_requests_retries_and_gate_decisions(
             queue=f,
             headers={"x-sim-fail-first": "1", "x-sim-fail-status": "400"},
         )
-        # user u1's one slot (a concurrency-1 quota, shared by both queues) is held at the
-        # simulator until the test has seen the gate's decisions: u1's next request is refused
-        # on the quota queue and parked on the wait-on-refuse queue
+        # users u1's and u2's one slot each (a concurrency-1 quota; the two queues share the
+        # keys) are held at the simulator until the test has seen the gate's decisions: u1's
+        # next request (sent past the limit) parks 0.2 s for u1's key and is refused on the
+        # quota queue, u2's is parked (a Wait) on the wait-on-refuse queue
         user = {"metadata": {"userid": "u1"}}
         holder = pl.submit(
             {"prompt": "q1"}, queue=iso.queue("quota"), headers=held(iso.tag), **user
         )
         sim.wait_held(iso.tag)
         refused = pl.submit({"prompt": "q2"}, queue=iso.queue("quota"), **user)
-        parked = pl.submit({"prompt": "p2"}, queue=iso.queue("park"), **user)
+        other = {"metadata": {"userid": "u2"}}
+        holder2 = pl.submit(
+            {"prompt": "p1"}, queue=iso.queue("park"), headers=held(iso.tag + "2"), **other
+        )
+        sim.wait_held(iso.tag + "2")
+        parked = pl.submit({"prompt": "p2"}, queue=iso.queue("park"), **other)
 
         # while its user's slot is held, the parked request's task shows the gate's event
         def parked_state() -> bool:
@@ -203,9 +211,9 @@ def test_flower_shows_requests_retries_and_gate_decisions(
 
         wait_for(parked_state, 20, interval=0.05, what="GATE-WAITING in flower")
         wait_for(lambda: int(pl.record(refused.id).get("dispatches", 0)) >= 2, 20, what="a refusal")
-        assert sim.release(iso.tag) == 1
+        assert sim.release(iso.tag) == 1 and sim.release(iso.tag + "2") == 1
 
-        for req in (ok, retried, refused, holder, parked):
+        for req in (ok, retried, refused, holder, holder2, parked):
             t = final(flower, req.id)
             assert t["state"] == "SUCCESS", t
             assert t["name"] == "pipeline.infer"

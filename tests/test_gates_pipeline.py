@@ -126,3 +126,42 @@ def test_fairness_identity_header(env: dict[str, str], pl: Pipeline) -> None:
     assert "x-llm-d-inference-objective" not in headers
     with pytest.raises(ConfigError, match="PIPELINE_OBJECTIVE_HEADER"):
         load_settings({**env, "PIPELINE_OBJECTIVE_HEADER": "bad header"})
+
+
+def test_tier_priority_lane_headers(pl: Pipeline) -> None:
+    """tier-priority stamps the lane's objective (over the queue's own and the caller's, in any
+    letter case) and, when asked, the lane index; random-robin stamps neither."""
+    from pipeline.config import parse_merge_policy
+
+    q: dict[str, Any] = {
+        "queue_name": "default",
+        "igw_base_url": "http://x",
+        "inference_objective": "queue-objective",
+        "labels": {"tier": "batch"},
+    }
+    policy = parse_merge_policy(
+        {
+            "type": "tier-priority",
+            "parameters": {
+                "priority_header": "x-gateway-priority",
+                "lane_objectives": {"overflow-batch": "cheap"},
+            },
+        },
+        "merge.json",
+    )
+    tiered = with_overrides(pl.settings, queues=[q], merge_policy=policy)
+    record = {
+        "id": "r1",
+        "queue": "default",
+        "deadline": str(time.time() + 60),
+        "payload": "{}",
+        "headers": json.dumps({"X-LLM-D-Inference-Objective": "mine"}),
+    }
+    headers = Attempt(Runtime(tiered), record, "tok", "w").headers()
+    assert headers["x-llm-d-inference-objective"] == "cheap"
+    assert "X-LLM-D-Inference-Objective" not in headers
+    assert headers["x-gateway-priority"] == "5"  # overflow-batch
+    plain = with_overrides(pl.settings, queues=[q])
+    headers = Attempt(Runtime(plain), record, "tok", "w").headers()
+    assert "x-gateway-priority" not in headers
+    assert headers["X-LLM-D-Inference-Objective"] == "mine"  # the caller's overrides the queue's

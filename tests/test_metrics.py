@@ -40,6 +40,9 @@ from tests.observability import (
 )
 
 REASONS = {"gate_closed", "quota_exhausted", "dropped", "error"}
+# a look-ahead attempt over its quota parks 0.2 s, then is refused (counted) and goes back:
+# the workload's second request of user u1 is refused while the first one runs
+PARK_SHORT = {"PIPELINE_PARK_S": "0.2"}
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "pipeline.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 KEDA = ROOT / "deploy" / "keda" / "scaledobject.yaml"
@@ -152,7 +155,7 @@ def test_counts_with_two_thread_nodes(
 ) -> None:
     iso = workload_iso
     sim.reset()
-    started = [nodes(iso, concurrency=2, wait=False) for _ in range(2)]
+    started = [nodes(iso, concurrency=2, wait=False, extra_env=PARK_SHORT) for _ in range(2)]
     for w, port in started:
         wait_ready(w, port)
     ports = [p for _, p in started]
@@ -199,6 +202,7 @@ def test_counts_with_a_prefork_node(
         concurrency=2,
         pool_impl="prefork",
         celery_args=["--max-tasks-per-child", "3"],
+        extra_env=PARK_SHORT,
     )
     ids, expired = submit_workload(iso, sim)
     wait_done(iso, [*ids, expired], timeout=30)

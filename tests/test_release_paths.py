@@ -127,22 +127,44 @@ def dispatches(pl: Pipeline, rid: str) -> int:
     return int(pl.record(rid).get("dispatches", 0))
 
 
-def test_gate_refuse(served: Pipeline, sim: SimServer) -> None:
+def test_over_quota_parks_for_its_key(served: Pipeline, sim: SimServer) -> None:
+    """quota1 (concurrency 1 per user): a second request of the user is sent past the limit
+    (quota look-ahead), is refused, holds nothing and parks for a release of its key; it takes
+    the slot when the first request's attempt ends, without going back to the queue."""
     user = {"userid": uid("u")}
     first = hold_slot(served, sim, "quota1", user)
-    second = served.submit(
-        {"p": 2}, id=uid("refused"), queue="quota1", timeout=30, metadata=user
-    ).id
-    wait_for(
-        lambda: dispatches(served, second) >= 2,
-        10,
-        what="a refusal and a new dispatch",
-    )
-    assert sim_attempts(sim, second) == 0  # refused attempts never reach the server
+    second = served.submit({"p": 2}, id=uid("parked"), queue="quota1", timeout=30, metadata=user).id
+    wait_running(served, second)  # started and parked at the worker
+    assert sim_attempts(sim, second) == 0
     sim.release(first)
     assert finished(served, "quota1", first).ok
     res = finished(served, "quota1", second)
-    assert res.ok and res.attempts == 1  # a refusal is not an attempt
+    assert res.ok and res.attempts == 1
+    assert dispatches(served, second) == 1  # admitted by its first dispatch
+
+
+def test_gate_refuse(pl: Pipeline, sim: SimServer, start_worker: Any) -> None:
+    """A refusal (a look-ahead attempt parked past ``PIPELINE_PARK_S``) holds nothing, goes
+    back to the queue and is dispatched again; a refusal is not an attempt."""
+    worker = start_worker(pools="qrefuse", concurrency=4, extra_env={"PIPELINE_PARK_S": "0.3"})
+    try:
+        user = {"userid": uid("u")}
+        first = hold_slot(pl, sim, "qrefuse", user)
+        second = pl.submit(
+            {"p": 2}, id=uid("refused"), queue="qrefuse", timeout=30, metadata=user
+        ).id
+        wait_for(
+            lambda: dispatches(pl, second) >= 2,
+            10,
+            what="a refusal and a new dispatch",
+        )
+        assert sim_attempts(sim, second) == 0  # refused attempts never reach the server
+        sim.release(first)
+        assert finished(pl, "qrefuse", first).ok
+        res = finished(pl, "qrefuse", second)
+        assert res.ok and res.attempts == 1  # a refusal is not an attempt
+    finally:
+        worker.stop()
 
 
 def test_wait_times_out_and_requeues(served: Pipeline, sim: SimServer) -> None:
@@ -555,3 +577,111 @@ def test_a_hand_over_publishes_no_release(prepared: tuple[Pipeline, Runtime, str
             released.append(message["data"])
     listener.close()
     assert released == [queue, queue]  # c's and b's releases; none for a's hand-over
+
+
+# -- per-key quota slots handed over ------------------------------------------------------
+def test_finish_hands_a_quota_slot_to_an_attempt_parked_for_its_key(
+    served: Pipeline, sim: SimServer
+) -> None:
+    """quota1 (1 per user): the user's second request, sent past the limit, parks on the
+    user's key; the first one's finish hands it the key's slot (no release, no re-acquire)."""
+    user = {"userid": uid("u")}
+    giver = hold_slot(served, sim, "quota1", user)
+    taker = uid("taker")
+    served.submit(
+        {"p": 2}, id=taker, queue="quota1", timeout=30, metadata=user, headers=held(taker)
+    )
+    wait_running(served, taker)  # parked for the key
+    sim.release(giver)
+    sim.wait_held(taker)  # at the server, with the slot handed over
+    assert (holder_of(served, "quota1", taker) or {}).get("handed_over_by") == giver
+    sim.release(taker)
+    assert finished(served, "quota1", giver).ok
+    res = finished(served, "quota1", taker)
+    assert res.ok and res.attempts == 1 and dispatches(served, taker) == 1
+    assert sim.stats()["max_concurrency_observed"] == 1
+
+
+def test_a_composite_hands_its_global_slot_to_an_attempt_holding_its_own_quota(
+    pl: Pipeline, sim: SimServer, start_worker: Any
+) -> None:
+    """tenants: quota 2 per user, then global 6 (one composite). Six held requests of three
+    users fill the global limit; a fourth user's request parks on the global gate, keeping its
+    own quota slot, and takes a finishing holder's global slot by hand-over."""
+    worker = start_worker(pools="tenants", concurrency=16)
+    try:
+        holders = []
+        for i in range(6):
+            rid = uid("g")
+            pl.submit({"p": i}, id=rid, queue="tenants", timeout=60, headers=held(rid),
+                      metadata={"userid": f"u{i // 2}"})  # fmt: skip
+            holders.append(rid)
+        for rid in holders:
+            sim.wait_held(rid)
+        taker = uid("taker")
+        pl.submit({"p": "t"}, id=taker, queue="tenants", timeout=60, headers=held(taker),
+                  metadata={"userid": "u9"})  # fmt: skip
+        wait_running(pl, taker)  # dispatched ahead, parked on the global gate
+        keys, c = pl.store.keys, pl.store.client
+        token = pl.record(taker)["token"]
+        quota_holders = keys.gate_holders("quota:userid:u9")
+        wait_for(lambda: c.zscore(quota_holders, f"{taker}:{token}"), 10, what="its own quota")
+        sim.release(holders[0])
+        sim.wait_held(taker)
+        info = c.hget(keys.gate_info("tenants/1"), f"{taker}:{token}")
+        assert info and json.loads(info)["handed_over_by"].rsplit(":", 1)[0] == holders[0]
+        for rid in [*holders[1:], taker]:
+            sim.release(rid)
+        for rid in [*holders, taker]:
+            assert finished(pl, "tenants", rid).ok
+        assert dispatches(pl, taker) == 1
+        assert sim.stats()["max_concurrency_observed"] <= 6
+    finally:
+        worker.stop()
+
+
+def test_a_quota_hand_over_publishes_no_release_of_the_key(pl: Pipeline) -> None:
+    """In process: two attempts of one user dispatched on a concurrency-1 quota (one past the
+    limit, parked on the user's key). The first one's finish hands the key's slot over and
+    publishes nothing; the second one's finish releases it and publishes the key (for
+    attempts parked on it elsewhere) and the queue."""
+    from pipeline.store import MergeArgs, sched
+
+    q = replace(pl.settings.queues["quota1"], queue_name="qprep", worker_pool_id="nobody")
+    settings = replace(pl.settings, queues={**pl.settings.queues, "qprep": q})
+    client, rt = Pipeline(settings), Runtime(settings)
+    try:
+        s = client.store
+        sched.setup(s.client, s.scripts, s.keys, "qprep", "nobody", "userid", False)
+        specs = tuple(replace(x, lookahead=1) for x in rt.gate("qprep").quota_specs())
+        for i in range(2):
+            client.submit({"i": i}, id=uid("qh"), queue="qprep", timeout=30,
+                          metadata={"userid": "qh-user"})  # fmt: skip
+        moved = s.tick_pool(
+            "nobody", [s.queue_tick(q, budget=1.0, specs=specs)], 10, merge=MergeArgs(lookahead=4)
+        ).moved
+        assert len(moved) == 2  # the limit, and one past it
+        a, b = (rt.begin(d.id, d.token, "w", "qprep") for d in moved)
+        assert a and b and a.acquire().admitted and not b.acquire().admitted
+        listener = s.client.pubsub(ignore_subscribe_messages=True)
+        listener.subscribe(s.keys.freed_channel())
+        wait_for(lambda: s.client.pubsub_numsub(s.keys.freed_channel())[0][1] >= 1, 5)
+        reports: list[Any] = []
+        parked = threading.Thread(target=lambda: reports.append(b.run()))
+        parked.start()
+        wait_for(lambda: rt.bell.waiting("quota:userid:qh-user") == 1, 5, what="b parked")
+        assert a.run().status.value == "success"  # hands the key's slot to b
+        parked.join(10)
+        assert reports and reports[0].status.value == "success"
+        released = []
+        end = time.monotonic() + 1.0  # read what was published
+        while time.monotonic() < end:
+            message = listener.get_message(timeout=0.1)
+            if message is not None:
+                released.append(message["data"])
+        listener.close()
+        assert released == ["qprep\nquota:userid:qh-user"]  # b's release only, with its key
+        assert not list(s.client.scan_iter(s.keys.prefix + "gate:*:sent"))
+    finally:
+        rt.stop()
+    assert_idle(client)

@@ -293,8 +293,11 @@ class Pipeline:
             return gate
 
     def inspect(self) -> dict[str, Any]:
-        """Per queue: ``pending``, ``retry_wait``, ``running`` (dispatched or running), and the
-        gate (``type``, ``limit``, ``in_flight``, ``holders``)."""
+        """Per queue: ``pending``, ``retry_wait``, ``running`` (dispatched or running), the
+        gate (``type``, ``limit``, ``in_flight``, ``holders``), and for a queue indexed by
+        tenant (fair share, per-key quotas) ``tenants``: ``ready`` (tenants with requests that
+        may be dispatched) and ``held_back`` (tenants at a quota key's limit, out of turn until
+        one of its requests leaves: ``HGETALL Keys.blocked(queue)`` says which); else None."""
         k = self.store.keys
         names = list(self.settings.queues)
         with self.store.client.pipeline(transaction=False) as p:
@@ -302,19 +305,24 @@ class Pipeline:
                 p.zcard(k.pending(name))
                 p.zcard(k.delayed(name))
                 p.zcard(k.active(name))
+                p.exists(k.sched(name))
+                p.zcard(k.ready(name))
+                p.hlen(k.blocked(name))
             p.hgetall(k.wedged())
             *counts, wedged = p.execute()
         out: dict[str, Any] = {}
         for i, name in enumerate(names):
             q = self.settings.queues[name]
+            pending, delayed, active, indexed, ready, blocked = counts[6 * i : 6 * i + 6]
             out[name] = {
                 "queue_id": q.queue_id,
                 "pool": q.worker_pool_id,
-                "pending": counts[3 * i],
-                "retry_wait": counts[3 * i + 1],
-                "running": counts[3 * i + 2],
+                "pending": pending,
+                "retry_wait": delayed,
+                "running": active,
                 "gate": self.gate(name).describe(),
                 "wedged_since": float(wedged[name]) if name in wedged else None,
+                "tenants": {"ready": ready, "held_back": blocked} if indexed else None,
             }
         return out
 

@@ -10,6 +10,7 @@ from .load import (
     parse_queues,
     with_overrides,
 )
+from .merge import LANES, MergePolicy, parse_merge_policy, read_merge_policy
 from .redis_url import (
     MASTER_VAR,
     SentinelURL,
@@ -34,7 +35,9 @@ __all__ = [
     "to_snapshot",
     "DEFAULT_ENDPOINT",
     "DEFAULT_REDIS_URL",
+    "LANES",
     "MASTER_VAR",
+    "MergePolicy",
     "PoolConfig",
     "QueueConfig",
     "SentinelURL",
@@ -44,8 +47,10 @@ __all__ = [
     "default_queues",
     "is_sentinel",
     "load_settings",
+    "parse_merge_policy",
     "parse_pools",
     "parse_queues",
     "parse_sentinel_url",
+    "read_merge_policy",
     "with_overrides",
 ]

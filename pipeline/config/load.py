@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import ConfigError
+from .merge import MergePolicy, read_merge_policy
 from .redis_url import MASTER_VAR, check_sentinel
 from .settings import (
     DEFAULT_ENDPOINT,
@@ -114,6 +115,11 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         header = env.get(var, default)
         if header and not HEADER_NAME.match(header):
             raise ConfigError(f"{var}: {header!r} is not a valid header name")
+    merge_path = env.get("PIPELINE_MERGE_POLICY")
+    merge = read_merge_policy(merge_path) if merge_path else MergePolicy()
+    fairness_header = env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id")
+    if merge.fairness_header is not None:  # the reference's parameter wins
+        fairness_header = merge.fairness_header
     return Settings(
         redis_url=redis_url,
         broker_url=env.get("CELERY_BROKER_URL") or redis_url,
@@ -126,8 +132,10 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         result_ttl_s=_float_env(env, "PIPELINE_RESULT_TTL_S", 7 * 24 * 3600.0),
         max_payload_bytes=int(_float_env(env, "PIPELINE_MAX_PAYLOAD_BYTES", 1024 * 1024)),
         gate_wait_timeout_s=_float_env(env, "PIPELINE_GATE_WAIT_TIMEOUT_S", 300.0),
-        fairness_attribute=env.get("PIPELINE_FAIRNESS_ATTRIBUTE", "userid"),
-        fairness_header=env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id"),
+        fairness_attribute=(
+            merge.fairness_attribute or env.get("PIPELINE_FAIRNESS_ATTRIBUTE", "userid")
+        ).removeprefix("metadata."),
+        fairness_header=fairness_header,
         objective_header=env.get("PIPELINE_OBJECTIVE_HEADER", "x-llm-d-inference-objective"),
         wedge_after_s=_float_env(env, "PIPELINE_WEDGE_AFTER_S", 300.0),
         park_s=_float_env(env, "PIPELINE_PARK_S", 10.0),
@@ -138,6 +146,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         redis_min_replicas=_int_env(env, "PIPELINE_REDIS_MIN_REPLICAS", 0, lo=0),
         redis_wait_timeout_ms=_int_env(env, "PIPELINE_REDIS_WAIT_TIMEOUT_MS", 1000, lo=1),
         allow_eviction=bool_env(env, "PIPELINE_ALLOW_EVICTION", False),
+        merge_policy=merge,
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
+from .merge import MergePolicy
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000"
@@ -55,6 +56,10 @@ class QueueConfig:
     request_timeout_s: float = 300.0
     retry_base_delay_s: float = 2.0
     retry_max_delay_s: float = 60.0
+    # scheduling (see pipeline.config.merge and the README's "Scheduling"): the queue's share
+    # of its pool's dispatches, and whether its tenants take turns at each priority
+    weight: float = 1.0
+    fair_share: bool = False
     api_key_env: str | None = None  # the variable whose value is sent as "Bearer <value>"
     tls_ca_file: str | None = None  # PEM CA bundle the server's certificate must chain to
     tls_cert_file: str | None = None  # client certificate (mTLS), PEM
@@ -105,6 +110,7 @@ class QueueConfig:
             formats = ", ".join(INGEST_FORMATS)
             raise ConfigError(f"{where}: ingest must be one of {formats}, not {entry['ingest']!r}")
         _check_result_list(entry, where)
+        _check_scheduling(entry, where)
         try:
             return cls(**entry)
         except TypeError as exc:  # pragma: no cover - guarded by the checks above
@@ -137,6 +143,14 @@ def _check_result_list(entry: dict[str, Any], where: str) -> None:
     max_len = entry.get("result_list_max_len", 1)
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
         raise ConfigError(f"{where}: result_list_max_len must be a positive int")
+
+
+def _check_scheduling(entry: dict[str, Any], where: str) -> None:
+    weight = entry.get("weight", 1)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= 1e6:
+        raise ConfigError(f"{where}: weight must be a positive number (at most 1e6)")
+    if not isinstance(entry.get("fair_share", False), bool):
+        raise ConfigError(f"{where}: fair_share must be true or false")
 
 
 @dataclass(frozen=True)
@@ -197,6 +211,7 @@ class Settings:
     redis_min_replicas: int = 0  # submit and terminal writes wait for this many replicas (WAIT)
     redis_wait_timeout_ms: int = 1000  # ... at most this long
     allow_eviction: bool = False  # start a worker on a Redis whose maxmemory-policy may evict
+    merge_policy: MergePolicy = field(default_factory=MergePolicy)  # PIPELINE_MERGE_POLICY
 
     def lookahead_for(self, capacity: int) -> int:
         """How many attempts the dispatcher sends past a slot gate of ``capacity``, to park

@@ -1,24 +1,31 @@
-"""The dispatcher: moves the head of each queue into Celery, as many as there are free worker
-slots and as the queue's gate budget allows, so Celery's execution order mirrors the
-sorted-set order. For a slot gate (one with a capacity) it sends a few attempts more than
-there are slots (``Settings.lookahead_for``): they park at the workers and take a released
-slot at once (``pipeline.bell``). It is event-driven: a submission, a finished attempt or a
-due retry rings the pool's doorbell (a Redis list it blocks on). It also registers its node's
-slots, and runs the reaper that requeues attempts whose lease expired.
+"""The dispatcher: moves the heads of a pool's queues into Celery, as many as there are free
+worker slots and as each queue's gate budget allows, so Celery's execution order mirrors the
+sorted-set order. The pool's merge policy shares the dispatches among its queues
+(``PIPELINE_MERGE_POLICY``); a queue with ``fair_share`` or a per-key quota is *indexed* by
+tenant (``pipeline.store.sched``), so tenants take turns and a tenant at its quota is held
+back instead of being sent to a refusal. For a slot gate (one with a capacity) it sends a few
+attempts more than there are slots (``Settings.lookahead_for``), and likewise past a quota
+key's limit: they park at the workers and take a released slot at once (``pipeline.bell``).
+It is event-driven: a submission, a finished attempt or a due retry rings the pool's doorbell
+(a Redis list it blocks on). It also registers its node's slots, and runs the reaper that
+requeues attempts whose lease expired.
 
 One dispatcher runs in every worker node (main process). Several may run against one Redis:
-each tick is one atomic script, so they never over-dispatch.
+each tick is one atomic script for the whole pool, so they never over-dispatch or disagree.
 
 A config reload (:meth:`Dispatcher.apply`) swaps its queues and gates between two ticks. A
 queue whose gate is configured as before keeps its gate object; a changed gate is rebuilt, and
 the old one is kept for the reaper until it holds nothing (its holders release on the gate
 they acquired: when its keys changed, e.g. a new ``gate_type``, a reservation of a holder that
-died is freed from the old keys all the same).
+died is freed from the old keys all the same). The queues are indexed by tenant again as the
+new configuration needs (``setup_queues``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +33,7 @@ from collections.abc import Callable
 from ..config import QueueConfig, Settings
 from ..gates import Gate, GateEnv, attempt_gate, same_attempt_gate
 from ..observability import metrics, tracing
-from ..store import DirectPublish, Dispatched, Store
+from ..store import DirectPublish, Dispatched, MergeArgs, QueueTick, QuotaSpec, Store, sched
 from ..store import holder as make_holder
 
 log = logging.getLogger("pipeline.dispatcher")
@@ -64,9 +71,12 @@ class Dispatcher:
         self._lock = threading.RLock()  # a tick / reap pass, or a config swap (apply)
         self.pools: dict[str, list[QueueConfig]] = {p: [] for p in pools}
         self.gates: dict[str, Gate] = {}
+        # per queue: the per-key quotas the dispatch script counts (with their look-ahead)
+        self.specs: dict[str, tuple[QuotaSpec, ...]] = {}
         self.retired: list[Gate] = []  # gates replaced by a reload, reaped until empty
         self.foreign: list[QueueConfig] = []
         self.full_since: dict[str, float] = {}
+        self.rng = random.Random()
         self._bind(settings)
         self.pool_cap: dict[str, int] = {p: slots for p in pools}
         self.pool_nodes: dict[str, int] = {p: 1 for p in pools}
@@ -101,6 +111,13 @@ class Dispatcher:
                 metrics.forget_queue(name)
                 self.full_since.pop(name, None)
         self.settings, self.pools, self.gates = settings, pools, gates
+        self.specs = {
+            name: tuple(
+                dataclasses.replace(s, lookahead=settings.lookahead_for(s.limit))
+                for s in gate.quota_specs()
+            )
+            for name, gate in gates.items()
+        }
         # queues of pools this node does not serve: swept (due retries promoted, expired
         # requests resulted) but never dispatched, so deadlines hold even with no worker there
         self.foreign = [q for p, qs in all_pools.items() if p not in self.pools for q in qs]
@@ -111,9 +128,38 @@ class Dispatcher:
         with self._lock:
             self._bind(settings, self.settings)
             self._foreign_due = 0.0
+            self.setup_queues()
 
     # -- lifecycle -----------------------------------------------------------------------
+    def indexed(self, q: QueueConfig) -> bool:
+        """Whether the queue's waiting requests are indexed by tenant: for fair share, or to
+        hold tenants at a per-key quota back."""
+        return q.fair_share or bool(self.specs[q.queue_name])
+
+    def setup_queues(self) -> None:
+        """Index the queues that need it (and the requests waiting in them), and stop indexing
+        those that no longer do (this node's configuration decides)."""
+        c, keys = self.store.client, self.keys
+        for pool, queues in self.pools.items():
+            for q in queues:
+                if self.indexed(q):
+                    n = sched.setup(
+                        c,
+                        self.store.scripts,
+                        keys,
+                        q.queue_name,
+                        pool,
+                        self.settings.fairness_attribute,
+                        q.fair_share,
+                    )
+                    if n:
+                        log.info("queue %s: indexed %d waiting request(s)", q.queue_name, n)
+                elif sched.indexed(c, keys, q.queue_name):
+                    sched.teardown(c, keys, q.queue_name)
+                    log.info("queue %s: no longer indexed by tenant", q.queue_name)
+
     def start(self) -> Dispatcher:
+        self.setup_queues()
         self._heartbeat()
         self._thread = threading.Thread(target=self._loop, name="pipeline-dispatcher", daemon=True)
         self._thread.start()
@@ -165,7 +211,7 @@ class Dispatcher:
                 self._stop.wait(0.5)
 
     def tick(self) -> float | None:
-        """Dispatch every queue once; returns when the earliest known future event is due
+        """Dispatch every pool once; returns when the earliest known future event is due
         (``time.monotonic()``: the scripts give delays by the server's clock)."""
         with self._lock:
             return self._tick()
@@ -173,12 +219,11 @@ class Dispatcher:
     def _tick(self) -> float | None:
         next_event: float | None = None
         for pool, queues in self.pools.items():
-            for i, q in enumerate(queues):
-                # the pool's first tick empties its doorbell: the rings pushed so far are all
-                # answered by this round, so none of them wakes a redundant tick
-                ne = self._tick_queue(pool, q, queues, self.keys.wake(pool) if i == 0 else None)
-                if ne is not None and (next_event is None or ne < next_event):
-                    next_event = ne
+            # the tick empties the pool's doorbell: the rings pushed so far are all answered
+            # by it, so none of them wakes a redundant tick
+            ne = self._tick_pool(pool, queues, self.keys.wake(pool))
+            if ne is not None and (next_event is None or ne < next_event):
+                next_event = ne
         now = time.monotonic()
         if self.foreign and now >= self._foreign_due:
             # other pools' queues only when one of their events is due (or once a second),
@@ -194,11 +239,7 @@ class Dispatcher:
             next_event = self._foreign_due
         return next_event
 
-    def _tick_queue(
-        self, pool: str, q: QueueConfig, queues: list[QueueConfig], doorbell: str | None = None
-    ) -> float | None:
-        if q.ingest:
-            self._ingest(q)
+    def _queue_tick(self, pool: str, q: QueueConfig) -> QueueTick:
         gate = self.gates[q.queue_name]
         cap = gate.capacity()
         if cap is not None:
@@ -207,26 +248,47 @@ class Dispatcher:
             # look ahead: a few attempts past the slots park at the workers, so a released
             # slot is taken by a waiter there, not after a dispatcher round trip
             cap += self.settings.lookahead_for(cap)
-        budget = gate.dispatch_budget()
-        direct = self.direct.get(pool)
-        res = self.store.tick(
+        return self.store.queue_tick(
             q,
-            queues,
-            budget,
-            -1 if cap is None else cap,
+            budget=gate.dispatch_budget(),
+            cap=-1 if cap is None else cap,
+            lane=self.settings.merge_policy.lane(q.labels),
+            specs=self.specs[q.queue_name],
+            rand=self.rng.random(),
+        )
+
+    def _tick_pool(
+        self, pool: str, queues: list[QueueConfig], doorbell: str | None = None
+    ) -> float | None:
+        for q in queues:
+            if q.ingest:
+                self._ingest(q)
+        entries = [self._queue_tick(pool, q) for q in queues]
+        policy = self.settings.merge_policy
+        direct = self.direct.get(pool)
+        res = self.store.tick_pool(
+            pool,
+            entries,
             self.pool_cap[pool],
+            merge=MergeArgs(
+                policy.type,
+                policy.max_lane_wait,
+                self.settings.lookahead_for(self.pool_cap[pool]),
+            ),
             publish=direct,
             doorbell=doorbell,
         )
-        metrics.deadline_expired(q, res.expired)
-        for member in res.rejected:
-            log.error("queue %s: removed a malformed entry %r", q.queue_name, member[:200])
+        for q in queues:
+            metrics.deadline_expired(q, res.expired[q.queue_name])
+        for name, members in res.rejected.items():
+            for member in members:
+                log.error("queue %s: removed a malformed entry %r", name, member[:200])
         if res.moved:
             if direct is None:
                 self._send(res.moved)
             else:
                 self.dispatched += len(res.moved)
-            if budget < 1.0:
+            if any(e.budget < 1.0 for e in entries):
                 # a fractional budget moved a share of the free room: more may fit now
                 return time.monotonic()
         # otherwise the next move needs an event: a release or a submission rings the
@@ -301,6 +363,9 @@ class Dispatcher:
                 for h in gate.reap():
                     log.warning("gate %s freed expired reservation %s", q.queue_name, h)
                     metrics.lease_reclaimed(q, "gate")
+                if self.specs[q.queue_name]:
+                    # tenants held back by a quota key whose wake-up was lost get another look
+                    sched.recheck(self.store.scripts, self.keys, q.queue_name)
                 self.check_wedge(q.queue_name, gate)
         return n
 

@@ -20,13 +20,14 @@ Reservations kept in Redis are leases: renewed by the attempt's heartbeat
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import redis
 
 from ..store.keys import Keys
+from ..store.sched import QuotaSpec
 from ..store.scripts import ScriptCall
 
 
@@ -49,6 +50,9 @@ class Decision:
     # a Refuse that a release of this gate's own reservations can end (a full slot pool, not
     # a closed metric): the attempt may park for a release instead of going back to the queue
     wake_on_release: bool = False
+    # the release bell to park on for such a Refuse: None for the queue's (a slot gate), a
+    # quota key for a per-key quota (published when a request of that key leaves)
+    wake_key: str | None = None
 
     @property
     def admitted(self) -> bool:
@@ -103,10 +107,12 @@ class Gate:
     dispatcher multiplies it by the live nodes). Wrapper gates copy it from the inner gate that
     sets their capacity, on the instance.
 
-    ``hands_over`` is True for a plain slot gate (``local-`` / ``global-max-concurrency``): a
-    holder of this process that is done with the server hands its slot to an attempt of this
-    process parked for one, which goes to the server without a Redis round trip
-    (:meth:`transfer` records the new holder meanwhile).
+    ``hands_over`` is True for a plain slot gate (``local-`` / ``global-max-concurrency``), a
+    blocking concurrency quota (a slot of the holder's key) and a composite of such quotas
+    followed by one slot gate: a holder of this process that is done with the server hands its
+    slot to an attempt of this process parked for one (on :meth:`handover_bell`), which goes to
+    the server without a Redis round trip (:meth:`transfer` records the new holder
+    meanwhile).
 
     Leases are durations (``AcquireContext.lease_s``, :meth:`renew`): a gate's scripts judge
     every expiry by the Redis server's clock, never a node's.
@@ -117,6 +123,9 @@ class Gate:
     # a reservation is one interchangeable slot, so a holder that is done may hand it straight
     # to an attempt parked for one (:meth:`transfer`) instead of releasing it
     hands_over: ClassVar[bool] = False
+    # a per-key slot (a blocking concurrency quota): an attempt parked for another gate of a
+    # composite keeps it (it is its tenant's, and released on every exit path like the rest)
+    per_key: ClassVar[bool] = False
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         self.name = name
@@ -138,6 +147,19 @@ class Gate:
         """Most reservations this gate grants at once, or None when it does not count."""
         return None
 
+    def quota_specs(self) -> list[QuotaSpec]:
+        """The blocking per-key concurrency quotas in this gate (its own, or its inner
+        gates'): the dispatcher counts each key's requests against them and holds a tenant
+        at its limit back, instead of sending attempts the gate must refuse. ``lookahead`` is
+        left 0 (the dispatcher sets it)."""
+        return []
+
+    def wake_keys(self, ctx: AcquireContext) -> list[str]:
+        """The release bells (``Decision.wake_key``) a refusal of ``ctx`` may park on, besides
+        its queue's: read before each acquire, so a release between a refusal and the park is
+        never missed."""
+        return []
+
     def acquire(self, ctx: AcquireContext) -> Decision:
         return CONTINUE
 
@@ -152,6 +174,12 @@ class Gate:
     def release(self, holder: str) -> bool:
         """Free ``holder``'s reservation. Idempotent; returns True if one was freed."""
         return False
+
+    def handover_bell(self, queue: str, wake: Sequence[str]) -> str | None:
+        """The bell whose parked attempts a holder of this gate may hand its reservation to
+        (see ``hands_over``): the queue's for a slot gate; None when it hands nothing over.
+        ``wake``: the holder's :meth:`wake_keys`."""
+        return queue if self.hands_over else None
 
     def transfer(self, giver: str, ctx: AcquireContext) -> bool:
         """Hand ``giver``'s reservation to ``ctx.holder`` in one atomic step (see

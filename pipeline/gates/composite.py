@@ -8,7 +8,13 @@ JSON string). Inner gate *i* is named ``<name>/<i>`` (its Redis keys use that na
 - acquire runs the inner gates in order, all-or-nothing: each sees the labels the earlier
   ones set; on the first non-Continue (or exception) the reservations already taken are
   released in reverse order and that decision (labels merged) is returned (or the exception
-  re-raised).
+  re-raised) — except that on a refusal the attempt parks through (``wake_on_release``), the
+  per-key quota slots taken (``Gate.per_key``) are kept: they are the attempt's own tenant's,
+  it asks again when woken, and its release on every exit path frees them.
+- hands over (``hands_over``) when it is per-key quotas followed by exactly one slot gate
+  that hands over: an attempt parked on that slot gate already holds its own quota slots, so
+  a holder that is done hands it the slot gate's slot (:meth:`transfer`) and releases its
+  own quota slots.
 - release / renew / reap fan out to every inner gate (reap's holders de-duplicated).
 - in_flight = number of distinct holders that hold a reservation in any inner gate, and
   holders() lists them (first inner gate's entry wins): 0 iff nothing leaks anywhere, and
@@ -27,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..errors import ConfigError
+from ..store.sched import QuotaSpec
 from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
 from .params import Params
 
@@ -70,11 +77,26 @@ class CompositeGate(Gate):
         return self
 
     def _follow_capacity(self) -> None:
-        """``per_node`` is that of the inner gate with the smallest capacity."""
+        """``per_node`` is that of the inner gate with the smallest capacity; it hands over
+        when its gates are per-key quotas and then one slot gate that hands over."""
         counting = [g for g in self.gates if g.capacity() is not None]
         if counting:
             smallest = min(counting, key=lambda g: g.capacity() or 0)
             setattr(self, "per_node", smallest.per_node)  # noqa: B010 - instance override
+        *keyed, last = self.gates
+        slot = last.hands_over and not last.per_key and all(g.per_key for g in keyed)
+        setattr(self, "hands_over", bool(keyed) and slot)  # noqa: B010 - instance override
+
+    def handover_bell(self, queue: str, wake: Sequence[str]) -> str | None:
+        return queue if self.hands_over else None
+
+    def transfer(self, giver: str, ctx: AcquireContext) -> bool:
+        """The slot gate's slot passes to ``ctx`` (parked on it, holding its own quota slots);
+        the giver's quota slots are released."""
+        *keyed, last = self.gates
+        for gate in keyed:
+            gate.release(giver)
+        return last.transfer(giver, ctx)
 
     def budget(self) -> float:
         return min((g.budget() for g in self.gates), default=1.0)
@@ -86,6 +108,12 @@ class CompositeGate(Gate):
         caps = [c for c in (g.capacity() for g in self.gates) if c is not None]
         return min(caps) if caps else None
 
+    def quota_specs(self) -> list[QuotaSpec]:
+        return [s for g in self.gates for s in g.quota_specs()]
+
+    def wake_keys(self, ctx: AcquireContext) -> list[str]:
+        return [k for g in self.gates for k in g.wake_keys(ctx)]
+
     def acquire(self, ctx: AcquireContext) -> Decision:
         taken: list[Gate] = []
         labels: dict[str, str] = {}
@@ -95,6 +123,8 @@ class CompositeGate(Gate):
                 decision = gate.acquire(step)
                 labels.update(decision.labels)
                 if decision.verdict is not Verdict.CONTINUE:
+                    if decision.wake_on_release:  # it parks: keep its tenant's own slots
+                        taken = [g for g in taken if not g.per_key]
                     self._rollback(taken, ctx.holder)
                     return dataclasses.replace(decision, labels=labels)
                 taken.append(gate)
@@ -168,6 +198,12 @@ class Wrapper(Gate):
 
     def capacity(self) -> int | None:
         return self.inner.capacity()
+
+    def quota_specs(self) -> list[QuotaSpec]:
+        return self.inner.quota_specs()
+
+    def wake_keys(self, ctx: AcquireContext) -> list[str]:
+        return self.inner.wake_keys(ctx)
 
     def acquire(self, ctx: AcquireContext) -> Decision:
         return self.inner.acquire(ctx)

@@ -25,18 +25,27 @@ window)``.
   limit is Continue ``classification=overflow`` and holds nothing.
 
 Redis errors propagate from :meth:`acquire` (the worker turns them into a Refuse with reason
-``error``). ``budget()`` is 1.0 and ``capacity()`` None: a quota never sizes dispatch.
+``error``). ``budget()`` is 1.0 and ``capacity()`` None: a quota has no overall capacity.
+
+**Quota-aware dispatch** (concurrency, blocking): :meth:`quota_specs` tells the dispatcher the
+key and limit, so the dispatch script counts each key's dispatched and running requests and
+holds a tenant at its limit back (``lua/sched.lua``) instead of sending attempts this gate
+must refuse. A few attempts past the limit (look-ahead) are sent when the pool has room: their
+refusal is ``wake_on_release`` with ``wake_key`` = the quota key, so they park at the worker
+and take the key's next released slot (a request of the key leaving the active state publishes
+the key on the release bell's channel).
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import redis
 
+from ..store.sched import QuotaSpec
 from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
 from .leases import LeaseScripts, LeaseSet, holder_entry, register
 from .params import Params
@@ -64,6 +73,10 @@ class RedisQuotaGate(Gate):
             raise p.error("window", "must be a positive duration in rate-limit mode")
         self.prefix = p.get_str("prefix", "quota:")
         self.gating_mode = p.get_choice("gating_mode", ("blocking", "classifying"), "blocking")
+        # blocking concurrency: one interchangeable slot per key, handed over on the key's bell
+        keyed = self.mode == "concurrency" and self.gating_mode == "blocking"
+        setattr(self, "per_key", keyed)  # noqa: B010 - instance override
+        setattr(self, "hands_over", keyed)  # noqa: B010 - instance override
         self.client: redis.Redis | None = None
         self._own_client = False
         if env is not None:
@@ -71,6 +84,7 @@ class RedisQuotaGate(Gate):
             self._own_client = self.url is not None
             self._leases = LeaseScripts(self.client)
             self._rate = register(self.client, "gate_rate_acquire")
+            self._release = register(self.client, "gate_quota_release")
 
     # -- keys ----------------------------------------------------------------------------
     def quota_key(self, value: str) -> str:
@@ -96,6 +110,29 @@ class RedisQuotaGate(Gate):
         return self._env().keys.gate_holders(self.quota_key(value))
 
     # -- admission -----------------------------------------------------------------------
+    def quota_specs(self) -> list[QuotaSpec]:
+        if not self.per_key:
+            return []
+        return [QuotaSpec(self.quota_key(""), self.attribute, self.limit, local=self.url is None)]
+
+    def wake_keys(self, ctx: AcquireContext) -> list[str]:
+        value = ctx.metadata.get(self.attribute)
+        return [self.quota_key(value)] if value and self.per_key else []
+
+    def handover_bell(self, queue: str, wake: Sequence[str]) -> str | None:
+        """The holder's key: its slot goes to an attempt parked for the same key."""
+        return wake[0] if self.per_key and len(wake) == 1 else None
+
+    def transfer(self, giver: str, ctx: AcquireContext) -> bool:
+        if not self.per_key:
+            return super().transfer(giver, ctx)  # rate-limit, classifying: nothing to hand
+        value = ctx.metadata.get(self.attribute)
+        if not value:
+            return False
+        key = self.holders_key(value)
+        info = {"key": key, "worker": ctx.worker, "handed_over_by": giver}
+        return bool(self._slots(key).transfer(giver, ctx.holder, ctx.lease_s, self.limit, info))
+
     def acquire(self, ctx: AcquireContext) -> Decision:
         value = ctx.metadata.get(self.attribute)
         if not value:
@@ -111,7 +148,14 @@ class RedisQuotaGate(Gate):
             return Decision(Verdict.CONTINUE, labels=dict(RESERVED))
         if self.gating_mode == "classifying":
             return Decision(Verdict.CONTINUE, labels=dict(OVERFLOW))
-        return Decision(Verdict.REFUSE, reason="quota_exhausted", labels=dict(OVERFLOW))
+        wake = self.quota_key(value) if self.mode == "concurrency" else None
+        return Decision(
+            Verdict.REFUSE,
+            reason="quota_exhausted",
+            labels=dict(OVERFLOW),
+            wake_on_release=wake is not None,
+            wake_key=wake,
+        )
 
     # -- reservations (concurrency mode; rate-limit admissions are never refunded) ---------
     def _index(self) -> dict[str, list[str]]:
@@ -134,12 +178,10 @@ class RedisQuotaGate(Gate):
         return cast(dict[str, str], self.client.hgetall(self._index_key()))
 
     def release(self, holder: str) -> bool:
+        """One round trip: the index entry names the holder's key (``gate_quota_release``)."""
         if self.mode != "concurrency" or self.client is None:
             return False
-        key = _key_of(cast(str | None, self.client.hget(self._index_key(), holder)))
-        if key is None:
-            return False
-        return self._slots(key).release(holder)
+        return bool(self._release(keys=[self._index_key()], args=[holder]))
 
     def renew(self, holders: Iterable[str], lease_s: float) -> None:
         if self.mode != "concurrency" or self.client is None:

@@ -23,6 +23,7 @@ import dataclasses
 import json
 from typing import Any
 
+from ..store.sched import QuotaSpec
 from .base import AcquireContext, Decision, GateEnv, Verdict
 from .composite import Wrapper, build_inner
 from .params import Params
@@ -41,6 +42,11 @@ class TierPriorityAdmissionGate(Wrapper):
         inner = p.get_object("saturation_gate_params")
         self.tier_label = p.get_str("tier_label", "tier")
         self._wrap(build_inner(p, "saturation_gate", gate_type, inner, name, env))
+
+    def quota_specs(self) -> list[QuotaSpec]:
+        """None: a refusal of the inner gate is an outcome here (Wait, Drop, Refuse by tier),
+        so the dispatcher must not hold requests back from it."""
+        return []
 
     def acquire(self, ctx: AcquireContext) -> Decision:
         decision = self.inner.acquire(ctx)

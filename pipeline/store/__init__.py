@@ -2,8 +2,10 @@
 and how they are called (:mod:`.scripts`, :mod:`.fastredis`, ``lua/``), and the request state
 they keep (:mod:`.state`). Imports only ``config`` and ``errors`` of the pipeline."""
 
+from . import sched
 from .connect import connect
 from .keys import Keys, celery_queue, holder
+from .sched import MergeArgs, PoolTickResult, QueueTick, QuotaSpec
 from .scripts import ScriptCall, Scripts, run_batch
 from .server import ServerFacts, check_eviction, server_facts
 from .state import DirectPublish, Dispatched, Mirror, Store, TickResult, new_token
@@ -12,7 +14,11 @@ __all__ = [
     "DirectPublish",
     "Dispatched",
     "Keys",
+    "MergeArgs",
     "Mirror",
+    "PoolTickResult",
+    "QueueTick",
+    "QuotaSpec",
     "ScriptCall",
     "Scripts",
     "ServerFacts",
@@ -24,5 +30,6 @@ __all__ = [
     "holder",
     "new_token",
     "run_batch",
+    "sched",
     "server_facts",
 ]

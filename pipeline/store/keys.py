@@ -69,6 +69,57 @@ class Keys:
         """List: a queue's terminal results (``result_queue_name`` verbatim, when set)."""
         return queue.result_queue_name or self.default_result_list(queue.queue_name)
 
+    # -- per queue, scheduling (see lua/sched.lua) ---------------------------------------
+    # A queue with ``fair_share`` or a blocking per-key concurrency quota in its gates is
+    # *indexed*: besides ``pending`` (which stays the whole waiting set, in dispatch order
+    # without tenants), each waiting request is in its tenant's sub-queue, and the dispatch
+    # script picks tenants from ``ready``. Where a waiting request stands, cheaply:
+    #   - requests of a higher priority: ZCOUNT pending on the scores of the higher bands
+    #     (score = (9 - priority) x 1e13 + deadline in ms);
+    #   - its place among its tenant's: ZRANK tenant_queue(q, tenant) (same member as pending);
+    #   - its tenant's place: ZRANK ready <head member>"\n"<tenant key> (fair share: its turn
+    #     in its priority's ring), or HGET blocked <tenant key> (waiting for that quota key);
+    #   - the tenants taking turns with it: ZCOUNT ready on its priority's band.
+    def sched(self, queue: str) -> str:
+        """Hash: present while the queue is indexed. ``attr`` (the tenant attribute, a metadata
+        key), ``fair`` ('1': fair share), ``pool``, ``rr`` (last ring ticket handed out),
+        ``n`` (entries in the tenant sub-queues; equals ZCARD pending when consistent),
+        ``cursor`` (where a re-index of pending continues)."""
+        return f"{self.prefix}q:{queue}:sched"
+
+    def tenant_queue(self, queue: str, tenant_key: str) -> str:
+        """Sorted set: one tenant's waiting requests (score and member as in ``pending``).
+        ``tenant_key`` is the tenant (the attribute's value, '' when absent) when it is at most
+        128 printable characters without a newline, else ``sha1:<hex of it>``."""
+        return f"{self.prefix}q:{queue}:t:{tenant_key}"
+
+    def ready(self, queue: str) -> str:
+        """Sorted set: one entry per tenant that may be dispatched, member
+        ``<its head's pending member>\\n<tenant key>``. Score without fair share: the head's
+        ordering score (so the lowest entry is the head of pending among ready tenants, ties
+        by member = submission order); with fair share: ``(9 - priority) x 2^49 + ticket``
+        (a ring per priority: a tenant gets a new, last ticket when it joins, when one of its
+        requests is dispatched and when its head's priority changes)."""
+        return f"{self.prefix}q:{queue}:ready"
+
+    def blocked(self, queue: str) -> str:
+        """Hash: tenant key → the quota key it is held back by (its tenants at a limit, out of
+        ``ready`` until a request of that key leaves the active state)."""
+        return f"{self.prefix}q:{queue}:blocked"
+
+    # -- per quota key (a redis-quota concurrency gate's key, e.g. ``quota:userid:alice``) --
+    def quota_sent(self, quota_key: str) -> str:
+        """Sorted set: requests dispatched or running under this quota key (any queue); member
+        = request id, score = dispatch time. What the dispatch script counts against the
+        key's limit (plus its look-ahead); an attempt leaves it when it leaves the active
+        state (lib.lua terminal / enqueue, via the record's ``qkeys``)."""
+        return f"{self.prefix}gate:{quota_key}:sent"
+
+    def quota_blocked(self, quota_key: str) -> str:
+        """Set: ``<queue>\\n<tenant key>`` of tenants held back by this key; emptied (and the
+        tenants made ready again) when a request of the key leaves the active state."""
+        return f"{self.prefix}gate:{quota_key}:blocked"
+
     # -- per pool (a group of worker slots) ----------------------------------------------
     def wake(self, pool: str) -> str:
         """List used as a doorbell: pushed when the pool's dispatcher has work to do."""
@@ -81,6 +132,12 @@ class Keys:
     def pool_slots(self, pool: str) -> str:
         """Hash: worker node name → number of execution slots it offers the pool."""
         return f"{self.prefix}pool:{pool}:slots"
+
+    def merge(self, pool: str) -> str:
+        """Hash: the pool's merge-policy state, shared by its dispatchers: ``c:<queue>`` (the
+        queue's smooth weighted round-robin counter), ``w:<lane>`` (tier-priority: dispatches
+        the lane has been passed over while it had something to send)."""
+        return f"{self.prefix}pool:{pool}:merge"
 
     # -- gates ---------------------------------------------------------------------------
     def gate_holders(self, gate: str) -> str:
@@ -180,8 +237,9 @@ class Keys:
 
     def freed_channel(self) -> str:
         """Pub/Sub channel: a queue's name is published on it each time an attempt of that
-        queue ends or goes back (its gate reservation was released just before), so attempts
-        parked for a slot wake up (see ``pipeline.bell``)."""
+        queue ends or goes back (its gate reservation was released just before), followed by
+        the quota keys the attempt counted against, one per line (``<queue>\n<key>...``), so
+        attempts parked for a slot or a key wake up (see ``pipeline.bell``)."""
         return f"{self.prefix}freed"
 
     def seq(self) -> str:

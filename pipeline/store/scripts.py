@@ -1,8 +1,8 @@
 """Lua scripts (``pipeline/store/lua/*.lua``): loading and registering them, and calling
 several in one round trip.
 
-The request-state scripts are registered with ``lib.lua`` prepended (:func:`source`); the gate
-scripts stand alone (:func:`lua_source`)."""
+The request-state scripts are registered with ``sched.lua`` and ``lib.lua`` prepended
+(:func:`source`); the gate scripts stand alone (:func:`lua_source`)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ SCRIPT_NAMES = (
     "renew",
     "node_beat",
     "ingest",
+    "sched_index",
+    "sched_recheck",
 )
 
 
@@ -38,8 +40,9 @@ def lua_source(name: str) -> str:
 
 @cache
 def source(name: str) -> str:
-    """The full text of script ``name`` as registered on the server (lib + script)."""
-    return lua_source("lib") + "\n" + lua_source(name)
+    """The full text of script ``name`` as registered on the server (sched + lib + script:
+    lib.lua's terminal/enqueue keep the scheduling structures of sched.lua)."""
+    return lua_source("sched") + "\n" + lua_source("lib") + "\n" + lua_source(name)
 
 
 def register(client: redis.Redis, name: str) -> FastScript:
@@ -82,8 +85,9 @@ def run_batch(client: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
 
 def _tick_wrote_results(reply: Any) -> bool:
     """Whether a dispatch tick wrote terminal results (requests expired while waiting, or
-    malformed entries reported): ``{moved, expired, next_event, rejected}``."""
-    return int(reply[1]) > 0 or len(reply[3]) > 0
+    malformed entries reported): ``{moved, expired per queue, next_event, rejected per
+    queue}``."""
+    return any(int(n) > 0 for n in reply[1]) or any(len(r) > 0 for r in reply[3])
 
 
 def replication(name: str, replicas: int, timeout_ms: int) -> Replication | None:

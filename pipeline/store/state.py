@@ -18,9 +18,10 @@ from typing import Any
 import redis
 
 from ..config import QueueConfig, Settings
-from . import wire
+from . import sched, wire
 from .connect import connect
 from .keys import Keys
+from .sched import MergeArgs, PoolTickResult, QueueTick
 from .scripts import ScriptCall, Scripts
 
 SWEEP_LIMIT = 500
@@ -177,6 +178,62 @@ class Store:
         return out
 
     # -- dispatcher ----------------------------------------------------------------------
+    def tick_pool(
+        self,
+        pool: str,
+        queues: list[QueueTick],
+        pool_cap: int,
+        *,
+        merge: MergeArgs | None = None,
+        publish: DirectPublish | None = None,
+        doorbell: str | None = None,
+    ) -> PoolTickResult:
+        """One dispatch tick of a worker pool (``dispatch.lua``, one atomic step): sweep each
+        queue (due retries back, expired waiting requests resulted), then dispatch while the
+        pool has a free slot, the merge policy choosing among the queues with room and
+        something to send. With ``publish`` the script also pushes the moved requests' Celery
+        messages; with ``doorbell`` it first empties that list (the rings this tick answers)."""
+        keys, args = sched.tick_args(
+            self.keys,
+            pool,
+            queues,
+            pool_cap=pool_cap,
+            lease_s=self.settings.dispatch_lease_s,
+            ttl_s=int(self.settings.result_ttl_s),
+            sweep=SWEEP_LIMIT,
+            nonce=new_token(),
+            merge=merge or MergeArgs(),
+            doorbell=doorbell,
+            publish=(publish.list_key, publish.task, publish.origin) if publish else None,
+        )
+        moved_raw, expired, next_event, rejected = self.scripts.dispatch(keys=keys, args=args)
+        moved = [
+            Dispatched(
+                moved_raw[i],
+                moved_raw[i + 1],
+                int(moved_raw[i + 2]),
+                int(moved_raw[i + 3]),
+                queues[int(moved_raw[i + 4]) - 1].name,
+            )
+            for i in range(0, len(moved_raw), 5)
+        ]
+        ne = float(next_event)
+        return PoolTickResult(
+            moved,
+            {q.name: int(n) for q, n in zip(queues, expired, strict=True)},
+            ne if ne >= 0 else None,
+            {q.name: list(r) for q, r in zip(queues, rejected, strict=True) if r},
+        )
+
+    def queue_tick(self, queue: QueueConfig, **kw: object) -> QueueTick:
+        """A :class:`QueueTick` for ``queue`` with its result list filled in."""
+        return QueueTick(
+            queue.queue_name,
+            weight=queue.weight,
+            result_list=self.result_list_args(queue),
+            **kw,  # type: ignore[arg-type]
+        )
+
     def tick(
         self,
         queue: QueueConfig,
@@ -187,47 +244,21 @@ class Store:
         publish: DirectPublish | None = None,
         doorbell: str | None = None,
     ) -> TickResult:
-        """Promote due retries, expire overdue waiting requests and dispatch
-        ``floor(budget × free capacity)`` (see dispatch.lua). ``queue_cap`` -1: no limit.
-        With ``publish`` the script also pushes the moved requests' Celery messages; with
-        ``doorbell`` it first empties that list (the pool's rings this round answers)."""
-        k = self.keys
+        """A tick of one queue alone (the pool's other queues only count against its slots):
+        promote due retries, expire overdue waiting requests and dispatch
+        ``floor(budget × free capacity)``. ``queue_cap`` -1: no limit. No quota accounting
+        (the dispatcher's :meth:`tick_pool` does that)."""
+        entries = [self.queue_tick(queue, budget=budget, cap=queue_cap)]
+        entries += [
+            self.queue_tick(q, dispatch=False, sweep=False)
+            for q in pool_queues
+            if q.queue_name != queue.queue_name
+        ]
+        res = self.tick_pool(
+            queue.worker_pool_id, entries, pool_cap, publish=publish, doorbell=doorbell
+        )
         name = queue.queue_name
-        others = [k.active(q.queue_name) for q in pool_queues if q.queue_name != name]
-        keys = [
-            k.pending(name),
-            k.delayed(name),
-            k.expiry(name),
-            k.active(name),
-            self.result_list_args(queue)[0],
-            *([doorbell] if doorbell else []),
-            *others,
-        ]
-        args = [
-            k.prefix,
-            max(0.0, min(1.0, budget)),
-            queue_cap,
-            pool_cap,
-            self.settings.dispatch_lease_s,
-            int(self.settings.result_ttl_s),
-            SWEEP_LIMIT,
-            new_token(),
-            publish.list_key if publish else "",
-            publish.task if publish else "",
-            publish.origin if publish else "",
-            name,
-            "1" if doorbell else "0",
-            *self.result_list_args(queue)[1:],
-        ]
-        moved_raw, expired, next_event, rejected = self.scripts.dispatch(keys=keys, args=args)
-        moved = [
-            Dispatched(
-                moved_raw[i], moved_raw[i + 1], int(moved_raw[i + 2]), int(moved_raw[i + 3]), name
-            )
-            for i in range(0, len(moved_raw), 4)
-        ]
-        ne = float(next_event)
-        return TickResult(moved, int(expired), ne if ne >= 0 else None, list(rejected))
+        return TickResult(res.moved, res.expired[name], res.next_event, res.rejected.get(name, []))
 
     def node_beat(
         self, node: str, slots: int, pools: list[str], ttl_s: float

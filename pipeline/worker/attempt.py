@@ -9,6 +9,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
@@ -51,6 +52,7 @@ class Host(Protocol):
         *,
         hand_over: bool = False,
         gate: Gate | None = None,
+        wake: Sequence[str] = (),
     ) -> bool: ...
 
 
@@ -85,9 +87,14 @@ class Attempt:
         self.decision: Decision | None = None
         self.closed = False
         self.mirrors: Mirrors | None = None  # set by the task layer
+        self.send_event: Callable[..., Any] | None = None  # Celery's, set by the task layer
         self.mirrored: str | None = None  # the state of the mirror written, if any
         self._granted: Ticket | None = None  # the slot came by hand-over (see Runtime.release)
         self._generation = 0  # the release bell's, read before the last gate call
+        # the bells a refusal may park on besides the queue's (per-key quotas), and their
+        # generations read before the last gate call
+        self._wake_keys = self.gate.wake_keys(self._ctx())
+        self._key_generations: dict[str, int] = {}
 
     @property
     def holder(self) -> str:
@@ -121,6 +128,7 @@ class Attempt:
         gate until it releases."""
         self._follow_config()
         self._generation = self.rt.bell.generation(self.queue.queue_name)
+        self._key_generations = {k: self.rt.bell.generation(k) for k in self._wake_keys}
         try:
             self.decision = self.gate.acquire(self._ctx())
         except Exception as exc:  # noqa: BLE001 - a gate error refuses, it never crashes
@@ -136,8 +144,15 @@ class Attempt:
         name = self.queue.queue_name
         gate = self.rt.current_gate(name)
         if gate is not None and gate is not self.gate:
+            # a parked attempt may keep its tenant's quota slot of the old gate: give it back
+            # (idempotent; on failure its lease lapses, no longer renewed)
+            try:
+                self.gate.release(self.holder)
+            except Exception as exc:  # noqa: BLE001 - the lease is the safety net
+                log.warning("release of %s on a replaced gate failed: %s", self.holder, exc)
             self.gate = gate
             self.queue = self.rt.settings.queues.get(name, self.queue)
+            self._wake_keys = self.gate.wake_keys(self._ctx())
 
     # -- outcomes (each releases first) --------------------------------------------------
     def _release(self) -> bool:
@@ -150,8 +165,9 @@ class Attempt:
             held = ticket.held
         else:
             held = self.decision is not None and self.decision.admitted
+        wake = self._wake_keys if held else ()  # it held a slot of these keys: ring them
         return self.rt.release(
-            self.queue.queue_name, self.id, self.token, hand_over=held, gate=self.gate
+            self.queue.queue_name, self.id, self.token, hand_over=held, gate=self.gate, wake=wake
         )
 
     def _finish(
@@ -261,7 +277,7 @@ class Attempt:
         elif self.parks_on(decision):
             decision = self._park(self.rt.settings.park_s)
             if not decision.admitted:
-                observe.gate_decision(self, decision)
+                observe.gate_decision(self, decision, self.send_event)
         if decision.verdict is Verdict.REFUSE:
             lo, hi = REFUSE_DELAY_S
             return self._requeue(
@@ -313,11 +329,13 @@ class Attempt:
             left = end - time.monotonic()
             if left <= 0:
                 break
+            key = decision.wake_key or queue  # a per-key quota's bell, else the queue's
+            handover = self.gate.handover_bell(queue, self._wake_keys)
             ticket = self.rt.bell.park(
-                queue,
-                self._generation,
+                key,
+                self._key_generations.get(key, self._generation),
                 min(PARK_POLL_S, left),
-                self._ctx() if self.gate.hands_over else None,
+                self._ctx() if key == handover else None,
                 self.gate,
             )
             if ticket is not None and ticket.granted:
@@ -333,7 +351,8 @@ class Attempt:
 
     def headers(self) -> dict[str, str]:
         """Outgoing headers: defaults, then the request's own (they override), then the
-        fairness identity (``metadata[fairness_attribute]``), which replaces any caller
+        merge policy's lane headers (tier-priority: ``priority_header``, the lane's objective),
+        then the fairness identity (``metadata[fairness_attribute]``), which replaces any caller
         variant of that header in any letter case, then the queue's API key
         (``api_key_env``) as ``Authorization: Bearer …``, which likewise replaces a caller's
         ``Authorization``: the queue's credentials decide what the gateway sees."""
@@ -342,6 +361,8 @@ class Attempt:
         if self.queue.inference_objective and objective:
             headers[objective] = self.queue.inference_objective
         headers.update(self.extra_headers)
+        for key, value in self.rt.settings.merge_policy.headers(self.queue.labels).items():
+            _replace(headers, key, value)  # the lane's (tier-priority), over the caller's
         name = self.rt.settings.fairness_header
         tenant = self.metadata.get(self.rt.settings.fairness_attribute, "")
         if name and tenant and len(tenant) <= 256 and tenant.isprintable():

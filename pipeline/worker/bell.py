@@ -22,6 +22,13 @@ A waiter reads the queue's generation *before* it asks the gate and then waits f
 generation to move, so a release between the refusal and the wait is never missed. Waits are
 bounded (the caller re-asks its gate on time-out), so a lost message — the listener
 reconnecting after a Redis restart, a lease freed by a reaper — costs latency, never liveness.
+
+Besides queues, a bell rings for each per-key quota key (``quota:userid:alice``): the scripts
+publish the key with the queue when a request of it leaves the active state (one message,
+``<queue>\n<key>...``), and an attempt refused by that key parks on it (``Decision.wake_key``).
+There may be any number of keys, so the bell keeps generations only for names someone read
+(at most ``MAX_NAMES``, least recently read first out; a waiter whose name was dropped just
+asks its gate again) and no empty waiter lines.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from typing import Any
 
 import redis
@@ -38,6 +45,7 @@ log = logging.getLogger("pipeline.bell")
 
 RECONNECT_S = (0.1, 2.0)  # the listener's back-off after a lost connection
 ECHO_S = 0.25  # a direct ring's own Pub/Sub message arrives within this, or is not waited for
+MAX_NAMES = 4096  # generations kept (queues and quota keys read lately)
 
 
 class Ticket:
@@ -75,7 +83,7 @@ class ReleaseBell:
         self.channel = channel
         self._lock = threading.Lock()
         self._waiters: dict[str, deque[Ticket]] = defaultdict(deque)
-        self._gen: dict[str, int] = defaultdict(int)
+        self._gen: OrderedDict[str, int] = OrderedDict()
         self._echoes: dict[str, deque[float]] = defaultdict(deque)  # direct rings, by queue
         self._listener: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -85,7 +93,34 @@ class ReleaseBell:
 
     def generation(self, queue: str) -> int:
         with self._lock:
-            return self._gen[queue]
+            gen = self._gen.get(queue)
+            if gen is None:
+                gen = self._gen[queue] = 0
+                if len(self._gen) > MAX_NAMES:
+                    self._forget()
+            else:
+                self._gen.move_to_end(queue)
+            return gen
+
+    def _forget(self) -> None:
+        """Drop the least recently read generations of names nobody waits on (under the
+        lock)."""
+        for name in list(self._gen)[: len(self._gen) - MAX_NAMES]:
+            if not self._waiters.get(name):
+                del self._gen[name]
+
+    def _bump(self, queue: str) -> None:
+        if queue in self._gen:
+            self._gen[queue] += 1
+
+    def _pop_waiter(self, queue: str) -> Ticket | None:
+        waiters = self._waiters.get(queue)
+        if not waiters:
+            return None
+        ticket = waiters.popleft()
+        if not waiters:
+            del self._waiters[queue]
+        return ticket
 
     def waiting(self, queue: str) -> int:
         """Waiters parked on ``queue`` now."""
@@ -101,10 +136,9 @@ class ReleaseBell:
         ``echo``: this release will also be published (finish / requeue), so the listener
         swallows that message instead of waking a second waiter for the same slot."""
         with self._lock:
-            self._gen[queue] += 1
-            waiters = self._waiters.get(queue)
-            if waiters:
-                ticket = waiters.popleft()
+            self._bump(queue)
+            ticket = self._pop_waiter(queue)
+            if ticket is not None:
                 ticket.rang = True
                 ticket._fire()
             if echo:
@@ -122,7 +156,8 @@ class ReleaseBell:
             waiters = self._waiters.get(queue)
             if not waiters or waiters[0].ctx is None or waiters[0].gate is not gate:
                 return None
-            ticket = waiters.popleft()
+            ticket = self._pop_waiter(queue)
+            assert ticket is not None
             ticket.granted = True
             ticket._fire()
             return ticket
@@ -157,7 +192,7 @@ class ReleaseBell:
             return None
         self._listen()
         with self._lock:
-            if self._gen[queue] != generation or self.closed:
+            if self._gen.get(queue, 0) != generation or self.closed:
                 return None
             ticket = Ticket(ctx, gate)
             self._waiters[queue].append(ticket)
@@ -165,7 +200,10 @@ class ReleaseBell:
         with self._lock:
             if not ticket.done:  # timed out, still in line
                 ticket.done = True
-                self._waiters[queue].remove(ticket)
+                waiters = self._waiters[queue]
+                waiters.remove(ticket)
+                if not waiters:
+                    del self._waiters[queue]
         return ticket
 
     def close(self) -> None:
@@ -184,6 +222,7 @@ class ReleaseBell:
                     ticket = waiters.popleft()
                     ticket.rang = True
                     ticket._fire()
+            self._waiters.clear()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -226,9 +265,10 @@ class ReleaseBell:
                     if message is None or message.get("type") != "message":
                         continue
                     data = message.get("data")
-                    queue = data.decode() if isinstance(data, bytes) else str(data)
-                    if not self._is_echo(queue):
-                        self.ring(queue)
+                    text = data.decode() if isinstance(data, bytes) else str(data)
+                    for name in text.split("\n"):  # the queue, then quota keys it released
+                        if not self._is_echo(name):
+                            self.ring(name)
             except Exception as exc:  # noqa: BLE001 - keep listening; waits are bounded
                 log.warning("release bell lost its subscription (%s); reconnecting", exc)
                 # everything published while away is lost: wake every waiter to re-ask

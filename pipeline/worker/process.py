@@ -19,6 +19,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ..config import Settings, from_snapshot, load_settings, to_snapshot
@@ -128,8 +129,11 @@ class Runtime:
         *,
         hand_over: bool = False,
         gate: Gate | None = None,
+        wake: Sequence[str] = (),
     ) -> bool:
-        """Release a holder's reservation: idempotent, retried, logged when it fails.
+        """Release a holder's reservation: idempotent, retried, logged when it fails. The
+        queue's bell rings, and so do the ``wake`` bells (the quota keys the holder held a
+        slot of), for attempts of this process parked on them.
 
         ``gate``: the gate the holder acquired (an attempt's own, which a config reload may
         since have replaced); default: the queue's current gate.
@@ -149,16 +153,22 @@ class Runtime:
         # a hand-over is recorded with the gate's limit and the taker leaves for the server at
         # once: only on the current gate, never one a reload replaced (its stale limit could
         # refuse the transfer of a slot already given)
-        if hand_over and gate.hands_over and gate is current:
-            ticket = self.bell.hand_over(queue, gate)
+        bell = gate.handover_bell(queue, wake) if hand_over and gate is current else None
+        if bell is not None:
+            ticket = self.bell.hand_over(bell, gate)
             if ticket is not None:
                 self._transfer(gate, holder, ticket)
+                for key in wake:  # quota slots the transfer released (a composite's)
+                    if key != bell:
+                        self.bell.ring(key, echo=True)
                 return True
         for i in range(RELEASE_TRIES):
             try:
                 gate.release(holder)
                 # the finish / requeue that follows publishes the release to other processes
                 self.bell.ring(queue, echo=True)
+                for key in wake:
+                    self.bell.ring(key, echo=True)
                 return False
             except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
                 log.warning(

@@ -1,6 +1,9 @@
 """Chaos: worker nodes SIGKILLed at random every 1-3 s under load. Every request still ends
 with exactly one terminal result, the model server never sees more than the limit at once,
 and the gate's in-flight count returns to 0 within one lease period after the last kill.
+The multi-tenant run does the same with four tenants behind per-tenant quotas and one global
+limit (quota-aware dispatch): no tenant is ever over its quota at the server, and afterwards
+the dispatcher counts no request of any key and holds no tenant back.
 
 ``make test`` runs a short variant; ``PIPELINE_CHAOS_LONG=1`` (set by ``.ci/run``) runs the
 full 60 s one.
@@ -19,6 +22,7 @@ from pipeline.client import Pipeline
 from pipeline.sim import SimServer
 
 from ..conftest import wait_for
+from ..test_scheduling_e2e import peak_by, sim_arrivals
 
 LIMIT = 8  # the "chaos" queue: redis-quota concurrency 8 for one tenant
 LEASE_S = 2.0
@@ -92,3 +96,77 @@ def test_random_sigkills_under_load(pl: Pipeline, sim: SimServer, start_worker: 
     # the live ones as soon as their request finished
     last_finish = max(r.finished_at or 0.0 for r in results)
     assert zero_at - max(last_kill, last_finish) <= LEASE_S + 1.0
+
+
+MT_LIMIT, MT_PER_TENANT, MT_TENANTS = 8, 3, 4  # the "mtchaos" queue
+
+
+def test_random_sigkills_with_tenants_behind_quotas(
+    pl: Pipeline, sim: SimServer, start_worker: Any
+) -> None:
+    rng = random.Random(7)
+    extra = {
+        "PIPELINE_LEASE_S": str(LEASE_S),
+        "PIPELINE_DISPATCH_LEASE_S": "4",
+        "PIPELINE_REAPER_PERIOD_S": "0.3",
+    }
+
+    def node() -> Any:
+        return start_worker(pools="mtchaos", concurrency=8, extra_env=extra)
+
+    nodes = [node(), node()]
+    sim.reset()
+    tenant_of: dict[str, str] = {}
+    items = []
+    for t in range(MT_TENANTS):  # in blocks: the head of the queue is one tenant at a time
+        for _ in range(REQUESTS // MT_TENANTS):
+            rid = f"mt-{uuid.uuid4().hex[:10]}"
+            tenant_of[rid] = f"tenant{t}"
+            headers = {"x-sim-latency-ms": "100"}
+            if rng.random() < 0.10:
+                headers.update({"x-sim-fail-first": "1", "x-sim-fail-status": "503"})
+            items.append(
+                {
+                    "payload": {"t": t},
+                    "id": rid,
+                    "queue": "mtchaos",
+                    "timeout": 600,
+                    "metadata": {"userid": f"tenant{t}"},
+                    "headers": headers,
+                }
+            )
+    ids = [r.id for r in pl.submit_many(items)]
+    kills = 0
+    end = time.monotonic() + DURATION_S
+    try:
+        while time.monotonic() < end:
+            time.sleep(rng.uniform(1.0, 3.0))  # chaos pacing, not a wait for a condition
+            victim = nodes.pop(rng.randrange(len(nodes)))
+            victim.proc.kill()
+            victim.proc.wait()
+            kills += 1
+            nodes.append(node())
+        results = list(pl.iter_results(ids))
+        wait_for(
+            lambda: pl.inspect()["mtchaos"]["gate"]["in_flight"] == 0,
+            LEASE_S + 5,
+            what="gate in-flight back to 0",
+        )
+    finally:
+        for n in nodes:
+            n.stop()
+    assert kills >= 3
+    assert len(results) == len(ids) and all(r.ok for r in results)
+    pushed = [
+        json.loads(x)["id"]
+        for x in pl.store.client.lrange(
+            pl.store.keys.result_list(pl.settings.queues["mtchaos"]), 0, -1
+        )
+    ]
+    assert sorted(pushed) == sorted(ids)  # exactly one terminal result each
+    assert sim.stats()["max_concurrency_observed"] <= MT_LIMIT
+    peaks = peak_by(sim_arrivals(sim), tenant_of)
+    assert len(peaks) == MT_TENANTS and max(peaks.values()) <= MT_PER_TENANT, peaks
+    keys, c = pl.store.keys, pl.store.client
+    assert not list(c.scan_iter(keys.prefix + "gate:*:sent"))  # nothing counted any more
+    assert c.hlen(keys.blocked("mtchaos")) == 0 and c.zcard(keys.ready("mtchaos")) == 0

@@ -225,10 +225,34 @@ def test_transfer_from_a_holder_whose_lease_was_reaped_takes_a_free_slot_or_none
 
 
 def test_gates_that_count_other_things_do_not_hand_over(make: Callable[..., Gate]) -> None:
-    quota = make("redis-quota", {"limit": 2, "mode": "concurrency"})
-    assert not quota.hands_over
-    with pytest.raises(NotImplementedError):
-        quota.transfer("a:1", ctx())
+    rate = make("redis-quota", {"limit": 2})  # admissions in a window are not slots
+    classifying = make(
+        "redis-quota", {"limit": 2, "mode": "concurrency", "gating_mode": "classifying"}
+    )
+    for quota in (rate, classifying):
+        assert not quota.hands_over
+        assert quota.handover_bell("q", ["quota:userid:u"]) is None
+        with pytest.raises(NotImplementedError):
+            quota.transfer("a:1", ctx(metadata={"userid": "u"}))
+
+
+def test_a_quota_hands_a_slot_over_to_an_attempt_of_the_same_key(
+    make: Callable[..., Gate],
+) -> None:
+    """A blocking concurrency quota's slot is one of its key's: a holder hands it to an
+    attempt parked on that key's bell, without the slot ever being free."""
+    quota = make("redis-quota", {"limit": 1, "mode": "concurrency"})
+    user = {"userid": "u"}
+    giver, taker = ctx(metadata=user), ctx(metadata=user)
+    assert quota.hands_over
+    assert quota.handover_bell("q", quota.wake_keys(taker)) == "quota:userid:u"
+    assert quota.acquire(giver).admitted and not quota.acquire(taker).admitted
+    assert quota.transfer(giver.holder, taker)
+    (held,) = quota.holders()
+    assert held["request_id"] == taker.request_id
+    assert held["handed_over_by"] == giver.request_id
+    assert not quota.acquire(ctx(metadata=user)).admitted  # still one slot, taken
+    assert quota.release(taker.holder) and quota.in_flight() == 0
 
 
 def test_a_dead_nodes_entry_is_forgotten_once_its_slot_pool_is_gone(env: GateEnv) -> None:

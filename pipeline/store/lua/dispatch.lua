@@ -1,81 +1,152 @@
--- dispatch.lua: one dispatcher tick for one queue. Promotes due retries, expires requests
--- whose deadline passed while waiting, then moves the head of the pending set to the
--- dispatched state, as many as the free capacity allows. Every time is the server's clock.
--- KEYS[1] pending, KEYS[2] delayed, KEYS[3] expiry, KEYS[4] active (this queue),
--- KEYS[5] the queue's result list ('' when it keeps none), KEYS[6..] active sets of the other
--- queues in the pool, after the pool's doorbell list when ARGV[13] is '1' (then KEYS[6] is the
--- doorbell).
--- ARGV[1] prefix, ARGV[2] gate budget (0..1),
--- ARGV[3] queue capacity (max dispatched+running for this queue; -1 = no limit),
--- ARGV[4] pool capacity (worker slots), ARGV[5] lease of a dispatched request (s from now),
--- ARGV[6] result TTL (s), ARGV[7] limit per sweep, ARGV[8] a fresh random nonce: attempt
--- tokens are <nonce>.<n>, unique per tick, ARGV[9] the Redis list of the pool's Celery queue
--- when the broker is this Redis ('' = the caller publishes), ARGV[10] the Celery task name,
--- ARGV[11] the messages' origin (the dispatching node), ARGV[12] the queue's name,
--- ARGV[13] '1' to empty the pool's doorbell first: every ring pushed so far is answered by this
--- tick and the pool's other queues' ticks that follow it in the same dispatcher round,
--- ARGV[14], ARGV[15] the result list's max length and TTL (s) (see lib.lua push_result).
--- With ARGV[9] set, each moved request is also pushed there as a Celery message (protocol 2,
--- kombu's Redis transport envelope, JSON body), so the move and the publish are one atomic
--- step: no request can be dispatched and never sent.
--- Moves min(floor(budget x (pool capacity - active in pool)), queue capacity - active in
--- queue); at least 1 when budget > 0, both have room and the queue has nothing active, so a
--- fractional budget never stalls an idle queue.
--- Returns {moved, expired, next_event, rejected} where moved is a flat list of
--- id, token, dispatch number, priority; next_event is how long until the earliest due retry
--- or deadline of a waiting request (s from now, as text; -1 if none); rejected lists
--- malformed members removed.
-local prefix, ttl = ARGV[1], ARGV[6]
+-- dispatch.lua: one dispatcher tick for one worker pool, atomically (so several dispatchers
+-- never disagree). Every time is the server's clock.
+-- 1. Sweep each queue: due retries re-enter their queue with their original key, requests
+--    whose deadline passed while waiting get their terminal result.
+-- 2. Free room: the pool's worker slots minus its active requests; per queue, its gate's
+--    budget share of that, capped by its capacity minus its own active requests (at least 1
+--    when the budget is above 0, both have room and the queue has nothing active).
+-- 3. Merge: while the pool has a free slot, the merge policy picks one of the queues with room
+--    and something to send (random-robin: a smooth weighted round-robin; tier-priority: the
+--    highest lane with something to send, unless a lower one was passed over max_wait times
+--    in a row; the weighted round-robin among the lane's queues), and that queue's next request
+--    is dispatched. Inside a queue the order is the pending set's (priority, deadline,
+--    submission); in an indexed queue (sched.lua) the next tenant is the lowest entry of its
+--    ready set (fair share: tenants take turns at the highest priority), and a tenant whose
+--    request would exceed a quota key's limit (requests of the key dispatched or running,
+--    or the key's live leases) is held back (blocked) until a request of that key leaves.
+-- 4. Look-ahead per quota key: with room left, the tenants blocked in this tick get up to
+--    `la` more attempts of a key past its limit (at most cfg.lookahead in all): they park at
+--    the worker for a release of that key (the key is published when one leaves).
+-- Blocked tenants are out of the ready set, so each dispatch costs O(log n) in the number of
+-- waiting requests and tenants (a tenant is looked at again only after its key released).
+-- KEYS: per queue of ARGV[2]'s list, in order: pending, delayed, expiry, active, result list
+-- ('' when it keeps none); then the pool's doorbell when cfg.doorbell (emptied first: every
+-- ring pushed so far is answered by this tick).
+-- ARGV[1] prefix, ARGV[2] JSON: {pool, cap (the pool's worker slots), lease (s: a dispatched
+-- request's lease), ttl (result TTL, s), sweep (limit per sweep), nonce (attempt tokens are
+-- <nonce>.<n>), list (the pool's Celery queue list when the broker is this Redis, else ''),
+-- task, origin (Celery message fields), doorbell (bool), policy ('random-robin' or
+-- 'tier-priority'), max_wait, lookahead (most quota look-ahead attempts this tick), queues:
+-- [{name, dispatch (bool: may dispatch), sweep (bool), budget (0..1), cap (-1: none), weight,
+-- lane (0..5), rand (0..1: a new round-robin counter's start), rl_max, rl_ttl (result list),
+-- specs: [{k (quota key prefix: <prefix><attribute>:), attr, limit, la (look-ahead),
+-- h (bool: the key's leases are in this Redis)}]}]}.
+-- With cfg.list set, each moved request is also pushed there as a Celery message (protocol 2,
+-- kombu's Redis transport envelope, JSON body), so the move and the publish are one step.
+-- Returns {moved, expired, next_event, rejected}: moved is a flat list of id, token,
+-- dispatch number, priority, queue index (1-based, in ARGV[2]'s order); expired the number of
+-- requests expired per queue; next_event how long until the earliest due retry or deadline of
+-- a waiting request (s, as text; -1 if none); rejected, per queue, the malformed members removed.
+local prefix = ARGV[1]
+local cfg = cjson.decode(ARGV[2])
 local now = server_now()
-local limit = tonumber(ARGV[7])
-local lease_until = fmt_time(now + tonumber(ARGV[5]))
-local others = 6
-if ARGV[13] == '1' then
-  redis.call('DEL', KEYS[6])
-  others = 7
-end
-
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, limit)) do
-  redis.call('ZREM', KEYS[2], id)
-  local f = redis.call('HMGET', prefix .. 'req:' .. id, 'member', 'score', 'state')
-  if f[3] == 'retry_wait' then
-    redis.call('ZADD', KEYS[1], f[2], f[1])
-    redis.call('HSET', prefix .. 'req:' .. id, 'state', 'queued')
-  end
-end
-
-local expired = 0
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, limit)) do
-  local state = redis.call('HGET', prefix .. 'req:' .. id, 'state')
-  if state == 'queued' or state == 'retry_wait' then
-    expire(prefix, id, now, ttl)
-    expired = expired + 1
-  else
-    redis.call('ZREM', KEYS[3], id)
-  end
-end
-
-local budget = tonumber(ARGV[2])
-local active_q = redis.call('ZCARD', KEYS[4])
-local in_pool = active_q
-for i = others, #KEYS do in_pool = in_pool + redis.call('ZCARD', KEYS[i]) end
-local n_free = tonumber(ARGV[4]) - in_pool
--- the budget scales the free worker slots; the queue capacity caps the result on its own (a
--- capacity gate's budget is its free share already: scaling its free room by it again would
--- stall a limit-16 gate until 4 of its slots were free)
-local free = math.floor(budget * n_free)
-local qcap = tonumber(ARGV[3])
-if qcap >= 0 then
-  free = math.min(free, qcap - active_q)
-  n_free = math.min(n_free, qcap - active_q)
-end
-if free < 1 and budget > 0 and n_free > 0 and active_q == 0 then free = 1 end
-
+local ttl = cfg.ttl
+local limit = cfg.sweep
+local lease_until = fmt_time(now + cfg.lease)
+local Q = cfg.queues
 local null = cjson.null
+if cfg.doorbell then redis.call('DEL', KEYS[#Q * 5 + 1]) end
+
+for i, q in ipairs(Q) do
+  local b = (i - 1) * 5
+  q.idx, q.pending, q.delayed, q.expiry, q.active, q.results =
+    i, KEYS[b + 1], KEYS[b + 2], KEYS[b + 3], KEYS[b + 4], KEYS[b + 5]
+  q.expired, q.rejected, q.allowed = 0, {}, 0
+end
+
+-- A member that is not a dispatchable request of this queue: report it, never drop silently.
+local function reject(q, member, id, has_record)
+  redis.call('ZREM', q.pending, member)
+  q.rejected[#q.rejected + 1] = member
+  if not id or not has_record then
+    push_result(q.results, cjson.encode({id = id or member, payload =
+      '{"error": "malformed queue entry"}', error_code = 'INVALID_REQUEST',
+      error_message = 'malformed queue entry: ' .. member}), q.rl_max, q.rl_ttl)
+  end
+end
+
+-- 1. sweep ------------------------------------------------------------------------------
+local function sweep(q)
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', q.delayed, '-inf', now, 'LIMIT', 0, limit)) do
+    redis.call('ZREM', q.delayed, id)
+    local rk = prefix .. 'req:' .. id
+    local f = redis.call('HMGET', rk, 'member', 'score', 'state')
+    if f[3] == 'retry_wait' then
+      redis.call('ZADD', q.pending, f[2], f[1])
+      redis.call('HSET', rk, 'state', 'queued')
+      sched_add(prefix, q.name, id, f[2], f[1])
+    end
+  end
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', q.expiry, '-inf', now, 'LIMIT', 0, limit)) do
+    local state = redis.call('HGET', prefix .. 'req:' .. id, 'state')
+    if state == 'queued' or state == 'retry_wait' then
+      expire(prefix, id, now, ttl)
+      q.expired = q.expired + 1
+    else
+      redis.call('ZREM', q.expiry, id)
+    end
+  end
+end
+
+-- An indexed queue whose pending set holds more than its sub-queues (requests queued before it
+-- was indexed, or by a writer that did not index them): index the next chunk of pending.
+local function reindex(q, c)
+  local h = redis.call('HMGET', c.base .. 'sched', 'n', 'cursor')
+  local total = redis.call('ZCARD', q.pending)
+  if total <= (tonumber(h[1]) or 0) then return end
+  local cur = tonumber(h[2]) or 0
+  if cur >= total then cur = 0 end
+  local rows = redis.call('ZRANGE', q.pending, cur, cur + limit - 1, 'WITHSCORES')
+  local kept = 0
+  for i = 1, #rows, 2 do
+    local member = rows[i]
+    local id = string.match(member, '^%d+|(.+)$')
+    local f = id and redis.call('HMGET', prefix .. 'req:' .. id, 'state', 'member') or {}
+    if not id or f[1] ~= 'queued' or f[2] ~= member then
+      reject(q, member, id, f[1])
+    else
+      sched_add(prefix, q.name, id, rows[i + 1], member)
+      kept = kept + 1
+    end
+  end
+  cur = cur + kept
+  if #rows == 0 or cur >= total then cur = 0 end
+  redis.call('HSET', c.base .. 'sched', 'cursor', cur)
+end
+
+for _, q in ipairs(Q) do
+  if q.sweep then sweep(q) end
+  if q.dispatch then
+    q.conf = sched_conf(prefix, q.name)
+    if q.conf then reindex(q, q.conf) end
+  end
+end
+
+-- 2. room -------------------------------------------------------------------------------
+local in_pool = 0
+for _, q in ipairs(Q) do
+  q.active_n = redis.call('ZCARD', q.active)
+  in_pool = in_pool + q.active_n
+end
+local n_free = cfg.cap - in_pool
+for _, q in ipairs(Q) do
+  if q.dispatch then
+    -- the budget scales the free worker slots; the queue capacity caps the result on its own
+    -- (a capacity gate's budget is its free share already)
+    local free, room = math.floor(q.budget * n_free), n_free
+    if q.cap >= 0 then
+      free = math.min(free, q.cap - q.active_n)
+      room = math.min(room, q.cap - q.active_n)
+    end
+    if free < 1 and q.budget > 0 and room > 0 and q.active_n == 0 then free = 1 end
+    q.allowed = free
+  end
+end
+
+-- 3. dispatch ---------------------------------------------------------------------------
 -- One Celery task message (what ``Task.apply_async`` would LPUSH through kombu) for attempt
 -- `token` of request `id`: args (id, token), kwargs {queue, priority, attempt}.
-local function celery_message(id, token, n, priority, t)
-  local queue_name = ARGV[12]
+local function celery_message(queue_name, id, token, n, priority, t)
   local body = cjson.encode({{id, token}, {queue = queue_name, priority = priority, attempt = n},
     {callbacks = null, errbacks = null, chain = null, chord = null}})
   return cjson.encode({
@@ -83,68 +154,275 @@ local function celery_message(id, token, n, priority, t)
     ['content-encoding'] = 'utf-8',
     ['content-type'] = 'application/json',
     headers = {
-      lang = 'py', task = ARGV[10], id = id, shadow = null, eta = null, expires = null,
+      lang = 'py', task = cfg.task, id = id, shadow = null, eta = null, expires = null,
       group = null, group_index = null, retries = 0, timelimit = {null, null},
       root_id = id, parent_id = null,
       argsrepr = "('" .. id .. "', '" .. token .. "')",
       kwargsrepr = "{'queue': '" .. queue_name .. "', 'priority': " .. priority ..
         ", 'attempt': " .. n .. "}",
-      origin = ARGV[11], ignore_result = false, replaced_task_nesting = 0,
+      origin = cfg.origin, ignore_result = false, replaced_task_nesting = 0,
       stamped_headers = null, stamps = {},
     },
     properties = {
       correlation_id = id, delivery_mode = 2, priority = 0,
-      delivery_info = {exchange = '', routing_key = ARGV[9]},
-      delivery_tag = ARGV[8] .. '-' .. t .. '-' .. id,
+      delivery_info = {exchange = '', routing_key = cfg.list},
+      delivery_tag = cfg.nonce .. '-' .. t .. '-' .. id,
     },
   })
 end
 
-local moved, rejected = {}, {}
+local moved = {}
 local t = 0
-while free > 0 do
-  local head = redis.call('ZPOPMIN', KEYS[1])
-  if #head == 0 then break end
-  local member = head[1]
+
+local function dispatch_one(q, id, rk, priority, qkeys)
+  t = t + 1
+  local token = cfg.nonce .. '.' .. t
+  local n = redis.call('HINCRBY', rk, 'dispatches', 1)
+  if qkeys and #qkeys > 0 then
+    redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'qkeys', cjson.encode(qkeys))
+    for _, qk in ipairs(qkeys) do
+      redis.call('ZADD', prefix .. 'gate:' .. qk .. ':sent', fmt_time(now), id)
+    end
+  else
+    redis.call('HSET', rk, 'state', 'dispatched', 'token', token)
+  end
+  redis.call('ZREM', q.expiry, id)
+  redis.call('ZADD', q.active, lease_until, id)
+  moved[#moved + 1] = id
+  moved[#moved + 1] = token
+  moved[#moved + 1] = n
+  moved[#moved + 1] = priority
+  moved[#moved + 1] = q.idx
+  if cfg.list ~= '' then
+    redis.call('LPUSH', cfg.list, celery_message(q.name, id, token, n, tonumber(priority) or 0, t))
+  end
+  return true
+end
+
+-- The request of pending member `member` if it may be dispatched: id, record key, fields
+-- (state, deadline, member, priority, tenant). Anything else is dealt with here (rejected,
+-- an unreadable record resulted, an expired one resulted) and nil returned.
+local function check(q, member)
   local id = string.match(member, '^%d+|(.+)$')
   local rk = id and (prefix .. 'req:' .. id)
-  local f = rk and redis.call('HMGET', rk, 'state', 'deadline', 'member', 'priority') or {}
+  local f = rk and redis.call('HMGET', rk, 'state', 'deadline', 'member', 'priority', 'tenant')
+    or {}
   if not id or f[1] ~= 'queued' or f[3] ~= member then
-    -- not a request this pipeline wrote (or a stale copy): report it, never drop silently
-    rejected[#rejected + 1] = member
-    if not id or not f[1] then
-      push_result(KEYS[5], cjson.encode({id = id or member, payload =
-        '{"error": "malformed queue entry"}', error_code = 'INVALID_REQUEST',
-        error_message = 'malformed queue entry: ' .. member}), ARGV[14], ARGV[15])
-    end
+    reject(q, member, id, f[1])
   elseif not tonumber(f[2]) then
     terminal(prefix, id, now, ttl, '', '{"error": "unreadable request record"}',
       'INVALID_REQUEST', 'unreadable request record: deadline is not a number')
   elseif tonumber(f[2]) <= now then
     expire(prefix, id, now, ttl)
-    expired = expired + 1
+    q.expired = q.expired + 1
   else
-    t = t + 1
-    local token = ARGV[8] .. '.' .. t
-    local n = redis.call('HINCRBY', rk, 'dispatches', 1)
-    redis.call('HSET', rk, 'state', 'dispatched', 'token', token)
-    redis.call('ZREM', KEYS[3], id)
-    redis.call('ZADD', KEYS[4], lease_until, id)
-    moved[#moved + 1] = id
-    moved[#moved + 1] = token
-    moved[#moved + 1] = n
-    moved[#moved + 1] = f[4]
-    if ARGV[9] ~= '' then
-      redis.call('LPUSH', ARGV[9], celery_message(id, token, n, tonumber(f[4]) or 0, t))
+    return id, rk, f
+  end
+  return nil
+end
+
+-- The quota keys request `rk` (tenant `tenant`) counts against, and the first of them that
+-- is at its limit (plus its look-ahead when `ahead`), if any.
+local function quota_keys(q, c, rk, tenant, ahead)
+  local keys, over, metadata = {}, nil, nil
+  for _, s in ipairs(q.specs) do
+    local v
+    if s.attr == c.attr then
+      v = tenant or ''
+    else
+      metadata = metadata or redis.call('HGET', rk, 'metadata') or ''
+      v = sched_value(metadata, s.attr)
     end
-    free = free - 1
+    if v ~= '' then
+      local qk = s.k .. v
+      keys[#keys + 1] = qk
+      if not over then
+        local used = redis.call('ZCARD', prefix .. 'gate:' .. qk .. ':sent')
+        if s.h then
+          used = math.max(used, redis.call('ZCOUNT', prefix .. 'gate:' .. qk .. ':holders',
+            '(' .. fmt_time(now), '+inf'))
+        end
+        local cap = s.limit
+        if ahead then cap = cap + s.la end
+        if used >= cap then over = qk end
+      end
+    end
+  end
+  return keys, over
+end
+
+local held = {} -- tenants blocked in this tick: {q, c, tk}, for the quota look-ahead
+
+-- Dispatch the next request of queue q: true, or false when it has nothing (more) to send.
+local function take(q)
+  local c = q.conf
+  if not c then
+    while true do
+      local head = redis.call('ZPOPMIN', q.pending)
+      if #head == 0 then return false end
+      local id, rk, f = check(q, head[1])
+      if id then return dispatch_one(q, id, rk, f[4], nil) end
+    end
+  end
+  local ready = c.base .. 'ready'
+  while true do
+    local top = redis.call('ZRANGE', ready, 0, 0)
+    if #top == 0 then return false end
+    local rm = top[1]
+    local hm, tk = string.match(rm, '^(.*)\n([^\n]*)$')
+    if not hm then
+      redis.call('ZREM', ready, rm) -- not an entry the scripts wrote
+    else
+      local id, rk, f = check(q, hm)
+      if not id then
+        -- dealt with; make sure the tenant moves on (the record may be gone or unreadable)
+        if not sched_drop(prefix, c, tk, hm, false) then redis.call('ZREM', ready, rm) end
+      else
+        local qkeys, over = quota_keys(q, c, rk, f[5], false)
+        if over then
+          sched_block(prefix, c, tk, rm, over)
+          held[#held + 1] = {q = q, c = c, tk = tk}
+        else
+          redis.call('ZREM', q.pending, hm)
+          sched_drop(prefix, c, tk, hm, true)
+          return dispatch_one(q, id, rk, f[4], qkeys)
+        end
+      end
+    end
   end
 end
 
+-- the merge policy's state (shared by the pool's dispatchers), when there is a choice
+local merge_key = prefix .. 'pool:' .. cfg.pool .. ':merge'
+local tiered = cfg.policy == 'tier-priority'
+local choosers, total_w = 0, 0
+for _, q in ipairs(Q) do
+  if q.allowed > 0 then choosers = choosers + 1 end
+  if q.dispatch then total_w = total_w + q.weight end
+end
+local stateful = choosers > 1 -- one queue with room: nothing to merge, no state to keep
+local waited = {}
+for l = 0, 5 do waited[l] = 0 end
+for _, q in ipairs(Q) do q.c = 0 end
+if stateful then
+  local fields = {}
+  for _, q in ipairs(Q) do fields[#fields + 1] = 'c:' .. q.name end
+  for l = 0, 5 do fields[#fields + 1] = 'w:' .. l end
+  local vals = redis.call('HMGET', merge_key, unpack(fields))
+  for i, q in ipairs(Q) do q.c = tonumber(vals[i]) or (q.rand or 0) * total_w end
+  for l = 0, 5 do waited[l] = tonumber(vals[#Q + 1 + l]) or 0 end
+end
+local merged = false
+
+-- The queue to dispatch from next, the queues it was chosen among, the lanes with something
+-- to send and the chosen lane; nil when no queue has room and something to send.
+local function choose()
+  local cands, lanes, top = {}, {}, nil
+  for _, q in ipairs(Q) do
+    if q.allowed > 0 and not q.empty then
+      cands[#cands + 1] = q
+      lanes[q.lane] = true
+      if not top or q.lane < top then top = q.lane end
+    end
+  end
+  if #cands == 0 then return nil end
+  local lane = top
+  if tiered then
+    local most = -1
+    for l = 0, 5 do
+      if lanes[l] and l ~= top and waited[l] >= cfg.max_wait and waited[l] > most then
+        lane, most = l, waited[l]
+      end
+    end
+  end
+  local set, best, bv = {}, nil, nil
+  for _, q in ipairs(cands) do
+    if not tiered or q.lane == lane then
+      set[#set + 1] = q
+      local v = q.c + q.weight
+      if not best or v > bv then best, bv = q, v end
+    end
+  end
+  return best, set, lanes, lane
+end
+
+while n_free > 0 do
+  local q, set, lanes, lane = choose()
+  if not q then break end
+  if take(q) then
+    local w = 0
+    for _, s in ipairs(set) do
+      s.c = s.c + s.weight
+      w = w + s.weight
+    end
+    q.c = q.c - w
+    if tiered then
+      for l = 0, 5 do
+        if l == lane or not lanes[l] then waited[l] = 0 else waited[l] = waited[l] + 1 end
+      end
+    end
+    merged = true
+    n_free = n_free - 1
+    q.allowed = q.allowed - 1
+  else
+    q.empty = true
+  end
+end
+
+if merged and stateful then
+  local out = {}
+  for _, q in ipairs(Q) do
+    out[#out + 1] = 'c:' .. q.name
+    out[#out + 1] = string.format('%.17g', q.c)
+  end
+  if tiered then
+    for l = 0, 5 do
+      out[#out + 1] = 'w:' .. l
+      out[#out + 1] = waited[l]
+    end
+  end
+  redis.call('HSET', merge_key, unpack(out))
+end
+
+-- 4. look-ahead past quota limits --------------------------------------------------------
+local ahead = 0
+for _, b in ipairs(held) do
+  local q, c, tk = b.q, b.c, b.tk
+  local sub = c.base .. 't:' .. tk
+  while ahead < cfg.lookahead and n_free > 0 and q.allowed > 0
+      and redis.call('HEXISTS', c.base .. 'blocked', tk) == 1 do
+    local head = redis.call('ZRANGE', sub, 0, 0)
+    if #head == 0 then break end
+    local id, rk, f = check(q, head[1])
+    if not id then
+      if not sched_drop(prefix, c, tk, head[1], false) then break end
+    else
+      local qkeys, over = quota_keys(q, c, rk, f[5], true)
+      if over then break end
+      redis.call('ZREM', q.pending, head[1])
+      sched_drop(prefix, c, tk, head[1], true)
+      dispatch_one(q, id, rk, f[4], qkeys)
+      ahead = ahead + 1
+      n_free = n_free - 1
+      q.allowed = q.allowed - 1
+    end
+  end
+end
+
+-- what is due next ----------------------------------------------------------------------
 local next_event = -1
-local d = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-if #d > 0 then next_event = tonumber(d[2]) end
-local e = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
-if #e > 0 and (next_event < 0 or tonumber(e[2]) < next_event) then next_event = tonumber(e[2]) end
+local expired, rejected = {}, {}
+for _, q in ipairs(Q) do
+  expired[#expired + 1] = q.expired
+  rejected[#rejected + 1] = q.rejected
+  if q.sweep then
+    for _, k in ipairs({q.delayed, q.expiry}) do
+      local e = redis.call('ZRANGE', k, 0, 0, 'WITHSCORES')
+      if #e > 0 and (next_event < 0 or tonumber(e[2]) < next_event) then
+        next_event = tonumber(e[2])
+      end
+    end
+  end
+end
 if next_event >= 0 then next_event = math.max(0, next_event - now) end
 return {moved, expired, fmt_time(next_event), rejected}

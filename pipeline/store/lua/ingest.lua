@@ -70,6 +70,7 @@ for i, e in ipairs(entries) do
           'token', '', 'attempts', 0, 'dispatches', 0, 'wire', 'llm-d-async',
           'ref_token', token)
         redis.call('ZADD', qkey(prefix, queue, 'pending'), e[5], m)
+        sched_add(prefix, queue, id, e[5], m, e[9])  -- its tenant's turn (sched.lua)
         redis.call('ZADD', qkey(prefix, queue, 'expiry'), e[6], id)
         woke = true
         word = 'ingested'

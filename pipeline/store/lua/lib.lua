@@ -8,8 +8,10 @@
 -- push, 0 = none), state, token, attempts, dispatches, last_response, last_error, result,
 -- finished_at, worker, started_at, attempt_span (tracing on: "<token> <traceparent>" of the
 -- running attempt), wire ('llm-d-async' for a request a reference producer wrote; see
--- ingest.lua) and ref_token (its generation token), and for a line of a batch, batch and
--- custom_id (see batch_create.lua). Times are the server's clock (server_now).
+-- ingest.lua), ref_token (its generation token), for a line of a batch, batch and
+-- custom_id (see batch_create.lua), tenant (indexed queues: the tenant attribute's value) and
+-- qkeys (JSON list of the quota keys a dispatched attempt counts against; see sched.lua).
+-- Times are the server's clock (server_now).
 -- States: queued -> dispatched -> running -> (retry_wait -> queued ...) -> done.
 
 -- The Redis server's clock (Unix s, µs precision). Every "now" a script compares a lease, a due
@@ -38,7 +40,9 @@ end
 
 -- An attempt of `queue` ended or went back, its gate reservation released just before:
 -- wake attempts parked for a slot (pipeline/bell.py subscribes).
-local function freed(prefix, queue)
+-- `also`: more names to ring with it (the quota keys the attempt held, '\n'-separated, or '').
+local function freed(prefix, queue, also)
+  if also and also ~= '' then queue = queue .. '\n' .. also end
   redis.call('PUBLISH', prefix .. 'freed', queue)
 end
 
@@ -170,9 +174,12 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
     quiet)
   local rk = prefix .. 'req:' .. id
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'attempts', 'submitted_at',
-    'result_list', 'result_list_max', 'result_list_ttl', 'wire', 'ref_token')
+    'result_list', 'result_list_max', 'result_list_ttl', 'wire', 'ref_token', 'qkeys')
   local queue, pool, member = f[1], f[2], f[3]
-  redis.call('ZREM', qkey(prefix, queue, 'pending'), member)
+  if redis.call('ZREM', qkey(prefix, queue, 'pending'), member) == 1 then
+    sched_remove(prefix, queue, id, member)
+  end
+  local keys = sched_leave(prefix, id, f[11])
   redis.call('ZREM', qkey(prefix, queue, 'delayed'), id)
   redis.call('ZREM', qkey(prefix, queue, 'expiry'), id)
   redis.call('ZREM', qkey(prefix, queue, 'active'), id)
@@ -212,7 +219,7 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   redis.call('ZADD', recent, fmt_time(now), id)
   redis.call('ZREMRANGEBYSCORE', recent, '-inf', now - 300)
   wake(prefix, pool)
-  if not quiet then freed(prefix, queue) end
+  if not quiet then freed(prefix, queue, keys) end
   return json
 end
 
@@ -230,19 +237,21 @@ local function enqueue(prefix, id, now, due, quiet)
       return
     end
   end
-  local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline')
+  local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline', 'qkeys')
   local queue = f[1]
   redis.call('ZREM', qkey(prefix, queue, 'active'), id)
+  local keys = sched_leave(prefix, id, f[6])
   redis.call('ZADD', qkey(prefix, queue, 'expiry'), f[5], id)
   if due > now then
     redis.call('ZADD', qkey(prefix, queue, 'delayed'), fmt_time(due), id)
     redis.call('HSET', rk, 'state', 'retry_wait', 'token', '')
   else
     redis.call('ZADD', qkey(prefix, queue, 'pending'), f[4], f[3])
+    sched_add(prefix, queue, id, f[4], f[3])
     redis.call('HSET', rk, 'state', 'queued', 'token', '')
     wake(prefix, f[2])
   end
-  if not quiet then freed(prefix, queue) end
+  if not quiet then freed(prefix, queue, keys) end
 end
 
 local DEADLINE_PAYLOAD = '{"error": "deadline exceeded"}'

@@ -1,7 +1,8 @@
 -- submit.lua: accept a batch of requests atomically, item by item.
 -- KEYS: none passed; keys are derived from ARGV[1] (the prefix) and each item's id/queue:
 --   <prefix>req:<id> (hash), <prefix>q:<queue>:pending / :expiry (zsets), <prefix>seq,
---   <prefix>pool:<pool>:wake.
+--   <prefix>pool:<pool>:wake, and for a queue indexed by tenant its scheduling keys
+--   (sched.lua: the tenant's sub-queue, the ready set).
 -- ARGV[1] key prefix, ARGV[2] the items: a JSON array with one array of 14 strings per item:
 --   id, queue, pool, priority (0-9), deadline (Unix s, the server's clock) or '',
 --   timeout (s from now by the server's clock, when deadline is ''), payload (JSON text),
@@ -57,6 +58,7 @@ for i, r in ipairs(items) do
       'dispatches', 0)
     if batch ~= '' then redis.call('HSET', rk, 'batch', batch, 'custom_id', r[15]) end
     redis.call('ZADD', qkey(prefix, queue, 'pending'), score, member)
+    sched_add(prefix, queue, id, score, member, r[8])
     redis.call('ZADD', qkey(prefix, queue, 'expiry'), deadline, id)
     touched_pools[pool] = true
     out[#out + 1] = 1

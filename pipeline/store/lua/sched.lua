@@ -1,0 +1,217 @@
+-- sched.lua: the scheduling structures of indexed queues (fair share by tenant, quota-aware
+-- dispatch), kept by every request-state script: pipeline/store/scripts.py prepends this file
+-- (before lib.lua) to each of them. Not a script on its own: it reads no KEYS or ARGV.
+--
+-- A queue is *indexed* while its hash <prefix>q:<queue>:sched exists (attr = the tenant
+-- attribute, fair = '1' for fair share, pool, rr, n, cursor; see pipeline/store/keys.py,
+-- which documents every key below). For an indexed queue every waiting request is, besides
+-- pending, in its tenant's sub-queue <prefix>q:<queue>:t:<tenant key> (same score and
+-- member). A tenant with waiting requests is either
+--   ready:   <its head member>\n<tenant key> is in <prefix>q:<queue>:ready, or
+--   blocked: a field of <prefix>q:<queue>:blocked (tenant key -> the quota key it waits for),
+--            listed as <queue>\n<tenant key> in that key's set <prefix>gate:<quota key>:blocked.
+-- Ready scores: without fair share the head's ordering score (the ready set's order is the
+-- pending order among ready tenants, ties by member: submission order); with fair share
+-- (9 - priority) x 2^49 + a ticket from the queue's counter rr: tenants at the highest
+-- priority take turns, and a tenant takes a new (last) ticket when it joins, when one of its
+-- requests is dispatched and when its head's priority changes.
+-- A dispatched request of a blocking concurrency quota key is listed in
+-- <prefix>gate:<quota key>:sent (what the dispatch script counts against the key's limit) and
+-- its record's qkeys field (JSON list of quota keys) says so, until it leaves the active state:
+-- then sched_leave() takes it out, makes the key's blocked tenants ready again and rings their
+-- pools' doorbells; lib.lua publishes the keys with the queue's release on the freed channel,
+-- one message "<queue>\n<key>..." (attempts parked for a key wake).
+-- Every function here is a no-op for a queue that is not indexed.
+
+local SCHED_SPAN = 562949953421312 -- 2^49 ring tickets per priority band (fair share)
+local SCHED_BAND = 1e13 -- the ordering score's priority band: (9 - priority) x 1e13 + ms
+
+local sched_confs = {} -- queue -> its sched hash as a table, or false (one script run)
+
+local function sched_conf(prefix, queue)
+  local c = sched_confs[queue]
+  if c == nil then
+    local base = prefix .. 'q:' .. queue .. ':'
+    local f = redis.call('HMGET', base .. 'sched', 'attr', 'fair', 'pool')
+    c = false
+    if f[1] then
+      c = {attr = f[1], fair = f[2] == '1', pool = f[3] or 'default', base = base,
+        queue = queue}
+    end
+    sched_confs[queue] = c
+  end
+  return c
+end
+
+-- The tenant's name in keys and members: itself when short, printable and without a newline.
+local function sched_tkey(tenant)
+  if #tenant <= 128 and not string.find(tenant, '[%c]') then return tenant end
+  return 'sha1:' .. redis.sha1hex(tenant)
+end
+
+-- The value of metadata attribute `attr` in a record's metadata JSON ('' when absent).
+local function sched_value(metadata, attr)
+  if not metadata or metadata == '' then return '' end
+  local ok, m = pcall(cjson.decode, metadata)
+  if not ok or type(m) ~= 'table' then return '' end
+  local v = m[attr]
+  if type(v) == 'string' then return v end
+  return ''
+end
+
+local function sched_band(score)
+  return math.floor(tonumber(score) / SCHED_BAND)
+end
+
+local function sched_sub(c, tk)
+  return c.base .. 't:' .. tk
+end
+
+-- The tenant `tk` becomes ready with `member` (score `score`) at its head: the back of its
+-- priority's ring (fair share), else at the head's own score.
+local function sched_ready_add(c, tk, member, score)
+  local s = score
+  if c.fair then
+    s = string.format('%.0f', sched_band(score) * SCHED_SPAN
+      + redis.call('HINCRBY', c.base .. 'sched', 'rr', 1))
+  end
+  redis.call('ZADD', c.base .. 'ready', s, member .. '\n' .. tk)
+end
+
+local function sched_doorbell(prefix, pool)
+  local k = prefix .. 'pool:' .. pool .. ':wake'
+  if redis.call('LLEN', k) == 0 then redis.call('RPUSH', k, '1') end
+end
+
+-- The tenant `tk` no longer waits for a quota key (it has nothing left, or was woken).
+local function sched_unlist(prefix, c, tk)
+  local qk = redis.call('HGET', c.base .. 'blocked', tk)
+  if not qk then return false end
+  redis.call('HDEL', c.base .. 'blocked', tk)
+  redis.call('SREM', prefix .. 'gate:' .. qk .. ':blocked', c.queue .. '\n' .. tk)
+  return true
+end
+
+-- The head (`member`, its ready entry `rm`) of tenant `tk` left the tenant's sub-queue (already
+-- removed from it): the next one takes its place. `dispatched`: the tenant goes to the back of
+-- the ring; otherwise it keeps its turn while its head's priority stays the same.
+local function sched_next_head(prefix, c, tk, rm, dispatched)
+  local r = redis.call('ZSCORE', c.base .. 'ready', rm)
+  if r then redis.call('ZREM', c.base .. 'ready', rm) end
+  local nxt = redis.call('ZRANGE', sched_sub(c, tk), 0, 0, 'WITHSCORES')
+  if #nxt == 0 then
+    sched_unlist(prefix, c, tk)
+    return
+  end
+  if not r then
+    -- not ready: blocked (it stays so, its next request at the head), or lost (made ready)
+    if redis.call('HEXISTS', c.base .. 'blocked', tk) == 1 then return end
+    sched_ready_add(c, tk, nxt[1], nxt[2])
+  elseif c.fair and not dispatched
+      and sched_band(nxt[2]) == math.floor(tonumber(r) / SCHED_SPAN) then
+    redis.call('ZADD', c.base .. 'ready', r, nxt[1] .. '\n' .. tk)
+  else
+    sched_ready_add(c, tk, nxt[1], nxt[2])
+  end
+end
+
+-- A waiting request (`member`, ordering `score`) entered the pending set of `queue`: add it to
+-- its tenant's sub-queue. `metadata`: its metadata JSON when the record was just written (its
+-- tenant is computed from it), else nil (read from the record).
+-- Returns true when it was added (false: not indexed, or already there).
+local function sched_add(prefix, queue, id, score, member, metadata)
+  local c = sched_conf(prefix, queue)
+  if not c then return false end
+  local rk = prefix .. 'req:' .. id
+  local tenant
+  if not metadata then tenant = redis.call('HGET', rk, 'tenant') end
+  if not tenant then
+    tenant = sched_value(metadata or redis.call('HGET', rk, 'metadata'), c.attr)
+    redis.call('HSET', rk, 'tenant', tenant)
+  end
+  local tk = sched_tkey(tenant)
+  local sub = sched_sub(c, tk)
+  local old = redis.call('ZRANGE', sub, 0, 0, 'WITHSCORES')
+  if redis.call('ZADD', sub, score, member) == 0 then return false end
+  redis.call('HINCRBY', c.base .. 'sched', 'n', 1)
+  if redis.call('HEXISTS', c.base .. 'blocked', tk) == 1 then return true end
+  if #old == 0 then
+    sched_ready_add(c, tk, member, score)
+    return true
+  end
+  local ns, os = tonumber(score), tonumber(old[2])
+  if ns > os or (ns == os and member > old[1]) then return true end -- not its new head
+  local rm = old[1] .. '\n' .. tk
+  local r = redis.call('ZSCORE', c.base .. 'ready', rm)
+  redis.call('ZREM', c.base .. 'ready', rm)
+  if c.fair and r and sched_band(score) == math.floor(tonumber(r) / SCHED_SPAN) then
+    redis.call('ZADD', c.base .. 'ready', r, member .. '\n' .. tk) -- same priority: its turn
+  else
+    sched_ready_add(c, tk, member, score)
+  end
+  return true
+end
+
+-- Take `member` out of tenant `tk`'s sub-queue (whatever state the record is in). Returns
+-- true when it was there.
+local function sched_drop(prefix, c, tk, member, dispatched)
+  local sub = sched_sub(c, tk)
+  local head = redis.call('ZRANGE', sub, 0, 0)
+  if redis.call('ZREM', sub, member) == 0 then return false end
+  redis.call('HINCRBY', c.base .. 'sched', 'n', -1)
+  if head[1] == member then
+    sched_next_head(prefix, c, tk, member .. '\n' .. tk, dispatched)
+  end
+  return true
+end
+
+-- A request left the pending set of `queue` without being dispatched (cancelled, expired,
+-- rejected): take it out of its tenant's sub-queue.
+local function sched_remove(prefix, queue, id, member)
+  local c = sched_conf(prefix, queue)
+  if not c then return end
+  local tenant = redis.call('HGET', prefix .. 'req:' .. id, 'tenant')
+  if not tenant then return end
+  sched_drop(prefix, c, sched_tkey(tenant), member, false)
+end
+
+-- Make tenant `tk` of `queue` ready again (a request of the quota key it waited for left).
+local function sched_unblock(prefix, queue, tk)
+  local c = sched_conf(prefix, queue)
+  if not c or not sched_unlist(prefix, c, tk) then return end
+  local head = redis.call('ZRANGE', sched_sub(c, tk), 0, 0, 'WITHSCORES')
+  if #head > 0 then
+    sched_ready_add(c, tk, head[1], head[2])
+    sched_doorbell(prefix, c.pool)
+  end
+end
+
+-- Hold tenant `tk` (ready entry `rm`) back until a request of quota key `qk` leaves.
+local function sched_block(prefix, c, tk, rm, qk)
+  redis.call('ZREM', c.base .. 'ready', rm)
+  redis.call('HSET', c.base .. 'blocked', tk, qk)
+  redis.call('SADD', prefix .. 'gate:' .. qk .. ':blocked', c.queue .. '\n' .. tk)
+end
+
+-- Request `id` left the active state (finished, requeued, reaped, cancelled): it no longer
+-- counts against its quota keys, and tenants waiting for them become ready. Returns the keys
+-- ('\n'-separated, '' for none), which the caller publishes with its queue's release on the
+-- freed channel (attempts parked for them wake) unless its attempt handed its slot over.
+-- `qkeys`: the record's qkeys field (read by the caller with the rest of the record).
+local function sched_leave(prefix, id, qkeys)
+  if not qkeys or qkeys == '' then return '' end
+  redis.call('HDEL', prefix .. 'req:' .. id, 'qkeys')
+  local ok, list = pcall(cjson.decode, qkeys)
+  if not ok or type(list) ~= 'table' then return '' end
+  for _, qk in ipairs(list) do
+    redis.call('ZREM', prefix .. 'gate:' .. qk .. ':sent', id)
+    local reg = prefix .. 'gate:' .. qk .. ':blocked'
+    local members = redis.call('SMEMBERS', reg)
+    redis.call('DEL', reg)
+    for _, m in ipairs(members) do
+      local q, tk = string.match(m, '^([^\n]*)\n(.*)$')
+      if q then sched_unblock(prefix, q, tk) end
+    end
+  end
+  return table.concat(list, '\n')
+end

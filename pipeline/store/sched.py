@@ -1,0 +1,205 @@
+"""Scheduling data for a pool's dispatch tick (``lua/dispatch.lua``) and the set-up of indexed
+queues (``lua/sched.lua``: tenant sub-queues for fair share and quota-aware dispatch).
+
+A queue is *indexed* while its ``Keys.sched`` hash exists. The dispatchers serving a queue's
+pool write it at start (:func:`setup`) when the queue has ``fair_share`` or a blocking per-key
+concurrency quota in its gates, and every script that adds or removes a waiting request keeps
+the sub-queues in step from then on (submit, requeue, reap, cancel, expiry, dispatch). Requests
+already waiting are indexed by :func:`setup` (and, should a writer ever skip the index, by the
+dispatch tick itself, a chunk at a time). :func:`teardown` turns indexing off again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from .keys import Keys
+from .scripts import Scripts
+
+CHUNK = 500
+
+
+@dataclass(frozen=True)
+class QuotaSpec:
+    """A blocking, per-key concurrency quota in a queue's gates (``redis-quota`` with
+    ``mode: concurrency``): the dispatch script counts each key's dispatched and running
+    requests against ``limit`` (and ``lookahead`` attempts past it, which park at the worker
+    for a release of the key). A request's key is ``key_prefix + metadata[attribute]``
+    (``<prefix><attribute>:<value>``, the reference's quota key); ``local`` when the key's
+    leases live in the pipeline's Redis (then they count too)."""
+
+    key_prefix: str
+    attribute: str
+    limit: int
+    lookahead: int = 0
+    local: bool = True
+
+    def arg(self) -> dict[str, Any]:
+        return {
+            "k": self.key_prefix,
+            "attr": self.attribute,
+            "limit": self.limit,
+            "la": self.lookahead,
+            "h": self.local,
+        }
+
+
+@dataclass(frozen=True)
+class QueueTick:
+    """One queue in a pool's dispatch tick. ``dispatch`` False: only its active requests count
+    against the pool's slots (and it is swept when ``sweep``)."""
+
+    name: str
+    budget: float = 0.0  # the gate's dispatch budget, 0..1
+    cap: int = -1  # most dispatched + running requests of the queue (-1: no limit)
+    dispatch: bool = True
+    sweep: bool = True
+    weight: float = 1.0
+    lane: int = 0
+    specs: tuple[QuotaSpec, ...] = ()
+    rand: float = 0.0  # where a new round-robin counter of the queue starts (0..1)
+    result_list: tuple[str, str, str] = ("", "0", "0")  # key, max length, TTL
+
+    def arg(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dispatch": self.dispatch,
+            "sweep": self.sweep,
+            "budget": max(0.0, min(1.0, self.budget)),
+            "cap": self.cap,
+            "weight": self.weight,
+            "lane": self.lane,
+            "rand": self.rand,
+            "rl_max": self.result_list[1],
+            "rl_ttl": self.result_list[2],
+            "specs": [s.arg() for s in self.specs],
+        }
+
+
+@dataclass(frozen=True)
+class MergeArgs:
+    """The pool's merge policy as the dispatch script takes it."""
+
+    policy: str = "random-robin"
+    max_wait: int = 15
+    lookahead: int = 0  # most quota look-ahead attempts per tick
+
+
+@dataclass(frozen=True)
+class PoolTickResult:
+    moved: list[Any]  # Dispatched
+    expired: dict[str, int]
+    next_event: float | None
+    rejected: dict[str, list[str]] = field(default_factory=dict)
+
+
+def index_attribute(attribute: str) -> str:
+    return attribute.removeprefix("metadata.")
+
+
+def setup(
+    client: redis.Redis,
+    scripts: Scripts,
+    keys: Keys,
+    queue: str,
+    pool: str,
+    attribute: str,
+    fair: bool,
+) -> int:
+    """Index ``queue`` (tenants = values of metadata ``attribute``; ``fair``: fair share) and
+    the requests already waiting in it; returns how many were indexed now. Idempotent; a
+    queue indexed with another attribute is re-indexed from scratch."""
+    conf = keys.sched(queue)
+    current = client.hmget(conf, "attr", "fair")
+    attr = index_attribute(attribute)
+    if current[0] is not None and (_text(current[0]) != attr or _text(current[1]) != _flag(fair)):
+        teardown(client, keys, queue)
+    client.hset(conf, mapping={"attr": attr, "fair": _flag(fair), "pool": pool})
+    done = 0
+    while True:
+        res = scripts.sched_index(keys=[keys.pending(queue)], args=[keys.prefix, queue, CHUNK])
+        done += int(res[1])
+        if int(res[0]) == 0:
+            return done
+
+
+def teardown(client: redis.Redis, keys: Keys, queue: str) -> None:
+    """Stop indexing ``queue``: its sched hash, ready set, blocked tenants and sub-queues go
+    (pending keeps every waiting request; dispatch goes back to the pending order)."""
+    blocked = client.hgetall(keys.blocked(queue))
+    with client.pipeline(transaction=False) as pipe:
+        pipe.delete(keys.sched(queue), keys.ready(queue), keys.blocked(queue))
+        for tk, qk in blocked.items():
+            pipe.srem(keys.quota_blocked(_text(qk)), f"{queue}\n{_text(tk)}")
+        pipe.execute()
+    for key in client.scan_iter(keys.tenant_queue(queue, "*"), count=1000):
+        client.delete(key)
+
+
+def indexed(client: redis.Redis, keys: Keys, queue: str) -> bool:
+    return bool(client.exists(keys.sched(queue)))
+
+
+def recheck(scripts: Scripts, keys: Keys, queue: str) -> int:
+    """Make every tenant of ``queue`` that is held back by a quota key ready again (the next
+    tick holds back those still at their limit): a safety net against a wake-up that was lost
+    (a lease freed by a reaper, a limit raised); returns how many."""
+    return int(scripts.sched_recheck(keys=[], args=[keys.prefix, queue]))
+
+
+def tick_args(
+    keys: Keys,
+    pool: str,
+    queues: list[QueueTick],
+    *,
+    pool_cap: int,
+    lease_s: float,
+    ttl_s: int,
+    sweep: int,
+    nonce: str,
+    merge: MergeArgs,
+    doorbell: str | None,
+    publish: tuple[str, str, str] | None,
+) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of one ``dispatch.lua`` call."""
+    ks: list[str] = []
+    for q in queues:
+        ks += [
+            keys.pending(q.name),
+            keys.delayed(q.name),
+            keys.expiry(q.name),
+            keys.active(q.name),
+            q.result_list[0],
+        ]
+    if doorbell:
+        ks.append(doorbell)
+    list_key, task, origin = publish or ("", "", "")
+    cfg = {
+        "pool": pool,
+        "cap": pool_cap,
+        "lease": lease_s,
+        "ttl": ttl_s,
+        "sweep": sweep,
+        "nonce": nonce,
+        "list": list_key,
+        "task": task,
+        "origin": origin,
+        "doorbell": bool(doorbell),
+        "policy": merge.policy,
+        "max_wait": merge.max_wait,
+        "lookahead": merge.lookahead,
+        "queues": [q.arg() for q in queues],
+    }
+    return ks, [keys.prefix, json.dumps(cfg, separators=(",", ":"))]
+
+
+def _flag(value: bool) -> str:
+    return "1" if value else "0"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
