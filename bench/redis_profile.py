@@ -40,19 +40,38 @@ def script_names() -> dict[str, str]:
     return names
 
 
-def attribute(entries: list[Any], shas: dict[str, str]) -> dict[str, list[float]]:
-    """name → [calls, µs] over SLOWLOG entries."""
-    out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for e in entries:
+def _name(args: list[str], shas: dict[str, str]) -> str:
+    cmd = args[0].lower() if args else "?"
+    if cmd in ("evalsha", "eval") and len(args) > 1:
+        return "lua:" + shas.get(args[1], args[1][:8])
+    return cmd
+
+
+def attribute(
+    entries: list[Any], shas: dict[str, str]
+) -> tuple[dict[str, list[float]], dict[str, dict[str, list[float]]]]:
+    """Over SLOWLOG entries: top-level name → [calls, µs] (a script's µs include the commands
+    it ran), and script name → nested command → [calls, µs]. A command a script runs is logged
+    (client ``?:0``) just before the script's own entry, so the nested entries between two
+    top-level ones belong to the second."""
+    top: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    nested: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
+    pending: list[tuple[str, float]] = []
+    for e in sorted(entries, key=lambda e: e["id"]):
         args = [a.decode() if isinstance(a, bytes) else str(a) for a in e["command"].split()]
-        cmd = args[0].lower() if args else "?"
-        if cmd in ("evalsha", "eval") and len(args) > 1:
-            name = "lua:" + shas.get(args[1], args[1][:8])
-        else:
-            name = cmd
-        out[name][0] += 1
-        out[name][1] += e["duration"]
-    return out
+        name = _name(args, shas)
+        addr = e.get("client_address") or b""
+        addr = addr.decode() if isinstance(addr, bytes) else str(addr)
+        if addr.startswith("?"):
+            pending.append((name, e["duration"]))
+            continue
+        top[name][0] += 1
+        top[name][1] += e["duration"]
+        for cmd, us in pending:
+            nested[name][cmd][0] += 1
+            nested[name][cmd][1] += us
+        pending = []
+    return top, nested
 
 
 def main() -> int:
@@ -73,22 +92,42 @@ def main() -> int:
         entries = c.slowlog_get(SLOWLOG_MAX)
     total = args.n + 2 * LIMIT  # the scenario's warm-up requests are served too
     cpu_ms = sum(cpu1[k] - cpu0[k] for k in ("used_cpu_sys", "used_cpu_user")) * 1000 / total
-    rows = sorted(attribute(entries, script_names()).items(), key=lambda kv: -kv[1][1])
-    busy = sum(us for _, us in (v for _, v in rows))
+    top, nested = attribute(entries, script_names())
+    rows = sorted(top.items(), key=lambda kv: -kv[1][1])
+    busy = sum(us for _, (_, us) in rows)
+    calls = sum(c for _, (c, _) in rows)
+    inner = sum(c for cmds in nested.values() for c, _ in cmds.values())
     log(f"{len(entries):,} commands logged for {total:,} requests")
     print(f"\nRedis per request — {res['label']}, {total:,} requests, ratio {res['ratio']:.3f}")
     print(
         table(
-            ["command / script", "calls per req", "µs per req", "share"],
+            ["command / script (top level)", "calls per req", "µs per req", "µs per call", "share"],
             [
-                [name, f"{calls / total:.2f}", f"{us / total:.1f}", f"{us / busy:.0%}"]
-                for name, (calls, us) in rows
+                [
+                    name,
+                    f"{c / total:.2f}",
+                    f"{us / total:.1f}",
+                    f"{us / max(c, 1):.1f}",
+                    f"{us / busy:.0%}",
+                ]
+                for name, (c, us) in rows
+                if c / total >= 0.005
             ],
         )
     )
+    for name, (c, us) in rows:
+        cmds = nested.get(name)
+        if not cmds or c / total < 0.005:
+            continue
+        own = us - sum(u for _, u in cmds.values())
+        parts = sorted(cmds.items(), key=lambda kv: -kv[1][1])
+        desc = ", ".join(f"{k} {n / c:.2f}x {u / c:.1f}" for k, (n, u) in parts[:12])
+        print(f"  {name} per call: {us / c:.1f} µs = Lua {own / c:.1f} + {desc}")
     print(
-        f"in commands: {busy / total:.0f} µs per request; Redis CPU (user+sys): "
-        f"{cpu_ms:.3f} ms per request"
+        f"top-level calls: {calls / total:.1f} per request (+ {inner / total:.1f} inside "
+        f"scripts); in top-level commands: {busy / total:.0f} µs per request; Redis CPU "
+        f"(user+sys): {cpu_ms:.3f} ms per request, of which {cpu_ms - busy / total / 1000:.3f} "
+        "outside commands (network, event loop, pub/sub delivery, SLOWLOG itself)"
     )
     return 0
 
