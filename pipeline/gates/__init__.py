@@ -7,7 +7,16 @@ attempt of a queue passes and checks a whole configuration's gates. Imports ``co
 ``store`` and ``errors`` of the pipeline.
 """
 
-from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, PreparedAcquire, Verdict
+from .base import (
+    CONTINUE,
+    AcquireContext,
+    Decision,
+    Gate,
+    GateEnv,
+    PreparedAcquire,
+    PreparedRelease,
+    Verdict,
+)
 from .chain import attempt_gate, check_gates, pool_gate, queue_gate, same_attempt_gate
 from .registry import GATE_TYPES, build_gate
 
@@ -19,6 +28,7 @@ __all__ = [
     "Gate",
     "GateEnv",
     "PreparedAcquire",
+    "PreparedRelease",
     "Verdict",
     "attempt_gate",
     "build_gate",

@@ -92,6 +92,18 @@ class PreparedAcquire:
 
 
 @dataclass(frozen=True)
+class PreparedRelease:
+    """A gate's release or hand-over as a :class:`ScriptCall` (see :meth:`Gate.prepare_release`,
+    :meth:`Gate.prepare_transfer`), for the worker to send in the same round trip as the
+    attempt's finish / requeue, before it: ``done`` turns the script's reply into what
+    :meth:`Gate.release` / :meth:`Gate.transfer` return (and finishes what one call could not:
+    a local gate's release of a holder that is not on this node)."""
+
+    call: ScriptCall
+    done: Callable[[Any], bool]
+
+
+@dataclass(frozen=True)
 class GateEnv:
     """Runtime resources a gate binds to (absent while only validating a config)."""
 
@@ -174,6 +186,17 @@ class Gate:
     def release(self, holder: str) -> bool:
         """Free ``holder``'s reservation. Idempotent; returns True if one was freed."""
         return False
+
+    def prepare_release(self, holder: str) -> PreparedRelease | None:
+        """:meth:`release` as one script call, to send ahead of the attempt's finish / requeue
+        in one round trip; None when the release is not one such call (it is called
+        directly)."""
+        return None
+
+    def prepare_transfer(self, giver: str, ctx: AcquireContext) -> PreparedRelease | None:
+        """:meth:`transfer` as one script call (see :meth:`prepare_release`); None when it is
+        not one."""
+        return None
 
     def handover_bell(self, queue: str, wake: Sequence[str]) -> str | None:
         """The bell whose parked attempts a holder of this gate may hand its reservation to

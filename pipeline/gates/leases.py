@@ -119,13 +119,24 @@ class LeaseSet:
     def release(self, holder: str) -> bool:
         return bool(self.scripts.release(keys=self._keys, args=[holder]))
 
+    def release_call(self, holder: str) -> ScriptCall:
+        """:meth:`release` as a call to send in a batch (reply: 1 freed, 0 held nothing)."""
+        return ScriptCall(self.scripts.release, self._keys, [holder])
+
     def transfer(
         self, giver: str, taker: str, lease_s: float, limit: int, info: dict[str, Any]
     ) -> int:
         """Free ``giver``'s slot and take one for ``taker``, atomically: 1 = taken, 2 = the
         taker already held one, 0 = full (the giver held nothing and the pool is full)."""
+        call = self.transfer_call(giver, taker, lease_s, limit, info)
+        return int(call.script(keys=call.keys, args=call.args))
+
+    def transfer_call(
+        self, giver: str, taker: str, lease_s: float, limit: int, info: dict[str, Any]
+    ) -> ScriptCall:
+        """:meth:`transfer` as a call to send in a batch (its reply is the same)."""
         keys, args = self._acquire_keys_args(taker, lease_s, limit, info, giver)
-        return int(self.scripts.acquire(keys=keys, args=args))
+        return ScriptCall(self.scripts.acquire, keys, args)
 
     def renew(self, holders: Sequence[str], lease_s: float) -> int:
         """Extend live holders' leases to ``lease_s`` from now (server clock)."""

@@ -20,7 +20,16 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, PreparedAcquire, Verdict
+from .base import (
+    CONTINUE,
+    AcquireContext,
+    Decision,
+    Gate,
+    GateEnv,
+    PreparedAcquire,
+    PreparedRelease,
+    Verdict,
+)
 from .leases import LeaseScripts, LeaseSet
 from .params import Params
 
@@ -110,11 +119,30 @@ class LocalMaxConcurrencyGate(Gate):
             return False
         if self._slots.release(holder):
             return True
+        return self._release_elsewhere(holder)
+
+    def _release_elsewhere(self, holder: str) -> bool:
         return any(s.release(holder) for s in self._all_slots()[1:])
+
+    def prepare_release(self, holder: str) -> PreparedRelease | None:
+        if self._slots is None:
+            return None
+
+        def done(reply: Any) -> bool:
+            return bool(int(reply)) or self._release_elsewhere(holder)
+
+        return PreparedRelease(self._slots.release_call(holder), done)
 
     def transfer(self, giver: str, ctx: AcquireContext) -> bool:
         info = {"worker": ctx.worker, "handed_over_by": giver}
         return bool(self.slots.transfer(giver, ctx.holder, ctx.lease_s, self.limit, info))
+
+    def prepare_transfer(self, giver: str, ctx: AcquireContext) -> PreparedRelease | None:
+        if self._slots is None:
+            return None
+        info = {"worker": ctx.worker, "handed_over_by": giver}
+        call = self._slots.transfer_call(giver, ctx.holder, ctx.lease_s, self.limit, info)
+        return PreparedRelease(call, lambda reply: bool(int(reply)))
 
     def renew(self, holders: Iterable[str], lease_s: float) -> None:
         self.slots.renew(list(holders), lease_s)

@@ -310,14 +310,42 @@ class Store:
     ) -> str | None:
         """Write the terminal result of an attempt (and its ``mirror``); None when fenced
         off. ``handed_over``: its slot went to another attempt, so no release is published."""
+        call = self.finish_call(
+            request_id,
+            token,
+            attempted=attempted,
+            status_code=status_code,
+            payload=payload,
+            error_code=error_code,
+            error_message=error_message,
+            mirror=mirror,
+            handed_over=handed_over,
+        )
+        return self.finished(call.script(keys=call.keys, args=call.args))
+
+    def finish_call(
+        self,
+        request_id: str,
+        token: str,
+        *,
+        attempted: bool,
+        status_code: int | None,
+        payload: str,
+        error_code: str | None = None,
+        error_message: str | None = None,
+        mirror: Mirror | None = None,
+        handed_over: bool = False,
+    ) -> ScriptCall:
+        """:meth:`finish` as a call to send in a batch; :meth:`finished` reads its reply."""
         keys = [self.keys.request(request_id)]
         extra: list[Any] = []
         if mirror is not None:
             keys.append(mirror.key)
             extra = [mirror.head, mirror.tail, mirror.ttl, 1 if mirror.embed else 0]
-        res = self.scripts.finish(
-            keys=keys,
-            args=[
+        return ScriptCall(
+            self.scripts.finish,
+            keys,
+            [
                 self.keys.prefix,
                 token,
                 int(self.settings.result_ttl_s),
@@ -330,7 +358,11 @@ class Store:
                 *extra,
             ],
         )
-        return res or None
+
+    @staticmethod
+    def finished(reply: Any) -> str | None:
+        """The result JSON a finish call wrote, None when it was fenced off."""
+        return reply or None
 
     def requeue(
         self,
@@ -347,14 +379,40 @@ class Store:
         """Give the request back to its queue (now, or ``delay`` s from now by the server's
         clock) and write its ``mirror`` (``head`` alone). Returns the due time (Unix s, server
         clock), None when fenced off. ``handed_over`` as in :meth:`finish`."""
+        call = self.requeue_call(
+            request_id,
+            token,
+            delay=delay,
+            attempted=attempted,
+            last_response=last_response,
+            last_error=last_error,
+            mirror=mirror,
+            handed_over=handed_over,
+        )
+        return self.requeued(call.script(keys=call.keys, args=call.args))
+
+    def requeue_call(
+        self,
+        request_id: str,
+        token: str,
+        *,
+        delay: float,
+        attempted: bool,
+        last_response: dict[str, Any] | None = None,
+        last_error: str | None = None,
+        mirror: Mirror | None = None,
+        handed_over: bool = False,
+    ) -> ScriptCall:
+        """:meth:`requeue` as a call to send in a batch; :meth:`requeued` reads its reply."""
         keys = [self.keys.request(request_id)]
         extra: list[Any] = []
         if mirror is not None:
             keys.append(mirror.key)
             extra = [mirror.head, mirror.ttl]
-        res = self.scripts.requeue(
-            keys=keys,
-            args=[
+        return ScriptCall(
+            self.scripts.requeue,
+            keys,
+            [
                 self.keys.prefix,
                 token,
                 repr(float(delay)),
@@ -365,7 +423,11 @@ class Store:
                 *extra,
             ],
         )
-        return float(res) if res else None
+
+    @staticmethod
+    def requeued(reply: Any) -> float | None:
+        """The due time a requeue call set, None when it was fenced off."""
+        return float(reply) if reply else None
 
     def renew(self, attempts: list[tuple[str, str, str]]) -> int:
         """Extend the leases of live attempts given as (id, token, queue)."""

@@ -17,12 +17,13 @@ from ..config import QueueConfig, Settings
 from ..gates import CONTINUE, AcquireContext, Decision, Gate, Verdict
 from ..http.backoff import retry_delay
 from ..http.classify import Kind, Outcome, join_url, send
-from ..store import Store
+from ..store import ScriptCall, Store
 from ..store import holder as make_holder
 from ..store.keys import ref_cancel_key
 from . import observe
 from .bell import ReleaseBell, Ticket
 from .endpoints import authorization, queue_tls
+from .release import ReleasePlan
 from .report import Mirrors, Report, Status, failure_message, result_dict
 
 log = logging.getLogger("pipeline.worker")
@@ -44,7 +45,7 @@ class Host(Protocol):
 
     def current_gate(self, queue: str) -> Gate | None: ...
 
-    def release(
+    def plan_release(
         self,
         queue: str,
         request_id: str,
@@ -53,7 +54,9 @@ class Host(Protocol):
         hand_over: bool = False,
         gate: Gate | None = None,
         wake: Sequence[str] = (),
-    ) -> bool: ...
+    ) -> ReleasePlan: ...
+
+    def release_then(self, plan: ReleasePlan, call: ScriptCall) -> Any: ...
 
 
 class Attempt:
@@ -155,8 +158,9 @@ class Attempt:
             self._wake_keys = self.gate.wake_keys(self._ctx())
 
     # -- outcomes (each releases first) --------------------------------------------------
-    def _release(self) -> bool:
-        """Release (or hand over: True) this attempt's reservation."""
+    def _release(self) -> ReleasePlan:
+        """Release (or hand over) this attempt's reservation; the gate's call, when it is one,
+        goes to Redis ahead of the finish / requeue (:meth:`Host.release_then`)."""
         ticket = self._granted
         if ticket is not None:
             # the giver is still recording the transfer: releasing before it would leave a
@@ -166,7 +170,7 @@ class Attempt:
         else:
             held = self.decision is not None and self.decision.admitted
         wake = self._wake_keys if held else ()  # it held a slot of these keys: ring them
-        return self.rt.release(
+        return self.rt.plan_release(
             self.queue.queue_name, self.id, self.token, hand_over=held, gate=self.gate, wake=wake
         )
 
@@ -179,13 +183,14 @@ class Attempt:
         error_code: str | None = None,
         error_message: str | None = None,
     ) -> Report:
-        handed_over = self._release()
+        plan = self._release()
         ok = error_code is None and status_code is not None and status_code < 400
         failure = "" if ok else failure_message(status_code, payload, error_code, error_message)
         mirror = None
         if self.mirrors is not None:
             mirror = self.mirrors.success() if ok else self.mirrors.failure(failure)
-        res = self.rt.store.finish(
+        store = self.rt.store
+        call = store.finish_call(
             self.id,
             self.token,
             attempted=attempted,
@@ -194,8 +199,9 @@ class Attempt:
             error_code=error_code,
             error_message=error_message,
             mirror=mirror,
-            handed_over=handed_over,
+            handed_over=plan.handed_over,
         )
+        res = store.finished(self.rt.release_then(plan, call))
         self.closed = True
         if res is None:
             return Report(Status.STALE, "fenced off at finish")
@@ -222,9 +228,10 @@ class Attempt:
         error: str | None = None,
         status: Status = Status.REQUEUED,
     ) -> Report:
-        handed_over = self._release()
+        plan = self._release()
         mirror = self.mirrors.retry(reason) if self.mirrors is not None else None
-        due = self.rt.store.requeue(
+        store = self.rt.store
+        call = store.requeue_call(
             self.id,
             self.token,
             delay=delay,
@@ -232,8 +239,9 @@ class Attempt:
             last_response=last,
             last_error=error,
             mirror=mirror,
-            handed_over=handed_over,
+            handed_over=plan.handed_over,
         )
+        due = store.requeued(self.rt.release_then(plan, call))
         self.closed = True
         if due is None:
             return Report(Status.STALE, "fenced off at requeue")

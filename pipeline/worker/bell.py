@@ -131,6 +131,13 @@ class ReleaseBell:
         if self._listener is not None:
             self._echoes[queue].append(time.monotonic())
 
+    def expect_echo(self, queue: str) -> None:
+        """A release of ``queue`` is about to be published by this process, and
+        :meth:`ring` will follow it (without ``echo``): the listener swallows that message
+        even when it arrives before the ring."""
+        with self._lock:
+            self._expect_echo(queue)
+
     def ring(self, queue: str, *, echo: bool = False) -> None:
         """A reservation of ``queue``'s gate may have been freed: wake one of its waiters.
         ``echo``: this release will also be published (finish / requeue), so the listener

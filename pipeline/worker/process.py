@@ -19,7 +19,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..config import Settings, from_snapshot, load_settings, to_snapshot
@@ -28,17 +28,19 @@ from ..gates import (
     Gate,
     GateEnv,
     PreparedAcquire,
+    PreparedRelease,
     attempt_gate,
     check_gates,
     same_attempt_gate,
 )
 from ..http.call import reset_tls
 from ..observability import tracing
-from ..store import Store, run_batch
+from ..store import ScriptCall, Store, run_batch
 from ..store import holder as make_holder
 from .attempt import Attempt
 from .bell import ReleaseBell, Ticket
 from .endpoints import check_endpoints
+from .release import ReleasePlan
 
 log = logging.getLogger("pipeline.worker")
 
@@ -143,13 +145,34 @@ class Runtime:
         goes straight to it — it is woken at once, admitted, and heads for the server while
         this thread records the transfer. True when the slot was handed over (nothing was
         freed: the finish / requeue that follows publishes no release)."""
+        plan = self.plan_release(
+            queue, request_id, token, hand_over=hand_over, gate=gate, wake=wake, batch=False
+        )
+        return plan.handed_over
+
+    def plan_release(
+        self,
+        queue: str,
+        request_id: str,
+        token: str,
+        *,
+        hand_over: bool = False,
+        gate: Gate | None = None,
+        wake: Sequence[str] = (),
+        batch: bool = True,
+    ) -> ReleasePlan:
+        """:meth:`release`, with the gate's script call left for :meth:`release_then` to send
+        ahead of the attempt's finish / requeue in the same round trip (``batch``, when the
+        gate's release or transfer is one call: ``Gate.prepare_release`` /
+        ``Gate.prepare_transfer``); otherwise done here, as :meth:`release` does."""
         holder = make_holder(request_id, token)
         with self._lock:
             self._live.pop(holder, None)
         current = self.current_gate(queue)
         gate = gate or current
+        plan = ReleasePlan(queue, holder, gate, tuple(wake))
         if gate is None:
-            return False
+            return plan
         # a hand-over is recorded with the gate's limit and the taker leaves for the server at
         # once: only on the current gate, never one a reload replaced (its stale limit could
         # refuse the transfer of a slot already given)
@@ -157,19 +180,90 @@ class Runtime:
         if bell is not None:
             ticket = self.bell.hand_over(bell, gate)
             if ticket is not None:
-                self._transfer(gate, holder, ticket)
-                for key in wake:  # quota slots the transfer released (a composite's)
-                    if key != bell:
+                plan.handed_over, plan.ticket = True, ticket
+                plan.wake = tuple(k for k in wake if k != bell)  # quota slots a transfer frees
+                plan.prepared = _prepared(gate.prepare_transfer, holder, ticket.ctx, batch)
+                if plan.prepared is None:
+                    self._transfer(gate, holder, ticket)
+                    for key in plan.wake:
                         self.bell.ring(key, echo=True)
-                return True
+                return plan
+        plan.prepared = _prepared(gate.prepare_release, holder, None, batch)
+        if plan.prepared is None:
+            self._release_now(gate, holder, queue, wake)
+        return plan
+
+    def release_then(self, plan: ReleasePlan, call: ScriptCall) -> Any:
+        """The plan's gate call (if any) and then ``call`` (the attempt's finish / requeue),
+        in one round trip, each atomic and in that order: the reservation is released (or
+        handed over) before the request leaves the attempt. Returns ``call``'s reply (raises
+        its error). A failed gate call is retried the usual way (:meth:`release`)."""
+        prepared = plan.prepared
+        if prepared is None:
+            return call.script(keys=call.keys, args=call.args)
+        # the finish / requeue publishes the release: the direct rings below expect its echo
+        for name in self._ringing(plan):
+            self.bell.expect_echo(name)
+        if getattr(call.script, "replication", None) is not None:
+            # a call that waits for replicas (its WAIT follows it): the gate call goes first
+            self._settle(plan, run_batch(self.store.client, [prepared.call])[0])
+            return call.script(keys=call.keys, args=call.args)
+        try:
+            gate_reply, reply = run_batch(self.store.client, [prepared.call, call])
+        except Exception as exc:
+            self._settle(plan, exc)
+            raise
+        self._settle(plan, gate_reply)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    @staticmethod
+    def _ringing(plan: ReleasePlan) -> tuple[str, ...]:
+        """The bells a plan's release rings (and the finish / requeue publishes)."""
+        return plan.wake if plan.handed_over else (plan.queue, *plan.wake)
+
+    def _settle(self, plan: ReleasePlan, reply: Any) -> None:
+        """Take a prepared gate call's reply: record a hand-over's outcome, or retry a failed
+        release; then ring this process's bells."""
+        assert plan.gate is not None and plan.prepared is not None
+        gate, ticket = plan.gate, plan.ticket
+        if ticket is not None:
+            if isinstance(reply, Exception):
+                log.warning("hand-over of %s on gate %s failed: %s", plan.holder, gate.name, reply)
+                self._transfer(gate, plan.holder, ticket)
+            else:
+                try:
+                    ticket.held = plan.prepared.done(reply)
+                    if not ticket.held:
+                        _lapsed(plan.holder, ticket, gate)
+                finally:
+                    ticket.transferred.set()
+        else:
+            try:
+                if isinstance(reply, Exception):
+                    raise reply
+                plan.prepared.done(reply)
+            except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
+                log.warning("release of %s on gate %s failed: %s", plan.holder, plan.queue, exc)
+                self._release_now(gate, plan.holder, plan.queue, (), ring=False)
+        for name in self._ringing(plan):
+            self.bell.ring(name)
+
+    def _release_now(
+        self, gate: Gate, holder: str, queue: str, wake: Sequence[str], *, ring: bool = True
+    ) -> None:
+        """Release on ``gate``, retried; then (``ring``) ring this process's bells."""
         for i in range(RELEASE_TRIES):
             try:
                 gate.release(holder)
-                # the finish / requeue that follows publishes the release to other processes
-                self.bell.ring(queue, echo=True)
-                for key in wake:
-                    self.bell.ring(key, echo=True)
-                return False
+                if ring:
+                    # the finish / requeue that follows publishes the release to other
+                    # processes
+                    self.bell.ring(queue, echo=True)
+                    for key in wake:
+                        self.bell.ring(key, echo=True)
+                return
             except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
                 log.warning(
                     "release of %s on gate %s failed (try %d/%d): %s",
@@ -181,7 +275,6 @@ class Runtime:
                 )
                 time.sleep(0.1 * 2**i)
         log.error("release of %s on gate %s gave up; its lease will expire", holder, queue)
-        return False
 
     def _transfer(self, gate: Gate, giver: str, ticket: Ticket) -> None:
         """Record in Redis that ``giver``'s slot now belongs to the ticket's attempt (already
@@ -192,13 +285,7 @@ class Runtime:
                 try:
                     ticket.held = gate.transfer(giver, ticket.ctx)
                     if not ticket.held:
-                        log.warning(
-                            "slot of %s handed to %s on gate %s, but its lease had lapsed and "
-                            "the gate is full",
-                            giver,
-                            ticket.ctx.holder,
-                            gate.name,
-                        )
+                        _lapsed(giver, ticket, gate)
                     return
                 except Exception as exc:  # noqa: BLE001 - as a release: never silently lost
                     log.warning(
@@ -364,6 +451,29 @@ class Runtime:
     def stop(self) -> None:
         self._stopping.set()
         self.bell.stop()
+
+
+def _prepared(
+    prepare: Callable[..., PreparedRelease | None], holder: str, ctx: Any, batch: bool
+) -> PreparedRelease | None:
+    """A gate's prepared release (``ctx`` None) or transfer; None when not batching, when the
+    gate has none, or when preparing it failed (then it is done the usual way)."""
+    if not batch:
+        return None
+    try:
+        return prepare(holder) if ctx is None else prepare(holder, ctx)
+    except Exception as exc:  # noqa: BLE001 - the release is done directly instead
+        log.warning("could not prepare the release of %s: %s", holder, exc)
+        return None
+
+
+def _lapsed(giver: str, ticket: Ticket, gate: Gate) -> None:
+    log.warning(
+        "slot of %s handed to %s on gate %s, but its lease had lapsed and the gate is full",
+        giver,
+        ticket.ctx.holder,
+        gate.name,
+    )
 
 
 def _snapshot_stamp() -> tuple[int, int, int] | None:
