@@ -335,8 +335,12 @@ class Store:
         error_message: str | None = None,
         mirror: Mirror | None = None,
         handed_over: bool = False,
+        nowake: bool = False,
     ) -> ScriptCall:
-        """:meth:`finish` as a call to send in a batch; :meth:`finished` reads its reply."""
+        """:meth:`finish` as a call to send in a batch; :meth:`finished` reads its reply.
+        ``nowake`` (with ``handed_over``): the pool's doorbell is not rung either — the worker
+        that took the slot still has attempts of the queue parked, so the dispatcher need not
+        send more yet."""
         keys = [self.keys.request(request_id)]
         extra: list[Any] = []
         if mirror is not None:
@@ -354,7 +358,7 @@ class Store:
                 payload,
                 error_code or "",
                 error_message or "",
-                1 if handed_over else 0,
+                (2 if nowake else 1) if handed_over else 0,
                 *extra,
             ],
         )

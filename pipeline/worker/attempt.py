@@ -58,6 +58,8 @@ class Host(Protocol):
 
     def release_then(self, plan: ReleasePlan, call: ScriptCall) -> Any: ...
 
+    def parked_ahead(self, queue: str, gate: Gate) -> bool: ...
+
 
 class Attempt:
     """One attempt of one request, from a fenced start to exactly one outcome."""
@@ -200,6 +202,7 @@ class Attempt:
             error_message=error_message,
             mirror=mirror,
             handed_over=plan.handed_over,
+            nowake=plan.handed_over and self.rt.parked_ahead(self.queue.queue_name, self.gate),
         )
         res = store.finished(self.rt.release_then(plan, call))
         self.closed = True

@@ -218,6 +218,18 @@ class Runtime:
             raise reply
         return reply
 
+    def parked_ahead(self, queue: str, gate: Gate) -> bool:
+        """Whether this process still has at least half the dispatcher's look-ahead past
+        ``gate``'s capacity (``Settings.lookahead_for``) parked for a slot of ``queue``: then
+        a finish that handed its slot over does not ring the pool's doorbell (the dispatcher
+        is rung when the parked attempts run low, and tops them up in one tick, instead of
+        one tick per finish)."""
+        cap = gate.capacity()
+        if cap is None:
+            return False
+        need = -(-self.settings.lookahead_for(cap) // 2)
+        return need > 0 and self.bell.waiting(queue) >= need
+
     @staticmethod
     def _ringing(plan: ReleasePlan) -> tuple[str, ...]:
         """The bells a plan's release rings (and the finish / requeue publishes)."""

@@ -3,17 +3,19 @@
 -- KEYS[1] request hash; KEYS[2] (optional) the Celery result key of the attempt's task.
 -- ARGV[1] prefix, ARGV[2] token, ARGV[3] result TTL (s),
 -- ARGV[4] 1 if this attempt sent an HTTP request, ARGV[5] status code or '',
--- ARGV[6] payload, ARGV[7] error code or '', ARGV[8] error message, ARGV[9] '1' when the
--- attempt handed its slot over (no release to publish on the freed channel), else '0'.
+-- ARGV[6] payload, ARGV[7] error code or '', ARGV[8] error message, ARGV[9] '0' when the
+-- attempt released its slot (published on the freed channel), '1' when it handed it over (no
+-- release to publish), '2' when it handed it over and its worker still has attempts of the
+-- queue parked (nor a doorbell to ring: see terminal() in lib.lua).
 -- With KEYS[2] (the task's Celery result, written in the same step instead of a second round
 -- trip by the result backend): ARGV[10] meta head, ARGV[11] meta tail, ARGV[12] its TTL (s),
 -- ARGV[13] '1' to put the result JSON between head and tail (a SUCCESS meta).
 -- Returns the result JSON, or false when fenced off.
-local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'id')
-if f[1] == 'done' or not f[1] or f[2] ~= ARGV[2] then return false end
-if ARGV[4] == '1' then redis.call('HINCRBY', KEYS[1], 'attempts', 1) end
-local json = terminal(ARGV[1], f[3], server_now(), ARGV[3], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
-  ARGV[9] == '1')
+local f = redis.call('HMGET', KEYS[1], unpack(TERMINAL_FIELDS))
+local state = f[13]
+if state == 'done' or not state or f[14] ~= ARGV[2] then return false end
+local json = terminal(ARGV[1], f[15], server_now(), ARGV[3], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
+  ARGV[9] ~= '0', f, ARGV[4] == '1', ARGV[9] == '2')
 if KEYS[2] then
   local body = ''
   if ARGV[13] == '1' then body = json end

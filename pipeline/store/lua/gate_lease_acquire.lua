@@ -10,8 +10,9 @@
 -- ARGV[1] holder, ARGV[2] lease (s from now), ARGV[3] limit,
 -- ARGV[4] info JSON (an object; the script adds "acquired_at", Unix s),
 -- ARGV[5] grace (s): leases that expired more than this long ago are purged here (their
---         holder is gone for good), and both keys live this long past the latest lease they
---         hold.
+--         holder is gone for good), and both keys live at least this long past the latest
+--         lease they hold (re-armed to a minute more when they would expire sooner, so most
+--         calls only read their TTLs).
 -- ARGV[6] (optional) a giver: a holder whose slot is freed first, in the same atomic step, so
 --         the slot passes from it to ARGV[1] without ever being free (a hand-over; the taker
 --         fits unless the giver held nothing and the pool is full).
@@ -50,10 +51,10 @@ else
   if KEYS[3] then redis.call('SADD', KEYS[3], ARGV[7]) end
 end
 
-local top = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
-redis.call('PEXPIRE', KEYS[1], math.ceil((tonumber(top[2]) - now + grace) * 1000))
+-- every lease written (here and by gate_lease_renew.lua) leaves both keys at least `grace`
+-- past it, so they outlive the latest lease they hold by that much
 local ttl = math.ceil((lease - now + grace) * 1000)
-if redis.call('PTTL', KEYS[2]) < ttl then
-  redis.call('PEXPIRE', KEYS[2], ttl)
+for i = 1, 2 do
+  if redis.call('PTTL', KEYS[i]) < ttl then redis.call('PEXPIRE', KEYS[i], ttl + 60000) end
 end
 return result

@@ -113,9 +113,9 @@ end
 -- push (0 or absent: never), so a list nobody pops stays bounded.
 local function push_result(list, json, max_len, ttl)
   if not list or list == '' then return end
-  redis.call('LPUSH', list, json)
+  local n = redis.call('LPUSH', list, json)
   max_len = tonumber(max_len) or 0
-  if max_len > 0 then redis.call('LTRIM', list, 0, max_len - 1) end
+  if max_len > 0 and n > max_len then redis.call('LTRIM', list, 0, max_len - 1) end
   ttl = tonumber(ttl) or 0
   if ttl > 0 then redis.call('EXPIRE', list, math.ceil(ttl)) end
 end
@@ -167,24 +167,41 @@ local function batch_count(prefix, id, ok, now)
   batch_settle(prefix, id, now)
 end
 
--- Write the terminal result of request `id` and take it out of every waiting and active set.
--- status_code / error_code are '' when absent. `quiet`: do not publish the release on the
--- freed channel (the attempt handed its slot over: nothing was freed). Returns the result JSON.
+-- The record fields terminal() reads, in this order: a caller that reads the record first (to
+-- fence an attempt) reads these and hands them over.
+local TERMINAL_FIELDS = {'queue', 'pool', 'member', 'attempts', 'submitted_at', 'result_list',
+  'result_list_max', 'result_list_ttl', 'wire', 'ref_token', 'qkeys', 'batch', 'state', 'token',
+  'id'}
+
+-- Write the terminal result of request `id` and take it out of the sets its state has it in (a
+-- dispatched or running request is only in its queue's active set; any other one is looked for
+-- in every waiting set too). status_code / error_code are '' when absent. `quiet`: do not
+-- publish the release on the freed channel (the attempt handed its slot over: nothing was
+-- freed). `f`: the record's TERMINAL_FIELDS, if the caller read them (else read here).
+-- `attempted`: the attempt that ends it sent an HTTP request (counted in `attempts`).
+-- `nowake`: do not ring the pool's doorbell (a hand-over, and the worker that took the slot
+-- still has attempts of the queue parked: the dispatcher is rung when it runs low). Returns the
+-- result JSON.
 local function terminal(prefix, id, now, ttl, status_code, payload, error_code, error_message,
-    quiet)
+    quiet, f, attempted, nowake)
   local rk = prefix .. 'req:' .. id
-  local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'attempts', 'submitted_at',
-    'result_list', 'result_list_max', 'result_list_ttl', 'wire', 'ref_token', 'qkeys')
-  local queue, pool, member = f[1], f[2], f[3]
-  if redis.call('ZREM', qkey(prefix, queue, 'pending'), member) == 1 then
-    sched_remove(prefix, queue, id, member)
+  f = f or redis.call('HMGET', rk, unpack(TERMINAL_FIELDS))
+  local queue, pool, member, state = f[1], f[2], f[3], f[13]
+  local attempts = tonumber(f[4]) or 0
+  if attempted then attempts = attempts + 1 end
+  if state ~= 'dispatched' and state ~= 'running' then
+    if redis.call('ZREM', qkey(prefix, queue, 'pending'), member) == 1 then
+      sched_remove(prefix, queue, id, member)
+    end
+    redis.call('ZREM', qkey(prefix, queue, 'delayed'), id)
+    redis.call('ZREM', qkey(prefix, queue, 'expiry'), id)
   end
   local keys = sched_leave(prefix, id, f[11])
-  redis.call('ZREM', qkey(prefix, queue, 'delayed'), id)
-  redis.call('ZREM', qkey(prefix, queue, 'expiry'), id)
-  redis.call('ZREM', qkey(prefix, queue, 'active'), id)
+  if state ~= 'queued' and state ~= 'retry_wait' then
+    redis.call('ZREM', qkey(prefix, queue, 'active'), id)
+  end
   local result = {
-    id = id, payload = payload, attempts = tonumber(f[4]) or 0, queue = queue,
+    id = id, payload = payload, attempts = attempts, queue = queue,
     submitted_at = tonumber(f[5]), finished_at = tonumber(now),
   }
   local outcome = 'ok'
@@ -199,8 +216,13 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   -- also without an error code: an HTTP result's note (the gateway's drop reason)
   if error_message ~= '' then result.error_message = error_message end
   local json = cjson.encode(result)
-  redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', fmt_time(now),
-    'token', '')
+  if attempted then
+    redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', fmt_time(now),
+      'token', '', 'attempts', attempts)
+  else
+    redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', fmt_time(now),
+      'token', '')
+  end
   redis.call('EXPIRE', rk, ttl)
   if f[9] == 'llm-d-async' then  -- it came from a reference producer: its consumer's format
     push_result(f[6], ref_result(id, status_code, payload, error_code, error_message,
@@ -213,12 +235,11 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   redis.call('RPUSH', nk, '1')
   redis.call('EXPIRE', nk, 300)
   redis.call('HINCRBY', qkey(prefix, queue, 'stats'), outcome, 1)
-  local batch = redis.call('HGET', rk, 'batch')
-  if batch then batch_count(prefix, batch, outcome == 'ok', now) end
+  if f[12] then batch_count(prefix, f[12], outcome == 'ok', now) end
   local recent = qkey(prefix, queue, 'recent')
   redis.call('ZADD', recent, fmt_time(now), id)
   redis.call('ZREMRANGEBYSCORE', recent, '-inf', now - 300)
-  wake(prefix, pool)
+  if not nowake then wake(prefix, pool) end
   if not quiet then freed(prefix, queue, keys) end
   return json
 end
