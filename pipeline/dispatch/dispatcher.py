@@ -124,7 +124,9 @@ class Dispatcher:
 
     def apply(self, settings: Settings) -> None:
         """Switch to reloaded settings between two ticks (the pools served stay the same:
-        they are the node's Celery queues)."""
+        they are the node's Celery queues). A tick waiting for its doorbell is rung, so the
+        switch waits for no more than that tick."""
+        self._ring()
         with self._lock:
             self._bind(settings, self.settings)
             self._foreign_due = 0.0
@@ -165,6 +167,14 @@ class Dispatcher:
         self._thread.start()
         return self
 
+    def _ring(self) -> None:
+        """Ring this node's pools' doorbells (ends a tick's wait for them)."""
+        try:
+            for pool in self.pools:
+                self.store.client.rpush(self.keys.wake(pool), "1")
+        except Exception as exc:  # noqa: BLE001 - the wait ends by itself within a second
+            log.warning("could not ring the doorbell: %s", exc)
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -192,9 +202,11 @@ class Dispatcher:
     # -- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
         wake_keys = [self.keys.wake(p) for p in self.pools]
+        block: float | None = None
         while not self._stop.is_set():
             try:
-                next_event = self.tick()
+                next_event = self.tick(block)
+                block = None
                 now = time.monotonic()
                 if now >= self._next_beat:
                     self._heartbeat()
@@ -205,23 +217,41 @@ class Dispatcher:
                 if next_event is not None:
                     wait = min(wait, next_event - now)
                 if wait > 0.001:
-                    self.store.client.blpop(wake_keys, timeout=wait)
+                    if self.fused():
+                        block = wait  # the next tick waits for the doorbell itself
+                    else:
+                        self.store.client.blpop(wake_keys, timeout=wait)
             except Exception as exc:  # noqa: BLE001 - the loop must survive Redis outages
                 log.warning("dispatcher tick failed: %s", exc)
+                block = None
                 self._stop.wait(0.5)
 
-    def tick(self) -> float | None:
-        """Dispatch every pool once; returns when the earliest known future event is due
-        (``time.monotonic()``: the scripts give delays by the server's clock)."""
-        with self._lock:
-            return self._tick()
+    def fused(self) -> bool:
+        """Whether the loop's wait for the doorbell and the tick it wakes go to Redis in one
+        round trip: one pool, no reference producer to ingest from, no other pools' queues to
+        sweep, and gates whose dispatch budget never changes (the tick's arguments are computed
+        before the wait)."""
+        return (
+            len(self.pools) == 1
+            and not self.ingesting
+            and not self.foreign
+            and all(g.static_budget for g in self.gates.values())
+        )
 
-    def _tick(self) -> float | None:
+    def tick(self, block: float | None = None) -> float | None:
+        """Dispatch every pool once; returns when the earliest known future event is due
+        (``time.monotonic()``: the scripts give delays by the server's clock). ``block`` (s,
+        one pool only): the tick first waits that long for the pool's doorbell, in the same
+        round trip (see ``Store.tick_pool``)."""
+        with self._lock:
+            return self._tick(block)
+
+    def _tick(self, block: float | None = None) -> float | None:
         next_event: float | None = None
         for pool, queues in self.pools.items():
             # the tick empties the pool's doorbell: the rings pushed so far are all answered
             # by it, so none of them wakes a redundant tick
-            ne = self._tick_pool(pool, queues, self.keys.wake(pool))
+            ne = self._tick_pool(pool, queues, self.keys.wake(pool), block)
             if ne is not None and (next_event is None or ne < next_event):
                 next_event = ne
         now = time.monotonic()
@@ -258,7 +288,11 @@ class Dispatcher:
         )
 
     def _tick_pool(
-        self, pool: str, queues: list[QueueConfig], doorbell: str | None = None
+        self,
+        pool: str,
+        queues: list[QueueConfig],
+        doorbell: str | None = None,
+        block: float | None = None,
     ) -> float | None:
         for q in queues:
             if q.ingest:
@@ -277,6 +311,7 @@ class Dispatcher:
             ),
             publish=direct,
             doorbell=doorbell,
+            block=block,
         )
         for q in queues:
             metrics.deadline_expired(q, res.expired[q.queue_name])

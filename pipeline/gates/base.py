@@ -138,6 +138,9 @@ class Gate:
     # a per-key slot (a blocking concurrency quota): an attempt parked for another gate of a
     # composite keeps it (it is its tenant's, and released on every exit path like the rest)
     per_key: ClassVar[bool] = False
+    # dispatch_budget() never changes (it reads nothing that moves): the dispatcher may compute
+    # a tick's arguments before it blocks on its doorbell and send both in one round trip
+    static_budget: ClassVar[bool] = False
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         self.name = name

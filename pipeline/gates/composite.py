@@ -86,6 +86,8 @@ class CompositeGate(Gate):
         *keyed, last = self.gates
         slot = last.hands_over and not last.per_key and all(g.per_key for g in keyed)
         setattr(self, "hands_over", bool(keyed) and slot)  # noqa: B010 - instance override
+        static = all(g.static_budget for g in self.gates)
+        setattr(self, "static_budget", static)  # noqa: B010 - instance override
 
     def handover_bell(self, queue: str, wake: Sequence[str]) -> str | None:
         return queue if self.hands_over else None
@@ -189,6 +191,7 @@ class Wrapper(Gate):
     def _wrap(self, inner: Gate) -> None:
         self.inner = inner
         setattr(self, "per_node", inner.per_node)  # noqa: B010 - instance override
+        setattr(self, "static_budget", inner.static_budget)  # noqa: B010 - instance override
 
     def budget(self) -> float:
         return self.inner.budget()

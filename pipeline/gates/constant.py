@@ -7,3 +7,4 @@ from .base import Gate
 
 class ConstantGate(Gate):
     type_name = "constant"
+    static_budget = True

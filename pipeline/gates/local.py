@@ -40,6 +40,7 @@ class LocalMaxConcurrencyGate(Gate):
     type_name = "local-max-concurrency"
     per_node = True
     hands_over = True
+    static_budget = True
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)

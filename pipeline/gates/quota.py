@@ -57,6 +57,7 @@ OVERFLOW = {"classification": "overflow"}
 
 class RedisQuotaGate(Gate):
     type_name = "redis-quota"
+    static_budget = True
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)

@@ -20,6 +20,7 @@ import redis
 from ..config import QueueConfig, Settings
 from . import sched, wire
 from .connect import connect
+from .fastredis import thread_connections
 from .keys import Keys
 from .sched import MergeArgs, PoolTickResult, QueueTick
 from .scripts import ScriptCall, Scripts
@@ -187,12 +188,16 @@ class Store:
         merge: MergeArgs | None = None,
         publish: DirectPublish | None = None,
         doorbell: str | None = None,
+        block: float | None = None,
     ) -> PoolTickResult:
         """One dispatch tick of a worker pool (``dispatch.lua``, one atomic step): sweep each
         queue (due retries back, expired waiting requests resulted), then dispatch while the
         pool has a free slot, the merge policy choosing among the queues with room and
         something to send. With ``publish`` the script also pushes the moved requests' Celery
-        messages; with ``doorbell`` it first empties that list (the rings this tick answers)."""
+        messages; with ``doorbell`` it first empties that list (the rings this tick answers).
+        ``block`` (s, with ``doorbell``): the tick runs once the doorbell rings or ``block``
+        passed, sent with its wait in one round trip (``BLPOP`` then the script, on this
+        thread's connection: the server runs the script as soon as the wait ends)."""
         keys, args = sched.tick_args(
             self.keys,
             pool,
@@ -206,7 +211,7 @@ class Store:
             doorbell=doorbell,
             publish=(publish.list_key, publish.task, publish.origin) if publish else None,
         )
-        moved_raw, expired, next_event, rejected = self.scripts.dispatch(keys=keys, args=args)
+        moved_raw, expired, next_event, rejected = self._dispatch(keys, args, doorbell, block)
         moved = [
             Dispatched(
                 moved_raw[i],
@@ -224,6 +229,24 @@ class Store:
             ne if ne >= 0 else None,
             {q.name: list(r) for q, r in zip(queues, rejected, strict=True) if r},
         )
+
+    def _dispatch(
+        self, keys: list[str], args: list[Any], doorbell: str | None, block: float | None
+    ) -> Any:
+        script = self.scripts.dispatch
+        if doorbell and block is not None and block > 0 and script.replication is None:
+            wait = ("BLPOP", doorbell, f"{max(block, 0.001):.3f}")
+            replies = thread_connections(self.client).execute(
+                [wait, ("EVALSHA", script.sha, len(keys), *keys, *args)]
+            )
+            if replies is not None:
+                reply = replies[1]
+                if not isinstance(reply, redis.ResponseError):
+                    return reply
+                if not isinstance(reply, redis.exceptions.NoScriptError):
+                    raise reply
+            # the script is not loaded, or the connection failed: the tick alone, the usual way
+        return script(keys=keys, args=args)
 
     def queue_tick(self, queue: QueueConfig, **kw: object) -> QueueTick:
         """A :class:`QueueTick` for ``queue`` with its result list filled in."""
