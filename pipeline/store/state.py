@@ -81,7 +81,8 @@ class DirectPublish:
 
 @dataclass(frozen=True)
 class Started:
-    """A started attempt: its request ``record``, and the Redis server's clock when it started
+    """A started attempt: its request ``record`` (the fields an attempt reads: see
+    ``start.lua``), and the Redis server's clock when it started
     (``server_now``) against this process's (``local_now``): the attempt measures its deadline
     by ``server_now + (time.time() - local_now)``, never by this machine's clock alone."""
 

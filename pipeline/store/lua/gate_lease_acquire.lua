@@ -44,10 +44,12 @@ else
       >= tonumber(ARGV[3]) then
     return 0
   end
-  local info = cjson.decode(ARGV[4])
-  info.acquired_at = now
+  -- ARGV[4] with "acquired_at" added (spliced in: the caller's JSON object is kept as sent)
+  local head = string.sub(ARGV[4], 1, -2)
+  if string.find(head, '^%s*{%s*$') == nil then head = head .. ',' end
+  local info = head .. '"acquired_at":' .. string.format('%.14g', now) .. '}'
   redis.call('ZADD', KEYS[1], string.format('%.6f', lease), ARGV[1])
-  redis.call('HSET', KEYS[2], ARGV[1], cjson.encode(info))
+  redis.call('HSET', KEYS[2], ARGV[1], info)
   if KEYS[3] then redis.call('SADD', KEYS[3], ARGV[7]) end
 end
 
