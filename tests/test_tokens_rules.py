@@ -164,7 +164,12 @@ def test_a_2xx_without_usage_keeps_the_estimate() -> None:
 
 
 def test_any_other_answer_refunds() -> None:
-    for code, kind in ((429, Kind.RETRY), (503, Kind.RETRY), (400, Kind.FATAL), (302, Kind.SUCCESS)):
+    for code, kind in (
+        (429, Kind.RETRY),
+        (503, Kind.RETRY),
+        (400, Kind.FATAL),
+        (302, Kind.SUCCESS),
+    ):
         assert served_tokens(Outcome(kind, code, USAGE)) == 0
 
 

@@ -931,6 +931,11 @@ class SimServer:
         """Same dict as ``GET /sim/stats``."""
         return self._call(self._sim.stats)
 
+    def tokens(self) -> list[tuple[float, int, int, str | None]]:
+        """Same as ``GET /sim/tokens`` (needs ``record_arrivals``): per 200 generated,
+        (arrival time, monotonic s; prompt tokens; completion tokens; x-request-id)."""
+        return self._call(lambda: list(self._sim.token_log))
+
     def reset(self) -> None:
         """Same as ``POST /sim/reset`` (answers every held request first)."""
         self._call(self._sim.reset)

@@ -25,7 +25,9 @@ def tokens(limit: int = 100, window: Any = 60, **extra: Any) -> dict[str, Any]:
     return {"mode": "tokens", "limit": limit, "window": window, **extra}
 
 
-def req(max_tokens: int, prompt: str = "", metadata: dict[str, str] | None = None) -> AcquireContext:
+def req(
+    max_tokens: int, prompt: str = "", metadata: dict[str, str] | None = None
+) -> AcquireContext:
     """A request whose estimate is ceil(len(prompt) / 4) + max_tokens."""
     c = ctx(metadata=metadata if metadata is not None else ALICE)
     payload = json.dumps({"prompt": prompt, "max_tokens": max_tokens})
