@@ -184,10 +184,11 @@ class Gate:
         """Free ``holder``'s reservation. Idempotent; returns True if one was freed."""
         return False
 
-    def settle(self, ctx: AcquireContext, tokens: int) -> None:
-        """Set the charge ``ctx``'s admission took (gates with ``settles``) to ``tokens``,
-        what the request consumed: the response's usage, or 0 when nothing was served.
-        Idempotent; a no-op for a holder charged nothing (or whose charge has expired)."""
+    def settle(self, ctx: AcquireContext, tokens: int | None) -> None:
+        """Settle the charge ``ctx``'s admission took (gates with ``settles``) when its
+        attempt ends: to ``tokens``, what the request consumed (the response's usage), 0 when
+        nothing was served (a refund), or None to keep the estimate (sent, but no answer said
+        what was served). A no-op for a holder charged nothing (or whose charge expired)."""
 
     def handover_bell(self, queue: str, wake: Sequence[str]) -> str | None:
         """The bell whose parked attempts a holder of this gate may hand its reservation to

@@ -154,7 +154,7 @@ class CompositeGate(Gate):
                     exc,
                 )
 
-    def settle(self, ctx: AcquireContext, tokens: int) -> None:
+    def settle(self, ctx: AcquireContext, tokens: int | None) -> None:
         for gate in self.gates:
             if gate.settles:
                 gate.settle(ctx, tokens)
@@ -222,7 +222,7 @@ class Wrapper(Gate):
     def acquire(self, ctx: AcquireContext) -> Decision:
         return self.inner.acquire(ctx)
 
-    def settle(self, ctx: AcquireContext, tokens: int) -> None:
+    def settle(self, ctx: AcquireContext, tokens: int | None) -> None:
         self.inner.settle(ctx, tokens)
 
     def release(self, holder: str) -> bool:

@@ -29,9 +29,13 @@ window)``.
   ``lua/gate_tokens_acquire.lua``); when the attempt ends it settles the charge
   (:meth:`settle`, ``lua/gate_tokens_settle.lua``) to the response's ``usage`` (prompt +
   completion) after a 2xx, to 0 when nothing was served (no request sent, or a non-2xx answer),
-  and keeps the estimate when the request went out and no answer came (a time-out: the server
-  may have generated it). A charge counts for ``window`` from its admission, whatever it was
-  settled to. Over the budget → Refuse with ``retry_after`` = the time until enough of the
+  and to the estimate when the request went out and no answer came (a time-out: the server
+  may have generated it). A charge counts from its admission until a whole ``window`` after
+  its settlement (it is re-stamped then): every token the server received before the answer
+  lies within the windows it is counted in, however late the request reached the server
+  after its admission. (An attempt that ends without settling — a killed worker — keeps its
+  estimate for a window from its admission; so does one in flight longer than the window.)
+  Over the budget → Refuse with ``retry_after`` = the time until enough of the
   window's charges expire (server clock), or at most ``SETTLE_POLL_S`` when charges still
   in flight could settle lower and make room sooner. An estimate above ``limit`` can never fit:
   Drop (``GATE_DROPPED``, saying so). Nothing is held: release, renew and reap are no-ops.
@@ -235,16 +239,17 @@ class RedisQuotaGate(Gate):
             ),
         )
 
-    def settle(self, ctx: AcquireContext, tokens: int) -> None:
-        """Settle ``ctx``'s charge to ``tokens`` (tokens mode; 0 refunds it)."""
+    def settle(self, ctx: AcquireContext, tokens: int | None) -> None:
+        """Settle ``ctx``'s charge (tokens mode): to ``tokens`` (0 refunds it), or to its
+        estimate (None); a charge that stays counts for a window from now."""
         value = ctx.metadata.get(self.attribute)
         if self.mode != "tokens" or self.client is None or not value:
             return
-        old = int(
-            self._settle(keys=list(self.tokens_keys(value)), args=[ctx.holder, max(0, tokens)])
-        )
+        amount = "" if tokens is None else max(0, tokens)
+        args = [ctx.holder, amount, repr(self.window_s)]
+        old = int(self._settle(keys=list(self.tokens_keys(value)), args=args))
         if old >= 0:
-            log.debug("gate %s: %s charge %d settled to %d", self.name, ctx.holder, old, tokens)
+            log.debug("gate %s: %s charge %d settled to %s", self.name, ctx.holder, old, amount)
 
     # -- reservations (concurrency mode; rate-limit admissions are never refunded) ---------
     def _index(self) -> dict[str, list[str]]:

@@ -180,8 +180,6 @@ class Attempt:
     def _settle(self) -> None:
         """Settle a token budget's charge to ``served_tokens`` (before the release; a failure
         leaves the estimate charged until the window moves past it, and is only logged)."""
-        if self.served_tokens is None:
-            return
         try:
             self.gate.settle(self._ctx(), self.served_tokens)
         except Exception as exc:  # noqa: BLE001 - never in the way of the release

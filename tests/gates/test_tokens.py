@@ -63,19 +63,23 @@ def test_the_same_holder_is_charged_once(env: GateEnv, make: Callable[..., Gate]
     assert not gate.acquire(req(60)).admitted
 
 
+def stamps(env: GateEnv, gate: Gate, *holders: str) -> list[float]:
+    log_key, _ = gate.tokens_keys("alice")  # type: ignore[attr-defined]
+    return [float(env.client.zscore(log_key, h)) for h in holders]
+
+
 def test_a_refusal_waits_until_enough_of_the_window_has_expired(
     env: GateEnv, make: Callable[..., Gate]
 ) -> None:
-    """Charges at t0 (30) and t1 (50), limit 100, window 60 s: a request of 40 needs the first
-    to expire, so its delay is t0 + 60 - now; one of 75 needs both: t1 + 60 - now."""
+    """Charges settled at t0 (30) and t1 (50), limit 100, window 60 s: a request of 40 needs
+    the first to expire, so its delay is t0 + 60 - now; one of 75 needs both: t1 + 60 - now."""
     gate = make("redis-quota", tokens(100))
     a, b = req(30), req(50)
     gate.acquire(a)
     gate.acquire(b)
-    log_key, _ = gate.tokens_keys("alice")  # type: ignore[attr-defined]
-    t0, t1 = (float(env.client.zscore(log_key, h)) for h in (a.holder, b.holder))
     gate.settle(a, 30)  # settled: no settlement can make room sooner
     gate.settle(b, 50)
+    t0, t1 = stamps(env, gate, a.holder, b.holder)
     before = server_now(env.client)
     small = gate.acquire(req(40))
     large = gate.acquire(req(75))
@@ -124,6 +128,36 @@ def test_settling_lower_makes_room_and_higher_takes_it(
     assert gate.acquire(b).admitted  # 20 + 80
     gate.settle(b, 95)  # used more than estimated: the window now holds 115
     assert not gate.acquire(req(1)).admitted
+
+
+def test_a_settled_charge_counts_for_a_window_from_its_settlement(
+    env: GateEnv, make: Callable[..., Gate]
+) -> None:
+    """Re-stamped when settled: the tokens the server received before the answer all lie in
+    the windows the charge is counted in, however late the request reached the server."""
+    gate = make("redis-quota", tokens(100))
+    a = req(50)
+    gate.acquire(a)
+    (admitted,) = stamps(env, gate, a.holder)
+    before = server_now(env.client)
+    gate.settle(a, 40)
+    (settled,) = stamps(env, gate, a.holder)
+    assert settled >= before > admitted
+    for key in gate.tokens_keys("alice"):  # type: ignore[attr-defined]
+        assert env.client.pttl(key) > 60_000
+
+
+def test_settling_to_none_keeps_the_estimate_as_settled(
+    env: GateEnv, make: Callable[..., Gate]
+) -> None:
+    """An answer that never came (a time-out): the estimate stays charged, no longer open."""
+    gate = make("redis-quota", tokens(100))
+    a = req(70)
+    gate.acquire(a)
+    gate.settle(a, None)
+    assert charges(env, gate) == {a.holder: "70"}
+    refused = gate.acquire(req(40))
+    assert refused.retry_after is not None and refused.retry_after > 50  # nothing left open
 
 
 def test_settle_is_idempotent_and_a_refund_removes_the_charge(
