@@ -34,7 +34,8 @@ def charges(pl: Pipeline, userid: str, window: str = "60") -> dict[str, str]:
 def open_charges(pl: Pipeline) -> list[str]:
     """Charges of any token budget still open (an estimate nobody settled)."""
     out = []
-    for key in pl.store.client.scan_iter(f"{pl.store.keys.prefix}gate:*:tokens:*:charges:*"):
+    pattern = f"{pl.store.keys.prefix}gate:*:tokens:*:charges:*"
+    for key in pl.store.client.scan_iter(pattern, count=10_000):
         out += [h for h, v in pl.store.client.hgetall(key).items() if v.startswith("e")]
     return out
 
