@@ -145,3 +145,18 @@ def test_every_outcome_settles_or_refunds_and_no_gate_holds_a_reservation(
     settled = charges(served, u["userid"])
     assert by_request(settled) == {rid: "13" for rid in (ok, retried, shed)}
     assert len(settled) == 3
+
+
+def test_a_request_the_window_cannot_fit_before_its_deadline_ends_deadline_exceeded(
+    served: Pipeline, sim: SimServer
+) -> None:
+    """The budget is spent for the next minute: a request refused with that long a delay
+    still ends at its deadline, unsent (it waits in the delayed set, which the deadline sweep
+    covers)."""
+    u = user()
+    first = served.submit(body(1, 990), queue="tokens", metadata=u, timeout=30).id
+    assert served.wait(first, 20).ok  # 991 of 1,000 tokens charged for a minute
+    late = served.submit(body(1, 60), queue="tokens", metadata=u, timeout=3).id
+    res = served.wait(late, 20)
+    assert res.error_code == "DEADLINE_EXCEEDED" and res.attempts == 0
+    assert sim.stats()["attempts_by_request_id"].get(late) is None
