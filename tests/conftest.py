@@ -122,6 +122,12 @@ def quota(n: int) -> dict[str, Any]:
     return {"gate_type": "redis-quota", "gate_params": params}
 
 
+def tokens_quota(limit: int, window: str) -> dict[str, Any]:
+    """A token budget per userid: at most ``limit`` tokens per ``window``."""
+    params = {"mode": "tokens", "attribute": "userid", "limit": limit, "window": window}
+    return {"gate_type": "redis-quota", "gate_params": params}
+
+
 def tenants_gate(per_tenant: int, overall: int) -> dict[str, Any]:
     """A per-tenant concurrency quota behind one global limit, in one composite gate."""
     inner = [
@@ -150,6 +156,9 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
         ("quota1", "default", quota(1), sim_url),
         ("qrefuse", "qrefuse", quota(1), sim_url),
         ("quotawait", "default", wait_quota, sim_url),
+        # token budgets per userid: a long window (charges outlive the test) and a short one
+        ("tokens", "default", tokens_quota(1000, "1m"), sim_url),
+        ("tokens1s", "default", tokens_quota(100, "1s"), sim_url),
         ("dead", "default", local_limit(4), dead),
         ("prefork", "prefork", local_limit(4), sim_url),
         ("softlim", "softlim", local_limit(4), sim_url),

@@ -166,6 +166,15 @@ class Keys:
         """Sorted set: admission log of a rate-limit gate, one per (key, window)."""
         return f"{self.prefix}gate:{gate}:rate:{window_s:g}:{attribute_value}"
 
+    def gate_tokens(self, gate: str, attribute_value: str, window_s: float) -> tuple[str, str]:
+        """A token budget's window, one per (key, window) (``redis-quota``, tokens mode):
+        a sorted set, the charge log (member = holder ``id:token``, score = admission time,
+        Unix s, server clock), and a hash, holder → its charge (``e<n>`` while it is the
+        admission's estimate, ``<n>`` once settled by the response's usage). Both hold only
+        the last window's charges and expire a second after the window of the latest."""
+        base = f"{self.prefix}gate:{gate}:tokens:{window_s:g}"
+        return f"{base}:log:{attribute_value}", f"{base}:charges:{attribute_value}"
+
     def leased_rate_state(self, control_key: str) -> str:
         """Hash: the token bucket (``tokens``, ``last_ms``) of a ``redis-leased-rate`` gate,
         shared by every node; the planner's control hash (``control_key``) is named verbatim

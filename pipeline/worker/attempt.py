@@ -95,6 +95,10 @@ class Attempt:
         # generations read before the last gate call
         self._wake_keys = self.gate.wake_keys(self._ctx())
         self._key_generations: dict[str, int] = {}
+        # what a token budget's charge settles to when the attempt ends (Gate.settle): 0 until
+        # the request is sent (nothing served), then the response's usage, or None to keep the
+        # estimate (sent, and no answer says what was served)
+        self.served_tokens: int | None = 0
 
     @property
     def holder(self) -> str:
@@ -119,6 +123,7 @@ class Attempt:
             deadline=self.deadline,
             metadata=self.metadata,
             labels=self.labels,
+            payload=self.record["payload"],
         )
 
     def acquire(self) -> Decision:
@@ -165,10 +170,20 @@ class Attempt:
             held = ticket.held
         else:
             held = self.decision is not None and self.decision.admitted
+        if held and self.gate.settles:
+            self._settle()
         wake = self._wake_keys if held else ()  # it held a slot of these keys: ring them
         return self.rt.release(
             self.queue.queue_name, self.id, self.token, hand_over=held, gate=self.gate, wake=wake
         )
+
+    def _settle(self) -> None:
+        """Settle a token budget's charge to ``served_tokens`` (before the release; a failure
+        leaves the estimate charged until the window moves past it, and is only logged)."""
+        try:
+            self.gate.settle(self._ctx(), self.served_tokens)
+        except Exception as exc:  # noqa: BLE001 - never in the way of the release
+            log.warning("settling the token charge of %s failed: %s", self.holder, exc)
 
     def _finish(
         self,
@@ -279,11 +294,11 @@ class Attempt:
             if not decision.admitted:
                 observe.gate_decision(self, decision, self.send_event)
         if decision.verdict is Verdict.REFUSE:
-            lo, hi = REFUSE_DELAY_S
+            delay = decision.retry_after
+            if delay is None:
+                delay = self.rt.rng.uniform(*REFUSE_DELAY_S)
             return self._requeue(
-                self.rt.rng.uniform(lo, hi),
-                f"gate refused ({decision.reason or 'gate_closed'})",
-                attempted=False,
+                delay, f"gate refused ({decision.reason or 'gate_closed'})", attempted=False
             )
         if decision.verdict is Verdict.WAIT:
             return self._requeue(0.0, "gate wait timed out", attempted=False)
@@ -294,7 +309,7 @@ class Attempt:
                     status_code=decision.status_code,
                     payload=decision.payload or "",
                 )
-            return self._error("GATE_DROPPED", "dropped by gate")
+            return self._error("GATE_DROPPED", decision.message or "dropped by gate")
         return self._call()
 
     def _cancelled_by_producer(self) -> bool:
@@ -396,6 +411,7 @@ class Attempt:
             outcome = Outcome(
                 Kind.RETRY, error=f"{type(exc).__name__}: {exc}", category="INTERRUPTED"
             )
+        self.served_tokens = served_tokens(outcome)
         if outcome.kind is Kind.SUCCESS or (outcome.kind is Kind.FATAL and outcome.responded):
             return self._finish(
                 attempted=True,
@@ -430,6 +446,20 @@ class Attempt:
             error=outcome.error,
             status=Status.RETRY,
         )
+
+
+def served_tokens(outcome: Outcome) -> int | None:
+    """What a token budget's charge settles to after this outcome: the usage of a 2xx answer
+    (prompt + completion); 0 for any other answer (an error: nothing generated) and for a
+    request that could not be sent (a bad URL, a failed TLS handshake); None (keep the
+    estimate) for a 2xx without a readable usage, and when the request may have gone out but
+    no answer came (a time-out, a lost connection: the server may have generated it all)."""
+    if outcome.responded:
+        if not outcome.ok_2xx:
+            return 0
+        usage = outcome.usage
+        return usage.total if usage is not None else None
+    return 0 if outcome.kind is Kind.FATAL or outcome.category == "TLS" else None
 
 
 def _replace(headers: dict[str, str], name: str, value: str) -> None:
