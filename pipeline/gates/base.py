@@ -53,6 +53,9 @@ class Decision:
     # the release bell to park on for such a Refuse: None for the queue's (a slot gate), a
     # quota key for a per-key quota (published when a request of that key leaves)
     wake_key: str | None = None
+    # the type of the gate that decided, inside a composite or wrapper (for the request's
+    # decision log; '' for the gate that was asked)
+    gate: str = ""
 
     @property
     def admitted(self) -> bool:

@@ -19,6 +19,9 @@
 --    the worker for a release of that key (the key is published when one leaves).
 -- Blocked tenants are out of the ready set, so each dispatch costs O(log n) in the number of
 -- waiting requests and tenants (a tenant is looked at again only after its key released).
+-- Each dispatched request's decision log gets a "dispatched" entry (its dispatch number; with
+-- "ahead", the quota key it was sent past), and the head request of a tenant held back a
+-- "held" entry (the key).
 -- KEYS: per queue of ARGV[2]'s list, in order: pending, delayed, expiry, active, result list
 -- ('' when it keeps none); then the pool's doorbell when cfg.doorbell (emptied first: every
 -- ring pushed so far is answered by this tick).
@@ -174,10 +177,13 @@ end
 local moved = {}
 local t = 0
 
-local function dispatch_one(q, id, rk, priority, qkeys)
+local function dispatch_one(q, id, rk, priority, qkeys, ahead)
   t = t + 1
   local token = cfg.nonce .. '.' .. t
   local n = redis.call('HINCRBY', rk, 'dispatches', 1)
+  local note = '"n":' .. n
+  if ahead then note = note .. ',"ahead":' .. cjson.encode(ahead) end -- past a quota key's limit
+  log_push(prefix, id, log_entry(now, 'dispatched', note))
   if qkeys and #qkeys > 0 then
     redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'qkeys', cjson.encode(qkeys))
     for _, qk in ipairs(qkeys) do
@@ -281,6 +287,7 @@ local function take(q)
         local qkeys, over = quota_keys(q, c, rk, f[5], false)
         if over then
           sched_block(prefix, c, tk, rm, over)
+          log_push(prefix, id, log_entry(now, 'held', '"key":' .. cjson.encode(over)))
           held[#held + 1] = {q = q, c = c, tk = tk}
         else
           redis.call('ZREM', q.pending, hm)
@@ -401,7 +408,7 @@ for _, b in ipairs(held) do
       if over then break end
       redis.call('ZREM', q.pending, head[1])
       sched_drop(prefix, c, tk, head[1], true)
-      dispatch_one(q, id, rk, f[4], qkeys)
+      dispatch_one(q, id, rk, f[4], qkeys, redis.call('HGET', c.base .. 'blocked', tk))
       ahead = ahead + 1
       n_free = n_free - 1
       q.allowed = q.allowed - 1

@@ -11,7 +11,7 @@
 -- ingest.lua), ref_token (its generation token), for a line of a batch, batch and
 -- custom_id (see batch_create.lua), tenant (indexed queues: the tenant attribute's value) and
 -- qkeys (JSON list of the quota keys a dispatched attempt counts against; see sched.lua).
--- Times are the server's clock (server_now).
+-- Times are the server's clock (server_now). Beside the record, its decision log (log_push).
 -- States: queued -> dispatched -> running -> (retry_wait -> queued ...) -> done.
 
 -- The Redis server's clock (Unix s, µs precision). Every "now" a script compares a lease, a due
@@ -28,6 +28,40 @@ end
 
 local function qkey(prefix, queue, name)
   return prefix .. 'q:' .. queue .. ':' .. name
+end
+
+-- The decision log of a request (list <prefix>log:<id>, see keys.py Keys.log): one JSON object
+-- per event, {"t": server time, "e": event, ...}, the last LOG_MAX kept. No expiry while the
+-- request is live (as its record); terminal() gives it the record's TTL.
+local LOG_MAX = 50
+
+local function log_key(prefix, id)
+  return prefix .. 'log:' .. id
+end
+
+-- One entry: event `e` at `t` (server clock) with `rest`, more JSON members ('' for none).
+local function log_entry(t, e, rest)
+  local s = '{"t":' .. string.format('%.3f', t) .. ',"e":"' .. e .. '"'
+  if rest and rest ~= '' then s = s .. ',' .. rest end
+  return s .. '}'
+end
+
+-- Append entries (JSON texts) to request `id`'s log; trim it only once it is over LOG_MAX.
+local function log_push(prefix, id, ...)
+  local k = log_key(prefix, id)
+  if redis.call('RPUSH', k, ...) > LOG_MAX then redis.call('LTRIM', k, -LOG_MAX, -1) end
+end
+
+-- Append what an attempt journaled: `text` has one entry per line, "<s ago>\t<JSON object>"
+-- (no "t": its time is the server's `now` minus the age, a duration the worker measured).
+local function log_journal(prefix, id, now, text)
+  if not text or text == '' then return end
+  local out = {}
+  for ago, obj in string.gmatch(text, '([^\t\n]*)\t({[^\n]+})') do
+    out[#out + 1] = '{"t":' .. string.format('%.3f', now - math.max(0, tonumber(ago) or 0))
+      .. ',' .. string.sub(obj, 2)
+  end
+  if #out > 0 then log_push(prefix, id, unpack(out)) end
 end
 
 -- Ring the pool's doorbell unless it is already ringing.
@@ -202,6 +236,10 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', fmt_time(now),
     'token', '')
   redis.call('EXPIRE', rk, ttl)
+  local done = '"outcome":"' .. outcome .. '"'
+  if status_code ~= '' then done = done .. ',"status":' .. result.status_code end
+  log_push(prefix, id, log_entry(now, 'done', done))
+  redis.call('EXPIRE', log_key(prefix, id), ttl)
   if f[9] == 'llm-d-async' then  -- it came from a reference producer: its consumer's format
     push_result(f[6], ref_result(id, status_code, payload, error_code, error_message,
       f[10] or ''), f[7], f[8])
