@@ -406,9 +406,10 @@ for _, b in ipairs(held) do
     else
       local qkeys, over = quota_keys(q, c, rk, f[5], true)
       if over then break end
+      local past = redis.call('HGET', c.base .. 'blocked', tk) -- (unlisted once it is empty)
       redis.call('ZREM', q.pending, head[1])
       sched_drop(prefix, c, tk, head[1], true)
-      dispatch_one(q, id, rk, f[4], qkeys, redis.call('HGET', c.base .. 'blocked', tk))
+      dispatch_one(q, id, rk, f[4], qkeys, past)
       ahead = ahead + 1
       n_free = n_free - 1
       q.allowed = q.allowed - 1
