@@ -61,7 +61,10 @@ def test_a_waiting_request_counts_who_is_ahead_by_priority(pl: Pipeline) -> None
     assert 500 < e.deadline_slack_s < 700
     assert e.attempts == 0 and e.dispatches == 0 and e.log == []
     text = e.to_text()
-    assert "6 ahead in the queue: 2 at priority 9, 1 at priority 7, 3 at its own" in text
+    order = "(priority, deadline, submission)"
+    assert (
+        f"6 before it in the queue {order}: 2 at priority 9, 1 at priority 7, 3 at its own" in text
+    )
     assert pl.explain(reqs[0].id).position.ahead == 0  # type: ignore[union-attr]
     for r in reqs:
         assert r.cancel()
@@ -118,7 +121,7 @@ def test_a_tenant_at_its_quota_shows_the_key_its_use_and_holders(
         return e if e.position is not None and e.position.held_back_by == key else None
 
     e = wait_for(held_back, 10, what="the third held back")
-    assert "held" in events(e) and e.log[-1].fields == {"key": key}
+    assert events(e) == ["held"] and e.log[-1].fields == {"key": key}  # once, not per recheck
     (q,) = e.quotas
     assert q.key == key and q.limit == 1
     assert q.dispatched == 2  # the holder and the look-ahead attempt parked for the key
@@ -227,7 +230,7 @@ def test_the_command_prints_text_and_json_and_names_an_unknown_id(
         assert lines[0].split() == ["request", r.id]
         assert lines[1].startswith("state     queued in queue solo (pool solo), priority 3")
         assert any(line.startswith("deadline  in ") for line in lines)
-        assert any(line.startswith("position  0 ahead in the queue") for line in lines)
+        assert any(line.startswith("position  0 before it in the queue") for line in lines)
         proc = run_cli(["explain", r.id, "--json"], env)
         assert proc.returncode == 0, proc.stderr
         data = json.loads(proc.stdout)

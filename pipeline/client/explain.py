@@ -286,7 +286,9 @@ def _s(value: float) -> str:
 
 
 def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {word}" + ("es" if word.endswith(("s", "sh", "ch")) else "s")
 
 
 def _state_line(e: Explanation) -> str:
@@ -324,7 +326,8 @@ def _position_lines(p: Position) -> list[str]:
     else:
         parts = [f"{n} at priority {prio}" for prio, n in sorted(p.higher.items(), reverse=True)]
         parts.append(f"{p.same_priority_ahead} at its own")
-        out.append(f"{p.ahead} ahead in the queue: " + ", ".join(parts))
+        order = "priority, deadline, submission" if not p.indexed else "the pending order"
+        out.append(f"{p.ahead} before it in the queue ({order}): " + ", ".join(parts))
     if p.indexed:
         who = f"tenant {p.tenant!r}" if p.tenant else "no tenant"
         mine = ""

@@ -287,7 +287,12 @@ local function take(q)
         local qkeys, over = quota_keys(q, c, rk, f[5], false)
         if over then
           sched_block(prefix, c, tk, rm, over)
-          log_push(prefix, id, log_entry(now, 'held', '"key":' .. cjson.encode(over)))
+          -- once per hold-back, not again after every re-check (its log says since when)
+          local note = '"key":' .. cjson.encode(over)
+          local last = redis.call('LINDEX', log_key(prefix, id), -1)
+          if not (last and string.find(last, '"e":"held",' .. note, 1, true)) then
+            log_push(prefix, id, log_entry(now, 'held', note))
+          end
           held[#held + 1] = {q = q, c = c, tk = tk}
         else
           redis.call('ZREM', q.pending, hm)
