@@ -29,22 +29,17 @@ class Keys:
 
     # -- per request ---------------------------------------------------------------------
     def request(self, request_id: str) -> str:
-        """Hash: the request record (payload, ordering key, state, attempt token, result)."""
+        """Hash: the request record (payload, ordering key, state, attempt token, result), and
+        its decision log, what ``pipeline explain`` shows: field ``log``, one compact JSON
+        object per line and event, oldest first, ``{"t": <server time, Unix s>, "e": <event>,
+        ...}`` (``dispatched``, ``held``, ``admitted``, ``parked``, ``refused``, ``retry``,
+        ``requeued``, ``reaped``, ``dropped``, ``done``; see lib.lua ``log_with``), the last 50
+        kept. It lives and expires with the record."""
         return f"{self.prefix}req:{request_id}"
 
     def notify(self, request_id: str) -> str:
         """List: one element pushed when the request reaches its terminal result."""
         return f"{self.prefix}notify:{request_id}"
-
-    def log(self, request_id: str) -> str:
-        """List: the request's decision log, what ``pipeline explain`` shows: one compact JSON
-        object per event, oldest first, ``{"t": <server time, Unix s>, "e": <event>, ...}``
-        (events: ``dispatched``, ``held``, ``admitted``, ``parked``, ``refused``, ``retry``,
-        ``requeued``, ``reaped``, ``done``; see lib.lua ``log_push``). Only the last
-        ``LOG_MAX`` (50) are kept; like the record it has no expiry while the request is live
-        and expires with the record (the result TTL) once it is done; a new submission of a
-        finished id starts a new log."""
-        return f"{self.prefix}log:{request_id}"
 
     # -- per queue -----------------------------------------------------------------------
     def pending(self, queue: str) -> str:

@@ -1,6 +1,6 @@
 -- explain.lua: where a request stands and why, read in one step (`pipeline explain`). Reads
 -- only. KEYS: none passed; each key follows from the prefix, the id and the record (as in
--- submit.lua): <prefix>req:<id> and log:<id>; its queue's pending, delayed and active sets;
+-- submit.lua): <prefix>req:<id> (with its decision log, field log); its queue's pending, delayed and active sets;
 -- for an indexed queue (sched.lua) its sched hash, the tenant's sub-queue, ready and blocked;
 -- for each quota key of the request gate:<key>:sent, :holders and :blocked.
 -- ARGV[1] prefix, ARGV[2] request id, ARGV[3] JSON {queue: [{k (quota key prefix), attr,
@@ -22,14 +22,17 @@
 local prefix, id, limit = ARGV[1], ARGV[2], tonumber(ARGV[4])
 local fields = {'state', 'queue', 'pool', 'priority', 'deadline', 'submitted_at', 'attempts',
   'dispatches', 'token', 'worker', 'started_at', 'finished_at', 'member', 'score', 'tenant',
-  'batch', 'custom_id', 'last_error', 'wire', 'qkeys', 'metadata', 'last_response', 'result'}
+  'batch', 'custom_id', 'last_error', 'wire', 'qkeys', 'log', 'metadata', 'last_response',
+  'result'}
 local v = redis.call('HMGET', prefix .. 'req:' .. id, unpack(fields))
 if not v[1] then return false end
 local now = server_now()
 local r = {}
-for i = 1, #fields - 3 do
+for i = 1, #fields - 4 do
   if v[i] then r[fields[i]] = v[i] end
 end
+local log = {}
+for line in string.gmatch(v[#fields - 3] or '', '[^\n]+') do log[#log + 1] = line end
 local metadata = v[#fields - 2]
 local ok, last = pcall(cjson.decode, v[#fields - 1] or '')
 if ok and type(last) == 'table' then r.last_status = last.status_code end
@@ -39,8 +42,7 @@ if ok and type(res) == 'table' then
   r.result = {status_code = res.status_code, error_code = res.error_code,
     error_message = res.error_message}
 end
-local out = {now = fmt_time(now), record = r,
-  log = redis.call('LRANGE', log_key(prefix, id), 0, -1)}
+local out = {now = fmt_time(now), record = r, log = log}
 local queue, state = r.queue or '', r.state
 
 if state == 'queued' and r.member and tonumber(r.score) then

@@ -15,7 +15,7 @@ local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'id')
 if f[1] == 'done' or not f[1] or f[2] ~= ARGV[2] then return false end
 if ARGV[4] == '1' then redis.call('HINCRBY', KEYS[1], 'attempts', 1) end
 local now = server_now()
-log_journal(ARGV[1], f[3], now, ARGV[10])
+log_journal(f[3], now, ARGV[10])
 local json = terminal(ARGV[1], f[3], now, ARGV[3], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
   ARGV[9] == '1')
 if KEYS[2] then

@@ -13,7 +13,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0
     out[#out + 1] = f[2]
     local was = '"state":"' .. f[1] .. '"'
     if f[1] == 'running' and f[3] then was = was .. ',"worker":' .. cjson.encode(f[3]) end
-    log_push(prefix, id, log_entry(now, 'reaped', was))
+    log_note(id, log_entry(now, 'reaped', was))
     enqueue(prefix, id, now, now)
   else
     redis.call('ZREM', KEYS[1], id)

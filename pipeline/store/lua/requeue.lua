@@ -18,7 +18,7 @@ if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'last_response', ARGV[5]) end
 if ARGV[6] and ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'last_error', ARGV[6]) end
 local now = server_now()
 local due = now + math.max(0, tonumber(ARGV[3]))
-log_journal(ARGV[1], f[3], now, ARGV[8])
+log_journal(f[3], now, ARGV[8])
 enqueue(ARGV[1], f[3], now, due, ARGV[7] == '1')
 if KEYS[2] then celery_meta(KEYS[2], ARGV[9], ARGV[10], '0') end
 return fmt_time(due)

@@ -44,7 +44,7 @@ for i, r in ipairs(items) do
   if state and state ~= 'done' then
     out[#out + 1] = state
   else
-    if state then redis.call('DEL', rk, log_key(prefix, id)) end  -- a new log too
+    if state then redis.call('DEL', rk) end
     local member = string.format('%015d', seq0 + i) .. '|' .. id
     local deadline = r[5]
     if deadline == '' then deadline = fmt_time(now + tonumber(r[6])) end
