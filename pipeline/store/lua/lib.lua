@@ -41,11 +41,20 @@ local LOG_CHECK = 1500 -- bytes: a longer log is counted against LOG_MAX (an ent
 -- (log_with). A script runs as one function call: this table starts empty every time.
 local log_pending = {}
 
+-- '{"t":<t>,' for time `t` (ms precision); the last one formatted is kept (a script stamps
+-- most entries with its one `now`).
+local log_t, log_t_text = nil, ''
+local function log_head(t)
+  if t ~= log_t then
+    log_t, log_t_text = t, '{"t":' .. string.format('%.3f', t) .. ','
+  end
+  return log_t_text
+end
+
 -- One entry: event `e` at `t` (server clock) with `rest`, more JSON members ('' for none).
 local function log_entry(t, e, rest)
-  local s = '{"t":' .. string.format('%.3f', t) .. ',"e":"' .. e .. '"'
-  if rest and rest ~= '' then s = s .. ',' .. rest end
-  return s .. '}'
+  if rest and rest ~= '' then return log_head(t) .. '"e":"' .. e .. '",' .. rest .. '}' end
+  return log_head(t) .. '"e":"' .. e .. '"}'
 end
 
 -- Queue an entry for request `id`.
@@ -62,9 +71,8 @@ end
 -- (no "t": its time is the server's `now` minus the age, a duration the worker measured).
 local function log_journal(id, now, text)
   if not text or text == '' then return end
-  for ago, obj in string.gmatch(text, '([^\t\n]*)\t({[^\n]+})') do
-    log_note(id, '{"t":' .. string.format('%.3f', now - math.max(0, tonumber(ago) or 0))
-      .. ',' .. string.sub(obj, 2))
+  for ago, obj in string.gmatch(text, '([^\t\n]*)\t{([^\n]+)') do
+    log_note(id, log_head(now - math.max(0, tonumber(ago) or 0)) .. obj)
   end
 end
 
@@ -72,13 +80,14 @@ end
 -- nil) appended, trimmed to the last LOG_MAX; the caller writes it to the record.
 local function log_with(log, id, entry)
   local p = log_pending[id]
-  log_pending[id] = nil
-  if entry then
-    p = p or {}
-    p[#p + 1] = entry
+  local s = entry
+  if p then
+    log_pending[id] = nil
+    if entry then p[#p + 1] = entry end
+    s = table.concat(p, '\n')
+  elseif not entry then
+    return log or ''
   end
-  if not p then return log or '' end
-  local s = table.concat(p, '\n')
   if log and log ~= '' then s = log .. '\n' .. s end
   if #s > LOG_CHECK then
     local _, lines = string.gsub(s, '\n', '')
