@@ -215,7 +215,7 @@ def env(
     # each session has its own key prefix and Celery queues: clean up only what is ours
     client = redis.Redis.from_url(redis_url)
     for pattern in (e["PIPELINE_KEY_PREFIX"] + "*", RESULTS_TAG + "-*"):
-        for key in client.scan_iter(pattern, count=1000):
+        for key in client.scan_iter(pattern, count=10_000):
             client.delete(key)
 
 
@@ -321,15 +321,15 @@ def assert_idle(p: Pipeline, timeout: float = 20.0) -> None:
     keys = p.store.keys
     leftover = [
         k
-        for k in p.store.client.scan_iter(keys.prefix + "gate:*:holders")
+        for k in p.store.client.scan_iter(keys.prefix + "gate:*:holders", count=10_000)
         if p.store.client.zcard(k)
     ]
     assert not leftover, f"gate keys still hold slots: {leftover}"
     # nor does the dispatcher still count a request of a quota key, or hold a tenant back
     # for one (lua/sched.lua)
-    counted = [k for k in p.store.client.scan_iter(keys.prefix + "gate:*:sent")]
+    counted = [k for k in p.store.client.scan_iter(keys.prefix + "gate:*:sent", count=10_000)]
     assert not counted, f"quota keys still count requests: {counted}"
-    held = [k for k in p.store.client.scan_iter(keys.prefix + "gate:*:blocked")]
+    held = [k for k in p.store.client.scan_iter(keys.prefix + "gate:*:blocked", count=10_000)]
     assert not held, f"quota keys still hold tenants back: {held}"
 
 

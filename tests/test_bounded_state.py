@@ -91,7 +91,7 @@ def test_every_key_a_finished_request_leaves_expires_or_is_bounded(
     allowed = re.compile("^(" + "|".join(BOUNDED) + ")$")
     wait_for(lambda: all(q["running"] == 0 for q in served.inspect().values()), 10)
     unbounded = []
-    for key in client.scan_iter(prefix + "*", count=1000):
+    for key in client.scan_iter(prefix + "*", count=10_000):
         rest = key[len(prefix) :]
         if client.ttl(key) == -1 and not allowed.match(rest):
             unbounded.append(rest)

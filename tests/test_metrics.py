@@ -405,7 +405,9 @@ def test_deadline_proximity_histogram_is_read_from_the_sorted_sets(
     assert len(empty) == 15 and set(empty.values()) == {0.0}  # every bucket, even at 0
     for rid in [late.id]:
         assert iso.pl.cancel(rid)
-    for key in iso.pl.store.client.scan_iter(iso.env["PIPELINE_KEY_PREFIX"] + "req:*"):
+    for key in iso.pl.store.client.scan_iter(
+        iso.env["PIPELINE_KEY_PREFIX"] + "req:*", count=10_000
+    ):
         iso.pl.cancel(key.split(":")[-1])
     assert_idle(iso.pl)
 
