@@ -58,6 +58,9 @@ class Decision:
     retry_after: float | None = None
     # for a Drop without a result of the gate's own: why (the GATE_DROPPED error_message)
     message: str = ""
+    # the type of the gate that decided, inside a composite or wrapper (for the request's
+    # decision log; '' for the gate that was asked)
+    gate: str = ""
 
     @property
     def admitted(self) -> bool:

@@ -130,7 +130,9 @@ class CompositeGate(Gate):
                     if decision.wake_on_release:  # it parks: keep its tenant's own slots
                         taken = [g for g in taken if not g.per_key]
                     self._rollback(taken, ctx)
-                    return dataclasses.replace(decision, labels=labels)
+                    return dataclasses.replace(
+                        decision, labels=labels, gate=decision.gate or gate.type_name
+                    )
                 taken.append(gate)
         except BaseException:
             self._rollback(taken, ctx)
@@ -259,7 +261,8 @@ class WaitOnRefuseGate(Wrapper):
     def acquire(self, ctx: AcquireContext) -> Decision:
         decision = self.inner.acquire(ctx)
         if decision.verdict is Verdict.REFUSE:
-            return dataclasses.replace(decision, verdict=Verdict.WAIT)
+            gate = decision.gate or self.inner.type_name
+            return dataclasses.replace(decision, verdict=Verdict.WAIT, gate=gate)
         return decision
 
 

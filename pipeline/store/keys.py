@@ -29,7 +29,12 @@ class Keys:
 
     # -- per request ---------------------------------------------------------------------
     def request(self, request_id: str) -> str:
-        """Hash: the request record (payload, ordering key, state, attempt token, result)."""
+        """Hash: the request record (payload, ordering key, state, attempt token, result), and
+        its decision log, what ``pipeline explain`` shows: field ``log``, one compact JSON
+        object per line and event, oldest first, ``{"t": <server time, Unix s>, "e": <event>,
+        ...}`` (``dispatched``, ``held``, ``admitted``, ``parked``, ``refused``, ``retry``,
+        ``requeued``, ``reaped``, ``dropped``, ``done``; see lib.lua ``log_with``), the last 50
+        kept. It lives and expires with the record."""
         return f"{self.prefix}req:{request_id}"
 
     def notify(self, request_id: str) -> str:

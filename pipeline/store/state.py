@@ -20,13 +20,15 @@ import redis
 from ..config import QueueConfig, Settings
 from . import sched, wire
 from .connect import connect
+from .journal import Journal, entry
 from .keys import Keys
-from .sched import MergeArgs, PoolTickResult, QueueTick
+from .sched import MergeArgs, PoolTickResult, QueueTick, QuotaSpec
 from .scripts import ScriptCall, Scripts
 
 SWEEP_LIMIT = 500
 SUBMIT_FIRST_CHUNK = 32  # rows in the first submit.lua call of a batch; each next one doubles
 SUBMIT_MAX_CHUNK = 500  # ... up to this many
+EXPLAIN_LISTED = 20  # holders and requests an explain lists per quota key
 INGEST_BATCH = 100  # entries of a reference producer's sorted set one ingest call looks at
 
 
@@ -173,8 +175,8 @@ class Store:
             ],
         )
         out: dict[str, list[str]] = {}
-        for entry, word in zip(entries, words, strict=True):
-            out.setdefault(str(word), []).append(entry[2])
+        for row, word in zip(entries, words, strict=True):
+            out.setdefault(str(word), []).append(row[2])
         return out
 
     # -- dispatcher ----------------------------------------------------------------------
@@ -307,9 +309,12 @@ class Store:
         error_message: str | None = None,
         mirror: Mirror | None = None,
         handed_over: bool = False,
+        journal: Journal | None = None,
     ) -> str | None:
         """Write the terminal result of an attempt (and its ``mirror``); None when fenced
-        off. ``handed_over``: its slot went to another attempt, so no release is published."""
+        off. ``handed_over``: its slot went to another attempt, so no release is published.
+        ``journal``: the attempt's events for the decision log; the script adds the ``done``
+        entry."""
         keys = [self.keys.request(request_id)]
         extra: list[Any] = []
         if mirror is not None:
@@ -327,6 +332,7 @@ class Store:
                 error_code or "",
                 error_message or "",
                 1 if handed_over else 0,
+                journal.take() if journal is not None else "",
                 *extra,
             ],
         )
@@ -343,10 +349,18 @@ class Store:
         last_error: str | None = None,
         mirror: Mirror | None = None,
         handed_over: bool = False,
+        journal: Journal | None = None,
+        note: dict[str, Any] | None = None,
     ) -> float | None:
         """Give the request back to its queue (now, or ``delay`` s from now by the server's
         clock) and write its ``mirror`` (``head`` alone). Returns the due time (Unix s, server
-        clock), None when fenced off. ``handed_over`` as in :meth:`finish`."""
+        clock), None when fenced off. ``handed_over`` as in :meth:`finish`. The decision log
+        gets the ``journal``'s events, then ``note`` (default ``{"e": "requeued"}``; see
+        :func:`pipeline.store.journal.entry`) with the delay."""
+        last = dict(note or entry("requeued"))
+        if delay > 0:
+            last["delay"] = round(float(delay), 3)
+        text = (journal or Journal()).take(last)
         keys = [self.keys.request(request_id)]
         extra: list[Any] = []
         if mirror is not None:
@@ -362,10 +376,43 @@ class Store:
                 json.dumps(last_response) if last_response else "",
                 (last_error or "")[:500],
                 1 if handed_over else 0,
+                text,
                 *extra,
             ],
         )
         return float(res) if res else None
+
+    def note(self, request_id: str, token: str, journal: Journal) -> bool:
+        """Send a running attempt's journaled events to its request's decision log now (one
+        round trip; ``note.lua``, fenced by the token). False when fenced off."""
+        text = journal.take()
+        if not text:
+            return False
+        res = self.scripts.note(
+            keys=[self.keys.request(request_id)], args=[self.keys.prefix, token, text]
+        )
+        return bool(res)
+
+    def explain(
+        self,
+        request_id: str,
+        quotas: dict[str, list[QuotaSpec]] | None = None,
+        listed: int = EXPLAIN_LISTED,
+    ) -> dict[str, Any] | None:
+        """Where a request stands, read in one atomic step (``explain.lua``): its record
+        (without payload, metadata or headers), the server's clock, its place in its queue,
+        its retry due time or lease, the use of each of its quota keys (``quotas``: the
+        blocking concurrency quotas of each queue, see :class:`QuotaSpec`; at most
+        ``listed`` holders and requests each) and its decision log. None for an unknown id."""
+        specs = {q: [s.arg() for s in specs] for q, specs in (quotas or {}).items() if specs}
+        raw = self.scripts.explain(
+            keys=[],
+            args=[self.keys.prefix, request_id, json.dumps(specs or {}), int(listed)],
+        )
+        if not raw:
+            return None
+        data: dict[str, Any] = json.loads(raw)
+        return data
 
     def renew(self, attempts: list[tuple[str, str, str]]) -> int:
         """Extend the leases of live attempts given as (id, token, queue)."""

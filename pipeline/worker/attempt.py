@@ -19,6 +19,7 @@ from ..http.backoff import retry_delay
 from ..http.classify import Kind, Outcome, join_url, send
 from ..store import Store
 from ..store import holder as make_holder
+from ..store.journal import Journal, entry
 from ..store.keys import ref_cancel_key
 from . import observe
 from .bell import ReleaseBell, Ticket
@@ -99,6 +100,9 @@ class Attempt:
         # the request is sent (nothing served), then the response's usage, or None to keep the
         # estimate (sent, and no answer says what was served)
         self.served_tokens: int | None = 0
+        # gate decisions for the request's decision log, sent with the outcome (or at once by
+        # an attempt parked longer than PARK_POLL_S)
+        self.journal = Journal()
 
     @property
     def holder(self) -> str:
@@ -210,6 +214,7 @@ class Attempt:
             error_message=error_message,
             mirror=mirror,
             handed_over=handed_over,
+            journal=self.journal,
         )
         self.closed = True
         if res is None:
@@ -236,6 +241,7 @@ class Attempt:
         last: dict[str, Any] | None = None,
         error: str | None = None,
         status: Status = Status.REQUEUED,
+        note: dict[str, Any] | None = None,
     ) -> Report:
         handed_over = self._release()
         mirror = self.mirrors.retry(reason) if self.mirrors is not None else None
@@ -248,6 +254,8 @@ class Attempt:
             last_error=error,
             mirror=mirror,
             handed_over=handed_over,
+            journal=self.journal,
+            note=note or entry("requeued", reason=reason),
         )
         self.closed = True
         if due is None:
@@ -287,22 +295,30 @@ class Attempt:
         if self.record.get("wire") and self._cancelled_by_producer():
             return self._error("CANCELLED", "cancelled")
         decision = self.decision or self.acquire()
-        if decision.verdict is Verdict.WAIT:
-            decision = self._park(self.rt.settings.gate_wait_timeout_s)
+        if decision.admitted:
+            self.journal.add("admitted", worker=self.worker)
+        elif decision.verdict is Verdict.WAIT:
+            decision = self._park(decision, self.rt.settings.gate_wait_timeout_s)
         elif self.parks_on(decision):
-            decision = self._park(self.rt.settings.park_s)
+            decision = self._park(decision, self.rt.settings.park_s)
             if not decision.admitted:
                 observe.gate_decision(self, decision, self.send_event)
         if decision.verdict is Verdict.REFUSE:
             delay = decision.retry_after
             if delay is None:
                 delay = self.rt.rng.uniform(*REFUSE_DELAY_S)
+            reason = decision.reason or "gate_closed"
             return self._requeue(
-                delay, f"gate refused ({decision.reason or 'gate_closed'})", attempted=False
+                delay,
+                f"gate refused ({reason})",
+                attempted=False,
+                note=self._gate_entry("refused", decision, reason=reason),
             )
         if decision.verdict is Verdict.WAIT:
-            return self._requeue(0.0, "gate wait timed out", attempted=False)
+            note = self._gate_entry("requeued", decision, reason="gate wait timed out")
+            return self._requeue(0.0, "gate wait timed out", attempted=False, note=note)
         if decision.verdict is Verdict.DROP:
+            self.journal.add("dropped", gate=decision.gate or self.gate.type_name)
             if decision.status_code is not None or decision.payload is not None:
                 return self._finish(
                     attempted=False,
@@ -329,14 +345,26 @@ class Attempt:
             and self.rt.settings.park_s > 0
         )
 
-    def _park(self, limit_s: float) -> Decision:
+    def _gate_entry(self, event: str, decision: Decision, **fields: Any) -> dict[str, Any]:
+        """A decision-log entry naming the gate that decided (and the quota key, if any)."""
+        return entry(
+            event, gate=decision.gate or self.gate.type_name, key=decision.wake_key, **fields
+        )
+
+    def _park(self, first: Decision, limit_s: float) -> Decision:
         """Wait for a slot: until the gate admits (or stops saying Wait / full), the deadline,
         or ``limit_s``. Woken by the release bell the moment a holder of this queue releases;
         re-asks the gate at least every ``PARK_POLL_S`` in case a wake-up was lost. On a
         ``hands_over`` gate a holder of this process that is done hands its slot straight to
-        the longest-parked attempt, admitted without asking the gate."""
+        the longest-parked attempt, admitted without asking the gate. The decision log gets a
+        ``parked`` entry (sent at once when the park outlasts ``PARK_POLL_S``, so ``explain``
+        sees it) and, when it is admitted, an ``admitted`` one with the time it waited."""
         queue = self.queue.queue_name
-        end = time.monotonic() + min(self.time_left(), limit_s)
+        began = time.monotonic()
+        end = began + min(self.time_left(), limit_s)
+        wait = "wait" if first.verdict is Verdict.WAIT else "refuse"
+        self.journal.append(self._gate_entry("parked", first, reason=first.reason, verdict=wait))
+        noted = False
         decision = self.decision or Decision(Verdict.WAIT)
         while (
             decision.verdict is Verdict.WAIT or self.parks_on(decision)
@@ -358,7 +386,21 @@ class Attempt:
                 decision = self.decision = CONTINUE
                 break
             decision = self.acquire()
+            if not noted and not decision.admitted and time.monotonic() - began >= PARK_POLL_S:
+                noted = True
+                self._note_now()
+        if decision.admitted:
+            waited = round(time.monotonic() - began, 3)
+            handed = True if self._granted is not None else None
+            self.journal.add("admitted", worker=self.worker, waited=waited, handed_over=handed)
         return decision
+
+    def _note_now(self) -> None:
+        """Send the journal to the decision log now (a long park); never fails the attempt."""
+        try:
+            self.rt.store.note(self.id, self.token, self.journal)
+        except Exception as exc:  # noqa: BLE001 - the log is for people; the attempt goes on
+            log.warning("decision log note for %s failed: %s", self.id, exc)
 
     def note_span(self, traceparent: str) -> None:
         """Record this attempt's span context in its request (see ``Store.note_span``)."""
@@ -438,6 +480,14 @@ class Attempt:
             if outcome.dropped_reason:
                 last["dropped_reason"] = outcome.dropped_reason
         reason = outcome.described if outcome.responded else f"{outcome.category}: {outcome.error}"
+        note = entry(
+            "retry",
+            attempt=retries + 1,
+            status=outcome.status_code if outcome.responded else None,
+            error=None if outcome.responded else reason,
+            dropped=outcome.dropped_reason,
+            retry_after=outcome.retry_after,
+        )
         return self._requeue(
             delay,
             reason,
@@ -445,6 +495,7 @@ class Attempt:
             last=last,
             error=outcome.error,
             status=Status.RETRY,
+            note=note,
         )
 
 
