@@ -206,10 +206,14 @@ class Sim:
     """``pipeline sim`` in a subprocess (its own core and event loop), driven over HTTP."""
 
     def __init__(
-        self, latency_ms: float = 0.0, record_arrivals: bool = False, max_concurrency: int = 0
+        self,
+        latency_ms: float = 0.0,
+        record_arrivals: bool = False,
+        max_concurrency: int = 0,
+        extra: Sequence[str] = (),
     ) -> None:
         args = [PY, "-m", "pipeline", "sim", "--port", "0", "--latency-ms", str(latency_ms)]
-        args += ["--max-concurrency", str(max_concurrency)]
+        args += ["--max-concurrency", str(max_concurrency), *extra]
         if record_arrivals:
             args.append("--record-arrivals")
         self.proc = subprocess.Popen(
@@ -230,6 +234,10 @@ class Sim:
 
     def arrivals(self) -> list[tuple[float, float, str]]:
         return [tuple(a) for a in self.http.get("/sim/arrivals").json()]  # type: ignore[misc]
+
+    def tokens(self) -> list[tuple[float, int, int, str]]:
+        """Per 200: (arrival, monotonic s; prompt tokens; completion tokens; request id)."""
+        return [tuple(a) for a in self.http.get("/sim/tokens").json()]  # type: ignore[misc]
 
     def successes(self) -> int:
         """``vllm:request_success_total`` (cheap to poll: no per-request data)."""

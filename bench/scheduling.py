@@ -60,7 +60,7 @@ def merge_run(penv: PipelineEnv, weights: tuple[int, int], seed: int) -> dict[st
     lo, hi = windows(order[:DISPATCHES], "a")
     expect = WINDOW * weights[0] / sum(weights)
     for name in ("a", "b"):  # empty the queues for the next run
-        for key in s.client.scan_iter(s.keys.prefix + f"q:{name}:*"):
+        for key in s.client.scan_iter(s.keys.prefix + f"q:{name}:*", count=10_000):
             s.client.delete(key)
     s.client.delete(s.keys.merge("m"))
     return {"lo": lo, "hi": hi, "ok": lo >= expect - 4 and hi <= expect + 4, "expect": expect}
@@ -115,7 +115,7 @@ def fair_run(penv: PipelineEnv) -> int:
         n += len(res.moved)
         bees -= {d.id for d in res.moved}
     sched.teardown(s.client, s.keys, "f")
-    for key in s.client.scan_iter(s.keys.prefix + "q:f:*"):
+    for key in s.client.scan_iter(s.keys.prefix + "q:f:*", count=10_000):
         s.client.delete(key)
     return n
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .batch import Batch, Batches, UnknownBatch
-from .client import Pipeline, Request, Result, configure, default_pipeline
+from .client import Explanation, Pipeline, Request, Result, configure, default_pipeline
 from .config import QueueConfig, Settings, load_settings
 from .errors import (
     ConfigError,
@@ -72,6 +72,12 @@ def cancel(id: str) -> bool:
     return default_pipeline().cancel(id)
 
 
+def explain(id: str) -> Explanation:
+    """Where a request is and why (see :meth:`Request.explain`); raises
+    :class:`UnknownRequest`."""
+    return default_pipeline().explain(id)
+
+
 def _batches() -> Batches:
     return Batches(default_pipeline())
 
@@ -120,6 +126,7 @@ def inspect() -> dict[str, Any]:
 __all__ = [
     "Batch",
     "ConfigError",
+    "Explanation",
     "InvalidRequest",
     "Pipeline",
     "PipelineError",
@@ -133,6 +140,7 @@ __all__ = [
     "UnsafeRedis",
     "cancel",
     "configure",
+    "explain",
     "get",
     "get_batch",
     "inspect",

@@ -122,6 +122,12 @@ def quota(n: int) -> dict[str, Any]:
     return {"gate_type": "redis-quota", "gate_params": params}
 
 
+def tokens_quota(limit: int, window: str) -> dict[str, Any]:
+    """A token budget per userid: at most ``limit`` tokens per ``window``."""
+    params = {"mode": "tokens", "attribute": "userid", "limit": limit, "window": window}
+    return {"gate_type": "redis-quota", "gate_params": params}
+
+
 def tenants_gate(per_tenant: int, overall: int) -> dict[str, Any]:
     """A per-tenant concurrency quota behind one global limit, in one composite gate."""
     inner = [
@@ -150,6 +156,9 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
         ("quota1", "default", quota(1), sim_url),
         ("qrefuse", "qrefuse", quota(1), sim_url),
         ("quotawait", "default", wait_quota, sim_url),
+        # token budgets per userid: a long window (charges outlive the test) and a short one
+        ("tokens", "default", tokens_quota(1000, "1m"), sim_url),
+        ("tokens1s", "default", tokens_quota(100, "1s"), sim_url),
         ("dead", "default", local_limit(4), dead),
         ("prefork", "prefork", local_limit(4), sim_url),
         ("softlim", "softlim", local_limit(4), sim_url),
@@ -215,7 +224,7 @@ def env(
     # each session has its own key prefix and Celery queues: clean up only what is ours
     client = redis.Redis.from_url(redis_url)
     for pattern in (e["PIPELINE_KEY_PREFIX"] + "*", RESULTS_TAG + "-*"):
-        for key in client.scan_iter(pattern, count=1000):
+        for key in client.scan_iter(pattern, count=10_000):
             client.delete(key)
 
 
@@ -321,15 +330,15 @@ def assert_idle(p: Pipeline, timeout: float = 20.0) -> None:
     keys = p.store.keys
     leftover = [
         k
-        for k in p.store.client.scan_iter(keys.prefix + "gate:*:holders")
+        for k in p.store.client.scan_iter(keys.prefix + "gate:*:holders", count=10_000)
         if p.store.client.zcard(k)
     ]
     assert not leftover, f"gate keys still hold slots: {leftover}"
     # nor does the dispatcher still count a request of a quota key, or hold a tenant back
     # for one (lua/sched.lua)
-    counted = [k for k in p.store.client.scan_iter(keys.prefix + "gate:*:sent")]
+    counted = [k for k in p.store.client.scan_iter(keys.prefix + "gate:*:sent", count=10_000)]
     assert not counted, f"quota keys still count requests: {counted}"
-    held = [k for k in p.store.client.scan_iter(keys.prefix + "gate:*:blocked")]
+    held = [k for k in p.store.client.scan_iter(keys.prefix + "gate:*:blocked", count=10_000)]
     assert not held, f"quota keys still hold tenants back: {held}"
 
 

@@ -72,7 +72,7 @@ def bench(
     try:
         yield Bench(pl)
     finally:
-        for key in pl.store.client.scan_iter(prefix + "*", count=1000):
+        for key in pl.store.client.scan_iter(prefix + "*", count=10_000):
             pl.store.client.delete(key)
 
 
@@ -92,7 +92,7 @@ def check_consistent(b: Bench, queue: str) -> None:
     base = k.tenant_queue(queue, "")
     subs = {
         key[len(base) :]: c.zrange(key, 0, -1, withscores=True)
-        for key in c.scan_iter(base + "*", count=1000)
+        for key in c.scan_iter(base + "*", count=10_000)
     }
     assert sorted(e for entries in subs.values() for e in entries) == pending
     assert int(conf.get("n", 0)) == len(pending)

@@ -91,13 +91,17 @@ def test_every_key_a_finished_request_leaves_expires_or_is_bounded(
     allowed = re.compile("^(" + "|".join(BOUNDED) + ")$")
     wait_for(lambda: all(q["running"] == 0 for q in served.inspect().values()), 10)
     unbounded = []
-    for key in client.scan_iter(prefix + "*", count=1000):
+    for key in client.scan_iter(prefix + "*", count=10_000):
         rest = key[len(prefix) :]
         if client.ttl(key) == -1 and not allowed.match(rest):
             unbounded.append(rest)
     assert unbounded == []
-    for r in results:  # and the per-request keys do expire
-        assert 0 < client.ttl(served.store.keys.request(r.id)) <= served.settings.result_ttl_s
+    ttl = served.settings.result_ttl_s
+    for rid in [*(r.id for r in results), queued.id]:  # and the per-request keys do expire
+        assert 0 < client.ttl(served.store.keys.request(rid)) <= ttl
+        # its decision log (explain) lives in the record, at most 50 entries, the last "done"
+        log = client.hget(served.store.keys.request(rid), "log").split("\n")
+        assert 1 <= len(log) <= 50 and json.loads(log[-1])["e"] == "done"
 
 
 @pytest.mark.parametrize(

@@ -141,6 +141,13 @@ def assert_workload_counts(samples: Samples, iso: Isolated) -> None:
     assert total(samples, "pipeline_inference_latency_time_millis_count", **q) == 2
     assert total(samples, "pipeline_queue_residence_time_millis_count", **m) == 10
     assert total(samples, "pipeline_inflight_requests", **m) == 0
+    # the usage of the 2xx answers (simulator: a token per prompt word, 16 completion tokens
+    # without max_tokens): "ok i" x 6 (2 words), "r" x 2 and "shed" (1 word); the 503s, the
+    # 429 and the 400 count nothing
+    assert total(samples, "pipeline_tokens_total", direction="input", **m) == 6 * 2 + 3
+    assert total(samples, "pipeline_tokens_total", direction="output", **m) == 9 * 16
+    assert total(samples, "pipeline_tokens_total", direction="input", **q) == 2
+    assert total(samples, "pipeline_tokens_total", direction="output", **q) == 2 * 16
     # the second request of user u1 was refused while the first held the quota
     assert total(samples, "pipeline_gate_decisions_total", reason="quota_exhausted", **q) >= 1
     assert total(samples, "pipeline_gate_decisions_total", **m) == 0
@@ -405,7 +412,9 @@ def test_deadline_proximity_histogram_is_read_from_the_sorted_sets(
     assert len(empty) == 15 and set(empty.values()) == {0.0}  # every bucket, even at 0
     for rid in [late.id]:
         assert iso.pl.cancel(rid)
-    for key in iso.pl.store.client.scan_iter(iso.env["PIPELINE_KEY_PREFIX"] + "req:*"):
+    for key in iso.pl.store.client.scan_iter(
+        iso.env["PIPELINE_KEY_PREFIX"] + "req:*", count=10_000
+    ):
         iso.pl.cancel(key.split(":")[-1])
     assert_idle(iso.pl)
 

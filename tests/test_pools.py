@@ -100,7 +100,7 @@ def test_pool_gate_and_worker_cap(tmp_path: Path, env: dict[str, str], sim: SimS
     finally:
         worker.terminate()
         worker.wait(30)
-        for key in pl.store.client.scan_iter(settings.key_prefix + "*"):
+        for key in pl.store.client.scan_iter(settings.key_prefix + "*", count=10_000):
             pl.store.client.delete(key)
     assert "Traceback" not in log.read_text(errors="replace")
 

@@ -681,7 +681,7 @@ def test_a_quota_hand_over_publishes_no_release_of_the_key(pl: Pipeline) -> None
                 released.append(message["data"])
         listener.close()
         assert released == ["qprep\nquota:userid:qh-user"]  # b's release only, with its key
-        assert not list(s.client.scan_iter(s.keys.prefix + "gate:*:sent"))
+        assert not list(s.client.scan_iter(s.keys.prefix + "gate:*:sent", count=10_000))
     finally:
         rt.stop()
     assert_idle(client)

@@ -82,7 +82,7 @@ def test_a_dispatched_message_is_the_one_apply_async_sends(pl: Pipeline, redis_u
     finally:
         pl.cancel(rid)
         client.delete(ours_list, ref_list)
-        for key in client.scan_iter(f"_kombu.binding*{ref_list}*"):
+        for key in client.scan_iter(f"_kombu.binding*{ref_list}*", count=10_000):
             client.delete(key)
 
 

@@ -1,4 +1,4 @@
-"""The ``pipeline`` command: run, worker, submit, status, reload, sim, flower."""
+"""The ``pipeline`` command: run, worker, submit, status, explain, reload, sim, flower."""
 
 from __future__ import annotations
 
@@ -132,6 +132,28 @@ def _server_facts(p: Any) -> Any:
         return server_facts(p.store.client)
     except redis.RedisError:
         return None
+
+
+# -- explain ----------------------------------------------------------------------------
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Where a request is and why; exit 2 naming the id when it is unknown."""
+    from ..client import Pipeline
+    from ..errors import UnknownRequest
+
+    try:
+        explanation = Pipeline().explain(args.id)
+    except UnknownRequest:
+        print(
+            f"pipeline explain: unknown request id {args.id!r} (never submitted here, or its "
+            "result expired)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.json:
+        print(json.dumps(explanation.to_dict(), indent=2))
+    else:
+        print(explanation.to_text())
+    return 0
 
 
 # -- reload -----------------------------------------------------------------------------
@@ -459,6 +481,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true")
     p.add_argument("--interval", type=float, default=1.0)
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser(
+        "explain", help="where a request is and why: queue position, quota, gate decisions"
+    )
+    p.add_argument("id", help="the request id")
+    p.add_argument("--json", action="store_true", help="the same fields as JSON, for scripts")
+    p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("serve", help="OpenAI's Files and Batches API and a batch page")
     p.add_argument("--host", default="127.0.0.1", help="without PIPELINE_API_KEYS: loopback only")

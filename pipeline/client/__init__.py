@@ -3,6 +3,15 @@
 ``gates`` and ``errors`` of the pipeline."""
 
 from .api import Pipeline, configure, default_pipeline, ordering_score
+from .explain import Explanation
 from .models import Request, Result
 
-__all__ = ["Pipeline", "Request", "Result", "configure", "default_pipeline", "ordering_score"]
+__all__ = [
+    "Explanation",
+    "Pipeline",
+    "Request",
+    "Result",
+    "configure",
+    "default_pipeline",
+    "ordering_score",
+]

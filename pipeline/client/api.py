@@ -13,9 +13,10 @@ from typing import Any
 
 from ..config import QueueConfig, Settings, load_settings, with_overrides
 from ..errors import InvalidRequest, ReplicationError, UnknownRequest
-from ..gates import Gate, GateEnv, check_gates, queue_gate
-from ..store import Store
+from ..gates import Gate, GateEnv, attempt_gate, check_gates, queue_gate
+from ..store import QuotaSpec, Store
 from ..store.state import ordering_score
+from .explain import Explanation, build
 from .models import Request, Result
 
 MAX_ID_LENGTH = 256
@@ -114,6 +115,7 @@ class Pipeline:
             name: self.store.result_list_args(q) for name, q in self.settings.queues.items()
         }
         self._gates: dict[str, Gate] = {}
+        self._quota_specs: dict[str, list[QuotaSpec]] | None = None
         self._lock = threading.Lock()
 
     # -- validation ----------------------------------------------------------------------
@@ -281,6 +283,28 @@ class Pipeline:
 
     def cancel(self, request_id: str) -> bool:
         return self.store.cancel(request_id)
+
+    def explain(self, request_id: str) -> Explanation:
+        """Where the request is and why: state, place in its queue, its tenant's quota use and
+        holders, its queue's gate, deadline slack and decision log (see
+        :class:`~pipeline.client.explain.Explanation`). Raises :class:`UnknownRequest`."""
+        raw = self.store.explain(request_id, self.quota_specs())
+        if raw is None:
+            raise UnknownRequest(request_id)
+        queue = str((raw.get("record") or {}).get("queue", ""))
+        gate = self.gate(queue).describe() if queue in self.settings.queues else None
+        return build(request_id, raw, gate)
+
+    def quota_specs(self) -> dict[str, list[QuotaSpec]]:
+        """Per queue, the blocking concurrency quotas of its gates and its pool's (what the
+        dispatcher counts per tenant)."""
+        with self._lock:
+            if self._quota_specs is None:
+                self._quota_specs = {
+                    name: attempt_gate(self.settings, name, None).quota_specs()
+                    for name in self.settings.queues
+                }
+            return self._quota_specs
 
     # -- gates and inspection ------------------------------------------------------------
     def gate(self, queue: str) -> Gate:

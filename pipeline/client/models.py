@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .explain import Explanation
 
 ERROR_CODES = (
     "DEADLINE_EXCEEDED",
@@ -104,6 +107,8 @@ class RequestSource(Protocol):
 
     def record(self, request_id: str) -> dict[str, Any]: ...
 
+    def explain(self, request_id: str) -> Explanation: ...
+
 
 class Request:
     """A handle on a submitted request. Cheap: it holds only the id and the pipeline."""
@@ -133,6 +138,15 @@ class Request:
     def cancel(self) -> bool:
         """Cancel unless an attempt already started; True when this call cancelled it."""
         return self._pipeline.cancel(self.id)
+
+    def explain(self) -> Explanation:
+        """Where the request is and why: its state, its place in its queue (how many ahead, at
+        which priorities; in a queue indexed by tenant, its tenant's turn or the quota key
+        holding it back), its tenant's quota use and holders, its deadline slack and its
+        decision log (gate decisions, retries with status and backoff, requeues), all read
+        in one step by the Redis server's clock. ``.to_text()`` for people, ``.to_dict()``
+        for JSON. Raises ``UnknownRequest`` once the record is gone."""
+        return self._pipeline.explain(self.id)
 
     def info(self) -> dict[str, Any]:
         """The raw request record (for debugging)."""

@@ -39,6 +39,7 @@ from ..observability import metrics, tracing
 from ..store import DirectPublish, Dispatched, MergeArgs, QueueTick, QuotaSpec, Store, sched
 from ..store import holder as make_holder
 from ..store.fastredis import thread_connections
+from ..store.journal import entry
 
 log = logging.getLogger("pipeline.dispatcher")
 
@@ -367,7 +368,8 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 - put them back; the lease would also do it
             log.error("could not send %d request(s) to Celery: %s", len(moved), exc)
             for d in moved:
-                self.store.requeue(d.id, d.token, delay=1.0, attempted=False)
+                note = entry("requeued", reason="could not send to Celery")
+                self.store.requeue(d.id, d.token, delay=1.0, attempted=False, note=note)
 
     def reap(self) -> int:
         """Requeue attempts whose lease expired and free their gate reservations."""

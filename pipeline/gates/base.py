@@ -53,6 +53,14 @@ class Decision:
     # the release bell to park on for such a Refuse: None for the queue's (a slot gate), a
     # quota key for a per-key quota (published when a request of that key leaves)
     wake_key: str | None = None
+    # for a Refuse: how long (s) the request should wait before it asks again, when the gate
+    # knows (a token budget: until enough of its window has expired); None: the usual jitter
+    retry_after: float | None = None
+    # for a Drop without a result of the gate's own: why (the GATE_DROPPED error_message)
+    message: str = ""
+    # the type of the gate that decided, inside a composite or wrapper (for the request's
+    # decision log; '' for the gate that was asked)
+    gate: str = ""
 
     @property
     def admitted(self) -> bool:
@@ -74,6 +82,7 @@ class AcquireContext:
     deadline: float  # Unix s
     metadata: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    payload: str = ""  # the request's JSON body as it will be sent (a token budget reads it)
 
     @property
     def holder(self) -> str:
@@ -141,6 +150,9 @@ class Gate:
     # dispatch_budget() never changes (it reads nothing that moves): the dispatcher may compute
     # a tick's arguments before it blocks on its doorbell and send both in one round trip
     static_budget: ClassVar[bool] = False
+    # it charges an estimate at admission that the attempt settles when it ends (a token
+    # budget): the attempt calls :meth:`settle` before it releases
+    settles: ClassVar[bool] = False
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         self.name = name
@@ -200,6 +212,12 @@ class Gate:
         """:meth:`transfer` as one script call (see :meth:`prepare_release`); None when it is
         not one."""
         return None
+
+    def settle(self, ctx: AcquireContext, tokens: int | None) -> None:
+        """Settle the charge ``ctx``'s admission took (gates with ``settles``) when its
+        attempt ends: to ``tokens``, what the request consumed (the response's usage), 0 when
+        nothing was served (a refund), or None to keep the estimate (sent, but no answer said
+        what was served). A no-op for a holder charged nothing (or whose charge expired)."""
 
     def handover_bell(self, queue: str, wake: Sequence[str]) -> str | None:
         """The bell whose parked attempts a holder of this gate may hand its reservation to

@@ -15,7 +15,9 @@ JSON string). Inner gate *i* is named ``<name>/<i>`` (its Redis keys use that na
   that hands over: an attempt parked on that slot gate already holds its own quota slots, so
   a holder that is done hands it the slot gate's slot (:meth:`transfer`) and releases its
   own quota slots.
-- release / renew / reap fan out to every inner gate (reap's holders de-duplicated).
+- release / renew / reap fan out to every inner gate (reap's holders de-duplicated), and so
+  does settle to the token budgets among them (``settles``); a rollback refunds a token
+  budget's charge (settles it to 0) before it releases.
 - in_flight = number of distinct holders that hold a reservation in any inner gate, and
   holders() lists them (first inner gate's entry wins): 0 iff nothing leaks anywhere, and
   equal to the requests in flight when every counting inner gate sees every request.
@@ -88,6 +90,8 @@ class CompositeGate(Gate):
         setattr(self, "hands_over", bool(keyed) and slot)  # noqa: B010 - instance override
         static = all(g.static_budget for g in self.gates)
         setattr(self, "static_budget", static)  # noqa: B010 - instance override
+        settles = any(g.settles for g in self.gates)
+        setattr(self, "settles", settles)  # noqa: B010 - instance override
 
     def handover_bell(self, queue: str, wake: Sequence[str]) -> str | None:
         return queue if self.hands_over else None
@@ -127,26 +131,37 @@ class CompositeGate(Gate):
                 if decision.verdict is not Verdict.CONTINUE:
                     if decision.wake_on_release:  # it parks: keep its tenant's own slots
                         taken = [g for g in taken if not g.per_key]
-                    self._rollback(taken, ctx.holder)
-                    return dataclasses.replace(decision, labels=labels)
+                    self._rollback(taken, ctx)
+                    return dataclasses.replace(
+                        decision, labels=labels, gate=decision.gate or gate.type_name
+                    )
                 taken.append(gate)
         except BaseException:
-            self._rollback(taken, ctx.holder)
+            self._rollback(taken, ctx)
             raise
         return Decision(Verdict.CONTINUE, labels=labels) if labels else CONTINUE
 
-    def _rollback(self, taken: list[Gate], holder: str) -> None:
+    def _rollback(self, taken: list[Gate], ctx: AcquireContext) -> None:
+        """Give back what the gates in ``taken`` granted: their reservations, and the charge
+        of a token budget (refunded: nothing is sent)."""
         for gate in reversed(taken):
             try:
-                gate.release(holder)
+                if gate.settles:
+                    gate.settle(ctx, 0)
+                gate.release(ctx.holder)
             except Exception as exc:  # noqa: BLE001 - keep rolling back; the lease expires
                 log.warning(
                     "composite gate %s: rollback of %s on %s failed: %s",
                     self.name,
-                    holder,
+                    ctx.holder,
                     gate.name,
                     exc,
                 )
+
+    def settle(self, ctx: AcquireContext, tokens: int | None) -> None:
+        for gate in self.gates:
+            if gate.settles:
+                gate.settle(ctx, tokens)
 
     def release(self, holder: str) -> bool:
         freed = False
@@ -192,6 +207,7 @@ class Wrapper(Gate):
         self.inner = inner
         setattr(self, "per_node", inner.per_node)  # noqa: B010 - instance override
         setattr(self, "static_budget", inner.static_budget)  # noqa: B010 - instance override
+        setattr(self, "settles", inner.settles)  # noqa: B010 - instance override
 
     def budget(self) -> float:
         return self.inner.budget()
@@ -210,6 +226,9 @@ class Wrapper(Gate):
 
     def acquire(self, ctx: AcquireContext) -> Decision:
         return self.inner.acquire(ctx)
+
+    def settle(self, ctx: AcquireContext, tokens: int | None) -> None:
+        self.inner.settle(ctx, tokens)
 
     def release(self, holder: str) -> bool:
         return self.inner.release(holder)
@@ -245,7 +264,8 @@ class WaitOnRefuseGate(Wrapper):
     def acquire(self, ctx: AcquireContext) -> Decision:
         decision = self.inner.acquire(ctx)
         if decision.verdict is Verdict.REFUSE:
-            return dataclasses.replace(decision, verdict=Verdict.WAIT)
+            gate = decision.gate or self.inner.type_name
+            return dataclasses.replace(decision, verdict=Verdict.WAIT, gate=gate)
         return decision
 
 

@@ -3,9 +3,12 @@
 Params: ``address`` (optional Redis URL, ``host:port`` or a ``sentinel://`` list with
 ``master_name``; default: the pipeline's client),
 ``attribute`` (``userid``; read from ``ctx.metadata``, ``metadata.userid`` also accepted),
-``mode`` (``rate-limit`` default, or ``concurrency``), ``limit`` (int > 0, required),
-``window`` (``1m``; seconds or ``"30s"``/``"500ms"``/``"1h"``; rate-limit only), ``prefix``
-(``quota:``), ``gating_mode`` (``blocking`` default, or ``classifying``).
+``mode`` (``rate-limit`` default, ``concurrency`` or ``tokens``), ``limit`` (int > 0,
+required: requests, or tokens in tokens mode), ``window`` (``1m``; seconds or
+``"30s"``/``"500ms"``/``"1h"``; rate-limit and tokens only, required in tokens mode), ``prefix``
+(``quota:``), ``gating_mode`` (``blocking`` default, or ``classifying``), and in tokens mode
+only ``default_max_tokens`` (int >= 0, 256: the completion budget of a body without
+``max_tokens``, see :mod:`.tokens`).
 
 The quota key is ``<prefix><attribute>:<value>`` as in the reference, so every gate with the
 same prefix shares one quota per value (e.g. one per-user limit across queues). Its Redis keys
@@ -20,6 +23,22 @@ window)``.
   find it; reap frees this gate's expired holders and returns them. Release always refunds.
 - **rate-limit**: a sliding-window log per (quota key, window); one entry per admitted holder
   (never refunded: release is a no-op); entries older than the window drop out.
+- **tokens**: at most ``limit`` tokens per sliding ``window`` per key. Admission charges the
+  request's estimate (:func:`.tokens.estimate_tokens`: prompt characters / 4 + its
+  ``max_tokens``) in a log per (quota key, window) (``Keys.gate_tokens``;
+  ``lua/gate_tokens_acquire.lua``); when the attempt ends it settles the charge
+  (:meth:`settle`, ``lua/gate_tokens_settle.lua``) to the response's ``usage`` (prompt +
+  completion) after a 2xx, to 0 when nothing was served (no request sent, or a non-2xx answer),
+  and to the estimate when the request went out and no answer came (a time-out: the server
+  may have generated it). A charge counts from its admission until a whole ``window`` after
+  its settlement (it is re-stamped then): every token the server received before the answer
+  lies within the windows it is counted in, however late the request reached the server
+  after its admission. (An attempt that ends without settling — a killed worker — keeps its
+  estimate for a window from its admission; so does one in flight longer than the window.)
+  Over the budget → Refuse with ``retry_after`` = the time until enough of the
+  window's charges expire (server clock), or at most ``SETTLE_POLL_S`` when charges still
+  in flight could settle lower and make room sooner. An estimate above ``limit`` can never fit:
+  Drop (``GATE_DROPPED``, saying so). Nothing is held: release, renew and reap are no-ops.
 - **blocking**: admitted → Continue ``classification=reserved``; over the limit → Refuse
   (``quota_exhausted``, ``classification=overflow``). **classifying** never refuses: over the
   limit is Continue ``classification=overflow`` and holds nothing.
@@ -39,6 +58,7 @@ the key on the release bell's channel).
 from __future__ import annotations
 
 import json
+import logging
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
@@ -50,9 +70,16 @@ from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
 from .leases import LeaseScripts, LeaseSet, holder_entry, register
 from .params import Params
 from .redis_budget import connect, redis_url
+from .tokens import DEFAULT_MAX_TOKENS, estimate_tokens
+
+log = logging.getLogger(__name__)
 
 RESERVED = {"classification": "reserved"}
 OVERFLOW = {"classification": "overflow"}
+MODES = ("rate-limit", "concurrency", "tokens")
+# tokens mode: a refusal while charges in flight could settle lower asks again after at most
+# this long (s), instead of waiting for the window to expire
+SETTLE_POLL_S = 1.0
 
 
 class RedisQuotaGate(Gate):
@@ -67,17 +94,26 @@ class RedisQuotaGate(Gate):
         self.attribute = attribute.removeprefix("metadata.")
         if not self.attribute:
             raise p.error("attribute", "must name a metadata attribute")
-        self.mode = p.get_choice("mode", ("rate-limit", "concurrency"), "rate-limit")
+        self.mode = p.get_choice("mode", MODES, "rate-limit")
         self.limit = p.get_int("limit", lo=1)
+        if self.mode == "tokens" and not p.has("window"):
+            raise p.error("window", "is required in tokens mode (tokens per window)")
         self.window_s = p.get_duration("window", 60.0)
-        if self.mode == "rate-limit" and self.window_s <= 0:
-            raise p.error("window", "must be a positive duration in rate-limit mode")
+        if self.mode != "concurrency" and self.window_s <= 0:
+            raise p.error("window", f"must be a positive duration in {self.mode} mode")
+        if self.mode == "tokens":
+            self.default_max_tokens = p.get_int("default_max_tokens", DEFAULT_MAX_TOKENS, lo=0)
+        elif p.has("default_max_tokens"):
+            raise p.error("default_max_tokens", "applies to tokens mode only")
+        else:
+            self.default_max_tokens = DEFAULT_MAX_TOKENS
         self.prefix = p.get_str("prefix", "quota:")
         self.gating_mode = p.get_choice("gating_mode", ("blocking", "classifying"), "blocking")
         # blocking concurrency: one interchangeable slot per key, handed over on the key's bell
         keyed = self.mode == "concurrency" and self.gating_mode == "blocking"
         setattr(self, "per_key", keyed)  # noqa: B010 - instance override
         setattr(self, "hands_over", keyed)  # noqa: B010 - instance override
+        setattr(self, "settles", self.mode == "tokens")  # noqa: B010 - instance override
         self.client: redis.Redis | None = None
         self._own_client = False
         if env is not None:
@@ -86,6 +122,8 @@ class RedisQuotaGate(Gate):
             self._leases = LeaseScripts(self.client)
             self._rate = register(self.client, "gate_rate_acquire")
             self._release = register(self.client, "gate_quota_release")
+            self._tokens = register(self.client, "gate_tokens_acquire")
+            self._settle = register(self.client, "gate_tokens_settle")
 
     # -- keys ----------------------------------------------------------------------------
     def quota_key(self, value: str) -> str:
@@ -109,6 +147,11 @@ class RedisQuotaGate(Gate):
 
     def holders_key(self, value: str) -> str:
         return self._env().keys.gate_holders(self.quota_key(value))
+
+    def tokens_keys(self, value: str) -> tuple[str, str]:
+        """The charge log and charges of one value's token budget (tokens mode)."""
+        namespace = self.prefix.rstrip(":") or "quota"
+        return self._env().keys.gate_tokens(namespace, f"{self.attribute}:{value}", self.window_s)
 
     # -- admission -----------------------------------------------------------------------
     def quota_specs(self) -> list[QuotaSpec]:
@@ -134,10 +177,16 @@ class RedisQuotaGate(Gate):
         info = {"key": key, "worker": ctx.worker, "handed_over_by": giver}
         return bool(self._slots(key).transfer(giver, ctx.holder, ctx.lease_s, self.limit, info))
 
+    def estimate(self, ctx: AcquireContext) -> int:
+        """Tokens charged at admission (tokens mode; see :mod:`.tokens`)."""
+        return estimate_tokens(ctx.payload, self.default_max_tokens)
+
     def acquire(self, ctx: AcquireContext) -> Decision:
         value = ctx.metadata.get(self.attribute)
         if not value:
             return CONTINUE
+        if self.mode == "tokens":
+            return self._acquire_tokens(ctx, value)
         if self.mode == "concurrency":
             key = self.holders_key(value)
             info = {"key": key, "worker": ctx.worker}
@@ -157,6 +206,51 @@ class RedisQuotaGate(Gate):
             wake_on_release=wake is not None,
             wake_key=wake,
         )
+
+    def _acquire_tokens(self, ctx: AcquireContext, value: str) -> Decision:
+        estimate = self.estimate(ctx)
+        if estimate > self.limit:  # it can never fit
+            if self.gating_mode == "classifying":
+                return Decision(Verdict.CONTINUE, labels=dict(OVERFLOW))
+            return self._too_big(estimate)
+        args = [repr(self.window_s), self.limit, ctx.holder, estimate]
+        reply = self._tokens(keys=list(self.tokens_keys(value)), args=args)
+        code, delay_ms, open_ = (int(x) for x in reply)
+        if code in (1, 2):
+            return Decision(Verdict.CONTINUE, labels=dict(RESERVED))
+        if self.gating_mode == "classifying":
+            return Decision(Verdict.CONTINUE, labels=dict(OVERFLOW))
+        if code == 3:
+            return self._too_big(estimate)
+        delay = delay_ms / 1000.0
+        if open_:  # charges in flight may settle lower and make room sooner: ask again then
+            delay = min(delay, SETTLE_POLL_S)
+        return Decision(
+            Verdict.REFUSE, reason="quota_exhausted", labels=dict(OVERFLOW), retry_after=delay
+        )
+
+    def _too_big(self, estimate: int) -> Decision:
+        return Decision(
+            Verdict.DROP,
+            reason="dropped",
+            labels=dict(OVERFLOW),
+            message=(
+                f"token estimate {estimate} exceeds the whole budget of {self.limit} tokens "
+                f"per {self.window_s:g} s of gate {self.name!r}: it can never be admitted"
+            ),
+        )
+
+    def settle(self, ctx: AcquireContext, tokens: int | None) -> None:
+        """Settle ``ctx``'s charge (tokens mode): to ``tokens`` (0 refunds it), or to its
+        estimate (None); a charge that stays counts for a window from now."""
+        value = ctx.metadata.get(self.attribute)
+        if self.mode != "tokens" or self.client is None or not value:
+            return
+        amount = "" if tokens is None else max(0, tokens)
+        args = [ctx.holder, amount, repr(self.window_s)]
+        old = int(self._settle(keys=list(self.tokens_keys(value)), args=args))
+        if old >= 0:
+            log.debug("gate %s: %s charge %d settled to %s", self.name, ctx.holder, old, amount)
 
     # -- reservations (concurrency mode; rate-limit admissions are never refunded) ---------
     def _index(self) -> dict[str, list[str]]:
@@ -249,6 +343,7 @@ class RedisQuotaGate(Gate):
             "quota_limit": self.limit,
             "attribute": self.attribute,
             "window_s": self.window_s,
+            **({"default_max_tokens": self.default_max_tokens} if self.mode == "tokens" else {}),
         }
 
     def close(self) -> None:

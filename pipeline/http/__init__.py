@@ -1,3 +1,4 @@
 """The attempt's HTTP call to a model server: the keep-alive HTTP/1.1 client (:mod:`.call`),
-how a response or error is classified (:mod:`.classify`) and the retry backoff
-(:mod:`.backoff`). Imports nothing of the pipeline."""
+how a response or error is classified (:mod:`.classify`), the retry backoff
+(:mod:`.backoff`) and the tokens a response reports (:mod:`.usage`). Imports nothing of the
+pipeline."""

@@ -7,10 +7,12 @@ import http.client
 import re
 import ssl
 from dataclasses import dataclass
+from functools import cached_property
 from urllib.parse import urlsplit
 
 from . import call as httpcall
 from .backoff import parse_retry_after
+from .usage import Usage, parse_usage
 
 
 class Kind(enum.Enum):
@@ -34,6 +36,16 @@ class Outcome:
     @property
     def responded(self) -> bool:
         return self.status_code is not None
+
+    @property
+    def ok_2xx(self) -> bool:
+        """A 2xx answer: the only kind whose ``usage`` is read."""
+        return self.status_code is not None and 200 <= self.status_code < 300
+
+    @cached_property
+    def usage(self) -> Usage | None:
+        """The ``usage`` of a 2xx answer's body (parsed once), else None."""
+        return parse_usage(self.body) if self.ok_2xx else None
 
     @property
     def described(self) -> str:

@@ -15,7 +15,9 @@ waiting, or retries exhausted by the deadline), ``shedded_requests_total`` (each
 ``gate_closed``, ``quota_exhausted``, ``dropped``, ``error``, all initialised to 0; and the
 gateway's drop reason, e.g. ``rejected-saturated``, when its flow control shed an attempt),
 ``lease_reclaims_total{kind}`` (``attempt``: an attempt whose lease expired was requeued;
-``gate``: an expired gate reservation was freed), the histograms
+``gate``: an expired gate reservation was freed), ``tokens_total{direction}`` (the
+reference's #401: ``input`` = ``usage.prompt_tokens``, ``output`` = ``usage.completion_tokens``
+of each 2xx answer to a ``…/v1/completions`` or ``…/v1/chat/completions`` URL), the histograms
 ``inference_latency_time_millis`` (each HTTP call, ms) and ``queue_residence_time_millis``
 (submission → first attempt start, ms), and the gauge ``inflight_requests`` (HTTP calls in
 progress on this node).
@@ -63,6 +65,7 @@ log = logging.getLogger("pipeline.metrics")
 PREFIX = "pipeline_"
 LABELS = ("queue_id", "queue_name", "pool_name")
 GATE_REASONS = ("gate_closed", "quota_exhausted", "dropped", "error")
+TOKEN_DIRECTIONS = ("input", "output")
 # ms; the reference's ranges: 10 ms … 120 s and 0.5 s … 24 h
 LATENCY_BUCKETS_MS = (10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000,
                       120_000)  # fmt: skip
@@ -111,6 +114,11 @@ class _Series:
         )
         self.reclaims = counter(
             "lease_reclaims_total", "Expired leases reclaimed by the reaper.", ("kind",)
+        )
+        self.tokens = counter(
+            "tokens_total",
+            "Tokens in the usage of 2xx answers: direction input (prompt) or output (completion).",
+            ("direction",),
         )
         self.latency = Histogram(
             PREFIX + "inference_latency_time_millis",
@@ -164,6 +172,8 @@ class _Series:
                 self.gate_decisions.labels(*labels, reason)
             for kind in ("attempt", "gate"):
                 self.reclaims.labels(*labels, kind)
+            for direction in TOKEN_DIRECTIONS:
+                self.tokens.labels(*labels, direction)
             self.inflight.labels(*labels)
             self._initialised.add(labels)
 

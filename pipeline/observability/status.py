@@ -13,26 +13,17 @@ from rich.text import Text
 
 from ..client import Pipeline
 from ..store import ServerFacts
+from ..store.scripts import register
 from ..store.server import SAFE_POLICY
 
 OLDEST_SCAN = 100_000  # pending members examined (in queue order) for the oldest one
-
-# The oldest of the first ARGV[1] members of a pending set: members are "<seq>|<id>" with a
-# zero-padded submission sequence, so the smallest string is the earliest submission.
-_OLDEST_LUA = """
-local best = false
-for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)) do
-  if not best or m < best then best = m end
-end
-return best
-"""
 
 
 def _oldest_pending(p: Pipeline, names: list[str], now: float) -> dict[str, float | None]:
     """Age (s) of each queue's oldest pending request (submission to now), None if empty."""
     client = p.store.client
     k = p.store.keys
-    script = client.register_script(_OLDEST_LUA)
+    script = register(client, "pending_oldest")  # lua/pending_oldest.lua
     members = [script(keys=[k.pending(name)], args=[OLDEST_SCAN]) for name in names]
     ids = [m.partition("|")[2] if m else None for m in members]
     with client.pipeline(transaction=False) as pipe:

@@ -4,7 +4,7 @@ A single-threaded asyncio HTTP/1.1 server (hand-written parser on ``asyncio.Prot
 keep-alive, ``Connection: close`` and in-order answers to pipelined requests). It serves
 ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, vLLM-style
 ``/metrics`` and the control endpoints ``/sim/stats``, ``/sim/reset``, ``/sim/faults``,
-``/sim/release`` and ``/sim/arrivals``.
+``/sim/release``, ``/sim/arrivals`` and ``/sim/tokens``.
 
 Request life cycle for an inference call: count it (and its attempt per ``x-request-id``), parse
 the JSON body (400 if invalid), admit it (above ``max_concurrency``: 429/503 with
@@ -50,6 +50,7 @@ import concurrent.futures
 import heapq
 import itertools
 import json
+import math
 import os
 import random
 import signal
@@ -100,8 +101,13 @@ class SimConfig:
     overload_dropped_reason: str | None = None
     failure_rate: float = 0.0  # probability of a random failure per admitted request
     failure_status: int = 503
-    seed: int = 0  # seeds the failure and jitter RNGs
-    record_arrivals: bool = False  # keep (arrival_s, finish_s, request_id) per answered request
+    seed: int = 0  # seeds the failure, jitter and completion-length RNGs
+    # keep (arrival_s, finish_s, request_id) per answered request (/sim/arrivals), and
+    # (arrival_s, prompt_tokens, completion_tokens, request_id) per 200 (/sim/tokens)
+    record_arrivals: bool = False
+    # completion tokens of a 200: max_tokens when 1.0 (finish_reason "length"); else drawn
+    # uniformly from [ceil(ratio * max_tokens), max_tokens] (below max_tokens: "stop")
+    completion_min_ratio: float = 1.0
     model_name: str = MODEL_NAME
     api_key: str | None = None  # inference calls must carry "Authorization: Bearer <api_key>"
     tls_cert_file: str | None = None  # serve HTTPS with this certificate (PEM) ...
@@ -408,6 +414,7 @@ class _Sim:
         self._clock: _Clock | None = None
         self.fail_rng = random.Random(config.seed)
         self.jitter_rng = random.Random(config.seed + 1)
+        self.length_rng = random.Random(config.seed + 2)
         self.ids = itertools.count(1)
         self.conns: set[_Conn] = set()
         self.waiters: deque[_Pending] = deque()
@@ -422,6 +429,7 @@ class _Sim:
             ("GET", "/sim/stats"): lambda r: _json(200, self.stats()),
             ("POST", "/sim/reset"): lambda r: _json(200, self.reset()),
             ("GET", "/sim/arrivals"): lambda r: _json(200, self.arrivals),
+            ("GET", "/sim/tokens"): lambda r: _json(200, self.token_log),
             ("POST", "/sim/faults"): self._post_fault,
             ("POST", "/sim/release"): self._post_release,
         }
@@ -437,6 +445,8 @@ class _Sim:
         self.attempts: dict[str, int] = {}
         self.faults.clear()
         self.arrivals: list[tuple[float, float, str | None]] = []
+        self.token_log: list[tuple[float, int, int, str | None]] = []
+        self.prompt_tokens = self.completion_tokens = 0
         self.max_in_flight = self.in_flight
         return {"ok": True}
 
@@ -454,6 +464,9 @@ class _Sim:
             "held": {name: len(held) for name, held in self.holds.items()},
             "connections": self.connections,
             "unauthorized": self.unauthorized,
+            # usage of the 200s generated (held ones too, and ones whose client hung up)
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
         }
 
     def metrics(self) -> str:
@@ -721,12 +734,13 @@ class _Sim:
         if cfg.failure_rate and self.fail_rng.random() < cfg.failure_rate:
             self.answer(conn, p, _error(cfg.failure_status, "simulated random failure"))
             return
+        completion = self._completion_tokens(job.max_tokens)
         delay_ms = job.latency_ms
         if delay_ms is None:
-            delay_ms = cfg.latency_ms + cfg.itl_ms * job.max_tokens
+            delay_ms = cfg.latency_ms + cfg.itl_ms * completion
             if cfg.jitter_ms:
                 delay_ms += self.jitter_rng.uniform(0.0, cfg.jitter_ms)
-        reply = self._completion(job)
+        reply = self._completion(job, completion, p)
         if job.hold is not None and job.hold not in self.released:
             self._hold(conn, p, job.hold, reply)
         elif delay_ms > 0:
@@ -739,10 +753,24 @@ class _Sim:
         await asyncio.sleep(STALL_CAP_S)
         conn.drop()
 
-    def _completion(self, job: _Job) -> _Reply:
-        text = _fake_text(job.prompt, job.max_tokens)
+    def _completion_tokens(self, max_tokens: int) -> int:
+        ratio = self.config.completion_min_ratio
+        if ratio >= 1.0 or max_tokens == 0:
+            return max_tokens
+        return self.length_rng.randint(math.ceil(max(0.0, ratio) * max_tokens), max_tokens)
+
+    def _completion(self, job: _Job, completion: int, p: _Pending) -> _Reply:
+        """A 200 with ``completion`` generated tokens; its usage is counted (and logged with
+        the request's arrival time when ``record_arrivals``): the prompt's tokens are its
+        whitespace-separated words (for chat: of the messages' contents)."""
+        text = _fake_text(job.prompt, completion)
         text = text.lstrip() if job.chat else text
         prompt_tokens = len(job.prompt.split())
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion
+        if self.config.record_arrivals:
+            self.token_log.append((p.arrival, prompt_tokens, completion, p.rid))
+        finish = "length" if completion == job.max_tokens else "stop"
         body: dict[str, Any] = {
             "id": f"{'chatcmpl' if job.chat else 'cmpl'}-sim{next(self.ids)}",
             "object": "chat.completion" if job.chat else "text_completion",
@@ -751,13 +779,13 @@ class _Sim:
         }
         if job.chat:
             msg = {"role": "assistant", "content": text}
-            body["choices"] = [{"index": 0, "message": msg, "finish_reason": "length"}]
+            body["choices"] = [{"index": 0, "message": msg, "finish_reason": finish}]
         else:
-            body["choices"] = [{"index": 0, "text": text, "finish_reason": "length"}]
+            body["choices"] = [{"index": 0, "text": text, "finish_reason": finish}]
         body["usage"] = {
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": job.max_tokens,
-            "total_tokens": prompt_tokens + job.max_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
         }
         return _json(200, body)
 
@@ -903,6 +931,11 @@ class SimServer:
         """Same dict as ``GET /sim/stats``."""
         return self._call(self._sim.stats)
 
+    def tokens(self) -> list[tuple[float, int, int, str | None]]:
+        """Same as ``GET /sim/tokens`` (needs ``record_arrivals``): per 200 generated,
+        (arrival time, monotonic s; prompt tokens; completion tokens; x-request-id)."""
+        return self._call(lambda: list(self._sim.token_log))
+
     def reset(self) -> None:
         """Same as ``POST /sim/reset`` (answers every held request first)."""
         self._call(self._sim.reset)
@@ -971,8 +1004,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dropped-reason", default=None, help="x-llm-d-request-dropped-reason on overload")
     add("--failure-rate", type=float, default=0.0, help="random failure probability, 0..1")
     add("--failure-status", type=int, default=503, help="status of random failures")
-    add("--seed", type=int, default=0, help="RNG seed for failures and jitter")
-    add("--record-arrivals", action="store_true", help="record arrivals for GET /sim/arrivals")
+    add("--seed", type=int, default=0, help="RNG seed for failures, jitter and lengths")
+    add(
+        "--record-arrivals",
+        action="store_true",
+        help="record arrivals (GET /sim/arrivals) and tokens (GET /sim/tokens)",
+    )
+    add(
+        "--completion-min-ratio",
+        type=float,
+        default=1.0,
+        help="completion tokens drawn from [ratio x max_tokens, max_tokens] (1 = max_tokens)",
+    )
     add("--api-key-env", metavar="VAR", help="require 'Authorization: Bearer $VAR' (else 401)")
     add("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     add("--tls-key", metavar="PEM", help="the certificate's private key")
@@ -1002,6 +1045,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         failure_status=args.failure_status,
         seed=args.seed,
         record_arrivals=args.record_arrivals,
+        completion_min_ratio=args.completion_min_ratio,
         api_key=_api_key(args.api_key_env),
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,

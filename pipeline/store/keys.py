@@ -29,7 +29,12 @@ class Keys:
 
     # -- per request ---------------------------------------------------------------------
     def request(self, request_id: str) -> str:
-        """Hash: the request record (payload, ordering key, state, attempt token, result)."""
+        """Hash: the request record (payload, ordering key, state, attempt token, result), and
+        its decision log, what ``pipeline explain`` shows: field ``log``, one compact JSON
+        object per line and event, oldest first, ``{"t": <server time, Unix s>, "e": <event>,
+        ...}`` (``dispatched``, ``held``, ``admitted``, ``parked``, ``refused``, ``retry``,
+        ``requeued``, ``reaped``, ``dropped``, ``done``; see lib.lua ``log_with``), the last 50
+        kept. It lives and expires with the record."""
         return f"{self.prefix}req:{request_id}"
 
     def notify(self, request_id: str) -> str:
@@ -165,6 +170,15 @@ class Keys:
     def gate_rate(self, gate: str, attribute_value: str, window_s: float) -> str:
         """Sorted set: admission log of a rate-limit gate, one per (key, window)."""
         return f"{self.prefix}gate:{gate}:rate:{window_s:g}:{attribute_value}"
+
+    def gate_tokens(self, gate: str, attribute_value: str, window_s: float) -> tuple[str, str]:
+        """A token budget's window, one per (key, window) (``redis-quota``, tokens mode):
+        a sorted set, the charge log (member = holder ``id:token``, score = admission time,
+        Unix s, server clock), and a hash, holder → its charge (``e<n>`` while it is the
+        admission's estimate, ``<n>`` once settled by the response's usage). Both hold only
+        the last window's charges and expire a second after the window of the latest."""
+        base = f"{self.prefix}gate:{gate}:tokens:{window_s:g}"
+        return f"{base}:log:{attribute_value}", f"{base}:charges:{attribute_value}"
 
     def leased_rate_state(self, control_key: str) -> str:
         """Hash: the token bucket (``tokens``, ``last_ms``) of a ``redis-leased-rate`` gate,

@@ -29,6 +29,8 @@ SCRIPT_NAMES = (
     "ingest",
     "sched_index",
     "sched_recheck",
+    "note",
+    "explain",
 )
 
 

@@ -21,13 +21,15 @@ from ..config import QueueConfig, Settings
 from . import sched, wire
 from .connect import connect
 from .fastredis import thread_connections
+from .journal import Journal, entry
 from .keys import Keys
-from .sched import MergeArgs, PoolTickResult, QueueTick
+from .sched import MergeArgs, PoolTickResult, QueueTick, QuotaSpec
 from .scripts import ScriptCall, Scripts
 
 SWEEP_LIMIT = 500
 SUBMIT_FIRST_CHUNK = 32  # rows in the first submit.lua call of a batch; each next one doubles
 SUBMIT_MAX_CHUNK = 500  # ... up to this many
+EXPLAIN_LISTED = 20  # holders and requests an explain lists per quota key
 INGEST_BATCH = 100  # entries of a reference producer's sorted set one ingest call looks at
 
 
@@ -175,8 +177,8 @@ class Store:
             ],
         )
         out: dict[str, list[str]] = {}
-        for entry, word in zip(entries, words, strict=True):
-            out.setdefault(str(word), []).append(entry[2])
+        for row, word in zip(entries, words, strict=True):
+            out.setdefault(str(word), []).append(row[2])
         return out
 
     # -- dispatcher ----------------------------------------------------------------------
@@ -331,9 +333,12 @@ class Store:
         error_message: str | None = None,
         mirror: Mirror | None = None,
         handed_over: bool = False,
+        journal: Journal | None = None,
     ) -> str | None:
         """Write the terminal result of an attempt (and its ``mirror``); None when fenced
-        off. ``handed_over``: its slot went to another attempt, so no release is published."""
+        off. ``handed_over``: its slot went to another attempt, so no release is published.
+        ``journal``: the attempt's events for the decision log; the script adds the ``done``
+        entry."""
         call = self.finish_call(
             request_id,
             token,
@@ -344,6 +349,7 @@ class Store:
             error_message=error_message,
             mirror=mirror,
             handed_over=handed_over,
+            journal=journal,
         )
         return self.finished(call.script(keys=call.keys, args=call.args))
 
@@ -360,11 +366,12 @@ class Store:
         mirror: Mirror | None = None,
         handed_over: bool = False,
         nowake: bool = False,
+        journal: Journal | None = None,
     ) -> ScriptCall:
         """:meth:`finish` as a call to send in a batch; :meth:`finished` reads its reply.
         ``nowake`` (with ``handed_over``): the pool's doorbell is not rung either — the worker
         that took the slot still has attempts of the queue parked, so the dispatcher need not
-        send more yet."""
+        send more yet. ``journal`` as in :meth:`finish` (taken when the call is built)."""
         keys = [self.keys.request(request_id)]
         extra: list[Any] = []
         if mirror is not None:
@@ -383,6 +390,7 @@ class Store:
                 error_code or "",
                 error_message or "",
                 (2 if nowake else 1) if handed_over else 0,
+                journal.take() if journal is not None else "",
                 *extra,
             ],
         )
@@ -403,10 +411,14 @@ class Store:
         last_error: str | None = None,
         mirror: Mirror | None = None,
         handed_over: bool = False,
+        journal: Journal | None = None,
+        note: dict[str, Any] | None = None,
     ) -> float | None:
         """Give the request back to its queue (now, or ``delay`` s from now by the server's
         clock) and write its ``mirror`` (``head`` alone). Returns the due time (Unix s, server
-        clock), None when fenced off. ``handed_over`` as in :meth:`finish`."""
+        clock), None when fenced off. ``handed_over`` as in :meth:`finish`. The decision log
+        gets the ``journal``'s events, then ``note`` (default ``{"e": "requeued"}``; see
+        :func:`pipeline.store.journal.entry`) with the delay."""
         call = self.requeue_call(
             request_id,
             token,
@@ -416,6 +428,8 @@ class Store:
             last_error=last_error,
             mirror=mirror,
             handed_over=handed_over,
+            journal=journal,
+            note=note,
         )
         return self.requeued(call.script(keys=call.keys, args=call.args))
 
@@ -430,8 +444,15 @@ class Store:
         last_error: str | None = None,
         mirror: Mirror | None = None,
         handed_over: bool = False,
+        journal: Journal | None = None,
+        note: dict[str, Any] | None = None,
     ) -> ScriptCall:
-        """:meth:`requeue` as a call to send in a batch; :meth:`requeued` reads its reply."""
+        """:meth:`requeue` as a call to send in a batch; :meth:`requeued` reads its reply
+        (``journal`` and ``note`` as there, taken when the call is built)."""
+        last = dict(note or entry("requeued"))
+        if delay > 0:
+            last["delay"] = round(float(delay), 3)
+        text = (journal or Journal()).take(last)
         keys = [self.keys.request(request_id)]
         extra: list[Any] = []
         if mirror is not None:
@@ -448,6 +469,7 @@ class Store:
                 json.dumps(last_response) if last_response else "",
                 (last_error or "")[:500],
                 1 if handed_over else 0,
+                text,
                 *extra,
             ],
         )
@@ -456,6 +478,38 @@ class Store:
     def requeued(reply: Any) -> float | None:
         """The due time a requeue call set, None when it was fenced off."""
         return float(reply) if reply else None
+
+    def note(self, request_id: str, token: str, journal: Journal) -> bool:
+        """Send a running attempt's journaled events to its request's decision log now (one
+        round trip; ``note.lua``, fenced by the token). False when fenced off."""
+        text = journal.take()
+        if not text:
+            return False
+        res = self.scripts.note(
+            keys=[self.keys.request(request_id)], args=[self.keys.prefix, token, text]
+        )
+        return bool(res)
+
+    def explain(
+        self,
+        request_id: str,
+        quotas: dict[str, list[QuotaSpec]] | None = None,
+        listed: int = EXPLAIN_LISTED,
+    ) -> dict[str, Any] | None:
+        """Where a request stands, read in one atomic step (``explain.lua``): its record
+        (without payload, metadata or headers), the server's clock, its place in its queue,
+        its retry due time or lease, the use of each of its quota keys (``quotas``: the
+        blocking concurrency quotas of each queue, see :class:`QuotaSpec`; at most
+        ``listed`` holders and requests each) and its decision log. None for an unknown id."""
+        specs = {q: [s.arg() for s in specs] for q, specs in (quotas or {}).items() if specs}
+        raw = self.scripts.explain(
+            keys=[],
+            args=[self.keys.prefix, request_id, json.dumps(specs or {}), int(listed)],
+        )
+        if not raw:
+            return None
+        data: dict[str, Any] = json.loads(raw)
+        return data
 
     def renew(self, attempts: list[tuple[str, str, str]]) -> int:
         """Extend the leases of live attempts given as (id, token, queue)."""

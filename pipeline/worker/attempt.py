@@ -19,6 +19,7 @@ from ..http.backoff import retry_delay
 from ..http.classify import Kind, Outcome, join_url, send
 from ..store import ScriptCall, Store
 from ..store import holder as make_holder
+from ..store.journal import Journal, entry
 from ..store.keys import ref_cancel_key
 from . import observe
 from .bell import ReleaseBell, Ticket
@@ -100,6 +101,13 @@ class Attempt:
         # generations read before the last gate call
         self._wake_keys = self.gate.wake_keys(self._ctx())
         self._key_generations: dict[str, int] = {}
+        # what a token budget's charge settles to when the attempt ends (Gate.settle): 0 until
+        # the request is sent (nothing served), then the response's usage, or None to keep the
+        # estimate (sent, and no answer says what was served)
+        self.served_tokens: int | None = 0
+        # gate decisions for the request's decision log, sent with the outcome (or at once by
+        # an attempt parked longer than PARK_POLL_S)
+        self.journal = Journal()
 
     @property
     def holder(self) -> str:
@@ -124,6 +132,7 @@ class Attempt:
             deadline=self.deadline,
             metadata=self.metadata,
             labels=self.labels,
+            payload=self.record["payload"],
         )
 
     def acquire(self) -> Decision:
@@ -171,10 +180,20 @@ class Attempt:
             held = ticket.held
         else:
             held = self.decision is not None and self.decision.admitted
+        if held and self.gate.settles:
+            self._settle()
         wake = self._wake_keys if held else ()  # it held a slot of these keys: ring them
         return self.rt.plan_release(
             self.queue.queue_name, self.id, self.token, hand_over=held, gate=self.gate, wake=wake
         )
+
+    def _settle(self) -> None:
+        """Settle a token budget's charge to ``served_tokens`` (before the release; a failure
+        leaves the estimate charged until the window moves past it, and is only logged)."""
+        try:
+            self.gate.settle(self._ctx(), self.served_tokens)
+        except Exception as exc:  # noqa: BLE001 - never in the way of the release
+            log.warning("settling the token charge of %s failed: %s", self.holder, exc)
 
     def _finish(
         self,
@@ -203,6 +222,7 @@ class Attempt:
             mirror=mirror,
             handed_over=plan.handed_over,
             nowake=plan.handed_over and self.rt.parked_ahead(self.queue.queue_name, self.gate),
+            journal=self.journal,
         )
         res = store.finished(self.rt.release_then(plan, call))
         self.closed = True
@@ -230,6 +250,7 @@ class Attempt:
         last: dict[str, Any] | None = None,
         error: str | None = None,
         status: Status = Status.REQUEUED,
+        note: dict[str, Any] | None = None,
     ) -> Report:
         plan = self._release()
         mirror = self.mirrors.retry(reason) if self.mirrors is not None else None
@@ -243,6 +264,8 @@ class Attempt:
             last_error=error,
             mirror=mirror,
             handed_over=plan.handed_over,
+            journal=self.journal,
+            note=note or entry("requeued", reason=reason),
         )
         due = store.requeued(self.rt.release_then(plan, call))
         self.closed = True
@@ -283,29 +306,37 @@ class Attempt:
         if self.record.get("wire") and self._cancelled_by_producer():
             return self._error("CANCELLED", "cancelled")
         decision = self.decision or self.acquire()
-        if decision.verdict is Verdict.WAIT:
-            decision = self._park(self.rt.settings.gate_wait_timeout_s)
+        if decision.admitted:
+            self.journal.add("admitted", worker=self.worker)
+        elif decision.verdict is Verdict.WAIT:
+            decision = self._park(decision, self.rt.settings.gate_wait_timeout_s)
         elif self.parks_on(decision):
-            decision = self._park(self.rt.settings.park_s)
+            decision = self._park(decision, self.rt.settings.park_s)
             if not decision.admitted:
                 observe.gate_decision(self, decision, self.send_event)
         if decision.verdict is Verdict.REFUSE:
-            lo, hi = REFUSE_DELAY_S
+            delay = decision.retry_after
+            if delay is None:
+                delay = self.rt.rng.uniform(*REFUSE_DELAY_S)
+            reason = decision.reason or "gate_closed"
             return self._requeue(
-                self.rt.rng.uniform(lo, hi),
-                f"gate refused ({decision.reason or 'gate_closed'})",
+                delay,
+                f"gate refused ({reason})",
                 attempted=False,
+                note=self._gate_entry("refused", decision, reason=reason),
             )
         if decision.verdict is Verdict.WAIT:
-            return self._requeue(0.0, "gate wait timed out", attempted=False)
+            note = self._gate_entry("requeued", decision, reason="gate wait timed out")
+            return self._requeue(0.0, "gate wait timed out", attempted=False, note=note)
         if decision.verdict is Verdict.DROP:
+            self.journal.add("dropped", gate=decision.gate or self.gate.type_name)
             if decision.status_code is not None or decision.payload is not None:
                 return self._finish(
                     attempted=False,
                     status_code=decision.status_code,
                     payload=decision.payload or "",
                 )
-            return self._error("GATE_DROPPED", "dropped by gate")
+            return self._error("GATE_DROPPED", decision.message or "dropped by gate")
         return self._call()
 
     def _cancelled_by_producer(self) -> bool:
@@ -325,14 +356,26 @@ class Attempt:
             and self.rt.settings.park_s > 0
         )
 
-    def _park(self, limit_s: float) -> Decision:
+    def _gate_entry(self, event: str, decision: Decision, **fields: Any) -> dict[str, Any]:
+        """A decision-log entry naming the gate that decided (and the quota key, if any)."""
+        return entry(
+            event, gate=decision.gate or self.gate.type_name, key=decision.wake_key, **fields
+        )
+
+    def _park(self, first: Decision, limit_s: float) -> Decision:
         """Wait for a slot: until the gate admits (or stops saying Wait / full), the deadline,
         or ``limit_s``. Woken by the release bell the moment a holder of this queue releases;
         re-asks the gate at least every ``PARK_POLL_S`` in case a wake-up was lost. On a
         ``hands_over`` gate a holder of this process that is done hands its slot straight to
-        the longest-parked attempt, admitted without asking the gate."""
+        the longest-parked attempt, admitted without asking the gate. The decision log gets a
+        ``parked`` entry (sent at once when the park outlasts ``PARK_POLL_S``, so ``explain``
+        sees it) and, when it is admitted, an ``admitted`` one with the time it waited."""
         queue = self.queue.queue_name
-        end = time.monotonic() + min(self.time_left(), limit_s)
+        began = time.monotonic()
+        end = began + min(self.time_left(), limit_s)
+        wait = "wait" if first.verdict is Verdict.WAIT else "refuse"
+        self.journal.append(self._gate_entry("parked", first, reason=first.reason, verdict=wait))
+        noted = False
         decision = self.decision or Decision(Verdict.WAIT)
         while (
             decision.verdict is Verdict.WAIT or self.parks_on(decision)
@@ -354,7 +397,21 @@ class Attempt:
                 decision = self.decision = CONTINUE
                 break
             decision = self.acquire()
+            if not noted and not decision.admitted and time.monotonic() - began >= PARK_POLL_S:
+                noted = True
+                self._note_now()
+        if decision.admitted:
+            waited = round(time.monotonic() - began, 3)
+            handed = True if self._granted is not None else None
+            self.journal.add("admitted", worker=self.worker, waited=waited, handed_over=handed)
         return decision
+
+    def _note_now(self) -> None:
+        """Send the journal to the decision log now (a long park); never fails the attempt."""
+        try:
+            self.rt.store.note(self.id, self.token, self.journal)
+        except Exception as exc:  # noqa: BLE001 - the log is for people; the attempt goes on
+            log.warning("decision log note for %s failed: %s", self.id, exc)
 
     def note_span(self, traceparent: str) -> None:
         """Record this attempt's span context in its request (see ``Store.note_span``)."""
@@ -407,6 +464,7 @@ class Attempt:
             outcome = Outcome(
                 Kind.RETRY, error=f"{type(exc).__name__}: {exc}", category="INTERRUPTED"
             )
+        self.served_tokens = served_tokens(outcome)
         if outcome.kind is Kind.SUCCESS or (outcome.kind is Kind.FATAL and outcome.responded):
             return self._finish(
                 attempted=True,
@@ -433,6 +491,14 @@ class Attempt:
             if outcome.dropped_reason:
                 last["dropped_reason"] = outcome.dropped_reason
         reason = outcome.described if outcome.responded else f"{outcome.category}: {outcome.error}"
+        note = entry(
+            "retry",
+            attempt=retries + 1,
+            status=outcome.status_code if outcome.responded else None,
+            error=None if outcome.responded else reason,
+            dropped=outcome.dropped_reason,
+            retry_after=outcome.retry_after,
+        )
         return self._requeue(
             delay,
             reason,
@@ -440,7 +506,22 @@ class Attempt:
             last=last,
             error=outcome.error,
             status=Status.RETRY,
+            note=note,
         )
+
+
+def served_tokens(outcome: Outcome) -> int | None:
+    """What a token budget's charge settles to after this outcome: the usage of a 2xx answer
+    (prompt + completion); 0 for any other answer (an error: nothing generated) and for a
+    request that could not be sent (a bad URL, a failed TLS handshake); None (keep the
+    estimate) for a 2xx without a readable usage, and when the request may have gone out but
+    no answer came (a time-out, a lost connection: the server may have generated it all)."""
+    if outcome.responded:
+        if not outcome.ok_2xx:
+            return 0
+        usage = outcome.usage
+        return usage.total if usage is not None else None
+    return 0 if outcome.kind is Kind.FATAL or outcome.category == "TLS" else None
 
 
 def _replace(headers: dict[str, str], name: str, value: str) -> None:

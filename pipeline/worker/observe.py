@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from ..config import QueueConfig
 from ..gates import Decision
 from ..http.classify import Outcome
+from ..http.usage import counted_path
 from ..observability import metrics, tracing
 from .report import Report, Status
 
@@ -213,8 +214,24 @@ def observed_send(
         s.shed.labels(*labels).inc()
     if outcome.dropped_reason:  # the gateway's flow control shed it: count its reason
         s.gate_decisions.labels(*labels, outcome.dropped_reason).inc()
+    count_tokens(labels, url, outcome)
     obs = _current.get()
     if obs is not None:
         obs.outcome = outcome
         obs.http_calls += 1
     return outcome
+
+
+def count_tokens(labels: tuple[str, str, str], url: str, outcome: Outcome) -> None:
+    """``pipeline_tokens_total{direction}`` from the usage of a 2xx answer (the reference's
+    rule: a completions or chat completions URL, a JSON body with a ``usage`` object; both
+    directions together). Never raises."""
+    try:
+        usage = outcome.usage
+        if usage is None or not counted_path(url):
+            return
+        s = metrics.series()
+        s.tokens.labels(*labels, "input").inc(usage.prompt)
+        s.tokens.labels(*labels, "output").inc(usage.completion)
+    except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
+        log.warning("counting tokens failed: %s", exc)

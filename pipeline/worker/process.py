@@ -37,6 +37,7 @@ from ..http.call import reset_tls
 from ..observability import tracing
 from ..store import ScriptCall, Store, run_batch
 from ..store import holder as make_holder
+from ..store.journal import entry
 from .attempt import Attempt
 from .bell import ReleaseBell, Ticket
 from .endpoints import check_endpoints
@@ -440,7 +441,9 @@ class Runtime:
                 error_message=reason,
             )
         else:
-            done = self.store.requeue(request_id, token, delay=0.0, attempted=False)
+            done = self.store.requeue(
+                request_id, token, delay=0.0, attempted=False, note=entry("requeued", reason=reason)
+            )
         if done:
             log.warning(
                 "request %s attempt %s abandoned (%s): %s",

@@ -148,7 +148,9 @@ def test_master_killed_mid_batch_loses_nothing(sim: SimServer, tmp_path: Path) -
             )
             holders = [
                 k
-                for k in pl.store.client.scan_iter(pl.store.keys.prefix + "gate:*:holders")
+                for k in pl.store.client.scan_iter(
+                    pl.store.keys.prefix + "gate:*:holders", count=10_000
+                )
                 if pl.store.client.zcard(k)
             ]
             assert not holders, holders

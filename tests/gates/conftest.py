@@ -38,7 +38,7 @@ def client() -> Iterator[redis.Redis]:
 def slot_keys(client: redis.Redis, prefix: str) -> dict[str, int]:
     """Gate keys under ``prefix`` that still hold something: key → number of entries."""
     held = {}
-    for key in client.scan_iter(match=f"{prefix}gate:*", count=1000):
+    for key in client.scan_iter(match=f"{prefix}gate:*", count=10_000):
         if key.endswith(":holders") and client.type(key) == "zset":
             n = int(client.zcard(key))
         elif key.endswith(":info") and client.type(key) == "hash":
@@ -57,7 +57,7 @@ def env(client: redis.Redis) -> Iterator[GateEnv]:
     try:
         leftover = slot_keys(client, keys.prefix)
     finally:
-        stale = list(client.scan_iter(match=f"{keys.prefix}*", count=1000))
+        stale = list(client.scan_iter(match=f"{keys.prefix}*", count=10_000))
         if stale:
             client.delete(*stale)
     assert not leftover, f"gate slots still held after the test: {leftover}"
@@ -117,7 +117,7 @@ def lapse(env: GateEnv, *holders: str) -> None:
     cannot move time; it moves the lease.)"""
     past = f"{server_now(env.client) - 1.0:.6f}"
     found = set()
-    for key in env.client.scan_iter(match=f"{env.keys.prefix}gate:*:holders", count=1000):
+    for key in env.client.scan_iter(match=f"{env.keys.prefix}gate:*:holders", count=10_000):
         for h in holders:
             if env.client.zscore(key, h) is not None:
                 env.client.zadd(key, {h: past}, xx=True)
@@ -127,7 +127,7 @@ def lapse(env: GateEnv, *holders: str) -> None:
 
 def lease_expiry(env: GateEnv, holder: str) -> float:
     """The holder's lease expiry (Unix s, server clock), from whichever pool holds it."""
-    for key in env.client.scan_iter(match=f"{env.keys.prefix}gate:*:holders", count=1000):
+    for key in env.client.scan_iter(match=f"{env.keys.prefix}gate:*:holders", count=10_000):
         score = env.client.zscore(key, holder)
         if score is not None:
             return float(score)

@@ -19,6 +19,9 @@
 --    the worker for a release of that key (the key is published when one leaves).
 -- Blocked tenants are out of the ready set, so each dispatch costs O(log n) in the number of
 -- waiting requests and tenants (a tenant is looked at again only after its key released).
+-- Each dispatched request's decision log gets a "dispatched" entry (its dispatch number; with
+-- "ahead", the quota key it was sent past), and the head request of a tenant held back a
+-- "held" entry (the key).
 -- KEYS: per queue of ARGV[2]'s list, in order: pending, delayed, expiry, active, result list
 -- ('' when it keeps none); then the pool's doorbell when cfg.doorbell (emptied first: every
 -- ring pushed so far is answered by this tick).
@@ -174,17 +177,21 @@ end
 local moved = {}
 local t = 0
 
-local function dispatch_one(q, id, rk, priority, qkeys)
+local function dispatch_one(q, id, rk, priority, qkeys, log, ahead)
   t = t + 1
   local token = cfg.nonce .. '.' .. t
   local n = redis.call('HINCRBY', rk, 'dispatches', 1)
+  local note = '"n":' .. n
+  if ahead then note = note .. ',"ahead":' .. cjson.encode(ahead) end -- past a quota key's limit
+  log = log_with(log, id, log_entry(now, 'dispatched', note))
   if qkeys and #qkeys > 0 then
-    redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'qkeys', cjson.encode(qkeys))
+    redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'qkeys', cjson.encode(qkeys),
+      'log', log)
     for _, qk in ipairs(qkeys) do
       redis.call('ZADD', prefix .. 'gate:' .. qk .. ':sent', fmt_time(now), id)
     end
   else
-    redis.call('HSET', rk, 'state', 'dispatched', 'token', token)
+    redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'log', log)
   end
   redis.call('ZREM', q.expiry, id)
   redis.call('ZADD', q.active, lease_until, id)
@@ -200,13 +207,13 @@ local function dispatch_one(q, id, rk, priority, qkeys)
 end
 
 -- The request of pending member `member` if it may be dispatched: id, record key, fields
--- (state, deadline, member, priority, tenant). Anything else is dealt with here (rejected,
+-- (state, deadline, member, priority, tenant, log). Anything else is dealt with here (rejected,
 -- an unreadable record resulted, an expired one resulted) and nil returned.
 local function check(q, member)
   local id = string.match(member, '^%d+|(.+)$')
   local rk = id and (prefix .. 'req:' .. id)
-  local f = rk and redis.call('HMGET', rk, 'state', 'deadline', 'member', 'priority', 'tenant')
-    or {}
+  local f = rk and redis.call('HMGET', rk, 'state', 'deadline', 'member', 'priority', 'tenant',
+    'log') or {}
   if not id or f[1] ~= 'queued' or f[3] ~= member then
     reject(q, member, id, f[1])
   elseif not tonumber(f[2]) then
@@ -261,7 +268,7 @@ local function take(q)
       local head = redis.call('ZPOPMIN', q.pending)
       if #head == 0 then return false end
       local id, rk, f = check(q, head[1])
-      if id then return dispatch_one(q, id, rk, f[4], nil) end
+      if id then return dispatch_one(q, id, rk, f[4], nil, f[6]) end
     end
   end
   local ready = c.base .. 'ready'
@@ -281,11 +288,17 @@ local function take(q)
         local qkeys, over = quota_keys(q, c, rk, f[5], false)
         if over then
           sched_block(prefix, c, tk, rm, over)
+          -- once per hold-back, not again after every re-check (its log says since when)
+          local note = '"key":' .. cjson.encode(over)
+          local tail = '"e":"held",' .. note .. '}'
+          if string.sub(f[6] or '', -#tail) ~= tail then
+            redis.call('HSET', rk, 'log', log_with(f[6], id, log_entry(now, 'held', note)))
+          end
           held[#held + 1] = {q = q, c = c, tk = tk}
         else
           redis.call('ZREM', q.pending, hm)
           sched_drop(prefix, c, tk, hm, true)
-          return dispatch_one(q, id, rk, f[4], qkeys)
+          return dispatch_one(q, id, rk, f[4], qkeys, f[6])
         end
       end
     end
@@ -399,9 +412,10 @@ for _, b in ipairs(held) do
     else
       local qkeys, over = quota_keys(q, c, rk, f[5], true)
       if over then break end
+      local past = redis.call('HGET', c.base .. 'blocked', tk) -- (unlisted once it is empty)
       redis.call('ZREM', q.pending, head[1])
       sched_drop(prefix, c, tk, head[1], true)
-      dispatch_one(q, id, rk, f[4], qkeys)
+      dispatch_one(q, id, rk, f[4], qkeys, f[6], past)
       ahead = ahead + 1
       n_free = n_free - 1
       q.allowed = q.allowed - 1

@@ -6,19 +6,23 @@
 -- ARGV[6] payload, ARGV[7] error code or '', ARGV[8] error message, ARGV[9] '0' when the
 -- attempt released its slot (published on the freed channel), '1' when it handed it over (no
 -- release to publish), '2' when it handed it over and its worker still has attempts of the
--- queue parked (nor a doorbell to ring: see terminal() in lib.lua).
+-- queue parked (nor a doorbell to ring: see terminal() in lib.lua),
+-- ARGV[10] the attempt's journal for the request's decision log (lib.lua log_journal; ''
+-- for none; terminal() adds the "done" entry).
 -- With KEYS[2] (the task's Celery result, written in the same step instead of a second round
--- trip by the result backend): ARGV[10] meta head, ARGV[11] meta tail, ARGV[12] its TTL (s),
--- ARGV[13] '1' to put the result JSON between head and tail (a SUCCESS meta).
+-- trip by the result backend): ARGV[11] meta head, ARGV[12] meta tail, ARGV[13] its TTL (s),
+-- ARGV[14] '1' to put the result JSON between head and tail (a SUCCESS meta).
 -- Returns the result JSON, or false when fenced off.
 local f = redis.call('HMGET', KEYS[1], unpack(TERMINAL_FIELDS))
 local state = f[13]
 if state == 'done' or not state or f[14] ~= ARGV[2] then return false end
-local json = terminal(ARGV[1], f[15], server_now(), ARGV[3], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
+local now = server_now()
+log_journal(f[15], now, ARGV[10])
+local json = terminal(ARGV[1], f[15], now, ARGV[3], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
   ARGV[9] ~= '0', f, ARGV[4] == '1', ARGV[9] == '2')
 if KEYS[2] then
   local body = ''
-  if ARGV[13] == '1' then body = json end
-  celery_meta(KEYS[2], ARGV[10] .. body .. ARGV[11], ARGV[12], '1')
+  if ARGV[14] == '1' then body = json end
+  celery_meta(KEYS[2], ARGV[11] .. body .. ARGV[12], ARGV[13], '1')
 end
 return json

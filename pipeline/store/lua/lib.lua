@@ -11,7 +11,7 @@
 -- ingest.lua), ref_token (its generation token), for a line of a batch, batch and
 -- custom_id (see batch_create.lua), tenant (indexed queues: the tenant attribute's value) and
 -- qkeys (JSON list of the quota keys a dispatched attempt counts against; see sched.lua).
--- Times are the server's clock (server_now).
+-- Times are the server's clock (server_now). log: the decision log (see log_with below).
 -- States: queued -> dispatched -> running -> (retry_wait -> queued ...) -> done.
 
 -- The Redis server's clock (Unix s, µs precision). Every "now" a script compares a lease, a due
@@ -28,6 +28,76 @@ end
 
 local function qkey(prefix, queue, name)
   return prefix .. 'q:' .. queue .. ':' .. name
+end
+
+-- The decision log of a request: its record's field `log`, one JSON object per line and event,
+-- {"t": server time, "e": event, ...}, oldest first, the last LOG_MAX kept. In the record, it
+-- costs no key, no expiry and no command of its own: each writer below adds it to the HMGET /
+-- HSET it makes of the record anyway, and it expires with the record.
+local LOG_MAX = 50
+local LOG_CHECK = 1500 -- bytes: a longer log is counted against LOG_MAX (an entry is >= 31)
+
+-- Entries of this script call for each request id, waiting for its record's next write
+-- (log_with). A script runs as one function call: this table starts empty every time.
+local log_pending = {}
+
+-- '{"t":<t>,' for time `t` (ms precision); the last one formatted is kept (a script stamps
+-- most entries with its one `now`).
+local log_t, log_t_text = nil, ''
+local function log_head(t)
+  if t ~= log_t then
+    log_t, log_t_text = t, '{"t":' .. string.format('%.3f', t) .. ','
+  end
+  return log_t_text
+end
+
+-- One entry: event `e` at `t` (server clock) with `rest`, more JSON members ('' for none).
+local function log_entry(t, e, rest)
+  if rest and rest ~= '' then return log_head(t) .. '"e":"' .. e .. '",' .. rest .. '}' end
+  return log_head(t) .. '"e":"' .. e .. '"}'
+end
+
+-- Queue an entry for request `id`.
+local function log_note(id, entry)
+  local p = log_pending[id]
+  if not p then
+    p = {}
+    log_pending[id] = p
+  end
+  p[#p + 1] = entry
+end
+
+-- Queue what an attempt journaled: `text` has one entry per line, "<s ago>\t<JSON object>"
+-- (no "t": its time is the server's `now` minus the age, a duration the worker measured).
+local function log_journal(id, now, text)
+  if not text or text == '' then return end
+  for ago, obj in string.gmatch(text, '([^\t\n]*)\t{([^\n]+)') do
+    log_note(id, log_head(now - math.max(0, tonumber(ago) or 0)) .. obj)
+  end
+end
+
+-- The record's log `log` (false or '' for none) with `id`'s queued entries and `entry` (or
+-- nil) appended, trimmed to the last LOG_MAX; the caller writes it to the record.
+local function log_with(log, id, entry)
+  local p = log_pending[id]
+  local s = entry
+  if p then
+    log_pending[id] = nil
+    if entry then p[#p + 1] = entry end
+    s = table.concat(p, '\n')
+  elseif not entry then
+    return log or ''
+  end
+  if log and log ~= '' then s = log .. '\n' .. s end
+  if #s > LOG_CHECK then
+    local _, lines = string.gsub(s, '\n', '')
+    if lines >= LOG_MAX then -- keep what follows the (lines + 1 - LOG_MAX)-th newline
+      local at = 0
+      for _ = 1, lines + 1 - LOG_MAX do at = string.find(s, '\n', at + 1, true) end
+      s = string.sub(s, at + 1)
+    end
+  end
+  return s
 end
 
 -- Ring the pool's doorbell unless it is already ringing.
@@ -171,7 +241,7 @@ end
 -- fence an attempt) reads these and hands them over.
 local TERMINAL_FIELDS = {'queue', 'pool', 'member', 'attempts', 'submitted_at', 'result_list',
   'result_list_max', 'result_list_ttl', 'wire', 'ref_token', 'qkeys', 'batch', 'state', 'token',
-  'id'}
+  'id', 'log'}
 
 -- Write the terminal result of request `id` and take it out of the sets its state has it in (a
 -- dispatched or running request is only in its queue's active set; any other one is looked for
@@ -216,12 +286,15 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   -- also without an error code: an HTTP result's note (the gateway's drop reason)
   if error_message ~= '' then result.error_message = error_message end
   local json = cjson.encode(result)
+  local done = '"outcome":"' .. outcome .. '"'
+  if status_code ~= '' then done = done .. ',"status":' .. result.status_code end
+  local log = log_with(f[16], id, log_entry(now, 'done', done))
   if attempted then
     redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', fmt_time(now),
-      'token', '', 'attempts', attempts)
+      'token', '', 'attempts', attempts, 'log', log)
   else
     redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', fmt_time(now),
-      'token', '')
+      'token', '', 'log', log)
   end
   redis.call('EXPIRE', rk, ttl)
   if f[9] == 'llm-d-async' then  -- it came from a reference producer: its consumer's format
@@ -258,18 +331,20 @@ local function enqueue(prefix, id, now, due, quiet)
       return
     end
   end
-  local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline', 'qkeys')
+  local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline', 'qkeys',
+    'log')
   local queue = f[1]
   redis.call('ZREM', qkey(prefix, queue, 'active'), id)
   local keys = sched_leave(prefix, id, f[6])
   redis.call('ZADD', qkey(prefix, queue, 'expiry'), f[5], id)
+  local log = log_with(f[7], id)
   if due > now then
     redis.call('ZADD', qkey(prefix, queue, 'delayed'), fmt_time(due), id)
-    redis.call('HSET', rk, 'state', 'retry_wait', 'token', '')
+    redis.call('HSET', rk, 'state', 'retry_wait', 'token', '', 'log', log)
   else
     redis.call('ZADD', qkey(prefix, queue, 'pending'), f[4], f[3])
     sched_add(prefix, queue, id, f[4], f[3])
-    redis.call('HSET', rk, 'state', 'queued', 'token', '')
+    redis.call('HSET', rk, 'state', 'queued', 'token', '', 'log', log)
     wake(prefix, f[2])
   end
   if not quiet then freed(prefix, queue, keys) end

@@ -4,7 +4,8 @@
 -- ARGV[1] token, ARGV[2] lease (s from now), ARGV[3] worker name.
 -- Returns {0, state} when fenced off, else {1, now, field, value, ...}: the server's clock
 -- (Unix s, as text; the attempt measures its deadline against it) and the fields of the record
--- an attempt reads (ATTEMPT_FIELDS; absent ones left out), as this step leaves them.
+-- an attempt reads (ATTEMPT_FIELDS; absent ones left out; never the decision log), as this step
+-- leaves them.
 local ATTEMPT_FIELDS = {'id', 'queue', 'deadline', 'payload', 'metadata', 'labels', 'headers',
   'endpoint', 'attempts', 'dispatches', 'submitted_at', 'last_response', 'last_error', 'wire',
   'ref_token'}

@@ -1,0 +1,494 @@
+"""Where a request is and why (``Request.explain()``, ``pipeline explain``): its state, its place
+in its queue, its tenant's quota use, its deadline slack and its decision log, read in one
+atomic step (``Store.explain``: ``lua/explain.lua``) and shaped into :class:`Explanation`.
+
+Every time is the Redis server's clock: ``server_now`` is read in the same step, and the
+relative figures (slack, lease, due in, ages) are measured against it, never this machine's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """One decision-log event: its time (Unix s, server clock), its name and its fields.
+
+    Events: ``dispatched`` (``n``: the dispatch number; ``ahead``: the quota key it was sent
+    past, to park at the worker), ``held`` (its tenant was held back at quota key ``key``),
+    ``parked`` (at ``gate`` for ``reason``, ``verdict`` ``wait`` or ``refuse``, ``key`` of a
+    per-key quota), ``admitted`` (by its gate, on ``worker``; ``waited`` s parked,
+    ``handed_over``: a finishing holder's slot), ``refused`` (by ``gate`` for ``reason``, back
+    to the queue after ``delay`` s), ``retry`` (HTTP ``status`` or transport ``error`` of
+    attempt ``attempt``, backoff ``delay`` s, ``retry_after``, ``dropped``: a gateway's drop
+    reason), ``requeued`` (``reason``), ``reaped`` (its lease lapsed: ``state``, ``worker``),
+    ``dropped`` (by ``gate``), ``done`` (``outcome``: ``ok``, ``http_<code>`` or an error
+    code; ``status``)."""
+
+    t: float
+    event: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> LogEntry:
+        data = json.loads(text)
+        t = float(data.pop("t", 0.0))
+        event = str(data.pop("e", "?"))
+        return cls(t, event, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"t": self.t, "event": self.event, **self.fields}
+
+
+@dataclass(frozen=True)
+class Position:
+    """A queued request's place. ``ahead``: requests before it in its queue's pending set
+    (every priority; the dispatch order of a queue without fair share or quotas);
+    ``higher``: priority → requests of that higher priority waiting. In a queue indexed by
+    tenant (fair share, per-key quotas) the dispatcher picks tenants, so also: ``tenant``,
+    ``tenant_ahead`` (its tenant's own requests before it), ``tenant_waiting``, and either
+    ``held_back_by`` (the quota key its tenant is at) or ``tenants_ahead`` (tenants before its
+    tenant in the ready set: with fair share, their turns come first) of ``tenants_ready``."""
+
+    ahead: int | None
+    higher: dict[int, int]
+    indexed: bool = False
+    fair_share: bool = False
+    tenant: str | None = None
+    tenant_ahead: int | None = None
+    tenant_waiting: int | None = None
+    held_back_by: str | None = None
+    tenants_ahead: int | None = None
+    tenants_ready: int | None = None
+
+    @property
+    def same_priority_ahead(self) -> int | None:
+        """Requests of its own priority before it in the pending set."""
+        return None if self.ahead is None else max(0, self.ahead - sum(self.higher.values()))
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A live lease on a quota key: request id, attempt token, worker (when known), seconds
+    until its lease expires."""
+
+    request_id: str
+    attempt: str
+    worker: str | None
+    lease_left_s: float
+
+
+@dataclass(frozen=True)
+class QuotaUse:
+    """A quota key of the request's tenant (a blocking ``redis-quota`` in concurrency mode):
+    ``in_use`` against ``limit`` = the larger of ``dispatched`` (its requests dispatched or
+    running, what the dispatcher counts) and ``leases`` (live leases, None when the key's
+    leases are in another Redis); ``holders`` the leases, ``requests`` the dispatched ids (at
+    most 20 listed each), ``tenants_held_back`` the tenants waiting for it."""
+
+    key: str
+    limit: int
+    in_use: int
+    dispatched: int
+    leases: int | None
+    holders: list[Holder]
+    requests: list[str]
+    tenants_held_back: int
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Where a request is and why. Times are Unix s by the Redis server's clock
+    (``server_now``, read with everything else); ``deadline_slack_s`` is ``deadline -
+    server_now`` (negative once it passed). ``gate``: the queue's gate (``type``,
+    ``in_flight``, ``limit``, ``holds_slot``: this attempt holds one of its reservations).
+    ``result``: a done request's ``status_code``, ``error_code`` and ``error_message``.
+    ``log``: the decision log, oldest first (the last 50 events)."""
+
+    id: str
+    state: str
+    queue: str
+    pool: str
+    priority: int
+    server_now: float
+    submitted_at: float | None
+    deadline: float | None
+    deadline_slack_s: float | None
+    attempts: int
+    dispatches: int
+    tenant: str | None = None
+    batch_id: str | None = None
+    custom_id: str | None = None
+    position: Position | None = None
+    retry_due_in_s: float | None = None
+    attempt: str | None = None
+    worker: str | None = None
+    started_at: float | None = None
+    lease_left_s: float | None = None
+    last_status: int | None = None
+    last_error: str | None = None
+    finished_at: float | None = None
+    result: dict[str, Any] | None = None
+    gate: dict[str, Any] | None = None
+    quotas: list[QuotaUse] = field(default_factory=list)
+    log: list[LogEntry] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (``pipeline explain --json``)."""
+        out = asdict(self)
+        out["log"] = [e.to_dict() for e in self.log]
+        if self.position is not None:
+            out["position"]["same_priority_ahead"] = self.position.same_priority_ahead
+            out["position"]["higher"] = {str(p): n for p, n in self.position.higher.items()}
+        return out
+
+    def to_text(self) -> str:
+        """A few aligned lines for people (``pipeline explain``)."""
+        return "\n".join(_text_lines(self))
+
+
+# -- building ----------------------------------------------------------------------------
+def _num(value: Any) -> float | None:
+    try:
+        return None if value in (None, "", False) else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _int(value: Any, default: int = 0) -> int:
+    n = _num(value)
+    return default if n is None else int(n)
+
+
+def _list(value: Any) -> list[Any]:
+    """A Lua array as cjson returns it (an empty one is ``{}``)."""
+    return list(value) if isinstance(value, list) else []
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None or value is False else int(value)
+
+
+def _position(raw: dict[str, Any]) -> Position:
+    indexed = "tenant" in raw
+    return Position(
+        ahead=_opt_int(raw.get("rank")),
+        higher={int(p): int(n) for p, n in _list(raw.get("higher"))},
+        indexed=indexed,
+        fair_share=bool(raw.get("fair")),
+        tenant=raw.get("tenant") if indexed else None,
+        tenant_ahead=_opt_int(raw.get("tenant_rank")),
+        tenant_waiting=_opt_int(raw.get("tenant_waiting")),
+        held_back_by=raw.get("held_by") or None,
+        tenants_ahead=_opt_int(raw.get("ready_rank")),
+        tenants_ready=_opt_int(raw.get("ready")),
+    )
+
+
+def _quota(raw: dict[str, Any], now: float, workers: dict[tuple[str, str], str]) -> QuotaUse:
+    flat = _list(raw.get("holders"))
+    holders = []
+    for member, expiry in zip(flat[::2], flat[1::2], strict=True):
+        rid, _, token = str(member).rpartition(":")
+        left = round(float(expiry) - now, 3)
+        holders.append(Holder(rid, token, workers.get((rid, token)), left))
+    leases = _opt_int(raw.get("leases"))
+    sent = int(raw.get("sent") or 0)
+    return QuotaUse(
+        key=str(raw["key"]),
+        limit=int(raw["limit"]),
+        in_use=max(sent, leases or 0),
+        dispatched=sent,
+        leases=leases,
+        holders=holders,
+        requests=[str(r) for r in _list(raw.get("requests"))],
+        tenants_held_back=int(raw.get("blocked") or 0),
+    )
+
+
+def build(request_id: str, raw: dict[str, Any], gate: dict[str, Any] | None) -> Explanation:
+    """An :class:`Explanation` from ``Store.explain``'s reply and the queue's gate as
+    ``Gate.describe()`` gives it (None when the queue is not configured here)."""
+    now = float(raw["now"])
+    r: dict[str, Any] = raw.get("record") or {}
+    state = str(r.get("state", ""))
+    token = r.get("token") or None
+    workers: dict[tuple[str, str], str] = {}
+    gate_info = None
+    if gate is not None:
+        for h in gate.get("holders", []):
+            if h.get("worker"):
+                workers[(str(h.get("request_id")), str(h.get("attempt")))] = str(h["worker"])
+        holds = any(
+            h.get("request_id") == request_id and h.get("attempt") == token
+            for h in gate.get("holders", [])
+        )
+        gate_info = {
+            "type": gate.get("type"),
+            "in_flight": gate.get("in_flight"),
+            "limit": gate.get("limit"),
+            "holds_slot": bool(token) and holds,
+        }
+    deadline = _num(r.get("deadline"))
+    active = state in ("dispatched", "running")
+    due = _num(raw.get("due"))
+    lease = _num(raw.get("lease"))
+    result = r.get("result") if isinstance(r.get("result"), dict) else None
+    return Explanation(
+        id=request_id,
+        state=state,
+        queue=str(r.get("queue", "")),
+        pool=str(r.get("pool", "")),
+        priority=_int(r.get("priority")),
+        server_now=now,
+        submitted_at=_num(r.get("submitted_at")),
+        deadline=deadline,
+        deadline_slack_s=None if deadline is None else round(deadline - now, 3),
+        attempts=_int(r.get("attempts")),
+        dispatches=_int(r.get("dispatches")),
+        tenant=r.get("tenant"),
+        batch_id=r.get("batch"),
+        custom_id=r.get("custom_id"),
+        position=_position(raw["position"]) if isinstance(raw.get("position"), dict) else None,
+        retry_due_in_s=None if due is None else round(due - now, 3),
+        attempt=token if active else None,
+        worker=r.get("worker") if state == "running" else None,
+        started_at=_num(r.get("started_at")) if state == "running" else None,
+        lease_left_s=None if lease is None or not active else round(lease - now, 3),
+        last_status=_opt_int(r.get("last_status")),
+        last_error=r.get("last_error") or None,
+        finished_at=_num(r.get("finished_at")),
+        result=result,
+        gate=gate_info,
+        quotas=[_quota(q, now, workers) for q in _list(raw.get("quotas"))],
+        log=[LogEntry.parse(e) for e in _list(raw.get("log"))],
+    )
+
+
+# -- text --------------------------------------------------------------------------------
+LABEL = 10  # width of the label column
+
+
+def _clock(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%H:%M:%S.%f")[:-3]
+
+
+def _when(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _s(value: float) -> str:
+    return f"{value:.1f} s" if abs(value) >= 0.95 else f"{value * 1000:.0f} ms"
+
+
+def _plural(n: int, word: str) -> str:
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {word}" + ("es" if word.endswith(("s", "sh", "ch")) else "s")
+
+
+def _state_line(e: Explanation) -> str:
+    where = f"queue {e.queue} (pool {e.pool}), priority {e.priority}"
+    if e.state == "queued":
+        return f"queued in {where}"
+    if e.state == "retry_wait":
+        due = "" if e.retry_due_in_s is None else f": back in the queue in {_s(e.retry_due_in_s)}"
+        return f"waiting out a retry backoff{due}; {where}"
+    if e.state in ("dispatched", "running"):
+        lease = "" if e.lease_left_s is None else f", lease {_s(e.lease_left_s)} left"
+        if e.state == "dispatched":
+            return f"dispatched to its pool, not started yet (attempt {e.attempt}{lease}); {where}"
+        since = "" if e.started_at is None else f" for {_s(e.server_now - e.started_at)}"
+        return f"running on {e.worker}{since} (attempt {e.attempt}{lease}); {where}"
+    if e.state == "done":
+        return f"done: {_outcome(e)}; {where}"
+    return f"{e.state}; {where}"
+
+
+def _outcome(e: Explanation) -> str:
+    r = e.result or {}
+    if r.get("error_code"):
+        msg = r.get("error_message") or ""
+        return f"{r['error_code']}" + (f" ({msg})" if msg and msg != "cancelled" else "")
+    if r.get("status_code") is not None:
+        return f"HTTP {r['status_code']}"
+    return "?"
+
+
+def _position_lines(p: Position) -> list[str]:
+    out = []
+    if p.ahead is None:
+        out.append("not in its queue's pending set (being moved: ask again)")
+    else:
+        parts = [f"{n} at priority {prio}" for prio, n in sorted(p.higher.items(), reverse=True)]
+        parts.append(f"{p.same_priority_ahead} at its own")
+        order = "priority, deadline, submission" if not p.indexed else "the pending order"
+        out.append(f"{p.ahead} before it in the queue ({order}): " + ", ".join(parts))
+    if p.indexed:
+        who = f"tenant {p.tenant!r}" if p.tenant else "no tenant"
+        mine = ""
+        if p.tenant_ahead is not None and p.tenant_waiting is not None:
+            mine = f": {p.tenant_ahead} of its {p.tenant_waiting} waiting before it"
+        out.append(f"{who}{' (fair share)' if p.fair_share else ''}{mine}")
+        if p.held_back_by:
+            out.append(f"held back: its tenant is at quota key {p.held_back_by}")
+        elif p.tenants_ahead is not None:
+            n = _plural(p.tenants_ahead, "tenant")
+            out.append(f"{n} ahead of its tenant among {p.tenants_ready} ready")
+    return out
+
+
+def _quota_line(q: QuotaUse) -> str:
+    leases = "" if q.leases is None else f", {q.leases} leased"
+    text = f"{q.key} {q.in_use}/{q.limit} in use ({q.dispatched} dispatched{leases})"
+    if q.holders:
+        names = [
+            f"{h.request_id}#{h.attempt}" + (f" on {h.worker}" if h.worker else "")
+            for h in q.holders
+        ]
+        text += "; holders: " + ", ".join(names)
+    elif q.requests:
+        text += "; requests: " + ", ".join(q.requests)
+    if q.tenants_held_back:
+        text += f"; {_plural(q.tenants_held_back, 'tenant')} held back"
+    return text
+
+
+def _dispatched(f: dict[str, Any]) -> str:
+    ahead = f" past quota key {f['ahead']} (look-ahead: parks for it)" if "ahead" in f else ""
+    return f"#{f.get('n', '?')}{ahead}"
+
+
+def _admitted(f: dict[str, Any]) -> str:
+    text = f"by its gate on {f.get('worker', '?')}"
+    if "waited" in f:
+        text += f" after {_s(float(f['waited']))} parked"
+    if f.get("handed_over"):
+        text += " (a finishing holder's slot)"
+    return text
+
+
+def _parked(f: dict[str, Any]) -> str:
+    text = f"at {f.get('gate', '?')} ({f.get('reason') or 'full'})"
+    if f.get("key"):
+        text += f", key {f['key']}"
+    return text + (": waits for capacity" if f.get("verdict") == "wait" else "")
+
+
+def _back(f: dict[str, Any]) -> str:
+    """``refused`` / ``requeued``."""
+    parts = [
+        f"by {f['gate']}" if f.get("gate") else "",
+        f"({f['reason']})" if f.get("reason") else "",
+    ]
+    text = " ".join(p for p in parts if p)
+    if f.get("key"):
+        text += f", key {f['key']}"
+    if "delay" in f:
+        text += f"; back in the queue after {_s(float(f['delay']))}"
+    return text.strip(" ;,") or "back to the queue"
+
+
+def _retry(f: dict[str, Any]) -> str:
+    text = f"HTTP {f['status']}" if "status" in f else str(f.get("error", "transport error"))
+    if f.get("dropped"):
+        text += f" (dropped: {f['dropped']})"
+    if "attempt" in f:
+        text = f"attempt {f['attempt']}: {text}"
+    if "delay" in f:
+        text += f"; backoff {_s(float(f['delay']))}"
+    if f.get("retry_after") is not None:
+        text += f" (Retry-After {float(f['retry_after']):g} s)"
+    return text
+
+
+def _reaped(f: dict[str, Any]) -> str:
+    on = f" on {f['worker']}" if f.get("worker") else ""
+    return f"lease expired while {f.get('state', '?')}{on}; back to the queue"
+
+
+def _done(f: dict[str, Any]) -> str:
+    outcome = str(f.get("outcome", "?"))
+    if outcome == "ok" or outcome.startswith("http_"):
+        return f"HTTP {f.get('status', outcome.removeprefix('http_'))}"
+    return outcome
+
+
+_EVENTS: dict[str, Any] = {
+    "dispatched": _dispatched,
+    "held": lambda f: f"its tenant held back at quota key {f.get('key')}",
+    "admitted": _admitted,
+    "parked": _parked,
+    "refused": _back,
+    "requeued": _back,
+    "retry": _retry,
+    "reaped": _reaped,
+    "dropped": lambda f: f"by {f.get('gate', 'its gate')}",
+    "done": _done,
+}
+
+
+def describe_entry(entry: LogEntry) -> str:
+    """One log event in words (an unknown event: its fields as JSON)."""
+    words = _EVENTS.get(entry.event)
+    if words is not None:
+        return str(words(entry.fields))
+    return json.dumps(entry.fields, separators=(",", ":")) if entry.fields else ""
+
+
+def _gate_row(g: dict[str, Any]) -> str:
+    limit = "" if g.get("limit") is None else f"/{g['limit']}"
+    holds = "; this attempt holds a slot" if g.get("holds_slot") else ""
+    return f"{g.get('type')} {g.get('in_flight')}{limit} in flight{holds}"
+
+
+def _deadline_row(e: Explanation, deadline: float, slack: float) -> str:
+    if e.state == "done":
+        return _when(deadline)
+    if slack >= 0:
+        return f"in {_s(slack)} ({_when(deadline)})"
+    return f"passed {_s(-slack)} ago ({_when(deadline)}): it ends DEADLINE_EXCEEDED now"
+
+
+def _attempts_row(e: Explanation) -> str:
+    text = f"{_plural(e.attempts, 'HTTP attempt')}, {_plural(e.dispatches, 'dispatch')}"
+    if e.state != "done" and e.last_status is not None:
+        text += f"; last answer HTTP {e.last_status}"
+    elif e.state != "done" and e.last_error:
+        text += f"; last error {e.last_error}"
+    return text
+
+
+def _log_rows(e: Explanation) -> list[tuple[str, str]]:
+    if not e.log:
+        return [("log", "(empty)")]
+    width = max(len(x.event) for x in e.log)
+    rows = []
+    for i, x in enumerate(e.log):
+        when = f"{_clock(x.t)} {_s(x.t - e.server_now):>9}"
+        rows.append(("log" if i == 0 else "", f"{when}  {x.event:<{width}}  {describe_entry(x)}"))
+    return rows
+
+
+def _text_lines(e: Explanation) -> list[str]:
+    who = f"{e.id} (tenant {e.tenant!r})" if e.tenant else e.id
+    rows: list[tuple[str, str]] = [("request", who), ("state", _state_line(e))]
+    if e.batch_id:
+        rows.append(("batch", f"{e.batch_id} line {e.custom_id or '?'}"))
+    if e.position is not None:
+        rows += [("position", line) for line in _position_lines(e.position)]
+    rows += [("quota", _quota_line(q)) for q in e.quotas]
+    if e.gate is not None and e.state != "done":
+        rows.append(("gate", _gate_row(e.gate)))
+    if e.deadline is not None and e.deadline_slack_s is not None:
+        rows.append(("deadline", _deadline_row(e, e.deadline, e.deadline_slack_s)))
+    if e.submitted_at is not None:
+        age = _s(e.server_now - e.submitted_at)
+        rows.append(("submitted", f"{_when(e.submitted_at)} ({age} ago)"))
+    rows.append(("attempts", _attempts_row(e)))
+    rows += _log_rows(e)
+    return [f"{label:<{LABEL}}{text}".rstrip() for label, text in rows]
