@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.batch.config import BatchSettings
 from pipeline.config import load_settings
 from pipeline.errors import ConfigError
 from pipeline.gates import check_gates
@@ -89,3 +90,50 @@ def test_lookahead_and_park_settings() -> None:
     for bad in ("-1", "two", "1.5"):
         with pytest.raises(ConfigError, match="PIPELINE_LOOKAHEAD"):
             load_settings({"PIPELINE_LOOKAHEAD": bad})
+
+
+# Every variable the README and docs name is read where they say: each one set here reaches its
+# setting, and a value that is not a number is a startup error naming the variable.
+@pytest.mark.parametrize(
+    ("var", "value", "field", "expected"),
+    [
+        ("PIPELINE_MAX_PAYLOAD_BYTES", "2048", "max_payload_bytes", 2048),
+        ("PIPELINE_FAIRNESS_ATTRIBUTE", "tenant", "fairness_attribute", "tenant"),
+        ("PIPELINE_FAIRNESS_HEADER", "x-team", "fairness_header", "x-team"),
+        ("PIPELINE_FAIRNESS_HEADER", "", "fairness_header", ""),
+    ],
+)
+def test_documented_variables_reach_their_settings(
+    var: str, value: str, field: str, expected: object
+) -> None:
+    assert getattr(load_settings({var: value}), field) == expected
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "field", "expected"),
+    [
+        ("PIPELINE_BATCH_RETENTION_S", "3600", "retention_s", 3600.0),
+        ("PIPELINE_BATCH_MAX_LINES", "500", "max_lines", 500),
+        ("PIPELINE_FILE_TTL_S", "86400", "file_ttl_s", 86400.0),
+        ("PIPELINE_BATCH_MAX_ACTIVE", "7", "max_active", 7),
+    ],
+)
+def test_documented_batch_variables_reach_their_settings(
+    var: str, value: str, field: str, expected: object
+) -> None:
+    settings = BatchSettings.from_env(load_settings({}), {var: value})
+    assert getattr(settings, field) == expected
+    with pytest.raises(ConfigError, match=var):
+        BatchSettings.from_env(load_settings({}), {var: "lots"})
+
+
+def test_max_payload_bytes_refuses_a_larger_body_naming_the_field() -> None:
+    from pipeline.client.api import _check_payload
+    from pipeline.errors import InvalidRequest
+
+    limit = load_settings({"PIPELINE_MAX_PAYLOAD_BYTES": "64"}).max_payload_bytes
+    assert _check_payload({"prompt": "x" * 10}, limit)
+    with pytest.raises(InvalidRequest, match="payload.*max_payload_bytes \\(64\\)"):
+        _check_payload({"prompt": "x" * 100}, limit)
+    with pytest.raises(ConfigError, match="PIPELINE_MAX_PAYLOAD_BYTES"):
+        load_settings({"PIPELINE_MAX_PAYLOAD_BYTES": "big"})
