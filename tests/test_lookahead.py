@@ -51,6 +51,27 @@ def test_a_request_dispatched_ahead_parks_and_takes_the_released_slot(
     assert_idle(served)
 
 
+def test_a_parked_attempt_cancelled_ends_unsent_and_its_slot_goes_on(
+    served: Pipeline, sim: SimServer
+) -> None:
+    sim.reset()
+    first = hold(served, sim, "lim1")
+    second = served.submit({"p": "ahead"}, id=uid("ahead"), queue="lim1", timeout=60).id
+    wait_for(lambda: served.state(second) == "running", 10, what="the parked attempt")
+    third = served.submit({"p": "behind"}, id=uid("behind"), queue="lim1", timeout=60).id
+    assert served.cancel(second) is False  # started (parked at its worker): marked, not ended
+    sim.release(first)
+    assert served.wait(first, 20).ok
+    res = served.wait(second, 20)
+    assert res.error_code == "CANCELLED" and res.attempts == 0
+    assert served.wait(third, 20).ok  # the slot the cancelled attempt got went on
+    seen = sim.stats()["attempts_by_request_id"]
+    assert second not in seen and seen[first] == 1 and seen[third] == 1
+    events = [e.event for e in served.explain(second).log]
+    assert events[-2:] == ["cancelled", "done"]
+    assert_idle(served)
+
+
 def test_a_parked_attempt_that_waits_too_long_goes_back_to_the_queue(
     pl: Pipeline, sim: SimServer, start_worker: Any
 ) -> None:

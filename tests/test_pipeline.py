@@ -152,6 +152,25 @@ def test_cancel_before_dispatch(pl: Pipeline, sim: SimServer) -> None:
     assert req.id not in sim.stats()["attempts_by_request_id"]
 
 
+def test_cancel_while_running_is_asked_of_the_attempt_and_gives_no_retry(pl: Pipeline) -> None:
+    """A running attempt is not cancelled at once (it may be at the model server): it is
+    marked, its own token reads the mark (an attempt parked for a slot then ends unsent), and
+    when it comes back for a retry it gets none: CANCELLED, its HTTP attempt counted."""
+    r = pl.submit({"prompt": "x"}, id=uid(), queue="solo", timeout=600)
+    q = pl.settings.queues["solo"]
+    (d,) = [m for m in pl.store.tick(q, [q], 1.0, -1, 1).moved if m.id == r.id]
+    assert pl.store.cancel_asked(d.id, d.token) is None  # not cancelled yet
+    assert pl.store.start(d.id, d.token, "solo", "w-test") is not None
+    assert r.cancel() is False and r.state() == "running"
+    assert pl.store.cancel_asked(d.id, d.token) == "cancelled"
+    assert pl.store.cancel_asked(d.id, "another-attempt") is None  # fenced by the token
+    assert pl.store.requeue(d.id, d.token, delay=0, attempted=True) is not None
+    res = r.result(timeout=5)
+    assert res.error_code == "CANCELLED" and res.attempts == 1
+    assert json.loads(res.payload) == {"error": "cancelled"}
+    assert pl.inspect()["solo"]["pending"] == 0
+
+
 def test_cancel_unknown_id_is_a_noop(pl: Pipeline) -> None:
     assert pl.cancel(uid("nobody")) is False
 

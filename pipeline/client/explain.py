@@ -428,6 +428,7 @@ _EVENTS: dict[str, Any] = {
     "retry": _retry,
     "reaped": _reaped,
     "dropped": lambda f: f"by {f.get('gate', 'its gate')}",
+    "cancelled": lambda f: f"{f.get('reason', 'cancelled')} while it waited for a slot; unsent",
     "done": _done,
 }
 

@@ -23,6 +23,7 @@ SCRIPT_NAMES = (
     "finish",
     "requeue",
     "cancel",
+    "cancel_asked",
     "reap",
     "renew",
     "node_beat",

@@ -540,5 +540,17 @@ class Store:
         )
         return bool(res)
 
+    def cancel_asked(self, request_id: str, token: str) -> str | None:
+        """Was the request cancelled (itself, or its batch) while this attempt was parked at
+        its worker for a gate slot? The reason (``cancelled``, ``batch cancelled``), else None
+        (also when the attempt was fenced off: its finish finds that out). One round trip,
+        asked only by an attempt that parked (``cancel_asked.lua``)."""
+        res = self.scripts.cancel_asked(
+            keys=[self.keys.request(request_id)], args=[self.keys.prefix, token]
+        )
+        if not res:
+            return None
+        return res.decode() if isinstance(res, bytes) else str(res)
+
     def record(self, request_id: str) -> dict[str, str]:
         return self.client.hgetall(self.keys.request(request_id))  # type: ignore[return-value]

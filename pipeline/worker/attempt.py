@@ -305,15 +305,7 @@ class Attempt:
             return self._expired(False)
         if self.record.get("wire") and self._cancelled_by_producer():
             return self._error("CANCELLED", "cancelled")
-        decision = self.decision or self.acquire()
-        if decision.admitted:
-            self.journal.add("admitted", worker=self.worker)
-        elif decision.verdict is Verdict.WAIT:
-            decision = self._park(decision, self.rt.settings.gate_wait_timeout_s)
-        elif self.parks_on(decision):
-            decision = self._park(decision, self.rt.settings.park_s)
-            if not decision.admitted:
-                observe.gate_decision(self, decision, self.send_event)
+        decision, parked = self._gate()
         if decision.verdict is Verdict.REFUSE:
             delay = decision.retry_after
             if delay is None:
@@ -337,7 +329,30 @@ class Attempt:
                     payload=decision.payload or "",
                 )
             return self._error("GATE_DROPPED", decision.message or "dropped by gate")
+        if parked:
+            # a cancel (of the request or its batch) that came while it waited for the slot:
+            # nothing was sent yet, so it ends CANCELLED and the slot goes on at once
+            cancelled = self.rt.store.cancel_asked(self.id, self.token)
+            if cancelled is not None:
+                self.journal.add("cancelled", reason=cancelled)
+                return self._error("CANCELLED", cancelled)
         return self._call()
+
+    def _gate(self) -> tuple[Decision, bool]:
+        """Ask the gate, parking for a slot when it says so: its decision, and whether the
+        attempt parked."""
+        decision = self.decision or self.acquire()
+        if decision.admitted:
+            self.journal.add("admitted", worker=self.worker)
+            return decision, False
+        if decision.verdict is Verdict.WAIT:
+            return self._park(decision, self.rt.settings.gate_wait_timeout_s), True
+        if self.parks_on(decision):
+            decision = self._park(decision, self.rt.settings.park_s)
+            if not decision.admitted:
+                observe.gate_decision(self, decision, self.send_event)
+            return decision, True
+        return decision, False
 
     def _cancelled_by_producer(self) -> bool:
         """A request a reference producer wrote: did it cancel this generation since (its

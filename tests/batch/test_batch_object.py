@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 from pipeline.batch import Batches, UnknownBatch
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
-from tests.conftest import assert_idle, local_limit, wait_for
+from tests.conftest import assert_idle, held, local_limit, wait_for
 from tests.observability import isolated, start_node
 
 
@@ -97,8 +98,8 @@ def test_cancel_cancels_what_has_not_started_and_in_flight_attempts_finish(
     """Line 1 stalls at the simulator (in flight, holding the slot of a limit-1 gate) until
     its attempt times out; the other lines wait behind the gate. Cancel: the waiting lines
     end CANCELLED unsent, the attempt in flight is not interrupted, and when it comes back
-    for a retry it gets none: the batch ends cancelled, the gate holds nothing. (No look-ahead:
-    an attempt parked at the worker for the slot has started, and would run.)"""
+    for a retry it gets none: the batch ends cancelled, the gate holds nothing. (No look-ahead
+    here: the next test cancels an attempt parked at its worker for the slot.)"""
     sim.reset()
     iso = isolated(env, tmp_path, [{"queue_name": "lim", "igw_base_url": sim.url,
                                     **local_limit(1), "request_timeout_s": 2}],
@@ -126,6 +127,40 @@ def test_cancel_cancels_what_has_not_started_and_in_flight_attempts_finish(
         assert_idle(iso.pl)
     finally:
         w.stop()
+
+
+def test_cancel_ends_an_attempt_parked_for_the_slot_unsent(
+    served: Pipeline, sim: SimServer
+) -> None:
+    """Look-ahead on (limit 1): line 1 holds the slot at the simulator until the test lets it
+    go, the next line is dispatched ahead and parked at the worker, started but unsent. Cancel:
+    the parked one ends CANCELLED without reaching the model server, like the queued ones;
+    only line 1 ran."""
+    sim.reset()
+    b = Batches(served)
+    name = f"batch-hold-{uuid.uuid4().hex[:8]}"
+    lines = [chat("h", headers=held(name))] + [chat(f"w{i}") for i in range(4)]
+    batch = b.submit_batch(lines, queue="lim1")
+    sim.wait_held(name)
+    rest = [batch.request_id(n) for n in range(2, 6)]
+    wait_for(
+        lambda: any(served.state(r) == "running" for r in rest), 10, what="a line parked ahead"
+    )
+    (parked,) = [r for r in rest if served.state(r) == "running"]
+    assert parked not in sim.stats()["attempts_by_request_id"]  # started, not sent
+    assert batch.cancel().status == "cancelling"
+    sim.release(name)
+    done = b.wait(batch.id, timeout=30)
+    assert done.status == "cancelled"
+    c = done.request_counts
+    assert (c.total, c.completed, c.failed) == (5, 1, 4)
+    results = {x.custom_id: x.result for x in b.lines(done)}
+    assert results["h"] is not None and results["h"].ok
+    for cid in ("w0", "w1", "w2", "w3"):
+        r = results[cid]
+        assert r is not None and r.error_code == "CANCELLED" and r.attempts == 0, (cid, r)
+    assert set(sim.stats()["attempts_by_request_id"]) == {batch.request_id(1)}
+    assert_idle(served)
 
 
 def test_cancel_of_a_batch_nobody_serves(pl: Pipeline) -> None:

@@ -1,6 +1,8 @@
 -- batch_cancel_lines.lua: cancel requests of a cancelling batch that have not started an
 -- attempt (queued, waiting out a retry, or dispatched but not started: such an attempt holds
--- no gate reservation, and its start is fenced off). Attempts already running finish.
+-- no gate reservation, and its start is fenced off). A running attempt is marked: one still
+-- parked at its worker for a gate slot ends CANCELLED unsent (cancel_asked.lua), one sent
+-- finishes.
 -- KEYS: none passed; <prefix>req:<id> derived from the prefix.
 -- ARGV[1] prefix, ARGV[2] result TTL (s), ARGV[3..] request ids.
 -- Returns how many this call cancelled.
@@ -14,6 +16,8 @@ for i = 3, #ARGV do
     terminal(prefix, id, now, ttl, '', '{"error": "batch cancelled"}', 'CANCELLED',
       'batch cancelled')
     n = n + 1
+  elseif state == 'running' then  -- parked for a gate slot, or sent: see cancel.lua
+    redis.call('HSET', prefix .. 'req:' .. id, 'cancel', 'batch cancelled', 'cancel_ttl', ttl)
   end
 end
 return n

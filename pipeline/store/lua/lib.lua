@@ -10,7 +10,9 @@
 -- running attempt), wire ('llm-d-async' for a request a reference producer wrote; see
 -- ingest.lua), ref_token (its generation token), for a line of a batch, batch and
 -- custom_id (see batch_create.lua), tenant (indexed queues: the tenant attribute's value) and
--- qkeys (JSON list of the quota keys a dispatched attempt counts against; see sched.lua).
+-- qkeys (JSON list of the quota keys a dispatched attempt counts against; see sched.lua),
+-- cancel / cancel_ttl (a cancel that came while an attempt ran: its reason and result TTL;
+-- the attempt, if still parked for a gate slot, ends CANCELLED unsent, and gets no retry).
 -- Times are the server's clock (server_now). log: the decision log (see log_with below).
 -- States: queued -> dispatched -> running -> (retry_wait -> queued ...) -> done.
 
@@ -319,10 +321,17 @@ end
 
 -- Put a waiting request back into its queue: into the pending set at once, or into the
 -- delayed set until `due` (server clock). The original ordering key (score, member) is kept.
--- A line of a cancelling batch ends CANCELLED instead. `quiet` as in terminal().
+-- A request cancelled while its attempt ran, or a line of a cancelling batch, ends CANCELLED
+-- instead. `quiet` as in terminal().
 local function enqueue(prefix, id, now, due, quiet)
   local rk = prefix .. 'req:' .. id
-  local batch = redis.call('HGET', rk, 'batch')
+  local c = redis.call('HMGET', rk, 'batch', 'cancel', 'cancel_ttl')
+  local batch = c[1]
+  if c[2] then  -- cancelled while its attempt ran: no new attempt
+    terminal(prefix, id, now, tonumber(c[3]) or 604800, '', '{"error": "' .. c[2] .. '"}',
+      'CANCELLED', c[2], quiet)
+    return
+  end
   if batch then  -- a line of a batch being cancelled gets no new attempt
     local b = redis.call('HMGET', prefix .. 'batch:' .. batch, 'status', 'result_ttl')
     if b[1] == 'cancelling' then

@@ -1,0 +1,15 @@
+-- cancel_asked.lua: was this attempt's request cancelled while the attempt waited at its
+-- worker for a gate slot (cancel.lua / batch_cancel_lines.lua mark a running request; a line
+-- of a cancelling batch counts too, should the attempt ask before its line was marked)?
+-- Asked once, by an attempt that parked and was then admitted, before it sends.
+-- KEYS[1] request hash.
+-- ARGV[1] prefix, ARGV[2] the attempt's token.
+-- Returns the reason ('cancelled', 'batch cancelled'), or false (not cancelled, or fenced off:
+-- the finish that follows finds that out).
+local f = redis.call('HMGET', KEYS[1], 'token', 'cancel', 'batch')
+if f[1] ~= ARGV[2] then return false end
+if f[2] then return f[2] end
+if f[3] and redis.call('HGET', ARGV[1] .. 'batch:' .. f[3], 'status') == 'cancelling' then
+  return 'batch cancelled'
+end
+return false
