@@ -13,6 +13,7 @@ from pipeline.batch import Batches
 from pipeline.batch.ingest import RowBuilder, RowContext, input_lines, scan
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
+from tests.conftest import held
 from tests.test_cli import run_cli
 
 
@@ -146,11 +147,12 @@ def test_an_enqueue_cut_short_resumes_after_its_last_stored_line(
 
 
 def test_ctrl_c_leaves_the_batch_running_and_says_how_to_reattach(
-    tmp_path: Path, env: dict[str, str], served: Pipeline
+    tmp_path: Path, env: dict[str, str], served: Pipeline, sim: SimServer
 ) -> None:
-    """A line stalls at the simulator, so the batch is still running when the command gets
+    """A line is held at the simulator, so the batch is still running when the command gets
     SIGINT: it exits 130 naming the batch and the command to re-attach, and the batch runs on;
-    with --cancel-on-exit the batch is cancelled."""
+    with --cancel-on-exit the batch is cancelled (the held line, in flight, finishes when the
+    test lets it go)."""
     import signal
     import subprocess
     import sys
@@ -158,11 +160,12 @@ def test_ctrl_c_leaves_the_batch_running_and_says_how_to_reattach(
     from pipeline.batch import content_batch_id
     from tests.conftest import ROOT, wait_for
 
-    stall = {"headers": {"x-sim-fail-first": "100", "x-sim-fail-mode": "stall"}, "timeout": 60}
     b = Batches(served)
     for cancel in (False, True):
         path = tmp_path / f"in-{cancel}.jsonl"
-        write_lines(path, f"int{int(cancel)}{tmp_path.name[-6:]}", 3, {0: stall})
+        name = f"int{int(cancel)}{tmp_path.name[-6:]}"
+        hold = {"headers": held(f"{name}-hold"), "timeout": 60}
+        write_lines(path, name, 3, {0: hold})
         bid = content_batch_id(path)
         args = ["run", str(path), "-o", str(tmp_path / "o.jsonl"), "--no-progress"]
         proc = subprocess.Popen(
@@ -173,16 +176,17 @@ def test_ctrl_c_leaves_the_batch_running_and_says_how_to_reattach(
         def two_done(bid: str = bid) -> bool:
             return bool(b.records.record(bid)) and b.get(bid).request_counts.done == 2
 
-        wait_for(two_done, 30, what="two lines done, one stalled")
+        wait_for(two_done, 30, what="two lines done, one held")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, err
         if cancel:
             assert f"batch {bid} cancelled" in err
-            assert b.wait(bid, timeout=30).status == "cancelled"
         else:
             assert f"batch {bid} keeps running; re-attach with: pipeline run {path}" in err
             assert b.get(bid).status == "in_progress"
             b.cancel(bid)
-            b.wait(bid, timeout=30)
+        assert b.get(bid).status == "cancelling"  # the held line is still in flight
+        sim.release(f"{name}-hold")
+        assert b.wait(bid, timeout=30).status == "cancelled"
         assert not (tmp_path / "o.jsonl").exists()
