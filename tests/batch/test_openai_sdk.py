@@ -5,7 +5,6 @@ node and the simulator."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -207,7 +206,6 @@ def test_api_keys_name_the_tenant_and_scope_what_it_sees(
     assert au.value.status_code == 401
     assert httpx.get(f"{srv.url}/v1/batches").status_code == 401
     # keys never reach the log
-    time.sleep(0)  # (the log is written as requests arrive)
     assert "sk-alice-0001" not in srv.log.read_text()
 
 
@@ -238,3 +236,44 @@ def test_without_keys_it_refuses_a_non_loopback_address(env: dict[str, str]) -> 
     )  # fmt: skip
     assert out.returncode == 2 and "PIPELINE_API_KEYS" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_tenant_over_its_open_batches_gets_429(
+    pl: Pipeline, start_serve: Callable[..., ServeProc], tmp_path: Path
+) -> None:
+    """``PIPELINE_BATCH_MAX_ACTIVE`` open batches per tenant (on a queue nobody serves here,
+    so they stay open): one more is a 429 ``rate_limit_exceeded``; other tenants are not
+    affected, and a closed batch frees its place."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-alice-0001 alice\nsk-bob-00002 bob\n")
+    srv = start_serve(
+        PIPELINE_API_KEYS=str(keys), PIPELINE_BATCH_MAX_ACTIVE="1", PIPELINE_BATCH_QUEUE="solo"
+    )
+    alice = OpenAI(base_url=f"{srv.url}/v1", api_key="sk-alice-0001", max_retries=0)
+    bob = OpenAI(base_url=f"{srv.url}/v1", api_key="sk-bob-00002", max_retries=0)
+    path = tmp_path / "in.jsonl"
+    write_input(path, 2, "cap")
+
+    def create(client: OpenAI) -> Any:
+        f = client.files.create(file=open(path, "rb"), purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")  # fmt: skip
+        return wait_for(lambda: client.batches.retrieve(b.id).status == "in_progress" and b,
+                        30, what="the batch running")  # fmt: skip
+
+    first = create(alice)
+    with pytest.raises(openai.RateLimitError) as exc:
+        create(alice)
+    assert exc.value.status_code == 429
+    err = exc.value.body
+    assert isinstance(err, dict) and err.get("code") == "rate_limit_exceeded"
+    assert "at most 1 open batches per tenant" in str(err.get("message"))
+    other = create(bob)  # bob has his own allowance
+    assert alice.batches.cancel(first.id).status in ("cancelling", "cancelled")
+    wait_for(lambda: alice.batches.retrieve(first.id).status == "cancelled", 30,
+             what="alice's batch cancelled")  # fmt: skip
+    again = create(alice)  # the closed batch freed her place
+    for client, b in ((alice, again), (bob, other)):
+        client.batches.cancel(b.id)
+        wait_for(lambda c=client, i=b.id: c.batches.retrieve(i).status == "cancelled", 30,
+                 what="cancelled")  # fmt: skip
