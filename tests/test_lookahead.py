@@ -31,14 +31,20 @@ def hold(pl: Pipeline, sim: SimServer, queue: str) -> str:
     return rid
 
 
+def parked_behind_a_holder(pl: Pipeline, sim: SimServer) -> tuple[str, str]:
+    """On ``lim1`` (limit 1, look-ahead 1): a request holding the slot at the simulator, and
+    one dispatched past the full gate and started: parked at its worker, not queued."""
+    sim.reset()
+    first = hold(pl, sim, "lim1")
+    second = pl.submit({"p": "ahead"}, id=uid("ahead"), queue="lim1", timeout=60).id
+    wait_for(lambda: pl.state(second) == "running", 10, what="the parked attempt")
+    return first, second
+
+
 def test_a_request_dispatched_ahead_parks_and_takes_the_released_slot(
     served: Pipeline, sim: SimServer
 ) -> None:
-    sim.reset()
-    first = hold(served, sim, "lim1")
-    second = served.submit({"p": "ahead"}, id=uid("ahead"), queue="lim1", timeout=60).id
-    # dispatched past the full gate (look-ahead 1 for limit 1) and started: parked, not queued
-    wait_for(lambda: served.state(second) == "running", 10, what="the parked attempt")
+    first, second = parked_behind_a_holder(served, sim)
     assert served.state(first) == "running"  # still holding the only slot
     assert served.inspect()["lim1"]["gate"]["in_flight"] == 1
     assert sim.stats()["attempts_by_request_id"].get(second) is None  # not at the server
@@ -54,10 +60,7 @@ def test_a_request_dispatched_ahead_parks_and_takes_the_released_slot(
 def test_a_parked_attempt_cancelled_ends_unsent_and_its_slot_goes_on(
     served: Pipeline, sim: SimServer
 ) -> None:
-    sim.reset()
-    first = hold(served, sim, "lim1")
-    second = served.submit({"p": "ahead"}, id=uid("ahead"), queue="lim1", timeout=60).id
-    wait_for(lambda: served.state(second) == "running", 10, what="the parked attempt")
+    first, second = parked_behind_a_holder(served, sim)
     third = served.submit({"p": "behind"}, id=uid("behind"), queue="lim1", timeout=60).id
     assert served.cancel(second) is False  # started (parked at its worker): marked, not ended
     sim.release(first)
