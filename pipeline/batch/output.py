@@ -71,8 +71,10 @@ def line_results(
 ) -> Iterator[LineResult]:
     """Every request line of ``batch`` in input order. Lines after the last one stored
     (cancelled or lapsed before they were enqueued) are known only from the input:
-    ``custom_ids(after)`` maps their line numbers to custom_ids (None: left out). The next
-    range of results is read while this one is handed out."""
+    ``custom_ids(after)`` maps their line numbers to custom_ids (None: the input is gone, as
+    the lines given to ``submit_batch`` in a list are: such lines come without a custom_id;
+    one the input does not name is left out: not a request line). The next range of results
+    is read while this one is handed out."""
     invalid = {int(r["line"]): r for r in records.invalid(batch.id)}
     last = batch.submitted
     missing_code = (
@@ -95,13 +97,14 @@ def line_results(
                     yield LineResult(n, f"{batch.id}-{n}", invalid[n].get("custom_id"),
                                      invalid=invalid[n])  # fmt: skip
     if batch.lines > last:
-        rest = custom_ids(last) if custom_ids is not None else {}
+        rest = custom_ids(last) if custom_ids is not None else None
         for n in range(last + 1, batch.lines + 1):
             if n in invalid:
                 yield LineResult(n, batch.request_id(n), invalid[n].get("custom_id"),
                                  invalid=invalid[n])  # fmt: skip
-            elif n in rest:
-                yield LineResult(n, batch.request_id(n), rest[n], missing=missing_code)
+            elif rest is None or n in rest:
+                cid = rest[n] if rest is not None else None
+                yield LineResult(n, batch.request_id(n), cid, missing=missing_code)
 
 
 def _body(payload: str) -> Any:

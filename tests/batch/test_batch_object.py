@@ -228,3 +228,45 @@ def test_everything_a_batch_leaves_expires_or_is_bounded(served: Pipeline) -> No
     assert done.id not in names and failed.id in names
     assert re.match(r"^batch_[0-9a-f]{24}$", failed.id)
     json.dumps([x.to_openai() for x in b.list()[0]])
+
+
+def test_a_listed_batch_cancelled_while_its_lines_are_stored_reads_every_line(
+    pl: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lines given in a list exist only while ``submit_batch`` runs: when a cancel stops it
+    half-way, the lines never stored still come back from ``lines()`` (``batch_cancelled``, no
+    custom_id: nothing kept it), one per counted line."""
+    from pipeline.batch import ingest
+
+    monkeypatch.setattr(ingest, "FIRST_CHUNK", 1)  # one line per store call: the enqueue
+    monkeypatch.setattr(ingest, "MAX_CHUNK", 1)  # renews its lease after line 20
+    b, other = Batches(pl), Batches(pl)
+    renewers = 0
+    real = b._renewer
+
+    def renewer(batch_id: str) -> Any:
+        nonlocal renewers
+        renewers += 1
+        inner = real(batch_id)
+        if renewers == 1:
+            return inner  # the validation scan's
+
+        def renew() -> None:  # the enqueue's, after 20 lines: another client cancels (its
+            inner()  # cancel of the stored lines waits for this enqueue's lease: run below)
+            other.cancel(batch_id, lines=False)
+
+        return renew
+
+    monkeypatch.setattr(b, "_renewer", renewer)
+    batch = b.submit_batch([chat(f"x{i}") for i in range(25)], queue="solo")
+    assert batch.status == "cancelling"
+    assert other.cancel_lines(batch.id) == 20
+    done = b.wait(batch.id, timeout=30)
+    assert done.status == "cancelled" and done.submitted == 20
+    c = done.request_counts
+    assert (c.total, c.completed, c.failed) == (25, 0, 25)
+    out = list(b.lines(done))
+    assert [x.number for x in out] == list(range(1, 26))
+    assert [x.custom_id for x in out[:20]] == [f"x{i}" for i in range(20)]
+    assert all(x.result is not None and x.result.error_code == "CANCELLED" for x in out[:20])
+    assert all(x.custom_id is None and x.missing == "batch_cancelled" for x in out[20:])
