@@ -203,6 +203,15 @@ class Api:
             }
         )
 
+    def explain_request(self, request: Request) -> Response:
+        """``pipeline explain ID --json`` over HTTP: where the request is and why."""
+        owner = self.svc.owner(request)
+        rid = request.path_params["request_id"]
+        rec = self.b.pipeline.record(rid)
+        if not rec or not _may_see(self.b, rec, owner):
+            raise UnknownRequest(rid)
+        return JSONResponse(self.b.pipeline.explain(rid).to_dict())
+
     def page(self, request: Request) -> Response:
         self.svc.owner(request)
         return HTMLResponse(page())
@@ -231,6 +240,7 @@ class Api:
             Route("/v1/batches", self.list_batches, methods=["GET"]),
             Route("/v1/batches/{batch_id}", self.get_batch, methods=["GET"]),
             Route("/v1/batches/{batch_id}/cancel", self.cancel_batch, methods=["POST"]),
+            Route("/v1/requests/{request_id:path}/explain", self.explain_request, methods=["GET"]),
             Route("/v1/requests/{request_id:path}", self.get_request, methods=["GET"]),
         ]
 

@@ -195,12 +195,17 @@ def test_api_keys_name_the_tenant_and_scope_what_it_sees(
     with pytest.raises(openai.NotFoundError):
         bob.files.content(f.id)
     assert b.id not in [x.id for x in bob.batches.list().data]
-    assert (
-        httpx.get(
-            f"{srv.url}/v1/requests/{rid}", headers={"authorization": "Bearer sk-bob-00002"}
-        ).status_code
-        == 404
+    for tail in ("", "/explain"):
+        url = f"{srv.url}/v1/requests/{rid}{tail}"
+        assert httpx.get(url, headers={"authorization": "Bearer sk-bob-00002"}).status_code == 404
+    # the owner gets the request's explanation (pipeline explain --json)
+    why = httpx.get(
+        f"{srv.url}/v1/requests/{rid}/explain", headers={"authorization": "Bearer sk-alice-0001"}
     )
+    assert why.status_code == 200, why.text
+    data = why.json()
+    assert data["id"] == rid and data["state"] == "done"
+    assert [e["event"] for e in data["log"]][-1] == "done"
     with pytest.raises(openai.AuthenticationError) as au:
         nobody.batches.list()
     assert au.value.status_code == 401
