@@ -203,3 +203,32 @@ def test_the_bell_keeps_a_bounded_number_of_names() -> None:
     waiter.join(5)
     assert tickets and tickets[0].rang
     assert not b._waiters
+
+
+def test_a_cancel_notice_wakes_only_the_waiters_of_the_cancelled_requests(
+    bell: ReleaseBell,
+) -> None:
+    """``!cancel\\n<id>...`` published on the channel (by cancel.lua / batch_cancel_lines.lua)
+    wakes the waiters parked for those requests, marked ``cancelled``, and is remembered for
+    an attempt that was between two parks; other waiters of the queue sleep on."""
+    tickets: dict[str, Any] = {}
+
+    def park(rid: str) -> None:
+        tickets[rid] = bell.park("q", gen, 10.0, rid=rid)
+
+    gen = bell.generation("q")
+    threads = [threading.Thread(target=park, args=(r,), daemon=True) for r in ("a", "b", "c")]
+    for t in threads:
+        t.start()
+    wait_for(lambda: bell.waiting("q") == 3, 5, what="three waiters")
+    assert not bell.cancelled("a")
+    bell.client.publish(bell.channel, "!cancel\na\nc\nnot-parked")
+    wait_for(lambda: "a" in tickets and "c" in tickets, 5, what="the cancelled waiters woken")
+    assert tickets["a"].cancelled and tickets["c"].cancelled
+    assert not (tickets["a"].rang or tickets["a"].granted)
+    assert bell.waiting("q") == 1 and "b" not in tickets  # b sleeps on
+    assert bell.cancelled("not-parked") and not bell.cancelled("b")
+    assert bell.generation("q") == gen  # no slot was freed: nobody else is woken
+    bell.ring("q")
+    wait_for(lambda: "b" in tickets, 5, what="b woken by a ring")
+    assert tickets["b"].rang and not tickets["b"].cancelled

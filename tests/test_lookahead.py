@@ -62,12 +62,14 @@ def test_a_parked_attempt_cancelled_ends_unsent_and_its_slot_goes_on(
 ) -> None:
     first, second = parked_behind_a_holder(served, sim)
     third = served.submit({"p": "behind"}, id=uid("behind"), queue="lim1", timeout=60).id
-    assert served.cancel(second) is False  # started (parked at its worker): marked, not ended
-    sim.release(first)
-    assert served.wait(first, 20).ok
+    assert served.cancel(second) is False  # started (parked at its worker): not ended here
+    # the cancel notice wakes the parked attempt: it ends unsent without waiting for the slot
     res = served.wait(second, 20)
     assert res.error_code == "CANCELLED" and res.attempts == 0
-    assert served.wait(third, 20).ok  # the slot the cancelled attempt got went on
+    assert served.state(first) == "running"  # still holding the slot
+    sim.release(first)
+    assert served.wait(first, 20).ok
+    assert served.wait(third, 20).ok  # dispatched ahead in its place, it ran
     seen = sim.stats()["attempts_by_request_id"]
     assert second not in seen and seen[first] == 1 and seen[third] == 1
     events = [e.event for e in served.explain(second).log]

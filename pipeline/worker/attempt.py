@@ -108,6 +108,9 @@ class Attempt:
         # gate decisions for the request's decision log, sent with the outcome (or at once by
         # an attempt parked longer than PARK_POLL_S)
         self.journal = Journal()
+        # set when the request (or its batch) was cancelled while this attempt was parked:
+        # the reason ('cancelled', 'batch cancelled'); it then ends unsent
+        self.cancelled: str | None = None
 
     @property
     def holder(self) -> str:
@@ -306,6 +309,13 @@ class Attempt:
         if self.record.get("wire") and self._cancelled_by_producer():
             return self._error("CANCELLED", "cancelled")
         decision, parked = self._gate()
+        if parked and self.cancelled is None and self.rt.bell.cancelled(self.id):
+            self.cancelled = self.rt.store.cancel_asked(self.id, self.token)
+        if self.cancelled is not None:
+            # cancelled (the request or its batch) while it waited for a slot: nothing was
+            # sent, so it ends CANCELLED now, giving back (or on) any slot it got
+            self.journal.add("cancelled", reason=self.cancelled)
+            return self._error("CANCELLED", self.cancelled)
         if decision.verdict is Verdict.REFUSE:
             delay = decision.retry_after
             if delay is None:
@@ -329,13 +339,6 @@ class Attempt:
                     payload=decision.payload or "",
                 )
             return self._error("GATE_DROPPED", decision.message or "dropped by gate")
-        if parked:
-            # a cancel (of the request or its batch) that came while it waited for the slot:
-            # nothing was sent yet, so it ends CANCELLED and the slot goes on at once
-            cancelled = self.rt.store.cancel_asked(self.id, self.token)
-            if cancelled is not None:
-                self.journal.add("cancelled", reason=cancelled)
-                return self._error("CANCELLED", cancelled)
         return self._call()
 
     def _gate(self) -> tuple[Decision, bool]:
@@ -406,10 +409,13 @@ class Attempt:
                 min(PARK_POLL_S, left),
                 self._ctx() if key == handover else None,
                 self.gate,
+                rid=self.id,
             )
             if ticket is not None and ticket.granted:
                 self._granted = ticket
                 decision = self.decision = CONTINUE
+                break
+            if self._cancelled_while_parked(ticket):
                 break
             decision = self.acquire()
             if not noted and not decision.admitted and time.monotonic() - began >= PARK_POLL_S:
@@ -420,6 +426,16 @@ class Attempt:
             handed = True if self._granted is not None else None
             self.journal.add("admitted", worker=self.worker, waited=waited, handed_over=handed)
         return decision
+
+    def _cancelled_while_parked(self, ticket: Ticket | None) -> bool:
+        """Was the request cancelled while parked? Asked of Redis (``Store.cancel_asked``)
+        only when a cancel notice named it (the release bell) or the park timed out without
+        a ring (a notice may have been lost): never on the hot path of a ring or hand-over."""
+        timed_out = ticket is not None and not (ticket.rang or ticket.cancelled)
+        if not (timed_out or self.rt.bell.cancelled(self.id)):
+            return False
+        self.cancelled = self.rt.store.cancel_asked(self.id, self.token)
+        return self.cancelled is not None
 
     def _note_now(self) -> None:
         """Send the journal to the decision log now (a long park); never fails the attempt."""

@@ -29,6 +29,13 @@ publish the key with the queue when a request of it leaves the active state (one
 There may be any number of keys, so the bell keeps generations only for names someone read
 (at most ``MAX_NAMES``, least recently read first out; a waiter whose name was dropped just
 asks its gate again) and no empty waiter lines.
+
+A cancel of a running request (``cancel.lua``, ``batch_cancel_lines.lua``) publishes
+``!cancel\n<id>...`` on the same channel (no queue name starts with ``!``): the listener
+remembers the ids (:meth:`ReleaseBell.cancelled`, the last ``MAX_CANCELLED``) and wakes the
+waiters parked for those requests (``ticket.cancelled``), which then end unsent instead of
+waiting for a slot. A lost notice is caught by the attempt's own check when its park times
+out (``PARK_POLL_S``).
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ log = logging.getLogger("pipeline.bell")
 RECONNECT_S = (0.1, 2.0)  # the listener's back-off after a lost connection
 ECHO_S = 0.25  # a direct ring's own Pub/Sub message arrives within this, or is not waited for
 MAX_NAMES = 4096  # generations kept (queues and quota keys read lately)
+MAX_CANCELLED = 4096  # ids of running requests cancelled lately, kept for their parked attempts
+CANCEL_NOTICE = "!cancel"  # first line of a cancel notice on the freed channel
 
 
 class Ticket:
@@ -53,16 +62,21 @@ class Ticket:
     a holder of this process (``granted``: go to the server; the giver is recording the
     transfer in Redis and sets ``transferred`` when done, ``held`` telling whether it took)."""
 
-    __slots__ = ("ctx", "gate", "_wake", "done", "rang", "granted", "held", "transferred")
+    __slots__ = (
+        "ctx", "gate", "rid", "_wake", "done", "rang", "granted", "cancelled", "held",
+        "transferred",
+    )  # fmt: skip
 
-    def __init__(self, ctx: Any = None, gate: Any = None) -> None:
+    def __init__(self, ctx: Any = None, gate: Any = None, rid: str | None = None) -> None:
         self.ctx = ctx  # what a giver needs to transfer a slot to this waiter; None: no hand-over
         self.gate = gate  # the gate the waiter asks: only a holder of that gate hands it a slot
+        self.rid = rid  # the request the waiter's attempt is for (a cancel notice wakes it)
         self._wake = threading.Lock()
         self._wake.acquire()
         self.done = False  # woken, granted or timed out (under the bell's lock)
         self.rang = False
         self.granted = False
+        self.cancelled = False  # woken by a cancel notice for its request
         self.held = False
         self.transferred = threading.Event()
 
@@ -89,6 +103,7 @@ class ReleaseBell:
         self._stopping = threading.Event()
         self._subscribed = threading.Event()
         self._pubsub: redis.client.PubSub | None = None
+        self._cancelled: OrderedDict[str, None] = OrderedDict()  # see cancel_notice
         self.closed = False  # the node is shutting down: nobody parks any more
 
     def generation(self, queue: str) -> int:
@@ -169,6 +184,30 @@ class ReleaseBell:
             ticket._fire()
             return ticket
 
+    def cancel_notice(self, ids: list[str]) -> None:
+        """Running requests were cancelled: remember their ids and wake the waiters parked
+        for them (``ticket.cancelled``)."""
+        with self._lock:
+            for rid in ids:
+                self._cancelled[rid] = None
+                self._cancelled.move_to_end(rid)
+            while len(self._cancelled) > MAX_CANCELLED:
+                self._cancelled.popitem(last=False)
+            wanted = set(ids)
+            for queue in list(self._waiters):
+                waiters = self._waiters[queue]
+                for ticket in [t for t in waiters if t.rid in wanted]:
+                    waiters.remove(ticket)
+                    ticket.cancelled = True
+                    ticket._fire()
+                if not waiters:
+                    del self._waiters[queue]
+
+    def cancelled(self, rid: str) -> bool:
+        """A cancel notice named ``rid`` lately (the attempt then asks Redis to be sure)."""
+        with self._lock:
+            return rid in self._cancelled
+
     def _is_echo(self, queue: str) -> bool:
         """A Pub/Sub message of ``queue`` that a direct ring of this process already rang."""
         with self._lock:
@@ -190,18 +229,25 @@ class ReleaseBell:
         return ticket is None or ticket.rang or ticket.granted
 
     def park(
-        self, queue: str, generation: int, timeout: float, ctx: Any = None, gate: Any = None
+        self,
+        queue: str,
+        generation: int,
+        timeout: float,
+        ctx: Any = None,
+        gate: Any = None,
+        rid: str | None = None,
     ) -> Ticket | None:
         """Wait as :meth:`wait` does; with ``ctx`` the waiter may be granted a slot of ``gate``
-        by :meth:`hand_over`. None when it returned at once (it rang before, or closed),
-        else the ticket: ``granted``, ``rang``, or neither (timed out)."""
+        by :meth:`hand_over`; with ``rid`` a cancel notice for that request wakes it. None when
+        it returned at once (it rang before, or closed), else the ticket: ``granted``,
+        ``rang``, ``cancelled``, or none of them (timed out)."""
         if self.closed:
             return None
         self._listen()
         with self._lock:
             if self._gen.get(queue, 0) != generation or self.closed:
                 return None
-            ticket = Ticket(ctx, gate)
+            ticket = Ticket(ctx, gate, rid)
             self._waiters[queue].append(ticket)
         ticket._wake.acquire(timeout=max(0.0, timeout))
         with self._lock:
@@ -273,7 +319,11 @@ class ReleaseBell:
                         continue
                     data = message.get("data")
                     text = data.decode() if isinstance(data, bytes) else str(data)
-                    for name in text.split("\n"):  # the queue, then quota keys it released
+                    names = text.split("\n")
+                    if names[0] == CANCEL_NOTICE:
+                        self.cancel_notice(names[1:])
+                        continue
+                    for name in names:  # the queue, then quota keys it released
                         if not self._is_echo(name):
                             self.ring(name)
             except Exception as exc:  # noqa: BLE001 - keep listening; waits are bounded

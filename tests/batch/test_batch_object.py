@@ -134,8 +134,8 @@ def test_cancel_ends_an_attempt_parked_for_the_slot_unsent(
 ) -> None:
     """Look-ahead on (limit 1): line 1 holds the slot at the simulator until the test lets it
     go, the next line is dispatched ahead and parked at the worker, started but unsent. Cancel:
-    the parked one ends CANCELLED without reaching the model server, like the queued ones;
-    only line 1 ran."""
+    the parked one ends CANCELLED at once without reaching the model server, like the queued
+    ones; only line 1 ran."""
     sim.reset()
     b = Batches(served)
     name = f"batch-hold-{uuid.uuid4().hex[:8]}"
@@ -149,6 +149,9 @@ def test_cancel_ends_an_attempt_parked_for_the_slot_unsent(
     (parked,) = [r for r in rest if served.state(r) == "running"]
     assert parked not in sim.stats()["attempts_by_request_id"]  # started, not sent
     assert batch.cancel().status == "cancelling"
+    # the parked attempt ends at once, unsent, while line 1 still holds the slot
+    wait_for(lambda: served.state(parked) == "done", 10, what="the parked line cancelled")
+    assert served.state(batch.request_id(1)) == "running"
     sim.release(name)
     done = b.wait(batch.id, timeout=30)
     assert done.status == "cancelled"

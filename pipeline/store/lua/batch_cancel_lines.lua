@@ -1,7 +1,7 @@
 -- batch_cancel_lines.lua: cancel requests of a cancelling batch that have not started an
 -- attempt (queued, waiting out a retry, or dispatched but not started: such an attempt holds
 -- no gate reservation, and its start is fenced off). A running attempt is marked: one still
--- parked at its worker for a gate slot ends CANCELLED unsent (cancel_asked.lua), one sent
+-- parked at its worker for a gate slot ends CANCELLED unsent at once (the notice published here wakes it), one sent
 -- finishes.
 -- KEYS: none passed; <prefix>req:<id> derived from the prefix.
 -- ARGV[1] prefix, ARGV[2] result TTL (s), ARGV[3..] request ids.
@@ -9,6 +9,7 @@
 local prefix, ttl = ARGV[1], ARGV[2]
 local now = server_now()
 local n = 0
+local running = {}
 for i = 3, #ARGV do
   local id = ARGV[i]
   local state = redis.call('HGET', prefix .. 'req:' .. id, 'state')
@@ -18,6 +19,10 @@ for i = 3, #ARGV do
     n = n + 1
   elseif state == 'running' then  -- parked for a gate slot, or sent: see cancel.lua
     redis.call('HSET', prefix .. 'req:' .. id, 'cancel', 'batch cancelled', 'cancel_ttl', ttl)
+    running[#running + 1] = id
   end
+end
+if #running > 0 then  -- wake their attempts if parked (pipeline/worker/bell.py)
+  redis.call('PUBLISH', prefix .. 'freed', '!cancel\n' .. table.concat(running, '\n'))
 end
 return n

@@ -1,7 +1,8 @@
 -- cancel_asked.lua: was this attempt's request cancelled while the attempt waited at its
 -- worker for a gate slot (cancel.lua / batch_cancel_lines.lua mark a running request; a line
 -- of a cancelling batch counts too, should the attempt ask before its line was marked)?
--- Asked once, by an attempt that parked and was then admitted, before it sends.
+-- Asked by a parked attempt when a cancel notice named its request (pipeline/worker/bell.py)
+-- or its park timed out without a ring (a notice may have been lost), before it sends.
 -- KEYS[1] request hash.
 -- ARGV[1] prefix, ARGV[2] the attempt's token.
 -- Returns the reason ('cancelled', 'batch cancelled'), or false (not cancelled, or fenced off:
