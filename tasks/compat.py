@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
+from collections.abc import Callable
 from queue import Empty
 from typing import Any
 
@@ -158,6 +159,17 @@ def _no_ack_basic_consume(
 # this one's pipeline), so the batch only takes what no other node was waiting for.
 BRPOP_BATCH = 8
 
+# How many more messages the node may take now (its free execution slots, the bound Celery's
+# ``worker_disable_prefetch`` keeps: see tasks/node.py); None: no batches.
+_room: Callable[[], int] | None = None
+
+
+def bound_batches(room: Callable[[], int] | None) -> None:
+    """Let no-ack BRPOPs take a batch of at most ``room()`` messages in all (None: one)."""
+    global _room
+    _room = room
+
+
 _brpop_start = kombu_redis.Channel._brpop_start
 _brpop_read = kombu_redis.Channel._brpop_read
 
@@ -168,12 +180,16 @@ def _batched_brpop_start(self: Any, timeout: Any = None) -> None:
     set, no prefetch limit)."""
     self.__dict__["_pipeline_batch"] = None
     _brpop_start(self, timeout)
-    if self._in_poll is None or BRPOP_BATCH <= 0:
+    room = _room
+    if self._in_poll is None or room is None:
+        return
+    more = min(BRPOP_BATCH, room() - 1)  # the BRPOP takes one
+    if more <= 0:
         return
     queues = self._queue_cycle.consume(len(self.active_queues))  # what the BRPOP took
     if not queues or queues[0] not in self.__dict__.get("_pipeline_no_ack_queues", ()):
         return
-    args = ["RPOP", self._q_for_pri(queues[0], 0), BRPOP_BATCH]
+    args = ["RPOP", self._q_for_pri(queues[0], 0), more]
     if self.global_keyprefix:
         args = self.client._prefix_args(args)
     self.client.connection.send_command(*args)
