@@ -29,6 +29,7 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
+from celery.worker import state as worker_state
 
 from pipeline.config import Settings
 from pipeline.dispatch import Dispatcher
@@ -40,6 +41,7 @@ from pipeline.worker import check_endpoints, runtime
 from pipeline.worker.process import SNAPSHOT_ENV
 from pipeline.worker.reload import Reloader
 
+from . import compat
 from .app import app, celery_queue, pool_of
 from .inference import infer
 
@@ -233,6 +235,9 @@ def _on_after_setup(sender: str | None = None, instance: Any = None, **_: Any) -
         if pool_of(name) is not None:
             queue.no_ack = True
     instance.app.conf.worker_disable_prefetch = True
+    # and so does a BRPOP's batch (tasks/compat.py): what Celery's bound leaves free
+    slots = getattr(instance, "max_concurrency", None) or instance.concurrency
+    compat.bound_batches(lambda: int(slots) - len(worker_state.reserved_requests))
 
 
 def no_ack_broker(celery_app: Any) -> bool:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import Any
 
 import pytest
 
 from pipeline.client import Pipeline
 
-from .conftest import RESULTS_TAG, wait_for
+from .conftest import RESULTS_TAG, assert_idle, held, wait_for
 
 
 def finish(p: Pipeline, items: list[dict[str, Any]], timeout: float = 30.0) -> list[Any]:
@@ -48,6 +49,32 @@ def test_a_default_result_list_expires_with_the_result_ttl(served: Pipeline) -> 
     ttl = served.store.client.ttl(key)
     assert 0 < ttl <= served.settings.result_ttl_s  # the default: the result TTL
     assert served.store.client.llen(key) <= 100_000
+
+
+def test_only_a_request_a_client_waits_for_gets_a_notify_list(served: Pipeline, sim: Any) -> None:
+    """The result is pushed on a request's notify list only when a client waits for it
+    (``Request.result`` marks the record first, in one step with reading it): a request read
+    some other way leaves no notify key; a waiting client's request gets one, expiring."""
+    client = served.store.client
+    keys = served.store.keys
+    unwaited = served.submit({"n": 1})
+    (got,) = list(served.iter_results([unwaited.id]))  # polled: nobody waits on its list
+    assert got.ok
+    assert client.exists(keys.notify(unwaited.id)) == 0
+    assert client.hget(keys.request(unwaited.id), "waiter") is None
+    name = "notify-waited"
+    waited = served.submit({"n": 2}, headers=held(name))
+    sim.wait_held(name)
+    box: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: box.setdefault("r", waited.result(timeout=30)))
+    waiter.start()
+    wait_for(lambda: client.hget(keys.request(waited.id), "waiter") == "1")
+    sim.release(name)
+    waiter.join(30)
+    assert box["r"].ok
+    assert 0 < client.ttl(keys.notify(waited.id)) <= 300
+    assert waited.result(timeout=1).ok  # done already: read at once, nothing marked again
+    assert_idle(served)
 
 
 # keys that may live without an expiry: one per queue, pool, gate or prefix, never one per

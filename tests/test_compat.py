@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import traceback
 import types
+import uuid
 
 from billiard.einfo import ExceptionInfo
 
+from tasks import compat
 from tasks.app import app
 
 
@@ -49,3 +52,32 @@ def test_tracebacks_copy_code_positions_only_when_read_or_pickled() -> None:
         text = "".join(traceback.format_tb(e.tb))
         assert 'raise ValueError("boom")' in text and ", in inner" in text
     assert "ValueError: boom" in einfo.traceback
+
+
+def test_a_no_ack_brpop_takes_a_batch_bounded_by_free_slots() -> None:
+    """A no-ack consumer's BRPOP has an RPOP with a count behind it: the messages come in the
+    list's order, at most the node's free slots in all; with no bound, one per BRPOP."""
+    name = f"compat-batch-{uuid.uuid4().hex[:8]}"
+    got: list[int] = []
+    before = compat._room
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        try:
+            for i in range(6):
+                channel.basic_publish(channel.prepare_message(json.dumps({"i": i})), "", name)
+            channel.basic_consume(
+                name, True, lambda m: got.append(json.loads(m.body)["i"]), "compat-batch"
+            )
+            compat.bound_batches(lambda: 3)
+            conn.drain_events(timeout=5)
+            assert got == [0, 1, 2]  # the BRPOP's and two more
+            compat.bound_batches(None)
+            conn.drain_events(timeout=5)
+            assert got == [0, 1, 2, 3]  # one
+            compat.bound_batches(lambda: 100)
+            conn.drain_events(timeout=5)
+            assert got == [0, 1, 2, 3, 4, 5]  # what was left
+            assert channel.client.llen(name) == 0
+        finally:
+            compat.bound_batches(before)
+            channel.client.delete(name)

@@ -428,7 +428,7 @@ def test_finish_hands_the_slot_to_a_parked_attempt(pl: Pipeline, sim: SimServer)
     assert gate_in_flight(pl, "parked") == 1
     sim.release(giving)
     sim.wait_held(taking)  # the taker at the server, in the slot the giver handed over
-    assert (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == giver
+    wait_for(lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == giver)
     assert gate_in_flight(pl, "parked") == 1
     sim.release(taking)
     assert finished(pl, "parked", giver).ok
@@ -450,7 +450,7 @@ def test_retry_hands_the_slot_to_a_parked_attempt(pl: Pipeline, sim: SimServer) 
     # first -> retried (503: backs off, requeued) -> taker, each slot handed over
     sim.release(holding_first)
     sim.wait_held(taking)
-    assert (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == retried
+    wait_for(lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == retried)
     assert gate_in_flight(pl, "parked") == 1
     sim.release(taking)
     for rid in (first, taker):
@@ -594,7 +594,8 @@ def test_finish_hands_a_quota_slot_to_an_attempt_parked_for_its_key(
     wait_running(served, taker)  # parked for the key
     sim.release(giver)
     sim.wait_held(taker)  # at the server, with the slot handed over
-    assert (holder_of(served, "quota1", taker) or {}).get("handed_over_by") == giver
+    # the taker leaves for the server at once; the giver records the transfer meanwhile
+    wait_for(lambda: (holder_of(served, "quota1", taker) or {}).get("handed_over_by") == giver)
     sim.release(taker)
     assert finished(served, "quota1", giver).ok
     res = finished(served, "quota1", taker)

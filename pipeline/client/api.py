@@ -224,11 +224,21 @@ class Pipeline:
         return Result.from_json(result) if state == "done" and result else None
 
     def wait(self, request_id: str, timeout: float | None = None) -> Result:
-        """Block until the request's terminal result exists (woken by its notify list)."""
+        """Block until the request's terminal result exists (woken by its notify list, which
+        the result is pushed on only for a request a client waits for: the first check marks
+        the record, in one atomic step with reading it — see wait.lua)."""
         end = None if timeout is None else time.monotonic() + timeout
         notify = self.store.keys.notify(request_id)
+        first = True
         while True:
-            result = self.result_if_done(request_id)
+            if first:
+                first = False
+                state, raw = self.store.scripts.wait(keys=[self.store.keys.request(request_id)])
+                if state is None:
+                    raise UnknownRequest(request_id)
+                result = Result.from_json(raw) if state == "done" and raw else None
+            else:
+                result = self.result_if_done(request_id)
             if result is not None:
                 return result
             left = 1.0 if end is None else min(1.0, end - time.monotonic())

@@ -132,37 +132,41 @@ def test_cancel_cancels_what_has_not_started_and_in_flight_attempts_finish(
 def test_cancel_ends_an_attempt_parked_for_the_slot_unsent(
     served: Pipeline, sim: SimServer
 ) -> None:
-    """Look-ahead on (limit 1): line 1 holds the slot at the simulator until the test lets it
-    go, the next line is dispatched ahead and parked at the worker, started but unsent. Cancel:
+    """Look-ahead on (limit 1): one line holds the slot at the simulator until the test lets
+    it go, the next is dispatched ahead and parked at the worker, started but unsent. Cancel:
     the parked one ends CANCELLED at once without reaching the model server, like the queued
-    ones; only line 1 ran."""
+    ones; only the holder ran. (Every line carries the hold: the two lines dispatched in one
+    tick race for the slot, and either may win.)"""
     sim.reset()
     b = Batches(served)
     name = f"batch-hold-{uuid.uuid4().hex[:8]}"
-    lines = [chat("h", headers=held(name))] + [chat(f"w{i}") for i in range(4)]
+    lines = [chat(f"w{i}", headers=held(name)) for i in range(5)]
     batch = b.submit_batch(lines, queue="lim1")
     sim.wait_held(name)
-    rest = [batch.request_id(n) for n in range(2, 6)]
+    ids = [batch.request_id(n) for n in range(1, 6)]
+    (holder,) = sim.stats()["attempts_by_request_id"]  # the line that took the slot
+    rest = [r for r in ids if r != holder]
     wait_for(
         lambda: any(served.state(r) == "running" for r in rest), 10, what="a line parked ahead"
     )
     (parked,) = [r for r in rest if served.state(r) == "running"]
     assert parked not in sim.stats()["attempts_by_request_id"]  # started, not sent
     assert batch.cancel().status == "cancelling"
-    # the parked attempt ends at once, unsent, while line 1 still holds the slot
+    # the parked attempt ends at once, unsent, while the holder still holds the slot
     wait_for(lambda: served.state(parked) == "done", 10, what="the parked line cancelled")
-    assert served.state(batch.request_id(1)) == "running"
+    assert served.state(holder) == "running"
     sim.release(name)
     done = b.wait(batch.id, timeout=30)
     assert done.status == "cancelled"
     c = done.request_counts
     assert (c.total, c.completed, c.failed) == (5, 1, 4)
     results = {x.custom_id: x.result for x in b.lines(done)}
-    assert results["h"] is not None and results["h"].ok
-    for cid in ("w0", "w1", "w2", "w3"):
+    held_cid = f"w{ids.index(holder)}"
+    assert results[held_cid] is not None and results[held_cid].ok
+    for cid in {f"w{i}" for i in range(5)} - {held_cid}:
         r = results[cid]
         assert r is not None and r.error_code == "CANCELLED" and r.attempts == 0, (cid, r)
-    assert set(sim.stats()["attempts_by_request_id"]) == {batch.request_id(1)}
+    assert set(sim.stats()["attempts_by_request_id"]) == {holder}
     assert_idle(served)
 
 

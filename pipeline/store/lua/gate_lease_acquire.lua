@@ -24,14 +24,25 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local lease, grace = now + tonumber(ARGV[2]), tonumber(ARGV[5])
 
-for _, h in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - grace, 'LIMIT', 0, 100)) do
-  redis.call('ZREM', KEYS[1], h)
-  redis.call('HDEL', KEYS[2], h)
+-- a hand-over whose giver still held an unexpired lease: its slot is the taker's, with no
+-- count to check, no purge (every other acquire purges) and no registry entry to add (the
+-- giver's, on the same gate and node, is there: its pool never emptied)
+local handed = false
+if ARGV[6] and ARGV[6] ~= '' then
+  local g = redis.call('ZSCORE', KEYS[1], ARGV[6])
+  if g then
+    redis.call('ZREM', KEYS[1], ARGV[6])
+    handed = tonumber(g) > now
+  end
+  redis.call('HDEL', KEYS[2], ARGV[6])
 end
 
-if ARGV[6] and ARGV[6] ~= '' then
-  redis.call('ZREM', KEYS[1], ARGV[6])
-  redis.call('HDEL', KEYS[2], ARGV[6])
+if not handed then
+  for _, h in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - grace,
+      'LIMIT', 0, 100)) do
+    redis.call('ZREM', KEYS[1], h)
+    redis.call('HDEL', KEYS[2], h)
+  end
 end
 
 local result = 1
@@ -40,7 +51,7 @@ if cur and tonumber(cur) > now then
   redis.call('ZADD', KEYS[1], 'GT', string.format('%.6f', lease), ARGV[1])
   result = 2
 else
-  if redis.call('ZCOUNT', KEYS[1], '(' .. string.format('%.6f', now), '+inf')
+  if not handed and redis.call('ZCOUNT', KEYS[1], '(' .. string.format('%.6f', now), '+inf')
       >= tonumber(ARGV[3]) then
     return 0
   end
@@ -50,7 +61,7 @@ else
   local info = head .. '"acquired_at":' .. string.format('%.14g', now) .. '}'
   redis.call('ZADD', KEYS[1], string.format('%.6f', lease), ARGV[1])
   redis.call('HSET', KEYS[2], ARGV[1], info)
-  if KEYS[3] then redis.call('SADD', KEYS[3], ARGV[7]) end
+  if KEYS[3] and not handed then redis.call('SADD', KEYS[3], ARGV[7]) end
 end
 
 -- every lease written (here and by gate_lease_renew.lua) leaves both keys at least `grace`

@@ -11,6 +11,7 @@
 -- ingest.lua), ref_token (its generation token), for a line of a batch, batch and
 -- custom_id (see batch_create.lua), tenant (indexed queues: the tenant attribute's value) and
 -- qkeys (JSON list of the quota keys a dispatched attempt counts against; see sched.lua),
+-- waiter ('1' once a client waits for the result: terminal() then rings notify:<id>; wait.lua),
 -- cancel / cancel_ttl (a cancel that came while an attempt ran: its reason and result TTL;
 -- the attempt, if still parked for a gate slot, ends CANCELLED unsent, and gets no retry).
 -- Times are the server's clock (server_now). log: the decision log (see log_with below).
@@ -243,7 +244,7 @@ end
 -- fence an attempt) reads these and hands them over.
 local TERMINAL_FIELDS = {'queue', 'pool', 'member', 'attempts', 'submitted_at', 'result_list',
   'result_list_max', 'result_list_ttl', 'wire', 'ref_token', 'qkeys', 'batch', 'state', 'token',
-  'id', 'log'}
+  'id', 'log', 'waiter'}
 
 -- Write the terminal result of request `id` and take it out of the sets its state has it in (a
 -- dispatched or running request is only in its queue's active set; any other one is looked for
@@ -306,9 +307,11 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   else
     push_result(f[6], json, f[7], f[8])
   end
-  local nk = prefix .. 'notify:' .. id
-  redis.call('RPUSH', nk, '1')
-  redis.call('EXPIRE', nk, 300)
+  if f[17] then  -- a client waits on its notify list (wait.lua marked the record)
+    local nk = prefix .. 'notify:' .. id
+    redis.call('RPUSH', nk, '1')
+    redis.call('EXPIRE', nk, 300)
+  end
   redis.call('HINCRBY', qkey(prefix, queue, 'stats'), outcome, 1)
   if f[12] then batch_count(prefix, f[12], outcome == 'ok', now) end
   local recent = qkey(prefix, queue, 'recent')
