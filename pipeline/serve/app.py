@@ -181,12 +181,17 @@ class Api:
         return JSONResponse(batch.to_openai())
 
     # -- single requests, the page ----------------------------------------------------------
-    def get_request(self, request: Request) -> Response:
+    def _request_record(self, request: Request) -> tuple[str, dict[str, Any]]:
+        """The path's request id and its record, if the caller's key may see it (else 404)."""
         owner = self.svc.owner(request)
         rid = request.path_params["request_id"]
         rec = self.b.pipeline.record(rid)
         if not rec or not _may_see(self.b, rec, owner):
             raise UnknownRequest(rid)
+        return rid, rec
+
+    def get_request(self, request: Request) -> Response:
+        rid, rec = self._request_record(request)
         result = Result.from_json(rec["result"]).to_dict() if rec.get("result") else None
         return JSONResponse(
             {
@@ -205,11 +210,7 @@ class Api:
 
     def explain_request(self, request: Request) -> Response:
         """``pipeline explain ID --json`` over HTTP: where the request is and why."""
-        owner = self.svc.owner(request)
-        rid = request.path_params["request_id"]
-        rec = self.b.pipeline.record(rid)
-        if not rec or not _may_see(self.b, rec, owner):
-            raise UnknownRequest(rid)
+        rid, _ = self._request_record(request)
         return JSONResponse(self.b.pipeline.explain(rid).to_dict())
 
     def page(self, request: Request) -> Response:
