@@ -219,9 +219,7 @@ class Pipeline:
         state, result = self.store.client.hmget(
             self.store.keys.request(request_id), ["state", "result"]
         )
-        if state is None:
-            raise UnknownRequest(request_id)
-        return Result.from_json(result) if state == "done" and result else None
+        return _done(request_id, state, result)
 
     def wait(self, request_id: str, timeout: float | None = None) -> Result:
         """Block until the request's terminal result exists (woken by its notify list, which
@@ -229,18 +227,9 @@ class Pipeline:
         the record, in one atomic step with reading it — see wait.lua)."""
         end = None if timeout is None else time.monotonic() + timeout
         notify = self.store.keys.notify(request_id)
-        first = True
-        while True:
-            if first:
-                first = False
-                state, raw = self.store.scripts.wait(keys=[self.store.keys.request(request_id)])
-                if state is None:
-                    raise UnknownRequest(request_id)
-                result = Result.from_json(raw) if state == "done" and raw else None
-            else:
-                result = self.result_if_done(request_id)
-            if result is not None:
-                return result
+        state, raw = self.store.scripts.wait(keys=[self.store.keys.request(request_id)])
+        result = _done(request_id, state, raw)
+        while result is None:
             left = 1.0 if end is None else min(1.0, end - time.monotonic())
             if left <= 0:
                 raise TimeoutError(f"request {request_id} not done after {timeout} s")
@@ -252,6 +241,8 @@ class Pipeline:
             self.store.client.execute_command(
                 "BLMOVE", notify, notify, "RIGHT", "LEFT", max(left, 0.01)
             )
+            result = self.result_if_done(request_id)
+        return result
 
     def iter_results(
         self, ids: Iterable[str], poll_s: float = 0.05, on_poll: Callable[[], None] | None = None
@@ -384,3 +375,11 @@ def configure(settings: Settings | None = None, **overrides: Any) -> Pipeline:
     with _default_lock:
         _default = Pipeline(base)
         return _default
+
+
+def _done(request_id: str, state: Any, raw: Any) -> Result | None:
+    """The result of a request whose record read ``state`` / ``result`` (None while it is not
+    done); :class:`UnknownRequest` when there is no record."""
+    if state is None:
+        raise UnknownRequest(request_id)
+    return Result.from_json(raw) if state == "done" and raw else None

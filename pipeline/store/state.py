@@ -544,7 +544,8 @@ class Store:
         """Was the request cancelled (itself, or its batch) while this attempt was parked at
         its worker for a gate slot? The reason (``cancelled``, ``batch cancelled``), else None
         (also when the attempt was fenced off: its finish finds that out). One round trip,
-        asked only by an attempt that parked (``cancel_asked.lua``)."""
+        asked only by a parked attempt that a cancel notice named or whose park timed out
+        (``cancel_asked.lua``)."""
         res = self.scripts.cancel_asked(
             keys=[self.keys.request(request_id)], args=[self.keys.prefix, token]
         )

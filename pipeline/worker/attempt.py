@@ -309,8 +309,8 @@ class Attempt:
         if self.record.get("wire") and self._cancelled_by_producer():
             return self._error("CANCELLED", "cancelled")
         decision, parked = self._gate()
-        if parked and self.cancelled is None and self.rt.bell.cancelled(self.id):
-            self.cancelled = self.rt.store.cancel_asked(self.id, self.token)
+        if parked and self.cancelled is None:
+            self._cancelled_while_parked(None)  # a notice that came while it asked its gate
         if self.cancelled is not None:
             # cancelled (the request or its batch) while it waited for a slot: nothing was
             # sent, so it ends CANCELLED now, giving back (or on) any slot it got

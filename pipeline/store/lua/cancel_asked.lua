@@ -7,10 +7,5 @@
 -- ARGV[1] prefix, ARGV[2] the attempt's token.
 -- Returns the reason ('cancelled', 'batch cancelled'), or false (not cancelled, or fenced off:
 -- the finish that follows finds that out).
-local f = redis.call('HMGET', KEYS[1], 'token', 'cancel', 'batch')
-if f[1] ~= ARGV[2] then return false end
-if f[2] then return f[2] end
-if f[3] and redis.call('HGET', ARGV[1] .. 'batch:' .. f[3], 'status') == 'cancelling' then
-  return 'batch cancelled'
-end
-return false
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[2] then return false end
+return cancel_reason(ARGV[1], KEYS[1]) or false

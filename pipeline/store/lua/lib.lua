@@ -322,26 +322,30 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   return json
 end
 
+-- Why request `rk` (its hash) must get no new attempt: it was cancelled while an attempt ran
+-- (fields cancel / cancel_ttl, see cancel.lua), or it is a line of a cancelling batch.
+-- Returns the reason ('cancelled', 'batch cancelled') and the result TTL (s), or nil.
+local function cancel_reason(prefix, rk)
+  local c = redis.call('HMGET', rk, 'batch', 'cancel', 'cancel_ttl')
+  if c[2] then return c[2], tonumber(c[3]) or 604800 end
+  if c[1] then
+    local b = redis.call('HMGET', prefix .. 'batch:' .. c[1], 'status', 'result_ttl')
+    if b[1] == 'cancelling' then return 'batch cancelled', tonumber(b[2]) or 604800 end
+  end
+  return nil
+end
+
 -- Put a waiting request back into its queue: into the pending set at once, or into the
 -- delayed set until `due` (server clock). The original ordering key (score, member) is kept.
 -- A request cancelled while its attempt ran, or a line of a cancelling batch, ends CANCELLED
 -- instead. `quiet` as in terminal().
 local function enqueue(prefix, id, now, due, quiet)
   local rk = prefix .. 'req:' .. id
-  local c = redis.call('HMGET', rk, 'batch', 'cancel', 'cancel_ttl')
-  local batch = c[1]
-  if c[2] then  -- cancelled while its attempt ran: no new attempt
-    terminal(prefix, id, now, tonumber(c[3]) or 604800, '', '{"error": "' .. c[2] .. '"}',
-      'CANCELLED', c[2], quiet)
+  local reason, ttl = cancel_reason(prefix, rk)
+  if reason then  -- no new attempt
+    terminal(prefix, id, now, ttl, '', '{"error": "' .. reason .. '"}', 'CANCELLED', reason,
+      quiet)
     return
-  end
-  if batch then  -- a line of a batch being cancelled gets no new attempt
-    local b = redis.call('HMGET', prefix .. 'batch:' .. batch, 'status', 'result_ttl')
-    if b[1] == 'cancelling' then
-      terminal(prefix, id, now, tonumber(b[2]) or 604800, '', '{"error": "batch cancelled"}',
-        'CANCELLED', 'batch cancelled', quiet)
-      return
-    end
   end
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline', 'qkeys',
     'log')
