@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pipeline.client import Pipeline, ordering_score
 from pipeline.sim import SimServer
 
-from .conftest import wait_for
+from .conftest import held, wait_for
 
 
 @given(
@@ -72,27 +72,37 @@ def test_exact_order_with_one_worker_slot(pl: Pipeline, sim: SimServer, start_wo
 def test_ordering_keeps_retries_after_backoff(
     pl: Pipeline, sim: SimServer, start_worker: Any
 ) -> None:
-    """A retried request re-enters with its original key, but only after its backoff."""
+    """A retried request re-enters with its original key, but only after its backoff. The
+    high-priority request fails its first attempt (Retry-After 2 s); the lower-priority ones
+    submitted during its backoff start flowing, the first of them held at the simulator in
+    the node's only slot, so the rest are still waiting when the retry becomes due: it goes
+    ahead of them all, and the arrivals show the order without racing the backoff."""
     first = pl.submit(
         {"prompt": "a"},
         id=f"rt-{uuid.uuid4().hex[:6]}",
         queue="solo",
         priority=9,
         timeout=60,
-        headers={"x-sim-fail-first": "1", "x-sim-fail-status": "503", "x-sim-retry-after": "1"},
+        headers={"x-sim-fail-first": "1", "x-sim-fail-status": "503", "x-sim-retry-after": "2"},
     )
-    others = [
-        pl.submit(
-            {"prompt": f"b{i}"},
-            id=f"rt-{uuid.uuid4().hex[:6]}",
-            queue="solo",
-            priority=1,
-            timeout=60,
-        )
-        for i in range(5)
-    ]
+    hold = f"rt-hold-{uuid.uuid4().hex[:6]}"
     w = start_worker(pools="solo", concurrency=1)
     try:
+        wait_for(lambda: first.state() == "retry_wait", 20, what="the first attempt's 503")
+        others = [
+            pl.submit(
+                {"prompt": f"b{i}"},
+                id=f"rt-{uuid.uuid4().hex[:6]}",
+                queue="solo",
+                priority=1,
+                timeout=60,
+                headers=held(hold) if i == 0 else None,
+            )
+            for i in range(5)
+        ]
+        sim.wait_held(hold)  # dispatched during the backoff, in the only slot
+        wait_for(lambda: first.state() == "queued", 20, what="the retry due, back in its queue")
+        sim.release(hold)
         assert first.result(timeout=20).ok
         assert all(o.result(timeout=20).ok for o in others)
     finally:
@@ -102,7 +112,7 @@ def test_ordering_keeps_retries_after_backoff(
         for _a, _f, rid in httpx.get(f"{sim.url}/sim/arrivals").json()
         if rid and rid.startswith("rt-")
     ]
-    # attempt 1 of the high-priority request first; the others flow during its backoff
-    assert seen[0] == first.id and seen[-1] == first.id
-    assert seen[1:-1] == [o.id for o in others]
+    # attempt 1 of the high-priority request, the held one that ran during its backoff, then
+    # the retry with its original key ahead of the lower-priority rest
+    assert seen == [first.id, others[0].id, first.id] + [o.id for o in others[1:]]
     wait_for(lambda: pl.inspect()["solo"]["running"] == 0, 5, what="solo idle")
