@@ -351,11 +351,15 @@ class Runtime:
     ) -> Attempt | None:
         """Start an attempt (fenced by ``token``); None for a stale message. When the queue's
         gate can (``Gate.prepare_acquire``), its acquire goes to Redis in the same round trip
-        as the start, and the attempt begins with that decision."""
+        as the start, and the attempt begins with that decision; when others of this process
+        are parked for a slot of a slot gate, it parks behind them without asking
+        (:meth:`_behind_parked`)."""
         self.follow_snapshot()
         queue = queue if queue in self.settings.queues else self._queue_of(request_id)
         prepared, generation, gate = self._prepare_acquire(queue, request_id, token, worker)
-        decision: Decision | None = None
+        decision = self._behind_parked(queue or "", gate)
+        if decision is not None:
+            prepared = None  # it parks behind them: no acquire to send
         if prepared is None:
             started = self.store.start(request_id, token, queue or "", worker)
         else:
@@ -400,6 +404,17 @@ class Runtime:
             attempt._generation = generation
         self._track(attempt)
         return attempt
+
+    def _behind_parked(self, queue: str, gate: Gate | None) -> Decision | None:
+        """An attempt of ``queue`` that starts while others of this process are parked for a
+        slot of its gate parks behind them without asking the gate: the gate's
+        :meth:`~pipeline.gates.Gate.parked_decision`, or None (ask)."""
+        if gate is None or self.settings.park_s <= 0 or gate.handover_bell(queue, ()) != queue:
+            return None
+        decision = gate.parked_decision()
+        if decision is None or self.bell.waiting(queue) == 0:
+            return None
+        return decision
 
     def _prepare_acquire(
         self, queue: str | None, request_id: str, token: str, worker: str
