@@ -357,7 +357,8 @@ class Runtime:
         self.follow_snapshot()
         queue = queue if queue in self.settings.queues else self._queue_of(request_id)
         prepared, generation, gate = self._prepare_acquire(queue, request_id, token, worker)
-        decision = self._behind_parked(queue or "", gate)
+        behind = self._behind_parked(queue or "", gate)
+        decision = None if behind is None else behind[0]
         if decision is not None:
             prepared = None  # it parks behind them: no acquire to send
         if prepared is None:
@@ -402,19 +403,22 @@ class Runtime:
             attempt.gate = gate  # the gate that decided, even if a reload just replaced it
             attempt.decision = decision
             attempt._generation = generation
+            attempt.behind = 0 if behind is None else behind[1]
         self._track(attempt)
         return attempt
 
-    def _behind_parked(self, queue: str, gate: Gate | None) -> Decision | None:
+    def _behind_parked(self, queue: str, gate: Gate | None) -> tuple[Decision, int] | None:
         """An attempt of ``queue`` that starts while others of this process are parked for a
         slot of its gate parks behind them without asking the gate: the gate's
-        :meth:`~pipeline.gates.Gate.parked_decision`, or None (ask)."""
+        :meth:`~pipeline.gates.Gate.parked_decision` and how many are parked, or None
+        (ask)."""
         if gate is None or self.settings.park_s <= 0 or gate.handover_bell(queue, ()) != queue:
             return None
         decision = gate.parked_decision()
-        if decision is None or self.bell.waiting(queue) == 0:
+        waiting = self.bell.waiting(queue)
+        if decision is None or waiting == 0:
             return None
-        return decision
+        return decision, waiting
 
     def _prepare_acquire(
         self, queue: str | None, request_id: str, token: str, worker: str
