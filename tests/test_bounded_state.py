@@ -84,7 +84,7 @@ BOUNDED = [
     r"wedged",  # one field per wedged queue
     r"q:[^:]+:(pending|delayed|expiry|active)",  # waiting / running requests only
     r"q:[^:]+:stats",  # one counter per outcome
-    r"q:[^:]+:recent",  # trimmed to the last 5 minutes at every finish
+    r"q:[^:]+:recent",  # trimmed to the last 5 minutes by one finish in 16
     r"pool:[^:]+:(nodes|slots|wake)",  # live nodes (dead ones pruned), a doorbell
     r"gate:[^:]+:nodes",  # nodes whose slot pool exists (pruned by the reaper)
     r"pool:[^:]+:merge",  # the merge policy's state: one field per queue and lane

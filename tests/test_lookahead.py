@@ -142,6 +142,39 @@ def test_a_warm_shutdown_sends_parked_attempts_back_to_the_queue(
         replacement.stop()
 
 
+def parked_entries(pl: Pipeline, rid: str) -> list[dict[str, Any]]:
+    return [e.fields for e in pl.explain(rid).log if e.event == "parked"]
+
+
+def test_an_attempt_that_finds_others_parked_parks_behind_them_without_asking(
+    pl: Pipeline, sim: SimServer, start_worker: Any
+) -> None:
+    """parked (limit 1), look-ahead 2: the second attempt dispatched past the full gate finds
+    the first parked on its worker and parks behind it without asking the gate (its decision
+    log says behind 1); the slot goes to them in dispatch order, one at a time."""
+    worker = start_worker(pools="parked", concurrency=4, extra_env={"PIPELINE_LOOKAHEAD": "2"})
+    try:
+        holder = hold(pl, sim, "parked")
+        first = pl.submit({"p": "a"}, id=uid("a"), queue="parked", timeout=60).id
+        # its park noted in the log (after PARK_POLL_S): it waits on the bell now
+        wait_for(lambda: parked_entries(pl, first), 10, what="the first attempt parked")
+        second = pl.submit({"p": "b"}, id=uid("b"), queue="parked", timeout=60).id
+        wait_for(lambda: parked_entries(pl, second), 10, what="the second attempt parked")
+        assert "behind" not in parked_entries(pl, first)[0]  # it asked the gate
+        assert parked_entries(pl, second)[0]["behind"] == 1
+        assert pl.explain(second).to_text().count("behind 1 parked on its worker") == 1
+        assert pl.inspect()["parked"]["gate"]["in_flight"] == 1  # the holder's only
+        sim.release(holder)
+        results = [pl.wait(r, 20) for r in (holder, first, second)]
+        assert all(r.ok and r.attempts == 1 for r in results)
+        assert results[1].finished_at <= results[2].finished_at  # type: ignore[operator]
+        assert dispatches(pl, first) == dispatches(pl, second) == 1
+        assert sim.stats()["max_concurrency_observed"] == 1
+        assert_idle(pl)
+    finally:
+        worker.stop()
+
+
 def test_a_global_limit_holds_across_nodes_and_a_release_on_one_wakes_a_parked_attempt_on_another(
     pl: Pipeline, sim: SimServer, start_worker: Any
 ) -> None:

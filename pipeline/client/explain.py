@@ -21,7 +21,8 @@ class LogEntry:
     Events: ``dispatched`` (``n``: the dispatch number; ``ahead``: the quota key it was sent
     past, to park at the worker), ``held`` (its tenant was held back at quota key ``key``),
     ``parked`` (at ``gate`` for ``reason``, ``verdict`` ``wait`` or ``refuse``, ``key`` of a
-    per-key quota), ``admitted`` (by its gate, on ``worker``; ``waited`` s parked,
+    per-key quota; ``behind``: attempts of its worker already parked for the gate, which it
+    parked behind without asking it), ``admitted`` (by its gate, on ``worker``; ``waited`` s parked,
     ``handed_over``: a finishing holder's slot), ``refused`` (by ``gate`` for ``reason``, back
     to the queue after ``delay`` s), ``retry`` (HTTP ``status`` or transport ``error`` of
     attempt ``attempt``, backoff ``delay`` s, ``retry_after``, ``dropped``: a gateway's drop
@@ -376,6 +377,8 @@ def _parked(f: dict[str, Any]) -> str:
     text = f"at {f.get('gate', '?')} ({f.get('reason') or 'full'})"
     if f.get("key"):
         text += f", key {f['key']}"
+    if f.get("behind"):
+        text += f", behind {f['behind']} parked on its worker"
     return text + (": waits for capacity" if f.get("verdict") == "wait" else "")
 
 

@@ -113,6 +113,9 @@ class LocalMaxConcurrencyGate(Gate):
         call = self.slots.acquire_call(holder, lease_s, self.limit, {"worker": worker})
         return PreparedAcquire(call, self._decide, lambda reply: int(reply) == 1)
 
+    def parked_decision(self) -> Decision | None:
+        return self._decide(0) if self.env is not None else None
+
     def release(self, holder: str) -> bool:
         """Release wherever the holder is: normally this node's pool, but a reaper on another
         node frees a dead node's holders too."""

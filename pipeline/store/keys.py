@@ -63,7 +63,8 @@ class Keys:
         return f"{self.prefix}q:{queue}:stats"
 
     def recent(self, queue: str) -> str:
-        """Sorted set: ids finished recently; score = finish time (Unix s); trimmed to 5 min."""
+        """Sorted set: ids finished recently; score = finish time (Unix s); trimmed to 5 min by
+        one finish in 16 (readers select by score)."""
         return f"{self.prefix}q:{queue}:recent"
 
     def default_result_list(self, queue: str) -> str:

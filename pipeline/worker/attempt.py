@@ -108,6 +108,9 @@ class Attempt:
         # gate decisions for the request's decision log, sent with the outcome (or at once by
         # an attempt parked longer than PARK_POLL_S)
         self.journal = Journal()
+        # attempts of this process parked for the gate when this one started, which it parked
+        # behind without asking the gate (Runtime._behind_parked); 0: it asked
+        self.behind = 0
         # set when the request (or its batch) was cancelled while this attempt was parked:
         # the reason ('cancelled', 'batch cancelled'); it then ends unsent
         self.cancelled: str | None = None
@@ -392,7 +395,11 @@ class Attempt:
         began = time.monotonic()
         end = began + min(self.time_left(), limit_s)
         wait = "wait" if first.verdict is Verdict.WAIT else "refuse"
-        self.journal.append(self._gate_entry("parked", first, reason=first.reason, verdict=wait))
+        self.journal.append(
+            self._gate_entry(
+                "parked", first, reason=first.reason, verdict=wait, behind=self.behind or None
+            )
+        )
         noted = False
         decision = self.decision or Decision(Verdict.WAIT)
         while (

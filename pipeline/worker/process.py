@@ -351,11 +351,16 @@ class Runtime:
     ) -> Attempt | None:
         """Start an attempt (fenced by ``token``); None for a stale message. When the queue's
         gate can (``Gate.prepare_acquire``), its acquire goes to Redis in the same round trip
-        as the start, and the attempt begins with that decision."""
+        as the start, and the attempt begins with that decision; when others of this process
+        are parked for a slot of a slot gate, it parks behind them without asking
+        (:meth:`_behind_parked`)."""
         self.follow_snapshot()
         queue = queue if queue in self.settings.queues else self._queue_of(request_id)
         prepared, generation, gate = self._prepare_acquire(queue, request_id, token, worker)
-        decision: Decision | None = None
+        behind = self._behind_parked(queue or "", gate)
+        decision = None if behind is None else behind[0]
+        if decision is not None:
+            prepared = None  # it parks behind them: no acquire to send
         if prepared is None:
             started = self.store.start(request_id, token, queue or "", worker)
         else:
@@ -398,8 +403,22 @@ class Runtime:
             attempt.gate = gate  # the gate that decided, even if a reload just replaced it
             attempt.decision = decision
             attempt._generation = generation
+            attempt.behind = 0 if behind is None else behind[1]
         self._track(attempt)
         return attempt
+
+    def _behind_parked(self, queue: str, gate: Gate | None) -> tuple[Decision, int] | None:
+        """An attempt of ``queue`` that starts while others of this process are parked for a
+        slot of its gate parks behind them without asking the gate: the gate's
+        :meth:`~pipeline.gates.Gate.parked_decision` and how many are parked, or None
+        (ask)."""
+        if gate is None or self.settings.park_s <= 0 or gate.handover_bell(queue, ()) != queue:
+            return None
+        decision = gate.parked_decision()
+        waiting = self.bell.waiting(queue)
+        if decision is None or waiting == 0:
+            return None
+        return decision, waiting
 
     def _prepare_acquire(
         self, queue: str | None, request_id: str, token: str, worker: str

@@ -177,21 +177,24 @@ end
 local moved = {}
 local t = 0
 
-local function dispatch_one(q, id, rk, priority, qkeys, log, ahead)
+-- Dispatch request `id` (record `rk`, its fields `f` as check() read them) with a new attempt
+-- token; `qkeys`: the quota keys it counts against; `ahead`: the key it is sent past, if any.
+local function dispatch_one(q, id, rk, f, qkeys, ahead)
   t = t + 1
   local token = cfg.nonce .. '.' .. t
-  local n = redis.call('HINCRBY', rk, 'dispatches', 1)
+  local priority = f[4]
+  local n = (tonumber(f[7]) or 0) + 1 -- written with the state (no HINCRBY of its own)
   local note = '"n":' .. n
   if ahead then note = note .. ',"ahead":' .. cjson.encode(ahead) end -- past a quota key's limit
-  log = log_with(log, id, log_entry(now, 'dispatched', note))
+  local log = log_with(f[6], id, log_entry(now, 'dispatched', note))
   if qkeys and #qkeys > 0 then
-    redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'qkeys', cjson.encode(qkeys),
-      'log', log)
+    redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'dispatches', n,
+      'qkeys', cjson.encode(qkeys), 'log', log)
     for _, qk in ipairs(qkeys) do
       redis.call('ZADD', prefix .. 'gate:' .. qk .. ':sent', fmt_time(now), id)
     end
   else
-    redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'log', log)
+    redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'dispatches', n, 'log', log)
   end
   redis.call('ZREM', q.expiry, id)
   redis.call('ZADD', q.active, lease_until, id)
@@ -207,13 +210,13 @@ local function dispatch_one(q, id, rk, priority, qkeys, log, ahead)
 end
 
 -- The request of pending member `member` if it may be dispatched: id, record key, fields
--- (state, deadline, member, priority, tenant, log). Anything else is dealt with here (rejected,
+-- (state, deadline, member, priority, tenant, log, dispatches). Anything else is dealt with here (rejected,
 -- an unreadable record resulted, an expired one resulted) and nil returned.
 local function check(q, member)
   local id = string.match(member, '^%d+|(.+)$')
   local rk = id and (prefix .. 'req:' .. id)
   local f = rk and redis.call('HMGET', rk, 'state', 'deadline', 'member', 'priority', 'tenant',
-    'log') or {}
+    'log', 'dispatches') or {}
   if not id or f[1] ~= 'queued' or f[3] ~= member then
     reject(q, member, id, f[1])
   elseif not tonumber(f[2]) then
@@ -268,7 +271,7 @@ local function take(q)
       local head = redis.call('ZPOPMIN', q.pending)
       if #head == 0 then return false end
       local id, rk, f = check(q, head[1])
-      if id then return dispatch_one(q, id, rk, f[4], nil, f[6]) end
+      if id then return dispatch_one(q, id, rk, f, nil) end
     end
   end
   local ready = c.base .. 'ready'
@@ -298,7 +301,7 @@ local function take(q)
         else
           redis.call('ZREM', q.pending, hm)
           sched_drop(prefix, c, tk, hm, true)
-          return dispatch_one(q, id, rk, f[4], qkeys, f[6])
+          return dispatch_one(q, id, rk, f, qkeys)
         end
       end
     end
@@ -415,7 +418,7 @@ for _, b in ipairs(held) do
       local past = redis.call('HGET', c.base .. 'blocked', tk) -- (unlisted once it is empty)
       redis.call('ZREM', q.pending, head[1])
       sched_drop(prefix, c, tk, head[1], true)
-      dispatch_one(q, id, rk, f[4], qkeys, f[6], past)
+      dispatch_one(q, id, rk, f, qkeys, past)
       ahead = ahead + 1
       n_free = n_free - 1
       q.allowed = q.allowed - 1

@@ -25,8 +25,9 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local lease, grace = now + tonumber(ARGV[2]), tonumber(ARGV[5])
 
 -- a hand-over whose giver still held an unexpired lease: its slot is the taker's, with no
--- count to check, no purge (every other acquire purges) and no registry entry to add (the
--- giver's, on the same gate and node, is there: its pool never emptied)
+-- count to check, no purge (every other acquire purges), no lease of the taker's to look for
+-- (it was parked, holding none) and no registry entry to add (the giver's, on the same gate
+-- and node, is there: its pool never emptied)
 local handed = false
 if ARGV[6] and ARGV[6] ~= '' then
   local g = redis.call('ZSCORE', KEYS[1], ARGV[6])
@@ -46,7 +47,8 @@ if not handed then
 end
 
 local result = 1
-local cur = redis.call('ZSCORE', KEYS[1], ARGV[1])
+-- (a taker that was handed a slot held none: it was parked for one)
+local cur = not handed and redis.call('ZSCORE', KEYS[1], ARGV[1])
 if cur and tonumber(cur) > now then
   redis.call('ZADD', KEYS[1], 'GT', string.format('%.6f', lease), ARGV[1])
   result = 2
