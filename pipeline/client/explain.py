@@ -22,13 +22,13 @@ class LogEntry:
     past, to park at the worker), ``held`` (its tenant was held back at quota key ``key``),
     ``parked`` (at ``gate`` for ``reason``, ``verdict`` ``wait`` or ``refuse``, ``key`` of a
     per-key quota; ``behind``: attempts of its worker already parked for the gate, which it
-    parked behind without asking it), ``admitted`` (by its gate, on ``worker``; ``waited`` s parked,
-    ``handed_over``: a finishing holder's slot), ``refused`` (by ``gate`` for ``reason``, back
-    to the queue after ``delay`` s), ``retry`` (HTTP ``status`` or transport ``error`` of
-    attempt ``attempt``, backoff ``delay`` s, ``retry_after``, ``dropped``: a gateway's drop
-    reason), ``requeued`` (``reason``), ``reaped`` (its lease lapsed: ``state``, ``worker``),
-    ``dropped`` (by ``gate``), ``done`` (``outcome``: ``ok``, ``http_<code>`` or an error
-    code; ``status``)."""
+    parked behind without asking it), ``admitted`` (by its gate, on ``worker``; ``waited`` s
+    parked, ``handed_over``: a finishing holder's slot), ``refused`` (by ``gate`` for
+    ``reason``, back to the queue after ``delay`` s), ``retry`` (HTTP ``status`` or transport
+    ``error`` of attempt ``attempt``, backoff ``delay`` s, ``retry_after``, ``dropped``: a
+    gateway's drop reason), ``requeued`` (``reason``), ``reaped`` (its lease lapsed: ``state``,
+    ``worker``), ``dropped`` (by ``gate``), ``done`` (``outcome``: ``ok``, ``http_<code>`` or an
+    error code; ``status``)."""
 
     t: float
     event: str

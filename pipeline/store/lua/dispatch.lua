@@ -210,8 +210,8 @@ local function dispatch_one(q, id, rk, f, qkeys, ahead)
 end
 
 -- The request of pending member `member` if it may be dispatched: id, record key, fields
--- (state, deadline, member, priority, tenant, log, dispatches). Anything else is dealt with here (rejected,
--- an unreadable record resulted, an expired one resulted) and nil returned.
+-- (state, deadline, member, priority, tenant, log, dispatches). Anything else is dealt with
+-- here (rejected, an unreadable record resulted, an expired one resulted) and nil returned.
 local function check(q, member)
   local id = string.match(member, '^%d+|(.+)$')
   local rk = id and (prefix .. 'req:' .. id)
