@@ -86,6 +86,31 @@ def test_a_tenant_at_its_limit_is_held_back_then_woken_by_a_leave(redis_url: str
         pubsub.close()
 
 
+def test_a_held_tenant_wakes_once_its_key_is_down_to_limit_plus_half_its_lookahead(
+    redis_url: str,
+) -> None:
+    """limit 2, look-ahead 4: A's 2 + 4 past the limit go out; one leave (5 left) keeps A held
+    back (a tick sends nothing), the second (4 = 2 + 4 // 2 left) wakes it, and one tick tops
+    the look-ahead up with two at once."""
+    with bench(redis_url, QUEUES) as b:
+        b.index("q", False)
+        a = submit(b, "A", 12, "a")
+        assert [d.id for d in tick(b, 20, la=4)] == a[:6]
+        keys = b.store.keys
+        assert b.client.hget(keys.blocked("q"), "A") == "quota:userid:A"
+        assert b.pl.cancel(a[0])
+        assert sent(b, "A") == set(a[1:6])
+        assert b.client.hexists(keys.blocked("q"), "A")  # still over its limit: held
+        assert tick(b, 20, la=4) == []
+        assert b.pl.cancel(a[1])
+        assert not b.client.hexists(keys.blocked("q"), "A")  # woken
+        assert [d.id for d in tick(b, 20, la=4)] == a[6:8]
+        assert b.client.hget(keys.blocked("q"), "A") == "quota:userid:A"
+        for rid in a:
+            b.pl.cancel(rid)
+        assert sent(b, "A") == set()
+
+
 def test_a_reaped_attempt_leaves_its_key(redis_url: str) -> None:
     with bench(redis_url, QUEUES) as b:
         b.index("q", True)

@@ -174,6 +174,11 @@ class Gate:
         """Most reservations this gate grants at once, or None when it does not count."""
         return None
 
+    def handover_capacity(self) -> int | None:
+        """How many reservations stand behind :meth:`handover_bell`: :meth:`capacity` for a
+        slot gate, a key's limit for a per-key quota; None when they are not counted."""
+        return self.capacity()
+
     def quota_specs(self) -> list[QuotaSpec]:
         """The blocking per-key concurrency quotas in this gate (its own, or its inner
         gates'): the dispatcher counts each key's requests against them and holds a tenant

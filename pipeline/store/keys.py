@@ -110,7 +110,7 @@ class Keys:
 
     def blocked(self, queue: str) -> str:
         """Hash: tenant key → the quota key it is held back by (its tenants at a limit, out of
-        ``ready`` until a request of that key leaves the active state)."""
+        ``ready`` until the key's requests are down to its wake count: see ``quota_blocked``)."""
         return f"{self.prefix}q:{queue}:blocked"
 
     # -- per quota key (a redis-quota concurrency gate's key, e.g. ``quota:userid:alice``) --
@@ -123,7 +123,10 @@ class Keys:
 
     def quota_blocked(self, quota_key: str) -> str:
         """Set: ``<queue>\\n<tenant key>`` of tenants held back by this key; emptied (and the
-        tenants made ready again) when a request of the key leaves the active state."""
+        tenants made ready again) when a request of the key leaves the active state and leaves
+        at most its wake count in ``quota_sent`` (the key's limit plus half its look-ahead,
+        rounded down: the record's ``qwake``), so one tick tops the look-ahead up after every
+        second or third leave instead of after each."""
         return f"{self.prefix}gate:{quota_key}:blocked"
 
     # -- per pool (a group of worker slots) ----------------------------------------------

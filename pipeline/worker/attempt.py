@@ -59,7 +59,7 @@ class Host(Protocol):
 
     def release_then(self, plan: ReleasePlan, call: ScriptCall) -> Any: ...
 
-    def parked_ahead(self, queue: str, gate: Gate) -> bool: ...
+    def parked_ahead(self, bell: str, gate: Gate) -> bool: ...
 
 
 class Attempt:
@@ -227,7 +227,7 @@ class Attempt:
             error_message=error_message,
             mirror=mirror,
             handed_over=plan.handed_over,
-            nowake=plan.handed_over and self.rt.parked_ahead(self.queue.queue_name, self.gate),
+            nowake=plan.bell is not None and self.rt.parked_ahead(plan.bell, self.gate),
             journal=self.journal,
         )
         res = store.finished(self.rt.release_then(plan, call))

@@ -181,7 +181,7 @@ class Runtime:
         if bell is not None:
             ticket = self.bell.hand_over(bell, gate)
             if ticket is not None:
-                plan.handed_over, plan.ticket = True, ticket
+                plan.handed_over, plan.ticket, plan.bell = True, ticket, bell
                 plan.wake = tuple(k for k in wake if k != bell)  # quota slots a transfer frees
                 plan.prepared = _prepared(gate.prepare_transfer, holder, ticket.ctx, batch)
                 if plan.prepared is None:
@@ -219,17 +219,19 @@ class Runtime:
             raise reply
         return reply
 
-    def parked_ahead(self, queue: str, gate: Gate) -> bool:
+    def parked_ahead(self, bell: str, gate: Gate) -> bool:
         """Whether this process still has at least half the dispatcher's look-ahead past
-        ``gate``'s capacity (``Settings.lookahead_for``) parked for a slot of ``queue``: then
-        a finish that handed its slot over does not ring the pool's doorbell (the dispatcher
-        is rung when the parked attempts run low, and tops them up in one tick, instead of
-        one tick per finish)."""
-        cap = gate.capacity()
+        ``gate``'s capacity behind ``bell`` (``Settings.lookahead_for`` of
+        ``Gate.handover_capacity``: a slot gate's, on the queue's bell; a per-key quota's
+        limit, on the key's) parked on that bell: then a finish that handed its slot over
+        there does not ring the pool's doorbell (the dispatcher is rung when the parked
+        attempts run low, and tops them up in one tick, instead of one tick per finish; a
+        quota key's held tenants are woken at the same point, see ``Keys.quota_blocked``)."""
+        cap = gate.handover_capacity()
         if cap is None:
             return False
         need = -(-self.settings.lookahead_for(cap) // 2)
-        return need > 0 and self.bell.waiting(queue) >= need
+        return need > 0 and self.bell.waiting(bell) >= need
 
     @staticmethod
     def _ringing(plan: ReleasePlan) -> tuple[str, ...]:

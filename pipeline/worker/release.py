@@ -12,9 +12,9 @@ from .bell import Ticket
 @dataclass
 class ReleasePlan:
     """An attempt's release as :meth:`Runtime.plan_release` left it: whether its slot was
-    handed over (to ``ticket``'s attempt), and the gate call still to send ahead of the finish
-    / requeue (``prepared``; None: done already). ``wake``: the bells the release rings besides
-    the queue's."""
+    handed over (to ``ticket``'s attempt, parked on ``bell``), and the gate call still to send
+    ahead of the finish / requeue (``prepared``; None: done already). ``wake``: the bells the
+    release rings besides the queue's."""
 
     queue: str
     holder: str
@@ -22,4 +22,5 @@ class ReleasePlan:
     wake: tuple[str, ...] = ()
     handed_over: bool = False
     ticket: Ticket | None = None
+    bell: str | None = None  # the bell whose parked attempt took the slot (handed over)
     prepared: PreparedRelease | None = None

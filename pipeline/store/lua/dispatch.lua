@@ -179,7 +179,7 @@ local t = 0
 
 -- Dispatch request `id` (record `rk`, its fields `f` as check() read them) with a new attempt
 -- token; `qkeys`: the quota keys it counts against; `ahead`: the key it is sent past, if any.
-local function dispatch_one(q, id, rk, f, qkeys, ahead)
+local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes)
   t = t + 1
   local token = cfg.nonce .. '.' .. t
   local priority = f[4]
@@ -189,7 +189,7 @@ local function dispatch_one(q, id, rk, f, qkeys, ahead)
   local log = log_with(f[6], id, log_entry(now, 'dispatched', note))
   if qkeys and #qkeys > 0 then
     redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'dispatches', n,
-      'qkeys', cjson.encode(qkeys), 'log', log)
+      'qkeys', cjson.encode(qkeys), 'qwake', cjson.encode(wakes), 'log', log)
     for _, qk in ipairs(qkeys) do
       redis.call('ZADD', prefix .. 'gate:' .. qk .. ':sent', fmt_time(now), id)
     end
@@ -231,10 +231,13 @@ local function check(q, member)
   return nil
 end
 
--- The quota keys request `rk` (tenant `tenant`) counts against, and the first of them that
--- is at its limit (plus its look-ahead when `ahead`), if any.
+-- The quota keys request `rk` (tenant `tenant`) counts against, the first of them that is at
+-- its limit (plus its look-ahead when `ahead`), if any, and for each key the count of its
+-- dispatched requests at which the tenants it holds back are woken (sched_leave): its limit
+-- plus half its look-ahead (rounded down), so a tick tops the look-ahead up after every
+-- second or third leave, not after each one (and never later than the key has room).
 local function quota_keys(q, c, rk, tenant, ahead)
-  local keys, over, metadata = {}, nil, nil
+  local keys, over, metadata, wakes = {}, nil, nil, {}
   for _, s in ipairs(q.specs) do
     local v
     if s.attr == c.attr then
@@ -246,6 +249,7 @@ local function quota_keys(q, c, rk, tenant, ahead)
     if v ~= '' then
       local qk = s.k .. v
       keys[#keys + 1] = qk
+      wakes[#wakes + 1] = s.limit + math.floor(s.la / 2)
       if not over then
         local used = redis.call('ZCARD', prefix .. 'gate:' .. qk .. ':sent')
         if s.h then
@@ -258,7 +262,7 @@ local function quota_keys(q, c, rk, tenant, ahead)
       end
     end
   end
-  return keys, over
+  return keys, over, wakes
 end
 
 local held = {} -- tenants blocked in this tick: {q, c, tk}, for the quota look-ahead
@@ -288,7 +292,7 @@ local function take(q)
         -- dealt with; make sure the tenant moves on (the record may be gone or unreadable)
         if not sched_drop(prefix, c, tk, hm, false) then redis.call('ZREM', ready, rm) end
       else
-        local qkeys, over = quota_keys(q, c, rk, f[5], false)
+        local qkeys, over, wakes = quota_keys(q, c, rk, f[5], false)
         if over then
           sched_block(prefix, c, tk, rm, over)
           -- once per hold-back, not again after every re-check (its log says since when)
@@ -301,7 +305,7 @@ local function take(q)
         else
           redis.call('ZREM', q.pending, hm)
           sched_drop(prefix, c, tk, hm, true)
-          return dispatch_one(q, id, rk, f, qkeys)
+          return dispatch_one(q, id, rk, f, qkeys, nil, wakes)
         end
       end
     end
@@ -413,12 +417,12 @@ for _, b in ipairs(held) do
     if not id then
       if not sched_drop(prefix, c, tk, head[1], false) then break end
     else
-      local qkeys, over = quota_keys(q, c, rk, f[5], true)
+      local qkeys, over, wakes = quota_keys(q, c, rk, f[5], true)
       if over then break end
       local past = redis.call('HGET', c.base .. 'blocked', tk) -- (unlisted once it is empty)
       redis.call('ZREM', q.pending, head[1])
       sched_drop(prefix, c, tk, head[1], true)
-      dispatch_one(q, id, rk, f, qkeys, past)
+      dispatch_one(q, id, rk, f, qkeys, past, wakes)
       ahead = ahead + 1
       n_free = n_free - 1
       q.allowed = q.allowed - 1

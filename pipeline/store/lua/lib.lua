@@ -10,7 +10,9 @@
 -- running attempt), wire ('llm-d-async' for a request a reference producer wrote; see
 -- ingest.lua), ref_token (its generation token), for a line of a batch, batch and
 -- custom_id (see batch_create.lua), tenant (indexed queues: the tenant attribute's value) and
--- qkeys (JSON list of the quota keys a dispatched attempt counts against; see sched.lua),
+-- qkeys (JSON list of the quota keys a dispatched attempt counts against; see sched.lua) and
+-- qwake (JSON list, per key, the count of the key's dispatched requests at which the tenants it
+-- holds back wake),
 -- waiter ('1' once a client waits for the result: terminal() then rings notify:<id>; wait.lua),
 -- cancel / cancel_ttl (a cancel that came while an attempt ran: its reason and result TTL;
 -- the attempt, if still parked for a gate slot, ends CANCELLED unsent, and gets no retry).
@@ -247,7 +249,7 @@ local RECENT_TRIM = 16
 -- fence an attempt) reads these and hands them over.
 local TERMINAL_FIELDS = {'queue', 'pool', 'member', 'attempts', 'submitted_at', 'result_list',
   'result_list_max', 'result_list_ttl', 'wire', 'ref_token', 'qkeys', 'batch', 'state', 'token',
-  'id', 'log', 'waiter'}
+  'id', 'log', 'waiter', 'qwake'}
 
 -- Write the terminal result of request `id` and take it out of the sets its state has it in (a
 -- dispatched or running request is only in its queue's active set; any other one is looked for
@@ -272,7 +274,7 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
     redis.call('ZREM', qkey(prefix, queue, 'delayed'), id)
     redis.call('ZREM', qkey(prefix, queue, 'expiry'), id)
   end
-  local keys = sched_leave(prefix, id, f[11])
+  local keys = sched_leave(prefix, id, f[11], f[18])
   if state ~= 'queued' and state ~= 'retry_wait' then
     redis.call('ZREM', qkey(prefix, queue, 'active'), id)
   end
@@ -355,10 +357,10 @@ local function enqueue(prefix, id, now, due, quiet)
     return
   end
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline', 'qkeys',
-    'log')
+    'log', 'qwake')
   local queue = f[1]
   redis.call('ZREM', qkey(prefix, queue, 'active'), id)
-  local keys = sched_leave(prefix, id, f[6])
+  local keys = sched_leave(prefix, id, f[6], f[8])
   redis.call('ZADD', qkey(prefix, queue, 'expiry'), f[5], id)
   local log = log_with(f[7], id)
   if due > now then

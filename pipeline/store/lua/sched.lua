@@ -18,8 +18,9 @@
 -- A dispatched request of a blocking concurrency quota key is listed in
 -- <prefix>gate:<quota key>:sent (what the dispatch script counts against the key's limit) and
 -- its record's qkeys field (JSON list of quota keys) says so, until it leaves the active state:
--- then sched_leave() takes it out, makes the key's blocked tenants ready again and rings their
--- pools' doorbells; lib.lua publishes the keys with the queue's release on the freed channel,
+-- then sched_leave() takes it out and, once the key is down to its wake count (its limit plus
+-- half its look-ahead: the record's qwake), makes the key's blocked tenants ready again and
+-- rings their pools' doorbells; lib.lua publishes the keys with the queue's release on the freed channel,
 -- one message "<queue>\n<key>..." (attempts parked for a key wake).
 -- Every function here is a no-op for a queue that is not indexed.
 
@@ -197,20 +198,28 @@ end
 -- counts against its quota keys, and tenants waiting for them become ready. Returns the keys
 -- ('\n'-separated, '' for none), which the caller publishes with its queue's release on the
 -- freed channel (attempts parked for them wake) unless its attempt handed its slot over.
--- `qkeys`: the record's qkeys field (read by the caller with the rest of the record).
-local function sched_leave(prefix, id, qkeys)
+-- `qkeys`: the record's qkeys field (read by the caller with the rest of the record), `qwake`
+-- its qwake field: per key, the count of dispatched requests at which the key's held tenants
+-- wake (see quota_keys in dispatch.lua; absent: at every leave).
+local function sched_leave(prefix, id, qkeys, qwake)
   if not qkeys or qkeys == '' then return '' end
-  redis.call('HDEL', prefix .. 'req:' .. id, 'qkeys')
+  redis.call('HDEL', prefix .. 'req:' .. id, 'qkeys', 'qwake')
   local ok, list = pcall(cjson.decode, qkeys)
   if not ok or type(list) ~= 'table' then return '' end
-  for _, qk in ipairs(list) do
-    redis.call('ZREM', prefix .. 'gate:' .. qk .. ':sent', id)
-    local reg = prefix .. 'gate:' .. qk .. ':blocked'
-    local members = redis.call('SMEMBERS', reg)
-    redis.call('DEL', reg)
-    for _, m in ipairs(members) do
-      local q, tk = string.match(m, '^([^\n]*)\n(.*)$')
-      if q then sched_unblock(prefix, q, tk) end
+  local wok, wakes = pcall(cjson.decode, qwake or '')
+  if not wok or type(wakes) ~= 'table' then wakes = {} end
+  for i, qk in ipairs(list) do
+    local sent = prefix .. 'gate:' .. qk .. ':sent'
+    redis.call('ZREM', sent, id)
+    local at = tonumber(wakes[i])
+    if not at or redis.call('ZCARD', sent) <= at then
+      local reg = prefix .. 'gate:' .. qk .. ':blocked'
+      local members = redis.call('SMEMBERS', reg)
+      redis.call('DEL', reg)
+      for _, m in ipairs(members) do
+        local q, tk = string.match(m, '^([^\n]*)\n(.*)$')
+        if q then sched_unblock(prefix, q, tk) end
+      end
     end
   end
   return table.concat(list, '\n')
