@@ -181,7 +181,7 @@ class Runtime:
         if bell is not None:
             ticket = self.bell.hand_over(bell, gate)
             if ticket is not None:
-                plan.handed_over, plan.ticket, plan.bell = True, ticket, bell
+                plan.ticket, plan.bell = ticket, bell
                 plan.wake = tuple(k for k in wake if k != bell)  # quota slots a transfer frees
                 plan.prepared = _prepared(gate.prepare_transfer, holder, ticket.ctx, batch)
                 if plan.prepared is None:
@@ -358,11 +358,8 @@ class Runtime:
         (:meth:`_behind_parked`)."""
         self.follow_snapshot()
         queue = queue if queue in self.settings.queues else self._queue_of(request_id)
-        prepared, generation, gate = self._prepare_acquire(queue, request_id, token, worker)
-        behind = self._behind_parked(queue or "", gate)
+        prepared, generation, gate, behind = self._prepare_acquire(queue, request_id, token, worker)
         decision = None if behind is None else behind[0]
-        if decision is not None:
-            prepared = None  # it parks behind them: no acquire to send
         if prepared is None:
             started = self.store.start(request_id, token, queue or "", worker)
         else:
@@ -409,12 +406,12 @@ class Runtime:
         self._track(attempt)
         return attempt
 
-    def _behind_parked(self, queue: str, gate: Gate | None) -> tuple[Decision, int] | None:
+    def _behind_parked(self, queue: str, gate: Gate) -> tuple[Decision, int] | None:
         """An attempt of ``queue`` that starts while others of this process are parked for a
         slot of its gate parks behind them without asking the gate: the gate's
         :meth:`~pipeline.gates.Gate.parked_decision` and how many are parked, or None
         (ask)."""
-        if gate is None or self.settings.park_s <= 0 or gate.handover_bell(queue, ()) != queue:
+        if self.settings.park_s <= 0 or gate.handover_bell(queue, ()) != queue:
             return None
         decision = gate.parked_decision()
         waiting = self.bell.waiting(queue)
@@ -424,19 +421,25 @@ class Runtime:
 
     def _prepare_acquire(
         self, queue: str | None, request_id: str, token: str, worker: str
-    ) -> tuple[PreparedAcquire | None, int, Gate | None]:
+    ) -> tuple[PreparedAcquire | None, int, Gate | None, tuple[Decision, int] | None]:
         """The queue's gate acquire as a script call, with the release bell's generation read
-        before it (see ``Attempt._park``) and the gate; None when the gate has none."""
+        before it (see ``Attempt._park``), the gate, and :meth:`_behind_parked`'s answer
+        (then no call: the attempt parks behind the others); no call when the gate has
+        none."""
         gate = self.current_gate(queue or "")
         if gate is None:
-            return None, 0, None
+            return None, 0, None, None
         generation = self.bell.generation(queue or "")
+        behind = self._behind_parked(queue or "", gate)
+        if behind is not None:
+            return None, generation, gate, behind
         holder = make_holder(request_id, token)
         try:
-            return gate.prepare_acquire(holder, worker, self.settings.lease_s), generation, gate
+            prepared = gate.prepare_acquire(holder, worker, self.settings.lease_s)
         except Exception as exc:  # noqa: BLE001 - the attempt asks its gate the usual way
             log.warning("gate %s could not prepare for %s: %s", queue, request_id, exc)
-            return None, generation, gate
+            prepared = None
+        return prepared, generation, gate, None
 
     def _queue_of(self, request_id: str) -> str:
         queue = self.store.client.hget(self.store.keys.request(request_id), "queue")

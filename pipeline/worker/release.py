@@ -20,7 +20,10 @@ class ReleasePlan:
     holder: str
     gate: Gate | None
     wake: tuple[str, ...] = ()
-    handed_over: bool = False
     ticket: Ticket | None = None
     bell: str | None = None  # the bell whose parked attempt took the slot (handed over)
     prepared: PreparedRelease | None = None
+
+    @property
+    def handed_over(self) -> bool:
+        return self.bell is not None

@@ -20,8 +20,8 @@
 -- its record's qkeys field (JSON list of quota keys) says so, until it leaves the active state:
 -- then sched_leave() takes it out and, once the key is down to its wake count (its limit plus
 -- half its look-ahead: the record's qwake), makes the key's blocked tenants ready again and
--- rings their pools' doorbells; lib.lua publishes the keys with the queue's release on the freed channel,
--- one message "<queue>\n<key>..." (attempts parked for a key wake).
+-- rings their pools' doorbells; lib.lua publishes the keys with the queue's release on the
+-- freed channel, one message "<queue>\n<key>..." (attempts parked for a key wake).
 -- Every function here is a no-op for a queue that is not indexed.
 
 local SCHED_SPAN = 562949953421312 -- 2^49 ring tickets per priority band (fair share)
