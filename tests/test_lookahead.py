@@ -155,7 +155,8 @@ def test_an_attempt_that_finds_others_parked_parks_behind_them_without_asking(
     worker = start_worker(pools="parked", concurrency=4, extra_env={"PIPELINE_LOOKAHEAD": "2"})
     try:
         holder = hold(pl, sim, "parked")
-        first = pl.submit({"p": "a"}, id=uid("a"), queue="parked", timeout=60).id
+        first = uid("a")  # held at the simulator too once admitted: the order is checked
+        pl.submit({"p": "a"}, id=first, queue="parked", timeout=60, headers=held(first))
         # its park noted in the log (after PARK_POLL_S): it waits on the bell now
         wait_for(lambda: parked_entries(pl, first), 10, what="the first attempt parked")
         second = pl.submit({"p": "b"}, id=uid("b"), queue="parked", timeout=60).id
@@ -165,10 +166,55 @@ def test_an_attempt_that_finds_others_parked_parks_behind_them_without_asking(
         assert pl.explain(second).to_text().count("behind 1 parked on its worker") == 1
         assert pl.inspect()["parked"]["gate"]["in_flight"] == 1  # the holder's only
         sim.release(holder)
+        sim.wait_held(first)  # the slot went to the attempt parked first
+        assert second not in sim.stats()["attempts_by_request_id"]
+        sim.release(first)
         results = [pl.wait(r, 20) for r in (holder, first, second)]
         assert all(r.ok and r.attempts == 1 for r in results)
-        assert results[1].finished_at <= results[2].finished_at  # type: ignore[operator]
         assert dispatches(pl, first) == dispatches(pl, second) == 1
+        assert sim.stats()["max_concurrency_observed"] == 1
+        assert_idle(pl)
+    finally:
+        worker.stop()
+
+
+def test_an_attempt_that_finds_others_parked_on_its_quota_key_parks_behind_them_without_asking(
+    pl: Pipeline, sim: SimServer, start_worker: Any
+) -> None:
+    """qrefuse (redis-quota, one in flight per user), look-ahead 2: the user's first request
+    holds the key's slot at the simulator; of the two dispatched past the limit, the first asks
+    the gate and parks on the key's bell, the second finds it parked there and parks behind it
+    without asking (behind 1); the slot goes to them in dispatch order, one at a time."""
+    worker = start_worker(pools="qrefuse", concurrency=4, extra_env={"PIPELINE_LOOKAHEAD": "2"})
+    try:
+        sim.reset()
+        user = {"userid": uid("u")}
+        holder = uid("hold")
+        pl.submit({"p": "holder"}, id=holder, queue="qrefuse", timeout=60, metadata=user,
+                  headers=held(holder))  # fmt: skip
+        sim.wait_held(holder)
+        first = uid("a")  # held at the simulator too once admitted: the order is checked
+        pl.submit({"p": "a"}, id=first, queue="qrefuse", timeout=60, metadata=user,
+                  headers=held(first))  # fmt: skip
+        wait_for(lambda: parked_entries(pl, first), 10, what="the first attempt parked")
+        second = pl.submit({"p": "b"}, id=uid("b"), queue="qrefuse", timeout=60, metadata=user)
+        wait_for(lambda: parked_entries(pl, second.id), 10, what="the second attempt parked")
+        key = f"quota:userid:{user['userid']}"
+        (asked,) = parked_entries(pl, first)
+        assert asked["key"] == key and asked["reason"] == "quota_exhausted"
+        assert "behind" not in asked  # it asked the gate
+        (behind,) = parked_entries(pl, second.id)
+        assert behind["key"] == key and behind["reason"] == "quota_exhausted"
+        assert behind["behind"] == 1
+        assert second.explain().to_text().count("behind 1 parked on its worker") == 1
+        assert pl.inspect()["qrefuse"]["gate"]["in_flight"] == 1  # the holder's only
+        sim.release(holder)
+        sim.wait_held(first)  # the key's slot went to the attempt parked first
+        assert second.id not in sim.stats()["attempts_by_request_id"]
+        sim.release(first)
+        results = [pl.wait(r, 20) for r in (holder, first, second.id)]
+        assert all(r.ok and r.attempts == 1 for r in results)
+        assert dispatches(pl, first) == dispatches(pl, second.id) == 1
         assert sim.stats()["max_concurrency_observed"] == 1
         assert_idle(pl)
     finally:

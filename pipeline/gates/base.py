@@ -202,13 +202,14 @@ class Gate:
         :meth:`acquire`)."""
         return None
 
-    def parked_decision(self) -> Decision | None:
+    def parked_decision(self, bell: str) -> Decision | None:
         """What an attempt that finds others of its process already parked on this gate's
-        hand-over bell (:meth:`handover_bell`, the queue's) is told without asking Redis: a
-        full slot gate's Refuse (or Wait). Sound for a gate whose every slot freed rings that
-        bell: the slot went to an attempt parked before, which comes first anyway (dispatched
-        earlier); the newcomer parks behind them and takes its turn. None (the default): ask
-        the gate."""
+        hand-over bell ``bell`` (:meth:`handover_bell`: the queue's for a slot gate, the
+        tenant's key for a per-key quota) is told without asking Redis: a full slot gate's
+        Refuse (or Wait), a key's quota exhausted. Sound for a gate whose every slot freed
+        rings that bell: the slot went to an attempt parked before, which comes first anyway
+        (dispatched earlier); the newcomer parks behind them and takes its turn. None (the
+        default): ask the gate."""
         return None
 
     # -- reservations --------------------------------------------------------------------

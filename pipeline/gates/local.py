@@ -113,7 +113,7 @@ class LocalMaxConcurrencyGate(Gate):
         call = self.slots.acquire_call(holder, lease_s, self.limit, {"worker": worker})
         return PreparedAcquire(call, self._decide, lambda reply: int(reply) == 1)
 
-    def parked_decision(self) -> Decision | None:
+    def parked_decision(self, bell: str) -> Decision | None:
         return self._decide(0) if self.env is not None else None
 
     def release(self, holder: str) -> bool:

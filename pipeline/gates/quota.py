@@ -201,14 +201,11 @@ class RedisQuotaGate(Gate):
             return Decision(Verdict.CONTINUE, labels=dict(RESERVED))
         if self.gating_mode == "classifying":
             return Decision(Verdict.CONTINUE, labels=dict(OVERFLOW))
-        wake = self.quota_key(value) if self.mode == "concurrency" else None
-        return Decision(
-            Verdict.REFUSE,
-            reason="quota_exhausted",
-            labels=dict(OVERFLOW),
-            wake_on_release=wake is not None,
-            wake_key=wake,
-        )
+        return _exhausted(self.quota_key(value) if self.mode == "concurrency" else None)
+
+    def parked_decision(self, bell: str) -> Decision | None:
+        """The key's quota exhausted (``bell``: the key, :meth:`handover_bell`)."""
+        return _exhausted(bell) if self.per_key and self.env is not None else None
 
     def _acquire_tokens(self, ctx: AcquireContext, value: str) -> Decision:
         estimate = self.estimate(ctx)
@@ -352,6 +349,17 @@ class RedisQuotaGate(Gate):
     def close(self) -> None:
         if self._own_client and self.client is not None:
             self.client.close()
+
+
+def _exhausted(wake: str | None) -> Decision:
+    """A blocking quota's refusal; ``wake``: the key's bell it parks on (concurrency mode)."""
+    return Decision(
+        Verdict.REFUSE,
+        reason="quota_exhausted",
+        labels=dict(OVERFLOW),
+        wake_on_release=wake is not None,
+        wake_key=wake,
+    )
 
 
 def _key_of(info: str | None) -> str | None:

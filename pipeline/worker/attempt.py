@@ -61,6 +61,8 @@ class Host(Protocol):
 
     def parked_ahead(self, bell: str, gate: Gate) -> bool: ...
 
+    def behind_parked(self, bell: str, gate: Gate) -> tuple[Decision, int] | None: ...
+
 
 class Attempt:
     """One attempt of one request, from a fenced start to exactly one outcome."""
@@ -109,7 +111,7 @@ class Attempt:
         # an attempt parked longer than PARK_POLL_S)
         self.journal = Journal()
         # attempts of this process parked for the gate when this one started, which it parked
-        # behind without asking the gate (Runtime._behind_parked); 0: it asked
+        # behind without asking the gate (Runtime.behind_parked); 0: it asked
         self.behind = 0
         # set when the request (or its batch) was cancelled while this attempt was parked:
         # the reason ('cancelled', 'batch cancelled'); it then ends unsent
@@ -141,19 +143,28 @@ class Attempt:
             payload=self.record["payload"],
         )
 
-    def acquire(self) -> Decision:
+    def acquire(self, first: bool = False) -> Decision:
         """Ask the gate (called from the task's ``before_start``, and again while parked).
         Holding nothing yet, the attempt asks the queue's gate under the current config (a
         reload may have changed it since the attempt began); once admitted it keeps that
-        gate until it releases."""
+        gate until it releases. ``first``: the attempt's first ask, which a per-key quota's
+        attempt skips when others of its process are parked on its key's bell: it parks
+        behind them (``Runtime.behind_parked``; a slot gate's is decided at the start)."""
         self._follow_config()
         self._generation = self.rt.bell.generation(self.queue.queue_name)
         self._key_generations = {k: self.rt.bell.generation(k) for k in self._wake_keys}
-        try:
-            self.decision = self.gate.acquire(self._ctx())
-        except Exception as exc:  # noqa: BLE001 - a gate error refuses, it never crashes
-            log.warning("gate %s failed for %s: %s", self.queue.queue_name, self.id, exc)
-            self.decision = Decision(Verdict.REFUSE, reason="error")
+        bell = self.gate.handover_bell(self.queue.queue_name, self._wake_keys)
+        behind = None
+        if first and bell is not None and bell in self._key_generations:
+            behind = self.rt.behind_parked(bell, self.gate)
+        if behind is not None:
+            self.decision, self.behind = behind
+        else:
+            try:
+                self.decision = self.gate.acquire(self._ctx())
+            except Exception as exc:  # noqa: BLE001 - a gate error refuses, it never crashes
+                log.warning("gate %s failed for %s: %s", self.queue.queue_name, self.id, exc)
+                self.decision = Decision(Verdict.REFUSE, reason="error")
         if self.decision.labels:
             self.labels.update(self.decision.labels)
         return self.decision
@@ -347,7 +358,7 @@ class Attempt:
     def _gate(self) -> tuple[Decision, bool]:
         """Ask the gate, parking for a slot when it says so: its decision, and whether the
         attempt parked."""
-        decision = self.decision or self.acquire()
+        decision = self.decision or self.acquire(first=True)
         if decision.admitted:
             self.journal.add("admitted", worker=self.worker)
             return decision, False

@@ -355,7 +355,7 @@ class Runtime:
         gate can (``Gate.prepare_acquire``), its acquire goes to Redis in the same round trip
         as the start, and the attempt begins with that decision; when others of this process
         are parked for a slot of a slot gate, it parks behind them without asking
-        (:meth:`_behind_parked`)."""
+        (:meth:`behind_parked`)."""
         self.follow_snapshot()
         queue = queue if queue in self.settings.queues else self._queue_of(request_id)
         prepared, generation, gate, behind = self._prepare_acquire(queue, request_id, token, worker)
@@ -406,31 +406,35 @@ class Runtime:
         self._track(attempt)
         return attempt
 
-    def _behind_parked(self, queue: str, gate: Gate) -> tuple[Decision, int] | None:
-        """An attempt of ``queue`` that starts while others of this process are parked for a
-        slot of its gate parks behind them without asking the gate: the gate's
+    def behind_parked(self, bell: str, gate: Gate) -> tuple[Decision, int] | None:
+        """An attempt that starts while others of this process are parked on its gate's
+        hand-over ``bell`` (the queue's for a slot gate, the tenant's key for a per-key quota)
+        parks behind them without asking the gate: the gate's
         :meth:`~pipeline.gates.Gate.parked_decision` and how many are parked, or None
-        (ask)."""
-        if self.settings.park_s <= 0 or gate.handover_bell(queue, ()) != queue:
+        (ask). The caller reads the bell's generation first."""
+        if self.settings.park_s <= 0:
             return None
-        decision = gate.parked_decision()
-        waiting = self.bell.waiting(queue)
-        if decision is None or waiting == 0:
+        waiting = self.bell.waiting(bell)
+        if waiting == 0:
             return None
-        return decision, waiting
+        decision = gate.parked_decision(bell)
+        return None if decision is None else (decision, waiting)
 
     def _prepare_acquire(
         self, queue: str | None, request_id: str, token: str, worker: str
     ) -> tuple[PreparedAcquire | None, int, Gate | None, tuple[Decision, int] | None]:
         """The queue's gate acquire as a script call, with the release bell's generation read
-        before it (see ``Attempt._park``), the gate, and :meth:`_behind_parked`'s answer
+        before it (see ``Attempt._park``), the gate, and :meth:`behind_parked`'s answer
         (then no call: the attempt parks behind the others); no call when the gate has
         none."""
         gate = self.current_gate(queue or "")
         if gate is None:
             return None, 0, None, None
-        generation = self.bell.generation(queue or "")
-        behind = self._behind_parked(queue or "", gate)
+        name = queue or ""
+        generation = self.bell.generation(name)
+        behind = None
+        if gate.handover_bell(name, ()) == name:  # a slot gate's: the queue's bell
+            behind = self.behind_parked(name, gate)
         if behind is not None:
             return None, generation, gate, behind
         holder = make_holder(request_id, token)
