@@ -102,14 +102,37 @@ class PreparedAcquire:
 
 @dataclass(frozen=True)
 class PreparedRelease:
-    """A gate's release or hand-over as a :class:`ScriptCall` (see :meth:`Gate.prepare_release`,
+    """A gate's release or hand-over as :class:`ScriptCall` s (see :meth:`Gate.prepare_release`,
     :meth:`Gate.prepare_transfer`), for the worker to send in the same round trip as the
-    attempt's finish / requeue, before it: ``done`` turns the script's reply into what
-    :meth:`Gate.release` / :meth:`Gate.transfer` return (and finishes what one call could not:
-    a local gate's release of a holder that is not on this node)."""
+    attempt's finish / requeue, before it and in order: ``done`` turns the scripts' replies
+    (none of them an error) into what :meth:`Gate.release` / :meth:`Gate.transfer` return (and
+    finishes what the calls could not: a local gate's release of a holder that is not on this
+    node)."""
 
-    call: ScriptCall
-    done: Callable[[Any], bool]
+    calls: tuple[ScriptCall, ...]
+    done: Callable[[Sequence[Any]], bool]
+
+    @classmethod
+    def one(cls, call: ScriptCall, done: Callable[[Any], bool]) -> PreparedRelease:
+        """A release or hand-over that is one call; ``done`` takes its reply."""
+        return cls((call,), lambda replies: done(replies[0]))
+
+    @classmethod
+    def joined(
+        cls, parts: Sequence[PreparedRelease], combine: Callable[[list[bool]], bool]
+    ) -> PreparedRelease:
+        """Several gates' prepared calls in one (in ``parts``' order): ``combine`` turns
+        their ``done`` results into the whole's."""
+        calls = tuple(c for p in parts for c in p.calls)
+
+        def done(replies: Sequence[Any]) -> bool:
+            results, at = [], 0
+            for p in parts:
+                results.append(p.done(replies[at : at + len(p.calls)]))
+                at += len(p.calls)
+            return combine(results)
+
+        return cls(calls, done)
 
 
 @dataclass(frozen=True)
@@ -201,6 +224,13 @@ class Gate:
         None when the gate's acquire is not one such call (the attempt calls
         :meth:`acquire`)."""
         return None
+
+    def acquire_behind(self, ctx: AcquireContext, bell: str) -> Decision | None:
+        """An attempt's first ask when others of its process are parked on ``bell``, its
+        :meth:`handover_bell`: the decision without asking the part of the gate those attempts
+        wait for (:meth:`parked_decision`; a composite asks its per-key quotas first). None:
+        ask the gate (:meth:`acquire`)."""
+        return self.parked_decision(bell)
 
     def parked_decision(self, bell: str) -> Decision | None:
         """What an attempt that finds others of its process already parked on this gate's

@@ -36,7 +36,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..store.sched import QuotaSpec
-from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, PreparedRelease, Verdict
 from .params import Params
 
 log = logging.getLogger(__name__)
@@ -121,12 +121,29 @@ class CompositeGate(Gate):
         return [k for g in self.gates for k in g.wake_keys(ctx)]
 
     def acquire(self, ctx: AcquireContext) -> Decision:
+        return self._acquire(ctx, None)
+
+    def acquire_behind(self, ctx: AcquireContext, bell: str) -> Decision | None:
+        """Others of this process are parked for the slot gate's slot (holding their own
+        quota slots): take this attempt's quota slots, and park behind them for the slot
+        without asking the slot gate (its :meth:`~Gate.parked_decision`)."""
+        if not self.hands_over:
+            return None
+        parked = self.gates[-1].parked_decision(bell)
+        return None if parked is None else self._acquire(ctx, parked)
+
+    def _acquire(self, ctx: AcquireContext, last: Decision | None) -> Decision:
+        """The inner gates in order, all-or-nothing; ``last``: the last gate's decision, given
+        instead of asking it."""
         taken: list[Gate] = []
         labels: dict[str, str] = {}
         try:
-            for gate in self.gates:
+            for i, gate in enumerate(self.gates):
                 step = dataclasses.replace(ctx, labels={**ctx.labels, **labels})
-                decision = gate.acquire(step)
+                if last is not None and i == len(self.gates) - 1:
+                    decision = last
+                else:
+                    decision = gate.acquire(step)
                 labels.update(decision.labels)
                 if decision.verdict is not Verdict.CONTINUE:
                     if decision.wake_on_release:  # it parks: keep its tenant's own slots
@@ -168,6 +185,25 @@ class CompositeGate(Gate):
         for gate in reversed(self.gates):
             freed = gate.release(holder) or freed
         return freed
+
+    def prepare_release(self, holder: str) -> PreparedRelease | None:
+        """Every inner gate's release, in :meth:`release`'s order, when each is one call."""
+        parts = [g.prepare_release(holder) for g in reversed(self.gates)]
+        if any(p is None for p in parts):
+            return None
+        return PreparedRelease.joined([p for p in parts if p is not None], any)
+
+    def prepare_transfer(self, giver: str, ctx: AcquireContext) -> PreparedRelease | None:
+        """:meth:`transfer` as calls: the giver's quota slots released, then the slot gate's
+        slot handed over."""
+        if not self.hands_over:
+            return None
+        *keyed, last = self.gates
+        parts = [g.prepare_release(giver) for g in keyed]
+        parts.append(last.prepare_transfer(giver, ctx))
+        if any(p is None for p in parts):
+            return None
+        return PreparedRelease.joined([p for p in parts if p is not None], lambda r: r[-1])
 
     def renew(self, holders: Iterable[str], lease_s: float) -> None:
         listed = list(holders)

@@ -135,7 +135,7 @@ class LocalMaxConcurrencyGate(Gate):
         def done(reply: Any) -> bool:
             return bool(int(reply)) or self._release_elsewhere(holder)
 
-        return PreparedRelease(self._slots.release_call(holder), done)
+        return PreparedRelease.one(self._slots.release_call(holder), done)
 
     def transfer(self, giver: str, ctx: AcquireContext) -> bool:
         info = {"worker": ctx.worker, "handed_over_by": giver}
@@ -146,7 +146,7 @@ class LocalMaxConcurrencyGate(Gate):
             return None
         info = {"worker": ctx.worker, "handed_over_by": giver}
         call = self._slots.transfer_call(giver, ctx.holder, ctx.lease_s, self.limit, info)
-        return PreparedRelease(call, lambda reply: bool(int(reply)))
+        return PreparedRelease.one(call, lambda reply: bool(int(reply)))
 
     def renew(self, holders: Iterable[str], lease_s: float) -> None:
         self.slots.renew(list(holders), lease_s)

@@ -66,7 +66,8 @@ from typing import Any, cast
 import redis
 
 from ..store.sched import QuotaSpec
-from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from ..store.scripts import ScriptCall
+from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, PreparedRelease, Verdict
 from .leases import LeaseScripts, LeaseSet, holder_entry, register
 from .params import Params
 from .redis_budget import connect, redis_url
@@ -277,6 +278,13 @@ class RedisQuotaGate(Gate):
         if self.mode != "concurrency" or self.client is None:
             return False
         return bool(self._release(keys=[self._index_key()], args=[holder]))
+
+    def prepare_release(self, holder: str) -> PreparedRelease | None:
+        """:meth:`release` as one call, when the quota's keys are in the pipeline's Redis."""
+        if self.mode != "concurrency" or self.client is None or self._own_client:
+            return None
+        call = ScriptCall(self._release, [self._index_key()], [holder])
+        return PreparedRelease.one(call, lambda reply: bool(int(reply)))
 
     def renew(self, holders: Iterable[str], lease_s: float) -> None:
         if self.mode != "concurrency" or self.client is None:

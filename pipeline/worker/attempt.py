@@ -61,7 +61,9 @@ class Host(Protocol):
 
     def parked_ahead(self, bell: str, gate: Gate) -> bool: ...
 
-    def behind_parked(self, bell: str, gate: Gate) -> tuple[Decision, int] | None: ...
+    def behind_parked(
+        self, bell: str, gate: Gate, ctx: AcquireContext | None = None
+    ) -> tuple[Decision, int] | None: ...
 
 
 class Attempt:
@@ -147,24 +149,26 @@ class Attempt:
         """Ask the gate (called from the task's ``before_start``, and again while parked).
         Holding nothing yet, the attempt asks the queue's gate under the current config (a
         reload may have changed it since the attempt began); once admitted it keeps that
-        gate until it releases. ``first``: the attempt's first ask, which a per-key quota's
-        attempt skips when others of its process are parked on its key's bell: it parks
-        behind them (``Runtime.behind_parked``; a slot gate's is decided at the start)."""
+        gate until it releases. ``first``: the attempt's first ask, which skips the part of
+        the gate others of its process are parked for (on its hand-over bell: a per-key
+        quota's key, a composite's slot gate): it parks behind them
+        (``Runtime.behind_parked``; a slot gate's own is decided with the start)."""
         self._follow_config()
         self._generation = self.rt.bell.generation(self.queue.queue_name)
         self._key_generations = {k: self.rt.bell.generation(k) for k in self._wake_keys}
-        bell = self.gate.handover_bell(self.queue.queue_name, self._wake_keys)
-        behind = None
-        if first and bell is not None and bell in self._key_generations:
-            behind = self.rt.behind_parked(bell, self.gate)
-        if behind is not None:
-            self.decision, self.behind = behind
-        else:
-            try:
+        queue = self.queue.queue_name
+        bell = self.gate.handover_bell(queue, self._wake_keys) if first else None
+        try:
+            behind = None if bell is None else self.rt.behind_parked(bell, self.gate, self._ctx())
+            if behind is None:
                 self.decision = self.gate.acquire(self._ctx())
-            except Exception as exc:  # noqa: BLE001 - a gate error refuses, it never crashes
-                log.warning("gate %s failed for %s: %s", self.queue.queue_name, self.id, exc)
-                self.decision = Decision(Verdict.REFUSE, reason="error")
+            else:
+                self.decision, waiting = behind
+                # (a composite's quota may have refused it first: then it parks on its key)
+                self.behind = waiting if (self.decision.wake_key or queue) == bell else 0
+        except Exception as exc:  # noqa: BLE001 - a gate error refuses, it never crashes
+            log.warning("gate %s failed for %s: %s", queue, self.id, exc)
+            self.decision = Decision(Verdict.REFUSE, reason="error")
         if self.decision.labels:
             self.labels.update(self.decision.labels)
         return self.decision

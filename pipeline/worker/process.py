@@ -24,6 +24,7 @@ from typing import Any
 
 from ..config import Settings, from_snapshot, load_settings, to_snapshot
 from ..gates import (
+    AcquireContext,
     Decision,
     Gate,
     GateEnv,
@@ -164,7 +165,7 @@ class Runtime:
     ) -> ReleasePlan:
         """:meth:`release`, with the gate's script call left for :meth:`release_then` to send
         ahead of the attempt's finish / requeue in the same round trip (``batch``, when the
-        gate's release or transfer is one call: ``Gate.prepare_release`` /
+        gate's release or transfer is script calls: ``Gate.prepare_release`` /
         ``Gate.prepare_transfer``); otherwise done here, as :meth:`release` does."""
         holder = make_holder(request_id, token)
         with self._lock:
@@ -206,15 +207,15 @@ class Runtime:
         for name in self._ringing(plan):
             self.bell.expect_echo(name)
         if getattr(call.script, "replication", None) is not None:
-            # a call that waits for replicas (its WAIT follows it): the gate call goes first
-            self._settle(plan, run_batch(self.store.client, [prepared.call])[0])
+            # a call that waits for replicas (its WAIT follows it): the gate calls go first
+            self._settle(plan, run_batch(self.store.client, list(prepared.calls)))
             return call.script(keys=call.keys, args=call.args)
         try:
-            gate_reply, reply = run_batch(self.store.client, [prepared.call, call])
+            *gate_replies, reply = run_batch(self.store.client, [*prepared.calls, call])
         except Exception as exc:
             self._settle(plan, exc)
             raise
-        self._settle(plan, gate_reply)
+        self._settle(plan, gate_replies)
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -238,27 +239,30 @@ class Runtime:
         """The bells a plan's release rings (and the finish / requeue publishes)."""
         return plan.wake if plan.handed_over else (plan.queue, *plan.wake)
 
-    def _settle(self, plan: ReleasePlan, reply: Any) -> None:
-        """Take a prepared gate call's reply: record a hand-over's outcome, or retry a failed
-        release; then ring this process's bells."""
+    def _settle(self, plan: ReleasePlan, replies: list[Any] | Exception) -> None:
+        """Take the prepared gate calls' replies (or the error that lost them all): record a
+        hand-over's outcome, or retry a failed release (all of it: releases are idempotent);
+        then ring this process's bells."""
         assert plan.gate is not None and plan.prepared is not None
         gate, ticket = plan.gate, plan.ticket
+        error = replies if isinstance(replies, Exception) else _first_error(replies)
+        got = [] if isinstance(replies, Exception) else replies
         if ticket is not None:
-            if isinstance(reply, Exception):
-                log.warning("hand-over of %s on gate %s failed: %s", plan.holder, gate.name, reply)
+            if error is not None:
+                log.warning("hand-over of %s on gate %s failed: %s", plan.holder, gate.name, error)
                 self._transfer(gate, plan.holder, ticket)
             else:
                 try:
-                    ticket.held = plan.prepared.done(reply)
+                    ticket.held = plan.prepared.done(got)
                     if not ticket.held:
                         _lapsed(plan.holder, ticket, gate)
                 finally:
                     ticket.transferred.set()
         else:
             try:
-                if isinstance(reply, Exception):
-                    raise reply
-                plan.prepared.done(reply)
+                if error is not None:
+                    raise error
+                plan.prepared.done(got)
             except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
                 log.warning("release of %s on gate %s failed: %s", plan.holder, plan.queue, exc)
                 self._release_now(gate, plan.holder, plan.queue, (), ring=False)
@@ -406,18 +410,21 @@ class Runtime:
         self._track(attempt)
         return attempt
 
-    def behind_parked(self, bell: str, gate: Gate) -> tuple[Decision, int] | None:
+    def behind_parked(
+        self, bell: str, gate: Gate, ctx: AcquireContext | None = None
+    ) -> tuple[Decision, int] | None:
         """An attempt that starts while others of this process are parked on its gate's
         hand-over ``bell`` (the queue's for a slot gate, the tenant's key for a per-key quota)
-        parks behind them without asking the gate: the gate's
-        :meth:`~pipeline.gates.Gate.parked_decision` and how many are parked, or None
-        (ask). The caller reads the bell's generation first."""
+        parks behind them without asking the gate for what they wait for: the gate's
+        :meth:`~pipeline.gates.Gate.parked_decision` (with the request's ``ctx``:
+        :meth:`~pipeline.gates.Gate.acquire_behind`) and how many are parked, or None (ask).
+        The caller reads the bell's generation first."""
         if self.settings.park_s <= 0:
             return None
         waiting = self.bell.waiting(bell)
         if waiting == 0:
             return None
-        decision = gate.parked_decision(bell)
+        decision = gate.parked_decision(bell) if ctx is None else gate.acquire_behind(ctx, bell)
         return None if decision is None else (decision, waiting)
 
     def _prepare_acquire(
@@ -508,6 +515,10 @@ def _prepared(
     except Exception as exc:  # noqa: BLE001 - the release is done directly instead
         log.warning("could not prepare the release of %s: %s", holder, exc)
         return None
+
+
+def _first_error(replies: Sequence[Any]) -> Exception | None:
+    return next((r for r in replies if isinstance(r, Exception)), None)
 
 
 def _lapsed(giver: str, ticket: Ticket, gate: Gate) -> None:
