@@ -104,6 +104,16 @@ class CeleryMirrors:
         )
 
 
+def _tenant(hint: Any) -> dict[str, str] | None:
+    """The dispatcher's ``tenant`` kwarg (``{attribute: value}``, see ``Runtime.begin``), or
+    None when absent or not that shape (a message written by hand)."""
+    if not isinstance(hint, dict) or not hint:
+        return None
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in hint.items()):
+        return None
+    return hint
+
+
 def mirrors_results(task: Task, request: Any) -> bool:
     """Whether an attempt's scripts can write its task's Celery result: Celery would store
     it (not ignored, not eager), in the pipeline's own Redis, as a plain meta (no extended
@@ -130,7 +140,11 @@ class InferenceTask(Task):
         request_id, token = args[0], args[1]
         logs.bind(request_id=request_id, queue=kwargs.get("queue"), attempt=kwargs.get("attempt"))
         attempt = runtime().begin(
-            request_id, token, self.request.hostname or "worker", kwargs.get("queue")
+            request_id,
+            token,
+            self.request.hostname or "worker",
+            kwargs.get("queue"),
+            _tenant(kwargs.get("tenant")),
         )
         if attempt is not None:
             if mirrors_results(self, self.request):

@@ -59,9 +59,16 @@ def send_to_celery(moved: list[Dispatched]) -> None:
     with app.producer_or_acquire() as producer, producer.batch():
         for d in moved:
             pool = settings.queues[d.queue].worker_pool_id
+            kwargs: dict[str, Any] = {
+                "queue": d.queue,
+                "priority": d.priority,
+                "attempt": d.dispatch_no,
+            }
+            if d.tenant:
+                kwargs["tenant"] = d.tenant
             infer.apply_async(
                 args=(d.id, d.token),
-                kwargs={"queue": d.queue, "priority": d.priority, "attempt": d.dispatch_no},
+                kwargs=kwargs,
                 task_id=d.id,
                 queue=celery_queue(pool),
                 producer=producer,

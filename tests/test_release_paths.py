@@ -24,6 +24,7 @@ import pytest
 from pipeline.client import Pipeline
 from pipeline.client.models import Result
 from pipeline.sim import SimServer
+from pipeline.store import sched
 from pipeline.worker import Runtime
 from pipeline.worker import process as worker_module
 from tasks.app import celery_queue
@@ -548,6 +549,88 @@ def test_a_server_that_lost_its_scripts_still_starts_attempts(
     attempt = rt.begin(rid, token, "w", queue)
     assert attempt is not None and attempt.decision is not None and attempt.decision.admitted
     holds_one_slot_then_frees_it(p, queue, attempt)
+
+
+QUOTA_PER_USER = {"quota1": 1, "tenants": 2}
+
+
+@pytest.fixture(params=sorted(QUOTA_PER_USER))
+def prepared_tenant(
+    pl: Pipeline, request: pytest.FixtureRequest
+) -> Iterator[tuple[Pipeline, Runtime, str, int]]:
+    """As ``prepared``, for an indexed queue (a quota per userid: ``redis-quota`` 1 alone, or
+    2 per user in a composite behind a global 6), whose dispatched messages name the tenant;
+    and the quota per user."""
+    q = replace(pl.settings.queues[request.param], queue_name="ptenant", worker_pool_id="nobody")
+    settings = replace(pl.settings, queues={**pl.settings.queues, "ptenant": q})
+    client, rt = Pipeline(settings), Runtime(settings)
+    store = client.store
+    sched.setup(store.client, store.scripts, store.keys, "ptenant", "nobody", "userid", False)
+    yield client, rt, "ptenant", QUOTA_PER_USER[request.param]
+    rt.stop()
+    assert_idle(client)
+    sched.teardown(store.client, store.keys, "ptenant")
+
+
+def dispatch_tenant(p: Pipeline, queue: str, user: str) -> Any:
+    q = p.settings.queues[queue]
+    p.submit({"p": 1}, id=uid("ten"), queue=queue, metadata={"userid": user})
+    (d,) = p.store.tick(q, [q], 1.0, -1, 10).moved
+    assert d.tenant == {"userid": user}
+    return d
+
+
+def test_a_quota_acquire_goes_with_the_start_when_the_message_names_the_tenant(
+    prepared_tenant: tuple[Pipeline, Runtime, str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dispatcher names the request's tenant in its message: the worker sends the quota's
+    acquire (and a composite's slot gate's) in the round trip of the start, and the attempt
+    begins admitted; a second attempt of the user, past its quota, begins refused on the key
+    in the same way. Both end with no reservation held."""
+    p, rt, queue, limit = prepared_tenant
+    user = uid("u")
+    first = dispatch_tenant(p, queue, user)
+    sent: list[int] = []
+    batch = worker_module.run_batch
+
+    def counted(client: Any, calls: Any) -> list[Any]:
+        sent.append(len(calls))
+        return batch(client, calls)
+
+    monkeypatch.setattr(worker_module, "run_batch", counted)
+    gate = rt.gate(queue)
+    monkeypatch.setattr(gate, "acquire", None)  # never asked on its own
+    a = rt.begin(first.id, first.token, "w", queue, first.tenant)
+    assert a is not None and a.decision is not None and a.decision.admitted
+    n_calls = 2 if gate.type_name == "redis-quota" else 3  # start + quota (+ global)
+    assert sent == [n_calls]
+    assert gate_in_flight(p, queue) == 1
+    others = [dispatch_tenant(p, queue, user) for _ in range(limit)]
+    begun = [rt.begin(d.id, d.token, "w", queue, d.tenant) for d in others]
+    over = begun[-1]  # past the user's quota: refused on its key, with its start
+    assert over is not None and over.decision is not None and not over.decision.admitted
+    assert over.decision.wake_key == f"quota:userid:{user}"
+    assert all(n == n_calls for n in sent)
+    monkeypatch.undo()
+    for attempt in begun[:-1]:
+        assert attempt is not None and attempt.run().status.value == "success"
+    assert a.run().status.value == "success"
+    assert over.run().status.value == "success"  # admitted once the key had room
+    assert gate_in_flight(p, queue) == 0
+
+
+def test_a_tenant_the_record_does_not_have_is_not_trusted(
+    prepared_tenant: tuple[Pipeline, Runtime, str, int],
+) -> None:
+    """A message naming another tenant than the request's (written by hand): what its start
+    took is given back and the attempt asks its gate as usual, for its own tenant."""
+    p, rt, queue, _ = prepared_tenant
+    d = dispatch_tenant(p, queue, uid("u"))
+    attempt = rt.begin(d.id, d.token, "w", queue, {"userid": "someone-else"})
+    assert attempt is not None and attempt.decision is None
+    assert gate_in_flight(p, queue) == 0
+    assert attempt.run().status.value == "success"
+    assert gate_in_flight(p, queue) == 0
 
 
 def test_a_hand_over_publishes_no_release(prepared: tuple[Pipeline, Runtime, str]) -> None:

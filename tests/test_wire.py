@@ -15,6 +15,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
+import pytest
 import redis
 from celery import states
 from celery.app.task import Context
@@ -25,7 +26,7 @@ from kombu.message import Message
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
 from pipeline.sim import SimServer
-from pipeline.store import DirectPublish
+from pipeline.store import DirectPublish, sched
 from tasks.app import app
 from tasks.backend import PipelineRedisBackend
 from tasks.inference import AttemptRetry, RequestFailed, infer
@@ -43,30 +44,44 @@ def _decoded(raw: str) -> dict[str, Any]:
     return msg
 
 
-def test_a_dispatched_message_is_the_one_apply_async_sends(pl: Pipeline, redis_url: str) -> None:
+@pytest.mark.parametrize("indexed", [False, True], ids=["plain", "tenant"])
+def test_a_dispatched_message_is_the_one_apply_async_sends(
+    pl: Pipeline, redis_url: str, indexed: bool
+) -> None:
+    """Also for a request of an indexed queue (a quota per userid), whose message names its
+    tenant (kwarg ``tenant``) for the worker to send its quota acquire with its start."""
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     ours_list, ref_list = f"{RESULTS_TAG}-wire-ours", f"{RESULTS_TAG}-wire-ref"
-    q = pl.settings.queues["crash"]  # no worker serves its pool: the message stays put
-    rid = pl.submit({"p": 1}, id=f"wire-{uuid.uuid4().hex[:8]}", queue="crash", priority=3).id
+    # no worker serves its pool: the message stays put
+    q = replace(pl.settings.queues["crash"], queue_name="wire", worker_pool_id="nobody")
+    p = Pipeline(replace(pl.settings, queues={**pl.settings.queues, "wire": q}))
+    user = f"u-{uuid.uuid4().hex[:6]}"
+    if indexed:
+        store = p.store
+        sched.setup(store.client, store.scripts, store.keys, "wire", "nobody", "userid", False)
+    rid = p.submit({"p": 1}, id=f"wire-{uuid.uuid4().hex[:8]}", queue="wire", priority=3,
+                   metadata={"userid": user}).id  # fmt: skip
     try:
         publish = DirectPublish(ours_list, infer.name, "test-origin")
-        moved = pl.store.tick(q, [q], 1.0, -1, 10, publish=publish).moved
+        moved = p.store.tick(q, [q], 1.0, -1, 10, publish=publish).moved
         assert [m.id for m in moved] == [rid]
         d = moved[0]
+        kwargs: dict[str, Any] = {"queue": d.queue, "priority": d.priority, "attempt": 1}
+        if indexed:
+            assert d.tenant == {"userid": user}
+            kwargs["tenant"] = d.tenant
+        else:
+            assert d.tenant is None
         with app.connection_for_write(redis_url) as conn:
             infer.apply_async(
-                args=(d.id, d.token),
-                kwargs={"queue": d.queue, "priority": d.priority, "attempt": d.dispatch_no},
-                task_id=d.id,
-                queue=ref_list,
-                connection=conn,
+                args=(d.id, d.token), kwargs=kwargs, task_id=d.id, queue=ref_list, connection=conn
             )
         (ours_raw,) = client.lrange(ours_list, 0, -1)
         (ref_raw,) = client.lrange(ref_list, 0, -1)
         ours, ref = _decoded(ours_raw), _decoded(ref_raw)
 
         assert ours["body"] == ref["body"]
-        assert ours["body"][1] == {"queue": "crash", "priority": 3, "attempt": 1}
+        assert ours["body"][1] == kwargs
         for field in ("content-type", "content-encoding"):
             assert ours[field] == ref[field]
         assert set(ours["headers"]) == set(ref["headers"])
@@ -80,7 +95,9 @@ def test_a_dispatched_message_is_the_one_apply_async_sends(pl: Pipeline, redis_u
         assert ours["properties"]["delivery_info"] == {"exchange": "", "routing_key": ours_list}
         assert ours["properties"]["delivery_tag"] != ref["properties"]["delivery_tag"]
     finally:
-        pl.cancel(rid)
+        p.cancel(rid)
+        if indexed:
+            sched.teardown(p.store.client, p.store.keys, "wire")
         client.delete(ours_list, ref_list)
         for key in client.scan_iter(f"_kombu.binding*{ref_list}*", count=10_000):
             client.delete(key)

@@ -20,7 +20,7 @@ Reservations kept in Redis are leases: renewed by the attempt's heartbeat
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -91,13 +91,21 @@ class AcquireContext:
 
 @dataclass(frozen=True)
 class PreparedAcquire:
-    """A gate's acquire as a :class:`ScriptCall` (see :meth:`Gate.prepare_acquire`):
-    ``decide`` turns the script's reply into the decision, ``took`` says whether that reply
-    took a new reservation (one to give back if the attempt turns out stale)."""
+    """A gate's acquire as :class:`ScriptCall` s (see :meth:`Gate.prepare_acquire`), run in
+    order: ``decide`` turns their replies (none of them an error) into the decision, ``took``
+    says whether they took a new reservation (one to give back if the attempt turns out
+    stale)."""
 
-    call: ScriptCall
-    decide: Callable[[Any], Decision]
-    took: Callable[[Any], bool]
+    calls: tuple[ScriptCall, ...]
+    decide: Callable[[Sequence[Any]], Decision]
+    took: Callable[[Sequence[Any]], bool]
+
+    @classmethod
+    def one(
+        cls, call: ScriptCall, decide: Callable[[Any], Decision], took: Callable[[Any], bool]
+    ) -> PreparedAcquire:
+        """An acquire that is one call; ``decide`` and ``took`` take its reply."""
+        return cls((call,), lambda replies: decide(replies[0]), lambda replies: took(replies[0]))
 
 
 @dataclass(frozen=True)
@@ -218,12 +226,30 @@ class Gate:
     def acquire(self, ctx: AcquireContext) -> Decision:
         return CONTINUE
 
-    def prepare_acquire(self, holder: str, worker: str, lease_s: float) -> PreparedAcquire | None:
-        """The acquire as one script call that needs nothing of the request but its holder
-        and worker, so the worker can send it in the same round trip as the attempt's start;
-        None when the gate's acquire is not one such call (the attempt calls
-        :meth:`acquire`)."""
+    def prepare_acquire(
+        self,
+        holder: str,
+        worker: str,
+        lease_s: float,
+        tenant: Mapping[str, str] | None = None,
+        behind: str | None = None,
+    ) -> PreparedAcquire | None:
+        """The acquire as script calls that need nothing of the request but its holder,
+        worker and ``tenant`` (the metadata attribute the dispatcher named in its message,
+        ``{attribute: value}``), so the worker can send them in the same round trip as the
+        attempt's start; ``behind``: others of this process are parked on that hand-over bell
+        (:meth:`start_bell`): leave out what they wait for (a composite's slot gate: its
+        :meth:`parked_decision` instead). None when the acquire is not such calls (the
+        attempt calls :meth:`acquire`)."""
         return None
+
+    def start_bell(self, queue: str, tenant: Mapping[str, str]) -> str | None:
+        """The hand-over bell (:meth:`handover_bell`) an attempt of ``queue`` (of ``tenant``,
+        as in :meth:`prepare_acquire`) would park on, known before its start: the queue's for
+        a slot gate or a composite ending in one, the tenant's key for a per-key quota; None
+        when not known."""
+        bell = self.handover_bell(queue, ())
+        return bell if bell == queue else None
 
     def acquire_behind(self, ctx: AcquireContext, bell: str) -> Decision | None:
         """An attempt's first ask when others of its process are parked on ``bell``, its

@@ -31,12 +31,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import ConfigError
 from ..store.sched import QuotaSpec
-from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, PreparedRelease, Verdict
+from .base import (
+    CONTINUE,
+    AcquireContext,
+    Decision,
+    Gate,
+    GateEnv,
+    PreparedAcquire,
+    PreparedRelease,
+    Verdict,
+)
 from .params import Params
 
 log = logging.getLogger(__name__)
@@ -131,6 +140,85 @@ class CompositeGate(Gate):
             return None
         parked = self.gates[-1].parked_decision(bell)
         return None if parked is None else self._acquire(ctx, parked)
+
+    def start_bell(self, queue: str, tenant: Mapping[str, str]) -> str | None:
+        return queue if self.hands_over else None
+
+    def prepare_acquire(
+        self,
+        holder: str,
+        worker: str,
+        lease_s: float,
+        tenant: Mapping[str, str] | None = None,
+        behind: str | None = None,
+    ) -> PreparedAcquire | None:
+        """Every inner gate's acquire as calls, when each is; ``behind``: the slot gate's
+        :meth:`~Gate.parked_decision` instead of its call. All calls run: :meth:`_decided`
+        gives back what the gates after a refusing one took."""
+        parked = None
+        asked = self.gates
+        if behind is not None:
+            parked = self.gates[-1].parked_decision(behind) if self.hands_over else None
+            if parked is None:
+                return None
+            asked = self.gates[:-1]
+        parts = [g.prepare_acquire(holder, worker, lease_s, tenant) for g in asked]
+        if any(p is None for p in parts):
+            return None
+        ready = [p for p in parts if p is not None]
+
+        def decisions(replies: Sequence[Any]) -> list[Decision]:
+            out, at = [], 0
+            for p in ready:
+                out.append(p.decide(replies[at : at + len(p.calls)]))
+                at += len(p.calls)
+            return out if parked is None else [*out, parked]
+
+        def took(replies: Sequence[Any]) -> bool:
+            at, any_took = 0, False
+            for p in ready:
+                any_took = p.took(replies[at : at + len(p.calls)]) or any_took
+                at += len(p.calls)
+            return any_took
+
+        calls = tuple(c for p in ready for c in p.calls)
+        return PreparedAcquire(
+            calls, lambda replies: self._decided(decisions(replies), holder), took
+        )
+
+    def _decided(self, decisions: list[Decision], holder: str) -> Decision:
+        """:meth:`acquire`'s all-or-nothing rule over decisions taken together (one per
+        inner gate, in order): at the first that is not Continue, the reservations the others
+        took are given back (the earlier per-key quotas' kept when it parks)."""
+        labels: dict[str, str] = {}
+        for i, decision in enumerate(decisions):
+            labels.update(decision.labels)
+            if decision.verdict is not Verdict.CONTINUE:
+                rest = zip(self.gates[i + 1 :], decisions[i + 1 :], strict=True)
+                later = [g for g, d in rest if d.admitted]
+                taken = self.gates[:i]
+                if decision.wake_on_release:  # it parks: keep its tenant's own slots
+                    taken = [g for g in taken if not g.per_key]
+                self._give_back([*taken, *later], holder)
+                gate = self.gates[i]
+                return dataclasses.replace(
+                    decision, labels=labels, gate=decision.gate or gate.type_name
+                )
+        return Decision(Verdict.CONTINUE, labels=labels) if labels else CONTINUE
+
+    def _give_back(self, gates: Sequence[Gate], holder: str) -> None:
+        """Release ``holder`` on ``gates``, in reverse order (none of them settles)."""
+        for gate in reversed(gates):
+            try:
+                gate.release(holder)
+            except Exception as exc:  # noqa: BLE001 - keep giving back; the lease expires
+                log.warning(
+                    "composite gate %s: give-back of %s on %s failed: %s",
+                    self.name,
+                    holder,
+                    gate.name,
+                    exc,
+                )
 
     def _acquire(self, ctx: AcquireContext, last: Decision | None) -> Decision:
         """The inner gates in order, all-or-nothing; ``last``: the last gate's decision, given

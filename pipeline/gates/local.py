@@ -17,7 +17,7 @@ expire an hour after its last lease.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .base import (
@@ -107,11 +107,18 @@ class LocalMaxConcurrencyGate(Gate):
         info = {"worker": ctx.worker}
         return self._decide(self.slots.acquire(ctx.holder, ctx.lease_s, self.limit, info))
 
-    def prepare_acquire(self, holder: str, worker: str, lease_s: float) -> PreparedAcquire | None:
-        if self.env is None:
+    def prepare_acquire(
+        self,
+        holder: str,
+        worker: str,
+        lease_s: float,
+        tenant: Mapping[str, str] | None = None,
+        behind: str | None = None,
+    ) -> PreparedAcquire | None:
+        if self.env is None or behind is not None:
             return None
         call = self.slots.acquire_call(holder, lease_s, self.limit, {"worker": worker})
-        return PreparedAcquire(call, self._decide, lambda reply: int(reply) == 1)
+        return PreparedAcquire.one(call, self._decide, lambda reply: int(reply) == 1)
 
     def parked_decision(self, bell: str) -> Decision | None:
         return self._decide(0) if self.env is not None else None

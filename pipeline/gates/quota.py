@@ -60,14 +60,23 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import redis
 
 from ..store.sched import QuotaSpec
 from ..store.scripts import ScriptCall
-from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, PreparedRelease, Verdict
+from .base import (
+    CONTINUE,
+    AcquireContext,
+    Decision,
+    Gate,
+    GateEnv,
+    PreparedAcquire,
+    PreparedRelease,
+    Verdict,
+)
 from .leases import LeaseScripts, LeaseSet, holder_entry, register
 from .params import Params
 from .redis_budget import connect, redis_url
@@ -207,6 +216,40 @@ class RedisQuotaGate(Gate):
     def parked_decision(self, bell: str) -> Decision | None:
         """The key's quota exhausted (``bell``: the key, :meth:`handover_bell`)."""
         return _exhausted(bell) if self.per_key and self.env is not None else None
+
+    def _hinted(self, tenant: Mapping[str, str] | None) -> str | None:
+        """The attribute's value in a dispatcher's ``tenant`` hint, when this quota can act
+        on it before the start (per-key, its keys in the pipeline's Redis)."""
+        if not self.per_key or self.env is None or self._own_client or not tenant:
+            return None
+        return tenant.get(self.attribute) or None
+
+    def start_bell(self, queue: str, tenant: Mapping[str, str]) -> str | None:
+        value = self._hinted(tenant)
+        return None if value is None else self.quota_key(value)
+
+    def prepare_acquire(
+        self,
+        holder: str,
+        worker: str,
+        lease_s: float,
+        tenant: Mapping[str, str] | None = None,
+        behind: str | None = None,
+    ) -> PreparedAcquire | None:
+        """The key's slot, when the dispatcher named the tenant (``tenant``)."""
+        value = self._hinted(tenant)
+        if value is None or behind is not None:
+            return None
+        key = self.holders_key(value)
+        call = self._slots(key).acquire_call(
+            holder, lease_s, self.limit, {"key": key, "worker": worker}
+        )
+        refused = _exhausted(self.quota_key(value))
+
+        def decide(reply: Any) -> Decision:
+            return Decision(Verdict.CONTINUE, labels=dict(RESERVED)) if int(reply) else refused
+
+        return PreparedAcquire.one(call, decide, lambda reply: int(reply) == 1)
 
     def _acquire_tokens(self, ctx: AcquireContext, value: str) -> Decision:
         estimate = self.estimate(ctx)

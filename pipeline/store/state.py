@@ -68,6 +68,9 @@ class Dispatched:
     dispatch_no: int
     priority: int
     queue: str
+    # an indexed queue's request: its tenant, {attribute: value} (the worker sends its quota
+    # acquire in the round trip of its start); None when the dispatcher had none to give
+    tenant: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -222,8 +225,9 @@ class Store:
                 int(moved_raw[i + 2]),
                 int(moved_raw[i + 3]),
                 queues[int(moved_raw[i + 4]) - 1].name,
+                json.loads(moved_raw[i + 5]) if moved_raw[i + 5] else None,
             )
-            for i in range(0, len(moved_raw), 5)
+            for i in range(0, len(moved_raw), 6)
         ]
         ne = float(next_event)
         return PoolTickResult(

@@ -19,7 +19,8 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import Settings, from_snapshot, load_settings, to_snapshot
@@ -353,34 +354,43 @@ class Runtime:
 
     # -- attempts ------------------------------------------------------------------------
     def begin(
-        self, request_id: str, token: str, worker: str, queue: str | None = None
+        self,
+        request_id: str,
+        token: str,
+        worker: str,
+        queue: str | None = None,
+        tenant: Mapping[str, str] | None = None,
     ) -> Attempt | None:
         """Start an attempt (fenced by ``token``); None for a stale message. When the queue's
-        gate can (``Gate.prepare_acquire``), its acquire goes to Redis in the same round trip
+        gate can (``Gate.prepare_acquire``; a per-key quota when the dispatcher named the
+        request's ``tenant`` in its message), its acquire goes to Redis in the same round trip
         as the start, and the attempt begins with that decision; when others of this process
-        are parked for a slot of a slot gate, it parks behind them without asking
-        (:meth:`behind_parked`)."""
+        are parked on the bell it would park on, it parks behind them without asking the gate
+        for what they wait for (:meth:`behind_parked`)."""
         self.follow_snapshot()
         queue = queue if queue in self.settings.queues else self._queue_of(request_id)
-        prepared, generation, gate, behind = self._prepare_acquire(queue, request_id, token, worker)
-        decision = None if behind is None else behind[0]
-        if prepared is None:
+        plan = self._prepare_acquire(queue, request_id, token, worker, tenant or {})
+        decision = plan.decision
+        took = False
+        if plan.prepared is None:
             started = self.store.start(request_id, token, queue or "", worker)
         else:
             start = self.store.start_call(request_id, token, queue or "", worker)
-            reply, acquired = run_batch(self.store.client, [start, prepared.call])
-            took = not isinstance(acquired, Exception) and prepared.took(acquired)
+            reply, *acquired = run_batch(self.store.client, [start, *plan.prepared.calls])
+            error = _first_error(acquired)
+            # (a call that failed may have been preceded by one that took: give back all)
+            took = error is not None or plan.prepared.took(acquired)
             started = None if isinstance(reply, Exception) else self.store.started(reply)
             if started is None:
-                if took:  # the start failed or was fenced off: give the new slot back
-                    self.release(queue or "", request_id, token, gate=gate)
+                if took:  # the start failed or was fenced off: give the new slots back
+                    self.release(queue or "", request_id, token, gate=plan.gate)
                 if isinstance(reply, Exception):
                     raise reply
                 return None
-            if isinstance(acquired, Exception):  # the attempt asks its gate again
-                log.warning("gate %s failed for %s: %s", queue, request_id, acquired)
+            if error is not None:  # the attempt asks its gate again
+                log.warning("gate %s failed for %s: %s", queue, request_id, error)
             else:
-                decision = prepared.decide(acquired)
+                decision = plan.prepared.decide(acquired)
         if started is None:
             return None
         record = started.record
@@ -390,8 +400,8 @@ class Runtime:
             # a record this worker cannot read (written by hand, or corrupted): end it
             message = f"unreadable request record: {type(exc).__name__}: {exc}"
             log.error("request %s: %s", request_id, message)
-            if decision is not None and decision.admitted:
-                self.release(queue or "", request_id, token, gate=gate)
+            if took or (decision is not None and decision.admitted):
+                self.release(queue or "", request_id, token, gate=plan.gate)
             self.store.finish(
                 request_id,
                 token,
@@ -402,11 +412,18 @@ class Runtime:
                 error_message=message,
             )
             return None
-        if decision is not None and gate is not None:
-            attempt.gate = gate  # the gate that decided, even if a reload just replaced it
+        if tenant and any(attempt.metadata.get(k) != v for k, v in tenant.items()):
+            # the dispatcher's tenant is not the record's (it never is): ask the gate anew
+            if took:
+                self.release(queue or "", request_id, token, gate=plan.gate)
+            decision = None
+        if decision is not None and plan.gate is not None:
+            attempt.gate = plan.gate  # the gate that decided, even if a reload replaced it
             attempt.decision = decision
-            attempt._generation = generation
-            attempt.behind = 0 if behind is None else behind[1]
+            attempt._generation = plan.generation
+            attempt._key_generations.update(plan.key_generations)
+            parks_here = (decision.wake_key or queue) == plan.bell
+            attempt.behind = plan.waiting if parks_here and not decision.admitted else 0
         self._track(attempt)
         return attempt
 
@@ -419,38 +436,53 @@ class Runtime:
         :meth:`~pipeline.gates.Gate.parked_decision` (with the request's ``ctx``:
         :meth:`~pipeline.gates.Gate.acquire_behind`) and how many are parked, or None (ask).
         The caller reads the bell's generation first."""
-        if self.settings.park_s <= 0:
-            return None
-        waiting = self.bell.waiting(bell)
+        waiting = self._waiting(bell)
         if waiting == 0:
             return None
         decision = gate.parked_decision(bell) if ctx is None else gate.acquire_behind(ctx, bell)
         return None if decision is None else (decision, waiting)
 
+    def _waiting(self, bell: str) -> int:
+        """Attempts of this process parked on ``bell`` (0 when parking is off)."""
+        return self.bell.waiting(bell) if self.settings.park_s > 0 else 0
+
     def _prepare_acquire(
-        self, queue: str | None, request_id: str, token: str, worker: str
-    ) -> tuple[PreparedAcquire | None, int, Gate | None, tuple[Decision, int] | None]:
-        """The queue's gate acquire as a script call, with the release bell's generation read
-        before it (see ``Attempt._park``), the gate, and :meth:`behind_parked`'s answer
-        (then no call: the attempt parks behind the others); no call when the gate has
-        none."""
-        gate = self.current_gate(queue or "")
-        if gate is None:
-            return None, 0, None, None
+        self,
+        queue: str | None,
+        request_id: str,
+        token: str,
+        worker: str,
+        tenant: Mapping[str, str],
+    ) -> StartPlan:
+        """How an attempt's start asks its gate: the gate's acquire as script calls (none
+        when the gate has none), with the generations of the bells it may park on read before
+        them (see ``Attempt._park``); or, when others of this process are parked on the bell
+        it would park on (``Gate.start_bell``), the gate's parked decision without a call, or
+        calls for the rest of the gate only (a composite's quotas)."""
         name = queue or ""
-        generation = self.bell.generation(name)
+        gate = self.current_gate(name)
+        if gate is None:
+            return StartPlan(None, None)
+        plan = StartPlan(gate, None, generation=self.bell.generation(name))
+        plan.bell = gate.start_bell(name, tenant)
         behind = None
-        if gate.handover_bell(name, ()) == name:  # a slot gate's: the queue's bell
-            behind = self.behind_parked(name, gate)
-        if behind is not None:
-            return None, generation, gate, behind
+        if plan.bell is not None:
+            if plan.bell != name:
+                plan.key_generations[plan.bell] = self.bell.generation(plan.bell)
+            plan.waiting = self._waiting(plan.bell)
+            if plan.waiting > 0:
+                plan.decision = gate.parked_decision(plan.bell)
+                if plan.decision is not None:
+                    return plan
+                behind = plan.bell
         holder = make_holder(request_id, token)
         try:
-            prepared = gate.prepare_acquire(holder, worker, self.settings.lease_s)
+            plan.prepared = gate.prepare_acquire(
+                holder, worker, self.settings.lease_s, tenant, behind
+            )
         except Exception as exc:  # noqa: BLE001 - the attempt asks its gate the usual way
             log.warning("gate %s could not prepare for %s: %s", queue, request_id, exc)
-            prepared = None
-        return prepared, generation, gate, None
+        return plan
 
     def _queue_of(self, request_id: str) -> str:
         queue = self.store.client.hget(self.store.keys.request(request_id), "queue")
@@ -515,6 +547,22 @@ def _prepared(
     except Exception as exc:  # noqa: BLE001 - the release is done directly instead
         log.warning("could not prepare the release of %s: %s", holder, exc)
         return None
+
+
+@dataclass
+class StartPlan:
+    """How :meth:`Runtime.begin` asks the gate (:meth:`Runtime._prepare_acquire`): the gate
+    (None: the queue has none), its prepared calls, or a decision taken without a call (parked
+    behind others); the generations of the queue's bell and of the key bell it may park on
+    (read first), the bell others may be parked on (``Gate.start_bell``) and how many were."""
+
+    gate: Gate | None
+    decision: Decision | None
+    prepared: PreparedAcquire | None = None
+    generation: int = 0
+    key_generations: dict[str, int] = field(default_factory=dict)
+    bell: str | None = None
+    waiting: int = 0
 
 
 def _first_error(replies: Sequence[Any]) -> Exception | None:

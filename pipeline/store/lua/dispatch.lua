@@ -37,9 +37,11 @@
 -- With cfg.list set, each moved request is also pushed there as a Celery message (protocol 2,
 -- kombu's Redis transport envelope, JSON body), so the move and the publish are one step.
 -- Returns {moved, expired, next_event, rejected}: moved is a flat list of id, token,
--- dispatch number, priority, queue index (1-based, in ARGV[2]'s order); expired the number of
--- requests expired per queue; next_event how long until the earliest due retry or deadline of
--- a waiting request (s, as text; -1 if none); rejected, per queue, the malformed members removed.
+-- dispatch number, priority, queue index (1-based, in ARGV[2]'s order), tenant (JSON
+-- {attribute: value} of an indexed queue's request, see tenant_hint; '' for none); expired
+-- the number of requests expired per queue; next_event how long until the earliest due retry
+-- or deadline of a waiting request (s, as text; -1 if none); rejected, per queue, the
+-- malformed members removed.
 local prefix = ARGV[1]
 local cfg = cjson.decode(ARGV[2])
 local now = server_now()
@@ -147,10 +149,30 @@ for _, q in ipairs(Q) do
 end
 
 -- 3. dispatch ---------------------------------------------------------------------------
+-- The tenant of a request of an indexed queue as {attribute = value}, for its attempt's
+-- message (the worker sends its quota acquire with the start: pipeline/worker/process.py), or
+-- nil: none, or one whose Python repr (kwargsrepr) would need escapes.
+local function tenant_hint(q, tenant)
+  local c = q.conf
+  if not c or not tenant or tenant == '' then return nil end
+  local safe = '^[%w_.:@-]+$'
+  if #tenant > 128 or not string.find(tenant, safe) or not string.find(c.attr, safe) then
+    return nil
+  end
+  return {[c.attr] = tenant}
+end
+
 -- One Celery task message (what ``Task.apply_async`` would LPUSH through kombu) for attempt
--- `token` of request `id`: args (id, token), kwargs {queue, priority, attempt}.
-local function celery_message(queue_name, id, token, n, priority, t)
-  local body = cjson.encode({{id, token}, {queue = queue_name, priority = priority, attempt = n},
+-- `token` of request `id`: args (id, token), kwargs {queue, priority, attempt[, tenant]}.
+local function celery_message(queue_name, id, token, n, priority, t, tenant)
+  local kwargs = {queue = queue_name, priority = priority, attempt = n, tenant = tenant}
+  local kwrepr = "{'queue': '" .. queue_name .. "', 'priority': " .. priority ..
+    ", 'attempt': " .. n
+  if tenant then
+    local a, v = next(tenant)
+    kwrepr = kwrepr .. ", 'tenant': {'" .. a .. "': '" .. v .. "'}"
+  end
+  local body = cjson.encode({{id, token}, kwargs,
     {callbacks = null, errbacks = null, chain = null, chord = null}})
   return cjson.encode({
     body = body,
@@ -161,8 +183,7 @@ local function celery_message(queue_name, id, token, n, priority, t)
       group = null, group_index = null, retries = 0, timelimit = {null, null},
       root_id = id, parent_id = null,
       argsrepr = "('" .. id .. "', '" .. token .. "')",
-      kwargsrepr = "{'queue': '" .. queue_name .. "', 'priority': " .. priority ..
-        ", 'attempt': " .. n .. "}",
+      kwargsrepr = kwrepr .. '}',
       origin = cfg.origin, ignore_result = false, replaced_task_nesting = 0,
       stamped_headers = null, stamps = {},
     },
@@ -203,8 +224,11 @@ local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes)
   moved[#moved + 1] = n
   moved[#moved + 1] = priority
   moved[#moved + 1] = q.idx
+  local tenant = tenant_hint(q, f[5])
+  moved[#moved + 1] = tenant and cjson.encode(tenant) or ''
   if cfg.list ~= '' then
-    redis.call('LPUSH', cfg.list, celery_message(q.name, id, token, n, tonumber(priority) or 0, t))
+    redis.call('LPUSH', cfg.list,
+      celery_message(q.name, id, token, n, tonumber(priority) or 0, t, tenant))
   end
   return true
 end
