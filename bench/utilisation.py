@@ -21,7 +21,10 @@ more than 16 at the simulator (``max_concurrency_observed``). Scenarios, one run
 Throughput = requests / (first submit .. the simulator's N-th 200, by its own clock). All
 results are then read back through ``Pipeline.iter_results`` and must be 200. ``dispatches
 / req`` counts how often a request went to a worker (1.0: no attempt was refused back to the
-queue).
+queue). Per request, by process: CPU ms; and Redis's read events (``INFO stats``
+``total_reads_processed``: one per client round trip, however many commands it pipelined —
+each a wake-up of the server, the cost that dominates at this rate) and commands (those inside
+scripts too), over the same span.
 
     .venv/bin/python bench/utilisation.py            # ~2 min
     .venv/bin/python bench/utilisation.py --only quota-1node --only tenants8
@@ -154,11 +157,13 @@ def run_batch(
     sim.reset()
     batch = [dict(it, queue=queue) for it in make(n, tag, fail_every)]
     cpu = CpuMeter(pids or {}).start()
+    reads0 = redis_counts(p.store.client)
     t0 = time.monotonic()
     reqs = p.submit_many(batch)
     t_submit = time.monotonic() - t0
     t1 = sim.last_answer(n, timeout=60 + n * 0.05)  # every request ends in a 200 (checked)
     cpu.stop()
+    reads, commands = (b - a for a, b in zip(reads0, redis_counts(p.store.client), strict=True))
     elapsed = t1 - t0
     results = list(p.iter_results([r.id for r in reqs]))
     bad = [r for r in results if r.status_code != 200]
@@ -185,7 +190,16 @@ def run_batch(
         "cpu": cpu.used,
         "cpu_ms": cpu.per_request_ms(n),
         "dispatches": dispatches / n,
+        "redis_reads": reads / n,
+        "redis_commands": commands / n,
     }
+
+
+def redis_counts(client: Any) -> tuple[int, int]:
+    """The server's read events (each a wake-up for a client's round trip, however many
+    commands it pipelined) and commands run (those inside scripts too), so far."""
+    info = client.info("stats")
+    return int(info["total_reads_processed"]), int(info["total_commands_processed"])
 
 
 def scenario(
@@ -221,6 +235,10 @@ def scenario(
     res["ok"] = res["ratio"] >= 0.95 and res["max_conc"] <= LIMIT and res["not_ok"] == 0
     log(f"{label}: {res['rate']:.1f} req/s, ratio {res['ratio']:.3f}, max {res['max_conc']}")
     log(f"{label}: CPU ms per request: {res['cpu_ms']}")
+    log(
+        f"{label}: Redis per request: {res['redis_reads']:.2f} reads (round trips), "
+        f"{res['redis_commands']:.1f} commands"
+    )
     return res
 
 
@@ -273,9 +291,10 @@ def main() -> int:
         )
     )
     print("target: >= 0.95 of ceiling and max at sim <= 16, every result 200")
-    print("CPU ms per request, by process:")
+    print("CPU ms per request, by process; Redis reads (round trips) and commands per request:")
     for r in rows:
         print(f"  {r['label']}: {r['cpu_ms']}")
+        print(f"    {r['redis_reads']:.2f} reads, {r['redis_commands']:.1f} commands")
     return 0
 
 

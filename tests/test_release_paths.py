@@ -8,6 +8,7 @@ gate key in Redis still holds a slot).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -554,22 +555,31 @@ def test_a_server_that_lost_its_scripts_still_starts_attempts(
 QUOTA_PER_USER = {"quota1": 1, "tenants": 2}
 
 
+@contextlib.contextmanager
+def indexed_copy(pl: Pipeline, like: str) -> Iterator[tuple[Pipeline, Runtime, str]]:
+    """A copy of queue ``like`` that no node serves, indexed by userid (its dispatched
+    messages name the tenant), with a client and an in-process runtime."""
+    q = replace(pl.settings.queues[like], queue_name="ptenant", worker_pool_id="nobody")
+    settings = replace(pl.settings, queues={**pl.settings.queues, "ptenant": q})
+    client, rt = Pipeline(settings), Runtime(settings)
+    store = client.store
+    sched.setup(store.client, store.scripts, store.keys, "ptenant", "nobody", "userid", False)
+    try:
+        yield client, rt, "ptenant"
+    finally:
+        rt.stop()
+        assert_idle(client)
+        sched.teardown(store.client, store.keys, "ptenant")
+
+
 @pytest.fixture(params=sorted(QUOTA_PER_USER))
 def prepared_tenant(
     pl: Pipeline, request: pytest.FixtureRequest
 ) -> Iterator[tuple[Pipeline, Runtime, str, int]]:
     """As ``prepared``, for an indexed queue (a quota per userid: ``redis-quota`` 1 alone, or
-    2 per user in a composite behind a global 6), whose dispatched messages name the tenant;
-    and the quota per user."""
-    q = replace(pl.settings.queues[request.param], queue_name="ptenant", worker_pool_id="nobody")
-    settings = replace(pl.settings, queues={**pl.settings.queues, "ptenant": q})
-    client, rt = Pipeline(settings), Runtime(settings)
-    store = client.store
-    sched.setup(store.client, store.scripts, store.keys, "ptenant", "nobody", "userid", False)
-    yield client, rt, "ptenant", QUOTA_PER_USER[request.param]
-    rt.stop()
-    assert_idle(client)
-    sched.teardown(store.client, store.keys, "ptenant")
+    2 per user in a composite behind a global 6); and the quota per user."""
+    with indexed_copy(pl, request.param) as (client, rt, queue):
+        yield client, rt, queue, QUOTA_PER_USER[request.param]
 
 
 def dispatch_tenant(p: Pipeline, queue: str, user: str) -> Any:
@@ -590,14 +600,7 @@ def test_a_quota_acquire_goes_with_the_start_when_the_message_names_the_tenant(
     p, rt, queue, limit = prepared_tenant
     user = uid("u")
     first = dispatch_tenant(p, queue, user)
-    sent: list[int] = []
-    batch = worker_module.run_batch
-
-    def counted(client: Any, calls: Any) -> list[Any]:
-        sent.append(len(calls))
-        return batch(client, calls)
-
-    monkeypatch.setattr(worker_module, "run_batch", counted)
+    sent = counted_batches(monkeypatch)
     gate = rt.gate(queue)
     monkeypatch.setattr(gate, "acquire", None)  # never asked on its own
     a = rt.begin(first.id, first.token, "w", queue, first.tenant)
@@ -617,6 +620,63 @@ def test_a_quota_acquire_goes_with_the_start_when_the_message_names_the_tenant(
     assert a.run().status.value == "success"
     assert over.run().status.value == "success"  # admitted once the key had room
     assert gate_in_flight(p, queue) == 0
+
+
+def counted_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the worker's round trips (``run_batch`` calls) from now on."""
+    sent: list[int] = []
+    batch = worker_module.run_batch
+
+    def counted(client: Any, calls: Any) -> list[Any]:
+        sent.append(len(calls))
+        return batch(client, calls)
+
+    monkeypatch.setattr(worker_module, "run_batch", counted)
+    return sent
+
+
+def test_a_quota_hand_over_goes_in_the_givers_finish_round_trip(
+    pl: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-quota 1 per user: the user's second attempt parks on the key; the first one's
+    finish hands it the key's slot with the transfer sent ahead of the finish, in one round
+    trip (the gate's own transfer is never called); both end, nothing held."""
+    with indexed_copy(pl, "quota1") as (p, rt, queue):
+        user = uid("u")
+        first, second = dispatch_tenant(p, queue, user), dispatch_tenant(p, queue, user)
+        a = rt.begin(first.id, first.token, "w", queue, first.tenant)
+        b = rt.begin(second.id, second.token, "w", queue, second.tenant)
+        assert a and b and a.decision and b.decision
+        assert a.decision.admitted and not b.decision.admitted
+        reports: list[Any] = []
+        parked = threading.Thread(target=lambda: reports.append(b.run()))
+        parked.start()
+        key = f"quota:userid:{user}"
+        wait_for(lambda: rt.bell.waiting(key) == 1, 5, what="the second attempt parked")
+        sent = counted_batches(monkeypatch)
+        monkeypatch.setattr(rt.gate(queue), "transfer", None)  # never on its own
+        assert a.run().status.value == "success"
+        parked.join(10)
+        assert reports and reports[0].status.value == "success"
+        assert sent[0] == 2  # the transfer, then a's finish
+        assert (p.record(second.id).get("log") or "").count('"handed_over":true') == 1
+
+
+def test_a_composite_release_goes_in_the_finish_round_trip(
+    pl: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quota per user behind a global limit: the attempt's release on both inner gates is
+    sent ahead of its finish, in one round trip (the gate's own release is never called)."""
+    with indexed_copy(pl, "tenants") as (p, rt, queue):
+        d = dispatch_tenant(p, queue, uid("u"))
+        attempt = rt.begin(d.id, d.token, "w", queue, d.tenant)
+        assert attempt and attempt.decision and attempt.decision.admitted
+        assert gate_in_flight(p, queue) == 1
+        sent = counted_batches(monkeypatch)
+        monkeypatch.setattr(rt.gate(queue), "release", None)  # never on its own
+        assert attempt.run().status.value == "success"
+        assert sent == [3]  # the global's release, the quota's, then the finish
+        assert gate_in_flight(p, queue) == 0
 
 
 def test_a_tenant_the_record_does_not_have_is_not_trusted(

@@ -190,6 +190,16 @@ class RedisQuotaGate(Gate):
         info = {"key": key, "worker": ctx.worker, "handed_over_by": giver}
         return bool(self._slots(key).transfer(giver, ctx.holder, ctx.lease_s, self.limit, info))
 
+    def prepare_transfer(self, giver: str, ctx: AcquireContext) -> PreparedRelease | None:
+        """:meth:`transfer` as one call, when the quota's keys are in the pipeline's Redis."""
+        value = ctx.metadata.get(self.attribute)
+        if not self.per_key or self.env is None or self._own_client or not value:
+            return None
+        key = self.holders_key(value)
+        info = {"key": key, "worker": ctx.worker, "handed_over_by": giver}
+        call = self._slots(key).transfer_call(giver, ctx.holder, ctx.lease_s, self.limit, info)
+        return PreparedRelease.one(call, lambda reply: bool(int(reply)))
+
     def estimate(self, ctx: AcquireContext) -> int:
         """Tokens charged at admission (tokens mode; see :mod:`.tokens`)."""
         return estimate_tokens(ctx.payload, self.default_max_tokens)
