@@ -488,13 +488,8 @@ def holds_one_slot_then_frees_it(p: Pipeline, queue: str, attempt: Any) -> None:
     assert gate_in_flight(p, queue) == 0
 
 
-def test_the_start_and_the_gate_acquire_are_one_round_trip(
-    prepared: tuple[Pipeline, Runtime, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The attempt begins already admitted (its slot taken in the start's round trip), so
-    its task asks the gate no more."""
-    p, rt, queue = prepared
-    rid, token = dispatch_one(p, queue)
+def counted_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the worker's round trips (``run_batch`` calls) from now on."""
     sent: list[int] = []
     batch = worker_module.run_batch
 
@@ -503,6 +498,17 @@ def test_the_start_and_the_gate_acquire_are_one_round_trip(
         return batch(client, calls)
 
     monkeypatch.setattr(worker_module, "run_batch", counted)
+    return sent
+
+
+def test_the_start_and_the_gate_acquire_are_one_round_trip(
+    prepared: tuple[Pipeline, Runtime, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attempt begins already admitted (its slot taken in the start's round trip), so
+    its task asks the gate no more."""
+    p, rt, queue = prepared
+    rid, token = dispatch_one(p, queue)
+    sent = counted_batches(monkeypatch)
     monkeypatch.setattr(rt.gate(queue), "acquire", None)  # never asked on its own
     attempt = rt.begin(rid, token, "w", queue)
     assert attempt is not None and attempt.decision is not None and attempt.decision.admitted
@@ -620,19 +626,6 @@ def test_a_quota_acquire_goes_with_the_start_when_the_message_names_the_tenant(
     assert a.run().status.value == "success"
     assert over.run().status.value == "success"  # admitted once the key had room
     assert gate_in_flight(p, queue) == 0
-
-
-def counted_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the worker's round trips (``run_batch`` calls) from now on."""
-    sent: list[int] = []
-    batch = worker_module.run_batch
-
-    def counted(client: Any, calls: Any) -> list[Any]:
-        sent.append(len(calls))
-        return batch(client, calls)
-
-    monkeypatch.setattr(worker_module, "run_batch", counted)
-    return sent
 
 
 def test_a_quota_hand_over_goes_in_the_givers_finish_round_trip(
