@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import redis
 
@@ -134,13 +134,22 @@ class PreparedRelease:
         calls = tuple(c for p in parts for c in p.calls)
 
         def done(replies: Sequence[Any]) -> bool:
-            results, at = [], 0
-            for p in parts:
-                results.append(p.done(replies[at : at + len(p.calls)]))
-                at += len(p.calls)
-            return combine(results)
+            return combine([p.done(r) for p, r in split_replies(parts, replies)])
 
         return cls(calls, done)
+
+
+P = TypeVar("P", PreparedAcquire, PreparedRelease)
+
+
+def split_replies(parts: Sequence[P], replies: Sequence[Any]) -> list[tuple[P, Sequence[Any]]]:
+    """Each prepared part with its own replies, out of the replies of all their calls sent in
+    order."""
+    out, at = [], 0
+    for p in parts:
+        out.append((p, replies[at : at + len(p.calls)]))
+        at += len(p.calls)
+    return out
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from .base import (
     PreparedAcquire,
     PreparedRelease,
     Verdict,
+    split_replies,
 )
 from .params import Params
 
@@ -168,18 +169,11 @@ class CompositeGate(Gate):
         ready = [p for p in parts if p is not None]
 
         def decisions(replies: Sequence[Any]) -> list[Decision]:
-            out, at = [], 0
-            for p in ready:
-                out.append(p.decide(replies[at : at + len(p.calls)]))
-                at += len(p.calls)
+            out = [p.decide(r) for p, r in split_replies(ready, replies)]
             return out if parked is None else [*out, parked]
 
         def took(replies: Sequence[Any]) -> bool:
-            at, any_took = 0, False
-            for p in ready:
-                any_took = p.took(replies[at : at + len(p.calls)]) or any_took
-                at += len(p.calls)
-            return any_took
+            return any(p.took(r) for p, r in split_replies(ready, replies))
 
         calls = tuple(c for p in ready for c in p.calls)
         return PreparedAcquire(

@@ -183,22 +183,25 @@ class RedisQuotaGate(Gate):
     def transfer(self, giver: str, ctx: AcquireContext) -> bool:
         if not self.per_key:
             return super().transfer(giver, ctx)  # rate-limit, classifying: nothing to hand
-        value = ctx.metadata.get(self.attribute)
-        if not value:
-            return False
-        key = self.holders_key(value)
-        info = {"key": key, "worker": ctx.worker, "handed_over_by": giver}
-        return bool(self._slots(key).transfer(giver, ctx.holder, ctx.lease_s, self.limit, info))
+        call = self._transfer_call(giver, ctx)
+        return call is not None and bool(int(call.script(keys=call.keys, args=call.args)))
 
     def prepare_transfer(self, giver: str, ctx: AcquireContext) -> PreparedRelease | None:
         """:meth:`transfer` as one call, when the quota's keys are in the pipeline's Redis."""
+        if not self.per_key or self.env is None or self._own_client:
+            return None
+        call = self._transfer_call(giver, ctx)
+        return None if call is None else PreparedRelease.one(call, lambda r: bool(int(r)))
+
+    def _transfer_call(self, giver: str, ctx: AcquireContext) -> ScriptCall | None:
+        """The hand-over of ``giver``'s slot of ``ctx``'s key (None: the request has no
+        value of the attribute, so no key)."""
         value = ctx.metadata.get(self.attribute)
-        if not self.per_key or self.env is None or self._own_client or not value:
+        if not value:
             return None
         key = self.holders_key(value)
         info = {"key": key, "worker": ctx.worker, "handed_over_by": giver}
-        call = self._slots(key).transfer_call(giver, ctx.holder, ctx.lease_s, self.limit, info)
-        return PreparedRelease.one(call, lambda reply: bool(int(reply)))
+        return self._slots(key).transfer_call(giver, ctx.holder, ctx.lease_s, self.limit, info)
 
     def estimate(self, ctx: AcquireContext) -> int:
         """Tokens charged at admission (tokens mode; see :mod:`.tokens`)."""
