@@ -66,6 +66,11 @@ class Decision:
     def admitted(self) -> bool:
         return self.verdict is Verdict.CONTINUE
 
+    def bell(self, queue: str) -> str:
+        """The release bell an attempt of ``queue`` parks on for this decision: its per-key
+        quota's key, else the queue's."""
+        return self.wake_key or queue
+
 
 CONTINUE = Decision(Verdict.CONTINUE)
 

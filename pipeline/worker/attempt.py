@@ -165,7 +165,7 @@ class Attempt:
             else:
                 self.decision, waiting = behind
                 # (a composite's quota may have refused it first: then it parks on its key)
-                self.behind = waiting if (self.decision.wake_key or queue) == bell else 0
+                self.behind = waiting if self.decision.bell(queue) == bell else 0
         except Exception as exc:  # noqa: BLE001 - a gate error refuses, it never crashes
             log.warning("gate %s failed for %s: %s", queue, self.id, exc)
             self.decision = Decision(Verdict.REFUSE, reason="error")
@@ -423,7 +423,7 @@ class Attempt:
             left = end - time.monotonic()
             if left <= 0:
                 break
-            key = decision.wake_key or queue  # a per-key quota's bell, else the queue's
+            key = decision.bell(queue)
             handover = self.gate.handover_bell(queue, self._wake_keys)
             ticket = self.rt.bell.park(
                 key,

@@ -422,7 +422,7 @@ class Runtime:
             attempt.decision = decision
             attempt._generation = plan.generation
             attempt._key_generations.update(plan.key_generations)
-            parks_here = (decision.wake_key or queue) == plan.bell
+            parks_here = decision.bell(queue or "") == plan.bell
             attempt.behind = plan.waiting if parks_here and not decision.admitted else 0
         self._track(attempt)
         return attempt
