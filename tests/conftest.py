@@ -154,6 +154,7 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
         ),
         ("lim2", "default", local_limit(2), sim_url),
         ("quota1", "default", quota(1), sim_url),
+        ("quota4", "default", quota(4), sim_url),
         ("qrefuse", "qrefuse", quota(1), sim_url),
         ("quotawait", "default", wait_quota, sim_url),
         # token budgets per userid: a long window (charges outlive the test) and a short one

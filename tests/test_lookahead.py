@@ -109,9 +109,47 @@ def test_lookahead_per_capacity() -> None:
         8,
         8,
     ]
+    # past a quota key: half its limit (its held tenant is woken when half is used)
+    keyed = [auto.lookahead_for(c, quota_key=True) for c in (1, 2, 3, 4, 16, 17, 1000)]
+    assert keyed == [1, 1, 2, 2, 8, 8, 8]
     assert Settings(lookahead=3).lookahead_for(100) == 3
+    assert Settings(lookahead=3).lookahead_for(100, quota_key=True) == 3
     assert Settings(lookahead=0).lookahead_for(16) == 0
     assert Settings(park_s=0).lookahead_for(16) == 0  # nothing may park: nothing goes ahead
+    assert Settings(park_s=0).lookahead_for(16, quota_key=True) == 0
+
+
+def test_a_quota_key_gets_half_its_limit_dispatched_past_it_by_default(
+    served: Pipeline, sim: SimServer
+) -> None:
+    """quota4 (redis-quota, four in flight per user; look-ahead automatic): with the user's
+    four requests held at the simulator, two more are sent past the key's limit and park at
+    the worker (half the limit: a tick tops them up after two leaves, not after each one); the
+    rest wait in the queue, the tenant held back. Then all of them run, never more than four
+    at once."""
+    sim.reset()
+    user = {"userid": uid("u")}
+    holders = [uid("hold") for _ in range(4)]
+    for h in holders:
+        served.submit({"p": "holder"}, id=h, queue="quota4", timeout=60, metadata=user,
+                      headers=held(h))  # fmt: skip
+    for h in holders:
+        sim.wait_held(h)
+    more = [
+        served.submit({"p": n}, id=uid("m"), queue="quota4", timeout=60, metadata=user).id
+        for n in range(4)
+    ]
+    wait_for(lambda: all(parked_entries(served, r) for r in more[:2]), 10,
+             what="two attempts parked past the key's limit")  # fmt: skip
+    # settled until a holder leaves: the key counts 4 + 2, its limit plus its look-ahead
+    assert [served.state(r) for r in more[2:]] == ["queued", "queued"]
+    assert all(r not in sim.stats()["attempts_by_request_id"] for r in more)
+    for h in holders:
+        sim.release(h)
+    results = [served.wait(r, 20) for r in holders + more]
+    assert all(r.ok and r.attempts == 1 for r in results)
+    assert sim.stats()["max_concurrency_observed"] == 4
+    assert_idle(served)
 
 
 def test_a_warm_shutdown_sends_parked_attempts_back_to_the_queue(

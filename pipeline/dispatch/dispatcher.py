@@ -119,7 +119,7 @@ class Dispatcher:
         self.settings, self.pools, self.gates = settings, pools, gates
         self.specs = {
             name: tuple(
-                dataclasses.replace(s, lookahead=settings.lookahead_for(s.limit))
+                dataclasses.replace(s, lookahead=settings.lookahead_for(s.limit, quota_key=True))
                 for s in gate.quota_specs()
             )
             for name, gate in gates.items()

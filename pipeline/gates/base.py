@@ -224,6 +224,11 @@ class Gate:
         slot gate, a key's limit for a per-key quota; None when they are not counted."""
         return self.capacity()
 
+    def handover_keyed(self) -> bool:
+        """Whether :meth:`handover_capacity` is a per-key quota's limit (the dispatcher's
+        look-ahead past it is ``Settings.lookahead_for(..., quota_key=True)``)."""
+        return False
+
     def quota_specs(self) -> list[QuotaSpec]:
         """The blocking per-key concurrency quotas in this gate (its own, or its inner
         gates'): the dispatcher counts each key's requests against them and holds a tenant

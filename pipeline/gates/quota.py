@@ -176,6 +176,9 @@ class RedisQuotaGate(Gate):
     def handover_capacity(self) -> int | None:
         return self.limit if self.per_key else None
 
+    def handover_keyed(self) -> bool:
+        return self.per_key
+
     def handover_bell(self, queue: str, wake: Sequence[str]) -> str | None:
         """The holder's key: its slot goes to an attempt parked for the same key."""
         return wake[0] if self.per_key and len(wake) == 1 else None

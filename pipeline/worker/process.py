@@ -225,14 +225,15 @@ class Runtime:
         """Whether this process still has at least half the dispatcher's look-ahead past
         ``gate``'s capacity behind ``bell`` (``Settings.lookahead_for`` of
         ``Gate.handover_capacity``: a slot gate's, on the queue's bell; a per-key quota's
-        limit, on the key's) parked on that bell: then a finish that handed its slot over
-        there does not ring the pool's doorbell (the dispatcher is rung when the parked
-        attempts run low, and tops them up in one tick, instead of one tick per finish; a
-        quota key's held tenants are woken at the same point, see ``Keys.quota_blocked``)."""
+        limit, on the key's, ``Gate.handover_keyed``) parked on that bell: then a finish that
+        handed its slot over there does not ring the pool's doorbell (the dispatcher is rung
+        when the parked attempts run low, and tops them up in one tick, instead of one tick per
+        finish; a quota key's held tenants are woken at the same point, see
+        ``Keys.quota_blocked``)."""
         cap = gate.handover_capacity()
         if cap is None:
             return False
-        need = -(-self.settings.lookahead_for(cap) // 2)
+        need = -(-self.settings.lookahead_for(cap, quota_key=gate.handover_keyed()) // 2)
         return need > 0 and self.bell.waiting(bell) >= need
 
     @staticmethod
