@@ -292,3 +292,36 @@ def test_a_global_limit_holds_across_nodes_and_a_release_on_one_wakes_a_parked_a
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_each_live_node_of_the_pool_gets_its_own_look_ahead(redis_url: str) -> None:
+    """A dispatcher whose pool has three live nodes sends a slot gate's look-ahead once for
+    each (every node keeps its own parked reserve, so a slot released there is handed over
+    there): ``global-max-concurrency`` 4 (look-ahead 1) dispatches 4 + 3 of 12 waiting
+    requests; with itself alone, 4 + 1. (Behind per-key quotas too it stays 1 in all.) Then
+    the requests are cancelled: nothing is held."""
+    from pipeline.dispatch.dispatcher import Dispatcher
+
+    from .sched_harness import bench
+
+    gate = {"gate_type": "global-max-concurrency", "gate_params": {"limit": 4}}
+    for others, expected in (((), 5), (("n2", "n3"), 7)):
+        with bench(redis_url, [{"queue_name": "g", **gate}]) as b:
+            sent: list[Any] = []
+            d = Dispatcher(b.pl.settings, ["p"], node="n1", slots=32, send=sent.extend)
+            try:
+                d.setup_queues()
+                for node in others:
+                    b.store.node_beat(node, 32, ["p"], 30.0)
+                d._heartbeat()
+                assert d.pool_nodes["p"] == 1 + len(others)
+                reqs = b.pl.submit_many([{"payload": {"n": i}, "queue": "g"} for i in range(12)])
+                d.tick()
+                assert len(sent) == expected
+                assert b.pl.inspect()["g"]["gate"]["in_flight"] == 0  # none started yet
+                for r in reqs:
+                    b.pl.cancel(r.id)
+                assert_idle(b.pl)
+            finally:
+                for g in d.gates.values():
+                    g.close()
