@@ -7,11 +7,14 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import pytest
+
 from pipeline.client import Pipeline
 from pipeline.config import Settings
 from pipeline.sim import SimServer
 
 from .conftest import assert_idle, held, wait_for
+from .conftest import quota as quota_gate
 
 
 def uid(tag: str) -> str:
@@ -294,18 +297,41 @@ def test_a_global_limit_holds_across_nodes_and_a_release_on_one_wakes_a_parked_a
             n.stop()
 
 
-def test_each_live_node_of_the_pool_gets_its_own_look_ahead(redis_url: str) -> None:
-    """A dispatcher whose pool has three live nodes sends a slot gate's look-ahead once for
-    each (every node keeps its own parked reserve, so a slot released there is handed over
-    there): ``global-max-concurrency`` 4 (look-ahead 1) dispatches 4 + 3 of 12 waiting
-    requests; with itself alone, 4 + 1. (Behind per-key quotas too it stays 1 in all.) Then
-    the requests are cancelled: nothing is held."""
+PER_NODE_GATES = {
+    # gate, then the requests dispatched of 12 (one tenant) with one node and with three:
+    # limit 4 + look-ahead 1 per node
+    "global": ({"gate_type": "global-max-concurrency", "gate_params": {"limit": 4}}, 5, 7),
+    # quota 4 per user + its look-ahead, half the limit (2), per node
+    "quota": (quota_gate(4), 6, 10),
+    # a composite of both: the quota's 4 + 2, once in all (its parked attempts hold quota slots)
+    "composite": (
+        {
+            "gate_type": "composite",
+            "gate_params": {
+                "gates": [
+                    quota_gate(4),
+                    {"gate_type": "global-max-concurrency", "gate_params": {"limit": 8}},
+                ]
+            },
+        },
+        6,
+        6,
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PER_NODE_GATES))
+def test_each_live_node_of_the_pool_gets_its_own_look_ahead(redis_url: str, kind: str) -> None:
+    """A dispatcher whose pool has three live nodes sends a gate's look-ahead once for each
+    (every node keeps its own parked reserve, so a slot released there is handed over there),
+    except behind a composite of quotas and a slot gate. Then the requests are cancelled:
+    nothing is held."""
     from pipeline.dispatch.dispatcher import Dispatcher
 
     from .sched_harness import bench
 
-    gate = {"gate_type": "global-max-concurrency", "gate_params": {"limit": 4}}
-    for others, expected in (((), 5), (("n2", "n3"), 7)):
+    gate, alone, three = PER_NODE_GATES[kind]
+    for others, expected in (((), alone), (("n2", "n3"), three)):
         with bench(redis_url, [{"queue_name": "g", **gate}]) as b:
             sent: list[Any] = []
             d = Dispatcher(b.pl.settings, ["p"], node="n1", slots=32, send=sent.extend)
@@ -315,7 +341,11 @@ def test_each_live_node_of_the_pool_gets_its_own_look_ahead(redis_url: str) -> N
                     b.store.node_beat(node, 32, ["p"], 30.0)
                 d._heartbeat()
                 assert d.pool_nodes["p"] == 1 + len(others)
-                reqs = b.pl.submit_many([{"payload": {"n": i}, "queue": "g"} for i in range(12)])
+                items = [
+                    {"payload": {"n": i}, "queue": "g", "metadata": {"userid": "u"}}
+                    for i in range(12)
+                ]
+                reqs = b.pl.submit_many(items)
                 d.tick()
                 assert len(sent) == expected
                 assert b.pl.inspect()["g"]["gate"]["in_flight"] == 0  # none started yet

@@ -288,26 +288,29 @@ class Dispatcher:
     def _queue_tick(self, pool: str, q: QueueConfig) -> QueueTick:
         gate = self.gates[q.queue_name]
         cap = gate.capacity()
+        specs = self.specs[q.queue_name]
+        # look ahead: a few attempts past a slot gate's slots (or a quota key's limit) park at
+        # each node of the pool, so a slot released there is taken by a waiter there, not
+        # after a dispatcher round trip; each node keeps its own (a node rings the doorbell
+        # when fewer than half of them are left there: Runtime.parked_ahead), whether the gate
+        # counts per node or for the whole pool. Once in all behind a composite of per-key
+        # quotas and a slot gate: its parked attempts hold their tenants' quota slots, and
+        # more of them cost more than they saved (a fair tenant mix on 3 nodes: 5.5 -> 6.1
+        # Redis round trips per request)
+        per = 1 if cap is not None and specs else self.pool_nodes[pool]
         if cap is not None:
-            nodes = self.pool_nodes[pool]
-            # look ahead: a few attempts past the slots park at each node of the pool, so a
-            # slot released there is taken by a waiter there, not after a dispatcher round
-            # trip; each node keeps its own (a node rings the doorbell when fewer than half of
-            # them are left there: Runtime.parked_ahead), whether the gate counts per node or
-            # for the whole pool. Not behind per-key quotas too: their parked attempts hold
-            # their tenants' quota slots, and more of them cost more than they saved (a fair
-            # tenant mix on 3 nodes: 5.5 -> 6.1 Redis round trips per request)
-            per = 1 if self.specs[q.queue_name] else nodes
             ahead = self.settings.lookahead_for(cap) * per
             if gate.per_node:
-                cap *= nodes
+                cap *= self.pool_nodes[pool]
             cap += ahead
+        if per > 1:
+            specs = tuple(dataclasses.replace(s, lookahead=s.lookahead * per) for s in specs)
         return self.store.queue_tick(
             q,
             budget=gate.dispatch_budget(),
             cap=-1 if cap is None else cap,
             lane=self.settings.merge_policy.lane(q.labels),
-            specs=self.specs[q.queue_name],
+            specs=specs,
             rand=self.rng.random(),
         )
 
