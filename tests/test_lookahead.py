@@ -11,10 +11,12 @@ import pytest
 
 from pipeline.client import Pipeline
 from pipeline.config import Settings
+from pipeline.dispatch.dispatcher import Dispatcher
 from pipeline.sim import SimServer
 
-from .conftest import assert_idle, held, wait_for
+from .conftest import assert_idle, held, tenants_gate, wait_for
 from .conftest import quota as quota_gate
+from .sched_harness import bench
 
 
 def uid(tag: str) -> str:
@@ -304,19 +306,7 @@ PER_NODE_GATES = {
     # quota 4 per user + its look-ahead, half the limit (2), per node
     "quota": (quota_gate(4), 6, 10),
     # a composite of both: the quota's 4 + 2, once in all (its parked attempts hold quota slots)
-    "composite": (
-        {
-            "gate_type": "composite",
-            "gate_params": {
-                "gates": [
-                    quota_gate(4),
-                    {"gate_type": "global-max-concurrency", "gate_params": {"limit": 8}},
-                ]
-            },
-        },
-        6,
-        6,
-    ),
+    "composite": (tenants_gate(4, 8), 6, 6),
 }
 
 
@@ -326,10 +316,6 @@ def test_each_live_node_of_the_pool_gets_its_own_look_ahead(redis_url: str, kind
     (every node keeps its own parked reserve, so a slot released there is handed over there),
     except behind a composite of quotas and a slot gate. Then the requests are cancelled:
     nothing is held."""
-    from pipeline.dispatch.dispatcher import Dispatcher
-
-    from .sched_harness import bench
-
     gate, alone, three = PER_NODE_GATES[kind]
     for others, expected in (((), alone), (("n2", "n3"), three)):
         with bench(redis_url, [{"queue_name": "g", **gate}]) as b:

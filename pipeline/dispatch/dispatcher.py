@@ -297,11 +297,12 @@ class Dispatcher:
         # quotas and a slot gate: its parked attempts hold their tenants' quota slots, and
         # more of them cost more than they saved (a fair tenant mix on 3 nodes: 5.5 -> 6.1
         # Redis round trips per request)
-        per = 1 if cap is not None and specs else self.pool_nodes[pool]
+        nodes = self.pool_nodes[pool]
+        per = 1 if cap is not None and specs else nodes
         if cap is not None:
             ahead = self.settings.lookahead_for(cap) * per
             if gate.per_node:
-                cap *= self.pool_nodes[pool]
+                cap *= nodes
             cap += ahead
         if per > 1:
             specs = tuple(dataclasses.replace(s, lookahead=s.lookahead * per) for s in specs)
