@@ -18,6 +18,12 @@ more than 16 at the simulator (``max_concurrency_observed``). Scenarios, one run
   a few tenants, each capped at 3: a tail the pool cannot fill; taking turns, they drain
   together).
 
+For reference, ``--plain`` adds plain Celery under the same load (``bench/plain_celery.py``: one
+worker node with 16 threads, so never more than 16 at the simulator, each task POSTs one
+request and stores its status code in Celery's Redis result backend): the Redis CPU per request
+of a task queue with no gate, order, deadline, fencing or lease, measured in the same run, and
+each scenario's Redis CPU as a multiple of it.
+
 Throughput = requests / (first submit .. the simulator's N-th 200, by its own clock). All
 results are then read back through ``Pipeline.iter_results`` and must be 200. ``dispatches
 / req`` counts how often a request went to a worker (1.0: no attempt was refused back to the
@@ -28,10 +34,12 @@ scripts too), over the same span.
 
     .venv/bin/python bench/utilisation.py            # ~2 min
     .venv/bin/python bench/utilisation.py --only quota-1node --only tenants8
+    .venv/bin/python bench/utilisation.py --only 1node --plain
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +50,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (
+    BODY,
     CpuMeter,
     Node,
     PipelineEnv,
@@ -61,6 +70,7 @@ from bench.common import (
     verdict,
 )
 from bench.handoff import handoffs, mean_concurrency
+from bench.overhead import Plain
 
 LIMIT = 16
 LATENCY_MS = 100.0
@@ -175,6 +185,7 @@ def run_batch(
     arrivals = sim.arrivals()
     gaps = [g * 1000 for g in handoffs(arrivals, LIMIT)]
     return {
+        "n": n,
         "elapsed": elapsed,
         "submit_s": t_submit,
         "rate": n / elapsed,
@@ -242,10 +253,73 @@ def scenario(
     return res
 
 
+PLAIN_LABEL = "plain Celery, 16 threads (reference)"
+
+
+def plain_scenario(rh: RedisHandle, workdir: Path, *, n: int) -> dict[str, Any]:
+    """Plain Celery under the utilisation load: ``n`` tasks published at once to one worker
+    node with ``LIMIT`` threads, each POSTing to the simulator (100 ms). Measured as
+    :func:`run_batch` measures the pipeline (CPU and Redis counters from the first publish to
+    the simulator's n-th answer)."""
+    sim = Sim(latency_ms=LATENCY_MS, record_arrivals=True)
+    plain: Plain | None = None
+    try:
+        plain = Plain(rh, workdir, "threads", LIMIT)
+        plain.warm(sim)
+        log(f"{PLAIN_LABEL}: running {n} tasks")
+        pids = process_ids(rh, sim, [plain.proc.pid])
+        app, post = plain.mod.app, plain.mod.post
+        body = json.dumps(BODY, separators=(",", ":"))
+        url = f"{sim.url}/v1/completions"
+        sim.reset()
+        cpu = CpuMeter(pids).start()
+        reads0 = redis_counts(rh.client)
+        t0 = time.monotonic()
+        with app.producer_or_acquire() as producer:
+            for i in range(n):
+                headers = {"Content-Type": "application/json", "x-request-id": f"plainu-{i}"}
+                post.apply_async(args=(url, body, headers), producer=producer)
+        t1 = sim.last_answer(n, timeout=60 + n * 0.05)
+        cpu.stop()
+        reads, commands = (b - a for a, b in zip(reads0, redis_counts(rh.client), strict=True))
+        stats = sim.stats()
+    finally:
+        if plain is not None:
+            plain.stop()
+        sim.stop()
+    rate = n / (t1 - t0)
+    ratio = rate / (LIMIT * 1000.0 / LATENCY_MS)
+    res = {
+        "label": PLAIN_LABEL,
+        "n": n,
+        "rate": rate,
+        "ratio": ratio,
+        "max_conc": int(stats["max_concurrency_observed"]),
+        "mean_conc": float("nan"),
+        "service_ms": float("nan"),
+        "handoff_p50": float("nan"),
+        "sim_requests": int(stats["requests"]),
+        "dispatches": 1.0,
+        "not_ok": n - int(stats["by_status"].get("200", 0)),
+        "ok": None,
+        "cpu": cpu.used,
+        "cpu_ms": cpu.per_request_ms(n),
+        "redis_reads": reads / n,
+        "redis_commands": commands / n,
+    }
+    log(f"{PLAIN_LABEL}: {rate:.1f} req/s, ratio {ratio:.3f}, CPU ms per request: {res['cpu_ms']}")
+    return res
+
+
 def main() -> int:
     ap = base_parser(__doc__.split("\n\n")[0] if __doc__ else "")
     ap.add_argument("-n", type=int, default=2000, help="requests per scenario")
     ap.add_argument("--only", choices=list(SCENARIOS), action="append")
+    ap.add_argument(
+        "--plain",
+        action="store_true",
+        help="also run plain Celery under the same load, for its Redis CPU per request",
+    )
     args = ap.parse_args()
     only = set(args.only or SCENARIOS)
     rows: list[dict[str, Any]] = []
@@ -253,6 +327,7 @@ def main() -> int:
         for key, spec in SCENARIOS.items():
             if key in only:
                 rows.append(scenario(rh, workdir, n=args.n, **spec))
+        plain = plain_scenario(rh, workdir, n=args.n) if args.plain else None
     print(
         f"\nUtilisation: limit {LIMIT}, latency {LATENCY_MS:.0f} ms, ceiling "
         f"{LIMIT * 1000 / LATENCY_MS:.0f} req/s, {args.n} requests"
@@ -292,10 +367,27 @@ def main() -> int:
     )
     print("target: >= 0.95 of ceiling and max at sim <= 16, every result 200")
     print("CPU ms per request, by process; Redis reads (round trips) and commands per request:")
-    for r in rows:
+    for r in rows + ([plain] if plain is not None else []):
         print(f"  {r['label']}: {r['cpu_ms']}")
         print(f"    {r['redis_reads']:.2f} reads, {r['redis_commands']:.1f} commands")
+    if plain is not None:
+        base = redis_ms(plain)
+        print(
+            f"{PLAIN_LABEL}: {plain['rate']:.1f} req/s ({plain['ratio']:.3f} of ceiling, "
+            f"max {plain['max_conc']} at sim, {plain['not_ok']} not 200), "
+            f"Redis CPU {base:.2f} ms per request"
+        )
+        print("Redis CPU per request, as a multiple of plain Celery's in this run:")
+        for r in rows:
+            print(f"  {r['label']}: {redis_ms(r):.2f} ms = {redis_ms(r) / base:.2f} x")
     return 0
+
+
+def redis_ms(res: dict[str, Any]) -> float:
+    """The private Redis server's CPU ms per request of a run (``nan`` on a shared Redis,
+    which is not metered)."""
+    used = res["cpu"].get("redis")
+    return float("nan") if used is None else used * 1000 / res["n"]
 
 
 if __name__ == "__main__":
