@@ -3,6 +3,9 @@ keep it busy: 2,000 requests at >= 0.95 of the ceiling limit/latency (160 req/s)
 more than 16 at the simulator (``max_concurrency_observed``). Scenarios, one run:
 
 - ``1 node``: one worker node (threads, 64 slots), ``local-max-concurrency`` limit 16;
+- ``1 node, no gate, pool workers 16``: for reference, the request's lifecycle alone (submit,
+  dispatch, fenced start, result) at the same load: no gate, the pool capped at 16 workers, so
+  the dispatcher keeps 16 at the simulator and sends the next one when a slot frees;
 - ``1 node, 20% 503``: the same, with every 5th request answered 503 on its first attempt
   (retried after the queue's backoff, 50 ms base);
 - ``3 nodes``: three worker nodes (64 slots each) sharing one global limit: a
@@ -92,6 +95,12 @@ def tenant_items(n: int, tag: str, fail_every: int = 0) -> list[dict[str, Any]]:
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "1node": {"nodes": 1, "gate": local_gate(LIMIT), "label": "1 node, local-max-concurrency 16"},
+    "1node-nogate": {
+        "nodes": 1,
+        "gate": {"gate_type": "constant"},
+        "pool_workers": LIMIT,
+        "label": "1 node, no gate, pool workers 16",
+    },
     "503": {
         "nodes": 1,
         "gate": local_gate(LIMIT),
