@@ -82,15 +82,14 @@ class Plain:
         self.proc = start_proc(argv, env, workdir / "plain-worker.log")
         self.rh = rh
 
-    def run(self, sim: Sim, n: int, tag: str) -> tuple[float, int]:
-        """Publish ``n`` tasks and wait for all their results; returns (seconds, polls)."""
+    def publish(self, sim: Sim, n: int, tag: str) -> list[str]:
+        """Publish ``n`` tasks, each POSTing one request to ``sim``; returns their ids."""
         from celery._state import _set_task_join_will_block
 
         app, post = self.mod.app, self.mod.post
         body = json.dumps(BODY, separators=(",", ":"))
         url = f"{sim.url}/v1/completions"
         ids: list[str] = []
-        t0 = time.monotonic()
         _set_task_join_will_block(True)  # no per-task result subscription (cheapest client)
         try:
             with app.producer_or_acquire() as producer:
@@ -100,6 +99,13 @@ class Plain:
                     ids.append(res.id)
         finally:
             _set_task_join_will_block(False)
+        return ids
+
+    def run(self, sim: Sim, n: int, tag: str) -> tuple[float, int]:
+        """Publish ``n`` tasks and wait for all their results; returns (seconds, polls)."""
+        app = self.mod.app
+        t0 = time.monotonic()
+        ids = self.publish(sim, n, tag)
         sim.wait_successes(n, timeout=120 + n * 0.02)
         keys = [app.backend.get_key_for_task(i).decode() for i in ids]
         polls = 0

@@ -42,7 +42,6 @@ scripts too), over the same span.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -53,7 +52,6 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (
-    BODY,
     CpuMeter,
     Node,
     PipelineEnv,
@@ -277,17 +275,11 @@ def plain_scenario(rh: RedisHandle, workdir: Path, *, n: int) -> dict[str, Any]:
         plain.warm(sim)
         log(f"{PLAIN_LABEL}: running {n} tasks")
         pids = process_ids(rh, sim, [plain.proc.pid])
-        app, post = plain.mod.app, plain.mod.post
-        body = json.dumps(BODY, separators=(",", ":"))
-        url = f"{sim.url}/v1/completions"
         sim.reset()
         cpu = CpuMeter(pids).start()
         reads0 = redis_counts(rh.client)
         t0 = time.monotonic()
-        with app.producer_or_acquire() as producer:
-            for i in range(n):
-                headers = {"Content-Type": "application/json", "x-request-id": f"plainu-{i}"}
-                post.apply_async(args=(url, body, headers), producer=producer)
+        plain.publish(sim, n, "plainu")
         t1 = sim.last_answer(n, timeout=60 + n * 0.05)
         cpu.stop()
         reads, commands = (b - a for a, b in zip(reads0, redis_counts(rh.client), strict=True))
@@ -304,13 +296,7 @@ def plain_scenario(rh: RedisHandle, workdir: Path, *, n: int) -> dict[str, Any]:
         "rate": rate,
         "ratio": ratio,
         "max_conc": int(stats["max_concurrency_observed"]),
-        "mean_conc": float("nan"),
-        "service_ms": float("nan"),
-        "handoff_p50": float("nan"),
-        "sim_requests": int(stats["requests"]),
-        "dispatches": 1.0,
         "not_ok": n - int(stats["by_status"].get("200", 0)),
-        "ok": None,
         "cpu": cpu.used,
         "cpu_ms": cpu.per_request_ms(n),
         "redis_reads": reads / n,
