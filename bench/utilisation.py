@@ -21,11 +21,13 @@ more than 16 at the simulator (``max_concurrency_observed``). Scenarios, one run
   a few tenants, each capped at 3: a tail the pool cannot fill; taking turns, they drain
   together).
 
-For reference, ``--plain`` adds plain Celery under the same load (``bench/plain_celery.py``: one
-worker node with 16 threads, so never more than 16 at the simulator, each task POSTs one
-request and stores its status code in Celery's Redis result backend): the Redis CPU per request
-of a task queue with no gate, order, deadline, fencing or lease, measured in the same run, and
-each scenario's Redis CPU as a multiple of it.
+For reference, ``--plain`` runs plain Celery under the same load (``bench/plain_celery.py``:
+one worker node with 16 threads, so never more than 16 at the simulator; each task POSTs one
+request and stores its status code in Celery's Redis result backend; the client publishes
+without subscribing to results), once before the scenarios and once after them, because the
+machine's speed drifts over a run. That is the Redis CPU per request of a task queue with no
+gate, order, deadline, fencing or lease, measured in the same run. Each scenario's Redis CPU is
+printed as a multiple of the two runs' mean.
 
 Throughput = requests / (first submit .. the simulator's N-th 200, by its own clock). All
 results are then read back through ``Pipeline.iter_results`` and must be 200. ``dispatches
@@ -318,11 +320,15 @@ def main() -> int:
     args = ap.parse_args()
     only = set(args.only or SCENARIOS)
     rows: list[dict[str, Any]] = []
+    plain: list[dict[str, Any]] = []  # before and after the scenarios: the machine drifts
     with bench_session(args.redis_url) as (rh, workdir):
+        if args.plain:
+            plain.append(plain_scenario(rh, workdir, n=args.n))
         for key, spec in SCENARIOS.items():
             if key in only:
                 rows.append(scenario(rh, workdir, n=args.n, **spec))
-        plain = plain_scenario(rh, workdir, n=args.n) if args.plain else None
+        if args.plain:
+            plain.append(plain_scenario(rh, workdir, n=args.n))
     print(
         f"\nUtilisation: limit {LIMIT}, latency {LATENCY_MS:.0f} ms, ceiling "
         f"{LIMIT * 1000 / LATENCY_MS:.0f} req/s, {args.n} requests"
@@ -362,17 +368,18 @@ def main() -> int:
     )
     print("target: >= 0.95 of ceiling and max at sim <= 16, every result 200")
     print("CPU ms per request, by process; Redis reads (round trips) and commands per request:")
-    for r in rows + ([plain] if plain is not None else []):
+    for r in rows + plain:
         print(f"  {r['label']}: {r['cpu_ms']}")
         print(f"    {r['redis_reads']:.2f} reads, {r['redis_commands']:.1f} commands")
-    if plain is not None:
-        base = redis_ms(plain)
-        print(
-            f"{PLAIN_LABEL}: {plain['rate']:.1f} req/s ({plain['ratio']:.3f} of ceiling, "
-            f"max {plain['max_conc']} at sim, {plain['not_ok']} not 200), "
-            f"Redis CPU {base:.2f} ms per request"
-        )
-        print("Redis CPU per request, as a multiple of plain Celery's in this run:")
+    if plain:
+        for when, p in zip(("before", "after"), plain, strict=True):
+            print(
+                f"{PLAIN_LABEL}, {when}: {p['rate']:.1f} req/s ({p['ratio']:.3f} of ceiling, "
+                f"max {p['max_conc']} at sim, {p['not_ok']} not 200), "
+                f"Redis CPU {redis_ms(p):.2f} ms per request"
+            )
+        base = sum(redis_ms(p) for p in plain) / len(plain)
+        print(f"Redis CPU per request, as a multiple of plain Celery's ({base:.2f} ms, the mean):")
         for r in rows:
             print(f"  {r['label']}: {redis_ms(r):.2f} ms = {redis_ms(r) / base:.2f} x")
     return 0
