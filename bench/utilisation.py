@@ -5,7 +5,8 @@ more than 16 at the simulator (``max_concurrency_observed``). Scenarios, one run
 - ``1 node``: one worker node (threads, 64 slots), ``local-max-concurrency`` limit 16;
 - ``1 node, no gate, pool workers 16``: for reference, the request's lifecycle alone (submit,
   dispatch, fenced start, result) at the same load: no gate, the pool capped at 16 workers, so
-  the dispatcher keeps 16 at the simulator and sends the next one when a slot frees;
+  the dispatcher keeps 16 at the simulator and sends the next one when a slot frees (no
+  look-ahead: each freed slot waits for a tick, so it runs 0.94–0.95 of the ceiling);
 - ``1 node, 20% 503``: the same, with every 5th request answered 503 on its first attempt
   (retried after the queue's backoff, 50 ms base);
 - ``3 nodes``: three worker nodes (64 slots each) sharing one global limit: a
