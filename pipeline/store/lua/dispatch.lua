@@ -47,7 +47,8 @@ local cfg = cjson.decode(ARGV[2])
 local now = server_now()
 local ttl = cfg.ttl
 local limit = cfg.sweep
-local lease_until = fmt_time(now + cfg.lease)
+local limit_text = string.format('%d', limit)
+local lease_until = lease_score(now + cfg.lease)
 local Q = cfg.queues
 local null = cjson.null
 if cfg.doorbell then redis.call('DEL', KEYS[#Q * 5 + 1]) end
@@ -72,7 +73,8 @@ end
 
 -- 1. sweep ------------------------------------------------------------------------------
 local function sweep(q)
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', q.delayed, '-inf', now, 'LIMIT', 0, limit)) do
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', q.delayed, '-inf', now_text, 'LIMIT', '0',
+      limit_text)) do
     redis.call('ZREM', q.delayed, id)
     local rk = prefix .. 'req:' .. id
     local f = redis.call('HMGET', rk, 'member', 'score', 'state')
@@ -82,7 +84,8 @@ local function sweep(q)
       sched_add(prefix, q.name, id, f[2], f[1])
     end
   end
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', q.expiry, '-inf', now, 'LIMIT', 0, limit)) do
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', q.expiry, '-inf', now_text, 'LIMIT', '0',
+      limit_text)) do
     local state = redis.call('HGET', prefix .. 'req:' .. id, 'state')
     if state == 'queued' or state == 'retry_wait' then
       expire(prefix, id, now, ttl)
@@ -164,35 +167,35 @@ end
 
 -- One Celery task message (what ``Task.apply_async`` would LPUSH through kombu) for attempt
 -- `token` of request `id`: args (id, token), kwargs {queue, priority, attempt[, tenant]}.
-local function celery_message(queue_name, id, token, n, priority, t, tenant)
-  local kwargs = {queue = queue_name, priority = priority, attempt = n, tenant = tenant}
+-- Written as text around the tick's constant parts, not as tables for cjson to encode (fewer
+-- instructions: BENCHMARKS.md, round 7); tests/test_wire.py holds it to what kombu and Celery
+-- read.
+local msg_head = '", "content-encoding": "utf-8", "content-type": "application/json", ' ..
+  '"headers": {"lang": "py", "task": ' .. json_str(cfg.task) .. ', "id": '
+local msg_mid = ', "shadow": null, "eta": null, "expires": null, "group": null, ' ..
+  '"group_index": null, "retries": 0, "timelimit": [null, null], "root_id": '
+local msg_origin = ', "origin": ' .. json_str(cfg.origin) .. ', "ignore_result": false, ' ..
+  '"replaced_task_nesting": 0, "stamped_headers": null, "stamps": {}}, ' ..
+  '"properties": {"correlation_id": '
+local msg_tail = ', "delivery_mode": 2, "priority": 0, "delivery_info": {"exchange": "", ' ..
+  '"routing_key": ' .. json_str(cfg.list) .. '}, "delivery_tag": '
+local function celery_message(queue_name, id, token, n_text, priority, t, tenant)
+  local jid, jq = json_str(id), json_str(queue_name)
   local kwrepr = "{'queue': '" .. queue_name .. "', 'priority': " .. priority ..
-    ", 'attempt': " .. n
+    ", 'attempt': " .. n_text
+  local kwargs = '{"queue": ' .. jq .. ', "priority": ' .. priority .. ', "attempt": ' .. n_text
   if tenant then
     local a, v = next(tenant)
     kwrepr = kwrepr .. ", 'tenant': {'" .. a .. "': '" .. v .. "'}"
+    kwargs = kwargs .. ', "tenant": {' .. json_str(a) .. ': ' .. json_str(v) .. '}'
   end
-  local body = cjson.encode({{id, token}, kwargs,
-    {callbacks = null, errbacks = null, chain = null, chord = null}})
-  return cjson.encode({
-    body = body,
-    ['content-encoding'] = 'utf-8',
-    ['content-type'] = 'application/json',
-    headers = {
-      lang = 'py', task = cfg.task, id = id, shadow = null, eta = null, expires = null,
-      group = null, group_index = null, retries = 0, timelimit = {null, null},
-      root_id = id, parent_id = null,
-      argsrepr = "('" .. id .. "', '" .. token .. "')",
-      kwargsrepr = kwrepr .. '}',
-      origin = cfg.origin, ignore_result = false, replaced_task_nesting = 0,
-      stamped_headers = null, stamps = {},
-    },
-    properties = {
-      correlation_id = id, delivery_mode = 2, priority = 0,
-      delivery_info = {exchange = '', routing_key = cfg.list},
-      delivery_tag = cfg.nonce .. '-' .. t .. '-' .. id,
-    },
-  })
+  local body = '[[' .. jid .. ', ' .. json_str(token) .. '], ' .. kwargs ..
+    '}, {"callbacks": null, "errbacks": null, "chain": null, "chord": null}]'
+  return '{"body": ' .. string.sub(cjson.encode(body), 1, -2) .. msg_head .. jid .. msg_mid ..
+    jid .. ', "parent_id": null, "argsrepr": ' ..
+    json_str("('" .. id .. "', '" .. token .. "')") .. ', "kwargsrepr": ' ..
+    json_str(kwrepr .. '}') .. msg_origin .. jid .. msg_tail ..
+    json_str(cfg.nonce .. '-' .. t .. '-' .. id) .. '}}'
 end
 
 local moved = {}
@@ -205,17 +208,19 @@ local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes)
   local token = cfg.nonce .. '.' .. t
   local priority = f[4]
   local n = (tonumber(f[7]) or 0) + 1 -- written with the state (no HINCRBY of its own)
-  local note = '"n":' .. n
+  local n_text = string.format('%d', n)
+  local note = '"n":' .. n_text
   if ahead then note = note .. ',"ahead":' .. cjson.encode(ahead) end -- past a quota key's limit
   local log = log_with(f[6], id, log_entry(now, 'dispatched', note))
   if qkeys and #qkeys > 0 then
-    redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'dispatches', n,
+    redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'dispatches', n_text,
       'qkeys', cjson.encode(qkeys), 'qwake', cjson.encode(wakes), 'log', log)
     for _, qk in ipairs(qkeys) do
       redis.call('ZADD', prefix .. 'gate:' .. qk .. ':sent', fmt_time(now), id)
     end
   else
-    redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'dispatches', n, 'log', log)
+    redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'dispatches', n_text, 'log',
+      log)
   end
   redis.call('ZREM', q.expiry, id)
   redis.call('ZADD', q.active, lease_until, id)
@@ -228,7 +233,8 @@ local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes)
   moved[#moved + 1] = tenant and cjson.encode(tenant) or ''
   if cfg.list ~= '' then
     redis.call('LPUSH', cfg.list,
-      celery_message(q.name, id, token, n, tonumber(priority) or 0, t, tenant))
+      celery_message(q.name, id, token, n_text, string.format('%d', tonumber(priority) or 0), t,
+        tenant))
   end
   return true
 end

@@ -2,7 +2,7 @@
 -- or redis-quota in concurrency mode), or take over a giver's (ARGV[6]). Check and take are
 -- one atomic step. Every time is the Redis server's clock (TIME), never a caller's.
 -- KEYS[1] holders sorted set: member = holder "<request id>:<token>", score = lease expiry
---         (Unix s).
+--         (Unix s, rounded up to a whole second).
 -- KEYS[2] info hash: holder -> JSON description (worker, acquired_at, ...).
 -- KEYS[3] (optional) a registry set to list ARGV[7] in when a slot is taken (a per-node gate's
 --         nodes: reapers elsewhere find a dead node's pool through it; see
@@ -22,7 +22,11 @@
 -- Returns 1 when a new slot was taken, 2 when the holder already held one, 0 when full.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local lease, grace = now + tonumber(ARGV[2]), tonumber(ARGV[5])
+local now_text = t[1] .. '.' .. string.sub('00000' .. t[2], -6)
+-- the lease's expiry rounded up to a whole second: the set holds integers, which a small
+-- (listpack) sorted set compares without parsing text (BENCHMARKS.md, round 7)
+local lease, grace = math.ceil(now + tonumber(ARGV[2])), tonumber(ARGV[5])
+local lease_text = string.format('%d', lease)
 
 -- a hand-over whose giver still held an unexpired lease: its slot is the taker's, with no
 -- count to check, no purge (every other acquire purges), no lease of the taker's to look for
@@ -39,8 +43,8 @@ if ARGV[6] and ARGV[6] ~= '' then
 end
 
 if not handed then
-  for _, h in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - grace,
-      'LIMIT', 0, 100)) do
+  for _, h in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf',
+      string.format('%d', math.floor(now - grace)), 'LIMIT', '0', '100')) do
     redis.call('ZREM', KEYS[1], h)
     redis.call('HDEL', KEYS[2], h)
   end
@@ -50,18 +54,18 @@ local result = 1
 -- (a taker that was handed a slot held none: it was parked for one)
 local cur = not handed and redis.call('ZSCORE', KEYS[1], ARGV[1])
 if cur and tonumber(cur) > now then
-  redis.call('ZADD', KEYS[1], 'GT', string.format('%.6f', lease), ARGV[1])
+  redis.call('ZADD', KEYS[1], 'GT', lease_text, ARGV[1])
   result = 2
 else
-  if not handed and redis.call('ZCOUNT', KEYS[1], '(' .. string.format('%.6f', now), '+inf')
+  if not handed and redis.call('ZCOUNT', KEYS[1], '(' .. now_text, '+inf')
       >= tonumber(ARGV[3]) then
     return 0
   end
   -- ARGV[4] with "acquired_at" added (spliced in: the caller's JSON object is kept as sent)
   local head = string.sub(ARGV[4], 1, -2)
   if string.find(head, '^%s*{%s*$') == nil then head = head .. ',' end
-  local info = head .. '"acquired_at":' .. string.format('%.14g', now) .. '}'
-  redis.call('ZADD', KEYS[1], string.format('%.6f', lease), ARGV[1])
+  local info = head .. '"acquired_at":' .. now_text .. '}'
+  redis.call('ZADD', KEYS[1], lease_text, ARGV[1])
   redis.call('HSET', KEYS[2], ARGV[1], info)
   if KEYS[3] and not handed then redis.call('SADD', KEYS[3], ARGV[7]) end
 end

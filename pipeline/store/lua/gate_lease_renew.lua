@@ -2,19 +2,20 @@
 -- A lease that already expired is NOT revived: its slot may have been given to someone
 -- else, so reviving it could over-admit; the reaper frees it instead. Every time is the Redis
 -- server's clock (TIME).
--- KEYS[1] holders sorted set (member = holder, score = lease expiry, Unix s).
+-- KEYS[1] holders sorted set (member = holder, score = lease expiry, Unix s, a whole second).
 -- KEYS[2] info hash (holder -> JSON description).
 -- ARGV[1] lease (s from now), ARGV[2] grace (s, see gate_lease_acquire.lua),
 -- ARGV[3..] holders.
 -- Expiries only move later. Returns the number of leases renewed.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local lease, grace = now + tonumber(ARGV[1]), tonumber(ARGV[2])
+-- rounded up to a whole second, as gate_lease_acquire.lua writes it
+local lease, grace = math.ceil(now + tonumber(ARGV[1])), tonumber(ARGV[2])
 local n = 0
 for i = 3, #ARGV do
   local cur = redis.call('ZSCORE', KEYS[1], ARGV[i])
   if cur and tonumber(cur) > now then
-    redis.call('ZADD', KEYS[1], 'XX', 'GT', string.format('%.6f', lease), ARGV[i])
+    redis.call('ZADD', KEYS[1], 'XX', 'GT', string.format('%d', lease), ARGV[i])
     n = n + 1
   end
 end

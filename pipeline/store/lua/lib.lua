@@ -21,14 +21,30 @@
 
 -- The Redis server's clock (Unix s, µs precision). Every "now" a script compares a lease, a due
 -- time or a deadline with comes from here, never from a caller: node clocks may disagree.
+local now_s, now_text = nil, nil
 local function server_now()
   local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+  now_s = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  now_text = t[1] .. '.' .. string.sub('00000' .. t[2], -6)
+  return now_s
 end
 
 -- A time as the text stored in records and sorted-set scores (µs, no exponent).
 local function fmt_time(t)
+  if t == now_s then return now_text end
   return string.format('%.6f', t)
+end
+
+-- `s` as a JSON string (quoted and escaped).
+local json_str = cjson.encode
+
+-- The score of a lease that runs until `t` (server clock) in a sorted set of leases (a queue's
+-- active set, a gate's holders): `t` rounded up to a whole second. A lease lasts up to 1 s
+-- longer than asked; in return the set holds integers, which a small (listpack) sorted set
+-- compares without parsing text: a fraction cost every ZADD one strtod() per member
+-- (BENCHMARKS.md, round 7).
+local function lease_score(t)
+  return string.format('%d', math.ceil(t))
 end
 
 local function qkey(prefix, queue, name)
@@ -74,10 +90,18 @@ end
 
 -- Queue what an attempt journaled: `text` has one entry per line, "<s ago>\t<JSON object>"
 -- (no "t": its time is the server's `now` minus the age, a duration the worker measured).
+-- (Plain finds, not a pattern: a pattern tests each character against a class.)
 local function log_journal(id, now, text)
   if not text or text == '' then return end
-  for ago, obj in string.gmatch(text, '([^\t\n]*)\t{([^\n]+)') do
-    log_note(id, log_head(now - math.max(0, tonumber(ago) or 0)) .. obj)
+  local pos, len = 1, #text
+  while pos <= len do
+    local nl = string.find(text, '\n', pos, true) or len + 1
+    local tab = string.find(text, '\t{', pos, true)
+    if tab and tab < nl and nl > tab + 2 then
+      local ago = tonumber(string.sub(text, pos, tab - 1)) or 0
+      log_note(id, log_head(now - math.max(0, ago)) .. string.sub(text, tab + 2, nl - 1))
+    end
+    pos = nl + 1
   end
 end
 
@@ -192,7 +216,7 @@ local function push_result(list, json, max_len, ttl)
   max_len = tonumber(max_len) or 0
   if max_len > 0 and n > max_len then redis.call('LTRIM', list, 0, max_len - 1) end
   ttl = tonumber(ttl) or 0
-  if ttl > 0 then redis.call('EXPIRE', list, math.ceil(ttl)) end
+  if ttl > 0 then redis.call('EXPIRE', list, string.format('%d', math.ceil(ttl))) end
 end
 
 -- Batches (pipeline/batch/; hash <prefix>batch:<id>, see batch_create.lua for its fields).
@@ -278,28 +302,39 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   if state ~= 'queued' and state ~= 'retry_wait' then
     redis.call('ZREM', qkey(prefix, queue, 'active'), id)
   end
-  local result = {
-    id = id, payload = payload, attempts = attempts, queue = queue,
-    submitted_at = tonumber(f[5]), finished_at = tonumber(now),
-  }
-  local outcome = 'ok'
+  local outcome, sc = 'ok', nil
+  local parts = {'{"id":', json_str(id), ',"queue":', json_str(queue), ',"payload":',
+    cjson.encode(payload), ',"attempts":', string.format('%d', attempts)}
+  if f[5] and string.find(f[5], '^%d+%.?%d*$') then
+    parts[#parts + 1] = ',"submitted_at":'
+    parts[#parts + 1] = f[5]
+  end
+  parts[#parts + 1] = ',"finished_at":'
+  parts[#parts + 1] = fmt_time(now)
   if status_code ~= '' then
-    result.status_code = tonumber(status_code)
-    if result.status_code >= 400 then outcome = 'http_' .. status_code end
+    sc = string.format('%d', tonumber(status_code))
+    if tonumber(status_code) >= 400 then outcome = 'http_' .. sc end
+    parts[#parts + 1] = ',"status_code":'
+    parts[#parts + 1] = sc
   end
   if error_code ~= '' then
-    result.error_code = error_code
+    parts[#parts + 1] = ',"error_code":'
+    parts[#parts + 1] = json_str(error_code)
     outcome = error_code
   end
   -- also without an error code: an HTTP result's note (the gateway's drop reason)
-  if error_message ~= '' then result.error_message = error_message end
-  local json = cjson.encode(result)
+  if error_message ~= '' then
+    parts[#parts + 1] = ',"error_message":'
+    parts[#parts + 1] = cjson.encode(error_message)
+  end
+  parts[#parts + 1] = '}'
+  local json = table.concat(parts)
   local done = '"outcome":"' .. outcome .. '"'
-  if status_code ~= '' then done = done .. ',"status":' .. result.status_code end
+  if sc then done = done .. ',"status":' .. sc end
   local log = log_with(f[16], id, log_entry(now, 'done', done))
   if attempted then
     redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', fmt_time(now),
-      'token', '', 'attempts', attempts, 'log', log)
+      'token', '', 'attempts', string.format('%d', attempts), 'log', log)
   else
     redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', fmt_time(now),
       'token', '', 'log', log)
@@ -317,7 +352,7 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
     redis.call('RPUSH', nk, '1')
     redis.call('EXPIRE', nk, 300)
   end
-  redis.call('HINCRBY', qkey(prefix, queue, 'stats'), outcome, 1)
+  redis.call('HINCRBY', qkey(prefix, queue, 'stats'), outcome, '1')
   if f[12] then batch_count(prefix, f[12], outcome == 'ok', now) end
   local recent = qkey(prefix, queue, 'recent')
   redis.call('ZADD', recent, fmt_time(now), id)

@@ -3,7 +3,7 @@
 -- ARGV[1] prefix, ARGV[2] lease (s from now by the server's clock), then triples: id, token,
 -- queue.
 -- Returns the number of leases renewed (a stale attempt's is not).
-local prefix, until_ = ARGV[1], fmt_time(server_now() + tonumber(ARGV[2]))
+local prefix, until_ = ARGV[1], lease_score(server_now() + tonumber(ARGV[2]))
 local renewed = 0
 for i = 3, #ARGV, 3 do
   local id, token, queue = ARGV[i], ARGV[i + 1], ARGV[i + 2]

@@ -16,7 +16,7 @@ end
 local now = server_now()
 local started = fmt_time(now)
 redis.call('HSET', KEYS[1], 'state', 'running', 'started_at', started, 'worker', ARGV[3])
-redis.call('ZADD', KEYS[2], fmt_time(now + tonumber(ARGV[2])), f[3])
+redis.call('ZADD', KEYS[2], lease_score(now + tonumber(ARGV[2])), f[3])
 local out = {1, started, 'state', 'running', 'started_at', started, 'worker', ARGV[3]}
 for i, name in ipairs(ATTEMPT_FIELDS) do
   local v = f[i + 2]

@@ -54,8 +54,8 @@ for i, r in ipairs(items) do
       'priority', r[4], 'deadline', deadline, 'payload', r[7], 'metadata', r[8],
       'headers', r[9], 'endpoint', r[10], 'result_list', r[11], 'result_list_max', r[12],
       'result_list_ttl', r[13], 'labels', r[14], 'member', member,
-      'submitted_at', fmt_time(now), 'state', 'queued', 'token', '', 'attempts', 0,
-      'dispatches', 0)
+      'submitted_at', fmt_time(now), 'state', 'queued', 'token', '', 'attempts', '0',
+      'dispatches', '0')
     if batch ~= '' then redis.call('HSET', rk, 'batch', batch, 'custom_id', r[15]) end
     redis.call('ZADD', qkey(prefix, queue, 'pending'), score, member)
     sched_add(prefix, queue, id, score, member, r[8])
