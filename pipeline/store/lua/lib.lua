@@ -62,12 +62,13 @@ local LOG_CHECK = 1500 -- bytes: a longer log is counted against LOG_MAX (an ent
 -- (log_with). A script runs as one function call: this table starts empty every time.
 local log_pending = {}
 
--- '{"t":<t>,' for time `t` (ms precision); the last one formatted is kept (a script stamps
--- most entries with its one `now`).
+-- '{"t":<t>,' for time `t` (ms precision; the server's `now` cut from its text, not rounded);
+-- the last one formatted is kept (a script stamps most entries with its one `now`).
 local log_t, log_t_text = nil, ''
 local function log_head(t)
   if t ~= log_t then
-    log_t, log_t_text = t, '{"t":' .. string.format('%.3f', t) .. ','
+    local text = t == now_s and string.sub(now_text, 1, -4) or string.format('%.3f', t)
+    log_t, log_t_text = t, '{"t":' .. text .. ','
   end
   return log_t_text
 end
