@@ -48,6 +48,25 @@ def test_submit_times_and_relative_deadlines_are_the_servers(pl: Pipeline) -> No
     assert before <= result.finished_at <= server_now(pl.store) + 0.001
 
 
+def test_an_attempts_lease_ends_on_a_whole_second_of_the_servers_clock(pl: Pipeline) -> None:
+    """Dispatch and start write the lease rounded up to a whole second (lib.lua lease_score):
+    an integer score, never before now + the lease, at most a second after it."""
+    q, store = pl.settings.queues["solo"], pl.store
+    req = pl.submit({"x": 1}, queue="solo", timeout=300)
+    before = server_now(store)
+    (moved,) = store.tick(q, [q], 1.0, -1, 1).moved
+    lease = store.client.zscore(store.keys.active("solo"), req.id)
+    assert lease == int(lease)
+    assert before + pl.settings.dispatch_lease_s <= lease
+    assert lease <= server_now(store) + pl.settings.dispatch_lease_s + 1
+    before = server_now(store)
+    assert store.start(req.id, moved.token, "solo", "w@test") is not None
+    lease = store.client.zscore(store.keys.active("solo"), req.id)
+    assert lease == int(lease)
+    assert before + pl.settings.lease_s <= lease <= server_now(store) + pl.settings.lease_s + 1
+    assert store.finish(req.id, moved.token, attempted=False, status_code=200, payload="{}")
+
+
 def test_a_ticks_next_event_is_a_delay(pl: Pipeline) -> None:
     q = pl.settings.queues["solo"]
     req = pl.submit({"x": 1}, queue="solo", timeout=300)

@@ -77,6 +77,24 @@ def test_holders_describe_request_attempt_worker_age_and_lease(
     gate.release(a.holder)
 
 
+def test_a_lease_ends_on_a_whole_second_of_the_servers_clock(
+    env: GateEnv, make: Callable[..., Gate]
+) -> None:
+    """Acquire and renew round the lease's end up to a whole second (an integer score: Redis
+    compares it without parsing text), never before now + the lease, at most 1 s after it."""
+    gate = make("local-max-concurrency", {"limit": 1})
+    a = ctx(lease_s=10)
+    before = server_now(env.client)
+    assert gate.acquire(a).admitted
+    expiry = lease_expiry(env, a.holder)
+    assert expiry == int(expiry) and before + 10 <= expiry <= server_now(env.client) + 11
+    before = server_now(env.client)
+    gate.renew([a.holder], 20)
+    expiry = lease_expiry(env, a.holder)
+    assert expiry == int(expiry) and before + 20 <= expiry <= server_now(env.client) + 21
+    gate.release(a.holder)
+
+
 def test_expired_lease_stops_counting_and_reap_frees_it(
     env: GateEnv, make: Callable[..., Gate]
 ) -> None:

@@ -305,7 +305,7 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   end
   local outcome, sc = 'ok', nil
   local parts = {'{"id":', json_str(id), ',"queue":', json_str(queue), ',"payload":',
-    cjson.encode(payload), ',"attempts":', string.format('%d', attempts)}
+    json_str(payload), ',"attempts":', string.format('%d', attempts)}
   if f[5] and string.find(f[5], '^%d+%.?%d*$') then
     parts[#parts + 1] = ',"submitted_at":'
     parts[#parts + 1] = f[5]
@@ -326,7 +326,7 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   -- also without an error code: an HTTP result's note (the gateway's drop reason)
   if error_message ~= '' then
     parts[#parts + 1] = ',"error_message":'
-    parts[#parts + 1] = cjson.encode(error_message)
+    parts[#parts + 1] = json_str(error_message)
   end
   parts[#parts + 1] = '}'
   local json = table.concat(parts)
