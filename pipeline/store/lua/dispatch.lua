@@ -170,7 +170,7 @@ end
 -- Written as text around the tick's constant parts, not as tables for cjson to encode (fewer
 -- instructions: BENCHMARKS.md, round 7); tests/test_wire.py holds it to what kombu and Celery
 -- read.
-local msg_head = '", "content-encoding": "utf-8", "content-type": "application/json", ' ..
+local msg_head = ', "content-encoding": "utf-8", "content-type": "application/json", ' ..
   '"headers": {"lang": "py", "task": ' .. json_str(cfg.task) .. ', "id": '
 local msg_mid = ', "shadow": null, "eta": null, "expires": null, "group": null, ' ..
   '"group_index": null, "retries": 0, "timelimit": [null, null], "root_id": '
@@ -191,7 +191,7 @@ local function celery_message(queue_name, id, token, n_text, priority, t, tenant
   end
   local body = '[[' .. jid .. ', ' .. json_str(token) .. '], ' .. kwargs ..
     '}, {"callbacks": null, "errbacks": null, "chain": null, "chord": null}]'
-  return '{"body": ' .. string.sub(cjson.encode(body), 1, -2) .. msg_head .. jid .. msg_mid ..
+  return '{"body": ' .. json_str(body) .. msg_head .. jid .. msg_mid ..
     jid .. ', "parent_id": null, "argsrepr": ' ..
     json_str("('" .. id .. "', '" .. token .. "')") .. ', "kwargsrepr": ' ..
     json_str(kwrepr .. '}') .. msg_origin .. jid .. msg_tail ..

@@ -313,8 +313,9 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   parts[#parts + 1] = ',"finished_at":'
   parts[#parts + 1] = fmt_time(now)
   if status_code ~= '' then
-    sc = string.format('%d', tonumber(status_code))
-    if tonumber(status_code) >= 400 then outcome = 'http_' .. sc end
+    local code = tonumber(status_code)
+    sc = string.format('%d', code)
+    if code >= 400 then outcome = 'http_' .. sc end
     parts[#parts + 1] = ',"status_code":'
     parts[#parts + 1] = sc
   end
