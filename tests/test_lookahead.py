@@ -104,16 +104,10 @@ def test_a_parked_attempt_that_waits_too_long_goes_back_to_the_queue(
 
 def test_lookahead_per_capacity() -> None:
     auto = Settings()
-    assert [auto.lookahead_for(c) for c in (1, 2, 4, 5, 16, 32, 33, 1000)] == [
-        1,
-        1,
-        1,
-        2,
-        4,
-        8,
-        8,
-        8,
-    ]
+    caps = (1, 2, 4, 5, 16, 32, 33, 1000)
+    # past a slot gate alone: half its capacity; behind per-key quotas (a composite): a quarter
+    assert [auto.lookahead_for(c) for c in caps] == [1, 1, 2, 3, 8, 8, 8, 8]
+    assert [auto.lookahead_for(c, behind_quota=True) for c in caps] == [1, 1, 1, 2, 4, 8, 8, 8]
     # past a quota key: half its limit (its held tenant is woken when half is used)
     keyed = [auto.lookahead_for(c, quota_key=True) for c in (1, 2, 3, 4, 16, 17, 1000)]
     assert keyed == [1, 1, 2, 2, 8, 8, 8]
@@ -301,8 +295,8 @@ def test_a_global_limit_holds_across_nodes_and_a_release_on_one_wakes_a_parked_a
 
 PER_NODE_GATES = {
     # gate, then the requests dispatched of 12 (one tenant) with one node and with three:
-    # limit 4 + look-ahead 1 per node
-    "global": ({"gate_type": "global-max-concurrency", "gate_params": {"limit": 4}}, 5, 7),
+    # limit 4 + look-ahead 2 (half the limit) per node
+    "global": ({"gate_type": "global-max-concurrency", "gate_params": {"limit": 4}}, 6, 10),
     # quota 4 per user + its look-ahead, half the limit (2), per node
     "quota": (quota_gate(4), 6, 10),
     # a composite of both: the quota's 4 + 2, once in all (its parked attempts hold quota slots)

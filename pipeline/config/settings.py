@@ -213,19 +213,25 @@ class Settings:
     allow_eviction: bool = False  # start a worker on a Redis whose maxmemory-policy may evict
     merge_policy: MergePolicy = field(default_factory=MergePolicy)  # PIPELINE_MERGE_POLICY
 
-    def lookahead_for(self, capacity: int, *, quota_key: bool = False) -> int:
+    def lookahead_for(
+        self, capacity: int, *, quota_key: bool = False, behind_quota: bool = False
+    ) -> int:
         """How many attempts the dispatcher sends past a slot gate of ``capacity`` (or past a
         per-key quota's limit, ``quota_key``), to park at the workers so a released slot is
-        taken at once: ``PIPELINE_LOOKAHEAD``, or by default a quarter of a slot gate's
-        capacity, half a quota key's limit, at least 1 and at most 8 (none when parking is
-        off). A quota key's look-ahead is topped up when half of it is used (its held tenant is
-        woken then), one dispatcher tick each time: the larger share makes that tick send more
-        at once, a tick per four finishes at limit 16 instead of one per two."""
+        taken at once: ``PIPELINE_LOOKAHEAD``, or by default half the capacity or limit, at
+        least 1 and at most 8 (none when parking is off); a quarter of a slot gate's capacity
+        when per-key quotas stand in front of it (``behind_quota``: a composite's), whose
+        parked attempts hold their tenants' quota slots. The look-ahead is topped up when half
+        of it is used (a node rings the dispatcher then; a quota key's held tenant is woken
+        then), one dispatcher tick each time: the larger share makes that tick send more at
+        once, a tick per four finishes at capacity 16 instead of one per two (Redis
+        instructions per request -6 % at 1 node behind a slot gate; a composite's fair tenant
+        mix +17 % with half, so it keeps a quarter: BENCHMARKS.md, round 7)."""
         if self.park_s <= 0:
             return 0
         if self.lookahead >= 0:
             return self.lookahead
-        share = 2 if quota_key else 4
+        share = 4 if behind_quota and not quota_key else 2
         return min(8, max(1, -(-capacity // share)))
 
     def queue(self, name: str) -> QueueConfig:

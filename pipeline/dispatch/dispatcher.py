@@ -300,7 +300,7 @@ class Dispatcher:
         nodes = self.pool_nodes[pool]
         per = 1 if cap is not None and specs else nodes
         if cap is not None:
-            ahead = self.settings.lookahead_for(cap) * per
+            ahead = self.settings.lookahead_for(cap, behind_quota=bool(specs)) * per
             if gate.per_node:
                 cap *= nodes
             cap += ahead

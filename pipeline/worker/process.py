@@ -233,7 +233,9 @@ class Runtime:
         cap = gate.handover_capacity()
         if cap is None:
             return False
-        need = -(-self.settings.lookahead_for(cap, quota_key=gate.handover_keyed()) // 2)
+        keyed = gate.handover_keyed()
+        behind = not keyed and bool(gate.quota_specs())
+        need = -(-self.settings.lookahead_for(cap, quota_key=keyed, behind_quota=behind) // 2)
         return need > 0 and self.bell.waiting(bell) >= need
 
     @staticmethod
