@@ -763,6 +763,10 @@ def test_a_composite_hands_its_global_slot_to_an_attempt_holding_its_own_quota(
         token = pl.record(taker)["token"]
         quota_holders = keys.gate_holders("quota:userid:u9")
         wait_for(lambda: c.zscore(quota_holders, f"{taker}:{token}"), 10, what="its own quota")
+        # parked on the global gate, not only refused: a finish hands over only to an attempt
+        # parked by then (its park is noted once it outlasts PARK_POLL_S)
+        wait_for(lambda: any(x.event == "parked" for x in pl.explain(taker).log), 10,
+                 what="the park noted")  # fmt: skip
         sim.release(holders[0])
         sim.wait_held(taker)
         # the taker leaves for the server at once; the transfer lands with its giver's finish
