@@ -57,7 +57,7 @@ def parse(line: str) -> list[bytes] | None:
     """The arguments of one MONITOR line (sdscatrepr's escapes undone); None for a command run
     inside a script, which its script runs again."""
     head, sep, rest = line.partition('] "')
-    if not sep or head.endswith(" lua") or head.endswith("[0 lua"):
+    if not sep or head.endswith(" lua"):
         return None
     args: list[bytes] = []
     cur = bytearray()
@@ -119,7 +119,7 @@ def record(scenario: str, n: int, out: Path) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-# -- replay ----------------------------------------------------------------------------------
+# -- a private server --------------------------------------------------------------------------
 def _server(port: int, workdir: Path, callgrind: Path | None) -> subprocess.Popen[bytes]:
     binary = shutil.which("redis-server")
     if binary is None:
@@ -139,6 +139,7 @@ def _pings(port: int) -> bool:
     return False
 
 
+# -- replay ----------------------------------------------------------------------------------
 def own_scripts(commands: list[list[bytes]]) -> dict[str, str]:
     """Swap each recorded script for this checkout's script of the same name (in SCRIPT LOAD
     and in EVALSHA); returns sha1 → name of the scripts that run."""

@@ -50,7 +50,6 @@ local limit = cfg.sweep
 local limit_text = string.format('%d', limit)
 local lease_until = lease_score(now + cfg.lease)
 local Q = cfg.queues
-local null = cjson.null
 if cfg.doorbell then redis.call('DEL', KEYS[#Q * 5 + 1]) end
 
 for i, q in ipairs(Q) do

@@ -304,14 +304,15 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
     redis.call('ZREM', qkey(prefix, queue, 'active'), id)
   end
   local outcome, sc = 'ok', nil
+  local finished, attempts_text = fmt_time(now), string.format('%d', attempts)
   local parts = {'{"id":', json_str(id), ',"queue":', json_str(queue), ',"payload":',
-    json_str(payload), ',"attempts":', string.format('%d', attempts)}
+    json_str(payload), ',"attempts":', attempts_text}
   if f[5] and string.find(f[5], '^%d+%.?%d*$') then
     parts[#parts + 1] = ',"submitted_at":'
     parts[#parts + 1] = f[5]
   end
   parts[#parts + 1] = ',"finished_at":'
-  parts[#parts + 1] = fmt_time(now)
+  parts[#parts + 1] = finished
   if status_code ~= '' then
     local code = tonumber(status_code)
     sc = string.format('%d', code)
@@ -335,10 +336,10 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   if sc then done = done .. ',"status":' .. sc end
   local log = log_with(f[16], id, log_entry(now, 'done', done))
   if attempted then
-    redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', fmt_time(now),
-      'token', '', 'attempts', string.format('%d', attempts), 'log', log)
+    redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', finished,
+      'token', '', 'attempts', attempts_text, 'log', log)
   else
-    redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', fmt_time(now),
+    redis.call('HSET', rk, 'state', 'done', 'result', json, 'finished_at', finished,
       'token', '', 'log', log)
   end
   redis.call('EXPIRE', rk, ttl)
@@ -357,7 +358,7 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   redis.call('HINCRBY', qkey(prefix, queue, 'stats'), outcome, '1')
   if f[12] then batch_count(prefix, f[12], outcome == 'ok', now) end
   local recent = qkey(prefix, queue, 'recent')
-  redis.call('ZADD', recent, fmt_time(now), id)
+  redis.call('ZADD', recent, finished, id)
   -- trimmed to its last 5 minutes by one finish in RECENT_TRIM (picked by the server clock's
   -- µs; readers select by score), not by every one
   if math.floor(now * 1000000 + 0.5) % RECENT_TRIM == 0 then
