@@ -10,13 +10,21 @@ ranks changes to the scripts; `bench/utilisation.py` still says what a request c
 
     .venv/bin/python bench/redis_replay.py record --only 1node -o /tmp/1node.mon   # ~30 s
     .venv/bin/python bench/redis_replay.py replay /tmp/1node.mon --callgrind       # ~30 s
+    .venv/bin/python bench/redis_replay.py replay /tmp/1node.mon --by-script       # ~5 s
+    .venv/bin/python bench/redis_replay.py count /tmp/1node.mon                    # ~2 s
 
 ``replay`` runs the scripts of the checkout it is run from (matched to the recording's by
 name), so the same recording replayed from two checkouts compares their scripts on identical
 traffic, as long as the scripts take the same arguments. Blocking pops are replayed as
 non-blocking ones. A scenario with retries does not replay faithfully (a retry's due time is
 the server's clock, which a replay runs ahead of): ``replay`` says so when fewer requests
-finish than in the recording. ``--callgrind`` needs valgrind (``apt-get install valgrind``).
+finish than in the recording. ``--callgrind`` needs valgrind (``apt-get install valgrind``);
+``REDIS_SERVER=/path/to/redis-server`` runs another build (one with symbols, for
+``callgrind_annotate`` of a profile kept with ``--keep``). ``--by-script`` shares the server's
+time out by script (from the slow log); without ``--callgrind`` the replay also prints the
+server's user and system CPU per finish. ``count`` lists the commands each script ran inside
+it, per finished request, from the recording alone: each ``redis.call`` costs the server about
+as much as a small command from a client (BENCHMARKS.md, round 8).
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import hashlib
+import os
 import re
 import shutil
 import socket
@@ -34,7 +44,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -121,7 +131,7 @@ def record(scenario: str, n: int, out: Path) -> None:
 
 # -- a private server --------------------------------------------------------------------------
 def _server(port: int, workdir: Path, callgrind: Path | None) -> subprocess.Popen[bytes]:
-    binary = shutil.which("redis-server")
+    binary = os.environ.get("REDIS_SERVER") or shutil.which("redis-server")
     if binary is None:
         sys.exit("redis_replay: no redis-server on PATH")
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
@@ -168,14 +178,23 @@ def own_scripts(commands: list[list[bytes]]) -> dict[str, str]:
     return names
 
 
-def replay(path: Path, use_callgrind: bool) -> None:
-    lines = path.read_text(encoding="latin-1").splitlines()
-    header: dict[str, str] = {}
-    if lines and lines[0].startswith("#"):
-        for kv in lines[0].lstrip("# ").split():
-            key, _, value = kv.partition("=")
-            header[key] = value
-    commands = [a for a in map(parse, lines[1:]) if a is not None]
+@dataclasses.dataclass
+class Outcome:
+    """What one replay did: script calls by name, errors by type, Celery results written,
+    seconds taken, the server's CPU and (by_script) its time by script or command."""
+
+    calls: collections.Counter[str]
+    errors: collections.Counter[str]
+    done: int
+    elapsed: float
+    cpu: CpuTimes
+    spent: collections.Counter[str] | None
+
+
+def replay(
+    path: Path, use_callgrind: bool, by_script: bool = False, keep_profile: Path | None = None
+) -> None:
+    header, commands = read_recording(path)
     names = own_scripts(commands)
     if use_callgrind and shutil.which("valgrind") is None:
         sys.exit("redis_replay: --callgrind needs valgrind (apt-get install valgrind)")
@@ -183,9 +202,55 @@ def replay(path: Path, use_callgrind: bool) -> None:
     out = workdir / "callgrind.out" if use_callgrind else None
     port = free_port()
     server = _server(port, workdir, out)
-    client = redis.Redis(port=port)
+    try:
+        got = _run(redis.Redis(port=port), commands, names, by_script)
+    finally:
+        stop_proc(server, 300)  # SIGTERM: the server exits and callgrind writes its counts
+    finishes = got.calls["finish"] or 1
+    print(f"replayed {path} ({header.get('scenario', '?')}): {len(commands)} commands "
+          f"in {got.elapsed:.1f} s; script calls per finish: "
+          + ", ".join(f"{k} {v / finishes:.2f}" for k, v in got.calls.most_common()))  # fmt: skip
+    print(f"errors: {dict(got.errors) or 'none'}; Celery results written: {got.done}")
+    if got.done < got.calls["finish"] * 0.99:
+        print("WARNING: fewer requests finished than in the recording (a retry or a due time "
+              "by the server's clock): this replay did not follow the recording")  # fmt: skip
+    if got.spent:
+        total = sum(got.spent.values())
+        print("server time by script or command (slow log, µs per finish, share):")
+        for name, us in got.spent.most_common(12):
+            print(f"  {name:<22} {us / finishes:8.1f}  {100 * us / total:5.1f} %")
+    if out is None:
+        cpu = got.cpu
+        print(f"Redis CPU per finish: {1000 * (cpu.user + cpu.sys) / finishes:.3f} ms "
+              f"(user {1000 * cpu.user / finishes:.3f}, system {1000 * cpu.sys / finishes:.3f}; "
+              "this machine, now)")  # fmt: skip
+    else:
+        totals = _callgrind_total(out)
+        print(f"instructions per finish: {totals / finishes:,.0f} (callgrind, whole server)")
+        if keep_profile is not None:
+            shutil.copy(out, keep_profile)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def read_recording(path: Path) -> tuple[dict[str, str], list[list[bytes]]]:
+    """A recording's header (scenario, n) and its top-level commands."""
+    lines = path.read_text(encoding="latin-1").splitlines()
+    header: dict[str, str] = {}
+    if lines and lines[0].startswith("#"):
+        for kv in lines[0].lstrip("# ").split():
+            key, _, value = kv.partition("=")
+            header[key] = value
+    return header, [a for a in map(parse, lines[1:]) if a is not None]
+
+
+def _run(
+    client: redis.Redis, commands: list[list[bytes]], names: dict[str, str], by_script: bool
+) -> Outcome:
     calls: collections.Counter[str] = collections.Counter()
     errors: collections.Counter[str] = collections.Counter()
+    if by_script:  # every command into the slow log, with its run time
+        client.config_set("slowlog-log-slower-than", 0)
+        client.config_set("slowlog-max-len", 2 * len(commands))
     try:
         cpu0 = _cpu(client)
         t0 = time.monotonic()
@@ -204,28 +269,84 @@ def replay(path: Path, use_callgrind: bool) -> None:
         elapsed = time.monotonic() - t0
         cpu = _cpu(client) - cpu0
         done = sum(1 for _ in client.scan_iter("celery-task-meta-*", count=10_000))
+        spent = _time_by_script(client, names) if by_script else None
     finally:
         client.close()
-        stop_proc(server, 300)  # SIGTERM: the server exits and callgrind writes its counts
+    return Outcome(calls, errors, done, elapsed, cpu, spent)
+
+
+# -- count -----------------------------------------------------------------------------------
+KEY_ID = re.compile(r"u\d+-[\w-]+|[0-9a-f]{8,}[\w.@-]*")
+
+
+def count(path: Path, top: int) -> None:
+    """The commands each script ran inside it, per finished request, from a recording's
+    MONITOR lines (a script's commands follow its call): where a script's time goes, since
+    each ``redis.call`` costs the server about as much as a small command from a client."""
+    names: dict[str, str] = {}
+    script = "none"
+    calls: collections.Counter[str] = collections.Counter()
+    inside: collections.Counter[tuple[str, str]] = collections.Counter()
+    for line in path.read_text(encoding="latin-1").splitlines()[1:]:
+        head, sep, rest = line.partition('] "')
+        if not sep:
+            continue
+        if head.endswith(" lua"):
+            parts = rest.split('"')
+            key = parts[2] if len(parts) > 2 else ""
+            key = KEY_ID.sub("<id>", key.split(":", 1)[-1])
+            inside[(script, f"{parts[0]} {key[:48]}")] += 1
+            continue
+        args = parse(line)
+        if args is None:
+            continue
+        op = args[0].upper()
+        if op == b"SCRIPT" and len(args) > 2 and (m := SCRIPT_NAME.search(args[2])):
+            names[hashlib.sha1(args[2]).hexdigest()] = m.group(1).decode()
+        script = names.get(args[1].decode(), "other") if op == b"EVALSHA" else "none"
+        calls[script] += op == b"EVALSHA"
     finishes = calls["finish"] or 1
-    print(f"replayed {path} ({header.get('scenario', '?')}): {len(commands)} commands "
-          f"in {elapsed:.1f} s; script calls per finish: "
-          + ", ".join(f"{k} {v / finishes:.2f}" for k, v in calls.most_common()))  # fmt: skip
-    print(f"errors: {dict(errors) or 'none'}; Celery results written: {done}")
-    if done < calls["finish"] * 0.99:
-        print("WARNING: fewer requests finished than in the recording (a retry or a due time "
-              "by the server's clock): this replay did not follow the recording")  # fmt: skip
-    if out is None:
-        print(f"Redis CPU per finish: {1000 * cpu / finishes:.3f} ms (this machine, now)")
-    else:
-        totals = _callgrind_total(out)
-        print(f"instructions per finish: {totals / finishes:,.0f} (callgrind, whole server)")
-    shutil.rmtree(workdir, ignore_errors=True)
+    per_script: collections.Counter[str] = collections.Counter()
+    for (name, _), n in inside.items():
+        per_script[name] += n
+    print(f"{path}: {sum(inside.values()) / finishes:.1f} commands inside scripts per finish")
+    for name, n in per_script.most_common():
+        print(f"  {name:<22} {n / finishes:6.2f}  ({calls[name] / finishes:.2f} calls)")
+    print(f"the {top} most frequent, per finish:")
+    for (name, cmd), n in inside.most_common(top):
+        print(f"  {n / finishes:6.2f}  {name:<22} {cmd}")
 
 
-def _cpu(client: redis.Redis) -> float:
+def _time_by_script(client: redis.Redis, names: dict[str, str]) -> collections.Counter[str]:
+    """Microseconds each script (by name) or plain command ran, from the slow log."""
+    spent: collections.Counter[str] = collections.Counter()
+    for entry in client.slowlog_get(-1):
+        args = entry["command"].split()
+        op = args[0].upper() if args else b"?"
+        if op == b"EVALSHA" and len(args) > 1:
+            key = names.get(args[1].decode(), "other script")
+        else:
+            key = op.decode()
+        spent[key] += int(entry["duration"])
+    spent.pop("SLOWLOG", None)
+    spent.pop("SCAN", None)
+    return spent
+
+
+def _cpu(client: redis.Redis) -> CpuTimes:
     info: dict[str, Any] = client.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return CpuTimes(float(info["used_cpu_user"]), float(info["used_cpu_sys"]))
+
+
+class CpuTimes(NamedTuple):
+    """The server's user and system CPU seconds."""
+
+    user: float
+    sys: float
+
+    def __sub__(self, other: object) -> CpuTimes:
+        assert isinstance(other, CpuTimes)
+        return CpuTimes(self.user - other.user, self.sys - other.sys)
 
 
 def _callgrind_total(out: Path) -> int:
@@ -246,11 +367,18 @@ def main() -> None:
     q = sub.add_parser("replay", help="replay a recording with this checkout's scripts")
     q.add_argument("recording", type=Path)
     q.add_argument("--callgrind", action="store_true", help="count instructions (valgrind)")
+    q.add_argument("--by-script", action="store_true", help="server time by script (slow log)")
+    q.add_argument("--keep", type=Path, help="copy the callgrind profile here")
+    c = sub.add_parser("count", help="commands run inside each script, from a recording")
+    c.add_argument("recording", type=Path)
+    c.add_argument("--top", type=int, default=30)
     a = p.parse_args()
     if a.cmd == "record":
         record(a.only, a.n, a.out)
+    elif a.cmd == "count":
+        count(a.recording, a.top)
     else:
-        replay(a.recording, a.callgrind)
+        replay(a.recording, a.callgrind, a.by_script, a.keep)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,13 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import BinaryIO
 
+import pytest
 import redis
 
-from bench.redis_replay import parse
+from bench.redis_replay import count, parse
 
 from .conftest import REDIS_URL
 
@@ -55,3 +57,32 @@ def test_commands_a_script_runs_are_left_to_the_script() -> None:
                                            b"ARGV[1])", b"1", key.encode(), b"v"]  # fmt: skip
         assert parse(next_line(lines, "lua")) is None
     client.delete(key)
+
+
+def test_count_puts_each_command_a_script_ran_under_that_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = redis.Redis.from_url(REDIS_URL, single_connection_client=True)
+    me = client.client_info()["addr"]
+    key = "replay-test:count"
+    body = (
+        "-- finish.lua: a stand-in\n"
+        "redis.call('SET', KEYS[1], 'a')\nreturn redis.call('GET', KEYS[1])"
+    )
+    with monitor(client) as lines:
+        sha = client.script_load(body)
+        client.evalsha(sha, 1, key)
+        kept = [
+            next_line(lines, me),
+            next_line(lines, me),
+            next_line(lines, "lua"),
+            next_line(lines, "lua"),
+        ]
+    client.delete(key)
+    recording = tmp_path / "r.mon"
+    recording.write_text("# scenario=test n=1\n" + "\n".join(kept) + "\n", encoding="latin-1")
+    count(recording, top=5)
+    out = capsys.readouterr().out
+    assert "2.0 commands inside scripts per finish" in out
+    assert "finish                   2.00  (1.00 calls)" in out
+    assert "SET count" in out and "GET count" in out
