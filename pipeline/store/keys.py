@@ -116,7 +116,8 @@ class Keys:
     # -- per quota key (a redis-quota concurrency gate's key, e.g. ``quota:userid:alice``) --
     def quota_sent(self, quota_key: str) -> str:
         """Sorted set: requests dispatched or running under this quota key (any queue); member
-        = request id, score = dispatch time. What the dispatch script counts against the
+        = request id, score = dispatch time (whole seconds of the server's clock, which a
+        small sorted set compares without parsing). What the dispatch script counts against the
         key's limit (plus its look-ahead); an attempt leaves it when it leaves the active
         state (lib.lua terminal / enqueue, via the record's ``qkeys``)."""
         return f"{self.prefix}gate:{quota_key}:sent"

@@ -199,6 +199,7 @@ end
 
 local moved = {}
 local t = 0
+local quota_used = {} -- quota key -> {sent, live leases} as this tick counted and dispatched
 
 -- Dispatch request `id` (record `rk`, its fields `f` as check() read them) with a new attempt
 -- token; `qkeys`: the quota keys it counts against; `ahead`: the key it is sent past, if any.
@@ -214,8 +215,11 @@ local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes)
   if qkeys and #qkeys > 0 then
     redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'dispatches', n_text,
       'qkeys', cjson.encode(qkeys), 'qwake', cjson.encode(wakes), 'log', log)
-    for _, qk in ipairs(qkeys) do
-      redis.call('ZADD', prefix .. 'gate:' .. qk .. ':sent', fmt_time(now), id)
+    for _, qk in ipairs(qkeys) do -- (whole seconds: see lease_score)
+      if redis.call('ZADD', prefix .. 'gate:' .. qk .. ':sent', now_whole, id) == 1
+          and quota_used[qk] then
+        quota_used[qk][1] = quota_used[qk][1] + 1
+      end
     end
   else
     redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'dispatches', n_text, 'log',
@@ -280,11 +284,17 @@ local function quota_keys(q, c, rk, tenant, ahead)
       keys[#keys + 1] = qk
       wakes[#wakes + 1] = s.limit + math.floor(s.la / 2)
       if not over then
-        local used = redis.call('ZCARD', prefix .. 'gate:' .. qk .. ':sent')
-        if s.h then
-          used = math.max(used, redis.call('ZCOUNT', prefix .. 'gate:' .. qk .. ':holders',
-            '(' .. fmt_time(now), '+inf'))
+        -- counted once a tick: only this tick's dispatches change them (dispatch_one)
+        local u = quota_used[qk]
+        if not u then
+          u = {redis.call('ZCARD', prefix .. 'gate:' .. qk .. ':sent'), 0}
+          if s.h then -- (leases end on whole seconds: later than now = later than its second)
+            u[2] = redis.call('ZCOUNT', prefix .. 'gate:' .. qk .. ':holders',
+              '(' .. now_whole, '+inf')
+          end
+          quota_used[qk] = u
         end
+        local used = math.max(u[1], u[2])
         local cap = s.limit
         if ahead then cap = cap + s.la end
         if used >= cap then over = qk end
@@ -333,7 +343,7 @@ local function take(q)
           held[#held + 1] = {q = q, c = c, tk = tk}
         else
           redis.call('ZREM', q.pending, hm)
-          sched_drop(prefix, c, tk, hm, true)
+          sched_pop_ready(c, tk, rm, hm)
           return dispatch_one(q, id, rk, f, qkeys, nil, wakes)
         end
       end
@@ -438,9 +448,10 @@ local ahead = 0
 for _, b in ipairs(held) do
   local q, c, tk = b.q, b.c, b.tk
   local sub = c.base .. 't:' .. tk
-  while ahead < cfg.lookahead and n_free > 0 and q.allowed > 0
-      and redis.call('HEXISTS', c.base .. 'blocked', tk) == 1 do
-    local head = redis.call('ZRANGE', sub, 0, 0)
+  while ahead < cfg.lookahead and n_free > 0 and q.allowed > 0 do
+    local past = redis.call('HGET', c.base .. 'blocked', tk) -- (unlisted once it is empty)
+    if not past then break end
+    local head = redis.call('ZRANGE', sub, 0, 1) -- its head, and whether it has more
     if #head == 0 then break end
     local id, rk, f = check(q, head[1])
     if not id then
@@ -448,9 +459,8 @@ for _, b in ipairs(held) do
     else
       local qkeys, over, wakes = quota_keys(q, c, rk, f[5], true)
       if over then break end
-      local past = redis.call('HGET', c.base .. 'blocked', tk) -- (unlisted once it is empty)
       redis.call('ZREM', q.pending, head[1])
-      sched_drop(prefix, c, tk, head[1], true)
+      sched_pop_held(prefix, c, tk, head[1], past, #head > 1)
       dispatch_one(q, id, rk, f, qkeys, past, wakes)
       ahead = ahead + 1
       n_free = n_free - 1

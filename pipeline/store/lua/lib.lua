@@ -21,11 +21,13 @@
 
 -- The Redis server's clock (Unix s, µs precision). Every "now" a script compares a lease, a due
 -- time or a deadline with comes from here, never from a caller: node clocks may disagree.
-local now_s, now_text = nil, nil
+-- (now_whole: its whole seconds, as text)
+local now_s, now_text, now_whole = nil, nil, nil
 local function server_now()
   local t = redis.call('TIME')
   now_s = tonumber(t[1]) + tonumber(t[2]) / 1000000
   now_text = t[1] .. '.' .. string.sub('00000' .. t[2], -6)
+  now_whole = t[1]
   return now_s
 end
 

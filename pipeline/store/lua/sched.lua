@@ -116,6 +116,35 @@ local function sched_next_head(prefix, c, tk, rm, dispatched)
   end
 end
 
+-- The head `member` of ready tenant `tk` (its ready entry `rm`) is dispatched: it leaves the
+-- tenant's sub-queue and the tenant goes to the back of the ring with its next request (or
+-- leaves the ready set with none). What sched_drop + sched_next_head do, without reading what
+-- the caller knows: the ready entry names the head, and a ready tenant is not held back.
+-- Returns true when `member` was in the sub-queue.
+local function sched_pop_ready(c, tk, rm, member)
+  local sub = sched_sub(c, tk)
+  if redis.call('ZREM', sub, member) == 0 then return false end
+  redis.call('HINCRBY', c.base .. 'sched', 'n', -1)
+  redis.call('ZREM', c.base .. 'ready', rm)
+  local nxt = redis.call('ZRANGE', sub, 0, 0, 'WITHSCORES')
+  if #nxt > 0 then sched_ready_add(c, tk, nxt[1], nxt[2]) end
+  return true
+end
+
+-- The head `member` of tenant `tk`, held back by quota key `qk`, is dispatched past the key's
+-- limit (the look-ahead): it leaves the sub-queue; the tenant stays held with its next request
+-- at its head (`more`: it has one), else it is unlisted. A held tenant is not in the ready set.
+-- Returns true when `member` was in the sub-queue.
+local function sched_pop_held(prefix, c, tk, member, qk, more)
+  if redis.call('ZREM', sched_sub(c, tk), member) == 0 then return false end
+  redis.call('HINCRBY', c.base .. 'sched', 'n', -1)
+  if not more then
+    redis.call('HDEL', c.base .. 'blocked', tk)
+    redis.call('SREM', prefix .. 'gate:' .. qk .. ':blocked', c.queue .. '\n' .. tk)
+  end
+  return true
+end
+
 -- A waiting request (`member`, ordering `score`) entered the pending set of `queue`: add it to
 -- its tenant's sub-queue. `metadata`: its metadata JSON when the record was just written (its
 -- tenant is computed from it), else nil (read from the record).
