@@ -145,6 +145,27 @@ local function sched_pop_held(prefix, c, tk, member, qk, more)
   return true
 end
 
+-- `member` (ordering `score`) joined the sub-queue of tenant `tk`, which is not held back;
+-- `old`, `old_score`: its head before (nil: it had none). The ready set follows its head.
+-- Returns true when `member` is its new head.
+local function sched_new_head(c, tk, member, score, old, old_score)
+  if not old then
+    sched_ready_add(c, tk, member, score)
+    return true
+  end
+  local ns, os = tonumber(score), tonumber(old_score)
+  if ns > os or (ns == os and member > old) then return false end -- not its new head
+  local rm = old .. '\n' .. tk
+  local r = redis.call('ZSCORE', c.base .. 'ready', rm)
+  redis.call('ZREM', c.base .. 'ready', rm)
+  if c.fair and r and sched_band(score) == math.floor(tonumber(r) / SCHED_SPAN) then
+    redis.call('ZADD', c.base .. 'ready', r, member .. '\n' .. tk) -- same priority: its turn
+  else
+    sched_ready_add(c, tk, member, score)
+  end
+  return true
+end
+
 -- A waiting request (`member`, ordering `score`) entered the pending set of `queue`: add it to
 -- its tenant's sub-queue. `metadata`: its metadata JSON when the record was just written (its
 -- tenant is computed from it), else nil (read from the record).
@@ -164,22 +185,37 @@ local function sched_add(prefix, queue, id, score, member, metadata)
   local old = redis.call('ZRANGE', sub, 0, 0, 'WITHSCORES')
   if redis.call('ZADD', sub, score, member) == 0 then return false end
   redis.call('HINCRBY', c.base .. 'sched', 'n', 1)
-  if redis.call('HEXISTS', c.base .. 'blocked', tk) == 1 then return true end
-  if #old == 0 then
-    sched_ready_add(c, tk, member, score)
-    return true
-  end
-  local ns, os = tonumber(score), tonumber(old[2])
-  if ns > os or (ns == os and member > old[1]) then return true end -- not its new head
-  local rm = old[1] .. '\n' .. tk
-  local r = redis.call('ZSCORE', c.base .. 'ready', rm)
-  redis.call('ZREM', c.base .. 'ready', rm)
-  if c.fair and r and sched_band(score) == math.floor(tonumber(r) / SCHED_SPAN) then
-    redis.call('ZADD', c.base .. 'ready', r, member .. '\n' .. tk) -- same priority: its turn
-  else
-    sched_ready_add(c, tk, member, score)
+  if redis.call('HEXISTS', c.base .. 'blocked', tk) == 0 then
+    sched_new_head(c, tk, member, score, old[1], old[2])
   end
   return true
+end
+
+-- sched_add for many new requests in one script run (submit), whose records were just written
+-- with their tenant (key `tk`): `memo` keeps what was read of each tenant (held back or not,
+-- its head), which nothing else changes while the script adds, and how many joined each
+-- queue, added to its count once by sched_add_done (BENCHMARKS.md, round 8).
+local function sched_add_new(c, tk, score, member, memo)
+  local sub = sched_sub(c, tk)
+  local t = memo[sub]
+  if not t then
+    local old = redis.call('ZRANGE', sub, 0, 0, 'WITHSCORES')
+    t = {held = redis.call('HEXISTS', c.base .. 'blocked', tk) == 1, head = old[1],
+      score = old[2]}
+    memo[sub] = t
+  end
+  if redis.call('ZADD', sub, score, member) == 0 then return false end
+  memo[c] = (memo[c] or 0) + 1
+  if not t.held and sched_new_head(c, tk, member, score, t.head, t.score) then
+    t.head, t.score = member, score
+  end
+  return true
+end
+
+local function sched_add_done(memo)
+  for c, n in pairs(memo) do
+    if type(c) == 'table' and c.base then redis.call('HINCRBY', c.base .. 'sched', 'n', n) end
+  end
 end
 
 -- Take `member` out of tenant `tk`'s sub-queue (whatever state the record is in). Returns

@@ -33,6 +33,7 @@ if batch ~= '' then
 end
 local out = {}
 local touched_pools = {}
+local memo = {} -- what sched_add_new learnt of each tenant (sched.lua)
 local items = cjson.decode(ARGV[2])
 if batch ~= '' then redis.call('HINCRBY', prefix .. 'batch:' .. batch, 'unsubmitted', -#items) end
 -- one INCRBY reserves a sequence number per item (a duplicate leaves a gap: only order counts)
@@ -52,18 +53,31 @@ for i, r in ipairs(items) do
       (9 - tonumber(r[4])) * 1e13 + math.floor(tonumber(deadline) * 1000 + 0.5))
     -- the fields every step reads first: a small hash (listpack) finds a field by walking
     -- the fields in the order they were written (BENCHMARKS.md, round 8)
-    redis.call('HSET', rk, 'state', 'queued', 'token', '', 'member', member, 'deadline',
-      deadline, 'dispatches', '0', 'attempts', '0', 'priority', r[4], 'queue', queue, 'id', id,
+    local fields = {'state', 'queued', 'token', '', 'member', member, 'deadline', deadline,
+      'dispatches', '0', 'attempts', '0', 'priority', r[4], 'queue', queue, 'id', id,
       'pool', pool, 'submitted_at', fmt_time(now), 'result_list', r[11],
       'result_list_max', r[12], 'result_list_ttl', r[13], 'payload', r[7], 'metadata', r[8],
-      'labels', r[14], 'headers', r[9], 'endpoint', r[10], 'score', score)
-    if batch ~= '' then redis.call('HSET', rk, 'batch', batch, 'custom_id', r[15]) end
+      'labels', r[14], 'headers', r[9], 'endpoint', r[10], 'score', score}
+    local c, tenant = sched_conf(prefix, queue), nil
+    if c then -- an indexed queue: the record says its tenant (sched.lua)
+      tenant = sched_value(r[8], c.attr)
+      fields[#fields + 1] = 'tenant'
+      fields[#fields + 1] = tenant
+    end
+    if batch ~= '' then
+      fields[#fields + 1] = 'batch'
+      fields[#fields + 1] = batch
+      fields[#fields + 1] = 'custom_id'
+      fields[#fields + 1] = r[15]
+    end
+    redis.call('HSET', rk, unpack(fields))
     redis.call('ZADD', qkey(prefix, queue, 'pending'), score, member)
-    sched_add(prefix, queue, id, score, member, r[8])
+    if c then sched_add_new(c, sched_tkey(tenant), score, member, memo) end
     redis.call('ZADD', qkey(prefix, queue, 'expiry'), deadline, id)
     touched_pools[pool] = true
     out[#out + 1] = 1
   end
 end
+sched_add_done(memo)
 for pool, _ in pairs(touched_pools) do wake(prefix, pool) end
 return out
