@@ -53,6 +53,7 @@ import redis
 
 from bench.common import free_port, log, stop_proc, wait_for
 from bench.utilisation import SCENARIOS
+from pipeline.store.functions import function_name, library
 from pipeline.store.scripts import SCRIPT_NAMES, lua_source, source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +62,7 @@ SKIP = {b"HELLO", b"CLIENT", b"SUBSCRIBE", b"PSUBSCRIBE", b"UNSUBSCRIBE", b"PUNS
         b"MONITOR", b"FLUSHDB", b"FLUSHALL", b"INFO", b"CONFIG", b"SLOWLOG"}  # fmt: skip
 NONBLOCKING = {b"BLPOP": b"LPOP", b"BRPOP": b"RPOP", b"BZPOPMIN": b"ZPOPMIN"}
 SCRIPT_NAME = re.compile(rb"^-- ([a-z_]+)\.lua", re.M)
+FUNCTION_NAME = re.compile(rb"^pl[0-9a-f]+_([a-z_]+)$")
 
 
 def parse(line: str) -> list[bytes] | None:
@@ -152,7 +154,9 @@ def _pings(port: int) -> bool:
 # -- replay ----------------------------------------------------------------------------------
 def own_scripts(commands: list[list[bytes]]) -> dict[str, str]:
     """Swap each recorded script for this checkout's script of the same name (in SCRIPT LOAD
-    and in EVALSHA); returns sha1 → name of the scripts that run."""
+    and in EVALSHA), and call the request-state scripts as this checkout does: FCALL of its
+    Functions library's functions (loaded first; a recording's FCALL and FUNCTION LOAD are
+    mapped to them by script name). Returns sha1 or function name → script name."""
     names: dict[str, str] = {}
     swap: dict[bytes, tuple[bytes, bytes]] = {}
     for args in commands:
@@ -169,12 +173,27 @@ def own_scripts(commands: list[list[bytes]]) -> dict[str, str]:
             sha = hashlib.sha1(body).hexdigest()
             swap[old] = (sha.encode(), body)
             names[sha] = name
-    for args in commands:
+    lib_name, lib_code = library()
+    loaded: set[bytes] = set()
+    for i, args in enumerate(commands):
         op = args[0].upper()
         if op == b"SCRIPT" and len(args) > 2 and args[1].upper() == b"LOAD":
+            loaded.add(hashlib.sha1(args[2]).hexdigest().encode())
             args[2] = swap.get(hashlib.sha1(args[2]).hexdigest().encode(), (b"", args[2]))[1]
         elif op == b"EVALSHA" and args[1] in swap:
-            args[1] = swap[args[1]][0]
+            recorded, args[1] = args[1], swap[args[1]][0]
+            name = names[args[1].decode()]
+            if name in SCRIPT_NAMES:  # this checkout calls it by FCALL...
+                fcall = [b"FCALL", function_name(name).encode(), *args[2:]]
+                # ... where the recording's did not run (NOSCRIPT), an FCALL would
+                commands[i] = fcall if recorded in loaded else [b"PING"]
+        elif op == b"FCALL" and (m := FUNCTION_NAME.match(args[1])):
+            args[1] = function_name(m.group(1).decode()).encode()
+        elif op == b"FUNCTION" and len(args) > 2 and args[1].upper() == b"LOAD":
+            commands[i] = [b"FUNCTION", b"LOAD", b"REPLACE", lib_code.encode()]
+    commands.insert(0, [b"FUNCTION", b"LOAD", b"REPLACE", lib_code.encode()])
+    names.update({function_name(n): n for n in SCRIPT_NAMES})
+    log(f"replaying with the Functions library {lib_name}")
     return names
 
 
@@ -260,7 +279,7 @@ def _run(
                 continue
             if op in NONBLOCKING:
                 args = [NONBLOCKING[op], args[1]]
-            if op == b"EVALSHA":
+            if op in (b"EVALSHA", b"FCALL"):
                 calls[names.get(args[1].decode(), "other")] += 1
             try:
                 client.execute_command(*args)
@@ -303,8 +322,13 @@ def count(path: Path, top: int) -> None:
         op = args[0].upper()
         if op == b"SCRIPT" and len(args) > 2 and (m := SCRIPT_NAME.search(args[2])):
             names[hashlib.sha1(args[2]).hexdigest()] = m.group(1).decode()
-        script = names.get(args[1].decode(), "other") if op == b"EVALSHA" else "none"
-        calls[script] += op == b"EVALSHA"
+        script = "none"
+        if op == b"EVALSHA":
+            script = names.get(args[1].decode(), "other")
+        elif op == b"FCALL":
+            m = FUNCTION_NAME.match(args[1])
+            script = m.group(1).decode() if m else "other"
+        calls[script] += script != "none"
     finishes = calls["finish"] or 1
     per_script: collections.Counter[str] = collections.Counter()
     for (name, _), n in inside.items():
@@ -318,12 +342,15 @@ def count(path: Path, top: int) -> None:
 
 
 def _time_by_script(client: redis.Redis, names: dict[str, str]) -> collections.Counter[str]:
-    """Microseconds each script (by name) or plain command ran, from the slow log."""
+    """Microseconds each script (by name) or plain command from a client ran, from the slow
+    log (a script's time includes the commands it ran, which the log also lists)."""
     spent: collections.Counter[str] = collections.Counter()
     for entry in client.slowlog_get(-1):
+        if entry.get("client_address") == b"?:0":  # run by a script: in the script's time
+            continue
         args = entry["command"].split()
         op = args[0].upper() if args else b"?"
-        if op == b"EVALSHA" and len(args) > 1:
+        if op in (b"EVALSHA", b"FCALL") and len(args) > 1:
             key = names.get(args[1].decode(), "other script")
         else:
             key = op.decode()

@@ -56,9 +56,12 @@ class Server:
                 self.kill()
 
 
-def start_server(tmp: Path, name: str, *args: str, conf: str | None = None) -> Server:
-    """A ``redis-server`` on a free loopback port with ``args`` (or a written config file
-    ``conf`` and ``--sentinel``), answering PING when this returns."""
+def start_server(
+    tmp: Path, name: str, *args: str, conf: str | None = None, binary: str | None = None
+) -> Server:
+    """A ``redis-server`` (``binary``, else the one on PATH) on a free loopback port with
+    ``args`` (or a written config file ``conf`` and ``--sentinel``), answering PING when this
+    returns."""
     port = free_port()
     tmp.mkdir(parents=True, exist_ok=True)
     log = tmp / f"{name}.log"
@@ -68,7 +71,7 @@ def start_server(tmp: Path, name: str, *args: str, conf: str | None = None) -> S
         argv = [redis_server(), str(path), "--sentinel"]
     else:
         argv = [
-            redis_server(),
+            binary or redis_server(),
             "--port",
             str(port),
             "--bind",
@@ -99,8 +102,8 @@ def start_server(tmp: Path, name: str, *args: str, conf: str | None = None) -> S
 
 
 @contextmanager
-def lone_server(tmp: Path, *args: str) -> Iterator[Server]:
-    server = start_server(tmp, f"redis-{free_port()}", *args)
+def lone_server(tmp: Path, *args: str, binary: str | None = None) -> Iterator[Server]:
+    server = start_server(tmp, f"redis-{free_port()}", *args, binary=binary)
     try:
         yield server
     finally:

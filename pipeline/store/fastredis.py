@@ -77,16 +77,6 @@ class ThreadConnections:
             self.local.conn, self.local.pid = conn, os.getpid()
         return conn
 
-    def evalsha(
-        self, calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]]
-    ) -> list[Any] | None:
-        """``(sha, keys, args)`` calls sent in one write over this thread's connection, run in
-        order (each atomic): their replies, an error reply in its call's place as the exception
-        (NOSCRIPT included). None when the connection failed: nothing is known of what ran."""
-        return self.execute(
-            [("EVALSHA", sha, len(keys), *keys, *args) for sha, keys, args in calls]
-        )
-
     def execute(self, commands: Sequence[Sequence[Any]]) -> list[Any] | None:
         """Commands sent in one write over this thread's connection: their replies (an error
         reply as the exception, in its place), or None when the connection failed."""
@@ -128,10 +118,88 @@ def thread_connections(client: redis.Redis) -> ThreadConnections:
     return lanes
 
 
+class Library:
+    """A Redis Functions library on one client's server (pipeline/store/functions.py): loaded
+    when a call finds it missing; given up for the life of the client when the server has no
+    Functions (Redis before 7) or will not load it (an ACL without FUNCTION): its scripts are
+    then called with EVALSHA."""
+
+    def __init__(self, client: redis.Redis, name: str, code: str) -> None:
+        self.client = client
+        self.name = name
+        self.code = code
+        self.usable = True
+        self._lock = threading.Lock()
+
+    def recover(self, reply: ResponseError) -> bool:
+        """After a call of one of its functions answered ``reply``: load the library (it was
+        missing) or give it up (the server has no FCALL). True when calling again may now
+        succeed."""
+        text = str(reply)
+        if _no_fcall(text):
+            self._give_up(text)
+            return True
+        if not text.startswith("Function not found"):
+            return False
+        with self._lock:
+            try:
+                self.client.function_load(self.code, replace=True)
+            except ResponseError as exc:
+                self._give_up(str(exc))
+            except _FALLBACK:
+                return False
+        return True
+
+    def _give_up(self, why: str) -> None:
+        if self.usable:
+            self.usable = False
+            log.warning(
+                "Redis Functions library %s not used (%s): the scripts run with EVALSHA",
+                self.name,
+                why.split(",")[0],
+            )
+
+
+def _no_fcall(text: str) -> bool:
+    """The server will not run FCALL: it has no such command (before Redis 7), or the user's
+    ACL does not allow it."""
+    head = text[:24].lower()  # "unknown command 'FCALL'" (7.x), "... `FCALL`" (6.2)
+    return (head.startswith("unknown command") and "fcall" in head) or (
+        "permissions to run the 'fcall'" in text
+    )
+
+
+def needs_recovery(reply: Any) -> bool:
+    """Whether a script call's reply says the script did not run because the server lacks it
+    (NOSCRIPT, a missing function, no FCALL): calling again through the script loads it, or
+    calls it with EVALSHA."""
+    if isinstance(reply, NoScriptError):
+        return True
+    if not isinstance(reply, ResponseError):
+        return False
+    text = str(reply)
+    return text.startswith("Function not found") or _no_fcall(text)
+
+
+_libraries: weakref.WeakKeyDictionary[redis.Redis, dict[str, Library]] = weakref.WeakKeyDictionary()
+
+
+def library_on(client: redis.Redis, name: str, code: str) -> Library:
+    """The one :class:`Library` ``name`` of ``client`` (shared by the scripts it holds)."""
+    with _lanes_lock:
+        libs = _libraries.setdefault(client, {})
+        lib = libs.get(name)
+        if lib is None:
+            lib = libs[name] = Library(client, name, code)
+        return lib
+
+
 class FastScript:
     """A Lua script registered on ``client``, called like redis-py's ``Script``
     (``script(keys=[...], args=[...])``) over the calling thread's own connection, followed by
-    a WAIT for replicas when it has a :class:`Replication` (``name`` names it in errors)."""
+    a WAIT for replicas when it has a :class:`Replication` (``name`` names it in errors).
+    With ``function`` (its name in ``library``) it is called with FCALL while the library is
+    usable, else with EVALSHA of ``text`` (the same code)."""
 
     def __init__(
         self,
@@ -140,6 +208,8 @@ class FastScript:
         *,
         name: str = "script",
         replication: Replication | None = None,
+        function: str | None = None,
+        library: Library | None = None,
     ) -> None:
         self.client = client
         self.script = client.register_script(text)  # the fallback: loads, retries
@@ -147,15 +217,33 @@ class FastScript:
         self.lanes = thread_connections(client)
         self.name = name
         self.replication = replication
+        self.function = function if library is not None else None
+        self.library = library
         self._warned = 0.0
 
+    def command(self, keys: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...]:
+        """The call as one Redis command: FCALL of its function, or EVALSHA."""
+        if self.function is not None and self.library is not None and self.library.usable:
+            return ("FCALL", self.function, len(keys), *keys, *args)
+        return ("EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def recover(self, reply: ResponseError) -> bool:
+        """Load what the server lacked for ``reply`` (see :class:`Library`): True when calling
+        again may succeed (a NOSCRIPT is left to redis-py's path, which loads the script)."""
+        return self.library is not None and self.library.recover(reply)
+
     def __call__(
-        self, keys: Sequence[Any] = (), args: Sequence[Any] = (), client: Any = None
+        self,
+        keys: Sequence[Any] = (),
+        args: Sequence[Any] = (),
+        client: Any = None,
+        *,
+        retried: bool = False,
     ) -> Any:
         if client is not None:  # queued on a redis-py pipeline (or another client), as Script
             return self.script(keys=keys, args=args, client=client)
         rep = self.replication
-        command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+        command = self.command(keys, args)
         inline = rep is not None and rep.when is None
         replies = self.lanes.execute(
             [command, ("WAIT", rep.replicas, rep.timeout_ms)] if inline and rep else [command]
@@ -166,6 +254,8 @@ class FastScript:
                 if rep is not None:
                     self._replicated(rep, reply, replies[1] if inline else None)
                 return reply
+            if not retried and command[0] == "FCALL" and self.recover(reply):
+                return self(keys, args, retried=True)  # the library loaded, or EVALSHA now
             if not isinstance(reply, NoScriptError):
                 raise reply  # the script's own error
         if rep is None:
@@ -218,6 +308,13 @@ class FastScript:
 def call_batch(
     client: redis.Redis, calls: Sequence[tuple[Any, Sequence[Any], Sequence[Any]]]
 ) -> list[Any] | None:
-    """``(script, keys, args)`` calls (a script: anything with a ``sha``) in one write over the
-    calling thread's own connection: :meth:`ThreadConnections.evalsha`."""
-    return thread_connections(client).evalsha([(s.sha, k, a) for s, k, a in calls])
+    """``(script, keys, args)`` calls (a script: a :class:`FastScript`, or anything with a
+    ``sha``, called with EVALSHA) in one write over the calling thread's own connection, run in
+    order (each atomic): their replies (an error in its call's place), or None when the
+    connection failed."""
+    return thread_connections(client).execute(
+        [
+            s.command(k, a) if isinstance(s, FastScript) else ("EVALSHA", s.sha, len(k), *k, *a)
+            for s, k, a in calls
+        ]
+    )

@@ -6,108 +6,15 @@ The request-state scripts are registered with ``sched.lua`` and ``lib.lua`` prep
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
-from importlib import resources
 from typing import Any
 
 import redis
 
-from .fastredis import FastScript, Replication, call_batch
-
-SCRIPT_NAMES = (
-    "submit",
-    "dispatch",
-    "start",
-    "finish",
-    "requeue",
-    "cancel",
-    "cancel_asked",
-    "reap",
-    "renew",
-    "node_beat",
-    "ingest",
-    "sched_index",
-    "sched_recheck",
-    "note",
-    "explain",
-    "wait",
-)
-
-
-@cache
-def lua_source(name: str) -> str:
-    """Text of ``lua/<name>.lua`` as it is in the file."""
-    return (resources.files("pipeline.store") / "lua" / f"{name}.lua").read_text()
-
-
-_DEFINES = re.compile(r"^local\s+(?:function\s+([A-Za-z_]\w*)|([A-Za-z_][\w\s,]*?)\s*=)")
-_NAME = re.compile(r"[A-Za-z_]\w*")
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """One top-level definition of sched.lua / lib.lua: its text (with the comment above it),
-    the names it defines, and the identifiers its code uses."""
-
-    text: str
-    defines: frozenset[str]
-    uses: frozenset[str]
-
-
-def _uses(code: str) -> frozenset[str]:
-    """The identifiers in ``code``, comment-only lines left out (a trailing comment or a string
-    may add a name that is not really used: that only keeps a definition in, never out)."""
-    lines = (line for line in code.splitlines() if not line.lstrip().startswith("--"))
-    return frozenset(_NAME.findall("\n".join(lines)))
-
-
-@cache
-def _library() -> tuple[_Chunk, ...]:
-    """sched.lua then lib.lua cut into their top-level definitions, in order: each starts at a
-    line ``local ...`` at column 0 (the comment lines just above it go with it) and runs to the
-    next one. The files' header comments are left out."""
-    chunks: list[_Chunk] = []
-    for text in (lua_source("sched"), lua_source("lib")):
-        lines = text.splitlines()
-        starts = [i for i, line in enumerate(lines) if _DEFINES.match(line)]
-        for n, i in enumerate(starts):
-            begin = i
-            while (
-                begin > 0
-                and lines[begin - 1].startswith("--")
-                and (n == 0 or begin - 1 > starts[n - 1])
-            ):
-                begin -= 1
-            end = starts[n + 1] if n + 1 < len(starts) else len(lines)
-            while end > i + 1 and lines[end - 1].startswith("--"):
-                end -= 1  # the next definition's comment
-            m = _DEFINES.match(lines[i])
-            assert m is not None
-            names = m.group(1) or m.group(2)
-            defines = frozenset(x.strip() for x in names.split(","))
-            body = "\n".join(lines[begin:end]).rstrip()
-            chunks.append(_Chunk(body + "\n", defines, _uses("\n".join(lines[i:end]))))
-    return tuple(chunks)
-
-
-@cache
-def source(name: str) -> str:
-    """The full text of script ``name`` as registered on the server: the definitions of
-    sched.lua and lib.lua it uses, directly or through another one (in the files' order), then
-    the script. Only those: the server builds every definition of the prefix (a closure or a
-    table each) on every call of the script, ~24 µs of Redis CPU per call for all of them on a
-    cold cache (BENCHMARKS.md, "Less Redis per request")."""
-    script = lua_source(name)
-    chunks = _library()
-    need = set(_uses(script))
-    for chunk in reversed(chunks):  # a definition only uses earlier ones
-        if chunk.defines & need:
-            need |= chunk.uses
-    kept = [c.text for c in chunks if c.defines & need]
-    return "".join(kept) + "\n" + script
+from .fastredis import FastScript, Replication, call_batch, library_on, needs_recovery
+from .functions import function_name, library
+from .luatext import SCRIPT_NAMES, lua_source, source
 
 
 def register(client: redis.Redis, name: str) -> FastScript:
@@ -130,9 +37,10 @@ class ScriptCall:
 def run_batch(client: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     """Script calls in one round trip, run in order (each atomic, not all together): their
     replies, or in a failed call's place the error it raised. A call whose script the server
-    does not have (NOSCRIPT: it restarted, or SCRIPT FLUSH) did not run and is run again on its
-    own, which loads the script. Over the calling thread's own connection; through a redis-py
-    pipeline (and its retries) when that connection failed."""
+    does not have (NOSCRIPT or a missing function: it restarted, or SCRIPT / FUNCTION FLUSH)
+    did not run and is run again on its own, which loads the script or the library. Over the
+    calling thread's own connection; through a redis-py pipeline (and its retries, with
+    EVALSHA) when that connection failed."""
     replies = call_batch(client, [(call.script, call.keys, call.args) for call in calls])
     if replies is None:
         with client.pipeline(transaction=False) as pipe:
@@ -140,7 +48,7 @@ def run_batch(client: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
                 pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
             replies = pipe.execute(raise_on_error=False)
     for i, (reply, call) in enumerate(zip(replies, calls, strict=True)):
-        if isinstance(reply, redis.exceptions.NoScriptError):
+        if needs_recovery(reply):  # the call loads what the server lacked
             try:
                 replies[i] = call.script(keys=call.keys, args=call.args)
             except redis.RedisError as exc:
@@ -175,15 +83,29 @@ def replication(name: str, replicas: int, timeout_ms: int) -> Replication | None
 
 
 class Scripts:
-    """The pipeline's scripts registered on one Redis client (EVALSHA over the calling thread's
-    own connection, reloaded on NOSCRIPT: see :mod:`pipeline.fastredis`); with ``replicas``,
+    """The pipeline's scripts registered on one Redis client: functions of one library
+    (:mod:`.functions`; FCALL, with EVALSHA where the server has no Functions or
+    ``functions`` is False) over the calling thread's own connection, reloaded when the server
+    lost them (see :mod:`.fastredis`); with ``replicas``,
     those whose writes must survive a failover wait for that many replicas (see
     :func:`replication`)."""
 
-    def __init__(self, client: redis.Redis, replicas: int = 0, timeout_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        replicas: int = 0,
+        timeout_ms: int = 1000,
+        functions: bool = True,
+    ) -> None:
+        lib = library_on(client, *library()) if functions else None
         self._scripts: dict[str, Any] = {
             n: FastScript(
-                client, source(n), name=n, replication=replication(n, replicas, timeout_ms)
+                client,
+                source(n),
+                name=n,
+                replication=replication(n, replicas, timeout_ms),
+                function=function_name(n),
+                library=lib,
             )
             for n in SCRIPT_NAMES
         }

