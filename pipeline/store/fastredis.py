@@ -151,9 +151,13 @@ class Library:
         return True
 
     def _give_up(self, why: str) -> None:
+        """Call the scripts with EVALSHA from now on; logged once, as a warning when the user
+        was refused (an ACL to fix), else (a server without Functions) for information."""
         if self.usable:
             self.usable = False
-            log.warning(
+            refused = not why.lower().startswith("unknown command")
+            log.log(
+                logging.WARNING if refused else logging.INFO,
                 "Redis Functions library %s not used (%s): the scripts run with EVALSHA",
                 self.name,
                 why.split(",")[0],
