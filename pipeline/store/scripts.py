@@ -1,8 +1,10 @@
-"""Lua scripts (``pipeline/store/lua/*.lua``): loading and registering them, and calling
-several in one round trip.
+"""Lua scripts (``pipeline/store/lua/*.lua``): registering them, and calling several in one
+round trip.
 
-The request-state scripts are registered with ``sched.lua`` and ``lib.lua`` prepended
-(:func:`source`); the gate scripts stand alone (:func:`lua_source`)."""
+The request-state scripts are functions of one Redis Functions library (:mod:`.functions`),
+with their text as :func:`~.luatext.source` builds it (``sched.lua`` and ``lib.lua``
+prepended) for ``EVALSHA`` where the library cannot be used; the gate scripts stand alone
+(:func:`~.luatext.lua_source`)."""
 
 from __future__ import annotations
 
