@@ -82,6 +82,22 @@ def test_a_batch_of_calls_reloads_the_library_it_lost(tmp_path: Path) -> None:
         assert libraries(client) == [library()[0]]
 
 
+def test_a_full_server_fails_the_call_and_the_next_one_loads_the_library(tmp_path: Path) -> None:
+    """Out of memory, FUNCTION LOAD is refused as a write is: that call fails, and the library
+    is not given up for it (only a server without Functions or an ACL refusal does that)."""
+    with lone_server(tmp_path, "--maxmemory-policy", "noeviction") as server:
+        client = server.client()
+        scripts = Scripts(client)
+        client.config_set("maxmemory", 100_000)
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            explain_missing(scripts)
+        assert libraries(client) == []
+        client.config_set("maxmemory", 0)
+        assert explain_missing(scripts) is None
+        assert libraries(client) == [library()[0]]
+        assert calls(client, "evalsha") == 0
+
+
 def test_a_user_without_functions_runs_the_scripts_with_evalsha(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -121,8 +121,10 @@ def thread_connections(client: redis.Redis) -> ThreadConnections:
 class Library:
     """A Redis Functions library on one client's server (pipeline/store/functions.py): loaded
     when a call finds it missing; given up for the life of the client when the server has no
-    Functions (Redis before 7) or will not load it (an ACL without FUNCTION): its scripts are
-    then called with EVALSHA."""
+    Functions (Redis before 7) or refuses the user them (an ACL without FCALL or FUNCTION):
+    its scripts are then called with EVALSHA. A load the server cannot do now (out of memory,
+    a read-only replica) fails that call, as a script's write would, and the next call tries
+    again."""
 
     def __init__(self, client: redis.Redis, name: str, code: str) -> None:
         self.client = client
@@ -145,6 +147,8 @@ class Library:
             try:
                 self.client.function_load(self.code, replace=True)
             except ResponseError as exc:
+                if not _refused(str(exc)):
+                    raise  # a full or read-only server: this call fails, the next one loads it
                 self._give_up(str(exc))
             except _FALLBACK:
                 return False
@@ -162,6 +166,12 @@ class Library:
                 self.name,
                 why.split(",")[0],
             )
+
+
+def _refused(text: str) -> bool:
+    """The server will not load a library for this user: it has no Functions, or the user's
+    ACL does not allow ``FUNCTION LOAD``."""
+    return text.lower().startswith("unknown command") or "permissions to run the 'function" in text
 
 
 def _no_fcall(text: str) -> bool:
