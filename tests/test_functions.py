@@ -82,6 +82,20 @@ def test_a_batch_of_calls_reloads_the_library_it_lost(tmp_path: Path) -> None:
         assert libraries(client) == [library()[0]]
 
 
+def test_threads_that_find_it_missing_together_load_it_once(tmp_path: Path) -> None:
+    """Every thread's first call of a fresh worker finds the library missing at once: the
+    first to recover loads it, the others see that load and only call again."""
+    with lone_server(tmp_path) as server:
+        client = server.client()
+        lib = library_on(client, *library())
+        seen = lib.loads  # what each call saw when it was sent
+        missing = redis.ResponseError("Function not found")
+        assert [lib.recover(missing, seen) for _ in range(3)] == [True, True, True]
+        assert calls(client, "function|load") == 1
+        assert lib.recover(missing, lib.loads) is True  # lost again later: loaded again
+        assert calls(client, "function|load") == 2
+
+
 def test_a_full_server_fails_the_call_and_the_next_one_loads_the_library(tmp_path: Path) -> None:
     """Out of memory, FUNCTION LOAD is refused as a write is: that call fails, and the library
     is not given up for it (only a server without Functions or an ACL refusal does that)."""

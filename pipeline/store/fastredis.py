@@ -131,12 +131,14 @@ class Library:
         self.name = name
         self.code = code
         self.usable = True
+        self.loads = 0  # how often this process loaded it
         self._lock = threading.Lock()
 
-    def recover(self, reply: ResponseError) -> bool:
+    def recover(self, reply: ResponseError, seen: int) -> bool:
         """After a call of one of its functions answered ``reply``: load the library (it was
-        missing) or give it up (the server has no FCALL). True when calling again may now
-        succeed."""
+        missing) or give it up (the server has no FCALL). ``seen``: :attr:`loads` when that
+        call was sent; a load since (another thread's) is not repeated. True when calling again
+        may now succeed."""
         text = str(reply)
         if _no_fcall(text):
             self._give_up(text)
@@ -144,8 +146,11 @@ class Library:
         if not text.startswith("Function not found"):
             return False
         with self._lock:
+            if self.loads != seen:
+                return True  # another thread loaded it while this call was on its way
             try:
                 self.client.function_load(self.code, replace=True)
+                self.loads += 1
             except ResponseError as exc:
                 if not _refused(str(exc)):
                     raise  # a full or read-only server: this call fails, the next one loads it
@@ -241,11 +246,6 @@ class FastScript:
             return ("FCALL", self.function, len(keys), *keys, *args)
         return ("EVALSHA", self.sha, len(keys), *keys, *args)
 
-    def recover(self, reply: ResponseError) -> bool:
-        """Load what the server lacked for ``reply`` (see :class:`Library`): True when calling
-        again may succeed (a NOSCRIPT is left to redis-py's path, which loads the script)."""
-        return self.library is not None and self.library.recover(reply)
-
     def __call__(
         self,
         keys: Sequence[Any] = (),
@@ -258,6 +258,7 @@ class FastScript:
             return self.script(keys=keys, args=args, client=client)
         rep = self.replication
         command = self.command(keys, args)
+        loads = self.library.loads if self.library is not None else 0
         inline = rep is not None and rep.when is None
         replies = self.lanes.execute(
             [command, ("WAIT", rep.replicas, rep.timeout_ms)] if inline and rep else [command]
@@ -268,7 +269,8 @@ class FastScript:
                 if rep is not None:
                     self._replicated(rep, reply, replies[1] if inline else None)
                 return reply
-            if not retried and command[0] == "FCALL" and self.recover(reply):
+            lib = self.library
+            if not retried and command[0] == "FCALL" and lib and lib.recover(reply, loads):
                 return self(keys, args, retried=True)  # the library loaded, or EVALSHA now
             if not isinstance(reply, NoScriptError):
                 raise reply  # the script's own error
