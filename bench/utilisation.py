@@ -28,7 +28,10 @@ request and stores its status code in Celery's Redis result backend; the client 
 without subscribing to results), once before the scenarios and once after them, because the
 machine's speed drifts over a run. That is the Redis CPU per request of a task queue with no
 gate, order, deadline, fencing or lease, measured in the same run. Each scenario's Redis CPU is
-printed as a multiple of the two runs' mean.
+printed as a multiple of the two runs' mean. Every run also prints its Redis CPU over the
+simulator's CPU, per request: the simulator does the same work whatever the tree, so the
+quotient takes out most of the machine's speed, which moves ~15 % between neighbouring runs
+here (BENCHMARKS.md, round 8).
 
 Throughput = requests / (first submit .. the simulator's N-th 200, by its own clock). All
 results are then read back through ``Pipeline.iter_results`` and must be 200. ``dispatches
@@ -383,7 +386,17 @@ def main() -> int:
         print(f"Redis CPU per request, as a multiple of plain Celery's ({base:.2f} ms, the mean):")
         for r in rows:
             print(f"  {r['label']}: {redis_ms(r):.2f} ms = {redis_ms(r) / base:.2f} x")
+    print("Redis CPU per request over the simulator's (the same work in every tree and run, so")
+    print("a yardstick of the machine's speed at that moment):")
+    for r in rows + plain:
+        print(f"  {r['label']}: {redis_ms(r) / sim_ms(r):.2f}")
     return 0
+
+
+def sim_ms(res: dict[str, Any]) -> float:
+    """The simulator's CPU ms per request of a run."""
+    used = res["cpu"].get("sim")
+    return float("nan") if not used else used * 1000 / res["n"]
 
 
 def redis_ms(res: dict[str, Any]) -> float:
