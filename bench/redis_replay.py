@@ -279,8 +279,8 @@ def _run(
                 continue
             if op in NONBLOCKING:
                 args = [NONBLOCKING[op], args[1]]
-            if op in (b"EVALSHA", b"FCALL"):
-                calls[names.get(args[1].decode(), "other")] += 1
+            if (script := called_script(args, names)) is not None:
+                calls[script] += 1
             try:
                 client.execute_command(*args)
             except redis.ResponseError as e:  # NOSCRIPT as in the recording, or a divergence
@@ -292,6 +292,19 @@ def _run(
     finally:
         client.close()
     return Outcome(calls, errors, done, elapsed, cpu, spent)
+
+
+def called_script(args: list[bytes], names: dict[str, str]) -> str | None:
+    """The script an EVALSHA or FCALL runs (``names``: sha1 or function name → script name;
+    a function of any checkout's library by its name), "other" when unknown; None for any
+    other command."""
+    op = args[0].upper()
+    if op not in (b"EVALSHA", b"FCALL") or len(args) < 2:
+        return None
+    if (name := names.get(args[1].decode())) is not None:
+        return name
+    m = FUNCTION_NAME.match(args[1]) if op == b"FCALL" else None
+    return m.group(1).decode() if m else "other"
 
 
 # -- count -----------------------------------------------------------------------------------
@@ -322,12 +335,7 @@ def count(path: Path, top: int) -> None:
         op = args[0].upper()
         if op == b"SCRIPT" and len(args) > 2 and (m := SCRIPT_NAME.search(args[2])):
             names[hashlib.sha1(args[2]).hexdigest()] = m.group(1).decode()
-        script = "none"
-        if op == b"EVALSHA":
-            script = names.get(args[1].decode(), "other")
-        elif op == b"FCALL":
-            m = FUNCTION_NAME.match(args[1])
-            script = m.group(1).decode() if m else "other"
+        script = called_script(args, names) or "none"
         calls[script] += script != "none"
     finishes = calls["finish"] or 1
     per_script: collections.Counter[str] = collections.Counter()
@@ -348,13 +356,8 @@ def _time_by_script(client: redis.Redis, names: dict[str, str]) -> collections.C
     for entry in client.slowlog_get(-1):
         if entry.get("client_address") == b"?:0":  # run by a script: in the script's time
             continue
-        args = entry["command"].split()
-        op = args[0].upper() if args else b"?"
-        if op in (b"EVALSHA", b"FCALL") and len(args) > 1:
-            key = names.get(args[1].decode(), "other script")
-        else:
-            key = op.decode()
-        spent[key] += int(entry["duration"])
+        args = entry["command"].split() or [b"?"]
+        spent[called_script(args, names) or args[0].upper().decode()] += int(entry["duration"])
     spent.pop("SLOWLOG", None)
     spent.pop("SCAN", None)
     return spent

@@ -143,7 +143,7 @@ class Library:
         if _no_fcall(text):
             self._give_up(text)
             return True
-        if not text.startswith("Function not found"):
+        if not _function_missing(text):
             return False
         with self._lock:
             if self.loads != seen:
@@ -173,6 +173,11 @@ class Library:
             )
 
 
+def _function_missing(text: str) -> bool:
+    """The server does not have the function called (it lost or never had the library)."""
+    return text.startswith("Function not found")
+
+
 def _refused(text: str) -> bool:
     """The server will not load a library for this user: it has no Functions, or the user's
     ACL does not allow ``FUNCTION LOAD``."""
@@ -197,7 +202,7 @@ def needs_recovery(reply: Any) -> bool:
     if not isinstance(reply, ResponseError):
         return False
     text = str(reply)
-    return text.startswith("Function not found") or _no_fcall(text)
+    return _function_missing(text) or _no_fcall(text)
 
 
 _libraries: weakref.WeakKeyDictionary[redis.Redis, dict[str, Library]] = weakref.WeakKeyDictionary()

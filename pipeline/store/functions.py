@@ -2,10 +2,10 @@
 
 Called with ``EVALSHA``, a script runs its whole text on every call: the definitions of
 sched.lua and lib.lua it uses are built again each time (a closure or a table each, ~40,000
-server instructions for ``finish``, ~44,000 for a dispatch tick, about a twentieth of what a
-request costs Redis: BENCHMARKS.md, round 8). In a library they are built once, when it loads;
-each script becomes a function of it whose body is the script's own text. ``FCALL`` then runs
-only that body.
+server instructions for ``finish``, ~44,000 for a dispatch tick; as FCALL, a request costs the
+server 1.8–3.4 % fewer instructions: BENCHMARKS.md, round 8). In a library they are built
+once, when it loads; each script becomes a function of it whose body is the script's own text.
+``FCALL`` then runs only that body.
 
 The library and its functions are named after a digest of their text (``pipeline_<digest>``,
 ``pl<digest>_<script>``): pipelines of different versions on one Redis each call their own.
