@@ -11,12 +11,23 @@ ranks changes to the scripts; `bench/utilisation.py` still says what a request c
     .venv/bin/python bench/redis_replay.py record --only 1node -o /tmp/1node.mon   # ~30 s
     .venv/bin/python bench/redis_replay.py replay /tmp/1node.mon --callgrind       # ~30 s
     .venv/bin/python bench/redis_replay.py replay /tmp/1node.mon --by-script       # ~5 s
+    .venv/bin/python bench/redis_replay.py replay /tmp/1node.mon --pace 1          # ~15 s
     .venv/bin/python bench/redis_replay.py count /tmp/1node.mon                    # ~2 s
 
 ``replay`` runs the scripts of the checkout it is run from (matched to the recording's by
 name), so the same recording replayed from two checkouts compares their scripts on identical
 traffic, as long as the scripts take the same arguments. Blocking pops are replayed as
-non-blocking ones. A scenario with retries does not replay faithfully (a retry's due time is
+non-blocking ones.
+
+A replay sends the commands back to back, so the server's caches stay warm and it costs the
+server less CPU than the live run did. ``--pace SPEED`` sends each command at its recorded time
+instead (divided by SPEED: 1 is the recorded rate, 160 requests/s in the utilisation scenarios),
+so the server idles between commands as it did live. Its CPU per finish then comes out near
+the live run's, with no workers, simulator or client on the machine (BENCHMARKS.md, round 9).
+It still moves with the machine's speed as much as a live run does, so compare trees in
+alternating runs.
+
+A scenario with retries does not replay faithfully (a retry's due time is
 the server's clock, which a replay runs ahead of): ``replay`` says so when fewer requests
 finish than in the recording. ``--callgrind`` needs valgrind (``apt-get install valgrind``);
 ``REDIS_SERVER=/path/to/redis-server`` runs another build (one with symbols, for
@@ -211,9 +222,13 @@ class Outcome:
 
 
 def replay(
-    path: Path, use_callgrind: bool, by_script: bool = False, keep_profile: Path | None = None
+    path: Path,
+    use_callgrind: bool,
+    by_script: bool = False,
+    keep_profile: Path | None = None,
+    pace: float | None = None,
 ) -> None:
-    header, commands = read_recording(path)
+    header, commands, stamps = read_recording(path)
     names = own_scripts(commands)
     if use_callgrind and shutil.which("valgrind") is None:
         sys.exit("redis_replay: --callgrind needs valgrind (apt-get install valgrind)")
@@ -222,12 +237,14 @@ def replay(
     port = free_port()
     server = _server(port, workdir, out)
     try:
-        got = _run(redis.Redis(port=port), commands, names, by_script)
+        due = paced(stamps, pace) if pace else None
+        got = _run(redis.Redis(port=port), commands, names, by_script, due)
     finally:
         stop_proc(server, 300)  # SIGTERM: the server exits and callgrind writes its counts
     finishes = got.calls["finish"] or 1
+    how = f"at {pace:g}x the recorded pace" if pace else "back to back"
     print(f"replayed {path} ({header.get('scenario', '?')}): {len(commands)} commands "
-          f"in {got.elapsed:.1f} s; script calls per finish: "
+          f"in {got.elapsed:.1f} s ({how}); script calls per finish: "
           + ", ".join(f"{k} {v / finishes:.2f}" for k, v in got.calls.most_common()))  # fmt: skip
     print(f"errors: {dict(got.errors) or 'none'}; Celery results written: {got.done}")
     if got.done < got.calls["finish"] * 0.99:
@@ -251,20 +268,44 @@ def replay(
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def read_recording(path: Path) -> tuple[dict[str, str], list[list[bytes]]]:
-    """A recording's header (scenario, n) and its top-level commands."""
+def read_recording(
+    path: Path,
+) -> tuple[dict[str, str], list[list[bytes]], list[float]]:
+    """A recording's header (scenario, n), its top-level commands and when each was run (the
+    server's clock, Unix s, as MONITOR stamped it)."""
     lines = path.read_text(encoding="latin-1").splitlines()
     header: dict[str, str] = {}
     if lines and lines[0].startswith("#"):
         for kv in lines[0].lstrip("# ").split():
             key, _, value = kv.partition("=")
             header[key] = value
-    return header, [a for a in map(parse, lines[1:]) if a is not None]
+    commands: list[list[bytes]] = []
+    stamps: list[float] = []
+    for line in lines[1:]:
+        if (args := parse(line)) is not None:
+            commands.append(args)
+            stamps.append(float(line.split(" ", 1)[0]))
+    return header, commands, stamps
+
+
+def paced(stamps: list[float], speed: float) -> list[float]:
+    """When to send each command, in seconds from the first: its recorded time since the
+    first's, divided by ``speed``."""
+    if speed <= 0:
+        raise ValueError(f"--pace must be above 0, not {speed}")
+    first = stamps[0] if stamps else 0.0
+    return [(t - first) / speed for t in stamps]
 
 
 def _run(
-    client: redis.Redis, commands: list[list[bytes]], names: dict[str, str], by_script: bool
+    client: redis.Redis,
+    commands: list[list[bytes]],
+    names: dict[str, str],
+    by_script: bool,
+    due: list[float] | None = None,
 ) -> Outcome:
+    """Send ``commands`` on one connection, each at its ``due`` time (s from the start) when
+    given, else back to back."""
     calls: collections.Counter[str] = collections.Counter()
     errors: collections.Counter[str] = collections.Counter()
     if by_script:  # every command into the slow log, with its run time
@@ -273,10 +314,12 @@ def _run(
     try:
         cpu0 = _cpu(client)
         t0 = time.monotonic()
-        for args in commands:
+        for i, args in enumerate(commands):
             op = args[0].upper()
             if op in SKIP:
                 continue
+            if due is not None and (wait := t0 + due[i] - time.monotonic()) > 0:
+                time.sleep(wait)
             if op in NONBLOCKING:
                 args = [NONBLOCKING[op], args[1]]
             if (script := called_script(args, names)) is not None:
@@ -399,6 +442,12 @@ def main() -> None:
     q.add_argument("--callgrind", action="store_true", help="count instructions (valgrind)")
     q.add_argument("--by-script", action="store_true", help="server time by script (slow log)")
     q.add_argument("--keep", type=Path, help="copy the callgrind profile here")
+    q.add_argument(
+        "--pace",
+        type=float,
+        metavar="SPEED",
+        help="send each command at its recorded time divided by SPEED (1: as recorded)",
+    )
     c = sub.add_parser("count", help="commands run inside each script, from a recording")
     c.add_argument("recording", type=Path)
     c.add_argument("--top", type=int, default=30)
@@ -408,7 +457,9 @@ def main() -> None:
     elif a.cmd == "count":
         count(a.recording, a.top)
     else:
-        replay(a.recording, a.callgrind, a.by_script, a.keep)
+        if a.pace is not None and a.pace <= 0:
+            p.error(f"--pace must be above 0, not {a.pace:g}")
+        replay(a.recording, a.callgrind, a.by_script, a.keep, a.pace)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """bench/redis_replay.py reads a real server's MONITOR lines back into the arguments sent (the
-replay's instruction counts are only as good as that), and leaves out what scripts ran."""
+replay's instruction counts are only as good as that), leaves out what scripts ran, and with
+``--pace`` sends each command no sooner than its recorded time."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from typing import BinaryIO
 
 import pytest
 import redis
+from hypothesis import given
+from hypothesis import strategies as st
 
-from bench.redis_replay import count, parse
+from bench.redis_replay import _run, count, paced, parse, read_recording
 
 from .conftest import REDIS_URL
 
@@ -86,3 +89,45 @@ def test_count_puts_each_command_a_script_ran_under_that_script(
     assert "2.0 commands inside scripts per finish" in out
     assert "finish                   2.00  (1.00 calls)" in out
     assert "SET count" in out and "GET count" in out
+
+
+@given(
+    st.lists(st.floats(0, 1e4, allow_nan=False), min_size=1, max_size=50),
+    st.floats(0.01, 100),
+)
+def test_a_paced_replay_keeps_the_recorded_gaps_divided_by_its_speed(
+    gaps: list[float], speed: float
+) -> None:
+    stamps = [1.8e9]
+    for g in gaps:
+        stamps.append(stamps[-1] + g)
+    due = paced(stamps, speed)
+    assert due[0] == 0.0
+    for i in range(1, len(stamps)):
+        assert due[i] >= due[i - 1]
+        assert due[i] == pytest.approx((stamps[i] - stamps[0]) / speed, abs=1e-6)
+
+
+def test_a_paced_replay_sends_no_command_before_its_time(tmp_path: Path) -> None:
+    key = "replay-test:paced"
+    t = 1796436617.0
+    lines = [
+        f'{t:.6f} [0 127.0.0.1:1] "DEL" "{key}"',
+        f'{t + 0.2:.6f} [0 127.0.0.1:1] "RPUSH" "{key}" "a"',
+        f'{t + 0.2:.6f} [0 lua] "GET" "{key}"',  # run by a script: not replayed
+        f'{t + 0.4:.6f} [0 127.0.0.1:1] "RPUSH" "{key}" "b"',
+    ]
+    recording = tmp_path / "r.mon"
+    recording.write_text("# scenario=test n=1\n" + "\n".join(lines) + "\n", encoding="latin-1")
+    header, commands, stamps = read_recording(recording)
+    assert header == {"scenario": "test", "n": "1"}
+    assert [c[0] for c in commands] == [b"DEL", b"RPUSH", b"RPUSH"]
+    due = paced(stamps, 2.0)
+    assert due == pytest.approx([0.0, 0.1, 0.2])
+    client = redis.Redis.from_url(REDIS_URL)
+    got = _run(redis.Redis.from_url(REDIS_URL), commands, {}, False, due)
+    assert got.elapsed >= due[-1]  # each command slept until its time
+    assert client.lrange(key, 0, -1) == [b"a", b"b"]
+    client.delete(key)
+    with pytest.raises(ValueError, match="above 0"):
+        paced(stamps, 0)
