@@ -233,11 +233,11 @@ class Sim:
         self.http.post("/sim/reset")
 
     def arrivals(self) -> list[tuple[float, float, str]]:
-        return [tuple(a) for a in self.http.get("/sim/arrivals").json()]  # type: ignore[misc]
+        return [tuple(a) for a in self.http.get("/sim/arrivals").json()]
 
     def tokens(self) -> list[tuple[float, int, int, str]]:
         """Per 200: (arrival, monotonic s; prompt tokens; completion tokens; request id)."""
-        return [tuple(a) for a in self.http.get("/sim/tokens").json()]  # type: ignore[misc]
+        return [tuple(a) for a in self.http.get("/sim/tokens").json()]
 
     def successes(self) -> int:
         """``vllm:request_success_total`` (cheap to poll: no per-request data)."""
