@@ -19,8 +19,8 @@ name), so the same recording replayed from two checkouts compares their scripts 
 traffic, as long as the scripts take the same arguments. Blocking pops are replayed as
 non-blocking ones.
 
-A replay sends the commands back to back, so the server's caches stay warm and it costs the
-server less CPU than the live run did. ``--pace SPEED`` sends each command at its recorded time
+A replay sends the commands back to back, so the server never idles, and the same commands
+cost it less CPU than in the live run. ``--pace SPEED`` sends each command at its recorded time
 instead (divided by SPEED: 1 is the recorded rate, 160 requests/s in the utilisation scenarios),
 so the server idles between commands as it did live. Its CPU per finish then comes out near
 the live run's, with no workers, simulator or client on the machine (BENCHMARKS.md, round 9).
