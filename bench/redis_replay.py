@@ -11,7 +11,7 @@ ranks changes to the scripts; `bench/utilisation.py` still says what a request c
     .venv/bin/python bench/redis_replay.py record --only 1node -o /tmp/1node.mon   # ~30 s
     .venv/bin/python bench/redis_replay.py replay /tmp/1node.mon --callgrind       # ~30 s
     .venv/bin/python bench/redis_replay.py replay /tmp/1node.mon --by-script       # ~5 s
-    .venv/bin/python bench/redis_replay.py replay /tmp/1node.mon --pace 1          # ~15 s
+    .venv/bin/python bench/redis_replay.py replay /tmp/1node.mon --pace 1          # ~17 s
     .venv/bin/python bench/redis_replay.py count /tmp/1node.mon                    # ~2 s
 
 ``replay`` runs the scripts of the checkout it is run from (matched to the recording's by
@@ -290,9 +290,7 @@ def read_recording(
 
 def paced(stamps: list[float], speed: float) -> list[float]:
     """When to send each command, in seconds from the first: its recorded time since the
-    first's, divided by ``speed``."""
-    if speed <= 0:
-        raise ValueError(f"--pace must be above 0, not {speed}")
+    first's, divided by ``speed`` (above 0)."""
     first = stamps[0] if stamps else 0.0
     return [(t - first) / speed for t in stamps]
 
@@ -430,6 +428,17 @@ def _callgrind_total(out: Path) -> int:
     raise SystemExit(f"redis_replay: no totals in {out}")
 
 
+def _speed(text: str) -> float:
+    """``--pace``: a number above 0."""
+    try:
+        speed = float(text)
+    except ValueError:
+        speed = 0.0
+    if not speed > 0:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, not {text!r}")
+    return speed
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -444,7 +453,7 @@ def main() -> None:
     q.add_argument("--keep", type=Path, help="copy the callgrind profile here")
     q.add_argument(
         "--pace",
-        type=float,
+        type=_speed,
         metavar="SPEED",
         help="send each command at its recorded time divided by SPEED (1: as recorded)",
     )
@@ -457,8 +466,6 @@ def main() -> None:
     elif a.cmd == "count":
         count(a.recording, a.top)
     else:
-        if a.pace is not None and a.pace <= 0:
-            p.error(f"--pace must be above 0, not {a.pace:g}")
         replay(a.recording, a.callgrind, a.by_script, a.keep, a.pace)
 
 

@@ -5,6 +5,8 @@ replay's instruction counts are only as good as that), leaves out what scripts r
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -129,5 +131,16 @@ def test_a_paced_replay_sends_no_command_before_its_time(tmp_path: Path) -> None
     assert got.elapsed >= due[-1]  # each command slept until its time
     assert client.lrange(key, 0, -1) == [b"a", b"b"]
     client.delete(key)
-    with pytest.raises(ValueError, match="above 0"):
-        paced(stamps, 0)
+
+
+@pytest.mark.parametrize("speed", ["0", "-1", "fast", "nan"])
+def test_a_pace_that_is_not_above_0_is_refused_naming_the_option(speed: str) -> None:
+    bench = Path(__file__).resolve().parent.parent / "bench" / "redis_replay.py"
+    run = subprocess.run(
+        [sys.executable, str(bench), "replay", "any.mon", "--pace", speed],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert "--pace" in run.stderr and "above 0" in run.stderr
