@@ -37,17 +37,20 @@ Throughput = requests / (first submit .. the simulator's N-th 200, by its own cl
 results are then read back through ``Pipeline.iter_results`` and must be 200. ``dispatches
 / req`` counts how often a request went to a worker (1.0: no attempt was refused back to the
 queue). Per request, by process: CPU ms; and Redis's read events (``INFO stats``
-``total_reads_processed``: one per client round trip, however many commands it pipelined —
-each a wake-up of the server, the cost that dominates at this rate) and commands (those inside
-scripts too), over the same span.
+``total_reads_processed``: one per client round trip, however many commands it pipelined),
+commands (those inside scripts too), script calls (``FCALL`` and ``EVALSHA``) and the Celery
+consumers' ``BRPOP``s, over the same span. ``--nodes N`` runs the chosen scenarios on N worker
+nodes: how Redis per request grows with the fleet (BENCHMARKS.md, round 9).
 
     .venv/bin/python bench/utilisation.py            # ~2 min
     .venv/bin/python bench/utilisation.py --only quota-1node --only tenants8
     .venv/bin/python bench/utilisation.py --only 1node --plain
+    .venv/bin/python bench/utilisation.py --only 3nodes-global --nodes 6   # the same on 6 nodes
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -180,13 +183,13 @@ def run_batch(
     sim.reset()
     batch = [dict(it, queue=queue) for it in make(n, tag, fail_every)]
     cpu = CpuMeter(pids or {}).start()
-    reads0 = redis_counts(p.store.client)
+    counts0 = redis_counts(p.store.client)
     t0 = time.monotonic()
     reqs = p.submit_many(batch)
     t_submit = time.monotonic() - t0
     t1 = sim.last_answer(n, timeout=60 + n * 0.05)  # every request ends in a 200 (checked)
     cpu.stop()
-    reads, commands = (b - a for a, b in zip(reads0, redis_counts(p.store.client), strict=True))
+    counts = per_request(counts0, redis_counts(p.store.client), n)
     elapsed = t1 - t0
     results = list(p.iter_results([r.id for r in reqs]))
     bad = [r for r in results if r.status_code != 200]
@@ -214,16 +217,47 @@ def run_batch(
         "cpu": cpu.used,
         "cpu_ms": cpu.per_request_ms(n),
         "dispatches": dispatches / n,
-        "redis_reads": reads / n,
-        "redis_commands": commands / n,
+        **counts,
     }
 
 
-def redis_counts(client: Any) -> tuple[int, int]:
-    """The server's read events (each a wake-up for a client's round trip, however many
-    commands it pipelined) and commands run (those inside scripts too), so far."""
-    info = client.info("stats")
-    return int(info["total_reads_processed"]), int(info["total_commands_processed"])
+def redis_counts(client: Any) -> tuple[int, int, int, int]:
+    """So far: the server's read events (each a wake-up for a client's round trip, however
+    many commands it pipelined), commands run (those inside scripts too), script calls
+    (``FCALL`` and ``EVALSHA``) and ``BRPOP``s (the Celery consumers' wake-ups)."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.info("stats")
+        pipe.info("commandstats")
+        stats, commands = pipe.execute()
+
+    def calls(name: str) -> int:
+        return int(commands.get(f"cmdstat_{name}", {}).get("calls", 0))
+
+    return (
+        int(stats["total_reads_processed"]),
+        int(stats["total_commands_processed"]),
+        calls("fcall") + calls("evalsha"),
+        calls("brpop"),
+    )
+
+
+def per_request(before: tuple[int, ...], after: tuple[int, ...], n: int) -> dict[str, float]:
+    """:func:`redis_counts` over a run, per request."""
+    reads, commands, scripts, brpop = (b - a for a, b in zip(before, after, strict=True))
+    return {
+        "redis_reads": reads / n,
+        "redis_commands": commands / n,
+        "redis_scripts": scripts / n,
+        "redis_brpop": brpop / n,
+    }
+
+
+def redis_line(res: dict[str, Any]) -> str:
+    """A run's Redis counts per request, as printed."""
+    return (
+        f"{res['redis_reads']:.2f} reads (round trips), {res['redis_commands']:.1f} commands, "
+        f"{res['redis_scripts']:.2f} script calls, {res['redis_brpop']:.2f} BRPOP"
+    )
 
 
 def scenario(
@@ -259,10 +293,7 @@ def scenario(
     res["ok"] = res["ratio"] >= 0.95 and res["max_conc"] <= LIMIT and res["not_ok"] == 0
     log(f"{label}: {res['rate']:.1f} req/s, ratio {res['ratio']:.3f}, max {res['max_conc']}")
     log(f"{label}: CPU ms per request: {res['cpu_ms']}")
-    log(
-        f"{label}: Redis per request: {res['redis_reads']:.2f} reads (round trips), "
-        f"{res['redis_commands']:.1f} commands"
-    )
+    log(f"{label}: Redis per request: {redis_line(res)}")
     return res
 
 
@@ -283,12 +314,12 @@ def plain_scenario(rh: RedisHandle, workdir: Path, *, n: int) -> dict[str, Any]:
         pids = process_ids(rh, sim, [plain.proc.pid])
         sim.reset()
         cpu = CpuMeter(pids).start()
-        reads0 = redis_counts(rh.client)
+        counts0 = redis_counts(rh.client)
         t0 = time.monotonic()
         plain.publish(sim, n, "plainu")
         t1 = sim.last_answer(n, timeout=60 + n * 0.05)
         cpu.stop()
-        reads, commands = (b - a for a, b in zip(reads0, redis_counts(rh.client), strict=True))
+        counts = per_request(counts0, redis_counts(rh.client), n)
         stats = sim.stats()
     finally:
         if plain is not None:
@@ -305,8 +336,7 @@ def plain_scenario(rh: RedisHandle, workdir: Path, *, n: int) -> dict[str, Any]:
         "not_ok": n - int(stats["by_status"].get("200", 0)),
         "cpu": cpu.used,
         "cpu_ms": cpu.per_request_ms(n),
-        "redis_reads": reads / n,
-        "redis_commands": commands / n,
+        **counts,
     }
     log(f"{PLAIN_LABEL}: {rate:.1f} req/s, ratio {ratio:.3f}, CPU ms per request: {res['cpu_ms']}")
     return res
@@ -317,11 +347,18 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=2000, help="requests per scenario")
     ap.add_argument("--only", choices=list(SCENARIOS), action="append")
     ap.add_argument(
+        "--nodes",
+        type=int,
+        help="run each scenario on this many worker nodes instead of its own count",
+    )
+    ap.add_argument(
         "--plain",
         action="store_true",
         help="also run plain Celery under the same load, for its Redis CPU per request",
     )
     args = ap.parse_args()
+    if args.nodes is not None and args.nodes < 1:
+        ap.error(f"--nodes must be at least 1, not {args.nodes}")
     only = set(args.only or SCENARIOS)
     rows: list[dict[str, Any]] = []
     plain: list[dict[str, Any]] = []  # before and after the scenarios: the machine drifts
@@ -330,7 +367,7 @@ def main() -> int:
             plain.append(plain_scenario(rh, workdir, n=args.n))
         for key, spec in SCENARIOS.items():
             if key in only:
-                rows.append(scenario(rh, workdir, n=args.n, **spec))
+                rows.append(scenario(rh, workdir, n=args.n, **on_nodes(spec, args.nodes)))
         if args.plain:
             plain.append(plain_scenario(rh, workdir, n=args.n))
     print(
@@ -371,10 +408,10 @@ def main() -> int:
         )
     )
     print("target: >= 0.95 of ceiling and max at sim <= 16, every result 200")
-    print("CPU ms per request, by process; Redis reads (round trips) and commands per request:")
+    print("CPU ms per request, by process; Redis round trips, commands, script calls and BRPOPs:")
     for r in rows + plain:
         print(f"  {r['label']}: {r['cpu_ms']}")
-        print(f"    {r['redis_reads']:.2f} reads, {r['redis_commands']:.1f} commands")
+        print(f"    {redis_line(r)}")
     if plain:
         for when, p in zip(("before", "after"), plain, strict=True):
             print(
@@ -391,6 +428,14 @@ def main() -> int:
     for r in rows + plain:
         print(f"  {r['label']}: {redis_ms(r) / sim_ms(r):.2f}")
     return 0
+
+
+def on_nodes(spec: dict[str, Any], nodes: int | None) -> dict[str, Any]:
+    """A scenario run on ``nodes`` worker nodes (None: its own count), its label saying so."""
+    if nodes is None:
+        return spec
+    label = re.sub(r"^\d+ nodes?", f"{nodes} node{'s' if nodes > 1 else ''}", spec["label"])
+    return {**spec, "nodes": nodes, "label": label}
 
 
 def sim_ms(res: dict[str, Any]) -> float:
