@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import redis
@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 BODY: dict[str, Any] = {"model": "sim-model", "prompt": "benchmark", "max_tokens": 4}
 SLOTS = 64
+N = TypeVar("N", int, float)
 
 
 def log(msg: str) -> None:
@@ -367,6 +368,21 @@ def process_ids(rh: RedisHandle, sim: Sim | None, workers: Sequence[int]) -> dic
 
 
 # -- running a benchmark ---------------------------------------------------------------------
+def above_zero(kind: Callable[[str], N]) -> Callable[[str], N]:
+    """An argparse ``type``: ``kind`` of the text (int, float), refused unless above 0."""
+
+    def parse(text: str) -> N:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = kind("0")
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be a number above 0, not {text!r}")
+        return value
+
+    return parse
+
+
 def base_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument(

@@ -62,7 +62,7 @@ if __package__ in (None, ""):
 
 import redis
 
-from bench.common import free_port, log, stop_proc, wait_for
+from bench.common import above_zero, free_port, log, stop_proc, wait_for
 from bench.utilisation import SCENARIOS
 from pipeline.store.functions import function_name, library
 from pipeline.store.scripts import SCRIPT_NAMES, lua_source, source
@@ -428,17 +428,6 @@ def _callgrind_total(out: Path) -> int:
     raise SystemExit(f"redis_replay: no totals in {out}")
 
 
-def _speed(text: str) -> float:
-    """``--pace``: a number above 0."""
-    try:
-        speed = float(text)
-    except ValueError:
-        speed = 0.0
-    if not speed > 0:
-        raise argparse.ArgumentTypeError(f"must be a number above 0, not {text!r}")
-    return speed
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -453,7 +442,7 @@ def main() -> None:
     q.add_argument("--keep", type=Path, help="copy the callgrind profile here")
     q.add_argument(
         "--pace",
-        type=_speed,
+        type=above_zero(float),
         metavar="SPEED",
         help="send each command at its recorded time divided by SPEED (1: as recorded)",
     )

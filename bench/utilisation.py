@@ -42,7 +42,7 @@ commands (those inside scripts too), script calls (``FCALL`` and ``EVALSHA``) an
 consumers' ``BRPOP``s, over the same span. ``--nodes N`` runs the chosen scenarios on N worker
 nodes: how Redis per request grows with the fleet (BENCHMARKS.md, round 9).
 
-    .venv/bin/python bench/utilisation.py            # ~2 min
+    .venv/bin/python bench/utilisation.py            # ~4 min
     .venv/bin/python bench/utilisation.py --only quota-1node --only tenants8
     .venv/bin/python bench/utilisation.py --only 1node --plain
     .venv/bin/python bench/utilisation.py --only 3nodes-global --nodes 6   # the same on 6 nodes
@@ -66,6 +66,7 @@ from bench.common import (
     PipelineEnv,
     RedisHandle,
     Sim,
+    above_zero,
     base_parser,
     bench_session,
     global_gate,
@@ -348,7 +349,7 @@ def main() -> int:
     ap.add_argument("--only", choices=list(SCENARIOS), action="append")
     ap.add_argument(
         "--nodes",
-        type=int,
+        type=above_zero(int),
         help="run each scenario on this many worker nodes instead of its own count",
     )
     ap.add_argument(
@@ -357,8 +358,6 @@ def main() -> int:
         help="also run plain Celery under the same load, for its Redis CPU per request",
     )
     args = ap.parse_args()
-    if args.nodes is not None and args.nodes < 1:
-        ap.error(f"--nodes must be at least 1, not {args.nodes}")
     only = set(args.only or SCENARIOS)
     rows: list[dict[str, Any]] = []
     plain: list[dict[str, Any]] = []  # before and after the scenarios: the machine drifts
