@@ -50,6 +50,7 @@ nodes: how Redis per request grows with the fleet (BENCHMARKS.md, round 9).
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
@@ -422,10 +423,12 @@ def main() -> int:
         print(f"Redis CPU per request, as a multiple of plain Celery's ({base:.2f} ms, the mean):")
         for r in rows:
             print(f"  {r['label']}: {redis_ms(r):.2f} ms = {redis_ms(r) / base:.2f} x")
-    print("Redis CPU per request over the simulator's (the same work in every tree and run, so")
-    print("a yardstick of the machine's speed at that moment):")
-    for r in rows + plain:
-        print(f"  {r['label']}: {redis_ms(r) / sim_ms(r):.2f}")
+    metered = [r for r in rows + plain if not math.isnan(redis_ms(r) / sim_ms(r))]
+    if metered:  # (not on a shared Redis, --redis-url: its CPU is not metered)
+        print("Redis CPU per request over the simulator's (the same work in every tree and run,")
+        print("so a yardstick of the machine's speed at that moment):")
+        for r in metered:
+            print(f"  {r['label']}: {redis_ms(r) / sim_ms(r):.2f}")
     return 0
 
 

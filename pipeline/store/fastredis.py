@@ -327,15 +327,9 @@ class FastScript:
 
 
 def call_batch(
-    client: redis.Redis, calls: Sequence[tuple[Any, Sequence[Any], Sequence[Any]]]
+    client: redis.Redis, calls: Sequence[tuple[FastScript, Sequence[Any], Sequence[Any]]]
 ) -> list[Any] | None:
-    """``(script, keys, args)`` calls (a script: a :class:`FastScript`, or anything with a
-    ``sha``, called with EVALSHA) in one write over the calling thread's own connection, run in
-    order (each atomic): their replies (an error in its call's place), or None when the
-    connection failed."""
-    return thread_connections(client).execute(
-        [
-            s.command(k, a) if isinstance(s, FastScript) else ("EVALSHA", s.sha, len(k), *k, *a)
-            for s, k, a in calls
-        ]
-    )
+    """``(script, keys, args)`` calls in one write over the calling thread's own connection,
+    each sent as :meth:`FastScript.command` builds it, run in order (each atomic): their replies
+    (an error in its call's place), or None when the connection failed."""
+    return thread_connections(client).execute([s.command(k, a) for s, k, a in calls])

@@ -28,10 +28,9 @@ def register(client: redis.Redis, name: str) -> FastScript:
 @dataclass(frozen=True)
 class ScriptCall:
     """One Lua script call, to be sent with others in one round trip (:func:`run_batch`): a
-    script (anything with a ``sha`` that is callable like redis-py's ``Script``) and its keys
-    and args."""
+    registered script (:func:`register`, :class:`Scripts`) and its keys and args."""
 
-    script: Any
+    script: FastScript
     keys: list[str]
     args: list[Any]
 

@@ -192,20 +192,24 @@ local function sched_add(prefix, queue, id, score, member, metadata)
 end
 
 -- sched_add for many new requests in one script run (submit), whose records were just written
--- with their tenant (key `tk`): `memo` keeps what was read of each tenant (held back or not,
--- its head), which nothing else changes while the script adds, and how many joined each
--- queue, added to its count once by sched_add_done (BENCHMARKS.md, round 8).
+-- with their tenant (key `tk`). `memo` (from sched_memo) keeps what was read of each tenant
+-- (held back or not, its head; nothing else changes them while the script adds) and how many
+-- joined each queue, added to its count once by sched_add_done (BENCHMARKS.md, round 8).
+local function sched_memo()
+  return {tenants = {}, added = {}}
+end
+
 local function sched_add_new(c, tk, score, member, memo)
   local sub = sched_sub(c, tk)
-  local t = memo[sub]
+  local t = memo.tenants[sub]
   if not t then
     local old = redis.call('ZRANGE', sub, 0, 0, 'WITHSCORES')
     t = {held = redis.call('HEXISTS', c.base .. 'blocked', tk) == 1, head = old[1],
       score = old[2]}
-    memo[sub] = t
+    memo.tenants[sub] = t
   end
   if redis.call('ZADD', sub, score, member) == 0 then return false end
-  memo[c] = (memo[c] or 0) + 1
+  memo.added[c] = (memo.added[c] or 0) + 1
   if not t.held and sched_new_head(c, tk, member, score, t.head, t.score) then
     t.head, t.score = member, score
   end
@@ -213,9 +217,7 @@ local function sched_add_new(c, tk, score, member, memo)
 end
 
 local function sched_add_done(memo)
-  for c, n in pairs(memo) do
-    if type(c) == 'table' and c.base then redis.call('HINCRBY', c.base .. 'sched', 'n', n) end
-  end
+  for c, n in pairs(memo.added) do redis.call('HINCRBY', c.base .. 'sched', 'n', n) end
 end
 
 -- Take `member` out of tenant `tk`'s sub-queue (whatever state the record is in). Returns

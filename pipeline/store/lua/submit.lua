@@ -33,7 +33,7 @@ if batch ~= '' then
 end
 local out = {}
 local touched_pools = {}
-local memo = {} -- what sched_add_new learnt of each tenant (sched.lua)
+local memo = sched_memo() -- what sched_add_new learnt of each tenant (sched.lua)
 local items = cjson.decode(ARGV[2])
 if batch ~= '' then redis.call('HINCRBY', prefix .. 'batch:' .. batch, 'unsubmitted', -#items) end
 -- one INCRBY reserves a sequence number per item (a duplicate leaves a gap: only order counts)
