@@ -64,7 +64,6 @@ import redis
 
 from bench.common import above_zero, free_port, log, stop_proc, wait_for
 from bench.utilisation import SCENARIOS
-from pipeline.store.functions import function_name, library
 from pipeline.store.scripts import SCRIPT_NAMES, lua_source, source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +72,6 @@ SKIP = {b"HELLO", b"CLIENT", b"SUBSCRIBE", b"PSUBSCRIBE", b"UNSUBSCRIBE", b"PUNS
         b"MONITOR", b"FLUSHDB", b"FLUSHALL", b"INFO", b"CONFIG", b"SLOWLOG"}  # fmt: skip
 NONBLOCKING = {b"BLPOP": b"LPOP", b"BRPOP": b"RPOP", b"BZPOPMIN": b"ZPOPMIN"}
 SCRIPT_NAME = re.compile(rb"^-- ([a-z_]+)\.lua", re.M)
-FUNCTION_NAME = re.compile(rb"^pl[0-9a-f]+_([a-z_]+)$")
 
 
 def parse(line: str) -> list[bytes] | None:
@@ -165,9 +163,7 @@ def _pings(port: int) -> bool:
 # -- replay ----------------------------------------------------------------------------------
 def own_scripts(commands: list[list[bytes]]) -> dict[str, str]:
     """Swap each recorded script for this checkout's script of the same name (in SCRIPT LOAD
-    and in EVALSHA), and call the request-state scripts as this checkout does: FCALL of its
-    Functions library's functions (loaded first; a recording's FCALL and FUNCTION LOAD are
-    mapped to them by script name). Returns sha1 or function name → script name."""
+    and in EVALSHA). Returns sha1 → script name."""
     names: dict[str, str] = {}
     swap: dict[bytes, tuple[bytes, bytes]] = {}
     for args in commands:
@@ -184,27 +180,12 @@ def own_scripts(commands: list[list[bytes]]) -> dict[str, str]:
             sha = hashlib.sha1(body).hexdigest()
             swap[old] = (sha.encode(), body)
             names[sha] = name
-    lib_name, lib_code = library()
-    loaded: set[bytes] = set()
-    for i, args in enumerate(commands):
+    for args in commands:
         op = args[0].upper()
         if op == b"SCRIPT" and len(args) > 2 and args[1].upper() == b"LOAD":
-            loaded.add(hashlib.sha1(args[2]).hexdigest().encode())
             args[2] = swap.get(hashlib.sha1(args[2]).hexdigest().encode(), (b"", args[2]))[1]
         elif op == b"EVALSHA" and args[1] in swap:
-            recorded, args[1] = args[1], swap[args[1]][0]
-            name = names[args[1].decode()]
-            if name in SCRIPT_NAMES:  # this checkout calls it by FCALL...
-                fcall = [b"FCALL", function_name(name).encode(), *args[2:]]
-                # ... where the recording's did not run (NOSCRIPT), an FCALL would
-                commands[i] = fcall if recorded in loaded else [b"PING"]
-        elif op == b"FCALL" and (m := FUNCTION_NAME.match(args[1])):
-            args[1] = function_name(m.group(1).decode()).encode()
-        elif op == b"FUNCTION" and len(args) > 2 and args[1].upper() == b"LOAD":
-            commands[i] = [b"FUNCTION", b"LOAD", b"REPLACE", lib_code.encode()]
-    commands.insert(0, [b"FUNCTION", b"LOAD", b"REPLACE", lib_code.encode()])
-    names.update({function_name(n): n for n in SCRIPT_NAMES})
-    log(f"replaying with the Functions library {lib_name}")
+            args[1] = swap[args[1]][0]
     return names
 
 
@@ -336,16 +317,11 @@ def _run(
 
 
 def called_script(args: list[bytes], names: dict[str, str]) -> str | None:
-    """The script an EVALSHA or FCALL runs (``names``: sha1 or function name → script name;
-    a function of any checkout's library by its name), "other" when unknown; None for any
-    other command."""
-    op = args[0].upper()
-    if op not in (b"EVALSHA", b"FCALL") or len(args) < 2:
+    """The script an EVALSHA runs (``names``: sha1 → script name), "other" when unknown; None
+    for any other command."""
+    if args[0].upper() != b"EVALSHA" or len(args) < 2:
         return None
-    if (name := names.get(args[1].decode())) is not None:
-        return name
-    m = FUNCTION_NAME.match(args[1]) if op == b"FCALL" else None
-    return m.group(1).decode() if m else "other"
+    return names.get(args[1].decode(), "other")
 
 
 # -- count -----------------------------------------------------------------------------------

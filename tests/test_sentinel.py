@@ -27,7 +27,7 @@ from pipeline.config import MASTER_VAR, load_settings, parse_sentinel_url
 from pipeline.errors import ConfigError
 from pipeline.gates import GateEnv, build_gate
 from pipeline.store import Keys, connect
-from pipeline.store.fastredis import FastScript, thread_connections
+from pipeline.store.scripts import Script
 from pipeline.worker.bell import ReleaseBell
 
 from .conftest import REDIS_URL as REDIS_URL_OF_SESSION
@@ -99,14 +99,12 @@ def test_each_url_with_sentinels_needs_the_master_name() -> None:
 
 
 # -- connecting -------------------------------------------------------------------------
-def test_thread_connections_reach_the_master_the_sentinels_name(group: SentinelGroup) -> None:
+def test_script_calls_reach_the_master_the_sentinels_name(group: SentinelGroup) -> None:
     client = connect(group.url(db=3), sentinel_master=MASTER_NAME)
     key = f"test:sentinel:{uuid.uuid4().hex}"
-    assert FastScript(client, INCR)(keys=[key]) == 1
-    # the thread's own connection asked the sentinels (it does not fall back to the default
-    # host and port, localhost:6379, where another Redis may answer)
-    conn = thread_connections(client).get()
-    assert (conn.host, conn.port) == ("127.0.0.1", group.master.port)
+    # the call went to the master the sentinels name (not to the default host and port,
+    # localhost:6379, where another Redis answers)
+    assert Script(client, INCR)(keys=[key]) == 1
     master = redis.Redis(port=group.master.port, db=3, decode_responses=True)
     assert master.get(key) == "1"
     master.delete(key)
@@ -223,18 +221,14 @@ def test_submit_waits_for_replicas_and_says_when_they_are_missing(
     assert ok.cancel(req.id) is True and ok.cancel(first.id) is True
 
 
-def test_a_dispatch_tick_waits_only_when_it_wrote_results(
-    group: SentinelGroup, tmp_path: Path
-) -> None:
-    """A tick that only moves requests costs no WAIT; one that writes a terminal result (here
-    a malformed queue entry reported as INVALID_REQUEST) waits for the replica."""
+def test_a_dispatch_tick_waits_for_the_replicas(group: SentinelGroup, tmp_path: Path) -> None:
+    """A tick may write terminal results (here a malformed queue entry reported as
+    INVALID_REQUEST): every tick waits for the replica, in the tick's round trip."""
     master = group.master.client()
     p = pipeline_on(group, tmp_path, replicas=1, wait_ms=5000)
     q = p.settings.queues["default"]
     p.store.tick(q, [q], 1.0, -1, 10)  # loads the script on this server
     before = wait_count(master)
-    assert p.store.tick(q, [q], 1.0, -1, 10).moved == []
-    assert wait_count(master) == before
     p.store.client.zadd(p.store.keys.pending("default"), {"garbage": 0})
     assert p.store.tick(q, [q], 1.0, -1, 10).rejected == ["garbage"]
     assert wait_count(master) == before + 1
@@ -242,11 +236,11 @@ def test_a_dispatch_tick_waits_only_when_it_wrote_results(
 
 # -- failover ---------------------------------------------------------------------------
 def test_connections_follow_a_failover(tmp_path: Path) -> None:
-    """Kill -9 the master: the sentinels promote the replica; a thread's script connection,
-    a pooled command and the release bell's subscription all reconnect to the new master."""
+    """Kill -9 the master: the sentinels promote the replica; script calls, commands and the
+    release bell's subscription all reconnect to the new master."""
     with sentinel_group(tmp_path, replicas=1, sentinels=1) as g:
         client = connect(g.url(), sentinel_master=MASTER_NAME)
-        incr = FastScript(client, INCR)
+        incr = Script(client, INCR)
         key = f"test:failover:{uuid.uuid4().hex}"
         assert incr(keys=[key]) == 1
         assert client.wait(1, 5000) == 1  # on the replica before the kill
@@ -268,13 +262,9 @@ def test_connections_follow_a_failover(tmp_path: Path) -> None:
                     return None
 
             assert wait_for(incr_answers, 15, what="a script call on the new master") == 2
-            # that call may have gone through redis-py's path (the thread's connection broke
-            # on the dead master and was dropped); the next one is over the thread's connection,
-            # which asks the sentinels for the master as it reconnects
             assert incr(keys=[key]) == 3
-            conn = thread_connections(client).get()
-            assert conn.port == g.master_port() != old
-            assert client.get(key) == "3"
+            new = redis.Redis(port=g.master_port(), decode_responses=True)
+            assert new.get(key) == "3" and g.master_port() != old
             # the bell lost its subscription: it woke its waiter to ask again, and listens
             # on the new master
             wait_for(lambda: woke == [True], 15, what="the bell's waiter woken by the loss")

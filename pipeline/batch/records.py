@@ -12,8 +12,7 @@ from typing import Any
 import orjson
 
 from ..store import Store
-from ..store.fastredis import FastScript
-from ..store.scripts import replication, source
+from ..store.scripts import Script, replication, source
 
 BATCH_SCRIPTS = (
     "batch_create",
@@ -59,7 +58,7 @@ class BatchRecords:
         timeout = store.settings.redis_wait_timeout_ms
         self._scripts = {
             # cancelling lines writes terminal results: wait for replicas as cancel.lua does
-            name: FastScript(
+            name: Script(
                 self.client,
                 source(name),
                 name=name,

@@ -24,23 +24,30 @@ new configuration needs (``setup_queues``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+
+from redis.connection import AbstractConnection
 
 from ..config import QueueConfig, Settings
 from ..gates import Gate, GateEnv, attempt_gate, same_attempt_gate
 from ..observability import metrics, tracing
-from ..store import DirectPublish, Dispatched, MergeArgs, QueueTick, QuotaSpec, Store, sched
+from ..store import (
+    DirectPublish,
+    Dispatched,
+    MergeArgs,
+    QueueTick,
+    QuotaSpec,
+    Store,
+    sched,
+)
 from ..store import holder as make_holder
-from ..store.fastredis import thread_connections
 from ..store.journal import entry
+from ..store.scripts import ThreadConnection
 
 log = logging.getLogger("pipeline.dispatcher")
 
@@ -92,7 +99,9 @@ class Dispatcher:
         self._thread: threading.Thread | None = None
         self._next_beat = 0.0
         self._next_reap = 0.0
-        self._waiting: Any = None
+        # the connection a fused wait blocks on (the loop thread's own): stop() drops it, so
+        # the server drops the tick queued behind the wait instead of running it after the stop
+        self._waiting: AbstractConnection | None = None
         self.dispatched = 0
 
     def _bind(self, settings: Settings, old: Settings | None = None) -> None:
@@ -184,10 +193,8 @@ class Dispatcher:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        sock = getattr(self._waiting, "_sock", None)
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # ends a fused wait (its tick is dropped)
+        if self._waiting is not None:
+            self._waiting.disconnect()  # ends a fused wait (its tick is dropped)
         if self._thread is not None:
             self._thread.join(timeout)
         try:
@@ -214,9 +221,7 @@ class Dispatcher:
     def _loop(self) -> None:
         wake_keys = [self.keys.wake(p) for p in self.pools]
         block: float | None = None
-        # the connection a fused wait blocks on (this thread's own): stop() shuts it, so the
-        # server drops the tick queued behind the wait instead of running it after the stop
-        self._waiting = thread_connections(self.store.client).get()
+        self._waiting = ThreadConnection.of(self.store.client).get()
         while not self._stop.is_set():
             try:
                 next_event = self.tick(block)

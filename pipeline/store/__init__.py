@@ -1,5 +1,5 @@
 """The Redis layer: key names (:mod:`.keys`), connections (:mod:`.connect`), the Lua scripts
-and how they are called (:mod:`.scripts`, :mod:`.fastredis`, ``lua/``), and the request state
+and how they are called (:mod:`.scripts`, :mod:`.luatext`, ``lua/``), and the request state
 they keep (:mod:`.state`). Imports only ``config`` and ``errors`` of the pipeline."""
 
 from . import sched

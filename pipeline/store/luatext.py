@@ -1,7 +1,6 @@
 """The text of the Lua scripts (``pipeline/store/lua/*.lua``) as the server runs them: a
-script file, or a request-state script with the definitions of sched.lua and lib.lua it uses
-prepended (:func:`source`), or every definition at once (:func:`library_text`, for the
-Functions library: :mod:`.functions`)."""
+script file as it is (:func:`lua_source`), or a request-state script with the definitions of
+``sched.lua`` and ``lib.lua`` it uses prepended (:func:`source`)."""
 
 from __future__ import annotations
 
@@ -91,8 +90,8 @@ def source(name: str) -> str:
     """The full text of script ``name`` as registered on the server: the definitions of
     sched.lua and lib.lua it uses, directly or through another one (in the files' order), then
     the script. Only those: the server builds every definition of the prefix (a closure or a
-    table each) on every call of the script, ~24 µs of Redis CPU per call for all of them on a
-    cold cache (BENCHMARKS.md, "Less Redis per request")."""
+    table each) on every call of the script, so a script carrying all of them costs the server
+    more on every call (``bench/redis_replay.py``)."""
     script = lua_source(name)
     chunks = _library()
     need = set(_uses(script))
@@ -101,10 +100,3 @@ def source(name: str) -> str:
             need |= chunk.uses
     kept = [c.text for c in chunks if c.defines & need]
     return "".join(kept) + "\n" + script
-
-
-@cache
-def library_text() -> str:
-    """Every definition of sched.lua then lib.lua, in the files' order (their header comments
-    left out)."""
-    return "".join(c.text for c in _library())

@@ -1,117 +1,245 @@
-"""Lua scripts (``pipeline/store/lua/*.lua``): registering them, and calling several in one
-round trip.
+"""The Lua scripts (``lua/*.lua``) and how they are called.
 
-The request-state scripts are functions of one Redis Functions library (:mod:`.functions`),
-with their text as :func:`~.luatext.source` builds it (``sched.lua`` and ``lib.lua``
-prepended) for ``EVALSHA`` where the library cannot be used; the gate scripts stand alone
-(:func:`~.luatext.lua_source`)."""
+Every script runs with ``EVALSHA`` (the same code on every Redis the pipeline supports, 6.2
+and later). A request-state script is registered with the definitions of ``sched.lua`` and
+``lib.lua`` it uses prepended (:func:`~.luatext.source`); a gate's script stands alone.
+:func:`run_batch` sends several calls in one round trip.
+
+A call goes over a connection of the calling thread's own, taken from the client's pool and
+kept, as one packed write and one read: redis-py's per-command path (pool borrow, health
+check, retry and observability wrappers; a pipeline object per batch) cost the worker ~15 %
+more CPU per request and the pipeline ~10 % of its throughput (``bench/overhead.py``). When
+that connection fails, or the server lost the script (NOSCRIPT), the call takes redis-py's own
+path, which reconnects with the client's retries and loads the script.
+
+With ``PIPELINE_REDIS_MIN_REPLICAS``, a script whose writes must survive a failover is
+followed by ``WAIT`` in the same write, on the same connection (WAIT counts the replicas that
+have everything its connection wrote): see :func:`replication`.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.connection import AbstractConnection
+from redis.exceptions import NoScriptError, ResponseError
 
-from .fastredis import FastScript, Replication, call_batch, library_on, needs_recovery
-from .functions import function_name, library
+from ..errors import ReplicationError
 from .luatext import SCRIPT_NAMES, lua_source, source
 
+log = logging.getLogger("pipeline.store")
 
-def register(client: redis.Redis, name: str) -> FastScript:
-    """A stand-alone script (a gate's) registered on ``client`` (EVALSHA over the calling
-    thread's own connection, reloaded on NOSCRIPT)."""
-    return FastScript(client, lua_source(name))
+WARN_EVERY_S = 10.0  # a script's "not replicated" warning is logged at most this often
+
+
+@dataclass(frozen=True)
+class Replication:
+    """A call returns once ``replicas`` replicas have its writes (``WAIT``) or ``timeout_ms``
+    passed; then it raises :class:`~pipeline.errors.ReplicationError` (``strict``) or logs a
+    warning (the write stands on the master)."""
+
+    replicas: int
+    timeout_ms: int
+    strict: bool = False
+
+
+def replication(name: str, replicas: int, timeout_ms: int) -> Replication | None:
+    """How script ``name`` waits for replicas: ``submit`` raises when they do not confirm in
+    time (the caller must know an acknowledged request may be lost); the scripts that write
+    terminal results — ``finish``, ``cancel`` and a dispatch tick (it expires and rejects
+    waiting requests) — wait and log a warning (the result stands on the master). Requeues
+    and starts are not waited for: lost in a failover, the request's lease lapses and it runs
+    again, fenced by its token."""
+    if replicas <= 0:
+        return None
+    if name == "submit":
+        return Replication(replicas, timeout_ms, strict=True)
+    if name in ("finish", "cancel", "dispatch"):
+        return Replication(replicas, timeout_ms)
+    return None
+
+
+class ThreadConnection:
+    """Each thread's own connection to ``client``'s server, taken from its pool on first use
+    and kept (a forked child takes its own). For a Sentinel-managed client it asks the
+    sentinels for the current master as it connects."""
+
+    _lock = threading.Lock()
+    _of: weakref.WeakKeyDictionary[redis.Redis, ThreadConnection] = weakref.WeakKeyDictionary()
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.pool = client.connection_pool
+        self.local = threading.local()
+
+    @classmethod
+    def of(cls, client: redis.Redis) -> ThreadConnection:
+        """The one :class:`ThreadConnection` of ``client``."""
+        with cls._lock:
+            lanes = cls._of.get(client)
+            if lanes is None:
+                lanes = cls._of[client] = cls(client)
+            return lanes
+
+    def get(self) -> AbstractConnection:
+        conn: AbstractConnection | None = getattr(self.local, "conn", None)
+        if conn is None or self.local.pid != os.getpid():
+            conn = self.pool.get_connection()
+            self.local.conn, self.local.pid = conn, os.getpid()
+        return conn
+
+    def execute(self, commands: Sequence[Sequence[Any]]) -> list[Any] | None:
+        """Commands sent in one write: their replies (an error reply as the exception, in its
+        place), or None when the connection failed (it is dropped; the next call reconnects)."""
+        conn = self.get()
+        try:
+            if not conn.is_connected:
+                conn.connect()
+            conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as exc:  # read in full: the connection stays in step
+                    replies.append(exc)
+            return replies
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            conn.disconnect()
+            return None
+        except BaseException:
+            conn.disconnect()  # interrupted between send and read: an unread reply may follow
+            raise
+
+
+class Script:
+    """A Lua script registered on ``client``, called as ``script(keys=[...], args=[...])``."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        text: str,
+        *,
+        name: str = "script",
+        replication: Replication | None = None,
+    ) -> None:
+        self.client = client
+        self.name = name
+        self.replication = replication
+        self._script = client.register_script(text)
+        self.sha: str = self._script.sha
+        self._lanes = ThreadConnection.of(client)
+        self._warned = 0.0
+
+    def command(self, keys: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...]:
+        return ("EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
+        rep = self.replication
+        command = self.command(keys, args)
+        wait = ("WAIT", rep.replicas, rep.timeout_ms) if rep else None
+        replies = self._lanes.execute([command, wait] if wait else [command])
+        if replies is None or isinstance(replies[0], NoScriptError):
+            replies = self._slow(keys, args, wait)
+        reply = replies[0]
+        if isinstance(reply, Exception):
+            raise reply  # the script's own error
+        if rep is not None:
+            if isinstance(replies[1], Exception):
+                raise replies[1]
+            self._check(rep, int(replies[1]))
+        return reply
+
+    def _slow(self, keys: Sequence[Any], args: Sequence[Any], wait: Any) -> list[Any]:
+        """redis-py's path: it reconnects with the client's retries and loads the script."""
+        if wait is None:
+            return [self._script(keys=keys, args=args)]
+        with self.client.pipeline(transaction=False) as pipe:
+            self._script(keys=keys, args=args, client=pipe)
+            pipe.execute_command(*wait)
+            return list(pipe.execute(raise_on_error=False))
+
+    def _check(self, rep: Replication, acked: int) -> None:
+        if acked >= rep.replicas:
+            return
+        error = ReplicationError(self.name, rep.replicas, acked, rep.timeout_ms)
+        if rep.strict:
+            raise error
+        now = time.monotonic()
+        if now - self._warned >= WARN_EVERY_S:
+            self._warned = now
+            log.warning(
+                "%s: written on the Redis master, but %d of %d replica(s) confirmed it "
+                "within %d ms (PIPELINE_REDIS_MIN_REPLICAS); a failover now could lose it",
+                self.name,
+                acked,
+                rep.replicas,
+                rep.timeout_ms,
+            )
+
+
+def register(client: redis.Redis, name: str) -> Script:
+    """A stand-alone script (``lua/<name>.lua``, a gate's) registered on ``client``."""
+    return Script(client, lua_source(name), name=name)
 
 
 @dataclass(frozen=True)
 class ScriptCall:
-    """One Lua script call, to be sent with others in one round trip (:func:`run_batch`): a
-    registered script (:func:`register`, :class:`Scripts`) and its keys and args."""
+    """One script call, to be sent with others in one round trip (:func:`run_batch`)."""
 
-    script: FastScript
+    script: Script
     keys: list[str]
     args: list[Any]
+
+    def __call__(self) -> Any:
+        return self.script(keys=self.keys, args=self.args)
 
 
 def run_batch(client: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     """Script calls in one round trip, run in order (each atomic, not all together): their
     replies, or in a failed call's place the error it raised. A call whose script the server
-    does not have (NOSCRIPT or a missing function: it restarted, or SCRIPT / FUNCTION FLUSH)
-    did not run and is run again on its own, which loads the script or the library. Over the
-    calling thread's own connection; through a redis-py pipeline (and its retries, with
-    EVALSHA) when that connection failed."""
-    replies = call_batch(client, [(call.script, call.keys, call.args) for call in calls])
-    if replies is None:
+    lost (NOSCRIPT) did not run; it is run again on its own, which loads the script. A call
+    that waits for replicas runs after the others, with its WAIT."""
+    batched = [c for c in calls if c.script.replication is None]
+    replies = ThreadConnection.of(client).execute(
+        [c.script.command(c.keys, c.args) for c in batched]
+    )
+    if replies is None:  # the connection failed: redis-py's path (reconnects, retries)
         with client.pipeline(transaction=False) as pipe:
-            for call in calls:
-                pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+            for c in batched:
+                pipe.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
             replies = pipe.execute(raise_on_error=False)
-    for i, (reply, call) in enumerate(zip(replies, calls, strict=True)):
-        if needs_recovery(reply):  # the call loads what the server lacked
+    got = iter(replies)
+    out: list[Any] = []
+    for call in calls:
+        reply = next(got) if call.script.replication is None else NoScriptError()
+        if isinstance(reply, NoScriptError):
             try:
-                replies[i] = call.script(keys=call.keys, args=call.args)
+                reply = call()
             except redis.RedisError as exc:
-                replies[i] = exc
-    return replies
-
-
-def _tick_wrote_results(reply: Any) -> bool:
-    """Whether a dispatch tick wrote terminal results (requests expired while waiting, or
-    malformed entries reported): ``{moved, expired per queue, next_event, rejected per
-    queue}``."""
-    return any(int(n) > 0 for n in reply[1]) or any(len(r) > 0 for r in reply[3])
-
-
-def replication(name: str, replicas: int, timeout_ms: int) -> Replication | None:
-    """How script ``name`` waits for ``replicas`` replicas (``PIPELINE_REDIS_MIN_REPLICAS``):
-    ``submit`` raises when they do not confirm in time (the caller must know an acknowledged
-    request may be lost); the scripts that write terminal results — ``finish`` (an attempt),
-    ``cancel``, and a dispatch tick that expired or rejected requests — wait and log a
-    warning (the result stands on the master, and the worker cannot do better). Requeues,
-    starts and dispatches are not waited for: lost in a failover, the request's lease lapses
-    and it runs again, fenced by its token."""
-    if replicas <= 0:
-        return None
-    if name == "submit":
-        return Replication(replicas, timeout_ms, strict=True)
-    if name in ("finish", "cancel"):
-        return Replication(replicas, timeout_ms)
-    if name == "dispatch":
-        return Replication(replicas, timeout_ms, when=_tick_wrote_results)
-    return None
+                reply = exc
+        out.append(reply)
+    return out
 
 
 class Scripts:
-    """The pipeline's scripts registered on one Redis client: functions of one library
-    (:mod:`.functions`; FCALL, with EVALSHA where the server has no Functions or
-    ``functions`` is False) over the calling thread's own connection, reloaded when the server
-    lost them (see :mod:`.fastredis`); with ``replicas``,
-    those whose writes must survive a failover wait for that many replicas (see
-    :func:`replication`)."""
+    """The request-state scripts registered on one Redis client, as attributes
+    (``scripts.finish(keys=..., args=...)``); with ``replicas``, those whose writes must
+    survive a failover wait for that many replicas (:func:`replication`)."""
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        replicas: int = 0,
-        timeout_ms: int = 1000,
-        functions: bool = True,
-    ) -> None:
-        lib = library_on(client, *library()) if functions else None
-        self._scripts: dict[str, Any] = {
-            n: FastScript(
-                client,
-                source(n),
-                name=n,
-                replication=replication(n, replicas, timeout_ms),
-                function=function_name(n),
-                library=lib,
-            )
+    def __init__(self, client: redis.Redis, replicas: int = 0, timeout_ms: int = 1000) -> None:
+        self._scripts = {
+            n: Script(client, source(n), name=n, replication=replication(n, replicas, timeout_ms))
             for n in SCRIPT_NAMES
         }
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Script:
         try:
             return self._scripts[name]
         except KeyError:

@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.exceptions import NoScriptError
 
 from ..config import QueueConfig, Settings
 from . import sched, wire
 from .connect import connect
-from .fastredis import needs_recovery, thread_connections
 from .journal import Journal, entry
 from .keys import Keys
 from .sched import MergeArgs, PoolTickResult, QueueTick, QuotaSpec
-from .scripts import ScriptCall, Scripts
+from .scripts import ScriptCall, Scripts, ThreadConnection
 
 SWEEP_LIMIT = 500
 SUBMIT_FIRST_CHUNK = 32  # rows in the first submit.lua call of a batch; each next one doubles
@@ -202,7 +202,7 @@ class Store:
         something to send. With ``publish`` the script also pushes the moved requests' Celery
         messages; with ``doorbell`` it first empties that list (the rings this tick answers).
         ``block`` (s, with ``doorbell``): the tick runs once the doorbell rings or ``block``
-        passed, sent with its wait in one round trip (``BLPOP`` then the script, on this
+        passed, sent with its wait in one round trip (``BLPOP`` then the script, on the calling
         thread's connection: the server runs the script as soon as the wait ends)."""
         keys, args = sched.tick_args(
             self.keys,
@@ -217,7 +217,8 @@ class Store:
             doorbell=doorbell,
             publish=(publish.list_key, publish.task, publish.origin) if publish else None,
         )
-        moved_raw, expired, next_event, rejected = self._dispatch(keys, args, doorbell, block)
+        reply = self._dispatch(keys, args, doorbell, block)
+        moved_raw, expired, next_event, rejected = reply
         moved = [
             Dispatched(
                 moved_raw[i],
@@ -241,16 +242,14 @@ class Store:
         self, keys: list[str], args: list[Any], doorbell: str | None, block: float | None
     ) -> Any:
         script = self.scripts.dispatch
-        if doorbell and block is not None and block > 0 and script.replication is None:
+        if doorbell and block and block > 0 and script.replication is None:
             wait = ("BLPOP", doorbell, f"{max(block, 0.001):.3f}")
-            replies = thread_connections(self.client).execute([wait, script.command(keys, args)])
-            if replies is not None:
-                reply = replies[1]
-                if not isinstance(reply, redis.ResponseError):
-                    return reply
-                if not needs_recovery(reply):
-                    raise reply
-            # the script is not loaded, or the connection failed: the tick alone, the usual way
+            replies = ThreadConnection.of(self.client).execute([wait, script.command(keys, args)])
+            if replies is not None and not isinstance(replies[1], NoScriptError):
+                if isinstance(replies[1], Exception):
+                    raise replies[1]
+                return replies[1]
+            # the connection failed or the server lost the script: the tick alone
         return script(keys=keys, args=args)
 
     def queue_tick(self, queue: QueueConfig, **kw: object) -> QueueTick:

@@ -207,7 +207,7 @@ class Runtime:
         # the finish / requeue publishes the release: the direct rings below expect its echo
         for name in self._ringing(plan):
             self.bell.expect_echo(name)
-        if getattr(call.script, "replication", None) is not None:
+        if call.script.replication is not None:
             # a call that waits for replicas (its WAIT follows it): the gate calls go first
             self._settle(plan, run_batch(self.store.client, list(prepared.calls)))
             return call.script(keys=call.keys, args=call.args)

@@ -1,5 +1,5 @@
-"""Script calls over a thread's own connection (pipeline.store.fastredis), against a real Redis:
-one connection per thread and per process, redis-py's path when the fast one cannot answer
+"""Script calls over a thread's own connection (pipeline.store.scripts), against a real Redis:
+one connection per thread and per process, redis-py's path when that one cannot answer
 (NOSCRIPT, a killed connection), and no reply ever read by the wrong call."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from pipeline.store import connect
-from pipeline.store.fastredis import FastScript, call_batch, thread_connections
+from pipeline.store.scripts import Script, ScriptCall, ThreadConnection, run_batch
 
 ECHO = "return {ARGV[1], redis.call('INCR', KEYS[1])}"
 BOOM = "return redis.error_reply('boom ' .. ARGV[1])"
@@ -29,20 +29,20 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
 
 @pytest.fixture
 def key(client: redis.Redis) -> Iterator[str]:
-    k = f"test:fastredis:{uuid.uuid4().hex}"
+    k = f"test:scripts:{uuid.uuid4().hex}"
     yield k
     client.delete(k)
 
 
 def connection_id(client: redis.Redis) -> int:
     """CLIENT ID of the calling thread's own connection."""
-    conn = thread_connections(client).get()
+    conn = ThreadConnection.of(client).get()
     conn.send_command("CLIENT", "ID")
     return int(conn.read_response())
 
 
 def test_each_thread_calls_over_its_own_connection(client: redis.Redis, key: str) -> None:
-    echo = FastScript(client, ECHO)
+    echo = Script(client, ECHO)
     assert echo(keys=[key], args=["a"]) == ["a", 1]
     mine = connection_id(client)
     seen: dict[str, Any] = {}
@@ -59,13 +59,13 @@ def test_each_thread_calls_over_its_own_connection(client: redis.Redis, key: str
     assert client.connection_pool.connection_kwargs["decode_responses"] is True
 
 
-def _child(client: redis.Redis, echo: FastScript, key: str, parent_id: int, out: Any) -> None:
+def _child(client: redis.Redis, echo: Script, key: str, parent_id: int, out: Any) -> None:
     # the parent's client and script, inherited by fork: the main thread's connection too
     out.put((echo(keys=[key], args=["child"]), connection_id(client) != parent_id))
 
 
 def test_a_forked_child_makes_its_own_connection(client: redis.Redis, key: str) -> None:
-    echo = FastScript(client, ECHO)
+    echo = Script(client, ECHO)
     echo(keys=[key], args=["parent"])
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
@@ -77,7 +77,7 @@ def test_a_forked_child_makes_its_own_connection(client: redis.Redis, key: str) 
 
 
 def test_a_script_the_server_lost_is_loaded_again(client: redis.Redis, key: str) -> None:
-    echo = FastScript(client, ECHO)
+    echo = Script(client, ECHO)
     assert echo(keys=[key], args=["x"]) == ["x", 1]
     client.script_flush()
     assert echo(keys=[key], args=["y"]) == ["y", 2]  # NOSCRIPT, then redis-py's path loads it
@@ -87,7 +87,7 @@ def test_a_script_the_server_lost_is_loaded_again(client: redis.Redis, key: str)
 def test_a_killed_connection_is_replaced_and_the_call_still_runs(
     client: redis.Redis, key: str
 ) -> None:
-    echo = FastScript(client, ECHO)
+    echo = Script(client, ECHO)
     echo(keys=[key], args=["x"])
     before = connection_id(client)
     client.client_kill_filter(_id=before)
@@ -99,7 +99,7 @@ def test_a_killed_connection_is_replaced_and_the_call_still_runs(
 def test_a_scripts_own_error_is_raised_and_the_connection_stays_in_step(
     client: redis.Redis, key: str
 ) -> None:
-    boom, echo = FastScript(client, BOOM), FastScript(client, ECHO)
+    boom, echo = Script(client, BOOM), Script(client, ECHO)
     echo(keys=[key], args=["x"])
     before = connection_id(client)
     with pytest.raises(redis.ResponseError, match="boom 1"):
@@ -111,9 +111,9 @@ def test_a_scripts_own_error_is_raised_and_the_connection_stays_in_step(
 def test_an_interrupted_call_drops_the_connection_so_no_late_reply_is_misread(
     client: redis.Redis, key: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    echo = FastScript(client, ECHO)
+    echo = Script(client, ECHO)
     echo(keys=[key], args=["x"])
-    conn = thread_connections(client).get()
+    conn = ThreadConnection.of(client).get()
 
     def interrupted(*_: Any, **__: Any) -> Any:
         raise KeyboardInterrupt  # e.g. a time limit raised between the send and the read
@@ -127,24 +127,27 @@ def test_an_interrupted_call_drops_the_connection_so_no_late_reply_is_misread(
 
 
 def test_a_batch_answers_in_order_with_errors_in_place(client: redis.Redis, key: str) -> None:
-    echo, boom = FastScript(client, ECHO), FastScript(client, BOOM)
+    echo, boom = Script(client, ECHO), Script(client, BOOM)
     echo(keys=[key], args=["load"])
     with pytest.raises(redis.ResponseError):
         boom(args=["load"])  # loads it
-    replies = call_batch(client, [(echo, [key], ["a"]), (boom, [], ["2"]), (echo, [key], ["b"])])
-    assert replies is not None
+    calls = [
+        ScriptCall(echo, [key], ["a"]),
+        ScriptCall(boom, [], ["2"]),
+        ScriptCall(echo, [key], ["b"]),
+    ]
+    replies = run_batch(client, calls)
     assert replies[0] == ["a", 2] and replies[2] == ["b", 3]
     assert isinstance(replies[1], redis.ResponseError) and "boom 2" in str(replies[1])
-    # a script the server does not have comes back as NOSCRIPT in its place (not run)
+    # a script the server lost did not run in the batch; it runs again on its own (loaded)
     client.script_flush()
-    replies = call_batch(client, [(echo, [key], ["c"])])
-    assert replies is not None and isinstance(replies[0], redis.exceptions.NoScriptError)
-    assert int(client.get(key) or 0) == 3
+    assert run_batch(client, [ScriptCall(echo, [key], ["c"])]) == [["c", 4]]
+    assert int(client.get(key) or 0) == 4
 
 
-def test_a_call_queued_on_a_redis_py_pipeline_runs_with_it(client: redis.Redis, key: str) -> None:
-    echo = FastScript(client, ECHO)
-    with client.pipeline(transaction=False) as pipe:
-        assert echo(keys=[key], args=["p"], client=pipe) is pipe  # queued, not run
-        assert client.get(key) is None
-        assert pipe.execute() == [["p", 1]]
+def test_a_batch_on_a_killed_connection_takes_redis_pys_path(client: redis.Redis, key: str) -> None:
+    echo = Script(client, ECHO)
+    echo(keys=[key], args=["x"])
+    client.client_kill_filter(_id=connection_id(client))
+    replies = run_batch(client, [ScriptCall(echo, [key], ["a"]), ScriptCall(echo, [key], ["b"])])
+    assert replies == [["a", 2], ["b", 3]]
