@@ -1,8 +1,8 @@
 """The attempt's HTTP call (``pipeline.http.call``) over real sockets: keep-alive reuse, a
 connection the server closed while idle replaced before use (never a request sent twice),
-the whole-call deadline, 307 redirects, URLs it refuses, every way a response body is framed
+the whole-call deadline, URLs it refuses, every way a response body is framed
 (length, chunked, the connection's close), interim 1xx responses, and headers that would
-split the request."""
+split the request. Redirects and the response-size limit: tests/test_redirects.py."""
 
 from __future__ import annotations
 
@@ -97,26 +97,6 @@ def test_the_deadline_bounds_the_whole_call(sim: SimServer) -> None:
         httpcall.post(completions(sim), BODY, stall, 0.3)
     # the timed-out connection is dropped, the next call works
     assert httpcall.post(completions(sim), BODY, JSON, 5).status == 200
-
-
-def test_a_307_is_followed_with_the_same_body(sim: SimServer) -> None:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-
-    def redirect() -> None:
-        conn, _ = listener.accept()
-        conn.recv(65536)
-        location = completions(sim).encode()
-        conn.sendall(b"HTTP/1.1 307 Temporary Redirect\r\nLocation: " + location)
-        conn.sendall(b"\r\nContent-Length: 0\r\n\r\n")
-        conn.close()
-
-    threading.Thread(target=redirect, daemon=True).start()
-    port = listener.getsockname()[1]
-    resp = httpcall.post(f"http://127.0.0.1:{port}/old", BODY, JSON, 5)
-    assert resp.status == 200 and json.loads(resp.text)["object"] == "text_completion"
-    listener.close()
 
 
 @pytest.mark.parametrize("url", ["ftp://example.com/x", "http:///nohost", "not a url"])

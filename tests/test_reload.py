@@ -142,7 +142,8 @@ def test_the_snapshot_children_follow_round_trips_every_field() -> None:
         "result_queue_name": "full-results", "default_timeout_s": 10, "request_timeout_s": 5,
         "retry_base_delay_s": 0.5, "retry_max_delay_s": 9, "api_key_env": "K",
         "tls_ca_file": "/ca.pem", "tls_cert_file": "/c.pem", "tls_key_file": "/k.pem",
-        "tls_insecure_skip_verify": True, "result_list": False, "result_list_max_len": 7,
+        "tls_insecure_skip_verify": True, "follow_redirects": True, "max_response_bytes": 99,
+        "result_list": False, "result_list_max_len": 7,
         "result_ttl_seconds": 60, "ingest": "llm-d-async", "weight": 3, "fair_share": True,
     }  # fmt: skip
     # every field of a queue is set here: a new one must be added (and round-trip too)

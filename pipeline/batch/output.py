@@ -61,7 +61,7 @@ class LineResult:
         if d is None or d.get("error_code"):
             return False
         status = d.get("status_code")
-        return isinstance(status, int) and status < 400
+        return isinstance(status, int) and status < 300
 
 
 def line_results(

@@ -44,7 +44,7 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return self.error_code is None and self.status_code is not None and self.status_code < 400
+        return self.error_code is None and self.status_code is not None and self.status_code < 300
 
     def json(self) -> Any:
         """The payload parsed as JSON."""

@@ -6,7 +6,8 @@ Queues use the reference's JSON field names (``queue_name``, ``igw_base_url``,
 ``gate_params``, ``labels``, ``result_queue_name``) plus ours (``default_timeout_s``,
 ``request_timeout_s``, ``retry_base_delay_s``, ``retry_max_delay_s``; the endpoint's
 credentials: ``api_key_env``, ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``,
-``tls_insecure_skip_verify``). All durations are in seconds.
+``tls_insecure_skip_verify``; what a response may be: ``follow_redirects``,
+``max_response_bytes``). All durations are in seconds.
 
 A queue names its API key's *environment variable*, never the key: the config (which clients
 load too, and which a node may copy) holds no secret. Whether the variable is set and the TLS
@@ -65,6 +66,10 @@ class QueueConfig:
     tls_cert_file: str | None = None  # client certificate (mTLS), PEM
     tls_key_file: str | None = None  # its private key, PEM (or inside tls_cert_file)
     tls_insecure_skip_verify: bool = False  # do not verify the server's certificate
+    # follow a 307/308 (to another origin without credentials or client certificate; never
+    # https -> http); off: a 3xx ends the request with its status
+    follow_redirects: bool = False
+    max_response_bytes: int = 16 * 1024 * 1024  # a longer body ends the request
     # "llm-d-async": also take the requests a reference producer writes into the sorted set
     # named like the queue, and answer them on the reference's result list in its format
     ingest: str | None = None
@@ -135,6 +140,11 @@ def _check_credentials(entry: dict[str, Any], where: str, https: bool) -> None:
         raise ConfigError(f"{where}: tls_insecure_skip_verify must be true or false")
     if not https and (skip or any(entry.get(k) for k in TLS_FILES)):
         raise ConfigError(f"{where}: tls_* fields need an https igw_base_url")
+    if not isinstance(entry.get("follow_redirects", False), bool):
+        raise ConfigError(f"{where}: follow_redirects must be true or false")
+    limit = entry.get("max_response_bytes", 1)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+        raise ConfigError(f"{where}: max_response_bytes must be a positive int")
 
 
 def _check_result_list(entry: dict[str, Any], where: str) -> None:

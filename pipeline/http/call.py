@@ -20,7 +20,13 @@ module writes the request in one ``sendall`` and parses the response itself: ~0.
   connection's close; interim 1xx responses are skipped.
 - Header names must be tokens and values must not hold CR, LF or NUL (``ValueError``), so a
   request's own headers cannot split the request.
-- Redirects 307/308 are followed (same method and body, at most 5); others are returned.
+- Redirects are returned, not followed, unless the caller asks (a queue's
+  ``follow_redirects``): then a 307/308 is followed with the same method and body (at most 5).
+  One to another origin (scheme, host or port) goes without ``Authorization``, cookies and
+  every header that names a key, token, secret or session (:func:`foreign_headers`), and
+  without the client certificate; https -> http is refused (:class:`RedirectRefused`).
+- A response body over ``max_response_bytes`` ends the call (:class:`ResponseTooLarge`)
+  before more than that is held in memory.
 - Connections are per process: after a fork a child opens its own.
 """
 
@@ -35,17 +41,32 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import SplitResult, urljoin, urlsplit
 
 MAX_REDIRECTS = 5
+MAX_RESPONSE_BYTES = 16 * 1024 * 1024  # a queue's default max_response_bytes
 CHUNK = 65536
 MAX_HEAD = 65536  # bytes of status line + headers
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _BAD_VALUE = re.compile(r"[\r\n\x00]")
+# header names that carry a credential: never sent to another origin
+_CREDENTIAL = re.compile(r"authorization|cookie|key|token|secret|session|passw|credential|auth")
 
 
 class CallTimeout(Exception):
     """The call ran past its deadline."""
+
+
+class RedirectRefused(ValueError):
+    """A redirect that is not followed: https -> http, a scheme other than http(s), or more
+    than :data:`MAX_REDIRECTS` in a row."""
+
+
+class ResponseTooLarge(ValueError):
+    """The response body is longer than the call's ``max_response_bytes``."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"response body larger than max_response_bytes ({limit} bytes)")
 
 
 @dataclass(frozen=True)
@@ -210,11 +231,16 @@ def _request(target: str, host: str, body: bytes, headers: dict[str, str]) -> by
 class _Reader:
     """Reads a response off a connection against a deadline."""
 
-    def __init__(self, conn: _Conn, deadline: float) -> None:
+    def __init__(self, conn: _Conn, deadline: float, max_body: int) -> None:
         assert conn.sock is not None
         self.conn = conn
         self.sock = conn.sock
         self.deadline = deadline
+        self.max_body = max_body
+
+    def _check(self, size: int) -> None:
+        if size > self.max_body:
+            raise ResponseTooLarge(self.max_body)
 
     def _more(self) -> bytes:
         self.sock.settimeout(_left(self.deadline))
@@ -251,13 +277,18 @@ class _Reader:
 
     def to_close(self) -> bytes:
         chunks = [self.conn.buf]
+        size = len(self.conn.buf)
         self.conn.buf = b""
         while data := self._more():
+            size += len(data)
+            self._check(size)
             chunks.append(data)
+        self._check(size)
         return b"".join(chunks)
 
     def chunked(self) -> bytes:
         chunks: list[bytes] = []
+        total = 0
         while True:
             size_line = self.until(b"\r\n", 1024).split(b";", 1)[0].strip()
             try:
@@ -268,13 +299,15 @@ class _Reader:
                 while self.until(b"\r\n", MAX_HEAD):  # trailers, then the blank line
                     pass
                 return b"".join(chunks)
+            total += size
+            self._check(total)
             chunks.append(self.exactly(size))
             self.exactly(2)
 
 
-def _read_response(conn: _Conn, deadline: float) -> tuple[Response, bool]:
+def _read_response(conn: _Conn, deadline: float, max_body: int) -> tuple[Response, bool]:
     """The response and whether the connection must close after it."""
-    reader = _Reader(conn, deadline)
+    reader = _Reader(conn, deadline, max_body)
     while True:
         head = reader.until(b"\r\n\r\n", MAX_HEAD).decode("latin-1")
         status_line, _, rest = head.partition("\r\n")
@@ -302,36 +335,60 @@ def _read_response(conn: _Conn, deadline: float) -> tuple[Response, bool]:
             length = int(headers["content-length"])
         except ValueError:
             raise http.client.HTTPException("bad Content-Length") from None
+        reader._check(length)
         body = reader.exactly(length)
     else:
         body, close = reader.to_close(), True
     return Response(status, body, headers), close
 
 
+def foreign_headers(headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` without the ones a redirect must not carry to another origin:
+    ``Authorization``, ``Proxy-Authorization``, ``Cookie`` and any whose name holds key, token,
+    secret, session, password, credential or auth (``api-key``, ``x-api-key``,
+    ``x-auth-token``, ...), in any letter case."""
+    return {k: v for k, v in headers.items() if not _CREDENTIAL.search(k.lower())}
+
+
+def _origin(parts: SplitResult) -> tuple[str, str, int]:
+    scheme = parts.scheme
+    return scheme, parts.hostname or "", parts.port or (443 if scheme == "https" else 80)
+
+
 def post(
-    url: str, body: bytes, headers: dict[str, str], timeout_s: float, tls: TLS | None = None
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    timeout_s: float,
+    tls: TLS | None = None,
+    *,
+    follow_redirects: bool = False,
+    max_response_bytes: int = MAX_RESPONSE_BYTES,
 ) -> Response:
     """POST ``body`` to ``url`` (an https URL with ``tls``, default: verified against the
-    system's CAs). Raises :class:`CallTimeout` past ``timeout_s``, ``ValueError`` for a URL it
-    cannot send to or TLS files it cannot load, and ``OSError`` (``ssl.SSLError`` included) /
-    ``http.client.HTTPException`` for transport failures."""
+    system's CAs). Raises :class:`CallTimeout` past ``timeout_s``; ``ValueError`` for a URL it
+    cannot send to or TLS files it cannot load, :class:`RedirectRefused` and
+    :class:`ResponseTooLarge` (both ``ValueError``); and ``OSError`` (``ssl.SSLError``
+    included) / ``http.client.HTTPException`` for transport failures. A 3xx is returned as it
+    came unless ``follow_redirects`` (see the module's notes)."""
     deadline = time.monotonic() + timeout_s
+    tls = tls or SYSTEM_TLS
+    first = urlsplit(url)
     for _ in range(MAX_REDIRECTS + 1):
         parts = urlsplit(url)
         scheme = parts.scheme
         if scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"unsupported URL {url!r}")
-        host = parts.hostname
-        port = parts.port or (443 if scheme == "https" else 80)
+        _, host, port = _origin(parts)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         request = _request(target, parts.netloc.rpartition("@")[2], body, headers)
-        key = (scheme, host, port, tls or SYSTEM_TLS)
+        key = (scheme, host, port, tls)
         try:
             conn = _connection(key, min(_left(deadline), 10.0))
             assert conn.sock is not None
             conn.sock.settimeout(_left(deadline))
             conn.sock.sendall(request)
-            out, close = _read_response(conn, deadline)
+            out, close = _read_response(conn, deadline, max_response_bytes)
         except TimeoutError as exc:
             _discard(key)
             raise CallTimeout() from exc
@@ -341,8 +398,16 @@ def post(
         if close:
             _discard(key)
         location = out.headers.get("location")
-        if out.status in (307, 308) and location:
-            url = urljoin(url, location)
-            continue
-        return out
-    raise http.client.HTTPException(f"more than {MAX_REDIRECTS} redirects")
+        if not (follow_redirects and out.status in (307, 308) and location):
+            return out
+        url = urljoin(url, location)
+        to = urlsplit(url)
+        if to.scheme not in ("http", "https"):
+            raise RedirectRefused(f"redirect to a {to.scheme or 'relative'} URL refused")
+        if scheme == "https" and to.scheme != "https":
+            where = f"{to.hostname}:{to.port or 80}"
+            raise RedirectRefused(f"redirect from https to plain http ({where}) refused")
+        if _origin(to) != _origin(first):
+            headers = foreign_headers(headers)
+            tls = TLS(tls.ca_file)  # no client certificate, and the new server is verified
+    raise RedirectRefused(f"more than {MAX_REDIRECTS} redirects")

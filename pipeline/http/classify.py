@@ -16,9 +16,9 @@ from .usage import Usage, parse_usage
 
 
 class Kind(enum.Enum):
-    SUCCESS = "success"  # < 400
+    SUCCESS = "success"  # 1xx-2xx
     RETRY = "retry"  # 429, 5xx, transport failure before a response, timeout
-    FATAL = "fatal"  # other 4xx (with a response), or a request that cannot be built
+    FATAL = "fatal"  # 3xx not followed, other 4xx, or a request that cannot be built or read
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,10 @@ def join_url(base: str, path: str) -> str:
 def classify(
     status: int, body: str, retry_after: str | None, dropped: str | None = None
 ) -> Outcome:
-    if status < 400:
+    if status < 300:
         return Outcome(Kind.SUCCESS, status, body)
+    if status < 400:  # a redirect not followed (the queue's follow_redirects is off)
+        return Outcome(Kind.FATAL, status, body, category="REDIRECT")
     ra = parse_retry_after(retry_after)
     reason = dropped_reason(dropped)
     if status == 429:
@@ -102,12 +104,28 @@ def send(
     headers: dict[str, str],
     timeout_s: float,
     tls: httpcall.TLS | None = None,
+    follow_redirects: bool = False,
+    max_response_bytes: int = httpcall.MAX_RESPONSE_BYTES,
 ) -> Outcome:
     """POST ``body`` to ``url``; never raises. ``timeout_s`` bounds the whole call. A TLS
     failure (an unknown CA, a rejected client certificate) is a transport error: retried
-    within the deadline like a refused connection, with category ``TLS``."""
+    within the deadline like a refused connection, with category ``TLS``. A redirect that is
+    refused and a body over ``max_response_bytes`` end the request (``REDIRECT``,
+    ``TOO_LARGE``): the same call would meet them again."""
     try:
-        resp = httpcall.post(url, body.encode(), headers, timeout_s, tls)
+        resp = httpcall.post(
+            url,
+            body.encode(),
+            headers,
+            timeout_s,
+            tls,
+            follow_redirects=follow_redirects,
+            max_response_bytes=max_response_bytes,
+        )
+    except httpcall.RedirectRefused as exc:
+        return Outcome(Kind.FATAL, error=str(exc), category="REDIRECT")
+    except httpcall.ResponseTooLarge as exc:
+        return Outcome(Kind.FATAL, error=str(exc), category="TOO_LARGE")
     except httpcall.CallTimeout:
         return Outcome(Kind.RETRY, error=f"timed out after {timeout_s:.1f} s", category="TIMEOUT")
     except ssl.SSLError as exc:  # before ValueError: a verify error is both

@@ -101,7 +101,7 @@ class _Series:
             "dispatched_requests_total", "HTTP attempts sent to the model server (retries too)."
         )
         self.retries = counter("request_retries_total", "Backoff retries scheduled.")
-        self.successes = counter("successful_requests_total", "Requests ended with HTTP < 400.")
+        self.successes = counter("successful_requests_total", "Requests ended with HTTP 2xx.")
         self.failures = counter(
             "failed_requests_total", "Requests ended by a fatal error (4xx, inference, drop)."
         )

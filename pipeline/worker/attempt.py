@@ -10,20 +10,19 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any, Protocol
 
 from ..config import QueueConfig, Settings
 from ..gates import CONTINUE, AcquireContext, Decision, Gate, Verdict
 from ..http.backoff import retry_delay
-from ..http.classify import Kind, Outcome, join_url, send
+from ..http.classify import Kind, Outcome, join_url
 from ..store import ScriptCall, Store
 from ..store import holder as make_holder
 from ..store.journal import Journal, entry
 from ..store.keys import ref_cancel_key
 from . import observe
 from .bell import ReleaseBell, Ticket
-from .endpoints import authorization, queue_tls
+from .endpoints import authorization, queue_send
 from .release import ReleasePlan
 from .report import Mirrors, Report, Status, failure_message, result_dict
 
@@ -226,7 +225,7 @@ class Attempt:
         error_message: str | None = None,
     ) -> Report:
         plan = self._release()
-        ok = error_code is None and status_code is not None and status_code < 400
+        ok = error_code is None and status_code is not None and status_code < 300
         failure = "" if ok else failure_message(status_code, payload, error_code, error_message)
         mirror = None
         if self.mirrors is not None:
@@ -504,10 +503,9 @@ class Attempt:
             return self._expired(False)
         timeout = min(self.queue.request_timeout_s, left)
         try:
-            tls = queue_tls(self.queue)
             outcome = observe.observed_send(
                 self,
-                send if tls is None else partial(send, tls=tls),
+                queue_send(self.queue),
                 self.url(),
                 self.record["payload"],
                 self.headers(),

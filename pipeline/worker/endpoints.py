@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 
 from ..config import QueueConfig, Settings
 from ..errors import ConfigError
 from ..http.call import TLS
+from ..http.classify import Outcome, send
 
 log = logging.getLogger("pipeline.worker")
 
@@ -26,6 +28,16 @@ def queue_tls(q: QueueConfig) -> TLS | None:
     if not (q.tls_ca_file or q.tls_cert_file or q.tls_insecure_skip_verify):
         return None
     return TLS(q.tls_ca_file, q.tls_cert_file, q.tls_key_file, q.tls_insecure_skip_verify)
+
+
+def queue_send(q: QueueConfig) -> Callable[[str, str, dict[str, str], float], Outcome]:
+    """``send`` with the queue's TLS, redirect and response-size settings."""
+    return partial(
+        send,
+        tls=queue_tls(q),
+        follow_redirects=q.follow_redirects,
+        max_response_bytes=q.max_response_bytes,
+    )
 
 
 def authorization(q: QueueConfig, environ: Mapping[str, str] = os.environ) -> str | None:

@@ -320,7 +320,7 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   if status_code ~= '' then
     local code = tonumber(status_code)
     sc = string.format('%d', code)
-    if code >= 400 then outcome = 'http_' .. sc end
+    if code >= 300 then outcome = 'http_' .. sc end
     parts[#parts + 1] = ',"status_code":'
     parts[#parts + 1] = sc
   end
