@@ -92,7 +92,7 @@ def test_lookahead_and_park_settings() -> None:
             load_settings({"PIPELINE_LOOKAHEAD": bad})
 
 
-# Every variable the README and docs name is read where they say: each one set here reaches its
+# Every variable docs/configuration.md names is read where it says: each one set here reaches its
 # setting, and a value that is not a number is a startup error naming the variable.
 @pytest.mark.parametrize(
     ("var", "value", "field", "expected"),

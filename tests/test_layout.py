@@ -1,8 +1,8 @@
 """The package layout: no import cycle inside ``pipeline/``, and every package imports only the
-packages below it (the code map in the README). Counted: every import a module runs when it
-is imported — at module level, in a class body, under ``if TYPE_CHECKING:`` or in a ``try`` —
-plus the ``__init__`` of every package an import passes through. Imports inside functions run
-later and are not counted."""
+packages below it (the code map in docs/architecture.md). Counted: every import a module runs
+when it is imported — at module level, in a class body, under ``if TYPE_CHECKING:`` or in a
+``try`` — plus the ``__init__`` of every package an import passes through. Imports inside
+functions run later and are not counted."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# package (or top-level module) -> the pipeline packages it may import. Mirrors the README's
-# code map; the order is bottom to top.
+# package (or top-level module) -> the pipeline packages it may import. Mirrors the
+# code map in docs/architecture.md; the order is bottom to top.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "redact": set(),

@@ -186,11 +186,11 @@ def test_counts_with_two_thread_nodes(
         assert total(one, "pipeline_dispatch_budget", queue_name=iso.queue("m")) == 1.0
         assert total(one, "pipeline_pool_worker_limit", pool_name=iso.pool()) == 4
         assert total(one, "pipeline_queue_wedged", queue_name=iso.queue("m")) == 0
-    # every series the dashboard, the alert rules and the README name is served
+    # every series the dashboard, the alert rules and the metrics page of the docs name is served
     text = httpx.get(f"http://127.0.0.1:{ports[0]}/metrics", timeout=5).text
     served = set(re.findall(r"^(?:# TYPE )?(pipeline_[a-z_]+)", text, re.M))
-    readme = (ROOT / "README.md").read_text().partition("## Watching it run")[2]
-    for source in (DASHBOARD.read_text(), ALERTS.read_text(), KEDA.read_text(), readme):
+    docs = (ROOT / "docs" / "observability.md").read_text()
+    for source in (DASHBOARD.read_text(), ALERTS.read_text(), KEDA.read_text(), docs):
         named = set(re.findall(r"\bpipeline_[a-z_]+[a-z]", source))
         # served only beside a redis-leased-rate gate: tests/test_leased_rate.py checks them
         named -= DRAIN_LIMIT_SERIES
