@@ -136,8 +136,10 @@ def test_models_health_404_405_and_bad_json(start: Callable[..., SimServer]) -> 
         assert client.get("/health").json() == {"status": "ok"}
         models = client.get("/v1/models").json()
         assert models["object"] == "list" and models["data"][0]["id"] == "sim-model"
-        assert client.get("/nope").status_code == 404
-        assert client.get(COMPLETIONS).status_code == 405
+        missing, wrong_method = client.get("/nope"), client.get(COMPLETIONS)
+        assert missing.status_code == 404 and wrong_method.status_code == 405
+        assert missing.json()["error"]["type"] == "not_found_error"  # OpenAI-shaped
+        assert wrong_method.json()["error"]["code"] == 405
         bad = client.post(COMPLETIONS, content=b"{not json", headers={"x-request-id": "b"})
         neg = client.post(COMPLETIONS, json={"max_tokens": -1})
     assert bad.status_code == 400
@@ -312,6 +314,18 @@ def test_latency_config_and_header_override(start: Callable[..., SimServer]) -> 
     assert time.monotonic() - began >= 0.1
     slow = start(latency_ms=600_000)  # ten minutes: only the override answers within 30 s
     assert post(slow.url, {"x-sim-latency-ms": "0"}, timeout=30).status_code == 200
+
+
+def test_a_client_that_hangs_up_during_the_latency_frees_its_slot(
+    start: Callable[..., SimServer],
+) -> None:
+    sim = start(latency_ms=60_000)
+    with pytest.raises(httpx.ReadTimeout):
+        post(sim.url, timeout=0.2)
+    wait_until(lambda: sim.stats()["in_flight"] == 0)
+    stats = sim.stats()
+    assert stats["requests"] == 1 and stats["by_status"] == {}  # never answered
+    assert stats["max_concurrency_observed"] == 1
 
 
 def test_failure_rate_is_seeded(start: Callable[..., SimServer]) -> None:

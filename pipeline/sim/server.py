@@ -236,12 +236,12 @@ def _on_loop(fn: _Method[_P, _T]) -> _Method[_P, _T]:
 
 
 class _Clock:
-    """Runs callbacks on the loop at monotonic times, to within about 0.1 ms.
+    """Runs callbacks on the loop at monotonic times, to within about 0.1 ms, never early.
 
-    The loop's own timers wake from ``epoll_wait``, whose timeout is whole milliseconds
-    (libuv's clock is too), so a 100 ms latency would come out as 100.5-101 ms: a benchmark
-    against the simulator would be charged for the simulator's clock
-    (``bench/sim_throughput.py --latency-ms 100``). Here a helper thread sleeps on a condition
+    The loop's own timers are whole milliseconds: asyncio's ``epoll_wait`` rounds up (a 100 ms
+    latency came out as 100.5-101 ms, charging a benchmark for the simulator's clock), uvloop's
+    rounds to the nearest (answers down to 99.2 ms, shorter than asked; both measured with
+    ``bench/sim_throughput.py --latency-ms 100``). Here a helper thread sleeps on a condition
     (a nanosecond timeout) until the earliest due time and hands what is due to the loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
