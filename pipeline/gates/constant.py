@@ -7,4 +7,3 @@ from .base import Gate
 
 class ConstantGate(Gate):
     type_name = "constant"
-    static_budget = True

@@ -33,7 +33,7 @@ from typing import Any
 import redis
 
 from ..store.scripts import register
-from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .base import CONTINUE, AcquireContext, Budgeted, Decision, GateEnv, Verdict
 from .params import Params
 from .redis_budget import connect, redis_url
 
@@ -50,7 +50,7 @@ def owning_pool(name: str) -> str | None:
     return None
 
 
-class RedisLeasedRateGate(Gate):
+class RedisLeasedRateGate(Budgeted):
     type_name = "redis-leased-rate"
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:

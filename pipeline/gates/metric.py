@@ -51,7 +51,7 @@ from typing import Any
 import httpx
 
 from ..redact import redact_url
-from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .base import Budgeted, GateEnv
 from .params import Params
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def budget_above(value: float, threshold: float) -> float:
     return min(1.0, value - threshold) if value > threshold + EPSILON else 0.0
 
 
-class MetricGate(Gate):
+class MetricGate(Budgeted):
     """Base of the metric gates: caching, fail-closed fallback, gauges, binary acquire."""
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
@@ -177,11 +177,6 @@ class MetricGate(Gate):
                 self.fallback_budget(),
             )
         self._last_error = error
-
-    def acquire(self, ctx: AcquireContext) -> Decision:
-        if self.budget() <= 0.0:
-            return Decision(Verdict.REFUSE, reason="gate_closed")
-        return CONTINUE
 
     def describe(self) -> dict[str, Any]:
         return {

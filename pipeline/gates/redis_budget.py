@@ -24,7 +24,7 @@ from ..config import is_sentinel, parse_sentinel_url
 from ..errors import ConfigError
 from ..redact import redact_url
 from ..store import connect as store_connect
-from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .base import Budgeted, GateEnv
 from .params import Params
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def connect(address: RedisAddress) -> redis.Redis:
     return store_connect(address.url, sentinel_master=address.master_name, timeout=5)
 
 
-class RedisBudgetGate(Gate):
+class RedisBudgetGate(Budgeted):
     type_name = "redis"
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
@@ -120,11 +120,6 @@ class RedisBudgetGate(Gate):
                 log.warning("redis gate %s: %s (%s); budget 0", self.name, problem, where)
             self._last_problem = problem
         return 0.0
-
-    def acquire(self, ctx: AcquireContext) -> Decision:
-        if self.budget() <= 0.0:
-            return Decision(Verdict.REFUSE, reason="gate_closed")
-        return CONTINUE
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "budget_key": self.budget_key, "budget": self.budget()}

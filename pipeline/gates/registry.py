@@ -4,6 +4,7 @@ which builds one from a queue's ``gate_type`` / ``gate_params``."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError
@@ -14,19 +15,18 @@ from .global_ import GlobalMaxConcurrencyGate
 from .leased_rate import RedisLeasedRateGate
 from .local import LocalMaxConcurrencyGate
 from .metric import PrometheusBudgetGate, PrometheusQueryGate, PrometheusSaturationGate
-from .quota import RedisQuotaGate
+from .quota import Quota, redis_quota
 from .redis_budget import RedisBudgetGate
 from .scrape import EndpointScrapeGate
 from .tier import TierPriorityAdmissionGate
 
-GATE_TYPES: dict[str, type[Gate]] = {
+GATE_TYPES: dict[str, Callable[[str, dict[str, Any], GateEnv | None], Gate]] = {
     cls.type_name: cls
     for cls in (
         ConstantGate,
         LocalMaxConcurrencyGate,
         GlobalMaxConcurrencyGate,
         RedisBudgetGate,
-        RedisQuotaGate,
         RedisLeasedRateGate,
         CompositeGate,
         WaitOnRefuseGate,
@@ -37,6 +37,7 @@ GATE_TYPES: dict[str, type[Gate]] = {
         PrometheusBudgetGate,
     )
 }
+GATE_TYPES[Quota.type_name] = redis_quota  # a class per mode
 
 
 def build_gate(
@@ -48,8 +49,8 @@ def build_gate(
     only validated: no Redis or network is touched.
     """
     gate_type = gate_type or "constant"
-    cls = GATE_TYPES.get(gate_type)
-    if cls is None:
+    make = GATE_TYPES.get(gate_type)
+    if make is None:
         known = ", ".join(sorted(GATE_TYPES))
         raise ConfigError(f"unknown gate_type {gate_type!r} (known: {known})")
     if isinstance(params, str):
@@ -60,4 +61,4 @@ def build_gate(
             raise ConfigError(f"{where}: gate_params is not JSON: {exc}") from None
     if params is not None and not isinstance(params, dict):
         raise ConfigError(f"{gate_type} gate {name!r}: gate_params must be an object")
-    return cls(name, dict(params or {}), env)
+    return make(name, dict(params or {}), env)
