@@ -7,44 +7,28 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-from ..config import QueueConfig, Settings
+from ..config import QueueConfig
 from ..gates import CONTINUE, AcquireContext, Decision, Gate, Verdict
 from ..http.backoff import retry_delay
 from ..http.classify import Kind, Outcome, join_url
-from ..store import ScriptCall, Store
+from ..store import ScriptCall
 from ..store import holder as make_holder
 from ..store.journal import Journal, entry
 from ..store.keys import ref_cancel_key
 from . import observe
-from .bell import ReleaseBell, Ticket
+from .bell import Ticket
 from .endpoints import authorization, queue_send
 from .report import Mirrors, Report, Status, failure_message, result_dict
-from .reservation import Reservation
+from .reservation import Host, Reservation
 
 log = logging.getLogger("pipeline.worker")
 
 REFUSE_DELAY_S = (0.2, 1.0)  # a refused request waits this long (jittered) before re-entry
 PARK_POLL_S = 0.5  # a parked attempt re-asks its gate at least this often (a lost wake-up)
-
-
-class Host(Protocol):
-    """What an attempt uses of its process's runtime (``pipeline.worker.process.Runtime``)."""
-
-    settings: Settings
-    store: Store
-    bell: ReleaseBell
-    rng: random.Random
-
-    def gate(self, queue: str) -> Gate: ...
-
-    def current_gate(self, queue: str) -> Gate | None: ...
-
-    def untrack(self, holder: str) -> None: ...
 
 
 class Attempt:

@@ -24,6 +24,7 @@ reaper frees it. A token budget's charge is settled just before the release.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -52,11 +53,14 @@ TRANSFER_WAIT_S = 10.0  # a taker of a handed-over slot waits this long for the 
 
 
 class Host(Protocol):
-    """What a reservation uses of its process's runtime (``Runtime``)."""
+    """What an attempt and its reservation use of their process's runtime (``Runtime``)."""
 
     settings: Settings
     store: Store
     bell: ReleaseBell
+    rng: random.Random
+
+    def gate(self, queue: str) -> Gate: ...
 
     def current_gate(self, queue: str) -> Gate | None: ...
 
