@@ -54,7 +54,7 @@ def holder_entry(holder: str, info: str | None, expiry: float, now: float) -> di
         "worker": data.get("worker", ""),
         "age_s": age,
         "lease_expires_at": expiry,
-        # the request whose slot this holder took over (see Gate.hands_over), else None
+        # the request whose slot this holder took over (a hand-over, see ``HandsOver``), else None
         "handed_over_by": split_holder(giver)[0] if isinstance(giver, str) else None,
     }
 
@@ -63,7 +63,6 @@ class LeaseScripts:
     """The lease scripts registered once on one client."""
 
     def __init__(self, client: redis.Redis) -> None:
-        self.client = client
         self.acquire = register(client, "gate_lease_acquire")
         self.release = register(client, "gate_lease_release")
         self.renew = register(client, "gate_lease_renew")
@@ -85,7 +84,6 @@ class LeaseSet:
         registry: tuple[str, str] | None = None,
     ) -> None:
         self.scripts = scripts
-        self.client = scripts.client
         self.holders_key = holders_key
         self.info_key = info_key
         self.registry = registry

@@ -66,8 +66,6 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, cast
 
-import redis
-
 from ..store.keys import Keys
 from ..store.sched import QuotaSpec
 from ..store.scripts import ScriptCall
@@ -86,7 +84,7 @@ from .base import (
 )
 from .leases import LeaseScripts, LeaseSet, holder_entry, register
 from .params import Params
-from .redis_budget import connect, redis_url
+from .redis_budget import OnRedis
 from .tokens import DEFAULT_MAX_TOKENS, estimate_tokens
 
 log = logging.getLogger(__name__)
@@ -106,7 +104,7 @@ def redis_quota(name: str, params: dict[str, Any], env: GateEnv | None) -> Gate:
     return cls(name, params, env)
 
 
-class Quota(Gate):
+class Quota(OnRedis):
     """What the modes share: params, the client, the key of an attribute value."""
 
     type_name = "redis-quota"
@@ -115,7 +113,7 @@ class Quota(Gate):
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
         p = Params(self.type_name, name, params)
-        self.url = redis_url(p)
+        self._connect(p)
         self.attribute = p.get_str("attribute", "userid").removeprefix("metadata.")
         if not self.attribute:
             raise p.error("attribute", "must name a metadata attribute")
@@ -131,10 +129,6 @@ class Quota(Gate):
             raise p.error("default_max_tokens", "applies to tokens mode only")
         self.prefix = p.get_str("prefix", "quota:")
         self.gating_mode = p.get_choice("gating_mode", ("blocking", "classifying"), "blocking")
-        self.client: redis.Redis | None = None
-        self._own_client = self.url is not None
-        if env is not None:
-            self.client = connect(self.url) if self.url else env.client
 
     def quota_key(self, value: str) -> str:
         """The reference's key for one attribute value: ``<prefix><attribute>:<value>``."""
@@ -167,10 +161,6 @@ class Quota(Gate):
             "attribute": self.attribute,
             "window_s": self.window_s,
         }
-
-    def close(self) -> None:
-        if self._own_client and self.client is not None:
-            self.client.close()
 
 
 class RateQuota(Quota):
@@ -265,14 +255,14 @@ class TokenQuota(Quota, Settles):
 
 
 class ConcurrencyQuota(Quota, Batched, HandsOver):
-    """A slot per holder of a key. Blocking (``per_key``): one interchangeable slot of the key,
-    handed over on the key's bell, counted by the dispatcher (:meth:`quota_specs`)."""
+    """A slot per holder of a key. Blocking: one interchangeable slot of the key, handed over
+    on the key's bell, counted by the dispatcher (:meth:`quota_specs`)."""
 
     mode = "concurrency"
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
-        self.per_key = self.gating_mode == "blocking"
+        self.blocking = self.gating_mode == "blocking"
         if self.client is not None:
             self._leases = LeaseScripts(self.client)
             self._release = register(self.client, "gate_quota_release")
@@ -289,12 +279,12 @@ class ConcurrencyQuota(Quota, Batched, HandsOver):
     def _calls(self, call: ScriptCall, then: Callable[[Any], bool]) -> Calls[bool]:
         """One call's step; run by ``then`` when the quota has a Redis of its own (the call
         cannot go with the pipeline's)."""
-        if self._own_client:
+        if self.url is not None:
             return Calls((), lambda _: then(call()))
         return Calls((call,), lambda replies: then(replies[0]))
 
     def quota_specs(self) -> list[QuotaSpec]:
-        if not self.per_key:
+        if not self.blocking:
             return []
         return [QuotaSpec(self.quota_key(""), self.attribute, self.limit, local=self.url is None)]
 
@@ -317,13 +307,13 @@ class ConcurrencyQuota(Quota, Batched, HandsOver):
     ) -> Calls[Admission] | None:
         """The key's slot, when the dispatcher named the tenant (``tenant``); with
         ``behind`` the key's quota exhausted."""
-        value = tenant.get(self.attribute) if self.per_key else None
+        value = tenant.get(self.attribute) if self.blocking else None
         if not value:
             return None
         refused = self._over(self.quota_key(value))
         if behind:
             return Calls((), lambda _: (refused, False))
-        if self._own_client:
+        if self.url is not None:
             return None
         key = self.holders_key(value)
         info = {"key": key, "worker": worker}
@@ -332,7 +322,7 @@ class ConcurrencyQuota(Quota, Batched, HandsOver):
 
     def handover_bell(self, queue: str, metadata: Mapping[str, str]) -> str | None:
         """The holder's key: its slot goes to an attempt parked for the same key."""
-        value = metadata.get(self.attribute) if self.per_key else None
+        value = metadata.get(self.attribute) if self.blocking else None
         return self.quota_key(value) if value else None
 
     def transfer_calls(self, giver: str, ctx: AcquireContext) -> Calls[bool]:

@@ -140,6 +140,8 @@ class Attempt:
         error_code: str | None = None,
         error_message: str | None = None,
     ) -> Report:
+        """The terminal result, written in the round trip that releases the gate reservation
+        (first: :meth:`Reservation.release_with`)."""
         ok = error_code is None and status_code is not None and status_code < 300
         failure = "" if ok else failure_message(status_code, payload, error_code, error_message)
         mirror = None
@@ -189,6 +191,9 @@ class Attempt:
         status: Status = Status.REQUEUED,
         note: dict[str, Any] | None = None,
     ) -> Report:
+        """Back to the queue — a retry after ``delay`` s, a refusal, a wait timed out — in the
+        round trip that releases the gate reservation (first: :meth:`Reservation.release_with`):
+        a retried request never holds two."""
         mirror = self.mirrors.retry(reason) if self.mirrors is not None else None
 
         def requeue(handed_over: bool, nowake: bool) -> ScriptCall:

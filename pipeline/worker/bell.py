@@ -14,7 +14,7 @@ A release in this process rings twice: directly, and again when its own Pub/Sub 
 back. The echo is swallowed (each direct ring expects one echo of its queue within
 ``ECHO_S``), so one release wakes one waiter here, not two that race for one slot.
 
-A holder of a slot gate that hands its slot over (``Gate.hands_over``) does not ring at all:
+A holder of a slot gate that hands its slot over (``HandsOver``) does not ring at all:
 :meth:`ReleaseBell.hand_over` grants the longest-parked waiter the slot outright (its ticket
 says ``granted``), and the giver's finish / requeue publishes nothing (no slot was freed).
 

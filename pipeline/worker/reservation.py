@@ -213,8 +213,8 @@ class Reservation:
         call = build(ticket is not None, nowake)
         rings = self._rings(held, name)
         published = ticket is None  # the finish / requeue publishes a release, not a hand-over
-        if step is None:  # not as calls: done here, before the round trip
-            self._done(None, ticket, [])
+        if step is None or not step.calls:  # not as calls: done here, before the round trip
+            self._complete(step, ticket, [])
             self._ring(rings, echo=published)
             return call()
         if published:
@@ -223,10 +223,10 @@ class Reservation:
         try:
             *replies, reply = run_batch(self.host.store.client, [*step.calls, call])
         except Exception as exc:
-            self._done(step, ticket, exc)
+            self._complete(step, ticket, exc)
             self._ring(rings, echo=False)
             raise
-        self._done(step, ticket, replies)
+        self._complete(step, ticket, replies)
         self._ring(rings, echo=False)
         if isinstance(reply, Exception):
             raise reply
@@ -277,7 +277,7 @@ class Reservation:
             log.warning("could not prepare the release of %s: %s", self.holder, exc)
             return None
 
-    def _done(
+    def _complete(
         self, step: Calls[bool] | None, ticket: Ticket | None, replies: list[Any] | Exception
     ) -> None:
         """Take the gate step's replies (or the error that lost them): record a hand-over's
