@@ -80,9 +80,14 @@ class Ticket:
         self.held = False
         self.transferred = threading.Event()
 
-    def _fire(self) -> None:
+    def fire(self) -> None:
+        """Wake the waiter (under the bell's lock)."""
         self.done = True
         self._wake.release()
+
+    def sleep(self, timeout: float) -> None:
+        """Block until fired, at most ``timeout`` s."""
+        self._wake.acquire(timeout=max(0.0, timeout))
 
 
 class ReleaseBell:
@@ -162,7 +167,7 @@ class ReleaseBell:
             ticket = self._pop_waiter(queue)
             if ticket is not None:
                 ticket.rang = True
-                ticket._fire()
+                ticket.fire()
             if echo:
                 self._expect_echo(queue)
 
@@ -181,7 +186,7 @@ class ReleaseBell:
             ticket = self._pop_waiter(queue)
             assert ticket is not None
             ticket.granted = True
-            ticket._fire()
+            ticket.fire()
             return ticket
 
     def cancel_notice(self, ids: list[str]) -> None:
@@ -199,7 +204,7 @@ class ReleaseBell:
                 for ticket in [t for t in waiters if t.rid in wanted]:
                     waiters.remove(ticket)
                     ticket.cancelled = True
-                    ticket._fire()
+                    ticket.fire()
                 if not waiters:
                     del self._waiters[queue]
 
@@ -249,7 +254,7 @@ class ReleaseBell:
                 return None
             ticket = Ticket(ctx, gate, rid)
             self._waiters[queue].append(ticket)
-        ticket._wake.acquire(timeout=max(0.0, timeout))
+        ticket.sleep(timeout)
         with self._lock:
             if not ticket.done:  # timed out, still in line
                 ticket.done = True
@@ -274,7 +279,7 @@ class ReleaseBell:
                 while waiters:
                     ticket = waiters.popleft()
                     ticket.rang = True
-                    ticket._fire()
+                    ticket.fire()
             self._waiters.clear()
 
     def stop(self) -> None:

@@ -42,7 +42,10 @@ SNAPSHOT_ENV = "PIPELINE_CONFIG_SNAPSHOT"  # the node's accepted queue config, f
 class Runtime:
     """Per-process worker state."""
 
-    def __init__(self, settings: Settings | None = None) -> None:
+    def __init__(
+        self, settings: Settings | None = None, snapshot: tuple[int, int, int] | None = None
+    ) -> None:
+        """``snapshot``: the stamp of the node's config snapshot ``settings`` came from."""
         self.settings = check_gates(settings or load_settings())
         check_endpoints(self.settings)  # a queue's API key variable is set, its TLS files load
         self.store = Store(self.settings)
@@ -51,7 +54,7 @@ class Runtime:
         self._pool_gates: dict[str, Gate | None] = {}
         self._live: dict[str, Attempt] = {}  # holder -> its attempt (renewed on its gate)
         self._lock = threading.RLock()
-        self._snapshot: tuple[int, int, int] | None = None  # the snapshot applied, if any
+        self._snapshot = snapshot  # the node's config snapshot applied, if any
         self._heartbeat: threading.Thread | None = None
         self._stopping = threading.Event()
         self.rng = random.Random()
@@ -325,7 +328,6 @@ def runtime() -> Runtime:
                 rt = Runtime(_settings_override)
             else:
                 stamp = _snapshot_stamp()  # before reading: a newer file is followed later
-                rt = Runtime(node_settings())
-                rt._snapshot = stamp
+                rt = Runtime(node_settings(), stamp)
             _runtimes[pid] = rt
         return rt
