@@ -2,7 +2,7 @@
 
 The catalogue (``gate_type`` → class) is :data:`GATE_TYPES` (:mod:`.registry`);
 :func:`build_gate` builds one from a queue's ``gate_type`` / ``gate_params`` and raises
-ConfigError for unknown types and bad params of every type. :mod:`.chain` builds the gates an
+ConfigError for unknown types and bad params of every type; it also builds the gates an
 attempt of a queue passes and checks a whole configuration's gates. Imports ``config``,
 ``store`` and ``errors`` of the pipeline.
 """
@@ -25,8 +25,15 @@ from .base import (
     static_budget,
     wake_keys,
 )
-from .chain import attempt_gate, check_gates, pool_gate, queue_gate, same_attempt_gate
-from .registry import GATE_TYPES, build_gate
+from .registry import (
+    GATE_TYPES,
+    attempt_gate,
+    build_gate,
+    check_gates,
+    pool_gate,
+    queue_gate,
+    same_attempt_gate,
+)
 
 __all__ = [
     "CONTINUE",

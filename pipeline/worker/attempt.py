@@ -326,9 +326,9 @@ class Attempt:
         re-asks the gate at least every ``PARK_POLL_S`` in case a wake-up was lost. On a gate
         that hands over (``HandsOver``) a holder of this process that is done hands its slot
         straight to the longest-parked attempt, admitted without asking the gate. The decision
-        log gets a
-        ``parked`` entry (sent at once when the park outlasts ``PARK_POLL_S``, so ``explain``
-        sees it) and, when it is admitted, an ``admitted`` one with the time it waited."""
+        log gets a ``parked`` entry (sent at once when the park outlasts ``PARK_POLL_S``, so
+        ``explain`` sees it) and, when it is admitted, an ``admitted`` one with the time it
+        waited."""
         began = time.monotonic()
         end = began + min(self.time_left(), limit_s)
         wait = "wait" if first.verdict is Verdict.WAIT else "refuse"

@@ -185,9 +185,9 @@ class Reservation:
     def release(self) -> None:
         """Release now, retried (an attempt that ends without its finish / requeue)."""
         self.host.untrack(self.holder)
-        held = self._held()
+        rings = self._rings(self._held(), None)
         self._retried(None)
-        self._ring(self._rings(held, None), echo=False)
+        self._ring(rings, echo=False)
 
     def discard(self) -> None:
         """Give back what the start's acquire took and forget its decision: the attempt asks
@@ -207,25 +207,22 @@ class Reservation:
         held = self._held()
         if held:
             self._settle(served)
-        name, ticket = self._taker() if held else (None, None)
+        bell, ticket = self._taker() if held else (None, None)
         step = self._step(ticket)
-        nowake = ticket is not None and self._parked_ahead(name)
-        call = build(ticket is not None, nowake)
-        rings = self._rings(held, name)
-        published = ticket is None  # the finish / requeue publishes a release, not a hand-over
+        call = build(ticket is not None, ticket is not None and self._parked_ahead(bell))
+        rings = self._rings(held, bell)
         if step is None or not step.calls:  # not as calls: done here, before the round trip
             self._complete(step, ticket, [])
-            self._ring(rings, echo=published)
+            self._ring(rings, echo=ticket is None)  # the finish / requeue publishes a release
             return call()
-        if published:
-            for bell in rings:
-                self.host.bell.expect_echo(bell)
+        if ticket is None:  # the finish / requeue publishes the release: expect its echo
+            for name in rings:
+                self.host.bell.expect_echo(name)
+        replies: list[Any] | Exception
         try:
             *replies, reply = run_batch(self.host.store.client, [*step.calls, call])
-        except Exception as exc:
-            self._complete(step, ticket, exc)
-            self._ring(rings, echo=False)
-            raise
+        except Exception as exc:  # the gate's step is done directly; the error is the call's
+            replies = reply = exc
         self._complete(step, ticket, replies)
         self._ring(rings, echo=False)
         if isinstance(reply, Exception):
