@@ -122,7 +122,7 @@ class Reservation:
         """Take the replies of the start's acquire calls (none failed: the decision; one
         failed: none, the attempt asks again). Whether they took a new reservation (one to
         give back if the start was fenced off)."""
-        error = next((r for r in replies if isinstance(r, Exception)), None)
+        error = _first_error(replies)
         if error is not None:
             log.warning("gate %s failed for %s: %s", self.queue, self.holder, error)
             self.behind = 0
