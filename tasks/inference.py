@@ -151,7 +151,7 @@ class InferenceTask(Task):
                 attempt.mirrors = CeleryMirrors(self.backend, task_id)
             attempt.send_event = self.send_event  # a park that ends refused tells Flower
             if attempt.decision is None:  # not decided with the start (Runtime.begin)
-                attempt.acquire(first=True)
+                attempt.acquire()
             observe.attempt_started(attempt, self.send_event)
         self.request.pipeline_attempt = attempt
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from pipeline.gates import AcquireContext, GateEnv, build_gate
+from pipeline.gates import AcquireContext, GateEnv, build_gate, wake_keys
 from pipeline.store import MergeArgs, sched
 
 from .conftest import wait_for
@@ -217,13 +217,13 @@ def test_the_quota_gate_parks_a_refusal_on_its_key(redis_url: str) -> None:
         ]
         one = AcquireContext("r1", "t", "q", "w", 30.0, time.time() + 60, {"userid": "A"})
         two = AcquireContext("r2", "t", "q", "w", 30.0, time.time() + 60, {"userid": "A"})
-        assert gate.wake_keys(two) == ["quota:userid:A"]
+        assert wake_keys(gate, two.metadata) == ["quota:userid:A"]
         assert gate.acquire(one).admitted
         d = gate.acquire(two)
         assert not d.admitted and d.wake_on_release and d.wake_key == "quota:userid:A"
         gate.release(one.holder)
         rate = build_gate("redis-quota", {"limit": 1}, name="r", env=env)
-        assert rate.quota_specs() == [] and rate.wake_keys(two) == []
+        assert rate.quota_specs() == [] and wake_keys(rate, two.metadata) == []
         classifying = {"mode": "concurrency", "limit": 1, "gating_mode": "classifying"}
         assert build_gate("redis-quota", classifying, name="c", env=env).quota_specs() == []
         composite = build_gate(
@@ -241,7 +241,7 @@ def test_the_quota_gate_parks_a_refusal_on_its_key(redis_url: str) -> None:
             env=env,
         )
         assert [s.limit for s in composite.quota_specs()] == [3]
-        assert composite.wake_keys(one) == ["quota:userid:A"]
+        assert wake_keys(composite, one.metadata) == ["quota:userid:A"]
         for g in (gate, rate, composite):
             g.close()
     client.close()

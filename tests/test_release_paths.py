@@ -24,10 +24,10 @@ import pytest
 
 from pipeline.client import Pipeline
 from pipeline.client.models import Result
+from pipeline.gates import AcquireContext, Calls
 from pipeline.sim import SimServer
 from pipeline.store import sched
-from pipeline.worker import Runtime
-from pipeline.worker import process as worker_module
+from pipeline.worker import Runtime, process, reservation
 from tasks.app import celery_queue
 
 from .conftest import assert_idle, held, wait_for
@@ -489,15 +489,17 @@ def holds_one_slot_then_frees_it(p: Pipeline, queue: str, attempt: Any) -> None:
 
 
 def counted_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the worker's round trips (``run_batch`` calls) from now on."""
+    """The sizes of the worker's round trips (``run_batch`` calls: an attempt's start, its
+    finish / requeue) from now on."""
     sent: list[int] = []
-    batch = worker_module.run_batch
+    batch = process.run_batch
 
     def counted(client: Any, calls: Any) -> list[Any]:
         sent.append(len(calls))
         return batch(client, calls)
 
-    monkeypatch.setattr(worker_module, "run_batch", counted)
+    for module in (process, reservation):
+        monkeypatch.setattr(module, "run_batch", counted)
     return sent
 
 
@@ -647,7 +649,7 @@ def test_a_quota_hand_over_goes_in_the_givers_finish_round_trip(
         key = f"quota:userid:{user}"
         wait_for(lambda: rt.bell.waiting(key) == 1, 5, what="the second attempt parked")
         sent = counted_batches(monkeypatch)
-        monkeypatch.setattr(rt.gate(queue), "transfer", None)  # never on its own
+        monkeypatch.setattr(Calls, "run", None)  # no gate step on its own (no direct transfer)
         assert a.run().status.value == "success"
         parked.join(10)
         assert reports and reports[0].status.value == "success"
@@ -713,6 +715,33 @@ def test_a_hand_over_publishes_no_release(prepared: tuple[Pipeline, Runtime, str
             released.append(message["data"])
     listener.close()
     assert released == [queue, queue]  # c's and b's releases; none for a's hand-over
+
+
+def test_a_second_release_frees_nothing_and_hands_nothing_over(
+    prepared: tuple[Pipeline, Runtime, str],
+) -> None:
+    """A reservation's release is idempotent: released once (as an abandon does), it holds
+    nothing, so its finish after that frees nothing and hands no slot to an attempt parked
+    for one (which would go to the server without a slot): the parked attempt asks again."""
+    p, rt, queue = prepared
+    a, b, c = (rt.begin(*dispatch_one(p, queue), "w", queue) for _ in range(3))
+    assert a and b and c and c.decision is not None and not c.decision.admitted
+    b.reservation.release()
+    other = AcquireContext("other", "t", queue, "w", 30.0, time.time() + 60)
+    assert rt.gate(queue).acquire(other).admitted  # b's slot, taken by someone else
+    reports: list[Any] = []
+    parked = threading.Thread(target=lambda: reports.append(c.run()))
+    parked.start()
+    wait_for(lambda: rt.bell.waiting(queue) == 1, 5, what="the third attempt parked")
+    assert b._error("CANCELLED", "ended after its release").status.value == "failed"
+    wait_for(lambda: rt.bell.waiting(queue) == 1, 5, what="the third attempt parked again")
+    assert not reports and gate_in_flight(p, queue) == 2  # a's and the other's
+    rt.gate(queue).release(other.holder)  # the parked attempt finds it at its next ask
+    parked.join(10)
+    assert reports and reports[0].status.value == "success"
+    assert '"handed_over":true' not in (p.record(c.id).get("log") or "")
+    assert a.run().status.value == "success"
+    assert gate_in_flight(p, queue) == 0
 
 
 # -- per-key quota slots handed over ------------------------------------------------------

@@ -36,6 +36,7 @@ from pipeline.errors import ConfigError
 from pipeline.gates import AcquireContext, same_attempt_gate
 from pipeline.sim import SimConfig, SimServer
 from pipeline.worker import Runtime
+from pipeline.worker.reservation import Reservation
 from tests.conftest import ROOT, WorkerProc, assert_idle, held, local_limit, wait_for
 from tests.observability import FAST, Isolated, isolated, scrape, start_node, total
 
@@ -188,7 +189,19 @@ def test_a_slot_of_a_replaced_gate_is_released_not_handed_over(env: dict[str, st
         rt.apply(with_limit(3))
         new = rt.gate("q")
         assert new is not old and new.acquire(ctx("newcomer")).admitted  # 2 of 3
-        assert rt.release("q", "holder", "t", hand_over=True, gate=old) is False
+        res = Reservation(rt, "q", "holder:t", old)
+        res.bind(ctx("holder"))
+        assert res.ask().admitted  # the slot it holds of the old gate, acquired above
+        handed: list[bool] = []
+
+        def finish(handed_over: bool, nowake: bool) -> Any:
+            handed.append(handed_over)  # (a finish of a request that is not there: a no-op)
+            return rt.store.finish_call(
+                "holder", "t", attempted=False, status_code=None, payload=""
+            )
+
+        assert rt.store.finished(res.release_with(finish)) is None
+        assert handed == [False]
         waiter.join(10)
         (ticket,) = parked
         assert ticket is not None and ticket.rang and not ticket.granted

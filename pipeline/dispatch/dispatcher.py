@@ -34,7 +34,7 @@ from collections.abc import Callable
 from redis.connection import AbstractConnection
 
 from ..config import QueueConfig, Settings
-from ..gates import Gate, GateEnv, attempt_gate, same_attempt_gate
+from ..gates import Gate, GateEnv, attempt_gate, dispatch_budget, same_attempt_gate, static_budget
 from ..observability import metrics, tracing
 from ..store import (
     DirectPublish,
@@ -256,7 +256,7 @@ class Dispatcher:
             len(self.pools) == 1
             and not self.ingesting
             and not self.foreign
-            and all(g.static_budget for g in self.gates.values())
+            and all(static_budget(g) for g in self.gates.values())
         )
 
     def tick(self, block: float | None = None) -> float | None:
@@ -313,7 +313,7 @@ class Dispatcher:
             specs = tuple(dataclasses.replace(s, lookahead=s.lookahead * per) for s in specs)
         return self.store.queue_tick(
             q,
-            budget=gate.dispatch_budget(),
+            budget=dispatch_budget(gate),
             cap=-1 if cap is None else cap,
             lane=self.settings.merge_policy.lane(q.labels),
             specs=specs,

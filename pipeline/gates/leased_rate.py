@@ -30,12 +30,10 @@ import logging
 import math
 from typing import Any
 
-import redis
-
 from ..store.scripts import register
-from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .base import CONTINUE, AcquireContext, Budgeted, Decision, GateEnv, Verdict
 from .params import Params
-from .redis_budget import connect, redis_url
+from .redis_budget import OnRedis
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +48,13 @@ def owning_pool(name: str) -> str | None:
     return None
 
 
-class RedisLeasedRateGate(Gate):
+class RedisLeasedRateGate(Budgeted, OnRedis):
     type_name = "redis-leased-rate"
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
         p = Params(self.type_name, name, params)
-        self.url = redis_url(p)
+        self._connect(p)
         self.control_key = p.get_str("control_key", required=True)
         pool = p.opt_str("pool_id") or owning_pool(name)
         if not pool:
@@ -69,11 +67,7 @@ class RedisLeasedRateGate(Gate):
         self.valid_until_s = 0.0
         self.decision_id = ""
         self._problem: str | None = None
-        self.client: redis.Redis | None = None
-        self._own_client = False
-        if env is not None:
-            self.client = connect(self.url) if self.url else env.client
-            self._own_client = self.url is not None
+        if self.client is not None:
             self._script = register(self.client, "gate_leased_rate")
 
     @property
@@ -148,7 +142,3 @@ class RedisLeasedRateGate(Gate):
             "valid_until_s": self.valid_until_s if math.isfinite(self.valid_until_s) else None,
             "decision_id": self.decision_id,
         }
-
-    def close(self) -> None:
-        if self._own_client and self.client is not None:
-            self.client.close()

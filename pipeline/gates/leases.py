@@ -54,7 +54,7 @@ def holder_entry(holder: str, info: str | None, expiry: float, now: float) -> di
         "worker": data.get("worker", ""),
         "age_s": age,
         "lease_expires_at": expiry,
-        # the request whose slot this holder took over (see Gate.hands_over), else None
+        # the request whose slot this holder took over (a hand-over, see ``HandsOver``), else None
         "handed_over_by": split_holder(giver)[0] if isinstance(giver, str) else None,
     }
 
@@ -63,7 +63,6 @@ class LeaseScripts:
     """The lease scripts registered once on one client."""
 
     def __init__(self, client: redis.Redis) -> None:
-        self.client = client
         self.acquire = register(client, "gate_lease_acquire")
         self.release = register(client, "gate_lease_release")
         self.renew = register(client, "gate_lease_renew")
@@ -85,7 +84,6 @@ class LeaseSet:
         registry: tuple[str, str] | None = None,
     ) -> None:
         self.scripts = scripts
-        self.client = scripts.client
         self.holders_key = holders_key
         self.info_key = info_key
         self.registry = registry
@@ -94,49 +92,22 @@ class LeaseSet:
     def _keys(self) -> list[str]:
         return [self.holders_key, self.info_key]
 
-    def _acquire_keys_args(
+    def acquire(
         self, holder: str, lease_s: float, limit: int, info: dict[str, Any], giver: str = ""
-    ) -> tuple[list[str], list[Any]]:
+    ) -> ScriptCall:
+        """Take a slot for ``holder`` — with ``giver``, free the giver's slot first in the same
+        atomic step (a hand-over). Reply: 1 = new slot taken, 2 = the holder already held one
+        (lease extended), 0 = full. The lease lasts ``lease_s`` from now by the server's clock;
+        ``info`` gains ``acquired_at``."""
         args: list[Any] = [holder, repr(float(lease_s)), limit, json.dumps(info), GRACE_S, giver]
         if self.registry is None:
-            return self._keys, args
-        return [*self._keys, self.registry[0]], [*args, self.registry[1]]
+            return ScriptCall(self.scripts.acquire, self._keys, args)
+        keys = [*self._keys, self.registry[0]]
+        return ScriptCall(self.scripts.acquire, keys, [*args, self.registry[1]])
 
-    def acquire(self, holder: str, lease_s: float, limit: int, info: dict[str, Any]) -> int:
-        """1 = new slot taken, 2 = holder already held one (lease extended), 0 = full. The
-        lease lasts ``lease_s`` from now by the server's clock; ``info`` gains
-        ``acquired_at``."""
-        call = self.acquire_call(holder, lease_s, limit, info)
-        return int(call.script(keys=call.keys, args=call.args))
-
-    def acquire_call(
-        self, holder: str, lease_s: float, limit: int, info: dict[str, Any]
-    ) -> ScriptCall:
-        """:meth:`acquire` as a call to send in a batch (its reply is the same)."""
-        keys, args = self._acquire_keys_args(holder, lease_s, limit, info)
-        return ScriptCall(self.scripts.acquire, keys, args)
-
-    def release(self, holder: str) -> bool:
-        return bool(self.scripts.release(keys=self._keys, args=[holder]))
-
-    def release_call(self, holder: str) -> ScriptCall:
-        """:meth:`release` as a call to send in a batch (reply: 1 freed, 0 held nothing)."""
+    def release(self, holder: str) -> ScriptCall:
+        """Free ``holder``'s slot. Reply: 1 freed, 0 it held nothing."""
         return ScriptCall(self.scripts.release, self._keys, [holder])
-
-    def transfer(
-        self, giver: str, taker: str, lease_s: float, limit: int, info: dict[str, Any]
-    ) -> int:
-        """Free ``giver``'s slot and take one for ``taker``, atomically: 1 = taken, 2 = the
-        taker already held one, 0 = full (the giver held nothing and the pool is full)."""
-        call = self.transfer_call(giver, taker, lease_s, limit, info)
-        return int(call.script(keys=call.keys, args=call.args))
-
-    def transfer_call(
-        self, giver: str, taker: str, lease_s: float, limit: int, info: dict[str, Any]
-    ) -> ScriptCall:
-        """:meth:`transfer` as a call to send in a batch (its reply is the same)."""
-        keys, args = self._acquire_keys_args(taker, lease_s, limit, info, giver)
-        return ScriptCall(self.scripts.acquire, keys, args)
 
     def renew(self, holders: Sequence[str], lease_s: float) -> int:
         """Extend live holders' leases to ``lease_s`` from now (server clock)."""

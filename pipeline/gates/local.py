@@ -6,12 +6,12 @@ parks: a full gate refuses; ``blocking``: a full gate answers Wait).
 The limit holds across every pool slot and process of a node (prefork children included), so
 the holders live in Redis, not in process memory: one lease-counted slot pool per
 (gate name, ``env.node``) — keys ``Keys.gate_holders("<name>@<node>")`` and
-``Keys.gate_info("<name>@<node>")``. ``capacity()`` is the per-node limit (``per_node``);
-``budget()`` is ``(limit − in_flight on this node) / limit``, 0.0 when Redis cannot be read.
-``dispatch_budget()`` is 1.0 (the dispatcher counts the slots itself). A full gate's Refuse
-is marked ``wake_on_release``: an attempt may park until a holder releases. ``reap`` frees
-this node's expired leases only; a node that never comes back leaves keys that
-expire an hour after its last lease.
+``Keys.gate_info("<name>@<node>")``. ``capacity()`` is the per-node limit (``per_node``): the
+dispatcher counts the slots itself; ``budget()`` is ``(limit − in_flight on this node) /
+limit`` for status, 0.0 when Redis cannot be read. A full gate's Refuse is marked
+``wake_on_release``: an attempt may park until a holder releases, and a holder of its process
+hands it the slot (:class:`~.base.HandsOver`). ``reap`` frees expired leases of every node; a
+node that never comes back leaves keys that expire an hour after its last lease.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from typing import Any
 from .base import (
     CONTINUE,
     AcquireContext,
+    Admission,
+    Batched,
+    Calls,
     Decision,
-    Gate,
     GateEnv,
-    PreparedAcquire,
-    PreparedRelease,
+    HandsOver,
     Verdict,
 )
 from .leases import LeaseScripts, LeaseSet
@@ -36,17 +37,17 @@ from .params import Params
 log = logging.getLogger(__name__)
 
 
-class LocalMaxConcurrencyGate(Gate):
+class LocalMaxConcurrencyGate(Batched, HandsOver):
     type_name = "local-max-concurrency"
     per_node = True
-    hands_over = True
-    static_budget = True
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
         p = Params(self.type_name, name, params)
         self.limit = p.get_int("limit", lo=1)
         self.gating_mode = p.get_choice("gating_mode", ("classifying", "blocking"), "classifying")
+        verdict = Verdict.WAIT if self.gating_mode == "blocking" else Verdict.REFUSE
+        self._full = Decision(verdict, reason="gate_closed", wake_on_release=True)
         self._slots: LeaseSet | None = None
         self._scripts: LeaseScripts | None = None
         if env is not None:
@@ -91,69 +92,45 @@ class LocalMaxConcurrencyGate(Gate):
             log.warning("%s gate %s: cannot count holders: %s", self.type_name, self.name, exc)
             return 0.0
 
-    def dispatch_budget(self) -> float:
-        return 1.0
-
     def capacity(self) -> int:
         return self.limit
 
-    def _decide(self, reply: Any) -> Decision:
-        if int(reply):
-            return CONTINUE
-        verdict = Verdict.WAIT if self.gating_mode == "blocking" else Verdict.REFUSE
-        return Decision(verdict, reason="gate_closed", wake_on_release=True)
-
     def acquire(self, ctx: AcquireContext) -> Decision:
-        info = {"worker": ctx.worker}
-        return self._decide(self.slots.acquire(ctx.holder, ctx.lease_s, self.limit, info))
+        calls = self.acquire_calls(ctx.holder, ctx.worker, ctx.lease_s, {})
+        assert calls is not None
+        return calls.run()[0]
 
-    def prepare_acquire(
+    def acquire_calls(
         self,
         holder: str,
         worker: str,
         lease_s: float,
-        tenant: Mapping[str, str] | None = None,
-        behind: str | None = None,
-    ) -> PreparedAcquire | None:
-        if self.env is None or behind is not None:
-            return None
-        call = self.slots.acquire_call(holder, lease_s, self.limit, {"worker": worker})
-        return PreparedAcquire.one(call, self._decide, lambda reply: int(reply) == 1)
-
-    def parked_decision(self, bell: str) -> Decision | None:
-        return self._decide(0) if self.env is not None else None
+        tenant: Mapping[str, str],
+        behind: bool = False,
+    ) -> Calls[Admission] | None:
+        if behind:
+            return Calls((), lambda _: (self._full, False))
+        call = self.slots.acquire(holder, lease_s, self.limit, {"worker": worker})
+        return Calls((call,), lambda r: (CONTINUE if int(r[0]) else self._full, int(r[0]) == 1))
 
     def release(self, holder: str) -> bool:
         """Release wherever the holder is: normally this node's pool, but a reaper on another
         node frees a dead node's holders too."""
-        if self._slots is None:
-            return False
-        if self._slots.release(holder):
-            return True
-        return self._release_elsewhere(holder)
+        return False if self._slots is None else self.release_calls(holder).run()
 
-    def _release_elsewhere(self, holder: str) -> bool:
-        return any(s.release(holder) for s in self._all_slots()[1:])
+    def release_calls(self, holder: str) -> Calls[bool]:
+        def done(replies: Any) -> bool:
+            return bool(int(replies[0])) or any(s.release(holder)() for s in self._all_slots()[1:])
 
-    def prepare_release(self, holder: str) -> PreparedRelease | None:
-        if self._slots is None:
-            return None
+        return Calls((self.slots.release(holder),), done)
 
-        def done(reply: Any) -> bool:
-            return bool(int(reply)) or self._release_elsewhere(holder)
+    def handover_bell(self, queue: str, metadata: Mapping[str, str]) -> str:
+        return queue
 
-        return PreparedRelease.one(self._slots.release_call(holder), done)
-
-    def transfer(self, giver: str, ctx: AcquireContext) -> bool:
+    def transfer_calls(self, giver: str, ctx: AcquireContext) -> Calls[bool]:
         info = {"worker": ctx.worker, "handed_over_by": giver}
-        return bool(self.slots.transfer(giver, ctx.holder, ctx.lease_s, self.limit, info))
-
-    def prepare_transfer(self, giver: str, ctx: AcquireContext) -> PreparedRelease | None:
-        if self._slots is None:
-            return None
-        info = {"worker": ctx.worker, "handed_over_by": giver}
-        call = self._slots.transfer_call(giver, ctx.holder, ctx.lease_s, self.limit, info)
-        return PreparedRelease.one(call, lambda reply: bool(int(reply)))
+        call = self.slots.acquire(ctx.holder, ctx.lease_s, self.limit, info, giver)
+        return Calls((call,), lambda r: bool(int(r[0])))
 
     def renew(self, holders: Iterable[str], lease_s: float) -> None:
         self.slots.renew(list(holders), lease_s)

@@ -51,7 +51,7 @@ from typing import Any
 import httpx
 
 from ..redact import redact_url
-from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .base import Budgeted, GateEnv
 from .params import Params
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def budget_above(value: float, threshold: float) -> float:
     return min(1.0, value - threshold) if value > threshold + EPSILON else 0.0
 
 
-class MetricGate(Gate):
+class MetricGate(Budgeted):
     """Base of the metric gates: caching, fail-closed fallback, gauges, binary acquire."""
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
@@ -123,10 +123,18 @@ class MetricGate(Gate):
         raise NotImplementedError
 
     # -- the budget -----------------------------------------------------------------------
-    def http(self) -> httpx.Client:
+    def get(self, url: str, **params: str) -> httpx.Response:
+        """``GET url`` with query ``params``: a 200 response, else MetricUnavailable."""
         if self._http is None:
             self._http = httpx.Client(timeout=self.timeout_s, follow_redirects=True)
-        return self._http
+        where = redact_url(url)
+        try:
+            resp = self._http.get(url, params=params or None)
+        except httpx.HTTPError as exc:
+            raise MetricUnavailable(f"GET {where}: {type(exc).__name__}: {exc}") from None
+        if resp.status_code != 200:
+            raise MetricUnavailable(f"GET {where}: HTTP {resp.status_code}")
+        return resp
 
     def reading(self) -> _Reading:
         """The cached reading, or a new one (the value or the error) when it is too old."""
@@ -178,11 +186,6 @@ class MetricGate(Gate):
             )
         self._last_error = error
 
-    def acquire(self, ctx: AcquireContext) -> Decision:
-        if self.budget() <= 0.0:
-            return Decision(Verdict.REFUSE, reason="gate_closed")
-        return CONTINUE
-
     def describe(self) -> dict[str, Any]:
         return {
             **super().describe(),
@@ -225,12 +228,7 @@ class PrometheusGate(MetricGate):
     def query(self, promql: str) -> float | None:
         """The first sample of an instant query, or None when the result is empty."""
         where = redact_url(self.url)
-        try:
-            resp = self.http().get(f"{self.url}/api/v1/query", params={"query": promql})
-        except httpx.HTTPError as exc:
-            raise MetricUnavailable(f"GET {where}: {type(exc).__name__}: {exc}") from None
-        if resp.status_code != 200:
-            raise MetricUnavailable(f"GET {where}: HTTP {resp.status_code}")
+        resp = self.get(f"{self.url}/api/v1/query", query=promql)
         try:
             body = resp.json()
             if body.get("status") != "success":

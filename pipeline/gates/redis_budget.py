@@ -24,7 +24,7 @@ from ..config import is_sentinel, parse_sentinel_url
 from ..errors import ConfigError
 from ..redact import redact_url
 from ..store import connect as store_connect
-from .base import CONTINUE, AcquireContext, Decision, Gate, GateEnv, Verdict
+from .base import Budgeted, Gate, GateEnv
 from .params import Params
 
 log = logging.getLogger(__name__)
@@ -72,22 +72,31 @@ def connect(address: RedisAddress) -> redis.Redis:
     return store_connect(address.url, sentinel_master=address.master_name, timeout=5)
 
 
-class RedisBudgetGate(Gate):
+class OnRedis(Gate):
+    """A gate that reads Redis: the one its ``address`` param names (a client of its own,
+    closed with the gate), else the pipeline's (``client`` is None while only validating)."""
+
+    url: RedisAddress | None
+    client: redis.Redis | None
+
+    def _connect(self, p: Params) -> None:
+        self.url = redis_url(p)
+        env = self.env
+        self.client = None if env is None else connect(self.url) if self.url else env.client
+
+    def close(self) -> None:
+        if self.url is not None and self.client is not None:
+            self.client.close()
+
+
+class RedisBudgetGate(Budgeted, OnRedis):
     type_name = "redis"
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
         p = Params(self.type_name, name, params)
-        self.url = redis_url(p)
+        self._connect(p)
         self.budget_key = p.get_str("budget_key", "dispatch-gate-budget")
-        self._own_client = False
-        self.client: redis.Redis | None = None
-        if env is not None:
-            if self.url is not None:
-                self.client = connect(self.url)
-                self._own_client = True
-            else:
-                self.client = env.client
         self._last_problem: str | None = None
 
     def budget(self) -> float:
@@ -121,14 +130,5 @@ class RedisBudgetGate(Gate):
             self._last_problem = problem
         return 0.0
 
-    def acquire(self, ctx: AcquireContext) -> Decision:
-        if self.budget() <= 0.0:
-            return Decision(Verdict.REFUSE, reason="gate_closed")
-        return CONTINUE
-
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "budget_key": self.budget_key, "budget": self.budget()}
-
-    def close(self) -> None:
-        if self._own_client and self.client is not None:
-            self.client.close()

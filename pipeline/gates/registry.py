@@ -1,32 +1,43 @@
-"""The gate catalogue: ``gate_type`` → class (:data:`GATE_TYPES`), and :func:`build_gate`,
-which builds one from a queue's ``gate_type`` / ``gate_params``."""
+"""Building gates from the configuration: the catalogue (``gate_type`` → class,
+:data:`GATE_TYPES`) and :func:`build_gate`; the gates an attempt of a queue passes — the
+queue's own gate, then its worker pool's gate (``PIPELINE_POOLS``), acquired all-or-nothing as
+one chain just before the HTTP call (:func:`attempt_gate`); and the check of a whole
+configuration's gates (:func:`check_gates`): the settings are plain data, so a bad
+``gate_type`` or ``gate_params`` is found here, by the gates themselves."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
+from ..config import Settings
 from ..errors import ConfigError
 from .base import Gate, GateEnv
 from .composite import CompositeGate, WaitOnRefuseGate
-from .constant import ConstantGate
 from .global_ import GlobalMaxConcurrencyGate
 from .leased_rate import RedisLeasedRateGate
 from .local import LocalMaxConcurrencyGate
 from .metric import PrometheusBudgetGate, PrometheusQueryGate, PrometheusSaturationGate
-from .quota import RedisQuotaGate
+from .quota import Quota, redis_quota
 from .redis_budget import RedisBudgetGate
 from .scrape import EndpointScrapeGate
 from .tier import TierPriorityAdmissionGate
 
-GATE_TYPES: dict[str, type[Gate]] = {
+
+class ConstantGate(Gate):
+    """``constant``: always open, budget 1.0 (the default when a queue names no gate)."""
+
+    type_name = "constant"
+
+
+GATE_TYPES: dict[str, Callable[[str, dict[str, Any], GateEnv | None], Gate]] = {
     cls.type_name: cls
     for cls in (
         ConstantGate,
         LocalMaxConcurrencyGate,
         GlobalMaxConcurrencyGate,
         RedisBudgetGate,
-        RedisQuotaGate,
         RedisLeasedRateGate,
         CompositeGate,
         WaitOnRefuseGate,
@@ -37,6 +48,7 @@ GATE_TYPES: dict[str, type[Gate]] = {
         PrometheusBudgetGate,
     )
 }
+GATE_TYPES[Quota.type_name] = redis_quota  # a class per mode
 
 
 def build_gate(
@@ -48,8 +60,8 @@ def build_gate(
     only validated: no Redis or network is touched.
     """
     gate_type = gate_type or "constant"
-    cls = GATE_TYPES.get(gate_type)
-    if cls is None:
+    make = GATE_TYPES.get(gate_type)
+    if make is None:
         known = ", ".join(sorted(GATE_TYPES))
         raise ConfigError(f"unknown gate_type {gate_type!r} (known: {known})")
     if isinstance(params, str):
@@ -60,4 +72,63 @@ def build_gate(
             raise ConfigError(f"{where}: gate_params is not JSON: {exc}") from None
     if params is not None and not isinstance(params, dict):
         raise ConfigError(f"{gate_type} gate {name!r}: gate_params must be an object")
-    return cls(name, dict(params or {}), env)
+    return make(name, dict(params or {}), env)
+
+
+def queue_gate(settings: Settings, queue: str, env: GateEnv | None) -> Gate:
+    q = settings.queues[queue]
+    return build_gate(q.gate_type, q.gate_params, name=queue, env=env)
+
+
+def pool_gate(settings: Settings, pool: str, env: GateEnv | None) -> Gate | None:
+    cfg = settings.pool_configs.get(pool)
+    if cfg is None or not cfg.gate_type:
+        return None
+    return build_gate(cfg.gate_type, cfg.gate_params, name=f"pool.{pool}", env=env)
+
+
+def attempt_gate(
+    settings: Settings, queue: str, env: GateEnv | None, pools: dict[str, Gate | None] | None = None
+) -> Gate:
+    """The queue's gate, chained with its pool's gate when the pool has one. ``pools`` caches
+    pool gates so every queue of a pool shares one instance."""
+    gate = queue_gate(settings, queue, env)
+    pool = settings.queues[queue].worker_pool_id
+    if pools is not None and pool in pools:
+        pg = pools[pool]
+    else:
+        pg = pool_gate(settings, pool, env)
+        if pools is not None:
+            pools[pool] = pg
+    if pg is None:
+        return gate
+    return CompositeGate.of(f"{queue}+pool.{pool}", [gate, pg], env)
+
+
+def same_attempt_gate(old: Settings, new: Settings, queue: str) -> bool:
+    """Whether ``queue``'s attempt gate (its own and its pool's) is configured the same in
+    both: a reload keeps that gate (and its reservations' keys) as it is."""
+    a, b = old.queues.get(queue), new.queues.get(queue)
+    if a is None or b is None:
+        return False
+    return (a.gate_type, a.gate_params, a.worker_pool_id) == (
+        b.gate_type,
+        b.gate_params,
+        b.worker_pool_id,
+    ) and old.pool_configs.get(a.worker_pool_id) == new.pool_configs.get(b.worker_pool_id)
+
+
+def check_gates(settings: Settings) -> Settings:
+    """Validate every queue's and pool's gate (type and params; nothing is connected to):
+    ConfigError naming the queue or pool. Returns ``settings``."""
+    for q in settings.queues.values():
+        try:
+            queue_gate(settings, q.queue_name, None)
+        except ConfigError as exc:
+            raise ConfigError(f"queue {q.queue_name!r}: {exc}") from None
+    for pool in settings.pool_configs:
+        try:
+            pool_gate(settings, pool, None)
+        except ConfigError as exc:
+            raise ConfigError(f"pool {pool!r}: {exc}") from None
+    return settings

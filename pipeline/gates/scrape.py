@@ -33,8 +33,6 @@ import re
 import threading
 from typing import Any
 
-import httpx
-
 from ..redact import redact_url
 from .base import CONTINUE, AcquireContext, Decision, GateEnv, Verdict
 from .metric import MetricGate, MetricUnavailable, finite
@@ -140,18 +138,11 @@ class EndpointScrapeGate(MetricGate):
     def _scrape(
         self, url: str, metric: str, labels: dict[str, str], absent: float | None = None
     ) -> float:
-        where = redact_url(url)
-        try:
-            resp = self.http().get(url)
-        except httpx.HTTPError as exc:
-            raise MetricUnavailable(f"GET {where}: {type(exc).__name__}: {exc}") from None
-        if resp.status_code != 200:
-            raise MetricUnavailable(f"GET {where}: HTTP {resp.status_code}")
-        value = first_sample(resp.text, metric, labels)
+        value = first_sample(self.get(url).text, metric, labels)
         if value is None:
             if absent is not None:
                 return absent
-            raise MetricUnavailable(f"{metric} {labels or ''} not found at {where}")
+            raise MetricUnavailable(f"{metric} {labels or ''} not found at {redact_url(url)}")
         return finite(value, metric)
 
     def read(self) -> float:

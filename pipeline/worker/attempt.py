@@ -7,62 +7,28 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
-from ..config import QueueConfig, Settings
+from ..config import QueueConfig
 from ..gates import CONTINUE, AcquireContext, Decision, Gate, Verdict
 from ..http.backoff import retry_delay
 from ..http.classify import Kind, Outcome, join_url
-from ..store import ScriptCall, Store
+from ..store import ScriptCall
 from ..store import holder as make_holder
 from ..store.journal import Journal, entry
 from ..store.keys import ref_cancel_key
 from . import observe
-from .bell import ReleaseBell, Ticket
+from .bell import Ticket
 from .endpoints import authorization, queue_send
-from .release import ReleasePlan
 from .report import Mirrors, Report, Status, failure_message, result_dict
+from .reservation import Host, Reservation
 
 log = logging.getLogger("pipeline.worker")
 
 REFUSE_DELAY_S = (0.2, 1.0)  # a refused request waits this long (jittered) before re-entry
 PARK_POLL_S = 0.5  # a parked attempt re-asks its gate at least this often (a lost wake-up)
-TRANSFER_WAIT_S = 10.0  # a taker of a handed-over slot waits this long for the transfer record
-
-
-class Host(Protocol):
-    """What an attempt uses of its process's runtime (``pipeline.worker.process.Runtime``)."""
-
-    settings: Settings
-    store: Store
-    bell: ReleaseBell
-    rng: random.Random
-
-    def gate(self, queue: str) -> Gate: ...
-
-    def current_gate(self, queue: str) -> Gate | None: ...
-
-    def plan_release(
-        self,
-        queue: str,
-        request_id: str,
-        token: str,
-        *,
-        hand_over: bool = False,
-        gate: Gate | None = None,
-        wake: Sequence[str] = (),
-    ) -> ReleasePlan: ...
-
-    def release_then(self, plan: ReleasePlan, call: ScriptCall) -> Any: ...
-
-    def parked_ahead(self, bell: str, gate: Gate) -> bool: ...
-
-    def behind_parked(
-        self, bell: str, gate: Gate, ctx: AcquireContext | None = None
-    ) -> tuple[Decision, int] | None: ...
 
 
 class Attempt:
@@ -75,6 +41,7 @@ class Attempt:
         token: str,
         worker: str,
         clock_offset: float = 0.0,
+        reservation: Reservation | None = None,
     ) -> None:
         self.rt = runtime
         # the Redis server's clock minus this machine's, read at the fenced start: deadlines
@@ -86,24 +53,23 @@ class Attempt:
         self.token = token
         self.worker = worker
         self.queue: QueueConfig = runtime.settings.queues[record["queue"]]
-        self.gate = runtime.gate(self.queue.queue_name)
         self.deadline = float(record["deadline"])
         self.metadata: dict[str, str] = _json_map(record.get("metadata"), "metadata")
         self.labels: dict[str, str] = _json_map(record.get("labels"), "labels")
         self.extra_headers: dict[str, str] = _json_map(record.get("headers"), "headers")
         if "payload" not in record:
             raise KeyError("payload")
-        self.decision: Decision | None = None
+        # the gate reservation, made by the runtime at the start (with the gate's decision when
+        # its acquire went in the start's round trip), released on every exit path
+        name = self.queue.queue_name
+        self.reservation = reservation or Reservation(
+            runtime, name, self.holder, runtime.gate(name)
+        )
+        self.reservation.bind(self._ctx())
         self.closed = False
         self.mirrors: Mirrors | None = None  # set by the task layer
         self.send_event: Callable[..., Any] | None = None  # Celery's, set by the task layer
         self.mirrored: str | None = None  # the state of the mirror written, if any
-        self._granted: Ticket | None = None  # the slot came by hand-over (see Runtime.release)
-        self._generation = 0  # the release bell's, read before the last gate call
-        # the bells a refusal may park on besides the queue's (per-key quotas), and their
-        # generations read before the last gate call
-        self._wake_keys = self.gate.wake_keys(self._ctx())
-        self._key_generations: dict[str, int] = {}
         # what a token budget's charge settles to when the attempt ends (Gate.settle): 0 until
         # the request is sent (nothing served), then the response's usage, or None to keep the
         # estimate (sent, and no answer says what was served)
@@ -111,12 +77,18 @@ class Attempt:
         # gate decisions for the request's decision log, sent with the outcome (or at once by
         # an attempt parked longer than PARK_POLL_S)
         self.journal = Journal()
-        # attempts of this process parked for the gate when this one started, which it parked
-        # behind without asking the gate (Runtime.behind_parked); 0: it asked
-        self.behind = 0
         # set when the request (or its batch) was cancelled while this attempt was parked:
         # the reason ('cancelled', 'batch cancelled'); it then ends unsent
         self.cancelled: str | None = None
+
+    @property
+    def decision(self) -> Decision | None:
+        """The gate's last decision for this attempt (None: not asked yet)."""
+        return self.reservation.decision
+
+    @property
+    def gate(self) -> Gate:
+        return self.reservation.gate
 
     @property
     def holder(self) -> str:
@@ -144,77 +116,21 @@ class Attempt:
             payload=self.record["payload"],
         )
 
-    def acquire(self, first: bool = False) -> Decision:
-        """Ask the gate (called from the task's ``before_start``, and again while parked).
-        Holding nothing yet, the attempt asks the queue's gate under the current config (a
-        reload may have changed it since the attempt began); once admitted it keeps that
-        gate until it releases. ``first``: the attempt's first ask, which skips the part of
-        the gate others of its process are parked for (on its hand-over bell: a per-key
-        quota's key, a composite's slot gate): it parks behind them
-        (``Runtime.behind_parked``; a slot gate's own is decided with the start)."""
-        self._follow_config()
-        self._generation = self.rt.bell.generation(self.queue.queue_name)
-        self._key_generations = {k: self.rt.bell.generation(k) for k in self._wake_keys}
-        queue = self.queue.queue_name
-        bell = self.gate.handover_bell(queue, self._wake_keys) if first else None
-        try:
-            behind = None if bell is None else self.rt.behind_parked(bell, self.gate, self._ctx())
-            if behind is None:
-                self.decision = self.gate.acquire(self._ctx())
-            else:
-                self.decision, waiting = behind
-                # (a composite's quota may have refused it first: then it parks on its key)
-                self.behind = waiting if self.decision.bell(queue) == bell else 0
-        except Exception as exc:  # noqa: BLE001 - a gate error refuses, it never crashes
-            log.warning("gate %s failed for %s: %s", queue, self.id, exc)
-            self.decision = Decision(Verdict.REFUSE, reason="error")
-        if self.decision.labels:
-            self.labels.update(self.decision.labels)
-        return self.decision
+    def acquire(self) -> Decision:
+        """Ask the gate (called from the task's ``before_start`` when the start did not, and
+        again while parked). Holding nothing yet, the attempt asks the queue's gate under the
+        current config (a reload may have changed it since the attempt began); once admitted
+        it keeps that gate until it releases."""
+        res = self.reservation
+        gate = None if res.admitted else self.rt.current_gate(self.queue.queue_name)
+        if gate is not None and gate is not res.gate:
+            res.follow(gate)
+            self.queue = self.rt.settings.queues.get(self.queue.queue_name, self.queue)
+        decision = res.ask()
+        self.labels.update(decision.labels)
+        return decision
 
-    def _follow_config(self) -> None:
-        if self._granted is not None or (self.decision is not None and self.decision.admitted):
-            return
-        name = self.queue.queue_name
-        gate = self.rt.current_gate(name)
-        if gate is not None and gate is not self.gate:
-            # a parked attempt may keep its tenant's quota slot of the old gate: give it back
-            # (idempotent; on failure its lease lapses, no longer renewed)
-            try:
-                self.gate.release(self.holder)
-            except Exception as exc:  # noqa: BLE001 - the lease is the safety net
-                log.warning("release of %s on a replaced gate failed: %s", self.holder, exc)
-            self.gate = gate
-            self.queue = self.rt.settings.queues.get(name, self.queue)
-            self._wake_keys = self.gate.wake_keys(self._ctx())
-
-    # -- outcomes (each releases first) --------------------------------------------------
-    def _release(self) -> ReleasePlan:
-        """Release (or hand over) this attempt's reservation; the gate's call, when it is one,
-        goes to Redis ahead of the finish / requeue (:meth:`Host.release_then`)."""
-        ticket = self._granted
-        if ticket is not None:
-            # the giver is still recording the transfer: releasing before it would leave a
-            # lease behind that nobody renews (it would block a slot until it lapsed)
-            ticket.transferred.wait(TRANSFER_WAIT_S)
-            held = ticket.held
-        else:
-            held = self.decision is not None and self.decision.admitted
-        if held and self.gate.settles:
-            self._settle()
-        wake = self._wake_keys if held else ()  # it held a slot of these keys: ring them
-        return self.rt.plan_release(
-            self.queue.queue_name, self.id, self.token, hand_over=held, gate=self.gate, wake=wake
-        )
-
-    def _settle(self) -> None:
-        """Settle a token budget's charge to ``served_tokens`` (before the release; a failure
-        leaves the estimate charged until the window moves past it, and is only logged)."""
-        try:
-            self.gate.settle(self._ctx(), self.served_tokens)
-        except Exception as exc:  # noqa: BLE001 - never in the way of the release
-            log.warning("settling the token charge of %s failed: %s", self.holder, exc)
-
+    # -- outcomes (each releases first: Reservation.release_with) ------------------------
     def _finish(
         self,
         *,
@@ -224,27 +140,30 @@ class Attempt:
         error_code: str | None = None,
         error_message: str | None = None,
     ) -> Report:
-        plan = self._release()
+        """The terminal result, written in the round trip that releases the gate reservation
+        (first: :meth:`Reservation.release_with`)."""
         ok = error_code is None and status_code is not None and status_code < 300
         failure = "" if ok else failure_message(status_code, payload, error_code, error_message)
         mirror = None
         if self.mirrors is not None:
             mirror = self.mirrors.success() if ok else self.mirrors.failure(failure)
-        store = self.rt.store
-        call = store.finish_call(
-            self.id,
-            self.token,
-            attempted=attempted,
-            status_code=status_code,
-            payload=payload,
-            error_code=error_code,
-            error_message=error_message,
-            mirror=mirror,
-            handed_over=plan.handed_over,
-            nowake=plan.bell is not None and self.rt.parked_ahead(plan.bell, self.gate),
-            journal=self.journal,
-        )
-        res = store.finished(self.rt.release_then(plan, call))
+
+        def finish(handed_over: bool, nowake: bool) -> ScriptCall:
+            return self.rt.store.finish_call(
+                self.id,
+                self.token,
+                attempted=attempted,
+                status_code=status_code,
+                payload=payload,
+                error_code=error_code,
+                error_message=error_message,
+                mirror=mirror,
+                handed_over=handed_over,
+                nowake=nowake,
+                journal=self.journal,
+            )
+
+        res = self.rt.store.finished(self.reservation.release_with(finish, self.served_tokens))
         self.closed = True
         if res is None:
             return Report(Status.STALE, "fenced off at finish")
@@ -272,22 +191,26 @@ class Attempt:
         status: Status = Status.REQUEUED,
         note: dict[str, Any] | None = None,
     ) -> Report:
-        plan = self._release()
+        """Back to the queue — a retry after ``delay`` s, a refusal, a wait timed out — in the
+        round trip that releases the gate reservation (first: :meth:`Reservation.release_with`):
+        a retried request never holds two."""
         mirror = self.mirrors.retry(reason) if self.mirrors is not None else None
-        store = self.rt.store
-        call = store.requeue_call(
-            self.id,
-            self.token,
-            delay=delay,
-            attempted=attempted,
-            last_response=last,
-            last_error=error,
-            mirror=mirror,
-            handed_over=plan.handed_over,
-            journal=self.journal,
-            note=note or entry("requeued", reason=reason),
-        )
-        due = store.requeued(self.rt.release_then(plan, call))
+
+        def requeue(handed_over: bool, nowake: bool) -> ScriptCall:
+            return self.rt.store.requeue_call(
+                self.id,
+                self.token,
+                delay=delay,
+                attempted=attempted,
+                last_response=last,
+                last_error=error,
+                mirror=mirror,
+                handed_over=handed_over,
+                journal=self.journal,
+                note=note or entry("requeued", reason=reason),
+            )
+
+        due = self.rt.store.requeued(self.reservation.release_with(requeue, self.served_tokens))
         self.closed = True
         if due is None:
             return Report(Status.STALE, "fenced off at requeue")
@@ -361,7 +284,7 @@ class Attempt:
     def _gate(self) -> tuple[Decision, bool]:
         """Ask the gate, parking for a slot when it says so: its decision, and whether the
         attempt parked."""
-        decision = self.decision or self.acquire(first=True)
+        decision = self.decision or self.acquire()
         if decision.admitted:
             self.journal.add("admitted", worker=self.worker)
             return decision, False
@@ -400,19 +323,18 @@ class Attempt:
     def _park(self, first: Decision, limit_s: float) -> Decision:
         """Wait for a slot: until the gate admits (or stops saying Wait / full), the deadline,
         or ``limit_s``. Woken by the release bell the moment a holder of this queue releases;
-        re-asks the gate at least every ``PARK_POLL_S`` in case a wake-up was lost. On a
-        ``hands_over`` gate a holder of this process that is done hands its slot straight to
-        the longest-parked attempt, admitted without asking the gate. The decision log gets a
-        ``parked`` entry (sent at once when the park outlasts ``PARK_POLL_S``, so ``explain``
-        sees it) and, when it is admitted, an ``admitted`` one with the time it waited."""
-        queue = self.queue.queue_name
+        re-asks the gate at least every ``PARK_POLL_S`` in case a wake-up was lost. On a gate
+        that hands over (``HandsOver``) a holder of this process that is done hands its slot
+        straight to the longest-parked attempt, admitted without asking the gate. The decision
+        log gets a ``parked`` entry (sent at once when the park outlasts ``PARK_POLL_S``, so
+        ``explain`` sees it) and, when it is admitted, an ``admitted`` one with the time it
+        waited."""
         began = time.monotonic()
         end = began + min(self.time_left(), limit_s)
         wait = "wait" if first.verdict is Verdict.WAIT else "refuse"
+        behind = self.reservation.behind or None
         self.journal.append(
-            self._gate_entry(
-                "parked", first, reason=first.reason, verdict=wait, behind=self.behind or None
-            )
+            self._gate_entry("parked", first, reason=first.reason, verdict=wait, behind=behind)
         )
         noted = False
         decision = self.decision or Decision(Verdict.WAIT)
@@ -422,19 +344,9 @@ class Attempt:
             left = end - time.monotonic()
             if left <= 0:
                 break
-            key = decision.bell(queue)
-            handover = self.gate.handover_bell(queue, self._wake_keys)
-            ticket = self.rt.bell.park(
-                key,
-                self._key_generations.get(key, self._generation),
-                min(PARK_POLL_S, left),
-                self._ctx() if key == handover else None,
-                self.gate,
-                rid=self.id,
-            )
+            ticket = self.reservation.wait(decision, min(PARK_POLL_S, left))
             if ticket is not None and ticket.granted:
-                self._granted = ticket
-                decision = self.decision = CONTINUE
+                decision = CONTINUE
                 break
             if self._cancelled_while_parked(ticket):
                 break
@@ -444,7 +356,7 @@ class Attempt:
                 self._note_now()
         if decision.admitted:
             waited = round(time.monotonic() - began, 3)
-            handed = True if self._granted is not None else None
+            handed = True if self.reservation.ticket is not None else None
             self.journal.add("admitted", worker=self.worker, waited=waited, handed_over=handed)
         return decision
 

@@ -14,7 +14,7 @@ A release in this process rings twice: directly, and again when its own Pub/Sub 
 back. The echo is swallowed (each direct ring expects one echo of its queue within
 ``ECHO_S``), so one release wakes one waiter here, not two that race for one slot.
 
-A holder of a slot gate that hands its slot over (``Gate.hands_over``) does not ring at all:
+A holder of a slot gate that hands its slot over (``HandsOver``) does not ring at all:
 :meth:`ReleaseBell.hand_over` grants the longest-parked waiter the slot outright (its ticket
 says ``granted``), and the giver's finish / requeue publishes nothing (no slot was freed).
 
@@ -80,9 +80,14 @@ class Ticket:
         self.held = False
         self.transferred = threading.Event()
 
-    def _fire(self) -> None:
+    def fire(self) -> None:
+        """Wake the waiter (under the bell's lock)."""
         self.done = True
         self._wake.release()
+
+    def sleep(self, timeout: float) -> None:
+        """Block until fired, at most ``timeout`` s."""
+        self._wake.acquire(timeout=max(0.0, timeout))
 
 
 class ReleaseBell:
@@ -162,7 +167,7 @@ class ReleaseBell:
             ticket = self._pop_waiter(queue)
             if ticket is not None:
                 ticket.rang = True
-                ticket._fire()
+                ticket.fire()
             if echo:
                 self._expect_echo(queue)
 
@@ -181,7 +186,7 @@ class ReleaseBell:
             ticket = self._pop_waiter(queue)
             assert ticket is not None
             ticket.granted = True
-            ticket._fire()
+            ticket.fire()
             return ticket
 
     def cancel_notice(self, ids: list[str]) -> None:
@@ -199,7 +204,7 @@ class ReleaseBell:
                 for ticket in [t for t in waiters if t.rid in wanted]:
                     waiters.remove(ticket)
                     ticket.cancelled = True
-                    ticket._fire()
+                    ticket.fire()
                 if not waiters:
                     del self._waiters[queue]
 
@@ -249,7 +254,7 @@ class ReleaseBell:
                 return None
             ticket = Ticket(ctx, gate, rid)
             self._waiters[queue].append(ticket)
-        ticket._wake.acquire(timeout=max(0.0, timeout))
+        ticket.sleep(timeout)
         with self._lock:
             if not ticket.done:  # timed out, still in line
                 ticket.done = True
@@ -274,7 +279,7 @@ class ReleaseBell:
                 while waiters:
                     ticket = waiters.popleft()
                     ticket.rang = True
-                    ticket._fire()
+                    ticket.fire()
             self._waiters.clear()
 
     def stop(self) -> None:

@@ -30,7 +30,9 @@ class Attempt(Protocol):
     queue: QueueConfig
     record: dict[str, str]
     metadata: dict[str, str]
-    decision: Decision | None
+
+    @property
+    def decision(self) -> Decision | None: ...
 
     def parks_on(self, decision: Decision) -> bool: ...
 

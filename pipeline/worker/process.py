@@ -1,8 +1,9 @@
 """Per-process worker state: one :class:`Runtime` per process (a store, the gates bound to
 Redis, the release bell, a heartbeat thread renewing the leases of live attempts), created
 lazily and again after a fork. It starts attempts (fenced by their token, with the gate's
-acquire in the same round trip when it can) and releases reservations — idempotently, retried,
-and handed straight to a parked attempt of this process when the gate allows.
+acquire in the same round trip when it can) and ends those that cannot end themselves
+(:meth:`Runtime.abandon`). An attempt's gate reservation and its release:
+:mod:`.reservation`.
 
 Config reloads: the node's main process applies a reload to its runtime
 (:meth:`Runtime.apply`) and writes the accepted queues and pools to a snapshot file
@@ -18,43 +19,33 @@ import logging
 import os
 import random
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from ..config import Settings, from_snapshot, load_settings, to_snapshot
-from ..gates import (
-    AcquireContext,
-    Decision,
-    Gate,
-    GateEnv,
-    PreparedAcquire,
-    PreparedRelease,
-    attempt_gate,
-    check_gates,
-    same_attempt_gate,
-)
+from ..gates import Gate, GateEnv, attempt_gate, check_gates, same_attempt_gate
 from ..http.call import reset_tls
 from ..observability import tracing
-from ..store import ScriptCall, Store, run_batch
+from ..store import Store, run_batch
 from ..store import holder as make_holder
 from ..store.journal import entry
 from .attempt import Attempt
-from .bell import ReleaseBell, Ticket
+from .bell import ReleaseBell
 from .endpoints import check_endpoints
-from .release import ReleasePlan
+from .reservation import Reservation
 
 log = logging.getLogger("pipeline.worker")
 
-RELEASE_TRIES = 4
 SNAPSHOT_ENV = "PIPELINE_CONFIG_SNAPSHOT"  # the node's accepted queue config, for its children
 
 
 class Runtime:
     """Per-process worker state."""
 
-    def __init__(self, settings: Settings | None = None) -> None:
+    def __init__(
+        self, settings: Settings | None = None, snapshot: tuple[int, int, int] | None = None
+    ) -> None:
+        """``snapshot``: the stamp of the node's config snapshot ``settings`` came from."""
         self.settings = check_gates(settings or load_settings())
         check_endpoints(self.settings)  # a queue's API key variable is set, its TLS files load
         self.store = Store(self.settings)
@@ -63,7 +54,7 @@ class Runtime:
         self._pool_gates: dict[str, Gate | None] = {}
         self._live: dict[str, Attempt] = {}  # holder -> its attempt (renewed on its gate)
         self._lock = threading.RLock()
-        self._snapshot: tuple[int, int, int] | None = None  # the snapshot applied, if any
+        self._snapshot = snapshot  # the node's config snapshot applied, if any
         self._heartbeat: threading.Thread | None = None
         self._stopping = threading.Event()
         self.rng = random.Random()
@@ -126,204 +117,6 @@ class Runtime:
         os.replace(tmp, path)
         self._snapshot = _snapshot_stamp()
 
-    def release(
-        self,
-        queue: str,
-        request_id: str,
-        token: str,
-        *,
-        hand_over: bool = False,
-        gate: Gate | None = None,
-        wake: Sequence[str] = (),
-    ) -> bool:
-        """Release a holder's reservation: idempotent, retried, logged when it fails. The
-        queue's bell rings, and so do the ``wake`` bells (the quota keys the holder held a
-        slot of), for attempts of this process parked on them.
-
-        ``gate``: the gate the holder acquired (an attempt's own, which a config reload may
-        since have replaced); default: the queue's current gate.
-
-        ``hand_over`` (the holder does hold a slot of a ``hands_over`` gate): when an attempt
-        of this process is parked for one of that gate (the queue's current one), the slot
-        goes straight to it — it is woken at once, admitted, and heads for the server while
-        this thread records the transfer. True when the slot was handed over (nothing was
-        freed: the finish / requeue that follows publishes no release)."""
-        plan = self.plan_release(
-            queue, request_id, token, hand_over=hand_over, gate=gate, wake=wake, batch=False
-        )
-        return plan.handed_over
-
-    def plan_release(
-        self,
-        queue: str,
-        request_id: str,
-        token: str,
-        *,
-        hand_over: bool = False,
-        gate: Gate | None = None,
-        wake: Sequence[str] = (),
-        batch: bool = True,
-    ) -> ReleasePlan:
-        """:meth:`release`, with the gate's script call left for :meth:`release_then` to send
-        ahead of the attempt's finish / requeue in the same round trip (``batch``, when the
-        gate's release or transfer is script calls: ``Gate.prepare_release`` /
-        ``Gate.prepare_transfer``); otherwise done here, as :meth:`release` does."""
-        holder = make_holder(request_id, token)
-        with self._lock:
-            self._live.pop(holder, None)
-        current = self.current_gate(queue)
-        gate = gate or current
-        plan = ReleasePlan(queue, holder, gate, tuple(wake))
-        if gate is None:
-            return plan
-        # a hand-over is recorded with the gate's limit and the taker leaves for the server at
-        # once: only on the current gate, never one a reload replaced (its stale limit could
-        # refuse the transfer of a slot already given)
-        bell = gate.handover_bell(queue, wake) if hand_over and gate is current else None
-        if bell is not None:
-            ticket = self.bell.hand_over(bell, gate)
-            if ticket is not None:
-                plan.ticket, plan.bell = ticket, bell
-                plan.wake = tuple(k for k in wake if k != bell)  # quota slots a transfer frees
-                plan.prepared = _prepared(gate.prepare_transfer, holder, ticket.ctx, batch)
-                if plan.prepared is None:
-                    self._transfer(gate, holder, ticket)
-                    for key in plan.wake:
-                        self.bell.ring(key, echo=True)
-                return plan
-        plan.prepared = _prepared(gate.prepare_release, holder, None, batch)
-        if plan.prepared is None:
-            self._release_now(gate, holder, queue, wake)
-        return plan
-
-    def release_then(self, plan: ReleasePlan, call: ScriptCall) -> Any:
-        """The plan's gate call (if any) and then ``call`` (the attempt's finish / requeue),
-        in one round trip, each atomic and in that order: the reservation is released (or
-        handed over) before the request leaves the attempt. Returns ``call``'s reply (raises
-        its error). A failed gate call is retried the usual way (:meth:`release`)."""
-        prepared = plan.prepared
-        if prepared is None:
-            return call.script(keys=call.keys, args=call.args)
-        # the finish / requeue publishes the release: the direct rings below expect its echo
-        for name in self._ringing(plan):
-            self.bell.expect_echo(name)
-        if call.script.replication is not None:
-            # a call that waits for replicas (its WAIT follows it): the gate calls go first
-            self._settle(plan, run_batch(self.store.client, list(prepared.calls)))
-            return call.script(keys=call.keys, args=call.args)
-        try:
-            *gate_replies, reply = run_batch(self.store.client, [*prepared.calls, call])
-        except Exception as exc:
-            self._settle(plan, exc)
-            raise
-        self._settle(plan, gate_replies)
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
-
-    def parked_ahead(self, bell: str, gate: Gate) -> bool:
-        """Whether this process still has at least half the dispatcher's look-ahead past
-        ``gate``'s capacity behind ``bell`` (``Settings.lookahead_for`` of
-        ``Gate.handover_capacity``: a slot gate's, on the queue's bell; a per-key quota's
-        limit, on the key's, ``Gate.handover_keyed``) parked on that bell: then a finish that
-        handed its slot over there does not ring the pool's doorbell (the dispatcher is rung
-        when the parked attempts run low, and tops them up in one tick, instead of one tick per
-        finish; a quota key's held tenants are woken at the same point, see
-        ``Keys.quota_blocked``)."""
-        cap = gate.handover_capacity()
-        if cap is None:
-            return False
-        keyed = gate.handover_keyed()
-        behind = not keyed and bool(gate.quota_specs())
-        need = -(-self.settings.lookahead_for(cap, quota_key=keyed, behind_quota=behind) // 2)
-        return need > 0 and self.bell.waiting(bell) >= need
-
-    @staticmethod
-    def _ringing(plan: ReleasePlan) -> tuple[str, ...]:
-        """The bells a plan's release rings (and the finish / requeue publishes)."""
-        return plan.wake if plan.handed_over else (plan.queue, *plan.wake)
-
-    def _settle(self, plan: ReleasePlan, replies: list[Any] | Exception) -> None:
-        """Take the prepared gate calls' replies (or the error that lost them all): record a
-        hand-over's outcome, or retry a failed release (all of it: releases are idempotent);
-        then ring this process's bells."""
-        assert plan.gate is not None and plan.prepared is not None
-        gate, ticket = plan.gate, plan.ticket
-        error = replies if isinstance(replies, Exception) else _first_error(replies)
-        got = [] if isinstance(replies, Exception) else replies
-        if ticket is not None:
-            if error is not None:
-                log.warning("hand-over of %s on gate %s failed: %s", plan.holder, gate.name, error)
-                self._transfer(gate, plan.holder, ticket)
-            else:
-                try:
-                    ticket.held = plan.prepared.done(got)
-                    if not ticket.held:
-                        _lapsed(plan.holder, ticket, gate)
-                finally:
-                    ticket.transferred.set()
-        else:
-            try:
-                if error is not None:
-                    raise error
-                plan.prepared.done(got)
-            except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
-                log.warning("release of %s on gate %s failed: %s", plan.holder, plan.queue, exc)
-                self._release_now(gate, plan.holder, plan.queue, (), ring=False)
-        for name in self._ringing(plan):
-            self.bell.ring(name)
-
-    def _release_now(
-        self, gate: Gate, holder: str, queue: str, wake: Sequence[str], *, ring: bool = True
-    ) -> None:
-        """Release on ``gate``, retried; then (``ring``) ring this process's bells."""
-        for i in range(RELEASE_TRIES):
-            try:
-                gate.release(holder)
-                if ring:
-                    # the finish / requeue that follows publishes the release to other
-                    # processes
-                    self.bell.ring(queue, echo=True)
-                    for key in wake:
-                        self.bell.ring(key, echo=True)
-                return
-            except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
-                log.warning(
-                    "release of %s on gate %s failed (try %d/%d): %s",
-                    holder,
-                    queue,
-                    i + 1,
-                    RELEASE_TRIES,
-                    exc,
-                )
-                time.sleep(0.1 * 2**i)
-        log.error("release of %s on gate %s gave up; its lease will expire", holder, queue)
-
-    def _transfer(self, gate: Gate, giver: str, ticket: Ticket) -> None:
-        """Record in Redis that ``giver``'s slot now belongs to the ticket's attempt (already
-        on its way to the server); retried like a release. On failure the giver's lease
-        lapses (it is no longer renewed) and the taker holds nothing to release."""
-        try:
-            for i in range(RELEASE_TRIES):
-                try:
-                    ticket.held = gate.transfer(giver, ticket.ctx)
-                    if not ticket.held:
-                        _lapsed(giver, ticket, gate)
-                    return
-                except Exception as exc:  # noqa: BLE001 - as a release: never silently lost
-                    log.warning(
-                        "hand-over of %s on gate %s failed (try %d/%d): %s",
-                        giver,
-                        gate.name,
-                        i + 1,
-                        RELEASE_TRIES,
-                        exc,
-                    )
-                    time.sleep(0.1 * 2**i)
-            log.error("hand-over of %s on gate %s gave up; its lease will expire", giver, gate.name)
-        finally:
-            ticket.transferred.set()
-
     # -- heartbeat -----------------------------------------------------------------------
     def _track(self, attempt: Attempt) -> None:
         with self._lock:
@@ -351,6 +144,11 @@ class Runtime:
             except Exception as exc:  # noqa: BLE001 - keep beating; leases tolerate a miss
                 log.warning("lease renewal failed: %s", exc)
 
+    def untrack(self, holder: str) -> None:
+        """``holder`` released its reservation: its leases are no longer renewed."""
+        with self._lock:
+            self._live.pop(holder, None)
+
     def live_holders(self) -> list[tuple[str, str, str]]:
         with self._lock:
             return [(a.id, a.token, a.queue.queue_name) for a in self._live.values()]
@@ -365,46 +163,38 @@ class Runtime:
         tenant: Mapping[str, str] | None = None,
     ) -> Attempt | None:
         """Start an attempt (fenced by ``token``); None for a stale message. When the queue's
-        gate can (``Gate.prepare_acquire``; a per-key quota when the dispatcher named the
+        gate can (``Reservation.start_calls``; a per-key quota when the dispatcher named the
         request's ``tenant`` in its message), its acquire goes to Redis in the same round trip
-        as the start, and the attempt begins with that decision; when others of this process
-        are parked on the bell it would park on, it parks behind them without asking the gate
-        for what they wait for (:meth:`behind_parked`)."""
+        as the start, and the attempt begins with that decision."""
         self.follow_snapshot()
         queue = queue if queue in self.settings.queues else self._queue_of(request_id)
-        plan = self._prepare_acquire(queue, request_id, token, worker, tenant or {})
-        decision = plan.decision
+        gate = self.current_gate(queue)
+        res = (
+            None if gate is None else Reservation(self, queue, make_holder(request_id, token), gate)
+        )
+        calls = None if res is None else res.start_calls(worker, tenant or {})
+        start = self.store.start_call(request_id, token, queue, worker)
         took = False
-        if plan.prepared is None:
-            started = self.store.start(request_id, token, queue or "", worker)
+        if res is None or calls is None:
+            reply: Any = start()
         else:
-            start = self.store.start_call(request_id, token, queue or "", worker)
-            reply, *acquired = run_batch(self.store.client, [start, *plan.prepared.calls])
-            error = _first_error(acquired)
-            # (a call that failed may have been preceded by one that took: give back all)
-            took = error is not None or plan.prepared.took(acquired)
-            started = None if isinstance(reply, Exception) else self.store.started(reply)
-            if started is None:
-                if took:  # the start failed or was fenced off: give the new slots back
-                    self.release(queue or "", request_id, token, gate=plan.gate)
-                if isinstance(reply, Exception):
-                    raise reply
-                return None
-            if error is not None:  # the attempt asks its gate again
-                log.warning("gate %s failed for %s: %s", queue, request_id, error)
-            else:
-                decision = plan.prepared.decide(acquired)
+            reply, *acquired = run_batch(self.store.client, [start, *calls.calls])
+            took = res.started(calls, acquired)
+        started = None if isinstance(reply, Exception) else self.store.started(reply)
         if started is None:
+            if took and res is not None:  # the start failed or was fenced off: give it back
+                res.release()
+            if isinstance(reply, Exception):
+                raise reply
             return None
-        record = started.record
         try:
-            attempt = Attempt(self, record, token, worker, started.clock_offset)
+            attempt = Attempt(self, started.record, token, worker, started.clock_offset, res)
         except (KeyError, ValueError, TypeError) as exc:
             # a record this worker cannot read (written by hand, or corrupted): end it
             message = f"unreadable request record: {type(exc).__name__}: {exc}"
             log.error("request %s: %s", request_id, message)
-            if took or (decision is not None and decision.admitted):
-                self.release(queue or "", request_id, token, gate=plan.gate)
+            if res is not None and (took or res.admitted):
+                res.release()
             self.store.finish(
                 request_id,
                 token,
@@ -417,75 +207,9 @@ class Runtime:
             return None
         if tenant and any(attempt.metadata.get(k) != v for k, v in tenant.items()):
             # the dispatcher's tenant is not the record's (it never is): ask the gate anew
-            if took:
-                self.release(queue or "", request_id, token, gate=plan.gate)
-            decision = None
-        if decision is not None and plan.gate is not None:
-            attempt.gate = plan.gate  # the gate that decided, even if a reload replaced it
-            attempt.decision = decision
-            attempt._generation = plan.generation
-            attempt._key_generations.update(plan.key_generations)
-            parks_here = decision.bell(queue or "") == plan.bell
-            attempt.behind = plan.waiting if parks_here and not decision.admitted else 0
+            attempt.reservation.discard()
         self._track(attempt)
         return attempt
-
-    def behind_parked(
-        self, bell: str, gate: Gate, ctx: AcquireContext | None = None
-    ) -> tuple[Decision, int] | None:
-        """An attempt that starts while others of this process are parked on its gate's
-        hand-over ``bell`` (the queue's for a slot gate, the tenant's key for a per-key quota)
-        parks behind them without asking the gate for what they wait for: the gate's
-        :meth:`~pipeline.gates.Gate.parked_decision` (with the request's ``ctx``:
-        :meth:`~pipeline.gates.Gate.acquire_behind`) and how many are parked, or None (ask).
-        The caller reads the bell's generation first."""
-        waiting = self._waiting(bell)
-        if waiting == 0:
-            return None
-        decision = gate.parked_decision(bell) if ctx is None else gate.acquire_behind(ctx, bell)
-        return None if decision is None else (decision, waiting)
-
-    def _waiting(self, bell: str) -> int:
-        """Attempts of this process parked on ``bell`` (0 when parking is off)."""
-        return self.bell.waiting(bell) if self.settings.park_s > 0 else 0
-
-    def _prepare_acquire(
-        self,
-        queue: str | None,
-        request_id: str,
-        token: str,
-        worker: str,
-        tenant: Mapping[str, str],
-    ) -> StartPlan:
-        """How an attempt's start asks its gate: the gate's acquire as script calls (none
-        when the gate has none), with the generations of the bells it may park on read before
-        them (see ``Attempt._park``); or, when others of this process are parked on the bell
-        it would park on (``Gate.start_bell``), the gate's parked decision without a call, or
-        calls for the rest of the gate only (a composite's quotas)."""
-        name = queue or ""
-        gate = self.current_gate(name)
-        if gate is None:
-            return StartPlan(None, None)
-        plan = StartPlan(gate, None, generation=self.bell.generation(name))
-        plan.bell = gate.start_bell(name, tenant)
-        behind = None
-        if plan.bell is not None:
-            if plan.bell != name:
-                plan.key_generations[plan.bell] = self.bell.generation(plan.bell)
-            plan.waiting = self._waiting(plan.bell)
-            if plan.waiting > 0:
-                plan.decision = gate.parked_decision(plan.bell)
-                if plan.decision is not None:
-                    return plan
-                behind = plan.bell
-        holder = make_holder(request_id, token)
-        try:
-            plan.prepared = gate.prepare_acquire(
-                holder, worker, self.settings.lease_s, tenant, behind
-            )
-        except Exception as exc:  # noqa: BLE001 - the attempt asks its gate the usual way
-            log.warning("gate %s could not prepare for %s: %s", queue, request_id, exc)
-        return plan
 
     def _queue_of(self, request_id: str) -> str:
         queue = self.store.client.hget(self.store.keys.request(request_id), "queue")
@@ -498,7 +222,9 @@ class Runtime:
         shutdown): release its reservation and requeue or cancel its request. Fenced and
         idempotent: a no-op when the attempt already finished."""
         queue = queue or self._queue_of(request_id)
-        self.release(queue, request_id, token)
+        gate = self.current_gate(queue)
+        if gate is not None:
+            Reservation(self, queue, make_holder(request_id, token), gate).release()
         done: object
         if cancel:
             done = None is not self.store.finish(
@@ -536,49 +262,6 @@ class Runtime:
     def stop(self) -> None:
         self._stopping.set()
         self.bell.stop()
-
-
-def _prepared(
-    prepare: Callable[..., PreparedRelease | None], holder: str, ctx: Any, batch: bool
-) -> PreparedRelease | None:
-    """A gate's prepared release (``ctx`` None) or transfer; None when not batching, when the
-    gate has none, or when preparing it failed (then it is done the usual way)."""
-    if not batch:
-        return None
-    try:
-        return prepare(holder) if ctx is None else prepare(holder, ctx)
-    except Exception as exc:  # noqa: BLE001 - the release is done directly instead
-        log.warning("could not prepare the release of %s: %s", holder, exc)
-        return None
-
-
-@dataclass
-class StartPlan:
-    """How :meth:`Runtime.begin` asks the gate (:meth:`Runtime._prepare_acquire`): the gate
-    (None: the queue has none), its prepared calls, or a decision taken without a call (parked
-    behind others); the generations of the queue's bell and of the key bell it may park on
-    (read first), the bell others may be parked on (``Gate.start_bell``) and how many were."""
-
-    gate: Gate | None
-    decision: Decision | None
-    prepared: PreparedAcquire | None = None
-    generation: int = 0
-    key_generations: dict[str, int] = field(default_factory=dict)
-    bell: str | None = None
-    waiting: int = 0
-
-
-def _first_error(replies: Sequence[Any]) -> Exception | None:
-    return next((r for r in replies if isinstance(r, Exception)), None)
-
-
-def _lapsed(giver: str, ticket: Ticket, gate: Gate) -> None:
-    log.warning(
-        "slot of %s handed to %s on gate %s, but its lease had lapsed and the gate is full",
-        giver,
-        ticket.ctx.holder,
-        gate.name,
-    )
 
 
 def _snapshot_stamp() -> tuple[int, int, int] | None:
@@ -645,7 +328,6 @@ def runtime() -> Runtime:
                 rt = Runtime(_settings_override)
             else:
                 stamp = _snapshot_stamp()  # before reading: a newer file is followed later
-                rt = Runtime(node_settings())
-                rt._snapshot = stamp
+                rt = Runtime(node_settings(), stamp)
             _runtimes[pid] = rt
         return rt

@@ -12,7 +12,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pipeline.gates import Gate, GateEnv, Verdict, build_gate
+from pipeline.gates import Gate, GateEnv, HandsOver, Verdict, build_gate, dispatch_budget
 
 from .conftest import LEASE_S, REDIS_URL, ctx, lapse, lease_expiry, server_now, wait_until
 
@@ -30,7 +30,7 @@ def test_admits_below_limit_refuses_at_it_and_resumes_after_release(
     assert (full.verdict, full.reason) == (Verdict.REFUSE, "gate_closed")
     assert full.wake_on_release  # a release ends it: the attempt may park for one
     assert gate.in_flight() == 2 and gate.budget() == 0.0
-    assert gate.dispatch_budget() == 1.0  # the dispatcher counts the slots itself
+    assert dispatch_budget(gate) == 1.0  # the dispatcher counts the slots itself
     assert gate.release(a.holder) is True
     assert gate.release(a.holder) is False  # idempotent
     assert gate.acquire(c).admitted
@@ -216,10 +216,10 @@ def test_limit_holds_across_processes_of_one_node(env: GateEnv, make: Callable[.
 @pytest.mark.parametrize("kind", ["local-max-concurrency", "global-max-concurrency"])
 def test_transfer_hands_a_slot_over_in_one_step(make: Callable[..., Gate], kind: str) -> None:
     gate = make(kind, {"limit": 2})
-    assert gate.hands_over
+    assert isinstance(gate, HandsOver)
     a, b, c = ctx("giver"), ctx("other"), ctx("taker", worker="celery@h2")
     assert gate.acquire(a).admitted and gate.acquire(b).admitted
-    assert gate.transfer(a.holder, c) is True  # the pool was full: the slot went a -> c
+    assert gate.transfer_calls(a.holder, c).run() is True  # the pool was full: the slot went a -> c
     assert gate.in_flight() == 2
     entry = next(h for h in gate.holders() if h["request_id"] == "taker")
     assert entry["handed_over_by"] == "giver" and entry["worker"] == "celery@h2"
@@ -236,8 +236,9 @@ def test_transfer_from_a_holder_whose_lease_was_reaped_takes_a_free_slot_or_none
 ) -> None:
     gate = make("local-max-concurrency", {"limit": 1})
     gone, taker, other = ctx("gone"), ctx("taker"), ctx("other")
-    assert gate.transfer(gone.holder, taker) is True  # room: taken like an acquire
-    assert gate.transfer(gone.holder, other) is False  # full, and "gone" held nothing
+    assert isinstance(gate, HandsOver)
+    assert gate.transfer_calls(gone.holder, taker).run() is True  # room: taken like an acquire
+    assert gate.transfer_calls(gone.holder, other).run() is False  # full, and "gone" held nothing
     assert [h["request_id"] for h in gate.holders()] == ["taker"]
     gate.release(taker.holder)
 
@@ -247,11 +248,9 @@ def test_gates_that_count_other_things_do_not_hand_over(make: Callable[..., Gate
     classifying = make(
         "redis-quota", {"limit": 2, "mode": "concurrency", "gating_mode": "classifying"}
     )
-    for quota in (rate, classifying):
-        assert not quota.hands_over
-        assert quota.handover_bell("q", ["quota:userid:u"]) is None
-        with pytest.raises(NotImplementedError):
-            quota.transfer("a:1", ctx(metadata={"userid": "u"}))
+    assert not isinstance(rate, HandsOver)
+    assert isinstance(classifying, HandsOver)  # a concurrency quota, but it never refuses:
+    assert classifying.handover_bell("q", {"userid": "u"}) is None  # nobody parks for a slot
 
 
 def test_a_quota_hands_a_slot_over_to_an_attempt_of_the_same_key(
@@ -262,10 +261,10 @@ def test_a_quota_hands_a_slot_over_to_an_attempt_of_the_same_key(
     quota = make("redis-quota", {"limit": 1, "mode": "concurrency"})
     user = {"userid": "u"}
     giver, taker = ctx(metadata=user), ctx(metadata=user)
-    assert quota.hands_over
-    assert quota.handover_bell("q", quota.wake_keys(taker)) == "quota:userid:u"
+    assert isinstance(quota, HandsOver)
+    assert quota.handover_bell("q", taker.metadata) == "quota:userid:u"
     assert quota.acquire(giver).admitted and not quota.acquire(taker).admitted
-    assert quota.transfer(giver.holder, taker)
+    assert quota.transfer_calls(giver.holder, taker).run()
     (held,) = quota.holders()
     assert held["request_id"] == taker.request_id
     assert held["handed_over_by"] == giver.request_id

@@ -1,0 +1,374 @@
+"""A gate reservation, from the attempt's first ask to its one release.
+
+Every attempt owns one :class:`Reservation`, made when the attempt begins (with the gate's
+decision when the acquire went in the start's round trip, see ``Runtime.begin``). It knows the
+gate the attempt asks — and, once admitted, keeps it until it releases, even when a config
+reload replaced it — the holder, the bells it rings when it releases, and whether its slot came
+by hand-over. **Every exit path releases it through one of two methods**:
+
+- :meth:`Reservation.release_with`: the attempt's finish, retry, refusal or wait time-out
+  (``Attempt._finish`` / ``Attempt._requeue``). The release goes to Redis in the same round
+  trip as the finish / requeue script, before it (or, when the gate's release is not script
+  calls, just before that round trip). When an attempt of this process is parked for the
+  slot (:class:`~pipeline.gates.HandsOver`), the slot goes straight to it instead: it is
+  woken at once and heads for the server, while this thread records the transfer.
+- :meth:`Reservation.release`: an attempt that ends without its own finish / requeue —
+  abandoned (hard time limit, revoke, shutdown, a lost child: ``Runtime.abandon``) — or
+  whose start failed after its acquire took a slot.
+
+A release is idempotent (keyed by holder). One whose Redis call fails is retried
+``RELEASE_TRIES`` times, then left to its lease: it is no longer renewed, so it lapses and the
+reaper frees it. A token budget's charge is settled just before the release.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from ..config import Settings
+from ..gates import (
+    CONTINUE,
+    AcquireContext,
+    Admission,
+    Batched,
+    Calls,
+    Decision,
+    Gate,
+    HandsOver,
+    Verdict,
+    settle,
+    wake_keys,
+)
+from ..store import ScriptCall, Store, run_batch
+from .bell import ReleaseBell, Ticket
+
+log = logging.getLogger("pipeline.worker")
+
+RELEASE_TRIES = 4
+TRANSFER_WAIT_S = 10.0  # a taker of a handed-over slot waits this long for the transfer record
+
+
+class Host(Protocol):
+    """What an attempt and its reservation use of their process's runtime (``Runtime``)."""
+
+    settings: Settings
+    store: Store
+    bell: ReleaseBell
+    rng: random.Random
+
+    def gate(self, queue: str) -> Gate: ...
+
+    def current_gate(self, queue: str) -> Gate | None: ...
+
+    def untrack(self, holder: str) -> None: ...
+
+
+class Reservation:
+    """One attempt's claim on its gate (see the module)."""
+
+    def __init__(self, host: Host, queue: str, holder: str, gate: Gate) -> None:
+        self.host = host
+        self.queue = queue
+        self.holder = holder
+        self.gate = gate
+        self.ctx: AcquireContext | None = None  # the request, once its record is read
+        self.bells: list[str] = []  # quota keys it may park on and rings when it releases
+        self.decision: Decision | None = None  # the gate's last answer
+        self.ticket: Ticket | None = None  # the slot came by hand-over from this process
+        # bell generations read before the last ask (a ring after it is never missed)
+        self.generations: dict[str, int] = {}
+        # attempts of this process parked on its bell when it started, which it parked behind
+        # without asking the gate for their slot; 0: it asked
+        self.behind = 0
+        self._start_bell: str | None = None  # the bell others were parked on at the start
+        self._released = False
+
+    def bind(self, ctx: AcquireContext) -> None:
+        """The request this reservation is for (read from its record)."""
+        self.ctx = ctx
+        self.bells = wake_keys(self.gate, ctx.metadata)
+
+    # -- asking the gate -------------------------------------------------------------------
+    def start_calls(self, worker: str, tenant: Mapping[str, str]) -> Calls[Admission] | None:
+        """The acquire to send in the round trip of the attempt's start, when the gate is
+        :class:`~pipeline.gates.Batched` (a per-key quota: when the dispatcher named the
+        request's ``tenant``). When attempts of this process are parked on the bell this one
+        would park on (the gate's hand-over bell), it parks behind them without asking for the
+        slot they wait for. The bells' generations are read first."""
+        gate, bell = self.gate, self.host.bell
+        self.generations = {self.queue: bell.generation(self.queue)}
+        name = gate.handover_bell(self.queue, tenant) if isinstance(gate, HandsOver) else None
+        waiting = 0
+        if name is not None:
+            self.generations.setdefault(name, bell.generation(name))
+            waiting = bell.waiting(name) if self.host.settings.park_s > 0 else 0
+        if not isinstance(gate, Batched):
+            return None
+        try:
+            calls = gate.acquire_calls(
+                self.holder, worker, self.host.settings.lease_s, tenant, waiting > 0
+            )
+        except Exception as exc:  # noqa: BLE001 - the attempt asks its gate the usual way
+            log.warning("gate %s could not prepare for %s: %s", self.queue, self.holder, exc)
+            return None
+        self.behind, self._start_bell = waiting, name
+        return calls
+
+    def started(self, calls: Calls[Admission], replies: Sequence[Any]) -> bool:
+        """Take the replies of the start's acquire calls (none failed: the decision; one
+        failed: none, the attempt asks again). Whether they took a new reservation (one to
+        give back if the start was fenced off)."""
+        error = _first_error(replies)
+        if error is not None:
+            log.warning("gate %s failed for %s: %s", self.queue, self.holder, error)
+            self.behind = 0
+            return True  # a call that failed may follow one that took: give back all
+        self.decision, took = calls.then(replies)
+        if self.decision.admitted or self.decision.bell(self.queue) != self._start_bell:
+            self.behind = 0  # (a composite's quota refused it first: it parks on the key)
+        return took
+
+    def ask(self) -> Decision:
+        """Ask the gate (the bells' generations read first). A gate error refuses."""
+        bell = self.host.bell
+        self.generations = {name: bell.generation(name) for name in (self.queue, *self.bells)}
+        assert self.ctx is not None
+        try:
+            self.decision = self.gate.acquire(self.ctx)
+        except Exception as exc:  # noqa: BLE001 - a gate error refuses, it never crashes
+            log.warning("gate %s failed for %s: %s", self.queue, self.holder, exc)
+            self.decision = Decision(Verdict.REFUSE, reason="error")
+        self._released = False
+        return self.decision
+
+    def wait(self, decision: Decision, timeout: float) -> Ticket | None:
+        """Park once on ``decision``'s bell, at most ``timeout`` s: the ticket (None: it rang
+        before the wait began, or the bell closed). Parked on the gate's hand-over bell, a
+        holder of this process may hand it its slot: then it is admitted (``ticket.granted``)."""
+        assert self.ctx is not None
+        gate, name = self.gate, decision.bell(self.queue)
+        handover = (
+            gate.handover_bell(self.queue, self.ctx.metadata)
+            if isinstance(gate, HandsOver)
+            else None
+        )
+        generation = self.generations.get(name, self.generations.get(self.queue, 0))
+        offer = self.ctx if name == handover else None
+        ticket = self.host.bell.park(
+            name, generation, timeout, offer, gate, rid=self.ctx.request_id
+        )
+        if ticket is not None and ticket.granted:
+            self.ticket, self.decision, self._released = ticket, CONTINUE, False
+        return ticket
+
+    def follow(self, gate: Gate) -> None:
+        """Ask ``gate`` from now on (a config reload replaced the queue's), holding nothing
+        yet — except a parked attempt's own quota slots, given back here (idempotent; on
+        failure the lease lapses, no longer renewed)."""
+        try:
+            self.gate.release(self.holder)
+        except Exception as exc:  # noqa: BLE001 - the lease is the safety net
+            log.warning("release of %s on a replaced gate failed: %s", self.holder, exc)
+        self.gate = gate
+        if self.ctx is not None:
+            self.bind(self.ctx)
+
+    @property
+    def admitted(self) -> bool:
+        return self.ticket is not None or (self.decision is not None and self.decision.admitted)
+
+    # -- the release -----------------------------------------------------------------------
+    def release(self) -> None:
+        """Release now, retried (an attempt that ends without its finish / requeue)."""
+        self.host.untrack(self.holder)
+        rings = self._rings(self._held(), None)
+        self._retried(None)
+        self._ring(rings, echo=False)
+
+    def discard(self) -> None:
+        """Give back what the start's acquire took and forget its decision: the attempt asks
+        its gate again (the dispatcher's tenant hint was not the request's)."""
+        self._retried(None)
+        self.decision, self._released = None, False
+
+    def release_with(
+        self, build: Callable[[bool, bool], ScriptCall], served: int | None = 0
+    ) -> Any:
+        """Release, or hand the slot to an attempt of this process parked for one; then run
+        the attempt's finish / requeue, ``build(handed_over, nowake)``, in the same round trip
+        (each atomic, the gate's first): the reservation is gone before the request leaves
+        the attempt. A token charge is settled to ``served`` first. Returns the finish /
+        requeue's reply (raises its error)."""
+        self.host.untrack(self.holder)
+        held = self._held()
+        if held:
+            self._settle(served)
+        bell, ticket = self._taker() if held else (None, None)
+        step = self._step(ticket)
+        call = build(ticket is not None, ticket is not None and self._parked_ahead(bell))
+        rings = self._rings(held, bell)
+        if step is None or not step.calls:  # not as calls: done here, before the round trip
+            self._complete(step, ticket, [])
+            self._ring(rings, echo=ticket is None)  # the finish / requeue publishes a release
+            return call()
+        if ticket is None:  # the finish / requeue publishes the release: expect its echo
+            for name in rings:
+                self.host.bell.expect_echo(name)
+        replies: list[Any] | Exception
+        try:
+            *replies, reply = run_batch(self.host.store.client, [*step.calls, call])
+        except Exception as exc:  # the gate's step is done directly; the error is the call's
+            replies = reply = exc
+        self._complete(step, ticket, replies)
+        self._ring(rings, echo=False)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def _held(self) -> bool:
+        """Whether it holds a slot (then marked released: a second release frees nothing and
+        hands nothing over). A taker waits for its giver to record the transfer first:
+        releasing before it would leave a lease behind that nobody renews."""
+        if self._released:
+            return False
+        self._released = True
+        if self.ticket is not None:
+            self.ticket.transferred.wait(TRANSFER_WAIT_S)
+            return self.ticket.held
+        return self.decision is not None and self.decision.admitted
+
+    def _settle(self, served: int | None) -> None:
+        """Settle a token charge (a failure leaves the estimate charged until the window moves
+        past it, and is only logged)."""
+        try:
+            assert self.ctx is not None
+            settle(self.gate, self.ctx, served)
+        except Exception as exc:  # noqa: BLE001 - never in the way of the release
+            log.warning("settling the token charge of %s failed: %s", self.holder, exc)
+
+    def _taker(self) -> tuple[str | None, Ticket | None]:
+        """The hand-over bell and the ticket of an attempt of this process parked there, now
+        granted the slot; (None, None) when nobody waits. Only on the queue's current gate,
+        never one a reload replaced: its stale limit could refuse the transfer of a slot the
+        taker already left with."""
+        gate = self.gate
+        if not isinstance(gate, HandsOver) or gate is not self.host.current_gate(self.queue):
+            return None, None
+        assert self.ctx is not None
+        name = gate.handover_bell(self.queue, self.ctx.metadata)
+        ticket = None if name is None else self.host.bell.hand_over(name, gate)
+        return (name, ticket) if ticket is not None else (None, None)
+
+    def _step(self, ticket: Ticket | None) -> Calls[bool] | None:
+        """The gate's transfer to ``ticket`` (or its release) as calls; None: done directly."""
+        gate = self.gate
+        try:
+            if ticket is not None and isinstance(gate, HandsOver):
+                return gate.transfer_calls(self.holder, ticket.ctx)
+            return gate.release_calls(self.holder) if isinstance(gate, Batched) else None
+        except Exception as exc:  # noqa: BLE001 - done directly instead
+            log.warning("could not prepare the release of %s: %s", self.holder, exc)
+            return None
+
+    def _complete(
+        self, step: Calls[bool] | None, ticket: Ticket | None, replies: list[Any] | Exception
+    ) -> None:
+        """Take the gate step's replies (or the error that lost them): record a hand-over's
+        outcome; a step that failed or did not go is done directly, retried."""
+        try:
+            if step is not None:
+                error = replies if isinstance(replies, Exception) else _first_error(replies)
+                if error is None:
+                    assert not isinstance(replies, Exception)
+                    self._record(ticket, step.then(replies))
+                    return
+                log.warning(
+                    "release of %s on gate %s failed: %s", self.holder, self.gate.name, error
+                )
+            self._retried(ticket)
+        except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
+            log.warning("release of %s on gate %s failed: %s", self.holder, self.gate.name, exc)
+            self._retried(ticket)
+        finally:
+            if ticket is not None:
+                ticket.transferred.set()
+
+    def _retried(self, ticket: Ticket | None) -> None:
+        """Release (or transfer to ``ticket``) directly, retried; then leave it to lapse."""
+        what = "release" if ticket is None else "hand-over"
+        for i in range(RELEASE_TRIES):
+            try:
+                if ticket is None:
+                    self.gate.release(self.holder)
+                else:
+                    assert isinstance(self.gate, HandsOver)
+                    self._record(ticket, self.gate.transfer_calls(self.holder, ticket.ctx).run())
+                return
+            except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
+                log.warning(
+                    "%s of %s on gate %s failed (try %d/%d): %s",
+                    what,
+                    self.holder,
+                    self.gate.name,
+                    i + 1,
+                    RELEASE_TRIES,
+                    exc,
+                )
+                time.sleep(0.1 * 2**i)
+        log.error(
+            "%s of %s on gate %s gave up; its lease will expire", what, self.holder, self.gate.name
+        )
+
+    def _record(self, ticket: Ticket | None, done: bool) -> None:
+        """A transfer's outcome, for its taker (``ticket.held``)."""
+        if ticket is None:
+            return
+        ticket.held = done
+        if not done:
+            log.warning(
+                "slot of %s handed to %s on gate %s, but its lease had lapsed and the gate is full",
+                self.holder,
+                ticket.ctx.holder,
+                self.gate.name,
+            )
+
+    def _rings(self, held: bool, handed: str | None) -> list[str]:
+        """The bells its release rings: the queue's and the quota keys it held a slot of; after
+        a hand-over (on bell ``handed``, nothing freed there) the other quota keys only."""
+        if handed is not None:
+            return [n for n in self.bells if n != handed]
+        return [self.queue, *self.bells] if held else [self.queue]
+
+    def _ring(self, names: Sequence[str], *, echo: bool) -> None:
+        """Wake attempts of this process parked on ``names``; ``echo``: the finish / requeue
+        that follows publishes them (the listener swallows that echo)."""
+        for name in names:
+            self.host.bell.ring(name, echo=echo)
+
+    def _parked_ahead(self, name: str | None) -> bool:
+        """Whether this process still has at least half the dispatcher's look-ahead past the
+        slots behind bell ``name`` parked there (``Settings.lookahead_for``: a slot gate's
+        capacity on the queue's bell, a per-key quota's limit on its key's): then a finish that
+        handed its slot over there does not ring the pool's doorbell (the dispatcher is rung
+        when the parked attempts run low, and tops them up in one tick, instead of one tick per
+        finish; a quota key's held tenants are woken at the same point, see
+        ``Keys.quota_blocked``)."""
+        if name is None:
+            return False
+        gate, keyed = self.gate, name != self.queue
+        specs = gate.quota_specs()
+        cap = min(s.limit for s in specs) if keyed and specs else gate.capacity()
+        if cap is None:
+            return False
+        behind = not keyed and bool(specs)
+        ahead = self.host.settings.lookahead_for(cap, quota_key=keyed, behind_quota=behind)
+        need = -(-ahead // 2)
+        return need > 0 and self.host.bell.waiting(name) >= need
+
+
+def _first_error(replies: Sequence[Any]) -> Exception | None:
+    return next((r for r in replies if isinstance(r, Exception)), None)
