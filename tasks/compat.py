@@ -1,7 +1,8 @@
 """Every patch of another library's internals, in one place: three, all to kombu's Redis
-transport (celery 5.7.x and kombu 5.7.x, pinned in pyproject.toml; tests/test_compat.py checks
-each on the pinned versions). Gains: same-run A/B on ``bench/overhead.py`` (0 ms simulator, one
-node, ``-P threads -c 64``), the patch off against all on, median of 6 alternating rounds.
+transport (celery 5.7.x and kombu 5.7.x, pinned in pyproject.toml; tests/test_compat.py and, for
+the no-ack acks, tests/test_wire.py check each on the pinned versions). Gains: same-run A/B on
+``bench/overhead.py`` (0 ms simulator, one node, ``-P threads -c 64``), the patch off against
+all on, median of 6 alternating rounds.
 
 ==============  ======================================  =====================  ================
 patch           replaces (in ``kombu.transport``)       gain (overhead.py)     upstream
@@ -23,6 +24,12 @@ BRPOP batch     ``redis.Channel._brpop_start``,         +40 % req/s,           n
   pipeline consumes its queues no-ack: see tasks/node.py). Related: celery/celery#1776.
 - BRPOP batch: kombu's Redis transport takes one message per BRPOP, one trip through the
   consumer's event loop each; an ``RPOP <n>`` sent behind it takes what the node has room for.
+
+Not patches, but private names the code relies on (check them on an upgrade):
+``Celery._get_backend`` (overridden in tasks/app.py), ``RedisBackend._store_result``,
+``._get_result_meta`` and ``._MAX_STR_VALUE_SIZE`` (tasks/backend.py), and redis-py's
+``Connection.pack_commands`` / ``send_packed_command`` / ``read_response``
+(pipeline/store/scripts.py).
 """
 
 from __future__ import annotations
