@@ -7,18 +7,20 @@ all on, median of 6 alternating rounds.
 ==============  ======================================  =====================  ================
 patch           replaces (in ``kombu.transport``)       gain (overhead.py)     upstream
 ==============  ======================================  =====================  ================
-restore guard   ``redis.QoS.restore_unacked``           correctness            celery/kombu#582
+closed channel  ``redis.Channel._create_client``         correctness            celery/kombu#582
 no-ack acks     ``virtual.Channel.basic_consume``       +18 % req/s,           none found
                                                         -18 % worker CPU/req
 BRPOP batch     ``redis.Channel._brpop_start``,         +40 % req/s,           none (no batch
                 ``._brpop_read``, ``._poll_error``      -35 % worker CPU/req   consume)
 ==============  ======================================  =====================  ================
 
-- restore guard: a worker that acks (``PIPELINE_BROKER_ACKS=1``) stopped with "Unrecoverable
-  error: AttributeError('NoneType' object has no attribute 'hostname')" when Redis restarted
-  (tests/chaos/test_redis_restart.py): Celery closes the lost connection, whose channel
-  restores its unacked messages through a client built from ``connection.client``, already
-  None. Still so on celery 5.7.0 / kombu 5.7.0.
+- closed channel: a worker that acks (``PIPELINE_BROKER_ACKS=1``) stopped with "Unrecoverable
+  error: AttributeError" when Redis restarted (tests/chaos/test_redis_restart.py): once Celery
+  has dropped the lost connection, closing its channel (which restores the unacked messages)
+  and acking a message delivered on it build a client from ``connection.client``, None by
+  then. They now fail with the connection error Celery handles (the messages stay unacked,
+  redelivered after the visibility timeout and fenced off by their attempt token). Still so
+  on celery 5.7.0 / kombu 5.7.0.
 - no-ack acks: kombu's virtual transports still delete the unacked record of a message
   consumed ``no_ack`` when it is acked (a Redis round trip per message, for nothing; the
   pipeline consumes its queues no-ack: see tasks/node.py). Related: celery/celery#1776.
@@ -34,7 +36,6 @@ Not patches, but private names the code relies on (check them on an upgrade):
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Collection
 from queue import Empty
 from typing import Any
@@ -43,23 +44,18 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-log = logging.getLogger("pipeline.compat")
-_restore_unacked = kombu_redis.QoS.restore_unacked
+_create_client = kombu_redis.Channel._create_client
 
 
-def _guarded_restore_unacked(self: Any, client: Any = None) -> Any:
-    """Skip the restore when the broker connection is gone: the messages stay in kombu's
-    unacked set and are redelivered after the visibility timeout, fenced off by their attempt
-    token, while the pipeline's reaper has already requeued their requests."""
-    if client is None and getattr(self.channel.connection, "client", None) is None:
-        log.warning(
-            "broker connection gone: leaving %d unacked message(s) for the visibility timeout",
-            len(self._delivered),
-        )
-        self._delivered.clear()
-        return None
-    return _restore_unacked(self, client)
+def _guarded_create_client(self: Any, asynchronous: bool = False) -> Any:
+    """kombu's client for a channel, or the connection error a channel whose connection Celery
+    already dropped (a lost broker) means. kombu built one from ``connection.client``, None by
+    then, and its AttributeError escaped Celery's handlers for connection errors."""
+    if getattr(self.connection, "client", None) is None:
+        raise RedisConnectionError("the broker connection of this channel is closed")
+    return _create_client(self, asynchronous=asynchronous)
 
 
 _basic_consume = virtual.Channel.basic_consume
@@ -173,7 +169,7 @@ def _batched_poll_error(self: Any, type: str, **options: Any) -> Any:
 
 
 def install() -> None:
-    kombu_redis.QoS.restore_unacked = _guarded_restore_unacked  # type: ignore[method-assign]
+    kombu_redis.Channel._create_client = _guarded_create_client  # type: ignore[method-assign]
     virtual.Channel.basic_consume = _no_ack_basic_consume  # type: ignore[method-assign]
     kombu_redis.Channel._brpop_start = _batched_brpop_start  # type: ignore[method-assign]
     kombu_redis.Channel._brpop_read = _batched_brpop_read  # type: ignore[method-assign]

@@ -4,42 +4,45 @@ Redis (the no-ack ack is checked in ``tests/test_wire.py``)."""
 from __future__ import annotations
 
 import json
-import logging
 import uuid
+from typing import Any
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tasks import compat
 from tasks.app import app
 
 
-def test_a_channel_whose_connection_is_gone_leaves_its_unacked_messages_for_redelivery(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """A worker that acks, losing Redis: Celery closes the lost connection after it dropped
-    the connection's client, and closing a channel restores its unacked messages through a
-    client built from it. kombu raised AttributeError there (the worker stopped); the message
-    stays in kombu's unacked set instead, for redelivery after the visibility timeout."""
-    name = f"compat-restore-{uuid.uuid4().hex[:8]}"
+def test_a_channel_whose_connection_is_gone_fails_with_a_connection_error() -> None:
+    """A worker that acks, losing Redis: Celery drops the lost connection's client, then closes
+    the connection (its channel restores its unacked messages) and acks messages delivered on
+    it. Both built a client from the dropped one and raised AttributeError, which stopped the
+    worker; a connection error is what Celery's handlers expect (they log it and go on), and
+    the messages stay in kombu's unacked set, for redelivery after the visibility timeout."""
+    name = f"compat-closed-{uuid.uuid4().hex[:8]}"
     conn = app.connection_for_write()
     channel = conn.channel()
     client = channel.client
-    tag = None
+    tags: list[str] = []
     try:
-        channel.basic_publish(channel.prepare_message(json.dumps({"i": 1})), "", name)
-        got: list[object] = []
-        channel.basic_consume(name, False, got.append, "compat-restore")
+        for i in range(2):
+            channel.basic_publish(channel.prepare_message(json.dumps({"i": i})), "", name)
+        got: list[Any] = []
+        channel.basic_consume(name, False, got.append, "compat-closed")
         conn.drain_events(timeout=5)
-        assert len(got) == 1 and len(channel.qos._delivered) == 1
-        tag = next(iter(channel.qos._delivered))
-        conn.transport.client = None  # what kombu's Connection leaves when it is released
-        with caplog.at_level(logging.WARNING, "pipeline.compat"):
-            channel.close()
-        assert "leaving 1 unacked message(s)" in caplog.text
-        assert client.hexists(channel.unacked_key, tag)  # redelivered after the timeout
+        conn.drain_events(timeout=5)
+        tags = [m.delivery_tag for m in got]
+        assert len(tags) == 2 and set(channel.qos._delivered) == set(tags)
+        conn.transport.client = None  # what Celery's release of the lost connection leaves
+        conn.maybe_close_channel(channel)  # kombu's close, which ignores connection errors
+        assert channel.closed
+        with pytest.raises(RedisConnectionError):
+            got[1].ack()  # a message delivered on it, acked when its task ends
+        assert all(client.hexists(channel.unacked_key, t) for t in tags)
         assert client.llen(name) == 0
     finally:
-        if tag is not None:
+        for tag in tags:
             client.hdel(channel.unacked_key, tag)
             client.zrem(channel.unacked_index_key, tag)
         client.delete(name)
