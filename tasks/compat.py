@@ -7,7 +7,7 @@ all on, median of 6 alternating rounds.
 ==============  ======================================  =====================  ================
 patch           replaces (in ``kombu.transport``)       gain (overhead.py)     upstream
 ==============  ======================================  =====================  ================
-closed channel  ``redis.Channel._create_client``         correctness            celery/kombu#582
+closed channel  ``redis.Channel._create_client``        correctness            celery/kombu#582
 no-ack acks     ``virtual.Channel.basic_consume``       +18 % req/s,           none found
                                                         -18 % worker CPU/req
 BRPOP batch     ``redis.Channel._brpop_start``,         +40 % req/s,           none (no batch
