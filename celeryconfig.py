@@ -25,6 +25,11 @@ result_accept_content = ["json"]
 
 task_acks_late = True
 task_reject_on_worker_lost = False  # a lost attempt is requeued by the pipeline, not Celery
+# A lost broker connection leaves running attempts running (Celery 6 will cancel them by
+# default): each is fenced by its token and reports once Redis is back, or its lease lapses and
+# the reaper requeues it (tests/chaos/test_redis_restart.py). Celery 5.7 still logs a
+# CPendingDeprecationWarning about the default on every connection loss.
+worker_cancel_long_running_tasks_on_connection_loss = False
 worker_prefetch_multiplier = 1
 task_track_started = False  # STARTED reaches Flower as an event; no extra backend write
 # Task events (for Flower) cost a broker publish each and ~15 % of a node's throughput. Off

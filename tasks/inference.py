@@ -12,6 +12,7 @@ Celery skips ``after_return`` for RETRY/IGNORED; that is why the body releases f
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -25,16 +26,21 @@ from pipeline.worker import Attempt, Status, observe, runtime
 
 from .app import app
 from .backend import PipelineRedisBackend
-from .compat import BriefTraceback, brief
 
 log = logging.getLogger("pipeline.task")
 
 
-class RequestFailed(Exception, BriefTraceback):
+def brief(exc: BaseException) -> str:
+    """The traceback an attempt's script stores with a RETRY or FAILURE it mirrors: the
+    exception's one line, not the frames of Celery's tracer."""
+    return "".join(traceback.format_exception_only(type(exc), exc))
+
+
+class RequestFailed(Exception):
     """The request ended without success; the message names its status or error code."""
 
 
-class AttemptRetry(Retry, BriefTraceback):
+class AttemptRetry(Retry):
     """RETRY of an attempt; its repr (what Flower shows as the exception) names the reason."""
 
     def __repr__(self) -> str:

@@ -238,13 +238,14 @@ def _on_after_setup(sender: str | None = None, instance: Any = None, **_: Any) -
     if instance is None or not no_ack_broker(instance.app):
         return
     queues = instance.app.amqp.queues
-    for name, queue in (queues.consume_from or queues).items():
-        if pool_of(name) is not None:
-            queue.no_ack = True
+    consumed = queues.consume_from or queues
+    no_ack = [name for name in consumed if pool_of(name) is not None]
+    for name in no_ack:
+        consumed[name].no_ack = True
     instance.app.conf.worker_disable_prefetch = True
     # and so does a BRPOP's batch (tasks/compat.py): what Celery's bound leaves free
     slots = getattr(instance, "max_concurrency", None) or instance.concurrency
-    compat.bound_batches(lambda: int(slots) - len(worker_state.reserved_requests))
+    compat.bound_batches(lambda: int(slots) - len(worker_state.reserved_requests), no_ack)
 
 
 def no_ack_broker(celery_app: Any) -> bool:

@@ -1,5 +1,6 @@
 """Chaos: Redis (append-only persistence) restarted mid-run. No accepted request is lost;
-workers and the dispatcher reconnect by themselves."""
+workers and the dispatcher reconnect by themselves, also a worker that acks its broker messages
+(``PIPELINE_BROKER_ACKS=1``: the restore guard in ``tasks/compat.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from pipeline.cli.services import free_port, redis_reachable
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
@@ -20,7 +23,8 @@ from pipeline.sim import SimServer
 from ..conftest import ROOT, wait_for
 
 
-def test_redis_restart_loses_nothing(sim: SimServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("broker_acks", ["0", "1"])
+def test_redis_restart_loses_nothing(sim: SimServer, tmp_path: Path, broker_acks: str) -> None:
     server = shutil.which("redis-server")
     assert server, "redis-server is required"
     port = free_port()
@@ -68,6 +72,7 @@ def test_redis_restart_loses_nothing(sim: SimServer, tmp_path: Path) -> None:
         PIPELINE_LEASE_S="2",
         PIPELINE_DISPATCH_LEASE_S="5",
         PIPELINE_REAPER_PERIOD_S="0.5",
+        PIPELINE_BROKER_ACKS=broker_acks,
     )
     log = tmp_path / "worker.log"
     with open(log, "wb") as fh:
