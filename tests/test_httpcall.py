@@ -1,20 +1,23 @@
 """The attempt's HTTP call (``pipeline.http.call``) over real sockets: keep-alive reuse, a
 connection the server closed while idle replaced before use (never a request sent twice),
-the whole-call deadline, URLs it refuses, every way a response body is framed
-(length, chunked, the connection's close), interim 1xx responses, and headers that would
-split the request. Redirects and the response-size limit: tests/test_redirects.py."""
+the whole-call deadline (also against a response that trickles in), URLs it refuses, every way
+a response body is framed (length, chunked, the connection's close), interim 1xx responses, a
+broken response as a retriable transport error, and headers that would split the request.
+Redirects and the response-size limit: tests/test_redirects.py."""
 
 from __future__ import annotations
 
-import http.client
+import contextlib
 import json
 import socket
 import threading
 from collections.abc import Iterator
 
+import httptools
 import pytest
 
 from pipeline.http import call as httpcall
+from pipeline.http.classify import Kind, send
 from pipeline.sim import SimServer
 
 BODY = json.dumps({"model": "m", "prompt": "hi"}).encode()
@@ -26,16 +29,15 @@ def completions(sim: SimServer) -> str:
 
 
 def local_port() -> int:
-    (conn,) = httpcall._local.conns.values()
-    return int(conn.sock.getsockname()[1])
+    (sock,) = httpcall._local.conns.values()
+    return int(sock.getsockname()[1])
 
 
 @pytest.fixture(autouse=True)
 def _fresh_connections() -> Iterator[None]:
-    for conn in httpcall._local.conns.values():
-        conn.close()
-    httpcall._local.conns = {}
+    httpcall.close_all()
     yield
+    httpcall.close_all()
 
 
 def test_keep_alive_reuses_one_connection(sim: SimServer) -> None:
@@ -97,6 +99,31 @@ def test_the_deadline_bounds_the_whole_call(sim: SimServer) -> None:
         httpcall.post(completions(sim), BODY, stall, 0.3)
     # the timed-out connection is dropped, the next call works
     assert httpcall.post(completions(sim), BODY, JSON, 5).status == 200
+
+
+def test_a_trickling_response_ends_at_the_deadline() -> None:
+    """A server that sends a byte every 20 ms never lets one read time out: the call still
+    ends at its deadline (0.5 s), not after the 20 s the body would take."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+        with contextlib.suppress(OSError):
+            while not done.wait(0.02):
+                conn.sendall(b"x")
+        conn.close()
+
+    threading.Thread(target=trickle, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/x"
+    try:
+        with pytest.raises(httpcall.CallTimeout):
+            httpcall.post(url, BODY, {}, 0.5)
+    finally:
+        done.set()
+        listener.close()
 
 
 @pytest.mark.parametrize("url", ["ftp://example.com/x", "http:///nohost", "not a url"])
@@ -194,9 +221,10 @@ def test_two_responses_on_one_connection_are_read_apart() -> None:
     ids=["no-response", "short-body", "bad-status-line"],
 )
 def test_a_broken_response_is_a_transport_error(raw: bytes) -> None:
-    server = ScriptedServer(raw)
-    with pytest.raises((OSError, http.client.HTTPException)):
-        httpcall.post(server.url, BODY, {}, 5)
+    with pytest.raises((OSError, httptools.HttpParserError)):
+        httpcall.post(ScriptedServer(raw).url, BODY, {}, 5)
+    out = send(ScriptedServer(raw).url, BODY.decode(), {}, 5)
+    assert (out.kind, out.category, out.status_code) == (Kind.RETRY, "TRANSPORT", None)
 
 
 @pytest.mark.parametrize(
@@ -206,8 +234,13 @@ def test_a_broken_response_is_a_transport_error(raw: bytes) -> None:
         {"X-A": "1\nX-Injected: 1"},
         {"Bad Name": "1"},
         {"X-A\r\n": "1"},
+        {"Authorization": "Bearer sk-1\r\nX-Injected: 1"},
     ],
 )
 def test_headers_that_would_split_the_request_are_refused(headers: dict[str, str]) -> None:
-    with pytest.raises(ValueError, match="header"):
-        httpcall.post("http://127.0.0.1:9/x", BODY, headers, 1)
+    """Refused before connecting (port 9 listens to nobody), naming the header, never quoting
+    its value (a key)."""
+    with pytest.raises(ValueError, match="header") as refused:
+        httpcall.post("http://127.0.0.1:9/x", BODY, {"X-Ok": "1", **headers}, 1)
+    (name,) = headers
+    assert repr(name) in str(refused.value) and "sk-1" not in str(refused.value)
