@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
+import shutil
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httptools
 import pytest
 
 from pipeline.http import call as httpcall
 from pipeline.http.classify import Kind, send
-from pipeline.sim import SimServer
+from pipeline.sim import SimConfig, SimServer
+from tests.tls import make_certs
 
 BODY = json.dumps({"model": "m", "prompt": "hi"}).encode()
 JSON = {"Content-Type": "application/json"}
@@ -47,6 +51,44 @@ def test_keep_alive_reuses_one_connection(sim: SimServer) -> None:
     assert first.status == second.status == 200
     assert json.loads(second.text)["object"] == "text_completion"
     assert local_port() == port
+
+
+def _post_and_port(url: str) -> int:
+    assert httpcall.post(url, BODY, JSON, 5).status == 200
+    return local_port()
+
+
+def test_a_forked_child_opens_its_own_connection(sim: SimServer) -> None:
+    """A child forked with the parent's kept connection in memory (a prefork pool) must not
+    write into that socket: both would read each other's responses."""
+    assert httpcall.post(completions(sim), BODY, JSON, 5).status == 200
+    port = local_port()
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply(_post_and_port, (completions(sim),)) != port
+    assert httpcall.post(completions(sim), BODY, JSON, 5).status == 200
+    assert local_port() == port  # the parent's connection, untouched
+
+
+def test_reset_tls_makes_new_connections_load_the_files_again(tmp_path: Path) -> None:
+    """The CA file is rotated under a running worker: connections opened after ``reset_tls``
+    (a config reload) use the new file; until then the built context, and open connections
+    stay as they are."""
+    certs = make_certs(tmp_path)
+    ca = tmp_path / "rotating-ca.pem"
+    shutil.copy(certs.ca, ca)
+    tls = httpcall.TLS(str(ca))
+    with SimServer(SimConfig(tls_cert_file=certs.server)) as server:
+        url = completions(server)
+        assert httpcall.post(url, BODY, JSON, 5, tls).status == 200
+        shutil.copy(certs.other_ca, ca)  # a CA that did not sign the server's certificate
+        httpcall.close_all()
+        assert httpcall.post(url, BODY, JSON, 5, tls).status == 200  # the built context
+        httpcall.reset_tls()
+        assert httpcall.post(url, BODY, JSON, 5, tls).status == 200  # the open connection
+        httpcall.close_all()
+        out = send(url, BODY.decode(), JSON, 5, tls)
+        assert (out.kind, out.category) == (Kind.RETRY, "TLS")
+        assert "certificate verify failed" in (out.error or "")
 
 
 class OneShotServer:
