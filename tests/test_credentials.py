@@ -58,11 +58,9 @@ def tls_sim(certs: Certs, secret: str) -> Iterator[SimServer]:
 
 @pytest.fixture(autouse=True)
 def _fresh_connections() -> Iterator[None]:
-    httpcall._local.conns = {}
+    httpcall.close_all()
     yield
-    for conn in httpcall._local.conns.values():
-        conn.close()
-    httpcall._local.conns = {}
+    httpcall.close_all()
 
 
 def mtls(certs: Certs, ca: str | None = None) -> httpcall.TLS:

@@ -1,21 +1,28 @@
 """The attempt's HTTP call (``pipeline.http.call``) over real sockets: keep-alive reuse, a
 connection the server closed while idle replaced before use (never a request sent twice),
-the whole-call deadline, URLs it refuses, every way a response body is framed
-(length, chunked, the connection's close), interim 1xx responses, and headers that would
-split the request. Redirects and the response-size limit: tests/test_redirects.py."""
+the whole-call deadline (also against a response that trickles in), URLs it refuses, every way
+a response body is framed (length, chunked, the connection's close), interim 1xx responses, a
+broken response as a retriable transport error, and headers that would split the request.
+Redirects and the response-size limit: tests/test_redirects.py."""
 
 from __future__ import annotations
 
-import http.client
+import contextlib
 import json
+import multiprocessing
+import shutil
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
+import httptools
 import pytest
 
 from pipeline.http import call as httpcall
-from pipeline.sim import SimServer
+from pipeline.http.classify import Kind, send
+from pipeline.sim import SimConfig, SimServer
+from tests.tls import make_certs
 
 BODY = json.dumps({"model": "m", "prompt": "hi"}).encode()
 JSON = {"Content-Type": "application/json"}
@@ -26,16 +33,15 @@ def completions(sim: SimServer) -> str:
 
 
 def local_port() -> int:
-    (conn,) = httpcall._local.conns.values()
-    return int(conn.sock.getsockname()[1])
+    (sock,) = httpcall._local.conns.values()
+    return int(sock.getsockname()[1])
 
 
 @pytest.fixture(autouse=True)
 def _fresh_connections() -> Iterator[None]:
-    for conn in httpcall._local.conns.values():
-        conn.close()
-    httpcall._local.conns = {}
+    httpcall.close_all()
     yield
+    httpcall.close_all()
 
 
 def test_keep_alive_reuses_one_connection(sim: SimServer) -> None:
@@ -45,6 +51,44 @@ def test_keep_alive_reuses_one_connection(sim: SimServer) -> None:
     assert first.status == second.status == 200
     assert json.loads(second.text)["object"] == "text_completion"
     assert local_port() == port
+
+
+def _post_and_port(url: str) -> int:
+    assert httpcall.post(url, BODY, JSON, 5).status == 200
+    return local_port()
+
+
+def test_a_forked_child_opens_its_own_connection(sim: SimServer) -> None:
+    """A child forked with the parent's kept connection in memory (a prefork pool) must not
+    write into that socket: both would read each other's responses."""
+    assert httpcall.post(completions(sim), BODY, JSON, 5).status == 200
+    port = local_port()
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply(_post_and_port, (completions(sim),)) != port
+    assert httpcall.post(completions(sim), BODY, JSON, 5).status == 200
+    assert local_port() == port  # the parent's connection, untouched
+
+
+def test_reset_tls_makes_new_connections_load_the_files_again(tmp_path: Path) -> None:
+    """The CA file is rotated under a running worker: connections opened after ``reset_tls``
+    (a config reload) use the new file; until then the built context, and open connections
+    stay as they are."""
+    certs = make_certs(tmp_path)
+    ca = tmp_path / "rotating-ca.pem"
+    shutil.copy(certs.ca, ca)
+    tls = httpcall.TLS(str(ca))
+    with SimServer(SimConfig(tls_cert_file=certs.server)) as server:
+        url = completions(server)
+        assert httpcall.post(url, BODY, JSON, 5, tls).status == 200
+        shutil.copy(certs.other_ca, ca)  # a CA that did not sign the server's certificate
+        httpcall.close_all()
+        assert httpcall.post(url, BODY, JSON, 5, tls).status == 200  # the built context
+        httpcall.reset_tls()
+        assert httpcall.post(url, BODY, JSON, 5, tls).status == 200  # the open connection
+        httpcall.close_all()
+        out = send(url, BODY.decode(), JSON, 5, tls)
+        assert (out.kind, out.category) == (Kind.RETRY, "TLS")
+        assert "certificate verify failed" in (out.error or "")
 
 
 class OneShotServer:
@@ -97,6 +141,31 @@ def test_the_deadline_bounds_the_whole_call(sim: SimServer) -> None:
         httpcall.post(completions(sim), BODY, stall, 0.3)
     # the timed-out connection is dropped, the next call works
     assert httpcall.post(completions(sim), BODY, JSON, 5).status == 200
+
+
+def test_a_trickling_response_ends_at_the_deadline() -> None:
+    """A server that sends a byte every 20 ms never lets one read time out: the call still
+    ends at its deadline (0.5 s), not after the 20 s the body would take."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+        with contextlib.suppress(OSError):
+            while not done.wait(0.02):
+                conn.sendall(b"x")
+        conn.close()
+
+    threading.Thread(target=trickle, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/x"
+    try:
+        with pytest.raises(httpcall.CallTimeout):
+            httpcall.post(url, BODY, {}, 0.5)
+    finally:
+        done.set()
+        listener.close()
 
 
 @pytest.mark.parametrize("url", ["ftp://example.com/x", "http:///nohost", "not a url"])
@@ -194,9 +263,10 @@ def test_two_responses_on_one_connection_are_read_apart() -> None:
     ids=["no-response", "short-body", "bad-status-line"],
 )
 def test_a_broken_response_is_a_transport_error(raw: bytes) -> None:
-    server = ScriptedServer(raw)
-    with pytest.raises((OSError, http.client.HTTPException)):
-        httpcall.post(server.url, BODY, {}, 5)
+    with pytest.raises((OSError, httptools.HttpParserError)):
+        httpcall.post(ScriptedServer(raw).url, BODY, {}, 5)
+    out = send(ScriptedServer(raw).url, BODY.decode(), {}, 5)
+    assert (out.kind, out.category, out.status_code) == (Kind.RETRY, "TRANSPORT", None)
 
 
 @pytest.mark.parametrize(
@@ -206,8 +276,13 @@ def test_a_broken_response_is_a_transport_error(raw: bytes) -> None:
         {"X-A": "1\nX-Injected: 1"},
         {"Bad Name": "1"},
         {"X-A\r\n": "1"},
+        {"Authorization": "Bearer sk-1\r\nX-Injected: 1"},
     ],
 )
 def test_headers_that_would_split_the_request_are_refused(headers: dict[str, str]) -> None:
-    with pytest.raises(ValueError, match="header"):
-        httpcall.post("http://127.0.0.1:9/x", BODY, headers, 1)
+    """Refused before connecting (port 9 listens to nobody), naming the header, never quoting
+    its value (a key)."""
+    with pytest.raises(ValueError, match="header") as refused:
+        httpcall.post("http://127.0.0.1:9/x", BODY, {"X-Ok": "1", **headers}, 1)
+    (name,) = headers
+    assert repr(name) in str(refused.value) and "sk-1" not in str(refused.value)

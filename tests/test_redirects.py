@@ -144,11 +144,9 @@ def serve() -> Iterator[Callable[..., Server]]:
 
 @pytest.fixture(autouse=True)
 def _fresh_connections() -> Iterator[None]:
-    httpcall._local.conns = {}
+    httpcall.close_all()
     yield
-    for conn in httpcall._local.conns.values():
-        conn.close()
-    httpcall._local.conns = {}
+    httpcall.close_all()
 
 
 def to(location: str, status: int = 307) -> Callable[[str], Answer]:

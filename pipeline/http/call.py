@@ -1,38 +1,31 @@
-"""A small keep-alive HTTP/1.1 POST over a plain (or TLS) socket, for the one call an attempt
-makes.
+"""The attempt's POST to a model server: the request written in one ``sendall`` on a socket
+kept alive here, the response parsed by llhttp (Node.js's HTTP parser, via ``httptools``).
 
-Why not httpx, or ``http.client``: the call sits on every request's critical path inside a
-worker process that shares one GIL between its Celery consumer, its dispatcher and up to
-hundreds of attempt threads. httpx cost 1.1 ms of CPU per call against the simulator,
-``http.client`` 0.18-0.24 ms (its response headers go through the ``email`` parser); this
-module writes the request in one ``sendall`` and parses the response itself: ~0.03 ms.
+Why not a client library: on this path each costs the GIL-bound worker CPU on every request
+(``bench/overhead.py``, worker CPU per request: httpx +46 %, urllib3 +28 %, h11 +8 %; llhttp
+none), and none bounds a whole sync call by one deadline. What this module keeps:
 
-- One connection per (thread, scheme, host, port, TLS settings), kept alive and reused; a
-  connection the server closed while idle is detected before reuse (its socket reads EOF) and
-  replaced, so a request is never written into a dead connection and never sent twice. Two
-  queues with different :class:`TLS` settings never share a connection, even to one server.
-- HTTPS verifies the server against the system CAs, or a queue's own CA file; a client
-  certificate is presented for mTLS (:class:`TLS`; one ``ssl.SSLContext`` per settings value,
-  built once and kept until :func:`reset_tls`).
-- ``timeout_s`` bounds the whole call: connect (at most 10 s of it), send and every read of the
-  response, which is read in chunks against the same deadline.
-- The response body is framed by ``Content-Length``, ``Transfer-Encoding: chunked`` or the
-  connection's close; interim 1xx responses are skipped.
+- One connection per (thread, scheme, host, port, TLS settings), kept alive; one the server
+  closed while idle is found before reuse (its socket reads EOF) and replaced, so a request is
+  never written into a dead connection nor sent twice. Two queues with different :class:`TLS`
+  never share a connection. A child process opens its own after a fork.
+- HTTPS verifies the server against the system CAs or a queue's CA file and presents a client
+  certificate for mTLS: one ``ssl.SSLContext`` per settings value, kept until :func:`reset_tls`.
+- ``timeout_s`` bounds the whole call: every connect (at most 10 s), send and read gets what
+  is left of one deadline.
 - Header names must be tokens and values must not hold CR, LF or NUL (``ValueError``), so a
   request's own headers cannot split the request.
-- Redirects are returned, not followed, unless the caller asks (a queue's
-  ``follow_redirects``): then a 307/308 is followed with the same method and body (at most 5).
-  One to another origin (scheme, host or port) goes without ``Authorization``, cookies and
-  every header that names a key, token, secret or session (:func:`foreign_headers`), and
-  without the client certificate; https -> http is refused (:class:`RedirectRefused`).
-- A response body over ``max_response_bytes`` ends the call (:class:`ResponseTooLarge`)
-  before more than that is held in memory.
-- Connections are per process: after a fork a child opens its own.
+- Redirects are returned unless the caller follows them (a queue's ``follow_redirects``), and
+  then only a 307/308, with the same method and body, at most 5. One to another origin
+  (scheme, host or port) goes without ``Authorization``, cookies and every header naming a key,
+  token, secret or session (:func:`foreign_headers`), and without the client certificate;
+  https -> http is refused (:class:`RedirectRefused`).
+- A response body over ``max_response_bytes`` ends the call (:class:`ResponseTooLarge`): on
+  its ``Content-Length`` before reading, else as soon as that many bytes came.
 """
 
 from __future__ import annotations
 
-import http.client
 import os
 import re
 import select
@@ -42,6 +35,8 @@ import threading
 import time
 from dataclasses import dataclass
 from urllib.parse import SplitResult, urljoin, urlsplit
+
+import httptools
 
 MAX_REDIRECTS = 5
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024  # a queue's default max_response_bytes
@@ -78,23 +73,6 @@ class Response:
     @property
     def text(self) -> str:
         return self.body.decode("utf-8", errors="replace")
-
-
-class _Conn:
-    """One keep-alive connection and the bytes read past the last response."""
-
-    __slots__ = ("sock", "buf")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock: socket.socket | None = sock
-        self.buf = b""
-
-    def close(self) -> None:
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            finally:
-                self.sock = None
 
 
 @dataclass(frozen=True)
@@ -134,7 +112,7 @@ _ConnKey = tuple[str, str, int, TLS]
 
 class _Local(threading.local):
     pid = 0
-    conns: dict[_ConnKey, _Conn]
+    conns: dict[_ConnKey, socket.socket]
 
     def __init__(self) -> None:
         self.conns = {}
@@ -163,44 +141,11 @@ def reset_tls() -> None:
         _contexts.clear()
 
 
-def _dropped(conn: _Conn) -> bool:
-    """True when an idle keep-alive connection was closed by the server (or never opened)."""
-    sock = conn.sock
-    if sock is None or conn.buf:
-        return True
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return True
-    return bool(readable)  # an idle connection that reads anything has seen EOF or garbage
-
-
-def _connection(key: _ConnKey, connect_s: float) -> _Conn:
-    if _local.pid != os.getpid():
-        _local.pid = os.getpid()
-        _local.conns = {}
-    scheme, host, port, tls = key
-    conn = _local.conns.get(key)
-    if conn is not None and not _dropped(conn):
-        return conn
-    if conn is not None:
-        conn.close()
-    sock = socket.create_connection((host, port), timeout=connect_s)
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if scheme == "https":
-            sock = tls_context(tls).wrap_socket(sock, server_hostname=host)
-    except BaseException:
+def close_all() -> None:
+    """Close this thread's kept-alive connections."""
+    for sock in _local.conns.values():
         sock.close()
-        raise
-    conn = _local.conns[key] = _Conn(sock)
-    return conn
-
-
-def _discard(key: _ConnKey) -> None:
-    conn = _local.conns.pop(key, None)
-    if conn is not None:
-        conn.close()
+    _local.conns = {}
 
 
 def _left(deadline: float) -> float:
@@ -208,6 +153,31 @@ def _left(deadline: float) -> float:
     if left <= 0:
         raise CallTimeout()
     return left
+
+
+def _connection(key: _ConnKey, deadline: float) -> socket.socket:
+    """The thread's idle connection for ``key`` (taken out until the call puts it back), or a
+    new one."""
+    if _local.pid != os.getpid():
+        _local.pid, _local.conns = os.getpid(), {}
+    sock = _local.conns.pop(key, None)
+    if sock is not None:
+        try:  # an idle connection that reads anything has seen EOF (or garbage)
+            if not select.select([sock], [], [], 0)[0]:
+                return sock
+        except (OSError, ValueError):
+            pass
+        sock.close()
+    scheme, host, port, tls = key
+    sock = socket.create_connection((host, port), timeout=min(_left(deadline), 10.0))
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if scheme == "https":
+            sock = tls_context(tls).wrap_socket(sock, server_hostname=host)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _request(target: str, host: str, body: bytes, headers: dict[str, str]) -> bytes:
@@ -228,118 +198,84 @@ def _request(target: str, host: str, body: bytes, headers: dict[str, str]) -> by
     return "\r\n".join(lines).encode("latin-1") + body
 
 
-class _Reader:
-    """Reads a response off a connection against a deadline."""
+class _Parsed:
+    """llhttp's callbacks, keeping the final response's status, headers and body (an interim
+    1xx passes by). They never raise (llhttp would wrap the error): a body over the limit is
+    flagged ``over``, and :func:`_exchange` raises."""
 
-    def __init__(self, conn: _Conn, deadline: float, max_body: int) -> None:
-        assert conn.sock is not None
-        self.conn = conn
-        self.sock = conn.sock
-        self.deadline = deadline
-        self.max_body = max_body
+    def __init__(self, limit: int) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.limit, self.status, self.size = limit, 0, 0
+        self.headers: dict[str, str] = {}
+        self.chunks: list[bytes] = []
+        self.final = self.done = self.keep = self.over = False
 
-    def _check(self, size: int) -> None:
-        if size > self.max_body:
-            raise ResponseTooLarge(self.max_body)
+    def on_message_begin(self) -> None:
+        self.keep = False  # a message after the final response: the connection is not reused
+        if not self.done:
+            self.headers = {}
 
-    def _more(self) -> bytes:
-        self.sock.settimeout(_left(self.deadline))
-        return self.sock.recv(CHUNK)
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.done:
+            self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
-    def until(self, mark: bytes, limit: int) -> bytes:
-        """Bytes up to ``mark`` (consumed, not returned)."""
-        conn = self.conn
-        while True:
-            i = conn.buf.find(mark)
-            if i >= 0:
-                out, conn.buf = conn.buf[:i], conn.buf[i + len(mark) :]
-                return out
-            if len(conn.buf) > limit:
-                raise http.client.LineTooLong("response head")
-            data = self._more()
+    def on_headers_complete(self) -> None:
+        if not self.done:
+            self.status = self.parser.get_status_code()
+            self.final = self.status >= 200
+            self.over = self.final and int(self.headers.get("content-length", 0)) > self.limit
+
+    def on_body(self, body: bytes) -> None:
+        if not self.done:
+            self.size += len(body)
+            self.over = self.over or self.size > self.limit
+            if not self.over:
+                self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.final and not self.done:
+            self.done, self.keep = True, self.parser.should_keep_alive()
+
+    def ended_by_close(self) -> bool:
+        """At EOF: whether the connection's close is what ends this body."""
+        chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
+        return self.final and "content-length" not in self.headers and not chunked
+
+
+def _exchange(key: _ConnKey, request: bytes, deadline: float, limit: int) -> _Parsed:
+    """Send ``request`` on the thread's connection for ``key`` and read the response; the
+    connection is kept for the next call when the response says it may be."""
+    sock = _connection(key, deadline)
+    out = _Parsed(limit)
+    try:
+        sock.settimeout(_left(deadline))
+        sock.sendall(request)
+        head = 0
+        while not out.done:
+            sock.settimeout(_left(deadline))
+            data = sock.recv(CHUNK)
             if not data:
-                if conn.buf:
-                    raise http.client.IncompleteRead(conn.buf)
-                raise http.client.RemoteDisconnected(
-                    "Remote end closed connection without response"
-                )
-            conn.buf += data
-
-    def exactly(self, n: int) -> bytes:
-        conn = self.conn
-        while len(conn.buf) < n:
-            data = self._more()
-            if not data:
-                raise http.client.IncompleteRead(conn.buf, n - len(conn.buf))
-            conn.buf += data
-        out, conn.buf = conn.buf[:n], conn.buf[n:]
-        return out
-
-    def to_close(self) -> bytes:
-        chunks = [self.conn.buf]
-        size = len(self.conn.buf)
-        self.conn.buf = b""
-        while data := self._more():
-            size += len(data)
-            self._check(size)
-            chunks.append(data)
-        self._check(size)
-        return b"".join(chunks)
-
-    def chunked(self) -> bytes:
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            size_line = self.until(b"\r\n", 1024).split(b";", 1)[0].strip()
+                if out.ended_by_close():
+                    break
+                raise ConnectionError("the server closed the connection before the response ended")
             try:
-                size = int(size_line, 16)
-            except ValueError:
-                raise http.client.HTTPException(f"bad chunk size {size_line[:20]!r}") from None
-            if size == 0:
-                while self.until(b"\r\n", MAX_HEAD):  # trailers, then the blank line
-                    pass
-                return b"".join(chunks)
-            total += size
-            self._check(total)
-            chunks.append(self.exactly(size))
-            self.exactly(2)
-
-
-def _read_response(conn: _Conn, deadline: float, max_body: int) -> tuple[Response, bool]:
-    """The response and whether the connection must close after it."""
-    reader = _Reader(conn, deadline, max_body)
-    while True:
-        head = reader.until(b"\r\n\r\n", MAX_HEAD).decode("latin-1")
-        status_line, _, rest = head.partition("\r\n")
-        parts = status_line.split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
-            raise http.client.BadStatusLine(status_line[:100])
-        status = int(parts[1])
-        headers: dict[str, str] = {}
-        for line in rest.split("\r\n") if rest else ():
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise http.client.HTTPException(f"bad header line {line[:100]!r}")
-            headers[name.strip().lower()] = value.strip()
-        if 100 <= status < 200:
-            continue  # an interim response (100 Continue, 103 Early Hints)
-        break
-    connection = headers.get("connection", "").lower()
-    close = "close" in connection or (parts[0] == "HTTP/1.0" and "keep-alive" not in connection)
-    if status in (204, 304):
-        body = b""
-    elif "chunked" in headers.get("transfer-encoding", "").lower():
-        body = reader.chunked()
-    elif "content-length" in headers:
-        try:
-            length = int(headers["content-length"])
-        except ValueError:
-            raise http.client.HTTPException("bad Content-Length") from None
-        reader._check(length)
-        body = reader.exactly(length)
+                out.parser.feed_data(data)
+            except httptools.HttpParserError:
+                if not out.done:
+                    raise
+                out.keep = False  # bytes after the final response: the connection goes
+            if out.over:
+                raise ResponseTooLarge(limit)
+            if not out.final and (head := head + len(data)) > MAX_HEAD:
+                raise httptools.HttpParserError(f"response head over {MAX_HEAD} bytes")
+    except BaseException:
+        sock.close()
+        raise
+    if out.keep:
+        _local.conns[key] = sock
     else:
-        body, close = reader.to_close(), True
-    return Response(status, body, headers), close
+        sock.close()
+    return out
 
 
 def foreign_headers(headers: dict[str, str]) -> dict[str, str]:
@@ -369,42 +305,29 @@ def post(
     system's CAs). Raises :class:`CallTimeout` past ``timeout_s``; ``ValueError`` for a URL it
     cannot send to or TLS files it cannot load, :class:`RedirectRefused` and
     :class:`ResponseTooLarge` (both ``ValueError``); and ``OSError`` (``ssl.SSLError``
-    included) / ``http.client.HTTPException`` for transport failures. A 3xx is returned as it
+    included) / ``httptools.HttpParserError`` for transport failures. A 3xx is returned as it
     came unless ``follow_redirects`` (see the module's notes)."""
     deadline = time.monotonic() + timeout_s
     tls = tls or SYSTEM_TLS
     first = urlsplit(url)
     for _ in range(MAX_REDIRECTS + 1):
         parts = urlsplit(url)
-        scheme = parts.scheme
-        if scheme not in ("http", "https") or not parts.hostname:
+        if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"unsupported URL {url!r}")
-        _, host, port = _origin(parts)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         request = _request(target, parts.netloc.rpartition("@")[2], body, headers)
-        key = (scheme, host, port, tls)
         try:
-            conn = _connection(key, min(_left(deadline), 10.0))
-            assert conn.sock is not None
-            conn.sock.settimeout(_left(deadline))
-            conn.sock.sendall(request)
-            out, close = _read_response(conn, deadline, max_response_bytes)
+            out = _exchange((*_origin(parts), tls), request, deadline, max_response_bytes)
         except TimeoutError as exc:
-            _discard(key)
             raise CallTimeout() from exc
-        except BaseException:
-            _discard(key)
-            raise
-        if close:
-            _discard(key)
         location = out.headers.get("location")
         if not (follow_redirects and out.status in (307, 308) and location):
-            return out
+            return Response(out.status, b"".join(out.chunks), out.headers)
         url = urljoin(url, location)
         to = urlsplit(url)
         if to.scheme not in ("http", "https"):
             raise RedirectRefused(f"redirect to a {to.scheme or 'relative'} URL refused")
-        if scheme == "https" and to.scheme != "https":
+        if parts.scheme == "https" and to.scheme != "https":
             where = f"{to.hostname}:{to.port or 80}"
             raise RedirectRefused(f"redirect from https to plain http ({where}) refused")
         if _origin(to) != _origin(first):

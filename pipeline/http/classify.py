@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
-import http.client
 import re
 import ssl
 from dataclasses import dataclass
 from functools import cached_property
 from urllib.parse import urlsplit
+
+import httptools
 
 from . import call as httpcall
 from .backoff import parse_retry_after
@@ -132,7 +133,7 @@ def send(
         return Outcome(Kind.RETRY, error=tls_error(url, exc), category="TLS")
     except ValueError as exc:  # a URL that cannot be sent to, TLS files that cannot be loaded
         return Outcome(Kind.FATAL, error=str(exc), category="INVALID_REQ")
-    except (OSError, http.client.HTTPException) as exc:
+    except (OSError, httptools.HttpParserError) as exc:
         return Outcome(Kind.RETRY, error=f"{type(exc).__name__}: {exc}", category="TRANSPORT")
     h = resp.headers
     return classify(resp.status, resp.text, h.get("retry-after"), h.get(DROPPED_REASON_HEADER))
