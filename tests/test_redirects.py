@@ -219,6 +219,17 @@ def test_another_host_name_gets_no_credential_header(serve: Callable[..., Server
     assert_no_credentials(call)
 
 
+def test_another_origin_gets_its_own_host_header(serve: Callable[..., Server]) -> None:
+    """A caller's ``Host`` names the first origin: the new one is sent its own."""
+    target = serve(host="localhost")
+    origin = serve(to(target.url + "/x"))
+    headers = {**PLAIN, "Host": "gateway.internal"}
+    assert httpcall.post(origin.url + "/x", BODY, headers, 5, follow_redirects=True).status == 200
+    assert origin.calls[0].headers["host"] == "gateway.internal"
+    (call,) = target.calls
+    assert call.headers["host"] == target.url.removeprefix("http://")
+
+
 def test_a_credential_header_is_known_in_any_letter_case() -> None:
     kept = httpcall.foreign_headers({"AUTHORIZATION": "a", "X-API-KEY": "k", "Accept": "*/*"})
     assert kept == {"Accept": "*/*"}

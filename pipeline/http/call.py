@@ -1,5 +1,6 @@
-"""The attempt's POST to a model server: the request written in one ``sendall`` on a socket
-kept alive here, the response parsed by llhttp (Node.js's HTTP parser, via ``httptools``).
+"""The one HTTP client: an attempt's POST to a model server, a metric gate's GET. The request
+is written in one ``sendall`` on a socket kept alive here; the response is parsed by llhttp
+(Node.js's HTTP parser, via ``httptools``).
 
 Why not a client library: on this path each costs the GIL-bound worker CPU on every request
 (``bench/overhead.py``, worker CPU per request: httpx +46 %, urllib3 +28 %, h11 +8 %; llhttp
@@ -34,6 +35,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import SplitResult, urljoin, urlsplit
 
 import httptools
@@ -180,11 +182,12 @@ def _connection(key: _ConnKey, deadline: float) -> socket.socket:
     return sock
 
 
-def _request(target: str, host: str, body: bytes, headers: dict[str, str]) -> bytes:
-    lines = [f"POST {target} HTTP/1.1"]
+def _request(method: str, target: str, host: str, body: bytes, headers: dict[str, str]) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1"]
     if not any(k.lower() == "host" for k in headers):
         lines.append(f"Host: {host}")
-    lines.append(f"Content-Length: {len(body)}")
+    if body or method != "GET":
+        lines.append(f"Content-Length: {len(body)}")
     for name, value in headers.items():
         value = str(value)
         if not _TOKEN.fullmatch(name):
@@ -286,12 +289,19 @@ def foreign_headers(headers: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if not _CREDENTIAL.search(k.lower())}
 
 
+def _for_origin(headers: dict[str, str]) -> dict[str, str]:
+    """What goes to another origin: no credential (:func:`foreign_headers`), and no ``Host``
+    of the caller's (the new origin's own is sent)."""
+    return {k: v for k, v in foreign_headers(headers).items() if k.lower() != "host"}
+
+
 def _origin(parts: SplitResult) -> tuple[str, str, int]:
     scheme = parts.scheme
     return scheme, parts.hostname or "", parts.port or (443 if scheme == "https" else 80)
 
 
-def post(
+def request(
+    method: str,
     url: str,
     body: bytes,
     headers: dict[str, str],
@@ -301,12 +311,13 @@ def post(
     follow_redirects: bool = False,
     max_response_bytes: int = MAX_RESPONSE_BYTES,
 ) -> Response:
-    """POST ``body`` to ``url`` (an https URL with ``tls``, default: verified against the
-    system's CAs). Raises :class:`CallTimeout` past ``timeout_s``; ``ValueError`` for a URL it
-    cannot send to or TLS files it cannot load, :class:`RedirectRefused` and
-    :class:`ResponseTooLarge` (both ``ValueError``); and ``OSError`` (``ssl.SSLError``
-    included) / ``httptools.HttpParserError`` for transport failures. A 3xx is returned as it
-    came unless ``follow_redirects`` (see the module's notes)."""
+    """Send ``method`` (an attempt's POST, a metric gate's GET) with ``body`` to ``url`` (an
+    https URL with ``tls``, default: verified against the system's CAs). Raises
+    :class:`CallTimeout` past ``timeout_s``; ``ValueError`` for a URL it cannot send to or
+    TLS files it cannot load, :class:`RedirectRefused` and :class:`ResponseTooLarge` (both
+    ``ValueError``); and ``OSError`` (``ssl.SSLError`` included) /
+    ``httptools.HttpParserError`` for transport failures. A 3xx is returned as it came unless
+    ``follow_redirects`` (see the module's notes)."""
     deadline = time.monotonic() + timeout_s
     tls = tls or SYSTEM_TLS
     first = urlsplit(url)
@@ -315,9 +326,9 @@ def post(
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"unsupported URL {url!r}")
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        request = _request(target, parts.netloc.rpartition("@")[2], body, headers)
+        data = _request(method, target, parts.netloc.rpartition("@")[2], body, headers)
         try:
-            out = _exchange((*_origin(parts), tls), request, deadline, max_response_bytes)
+            out = _exchange((*_origin(parts), tls), data, deadline, max_response_bytes)
         except TimeoutError as exc:
             raise CallTimeout() from exc
         location = out.headers.get("location")
@@ -331,6 +342,18 @@ def post(
             where = f"{to.hostname}:{to.port or 80}"
             raise RedirectRefused(f"redirect from https to plain http ({where}) refused")
         if _origin(to) != _origin(first):
-            headers = foreign_headers(headers)
+            headers = _for_origin(headers)
             tls = TLS(tls.ca_file)  # no client certificate, and the new server is verified
     raise RedirectRefused(f"more than {MAX_REDIRECTS} redirects")
+
+
+def post(
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    timeout_s: float,
+    tls: TLS | None = None,
+    **options: Any,
+) -> Response:
+    """:func:`request` with POST (an attempt's call)."""
+    return request("POST", url, body, headers, timeout_s, tls, **options)
