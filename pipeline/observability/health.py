@@ -1,13 +1,7 @@
-"""The worker node's HTTP endpoint: ``/metrics`` (Prometheus), ``/healthz``, ``/readyz``.
-
-Served from the worker's main process on ``PIPELINE_METRICS_HOST`` (default ``127.0.0.1``:
-loopback unless configured) and ``PIPELINE_METRICS_PORT`` (default 9808; 0 = off). A port that
-is taken is logged and the node runs on without the endpoint.
-
-- ``/healthz``: 200 ``{"status": "ok"}`` while the process serves HTTP.
-- ``/readyz``: 200 ``{"status": "ready"}`` when Redis answers a PING (3 s timeout), the
-  dispatcher runs and the Celery consumer is connected and consuming; else 503 with the
-  reason. Not ready again from the moment the node begins shutting down.
+"""The worker node's HTTP endpoint: ``/metrics`` (Prometheus), ``/healthz``, ``/readyz``
+(docs/observability.md, "Health"), served from the worker's main process on
+``PIPELINE_METRICS_HOST`` (default ``127.0.0.1``) and ``PIPELINE_METRICS_PORT`` (default 9808;
+0 = off). A port that is taken is logged and the node runs on without the endpoint.
 """
 
 from __future__ import annotations
@@ -79,7 +73,8 @@ class NodeServer:
         self._redis.close()
 
     def not_ready(self) -> str | None:
-        """Why the node is not ready, or None."""
+        """Why the node is not ready, or None: shutting down, Redis does not answer a PING
+        within ``PING_TIMEOUT_S``, or a check names a reason."""
         if self.stopping.is_set():
             return "shutting down"
         try:
@@ -137,7 +132,6 @@ def _handler(server: NodeServer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-# -- worker-node wiring (called from tasks.node) ------------------------------------------
 _node_server: NodeServer | None = None
 
 
@@ -179,12 +173,9 @@ def start_node(worker: Any, dispatcher: Any, settings: Settings) -> NodeServer |
         log.warning("metrics endpoint not started on %s:%d: %s", host, port, exc)
         return None
     _node_server = server
-    try:
-        from celery.signals import worker_shutting_down
+    from celery.signals import worker_shutting_down
 
-        worker_shutting_down.connect(_on_shutting_down, weak=False)
-    except ImportError:  # pragma: no cover - celery is a dependency
-        pass
+    worker_shutting_down.connect(_on_shutting_down, weak=False)
     log.info("metrics, healthz and readyz on http://%s:%d", *server.address)
     return server
 
