@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import ConfigError
@@ -67,21 +67,9 @@ def diff_config(old: Settings, new: Settings) -> ConfigChange:
 
 
 def _entry(obj: Any) -> dict[str, Any]:
-    """A config dataclass as the file entry it came from: the fields that differ from their
-    default (an absent field is the default, as in the files; a ``null`` may not validate)."""
-    out: dict[str, Any] = {}
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        if f.default is not MISSING:
-            default: Any = f.default
-        elif f.default_factory is not MISSING:
-            default = f.default_factory()
-        else:
-            out[f.name] = value
-            continue
-        if value != default:
-            out[f.name] = value
-    return out
+    """A config dataclass as a file entry (a ``null`` field is left out: it is the default,
+    and it may not validate)."""
+    return {k: v for k, v in asdict(obj).items() if v is not None}
 
 
 def to_snapshot(settings: Settings) -> dict[str, Any]:
