@@ -394,17 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cancel-on-exit", action="store_true", help="on Ctrl-C or --timeout, cancel the batch"
     )
-    p.add_argument(
-        "--timeout", type=float, default=None, help="stop waiting after this many s (exit 1)"
-    )
+    p.add_argument("--timeout", type=float, help="stop waiting after this many s (exit 1)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json-summary", action="store_true", help="also print the summary as JSON")
     p.add_argument(
-        "-c",
-        "--concurrency",
-        type=int,
-        default=64,
-        help="slots of the worker started when none is running",
+        "-c", "--concurrency", type=int, default=64, help="slots of the worker it starts"
     )
     p.add_argument("--worker-log", default="pipeline-worker.log")
     p.add_argument("--sim-latency-ms", type=float, default=150.0)
@@ -417,17 +411,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-P", "--pool-impl", default="threads", choices=["threads", "prefork", "solo"])
     p.add_argument("-n", "--hostname")
     p.add_argument("--loglevel", default="INFO")
-    events = p.add_mutually_exclusive_group()
-    events.add_argument(
+    p.add_argument(
         "-E",
         "--events",
-        dest="events",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=bool_env(os.environ, "PIPELINE_TASK_EVENTS", False),
         help="send task events from the start (also PIPELINE_TASK_EVENTS=1); by default they "
         "are off until Flower (`pipeline flower`) turns them on",
     )
-    events.add_argument("--no-events", dest="events", action="store_false", help="the default")
     p.add_argument("celery_args", nargs=argparse.REMAINDER, help="passed to celery worker")
     p.set_defaults(func=cmd_worker)
 

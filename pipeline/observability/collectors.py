@@ -236,9 +236,7 @@ class _MultiProcessCollector(multiprocess.MultiProcessCollector):
 def scrape_registry(settings: Settings, dispatcher: Any = None) -> CollectorRegistry:
     """A registry serving this node's series: the multiprocess files when
     :func:`.metrics.setup_node` switched to that mode, else this process's memory; plus the
-    scrape-time collector. Every configured queue's series start at 0."""
-    for q in settings.queues.values():
-        metrics.series().init_queue(queue_labels(q))
+    scrape-time collector (which starts every configured queue's series at 0)."""
     reg = CollectorRegistry(auto_describe=False)
     path = metrics.multiproc_dir
     reg.register(metrics.registry if path is None else _MultiProcessCollector(path))

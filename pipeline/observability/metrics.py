@@ -167,9 +167,9 @@ def count(metric: Counter, q: QueueConfig, *extra: str, n: float = 1.0) -> None:
 
 
 # -- node setup -------------------------------------------------------------------------
-def port_from_env(env: dict[str, str] | None = None) -> int:
+def port_from_env() -> int:
     """``PIPELINE_METRICS_PORT`` (default 9808; 0 = no metrics server)."""
-    raw = (env if env is not None else os.environ).get("PIPELINE_METRICS_PORT", "")
+    raw = os.environ.get("PIPELINE_METRICS_PORT", "")
     try:
         return int(raw) if raw.strip() else DEFAULT_PORT
     except ValueError:

@@ -159,12 +159,9 @@ class AttemptSpan:
         self.span = span
 
     def set(self, key: str, value: Any) -> None:
-        """Set an attribute (and its old name too, see ``ALIASES``)."""
-        if self.span is not None and value is not None:
-            self.span.set_attribute(key, value)
-            old = ALIASES.get(key)
-            if old is not None:
-                self.span.set_attribute(old, value)
+        """Set an attribute (and its old name too, see ``ALIASES``), unless it is empty."""
+        if self.span is not None:
+            self.span.set_attributes(_attrs({key: value}))
 
     def traceparent(self) -> str | None:
         """The span's W3C ``traceparent``, or None when tracing is off."""
