@@ -317,13 +317,7 @@ def _start_services(
         console.print(f"[dim]no Redis reachable: started an embedded redis-server ({url})")
         env.update(PIPELINE_REDIS_URL=url, CELERY_BROKER_URL=url, CELERY_RESULT_BACKEND=url)
     if not env.get("PIPELINE_QUEUES") and not env.get("PIPELINE_ENDPOINT"):
-        sim_args = [
-            "--latency-ms",
-            str(args.sim_latency_ms),
-            "--jitter-ms",
-            str(args.sim_jitter_ms),
-        ]
-        url = services.start_simulator(sim_args)
+        url = services.start_simulator(args.sim_latency_ms, args.sim_jitter_ms)
         console.print(f"[dim]no endpoint configured: started the simulator ({url})")
         env["PIPELINE_ENDPOINT"] = url
     os.environ.update(env)

@@ -1,5 +1,5 @@
-"""Start what a command needs when it is not already running: an embedded Redis, the
-simulator, a worker node. Each one is a child process stopped by :meth:`Services.close`."""
+"""Start what a command needs when it is not already running: an embedded Redis and a worker
+node (child processes), the simulator (a thread); :meth:`Services.close` stops them."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from ..errors import PipelineError
 from ..redact import redact_url
 from ..store import connect
+
+if TYPE_CHECKING:
+    from ..sim import SimServer
 
 log = logging.getLogger("pipeline.services")
 
@@ -71,6 +74,7 @@ class Services:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.sims: list[SimServer] = []
 
     def _spawn(self, argv: list[str], env: dict[str, str] | None = None, log: str = "") -> None:
         """Start ``argv`` in a session of its own, its output appended to ``log`` (or dropped)."""
@@ -103,28 +107,21 @@ class Services:
         log.info("started an embedded redis-server at %s", redact_url(url))
         return url
 
-    def start_simulator(self, extra: list[str]) -> str:
-        """The simulator on a free loopback port; returns its URL once it accepts connections."""
-        port = free_port()
-        self._spawn([sys.executable, "-m", "pipeline", "sim", "--port", str(port), *extra])
+    def start_simulator(self, latency_ms: float, jitter_ms: float) -> str:
+        """The simulator, in a thread of this process; returns its URL once it listens."""
+        from ..sim import SimConfig, SimServer
 
-        def up() -> bool:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    return True
-            except OSError:
-                return False
-
-        wait_until(up, 15, "simulator")
-        return f"http://127.0.0.1:{port}"
+        sim = SimServer(SimConfig(latency_ms=latency_ms, jitter_ms=jitter_ms)).start_in_thread()
+        self.sims.append(sim)
+        return sim.url
 
     def start_worker(self, env: dict[str, str], args: list[str], log_path: str) -> None:
         """``pipeline worker`` with ``args``, its output appended to ``log_path``."""
         self._spawn([sys.executable, "-m", "pipeline", "worker", *args], env, log_path)
 
     def close(self, timeout: float = 15.0) -> None:
-        """Terminate every child, newest first; kill one that is still there after
-        ``timeout`` seconds in all."""
+        """Terminate every child, newest first, and kill one that is still there after
+        ``timeout`` seconds in all; then stop the simulator."""
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
@@ -136,3 +133,6 @@ class Services:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+        for sim in self.sims:
+            sim.stop()
+        self.sims.clear()

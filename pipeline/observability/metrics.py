@@ -123,26 +123,23 @@ class _Series:
             multiprocess_mode="max",
         )
         self._initialised: set[tuple[str, str, str]] = set()
-        self._lock = threading.Lock()
 
     def init_queue(self, labels: tuple[str, str, str]) -> None:
-        """Create a queue's series at 0 (so rates exist before the first event)."""
+        """Create a queue's series at 0 (so rates exist before the first event). Idempotent:
+        two threads that both do it create the same children."""
         if labels in self._initialised:
             return
-        with self._lock:
-            if labels in self._initialised:
-                return
-            for c in (self.requests, self.dispatched, self.retries, self.successes,
-                      self.failures, self.deadlines, self.shed):  # fmt: skip
-                c.labels(*labels)
-            for reason in GATE_REASONS:
-                self.gate_decisions.labels(*labels, reason)
-            for kind in ("attempt", "gate"):
-                self.reclaims.labels(*labels, kind)
-            for direction in TOKEN_DIRECTIONS:
-                self.tokens.labels(*labels, direction)
-            self.inflight.labels(*labels)
-            self._initialised.add(labels)
+        for c in (self.requests, self.dispatched, self.retries, self.successes, self.failures,
+                  self.deadlines, self.shed):  # fmt: skip
+            c.labels(*labels)
+        for reason in GATE_REASONS:
+            self.gate_decisions.labels(*labels, reason)
+        for kind in ("attempt", "gate"):
+            self.reclaims.labels(*labels, kind)
+        for direction in TOKEN_DIRECTIONS:
+            self.tokens.labels(*labels, direction)
+        self.inflight.labels(*labels)
+        self._initialised.add(labels)
 
 
 registry = CollectorRegistry(auto_describe=True)  # this process's series (single-process mode)
