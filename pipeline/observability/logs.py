@@ -23,16 +23,14 @@ _context: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar
 )
 
 
-def log_bodies(environ: Mapping[str, str] | None = None) -> bool:
+def log_bodies() -> bool:
     """``PIPELINE_LOG_BODIES=1``: logs (and Celery's view of a result) may show bodies."""
-    raw = (os.environ if environ is None else environ).get("PIPELINE_LOG_BODIES", "")
-    return raw.strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get("PIPELINE_LOG_BODIES", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def log_format(environ: Mapping[str, str] | None = None) -> str:
+def log_format() -> str:
     """``PIPELINE_LOG_FORMAT``: ``text`` (default) or ``json``; anything else is ``text``."""
-    raw = (os.environ if environ is None else environ).get("PIPELINE_LOG_FORMAT", "")
-    raw = raw.strip().lower()
+    raw = os.environ.get("PIPELINE_LOG_FORMAT", "").strip().lower()
     return raw if raw in LOG_FORMATS else "text"
 
 
