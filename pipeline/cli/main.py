@@ -29,7 +29,6 @@ def _setup_logging(level: str = "INFO") -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-# -- worker -----------------------------------------------------------------------------
 def cmd_worker(args: argparse.Namespace) -> int:
     settings = check_gates(load_settings())  # a bad gate stops the node before it starts
     from ..worker import check_endpoints
@@ -40,19 +39,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from ..observability import logs
 
-    # with JSON logs, no banner: every line the node writes is a JSON object
-    argv = [
-        *(["--quiet"] if logs.log_format() == "json" else []),
-        "worker",
-        "-P",
-        args.pool_impl,
-        "-c",
-        str(args.concurrency),
-        "-Q",
-        ",".join(celery_queue(p) for p in pools),
-        "--loglevel",
-        args.loglevel,
-    ]
+    queues = ",".join(celery_queue(p) for p in pools)
+    argv = ["worker", "-P", args.pool_impl, "-c", str(args.concurrency), "-Q", queues]
+    argv += ["--loglevel", args.loglevel]
+    if logs.log_format() == "json":  # no banner: every line the node writes is a JSON object
+        argv.insert(0, "--quiet")
     if args.events:
         argv.append("-E")
     if args.hostname:
@@ -65,7 +56,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- submit -----------------------------------------------------------------------------
 def cmd_submit(args: argparse.Namespace) -> int:
     from ..client import Pipeline
 
@@ -90,7 +80,6 @@ def _json(text: str) -> Any:
         raise argparse.ArgumentTypeError(f"not JSON: {exc.msg}") from None
 
 
-# -- status -----------------------------------------------------------------------------
 def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
@@ -114,7 +103,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- explain ----------------------------------------------------------------------------
 def cmd_explain(args: argparse.Namespace) -> int:
     """Where a request is and why; exit 2 naming the id when it is unknown."""
     from ..client import Pipeline
@@ -136,7 +124,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- reload -----------------------------------------------------------------------------
 def cmd_reload(args: argparse.Namespace) -> int:
     """Ask every live worker node to re-read its queue and pool files; print each node's
     outcome. Exit 0 when every node applied it (or had nothing to change), 1 otherwise."""
@@ -185,7 +172,6 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-# -- flower -----------------------------------------------------------------------------
 # the tasks page shows each attempt's request id (args), queue / priority / attempt (kwargs),
 # result and exception (a retry's reason, a failure's status or error code)
 FLOWER_COLUMNS = (
@@ -213,7 +199,6 @@ def cmd_flower(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- serve ------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..serve import serve
 
@@ -222,7 +207,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- run --------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 

@@ -151,7 +151,6 @@ def shutdown() -> None:
             log.debug("tracing shutdown failed: %s", exc)
 
 
-# -- spans ------------------------------------------------------------------------------
 class AttemptSpan:
     """Handle on an attempt's span (a no-op when tracing is off)."""
 
