@@ -16,6 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from importlib import import_module
 from typing import Any
 
 log = logging.getLogger("pipeline.tracing")
@@ -64,19 +65,13 @@ def _exporters(env: Mapping[str, str]) -> list[Any]:
             protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get(
                 "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
             )
+            kind = "grpc" if protocol.strip().lower() == "grpc" else "http"
             try:
-                if protocol.strip().lower() == "grpc":
-                    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-                        OTLPSpanExporter,
-                    )
-                else:
-                    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                        OTLPSpanExporter,
-                    )
+                module = import_module(f"opentelemetry.exporter.otlp.proto.{kind}.trace_exporter")
             except ImportError as exc:
                 log.warning("tracing: no OTLP exporter for protocol %s (%s)", protocol, exc)
                 continue
-            out.append(OTLPSpanExporter())
+            out.append(module.OTLPSpanExporter())
         elif name != "none":
             log.warning("tracing: unsupported OTEL_TRACES_EXPORTER %r ignored", name)
     return out
