@@ -92,11 +92,9 @@ def submit_batch(
     endpoint: str | None = None,
     id: str | None = None,
 ) -> Batch:
-    """Submit a batch of OpenAI batch lines (a path to a JSONL file, or the lines as dicts or
-    JSON text) whose requests must all finish within ``completion_window`` (``"24h"``): the
-    whole input is checked first, then every line is stored as a request of ``queue``. A
-    ``failed`` batch lists its bad lines in ``errors`` (``metadata={"invalid_lines":
-    "error_file"}`` runs the good ones instead). ``id``: an idempotency key."""
+    """:meth:`Batches.submit_batch` on the default pipeline: OpenAI batch lines (a JSONL
+    file's path, or the lines) whose requests must all finish within ``completion_window``,
+    stored as requests of ``queue`` once all are checked. ``id``: an idempotency key."""
     return _batches().submit_batch(
         lines_or_path,
         completion_window=completion_window,

@@ -24,7 +24,7 @@ from rich.console import Console
 from pipeline.config import load_settings
 from pipeline.observability.collectors import scrape_registry
 from pipeline.observability.health import NodeServer
-from pipeline.observability.status import render_status, status_snapshot
+from pipeline.observability.status import StatusView, status_snapshot
 from pipeline.sim import SimServer
 from tests.conftest import ROOT, WorkerProc, assert_idle, held, quota, wait_for
 from tests.observability import (
@@ -360,7 +360,7 @@ def test_status_view_shows_oldest_waiting_and_holders(
     assert gate["in_flight"] == 1 and gate["limit"] == 1
     assert [h["request_id"] for h in gate["holders"]] == [holder.id]
     console = Console(width=250, record=True)
-    console.print(render_status(snap))
+    console.print(StatusView(snap))
     text = console.export_text()
     assert holder.id in text and "1 / 1" in text and "oldest" in text
     for rid in waiting:

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 
 from pipeline.client import Pipeline
-from pipeline.observability.status import WIDE_MIN, render_status, status_snapshot
+from pipeline.observability.status import WIDE_MIN, StatusView, status_snapshot
 
 NARROW_HEADERS = ("queue", "pending", "retry", "running", "done/min", "oldest", "slack",
                   "queue / pool", "gate", "in flight", "holders")  # fmt: skip
@@ -33,7 +33,7 @@ def snapshot_with_holders(pl: Pipeline) -> dict[str, Any]:
 
 def render(info: dict[str, Any], width: int) -> list[str]:
     console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
-    console.print(render_status(info))
+    console.print(StatusView(info))
     return console.export_text().splitlines()
 
 

@@ -9,10 +9,11 @@ import os
 import signal
 import sys
 import time
+from contextlib import suppress
 from typing import Any
 
 from ..config import bool_env, load_settings
-from ..errors import ConfigError, PipelineError
+from ..errors import PipelineError
 from ..gates import check_gates
 
 log = logging.getLogger("pipeline.cli")
@@ -28,7 +29,6 @@ def _setup_logging(level: str = "INFO") -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-# -- worker -----------------------------------------------------------------------------
 def cmd_worker(args: argparse.Namespace) -> int:
     settings = check_gates(load_settings())  # a bad gate stops the node before it starts
     from ..worker import check_endpoints
@@ -39,19 +39,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from ..observability import logs
 
-    # with JSON logs, no banner: every line the node writes is a JSON object
-    argv = [
-        *(["--quiet"] if logs.log_format() == "json" else []),
-        "worker",
-        "-P",
-        args.pool_impl,
-        "-c",
-        str(args.concurrency),
-        "-Q",
-        ",".join(celery_queue(p) for p in pools),
-        "--loglevel",
-        args.loglevel,
-    ]
+    queues = ",".join(celery_queue(p) for p in pools)
+    argv = ["worker", "-P", args.pool_impl, "-c", str(args.concurrency), "-Q", queues]
+    argv += ["--loglevel", args.loglevel]
+    if logs.log_format() == "json":  # no banner: every line the node writes is a JSON object
+        argv.insert(0, "--quiet")
     if args.events:
         argv.append("-E")
     if args.hostname:
@@ -64,26 +56,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- submit -----------------------------------------------------------------------------
 def cmd_submit(args: argparse.Namespace) -> int:
     from ..client import Pipeline
 
-    text = sys.stdin.read() if args.payload == "-" else args.payload
-    try:
-        payload = json.loads(text)
-    except json.JSONDecodeError as exc:
-        print(f"payload: not JSON: {exc.msg}", file=sys.stderr)
-        return 2
     kw: dict[str, Any] = {"queue": args.queue, "priority": args.priority}
-    for key in ("id", "deadline", "timeout", "endpoint"):
+    for key in ("id", "deadline", "timeout", "endpoint", "metadata", "headers"):
         if getattr(args, key) is not None:
             kw[key] = getattr(args, key)
-    if args.metadata:
-        kw["metadata"] = json.loads(args.metadata)
-    if args.headers:
-        kw["headers"] = json.loads(args.headers)
-    p = Pipeline()
-    req = p.submit(payload, **kw)
+    req = Pipeline().submit(args.payload, **kw)
     print(req.id)
     if args.wait is not None:
         result = req.result(timeout=args.wait or None)
@@ -92,49 +72,37 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- status -----------------------------------------------------------------------------
+def _json(text: str) -> Any:
+    """An argument that is JSON text (``-``: read from stdin); not JSON is a usage error."""
+    try:
+        return json.loads(sys.stdin.read() if text == "-" else text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc.msg}") from None
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
     from ..client import Pipeline
-    from ..observability.status import render_all, status_snapshot
+    from ..observability.status import render, status_snapshot
+    from ..redact import redact_url
 
     p = Pipeline()
     if args.json:
         print(json.dumps(status_snapshot(p), indent=2))
-        return 0
-    if not args.watch:
-        from rich.console import Console
-
-        from ..redact import redact_url
-
+    elif not args.watch:
         console = Console()
         console.print(f"[dim]redis: {redact_url(p.settings.redis_url)}")
-        console.print(render_all(status_snapshot(p), _server_facts(p)))
-        return 0
-    from rich.live import Live
-
-    with Live(render_all(status_snapshot(p), _server_facts(p)), refresh_per_second=4) as live:
-        try:
+        console.print(render(p))
+    else:
+        with Live(render(p), refresh_per_second=4) as live, suppress(KeyboardInterrupt):
             while True:
                 time.sleep(args.interval)
-                live.update(render_all(status_snapshot(p), _server_facts(p)))
-        except KeyboardInterrupt:
-            pass
+                live.update(render(p))
     return 0
 
 
-def _server_facts(p: Any) -> Any:
-    """The Redis server's memory and persistence, or None when it does not answer."""
-    import redis
-
-    from ..store import server_facts
-
-    try:
-        return server_facts(p.store.client)
-    except redis.RedisError:
-        return None
-
-
-# -- explain ----------------------------------------------------------------------------
 def cmd_explain(args: argparse.Namespace) -> int:
     """Where a request is and why; exit 2 naming the id when it is unknown."""
     from ..client import Pipeline
@@ -156,19 +124,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- reload -----------------------------------------------------------------------------
-def _live_nodes(client: Any, keys: Any) -> list[str]:
-    now = time.time()
-    nodes: set[str] = set()
-    for key in client.scan_iter(keys.pool_nodes_pattern(), count=1000):
-        nodes.update(str(n) for n in client.zrangebyscore(key, now, "+inf"))
-    return sorted(nodes)
-
-
 def cmd_reload(args: argparse.Namespace) -> int:
     """Ask every live worker node to re-read its queue and pool files; print each node's
     outcome. Exit 0 when every node applied it (or had nothing to change), 1 otherwise."""
     from ..store import Keys, connect
+    from .services import wait_until
 
     # only Redis and the key prefix are needed here: this host's queue file may not even
     # validate (a node checks its own)
@@ -176,20 +136,29 @@ def cmd_reload(args: argparse.Namespace) -> int:
     settings = load_settings(env)
     keys = Keys.of(settings)
     client = connect(settings.redis_url)
-    nodes = _live_nodes(client, keys)
+    sec, usec = client.time()  # liveness is scored by the server's clock
+    nodes = sorted(
+        {
+            str(node)
+            for key in client.scan_iter(keys.pool_nodes_pattern(), count=1000)
+            for node in client.zrangebyscore(key, sec + usec / 1e6, "+inf")
+        }
+    )
     generation = int(client.incr(keys.config_reload()))
     if not nodes:
         print("no live worker node: nothing to reload", file=sys.stderr)
         return 1
     outcomes: dict[str, dict[str, Any]] = {}
-    end = time.monotonic() + args.timeout
-    while len(outcomes) < len(nodes) and time.monotonic() < end:
+
+    def all_answered() -> bool:
         for node, raw in zip(nodes, client.hmget(keys.config_reloads(), nodes), strict=True):
-            if raw and node not in outcomes:
-                data = json.loads(raw)
-                if int(data.get("generation", 0)) >= generation:
-                    outcomes[node] = data
-        time.sleep(0.1)
+            data = json.loads(raw) if raw else {}
+            if int(data.get("generation", 0)) >= generation:
+                outcomes[node] = data
+        return len(outcomes) == len(nodes)
+
+    with suppress(TimeoutError):
+        wait_until(all_answered, args.timeout, "the nodes", interval=0.1)
     ok = True
     for node in nodes:
         data = outcomes.get(node)
@@ -197,18 +166,10 @@ def cmd_reload(args: argparse.Namespace) -> int:
             ok = False
             print(f"{node}: no answer within {args.timeout:g} s")
             continue
-        result = data["result"]
-        ok = ok and result in ("success", "unchanged")
+        ok = ok and data["result"] in ("success", "unchanged")
         detail = f": {data['reason']}" if data.get("reason") else ""
-        print(f"{node}: {result}{detail}")
+        print(f"{node}: {data['result']}{detail}")
     return 0 if ok else 1
-
-
-# -- sim / flower -----------------------------------------------------------------------
-def cmd_sim(args: argparse.Namespace) -> int:
-    from .. import sim
-
-    return int(sim.run_from_args(args) or 0)
 
 
 # the tasks page shows each attempt's request id (args), queue / priority / attempt (kwargs),
@@ -238,7 +199,6 @@ def cmd_flower(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- serve ------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..serve import serve
 
@@ -247,12 +207,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- run --------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ..batch import BatchSettings
     from ..batch.run import Run, RunError, RunOptions, check_file
+    from ..client import Pipeline
+    from .services import Services
 
     console = Console(stderr=True)
     settings = load_settings()
@@ -274,15 +235,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         show_progress=not args.no_progress,
     )
-    return _run_with_services(args, opts, console, Run, RunError)
-
-
-def _run_with_services(
-    args: argparse.Namespace, opts: Any, console: Any, run_cls: Any, run_error: Any
-) -> int:
-    from ..client import Pipeline
-    from .services import Services
-
     services = Services()
 
     def on_term(signum: int, _frame: Any) -> None:  # stop what we started, also on SIGTERM
@@ -295,7 +247,7 @@ def _run_with_services(
         env, embedded = _start_services(args, services, console)
         pipeline = Pipeline(load_settings(env))
         _start_worker(args, services, console, env, pipeline)
-        run = run_cls(pipeline, opts, console)
+        run = Run(pipeline, opts, console)
         run.start()
         batch = run.follow()
         summary = run.write(started)
@@ -304,27 +256,33 @@ def _run_with_services(
         if args.json_summary:
             print(json.dumps(summary.as_dict()))
         return 0
-    except run_error as exc:
+    except RunError as exc:
         print(f"pipeline run: {exc}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, TimeoutError) as exc:
-        if run is None or run.batch is None:
-            return 130 if isinstance(exc, KeyboardInterrupt) else 1
-        if args.cancel_on_exit:
-            b = run.batches.cancel(run.batch.id)
-            console.print(f"batch {b.id} cancelled ({b.status})")
-        else:
-            console.print(run.reattach_hint(), soft_wrap=True)  # one line, to copy
-            if embedded:
-                console.print(
-                    "[yellow]its Redis is the embedded one this command started, which stops "
-                    "now: running the command again starts the batch afresh"
-                )
-            elif services.procs:
-                console.print("the worker this command started stops now; re-attaching starts one")
+        if run is not None and run.batch is not None:
+            _stop_following(args, run, services, console, embedded)
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         services.close()
+
+
+def _stop_following(
+    args: argparse.Namespace, run: Any, services: Any, console: Any, embedded: bool
+) -> None:
+    """Ctrl-C or --timeout: cancel the batch (--cancel-on-exit), or say how to re-attach."""
+    if args.cancel_on_exit:
+        b = run.batches.cancel(run.batch.id)
+        console.print(f"batch {b.id} cancelled ({b.status})")
+        return
+    console.print(run.reattach_hint(), soft_wrap=True)  # one line, to copy
+    if embedded:
+        console.print(
+            "[yellow]its Redis is the embedded one this command started, which stops "
+            "now: running the command again starts the batch afresh"
+        )
+    elif services.procs:
+        console.print("the worker this command started stops now; re-attaching starts one")
 
 
 def _start_services(
@@ -343,13 +301,7 @@ def _start_services(
         console.print(f"[dim]no Redis reachable: started an embedded redis-server ({url})")
         env.update(PIPELINE_REDIS_URL=url, CELERY_BROKER_URL=url, CELERY_RESULT_BACKEND=url)
     if not env.get("PIPELINE_QUEUES") and not env.get("PIPELINE_ENDPOINT"):
-        sim_args = [
-            "--latency-ms",
-            str(args.sim_latency_ms),
-            "--jitter-ms",
-            str(args.sim_jitter_ms),
-        ]
-        url = services.start_simulator(sim_args)
+        url = services.start_simulator(args.sim_latency_ms, args.sim_jitter_ms)
         console.print(f"[dim]no endpoint configured: started the simulator ({url})")
         env["PIPELINE_ENDPOINT"] = url
     os.environ.update(env)
@@ -372,10 +324,10 @@ def _start_worker(
             p for p in needed if client.zcount(pipeline.store.keys.pool_nodes(p), now, "+inf") == 0
         ]
 
-    if missing_pools():
-        pools = ",".join(missing_pools())
+    pools = ",".join(missing_pools())
+    if pools:
         worker_args = ["--pools", pools, "-c", str(args.concurrency), "--loglevel", "WARNING"]
-        services.start_worker(env, worker_args, log_path=args.worker_log)
+        services.start_worker(env, worker_args, args.worker_log)
         console.print(
             f"[dim]no worker running for pool(s) {pools}: started one "
             f"({args.concurrency} slots, log: {args.worker_log})"
@@ -420,17 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cancel-on-exit", action="store_true", help="on Ctrl-C or --timeout, cancel the batch"
     )
-    p.add_argument(
-        "--timeout", type=float, default=None, help="stop waiting after this many s (exit 1)"
-    )
+    p.add_argument("--timeout", type=float, help="stop waiting after this many s (exit 1)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json-summary", action="store_true", help="also print the summary as JSON")
     p.add_argument(
-        "-c",
-        "--concurrency",
-        type=int,
-        default=64,
-        help="slots of the worker started when none is running",
+        "-c", "--concurrency", type=int, default=64, help="slots of the worker it starts"
     )
     p.add_argument("--worker-log", default="pipeline-worker.log")
     p.add_argument("--sim-latency-ms", type=float, default=150.0)
@@ -443,30 +389,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-P", "--pool-impl", default="threads", choices=["threads", "prefork", "solo"])
     p.add_argument("-n", "--hostname")
     p.add_argument("--loglevel", default="INFO")
-    events = p.add_mutually_exclusive_group()
-    events.add_argument(
+    p.add_argument(
         "-E",
         "--events",
-        dest="events",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=bool_env(os.environ, "PIPELINE_TASK_EVENTS", False),
         help="send task events from the start (also PIPELINE_TASK_EVENTS=1); by default they "
         "are off until Flower (`pipeline flower`) turns them on",
     )
-    events.add_argument("--no-events", dest="events", action="store_false", help="the default")
     p.add_argument("celery_args", nargs=argparse.REMAINDER, help="passed to celery worker")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("submit", help="submit one request (payload as JSON, or - for stdin)")
-    p.add_argument("payload")
+    p.add_argument("payload", type=_json)
     p.add_argument("--queue", default="default")
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--id")
     p.add_argument("--deadline", type=float)
     p.add_argument("--timeout", type=float)
     p.add_argument("--endpoint")
-    p.add_argument("--metadata", help="JSON object of str to str")
-    p.add_argument("--headers", help="JSON object of str to str")
+    p.add_argument("--metadata", type=_json, help="JSON object of str to str")
+    p.add_argument("--headers", type=_json, help="JSON object of str to str")
     p.add_argument(
         "--wait",
         type=float,
@@ -505,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .. import sim
 
     sim.add_arguments(p)
-    p.set_defaults(func=cmd_sim)
+    p.set_defaults(func=sim.run_from_args)
 
     p = sub.add_parser("flower", help="Flower for the pipeline's Celery app")
     p.add_argument("--address", default="127.0.0.1")
@@ -519,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, PipelineError) as exc:
+    except PipelineError as exc:
         print(f"pipeline: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

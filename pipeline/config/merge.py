@@ -1,28 +1,11 @@
 """The merge policy: how the queues of one worker pool share its dispatches
 (``PIPELINE_MERGE_POLICY``, a JSON file ``{"type": ..., "parameters": {...}}`` in the
-reference's shape; unknown fields are a startup error).
-
-- ``random-robin`` (the default): the pool's queues that have something to send share the
-  dispatches in proportion to their ``weight`` (default 1), by a smooth weighted round-robin
-  whose starting point is random (the dispatch script keeps its state in Redis, so every
-  dispatcher of the pool continues one sequence).
-- ``tier-priority``: the reference's six lanes, ``classification`` × tier from each queue's
-  ``labels`` (lane = class × 3 + tier: ``reserved`` 0, anything else 1; ``interactive`` 0,
-  ``async`` 1, ``batch`` or none 2). The highest lane with something to send goes first,
-  round-robin (weighted) among its queues, except that a lane with something to send is passed
-  over at most ``max_lane_wait`` dispatches in a row (default 15): every waiting lane gets at
-  least one dispatch in 16. Optional ``priority_header`` (the lane index is sent in it; default
-  ``""``, off, as in the reference since #443), ``objective_header``
-  (``x-llm-d-inference-objective``) with ``lane_objectives`` (lane key → objective name, stamped
-  after the caller's headers), ``tier_label`` (``tier``).
-
-Both accept the reference's fairness parameters ``fairness_header`` and ``fairness_attribute``,
-which replace ``PIPELINE_FAIRNESS_HEADER`` / ``PIPELINE_FAIRNESS_ATTRIBUTE`` when given.
+reference's shape). The policies, their lanes and parameters are described in
+docs/scheduling.md, "Merge policies"; the dispatch script applies them.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,9 +15,7 @@ from ..errors import ConfigError
 HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 POLICIES = ("random-robin", "tier-priority")
 TIERS = {"interactive": 0, "async": 1, "batch": 2}
-CLASSES = ("reserved", "overflow")
-LANES = tuple(f"{c}-{t}" for c in CLASSES for t in TIERS)  # index = class × 3 + tier
-DEFAULT_MAX_LANE_WAIT = 15
+LANES = tuple(f"{c}-{t}" for c in ("reserved", "overflow") for t in TIERS)  # class × 3 + tier
 _COMMON = ("fairness_header", "fairness_attribute")
 _PARAMS = {
     "random-robin": _COMMON,
@@ -58,7 +39,7 @@ class MergePolicy:
     priority_header: str = ""
     objective_header: str = "x-llm-d-inference-objective"
     lane_objectives: dict[str, str] = field(default_factory=dict)
-    max_lane_wait: int = DEFAULT_MAX_LANE_WAIT
+    max_lane_wait: int = 15  # a waiting lane is passed over at most this often in a row
     fairness_header: str | None = None  # None: PIPELINE_FAIRNESS_HEADER
     fairness_attribute: str | None = None  # None: PIPELINE_FAIRNESS_ATTRIBUTE
 
@@ -147,15 +128,3 @@ def _lane_objectives(value: Any, where: str) -> dict[str, str]:
         if not isinstance(objective, str) or not objective.isprintable() or not objective:
             raise ConfigError(f"{where}lane_objectives.{lane} must be a non-empty string")
     return dict(value)
-
-
-def read_merge_policy(path: str, var: str = "PIPELINE_MERGE_POLICY") -> MergePolicy:
-    """The merge policy in the JSON file at ``path``."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"{var}: cannot read {path}: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{var}: {path} is not valid JSON: {exc}") from None
-    return parse_merge_policy(data, f"{var} ({path})")

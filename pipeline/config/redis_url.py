@@ -1,12 +1,7 @@
-"""Redis URLs in Celery's syntax, Sentinel lists included: plain data, nothing is connected to.
-
-A Sentinel-managed Redis is named by its sentinels, as Celery (kombu's ``sentinel`` transport
-and Celery's ``SentinelBackend``) takes it: ``sentinel://[[user]:password@]host[:port][/db]``
-entries joined by ``;``, e.g. ``sentinel://:pw@s1:26379/0;sentinel://s2:26379;sentinel://s3``.
-Each entry names a sentinel (port 26379 by default); the database, user name and password (of
-the Redis master, not of the sentinels) are the first entry's. The master's name is not in the
-URL: it is ``PIPELINE_REDIS_SENTINEL_MASTER``, one setting for the pipeline's Redis, the Celery
-broker and the result backend (Celery's ``master_name`` transport option).
+"""Redis URLs in Celery's syntax, Sentinel lists included (docs/production.md, "Sentinel"):
+plain data, nothing is connected to. A Sentinel list is ``sentinel://[[user]:password@]host
+[:port][/db]`` entries joined by ``;``; the database and credentials (the master's) are the
+first entry's, the master's name is ``PIPELINE_REDIS_SENTINEL_MASTER``.
 """
 
 from __future__ import annotations

@@ -1,41 +1,30 @@
-"""Reloading the queue and pool files into running settings (plain data; what a worker node
-does with the result is ``pipeline.worker.reload``).
-
-- :func:`reload_queue_files`: the settings with ``queues`` and ``pool_configs`` read again from
-  ``PIPELINE_QUEUES`` / ``PIPELINE_POOLS`` (validated field by field, as at start); every other
-  setting stays as it is (a process's environment does not change).
-- :func:`diff_config`: which queues were added, removed or changed, and which pools changed.
-- :func:`to_snapshot` / :func:`from_snapshot`: the queues and pools a node accepted, as JSON,
-  for its prefork children to follow (no secret is in it: a queue names its API key's
-  variable, not the key).
+"""Reloading the queue and pool files into running settings, as plain data (what a worker
+node does with the result is ``pipeline.worker.reload``; docs/configuration.md, "Changing
+queues without a restart"). A snapshot (:func:`to_snapshot`) is the queues and pools a node
+accepted, as JSON, for its prefork children to follow; it holds no secret (a queue names its
+API key's variable, not the key).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import ConfigError
-from .load import _read_json, parse_pools, parse_queues
+from .load import parse_pools, parse_queues, read_queue_files
 from .settings import Settings
 
 
 def reload_queue_files(current: Settings, env: Mapping[str, str] | None = None) -> Settings:
-    """``current`` with the queue and pool files read again; ConfigError when a file is
-    missing, not JSON or does not validate (naming the file, entry and field)."""
+    """``current`` with the queue and pool files read again (every other setting stays: a
+    process's environment does not change); ConfigError when a file is missing, not JSON or
+    does not validate (naming the file, entry and field)."""
     env = os.environ if env is None else env
-    path = env.get("PIPELINE_QUEUES")
-    if not path:
+    if not env.get("PIPELINE_QUEUES"):
         raise ConfigError("PIPELINE_QUEUES is not set: there is no queue file to reload")
-    queues = parse_queues(_read_json(path, "PIPELINE_QUEUES"), path)
-    pools_path = env.get("PIPELINE_POOLS")
-    pools = (
-        parse_pools(_read_json(pools_path, "PIPELINE_POOLS"), pools_path, queues)
-        if (pools_path)
-        else {}
-    )
+    queues, pools = read_queue_files(env)
     return replace(current, queues=queues, pool_configs=pools)
 
 
@@ -78,21 +67,9 @@ def diff_config(old: Settings, new: Settings) -> ConfigChange:
 
 
 def _entry(obj: Any) -> dict[str, Any]:
-    """A config dataclass as the file entry it came from: the fields that differ from their
-    default (an absent field is the default, as in the files; a ``null`` may not validate)."""
-    out: dict[str, Any] = {}
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        if f.default is not MISSING:
-            default: Any = f.default
-        elif f.default_factory is not MISSING:
-            default = f.default_factory()
-        else:
-            out[f.name] = value
-            continue
-        if value != default:
-            out[f.name] = value
-    return out
+    """A config dataclass as a file entry (a ``null`` field is left out: it is the default,
+    and it may not validate)."""
+    return {k: v for k, v in asdict(obj).items() if v is not None}
 
 
 def to_snapshot(settings: Settings) -> dict[str, Any]:

@@ -1,13 +1,6 @@
-"""Settings and queue configuration: plain, frozen data (nothing here builds gates or
-connects to anything; :mod:`pipeline.config.load` reads it from files and the environment).
-
-Queues use the reference's JSON field names (``queue_name``, ``igw_base_url``,
-``request_path_url``, ``inference_objective``, ``worker_pool_id``, ``gate_type``,
-``gate_params``, ``labels``, ``result_queue_name``) plus ours (``default_timeout_s``,
-``request_timeout_s``, ``retry_base_delay_s``, ``retry_max_delay_s``; the endpoint's
-credentials: ``api_key_env``, ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``,
-``tls_insecure_skip_verify``; what a response may be: ``follow_redirects``,
-``max_response_bytes``). All durations are in seconds.
+"""Settings and queue configuration as plain, frozen data: nothing here builds gates or
+connects to anything (:mod:`pipeline.config.load` reads it). Every field is described in
+docs/configuration.md; durations are in seconds.
 
 A queue names its API key's *environment variable*, never the key: the config (which clients
 load too, and which a node may copy) holds no secret. Whether the variable is set and the TLS
@@ -28,14 +21,28 @@ DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 INGEST_FORMATS = ("llm-d-async",)  # wire formats a queue may ingest besides submit()
-HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 TLS_FILES = ("tls_ca_file", "tls_cert_file", "tls_key_file")
+_SECONDS = (
+    "default_timeout_s",
+    "request_timeout_s",
+    "retry_base_delay_s",
+    "retry_max_delay_s",
+    "result_ttl_seconds",
+)
+_COUNTS = ("result_list_max_len", "max_response_bytes")
+_FLAGS = ("result_list", "fair_share", "tls_insecure_skip_verify", "follow_redirects")
+
+
+def _positive(value: Any, kind: Any = int | float) -> bool:
+    """Whether ``value`` is a ``kind`` above 0 (a JSON ``true`` is not a number here)."""
+    return not isinstance(value, bool) and isinstance(value, kind) and value > 0
 
 
 @dataclass(frozen=True)
 class QueueConfig:
-    """One queue: where its requests go, how they are gated and retried."""
+    """One queue: where its requests go, how they are gated and retried. The field names are
+    the reference's (llm-d-async) plus ours."""
 
     queue_name: str
     igw_base_url: str
@@ -47,32 +54,23 @@ class QueueConfig:
     gate_params: dict[str, Any] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     result_queue_name: str | None = None
-    # the result list: every terminal result is also pushed there (for consumers that pop it);
-    # bounded: trimmed to result_list_max_len entries and expiring result_ttl_seconds after the
-    # latest push (None: the pipeline's result TTL); result_list false pushes nothing
-    result_list: bool = True
+    result_list: bool = True  # push every terminal result onto the result list too
     result_list_max_len: int = 100_000
-    result_ttl_seconds: float | None = None
+    result_ttl_seconds: float | None = None  # None: the pipeline's result TTL
     default_timeout_s: float = 3600.0
     request_timeout_s: float = 300.0
     retry_base_delay_s: float = 2.0
     retry_max_delay_s: float = 60.0
-    # scheduling (see pipeline.config.merge and the README's "Scheduling"): the queue's share
-    # of its pool's dispatches, and whether its tenants take turns at each priority
-    weight: float = 1.0
-    fair_share: bool = False
+    weight: float = 1.0  # the queue's share of its pool's dispatches
+    fair_share: bool = False  # its tenants take turns at each priority
     api_key_env: str | None = None  # the variable whose value is sent as "Bearer <value>"
-    tls_ca_file: str | None = None  # PEM CA bundle the server's certificate must chain to
-    tls_cert_file: str | None = None  # client certificate (mTLS), PEM
-    tls_key_file: str | None = None  # its private key, PEM (or inside tls_cert_file)
-    tls_insecure_skip_verify: bool = False  # do not verify the server's certificate
-    # follow a 307/308 (to another origin without credentials or client certificate; never
-    # https -> http); off: a 3xx ends the request with its status
-    follow_redirects: bool = False
-    max_response_bytes: int = 16 * 1024 * 1024  # a longer body ends the request
-    # "llm-d-async": also take the requests a reference producer writes into the sorted set
-    # named like the queue, and answer them on the reference's result list in its format
-    ingest: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None  # None: the key is inside tls_cert_file
+    tls_insecure_skip_verify: bool = False
+    follow_redirects: bool = False  # 307/308 only; never https -> http
+    max_response_bytes: int = 16 * 1024 * 1024
+    ingest: str | None = None  # "llm-d-async": also serve the reference's producers
 
     @property
     def queue_id(self) -> str:
@@ -83,8 +81,7 @@ class QueueConfig:
         """Validate one queue entry; ``where`` names it in error messages."""
         if not isinstance(entry, dict):
             raise ConfigError(f"{where}: a queue entry must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(entry) - known)
+        unknown = sorted(set(entry) - {f.name for f in fields(cls)})
         if unknown:
             raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
         name = entry.get("queue_name")
@@ -100,26 +97,28 @@ class QueueConfig:
         pool = entry.get("worker_pool_id", "default")
         if not isinstance(pool, str) or not _NAME.match(pool):
             raise ConfigError(f"{where}: worker_pool_id must be a name")
-        for key in (
-            "default_timeout_s",
-            "request_timeout_s",
-            "retry_base_delay_s",
-            "retry_max_delay_s",
-            "result_ttl_seconds",
-        ):
-            value = entry.get(key, 1.0)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ConfigError(f"{where}: {key} must be a positive number of seconds")
+        _check_values(entry, where)
         _check_credentials(entry, where, urlsplit(url).scheme == "https")
-        if entry.get("ingest") not in (None, "", *INGEST_FORMATS):
-            formats = ", ".join(INGEST_FORMATS)
-            raise ConfigError(f"{where}: ingest must be one of {formats}, not {entry['ingest']!r}")
-        _check_result_list(entry, where)
-        _check_scheduling(entry, where)
-        try:
-            return cls(**entry)
-        except TypeError as exc:  # pragma: no cover - guarded by the checks above
-            raise ConfigError(f"{where}: {exc}") from exc
+        return cls(**entry)
+
+
+def _check_values(entry: dict[str, Any], where: str) -> None:
+    """The numbers, flags and ``ingest`` of a queue entry."""
+    for key in _SECONDS:
+        if not _positive(entry.get(key, 1.0)):
+            raise ConfigError(f"{where}: {key} must be a positive number of seconds")
+    for key in _FLAGS:
+        if not isinstance(entry.get(key, False), bool):
+            raise ConfigError(f"{where}: {key} must be true or false")
+    for key in _COUNTS:
+        if not _positive(entry.get(key, 1), int):
+            raise ConfigError(f"{where}: {key} must be a positive int")
+    weight = entry.get("weight", 1)
+    if not _positive(weight) or weight > 1e6:
+        raise ConfigError(f"{where}: weight must be a positive number (at most 1e6)")
+    if entry.get("ingest") not in (None, "", *INGEST_FORMATS):
+        formats = ", ".join(INGEST_FORMATS)
+        raise ConfigError(f"{where}: ingest must be one of {formats}, not {entry['ingest']!r}")
 
 
 def _check_credentials(entry: dict[str, Any], where: str, https: bool) -> None:
@@ -136,31 +135,8 @@ def _check_credentials(entry: dict[str, Any], where: str, https: bool) -> None:
     if entry.get("tls_key_file") and not entry.get("tls_cert_file"):
         raise ConfigError(f"{where}: tls_key_file needs tls_cert_file")
     skip = entry.get("tls_insecure_skip_verify", False)
-    if not isinstance(skip, bool):
-        raise ConfigError(f"{where}: tls_insecure_skip_verify must be true or false")
     if not https and (skip or any(entry.get(k) for k in TLS_FILES)):
         raise ConfigError(f"{where}: tls_* fields need an https igw_base_url")
-    if not isinstance(entry.get("follow_redirects", False), bool):
-        raise ConfigError(f"{where}: follow_redirects must be true or false")
-    limit = entry.get("max_response_bytes", 1)
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
-        raise ConfigError(f"{where}: max_response_bytes must be a positive int")
-
-
-def _check_result_list(entry: dict[str, Any], where: str) -> None:
-    if not isinstance(entry.get("result_list", True), bool):
-        raise ConfigError(f"{where}: result_list must be true or false")
-    max_len = entry.get("result_list_max_len", 1)
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
-        raise ConfigError(f"{where}: result_list_max_len must be a positive int")
-
-
-def _check_scheduling(entry: dict[str, Any], where: str) -> None:
-    weight = entry.get("weight", 1)
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= 1e6:
-        raise ConfigError(f"{where}: weight must be a positive number (at most 1e6)")
-    if not isinstance(entry.get("fair_share", False), bool):
-        raise ConfigError(f"{where}: fair_share must be true or false")
 
 
 @dataclass(frozen=True)
@@ -185,7 +161,7 @@ class PoolConfig:
         if not isinstance(pid, str) or not _NAME.match(pid):
             raise ConfigError(f"{where}: id must be 1-128 characters of [A-Za-z0-9_.-]")
         workers = entry.get("workers", 64)
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers <= 0:
+        if not _positive(workers, int):
             raise ConfigError(f"{where} ({pid}): workers must be a positive int")
         params = entry.get("gate_params", {})
         if not isinstance(params, dict):
@@ -195,7 +171,7 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class Settings:
-    """Process-wide settings. Read from the environment by :func:`load_settings`."""
+    """Process-wide settings, read from ``PIPELINE_*`` variables by :func:`load_settings`."""
 
     redis_url: str = DEFAULT_REDIS_URL
     broker_url: str = DEFAULT_REDIS_URL
@@ -210,8 +186,7 @@ class Settings:
     gate_wait_timeout_s: float = 300.0
     fairness_attribute: str = "userid"  # metadata key sent as the fairness identity
     fairness_header: str = "x-llm-d-inference-fairness-id"  # "" disables the stamp
-    # the header a queue's inference_objective is sent in ("" disables it)
-    objective_header: str = "x-llm-d-inference-objective"
+    objective_header: str = "x-llm-d-inference-objective"  # "" disables it
     wedge_after_s: float = 300.0  # no completion this long while full and waiting: wedged
     park_s: float = 10.0  # an attempt refused by a full slot gate parks this long for a release
     lookahead: int = -1  # attempts dispatched past a slot gate's capacity; -1: automatic
@@ -221,31 +196,24 @@ class Settings:
     redis_min_replicas: int = 0  # submit and terminal writes wait for this many replicas (WAIT)
     redis_wait_timeout_ms: int = 1000  # ... at most this long
     allow_eviction: bool = False  # start a worker on a Redis whose maxmemory-policy may evict
-    merge_policy: MergePolicy = field(default_factory=MergePolicy)  # PIPELINE_MERGE_POLICY
+    merge_policy: MergePolicy = field(default_factory=MergePolicy)
 
     def lookahead_for(
         self, capacity: int, *, quota_key: bool = False, behind_quota: bool = False
     ) -> int:
         """How many attempts the dispatcher sends past a slot gate of ``capacity`` (or past a
-        per-key quota's limit, ``quota_key``), to park at the workers so a released slot is
-        taken at once: ``PIPELINE_LOOKAHEAD``, or by default half the capacity or limit, at
-        least 1 and at most 8 (none when parking is off); a quarter of a slot gate's capacity
-        when per-key quotas stand in front of it (``behind_quota``: a composite's), whose
-        parked attempts hold their tenants' quota slots. The look-ahead is topped up when half
-        of it is used (a node rings the dispatcher then; a quota key's held tenant is woken
-        then), one dispatcher tick each time: the larger share makes that tick send more at
-        once, a tick per four finishes at capacity 16 instead of one per two (Redis
-        instructions per request -6 % at 1 node behind a slot gate; a composite's fair tenant
-        mix +17 % with half, so it keeps a quarter: BENCHMARKS.md, round 7)."""
+        per-key quota's limit, ``quota_key``) to park at the workers, so that a released slot
+        is taken at once: ``PIPELINE_LOOKAHEAD``, or by default half the capacity or limit,
+        1 to 8 (0 when parking is off). Behind per-key quotas (``behind_quota``: a
+        composite's) a slot gate gets a quarter: its parked attempts hold their tenants'
+        quota slots, and half cost a fair tenant mix more Redis instructions per request than
+        it saved (bench/redis_replay.py). See docs/scheduling.md, "Look-ahead and parking"."""
         if self.park_s <= 0:
             return 0
         if self.lookahead >= 0:
             return self.lookahead
         share = 4 if behind_quota and not quota_key else 2
         return min(8, max(1, -(-capacity // share)))
-
-    def queue(self, name: str) -> QueueConfig:
-        return self.queues[name]
 
     def pools(self) -> dict[str, list[QueueConfig]]:
         """Worker pool id → the queues it serves."""

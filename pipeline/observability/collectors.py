@@ -7,12 +7,14 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, multiprocess
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from ..config import Settings
 from ..gates import Gate, GateEnv, pool_gate, queue_gate
+from ..gates.leased_rate import RedisLeasedRateGate
+from ..gates.metric import MetricGate
 from ..store import Store
 from ..store.scripts import register
 from . import metrics
@@ -21,26 +23,11 @@ from .metrics import LABELS, PREFIX, PROXIMITY_BUCKETS_MS, queue_labels
 log = logging.getLogger("pipeline.metrics")
 
 
-def _metric_gates(gate: Gate) -> Iterator[Gate]:
-    """``gate`` and the gates inside it that expose metric readings."""
-    if hasattr(gate, "source_available"):
-        yield gate
-    for inner in getattr(gate, "gates", None) or []:
-        yield from _metric_gates(inner)
-    inner = getattr(gate, "inner", None)
-    if inner is not None:
-        yield from _metric_gates(inner)
-
-
-def _leased_rate_gates(gate: Gate) -> Iterator[Gate]:
-    """``gate`` and the gates inside it of type ``redis-leased-rate``."""
-    if gate.type_name == "redis-leased-rate":
-        yield gate
-    for inner in getattr(gate, "gates", None) or []:
-        yield from _leased_rate_gates(inner)
-    inner = getattr(gate, "inner", None)
-    if inner is not None:
-        yield from _leased_rate_gates(inner)
+def _nested(gate: Gate) -> Iterator[Gate]:
+    """``gate`` and every gate it is made of."""
+    yield gate
+    for part in gate.parts():
+        yield from _nested(part)
 
 
 class ClusterCollector:
@@ -67,9 +54,6 @@ class ClusterCollector:
             metrics.series().init_queue(queue_labels(q))
         self.settings, self.gates = settings, gates
 
-    def describe(self) -> Iterable[Metric]:
-        return []
-
     def collect(self) -> Iterable[Metric]:
         current = getattr(self.dispatcher, "settings", None)
         if isinstance(current, Settings) and current is not self.settings:
@@ -81,10 +65,11 @@ class ClusterCollector:
     def _drain_limits(self) -> Iterator[Metric]:
         """The planner's lease of every ``redis-leased-rate`` gate, read from Redis now (the
         same on every node); 0 while the lease is missing, expired or invalid."""
-        by_pool: dict[str, Gate] = {}
+        by_pool: dict[str, RedisLeasedRateGate] = {}
         for _, gate in self.gates:
-            for g in _leased_rate_gates(gate):
-                by_pool.setdefault(str(getattr(g, "pool_id", "")), g)
+            for g in _nested(gate):
+                if isinstance(g, RedisLeasedRateGate):
+                    by_pool.setdefault(g.pool_id, g)
         if not by_pool:
             return
         rps = GaugeMetricFamily(
@@ -104,9 +89,9 @@ class ClusterCollector:
         )
         for pool, g in sorted(by_pool.items()):
             g.budget()  # reads the lease (never raises; an error reads as invalid)
-            rps.add_metric([pool], float(getattr(g, "limit_rps", 0.0)))
-            valid.add_metric([pool], float(getattr(g, "lease_valid", 0)))
-            until.add_metric([pool], float(getattr(g, "valid_until_s", 0.0)))
+            rps.add_metric([pool], g.limit_rps)
+            valid.add_metric([pool], g.lease_valid)
+            until.add_metric([pool], g.valid_until_s)
         yield from (rps, valid, until)
 
     def _redis(self) -> Iterator[Metric]:
@@ -211,17 +196,17 @@ class ClusterCollector:
             "1 when the metric gate's last reading succeeded (0: fallback used).",
             labels=[*LABELS, "inference_pool"],
         )
-        for q, gate in metrics.dispatched_queues():
+        for q, gate in list(metrics.budgets.values()):
             labels = list(queue_labels(q))
             budget.add_metric(labels, gate.budget())
-            for mg in _metric_gates(gate):
-                if getattr(mg, "threshold", None) is None:
+            for mg in _nested(gate):
+                if not isinstance(mg, MetricGate) or mg.threshold is None:
                     continue
-                pool = str(getattr(mg, "params", {}).get("pool", "") or "")
-                if getattr(mg, "last_value", None) is not None:
-                    value.add_metric([*labels, pool], float(mg.last_value))  # type: ignore[attr-defined]
-                threshold.add_metric([*labels, pool], float(mg.threshold))  # type: ignore[attr-defined]
-                available.add_metric([*labels, pool], 1 if mg.source_available else 0)  # type: ignore[attr-defined]
+                pool = str(mg.params.get("pool", "") or "")
+                if mg.last_value is not None:
+                    value.add_metric([*labels, pool], mg.last_value)
+                threshold.add_metric([*labels, pool], mg.threshold)
+                available.add_metric([*labels, pool], 1 if mg.source_available else 0)
         yield from (budget, value, threshold, available)
         caps = getattr(self.dispatcher, "pool_cap", None)
         if isinstance(caps, dict):
@@ -235,44 +220,25 @@ class ClusterCollector:
             yield limit
 
 
-class _MultiProcessCollector:
-    """The values every process of this node wrote (multiprocess mode)."""
+class _MultiProcessCollector(multiprocess.MultiProcessCollector):
+    """The values every process of this node wrote (multiprocess mode), once the gauges of
+    processes that died without saying so are dropped."""
 
     def __init__(self, path: str) -> None:
-        from prometheus_client import multiprocess
-
+        super().__init__(None, path=path)
         self.path = path
-        self.inner = multiprocess.MultiProcessCollector(None, path=path)
-
-    def describe(self) -> Iterable[Metric]:
-        return []
 
     def collect(self) -> Iterable[Metric]:
         metrics.prune_dead(self.path)
-        return self.inner.collect()
-
-
-class _ProcessCollector:
-    """This process's in-memory series (single-process mode)."""
-
-    def describe(self) -> Iterable[Metric]:
-        return []
-
-    def collect(self) -> Iterable[Metric]:
-        return metrics.registry().collect()
+        return super().collect()
 
 
 def scrape_registry(settings: Settings, dispatcher: Any = None) -> CollectorRegistry:
     """A registry serving this node's series: the multiprocess files when
-    :func:`setup_node` switched to that mode, else this process's memory; plus the
-    scrape-time collector. Every configured queue's series start at 0."""
-    for q in settings.queues.values():
-        metrics.series().init_queue(queue_labels(q))
+    :func:`.metrics.setup_node` switched to that mode, else this process's memory; plus the
+    scrape-time collector (which starts every configured queue's series at 0)."""
     reg = CollectorRegistry(auto_describe=False)
-    path = metrics.multiprocess_dir()
-    if path is not None:
-        reg.register(_MultiProcessCollector(path))
-    else:
-        reg.register(_ProcessCollector())
+    path = metrics.multiproc_dir
+    reg.register(metrics.registry if path is None else _MultiProcessCollector(path))
     reg.register(ClusterCollector(settings, dispatcher))
     return reg

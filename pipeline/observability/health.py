@@ -1,13 +1,7 @@
-"""The worker node's HTTP endpoint: ``/metrics`` (Prometheus), ``/healthz``, ``/readyz``.
-
-Served from the worker's main process on ``PIPELINE_METRICS_HOST`` (default ``127.0.0.1``:
-loopback unless configured) and ``PIPELINE_METRICS_PORT`` (default 9808; 0 = off). A port that
-is taken is logged and the node runs on without the endpoint.
-
-- ``/healthz``: 200 ``{"status": "ok"}`` while the process serves HTTP.
-- ``/readyz``: 200 ``{"status": "ready"}`` when Redis answers a PING (3 s timeout), the
-  dispatcher runs and the Celery consumer is connected and consuming; else 503 with the
-  reason. Not ready again from the moment the node begins shutting down.
+"""The worker node's HTTP endpoint: ``/metrics`` (Prometheus), ``/healthz``, ``/readyz``
+(docs/observability.md, "Health"), served from the worker's main process on
+``PIPELINE_METRICS_HOST`` (default ``127.0.0.1``) and ``PIPELINE_METRICS_PORT`` (default 9808;
+0 = off). A port that is taken is logged and the node runs on without the endpoint.
 """
 
 from __future__ import annotations
@@ -16,12 +10,14 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterable
+from http import HTTPStatus
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import redis
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from ..config import Settings
 from ..store import connect
@@ -56,8 +52,8 @@ class NodeServer:
             timeout=PING_TIMEOUT_S,
             decode_responses=False,
         )
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
-        self.httpd.daemon_threads = True
+        self._metrics = make_wsgi_app(self.registry)
+        self.httpd = make_server(host, port, self._app, ThreadingWSGIServer, _LogHandler)
         self._thread: threading.Thread | None = None
 
     @property
@@ -79,7 +75,8 @@ class NodeServer:
         self._redis.close()
 
     def not_ready(self) -> str | None:
-        """Why the node is not ready, or None."""
+        """Why the node is not ready, or None: shutting down, Redis does not answer a PING
+        within ``PING_TIMEOUT_S``, or a check names a reason."""
         if self.stopping.is_set():
             return "shutting down"
         try:
@@ -95,49 +92,35 @@ class NodeServer:
                 return reason
         return None
 
-
-def _handler(server: NodeServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            path = self.path.partition("?")[0]
-            if path == "/metrics":
-                try:
-                    body = generate_latest(server.registry)
-                except Exception as exc:  # noqa: BLE001 - answer 500, keep serving
-                    log.warning("metrics scrape failed: %s", exc)
-                    self._send(500, f"scrape failed: {type(exc).__name__}\n".encode(), "text/plain")
-                    return
-                self._send(200, body, CONTENT_TYPE_LATEST)
-            elif path == "/healthz":
-                self._json(200, {"status": "ok"})
-            elif path == "/readyz":
-                reason = server.not_ready()
-                if reason is None:
-                    self._json(200, {"status": "ready"})
-                else:
-                    self._json(503, {"status": "not ready", "reason": reason})
-            else:
-                self._json(
-                    404, {"error": "not found", "paths": ["/metrics", "/healthz", "/readyz"]}
-                )
-
-        def _json(self, status: int, data: dict[str, Any]) -> None:
-            self._send(status, (json.dumps(data) + "\n").encode(), "application/json")
-
-        def _send(self, status: int, body: bytes, content_type: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-            log.debug("%s %s", self.address_string(), format % args)
-
-    return Handler
+    def _app(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        """The WSGI application: prometheus_client's for ``/metrics``, JSON for the rest."""
+        path = environ.get("PATH_INFO", "")
+        data: dict[str, Any] = {"error": "not found", "paths": ["/metrics", "/healthz", "/readyz"]}
+        status = 404
+        if path == "/metrics":
+            try:
+                return list(self._metrics(environ, start_response))
+            except Exception as exc:  # noqa: BLE001 - answer 500, keep serving
+                log.warning("metrics scrape failed: %s", exc)
+                status, data = 500, {"error": f"scrape failed: {type(exc).__name__}"}
+        elif path == "/healthz":
+            status, data = 200, {"status": "ok"}
+        elif path == "/readyz":
+            reason = self.not_ready()
+            status, data = 503, {"status": "not ready", "reason": reason}
+            if reason is None:
+                status, data = 200, {"status": "ready"}
+        body = (json.dumps(data) + "\n").encode()
+        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+        start_response(f"{status} {HTTPStatus(status).phrase}", headers)
+        return [body]
 
 
-# -- worker-node wiring (called from tasks.node) ------------------------------------------
+class _LogHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        log.debug("%s %s", self.address_string(), format % args)
+
+
 _node_server: NodeServer | None = None
 
 
@@ -179,12 +162,9 @@ def start_node(worker: Any, dispatcher: Any, settings: Settings) -> NodeServer |
         log.warning("metrics endpoint not started on %s:%d: %s", host, port, exc)
         return None
     _node_server = server
-    try:
-        from celery.signals import worker_shutting_down
+    from celery.signals import worker_shutting_down
 
-        worker_shutting_down.connect(_on_shutting_down, weak=False)
-    except ImportError:  # pragma: no cover - celery is a dependency
-        pass
+    worker_shutting_down.connect(_on_shutting_down, weak=False)
     log.info("metrics, healthz and readyz on http://%s:%d", *server.address)
     return server
 

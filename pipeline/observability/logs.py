@@ -1,15 +1,9 @@
-"""What a worker logs about a request, and how: the request id, queue, attempt, status, attempts
-and latency — never the request's or the response's body (user data, and possibly large)
-unless ``PIPELINE_LOG_BODIES=1``; plain text, or one JSON object per line with
-``PIPELINE_LOG_FORMAT=json`` for log shippers.
-
-- :func:`bind` / :func:`clear`: the fields of the attempt a thread is running (a context
-  variable, set by the task around each attempt), added to every record logged meanwhile.
-- :class:`JsonFormatter`: ``{"ts", "level", "logger", "message", "request_id", "queue",
-  "attempt", ...}`` on one line; a record without bound fields takes the request id from
-  Celery's own ``extra={"data": {"id": ...}}`` (its "received" and "succeeded" lines).
-- :func:`result_summary`: a terminal result as logged (what Celery's "Task … succeeded" line
-  and Flower show in place of the return value): id, status or error code, attempts, latency.
+"""What a worker logs about a request, and how (docs/observability.md, "Logs"): the request
+id, queue, attempt, status, attempts and latency — never the request's or the response's body
+(user data, and possibly large) unless ``PIPELINE_LOG_BODIES=1``; plain text, or one JSON
+object per line with ``PIPELINE_LOG_FORMAT=json``. The fields of the attempt a thread is
+running are a context variable (:func:`bind`, :func:`clear`), added to every JSON line logged
+meanwhile.
 """
 
 from __future__ import annotations
@@ -29,16 +23,14 @@ _context: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar
 )
 
 
-def log_bodies(environ: Mapping[str, str] | None = None) -> bool:
+def log_bodies() -> bool:
     """``PIPELINE_LOG_BODIES=1``: logs (and Celery's view of a result) may show bodies."""
-    raw = (os.environ if environ is None else environ).get("PIPELINE_LOG_BODIES", "")
-    return raw.strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get("PIPELINE_LOG_BODIES", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def log_format(environ: Mapping[str, str] | None = None) -> str:
+def log_format() -> str:
     """``PIPELINE_LOG_FORMAT``: ``text`` (default) or ``json``; anything else is ``text``."""
-    raw = (os.environ if environ is None else environ).get("PIPELINE_LOG_FORMAT", "")
-    raw = raw.strip().lower()
+    raw = os.environ.get("PIPELINE_LOG_FORMAT", "").strip().lower()
     return raw if raw in LOG_FORMATS else "text"
 
 
@@ -53,12 +45,9 @@ def clear() -> None:
     _context.set(None)
 
 
-def current() -> dict[str, Any]:
-    return dict(_context.get() or {})
-
-
 def result_summary(result: Mapping[str, Any], bodies: bool = False) -> dict[str, Any]:
-    """The loggable part of a terminal result (the wire form of ``Result``)."""
+    """The loggable part of a terminal result (the wire form of ``Result``), as Celery's
+    "Task … succeeded" line and Flower show it: id, status or error code, attempts, latency."""
     out: dict[str, Any] = {"id": result.get("id")}
     if result.get("status_code") is not None:
         out["status_code"] = result["status_code"]
@@ -74,7 +63,9 @@ def result_summary(result: Mapping[str, Any], bodies: bool = False) -> dict[str,
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record, on one line (newlines inside values are escaped)."""
+    """One JSON object per record, on one line (newlines inside values are escaped). A record
+    without bound fields takes the request id from Celery's own ``extra={"data": {"id": ...}}``
+    (its "received" and "succeeded" lines)."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {

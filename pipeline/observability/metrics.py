@@ -1,44 +1,11 @@
 """Prometheus metrics of a worker node: the series, the node's multiprocess setup, and the
 hooks the dispatcher calls (the attempt's hooks are ``pipeline.worker.observe``; the series
-read at scrape time are :mod:`.collectors`).
-
-Series (prefix ``pipeline_``; labels ``queue_id``, ``queue_name``, ``pool_name`` as in the
-reference's ``async_*`` series — see the README's table):
-
-*Counted where they happen, per node* (Prometheus sums over nodes):
-``request_total`` (a request's first attempt), ``dispatched_requests_total`` (every HTTP
-attempt, retries included), ``request_retries_total`` (each scheduled backoff retry),
-``successful_requests_total``, ``failed_requests_total`` (fatal HTTP 4xx, ``INFERENCE_ERROR``,
-``GATE_DROPPED``), ``exceeded_deadline_requests_total`` (every deadline path: expired while
-waiting, or retries exhausted by the deadline), ``shedded_requests_total`` (each 429 answer),
-``gate_decisions_total{reason}`` (an attempt refused, parked or dropped by its gate; reasons
-``gate_closed``, ``quota_exhausted``, ``dropped``, ``error``, all initialised to 0; and the
-gateway's drop reason, e.g. ``rejected-saturated``, when its flow control shed an attempt),
-``lease_reclaims_total{kind}`` (``attempt``: an attempt whose lease expired was requeued;
-``gate``: an expired gate reservation was freed), ``tokens_total{direction}`` (the
-reference's #401: ``input`` = ``usage.prompt_tokens``, ``output`` = ``usage.completion_tokens``
-of each 2xx answer to a ``…/v1/completions`` or ``…/v1/chat/completions`` URL), the histograms
-``inference_latency_time_millis`` (each HTTP call, ms) and ``queue_residence_time_millis``
-(submission → first attempt start, ms), and the gauge ``inflight_requests`` (HTTP calls in
-progress on this node).
-
-*Read at scrape time* (from Redis: the same cluster-wide value on every node, so aggregate
-with ``max``, not ``sum``): ``queue_depth{state=pending|retry_wait|running}``,
-``deadline_proximity_millis`` (a histogram of the time left before the deadline of every
-waiting request, ms; ``le="0.0"`` = already expired, still waiting for the sweep),
-``gate_in_flight`` / ``gate_limit`` (per gate, label ``gate_type``; pool gates have empty queue
-labels), ``queue_wedged`` (1 while the wedge detector flags the queue), ``redis_up``. *From
-this node's dispatcher*: ``dispatch_budget`` (the queue gate's budget at scrape time, 0..1),
-``pool_worker_limit{pool_name}`` and ``gate_metric_value`` / ``_threshold`` /
-``_source_available`` (metric gates, label ``inference_pool``).
+read at scrape time are :mod:`.collectors`). Every series, its labels and how to aggregate it
+are in docs/observability.md, "Prometheus".
 
 Prefork: attempts run in pool children, whose in-memory counters the main process (which
-serves ``/metrics``) cannot see. A worker node therefore runs prometheus_client's
-*multiprocess mode*: :func:`setup_node` (from ``celeryd_init``, before the pool forks) points
-``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory of its own, every process of the node writes
-its values to memory-mapped files there, and the scrape sums them (counters of children that
-exited keep counting; the in-flight gauge drops dead processes). The same mode is used under
-the threads pool, where everything happens in the main process anyway.
+serves ``/metrics``) cannot see, so a worker node runs prometheus_client's multiprocess mode
+(:func:`setup_node`, before the pool forks), under the threads pool too.
 """
 
 from __future__ import annotations
@@ -53,7 +20,7 @@ import tempfile
 import threading
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client import values as prom_values
 
 from ..config import QueueConfig
@@ -156,32 +123,29 @@ class _Series:
             multiprocess_mode="max",
         )
         self._initialised: set[tuple[str, str, str]] = set()
-        self._lock = threading.Lock()
 
     def init_queue(self, labels: tuple[str, str, str]) -> None:
-        """Create a queue's series at 0 (so rates exist before the first event)."""
+        """Create a queue's series at 0 (so rates exist before the first event). Idempotent:
+        two threads that both do it create the same children."""
         if labels in self._initialised:
             return
-        with self._lock:
-            if labels in self._initialised:
-                return
-            for c in (self.requests, self.dispatched, self.retries, self.successes,
-                      self.failures, self.deadlines, self.shed):  # fmt: skip
-                c.labels(*labels)
-            for reason in GATE_REASONS:
-                self.gate_decisions.labels(*labels, reason)
-            for kind in ("attempt", "gate"):
-                self.reclaims.labels(*labels, kind)
-            for direction in TOKEN_DIRECTIONS:
-                self.tokens.labels(*labels, direction)
-            self.inflight.labels(*labels)
-            self._initialised.add(labels)
+        for c in (self.requests, self.dispatched, self.retries, self.successes, self.failures,
+                  self.deadlines, self.shed):  # fmt: skip
+            c.labels(*labels)
+        for reason in GATE_REASONS:
+            self.gate_decisions.labels(*labels, reason)
+        for kind in ("attempt", "gate"):
+            self.reclaims.labels(*labels, kind)
+        for direction in TOKEN_DIRECTIONS:
+            self.tokens.labels(*labels, direction)
+        self.inflight.labels(*labels)
+        self._initialised.add(labels)
 
 
-_registry = CollectorRegistry(auto_describe=True)
+registry = CollectorRegistry(auto_describe=True)  # this process's series (single-process mode)
 _series: _Series | None = None
 _series_lock = threading.Lock()
-_multiproc_dir: str | None = None
+multiproc_dir: str | None = None  # the directory of multiprocess mode (setup_node), or None
 
 
 def series() -> _Series:
@@ -189,7 +153,7 @@ def series() -> _Series:
     if _series is None:
         with _series_lock:
             if _series is None:
-                _series = _Series(_registry)
+                _series = _Series(registry)
     return _series
 
 
@@ -200,9 +164,9 @@ def count(metric: Counter, q: QueueConfig, *extra: str, n: float = 1.0) -> None:
 
 
 # -- node setup -------------------------------------------------------------------------
-def port_from_env(env: dict[str, str] | None = None) -> int:
+def port_from_env() -> int:
     """``PIPELINE_METRICS_PORT`` (default 9808; 0 = no metrics server)."""
-    raw = (env if env is not None else os.environ).get("PIPELINE_METRICS_PORT", "")
+    raw = os.environ.get("PIPELINE_METRICS_PORT", "")
     try:
         return int(raw) if raw.strip() else DEFAULT_PORT
     except ValueError:
@@ -216,11 +180,11 @@ def setup_node(node: str | None = None) -> str | None:
     Uses ``PROMETHEUS_MULTIPROC_DIR`` when set (it must be emptied between runs), else a
     fresh temporary directory removed at exit. Returns the directory, or None when metrics
     are off (``PIPELINE_METRICS_PORT=0``) or values were already recorded in memory."""
-    global _multiproc_dir
+    global multiproc_dir
     if port_from_env() == 0:
         return None
-    if _multiproc_dir is not None:
-        return _multiproc_dir
+    if multiproc_dir is not None:
+        return multiproc_dir
     if _series is not None and _series._initialised:
         log.warning("metrics already recorded in memory: not switching to multiprocess mode")
         return None
@@ -238,32 +202,22 @@ def setup_node(node: str | None = None) -> str | None:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
     os.makedirs(path, exist_ok=True)
     prom_values.ValueClass = prom_values.get_value_class()
-    _multiproc_dir = path
-    _connect_child_exit()
-    return path
+    multiproc_dir = path
+    from celery.signals import worker_process_shutdown
 
-
-def _connect_child_exit() -> None:
-    try:
-        from celery.signals import worker_process_shutdown
-    except ImportError:  # pragma: no cover - celery is a dependency
-        return
     worker_process_shutdown.connect(_on_child_exit, weak=False)
+    return path
 
 
 def _on_child_exit(pid: int | None = None, **_: Any) -> None:
     """A pool child exits: drop its live gauges, flush its spans."""
     tracing.shutdown()
-    if _multiproc_dir is not None:
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(pid or os.getpid(), _multiproc_dir)
+    if multiproc_dir is not None:
+        multiprocess.mark_process_dead(pid or os.getpid(), multiproc_dir)
 
 
 def prune_dead(path: str) -> None:
     """Forget live gauges of processes that died without saying so (SIGKILL)."""
-    from prometheus_client import multiprocess
-
     for f in glob.glob(os.path.join(path, "gauge_live*_*.db")):
         m = re.search(r"_(\d+)\.db$", f)
         if not m:
@@ -278,28 +232,13 @@ def prune_dead(path: str) -> None:
 
 
 # -- hooks in the dispatcher (worker main process) -------------------------------------------
-_budgets: dict[str, tuple[QueueConfig, Gate]] = {}
-
-
-def dispatched_queues() -> list[tuple[QueueConfig, Gate]]:
-    """The queues this node dispatches, each with its gate (see :func:`dispatch_budget`)."""
-    return list(_budgets.values())
-
-
-def registry() -> CollectorRegistry:
-    """This process's in-memory registry (single-process mode)."""
-    return _registry
-
-
-def multiprocess_dir() -> str | None:
-    """The directory of multiprocess mode (:func:`setup_node`), or None."""
-    return _multiproc_dir
+budgets: dict[str, tuple[QueueConfig, Gate]] = {}  # queue name -> (queue, gate) dispatched here
 
 
 def dispatch_budget(q: QueueConfig, gate: Gate) -> None:
     """Record that this node dispatches queue ``q`` through ``gate`` (its budget is read at
     scrape time)."""
-    _budgets[q.queue_name] = (q, gate)
+    budgets[q.queue_name] = (q, gate)
 
 
 def deadline_expired(q: QueueConfig, n: int) -> None:
@@ -326,7 +265,7 @@ def config_rejected() -> None:
 
 def forget_queue(name: str) -> None:
     """A queue left this node's config: stop reporting its dispatch budget."""
-    _budgets.pop(name, None)
+    budgets.pop(name, None)
 
 
 def lease_reclaimed(q: QueueConfig, kind: str, n: int = 1) -> None:

@@ -1,18 +1,19 @@
-"""The status view: per queue counts, recent completions, the oldest waiting request's age and
-the tightest deadline slack, gate in-flight / limit and holders; and the Redis server's
-memory, eviction policy and persistence."""
+"""``pipeline status``: per queue counts, recent completions, the oldest waiting request's age
+and the tightest deadline slack, gate in-flight / limit and holders; and the Redis server's
+memory, eviction policy and persistence (docs/observability.md, "Status")."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import redis
 from rich import box
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.table import Table
 from rich.text import Text
 
 from ..client import Pipeline
-from ..store import ServerFacts
+from ..store import ServerFacts, server_facts
 from ..store.scripts import register
 from ..store.server import SAFE_POLICY
 
@@ -162,10 +163,6 @@ class StatusView:
             yield gates_table(self.info)
 
 
-def render_status(info: dict[str, Any]) -> StatusView:
-    return StatusView(info)
-
-
 def _bytes(n: int | None) -> str:
     if n is None:
         return "?"
@@ -213,7 +210,11 @@ def render_redis(facts: ServerFacts) -> Table:
     return t
 
 
-def render_all(info: dict[str, Any], facts: ServerFacts | None) -> RenderableType:
-    """The queue table, after the Redis table when the facts were read."""
-    table = render_status(info)
-    return table if facts is None else Group(render_redis(facts), table)
+def render(p: Pipeline) -> RenderableType:
+    """``pipeline status``: the Redis server's table (when it answers) above the queues' view."""
+    table = StatusView(status_snapshot(p))
+    try:
+        facts = server_facts(p.store.client)
+    except redis.RedisError:
+        return table
+    return Group(render_redis(facts), table)

@@ -1,28 +1,10 @@
-"""Optional OpenTelemetry tracing of attempts (the ``[otel]`` extra).
-
-Per attempt, a ``process-request`` span with the reference's current attributes
-(``gen_ai.request.id``, ``gen_ai.request.model`` — the payload's ``model`` —,
-``llm_d.async.queue.id``, ``llm_d.async.queue.name``, ``llm_d.async.retry_count``,
-``llm_d.async.error.category``) and, for one release, the same values under the old names
-(``request.id``, ``queue.id``, ``queue.name``, ``retry.count``, ``error.category``), with a child
-``http-request`` span around the HTTP call. A W3C ``traceparent`` / ``tracestate`` (and
-``baggage``) found in the request's ``metadata`` is the parent of the attempt span; the HTTP
-span's context is injected into the outgoing request headers, so the model server continues
-the trace. When an attempt is requeued without finishing — its node shuts down, or the reaper
-finds its lease expired — a ``re-enqueue`` span (a new trace) links to its ``process-request``
-span (:func:`reenqueue_span`).
-
-It is on when ``opentelemetry`` is importable and the standard environment asks for traces:
-``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (exporter ``otlp``) or
-``OTEL_TRACES_EXPORTER`` (``otlp``, ``console``; ``none`` = off), unless ``OTEL_SDK_DISABLED``
-is true. ``OTEL_SERVICE_NAME`` (default ``celery-llm-pipeline``), ``OTEL_RESOURCE_ATTRIBUTES``,
-``OTEL_TRACES_SAMPLER`` / ``_ARG`` and ``OTEL_BSP_*`` are read by the SDK itself;
-``OTEL_EXPORTER_OTLP_PROTOCOL`` picks ``http/protobuf`` (default, shipped in the extra) or
-``grpc`` (needs ``opentelemetry-exporter-otlp-proto-grpc``). Otherwise every function here is a
-no-op that never imports ``opentelemetry``. Tests (and embedders) install a provider with
-:func:`use_tracer_provider`.
-
-A provider is set up per process, after a fork (prefork pool children get their own).
+"""Optional OpenTelemetry tracing of attempts (the ``[otel]`` extra): a ``process-request``
+span per attempt with a child ``http-request`` span whose context goes out in the request's
+headers, and a ``re-enqueue`` span for an attempt put back without finishing. The spans,
+their attributes and the ``OTEL_*`` variables that turn tracing on are in
+docs/observability.md, "Tracing". With tracing off every function here is a no-op that never
+imports ``opentelemetry``. A provider is set up per process, after a fork (prefork pool
+children get their own); tests and embedders install one with :func:`use_tracer_provider`.
 """
 
 from __future__ import annotations
@@ -34,6 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from importlib import import_module
 from typing import Any
 
 log = logging.getLogger("pipeline.tracing")
@@ -82,19 +65,13 @@ def _exporters(env: Mapping[str, str]) -> list[Any]:
             protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get(
                 "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
             )
+            kind = "grpc" if protocol.strip().lower() == "grpc" else "http"
             try:
-                if protocol.strip().lower() == "grpc":
-                    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-                        OTLPSpanExporter,
-                    )
-                else:
-                    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                        OTLPSpanExporter,
-                    )
+                module = import_module(f"opentelemetry.exporter.otlp.proto.{kind}.trace_exporter")
             except ImportError as exc:
                 log.warning("tracing: no OTLP exporter for protocol %s (%s)", protocol, exc)
                 continue
-            out.append(OTLPSpanExporter())
+            out.append(module.OTLPSpanExporter())
         elif name != "none":
             log.warning("tracing: unsupported OTEL_TRACES_EXPORTER %r ignored", name)
     return out
@@ -169,7 +146,6 @@ def shutdown() -> None:
             log.debug("tracing shutdown failed: %s", exc)
 
 
-# -- spans ------------------------------------------------------------------------------
 class AttemptSpan:
     """Handle on an attempt's span (a no-op when tracing is off)."""
 
@@ -177,12 +153,9 @@ class AttemptSpan:
         self.span = span
 
     def set(self, key: str, value: Any) -> None:
-        """Set an attribute (and its old name too, see ``ALIASES``)."""
-        if self.span is not None and value is not None:
-            self.span.set_attribute(key, value)
-            old = ALIASES.get(key)
-            if old is not None:
-                self.span.set_attribute(old, value)
+        """Set an attribute (and its old name too, see ``ALIASES``), unless it is empty."""
+        if self.span is not None:
+            self.span.set_attributes(_attrs({key: value}))
 
     def traceparent(self) -> str | None:
         """The span's W3C ``traceparent``, or None when tracing is off."""
@@ -202,10 +175,6 @@ class AttemptSpan:
 _OFF = AttemptSpan()
 
 
-def _carrier(metadata: Mapping[str, str]) -> dict[str, str]:
-    return {k.lower(): v for k, v in metadata.items() if k.lower() in PROPAGATED}
-
-
 def model_of(payload: str | None) -> str | None:
     """The non-empty string ``model`` of a JSON payload, else None."""
     try:
@@ -215,16 +184,14 @@ def model_of(payload: str | None) -> str | None:
     return model if isinstance(model, str) and model else None
 
 
-def _attrs(**current: Any) -> dict[str, Any]:
+def _attrs(current: dict[str, Any]) -> dict[str, Any]:
     """Attributes under their current names and their old ones; empty values left out."""
     out: dict[str, Any] = {}
-    for key, value in current.items():
-        if value is None or value == "":
-            continue
-        name = key.replace("__", ".")
-        out[name] = value
-        if name in ALIASES:
-            out[ALIASES[name]] = value
+    for name, value in current.items():
+        if value is not None and value != "":
+            out[name] = value
+            if name in ALIASES:
+                out[ALIASES[name]] = value
     return out
 
 
@@ -248,14 +215,16 @@ def attempt_span(
         return
     from opentelemetry.propagate import extract
 
-    parent = extract(_carrier(metadata))
+    parent = extract({k.lower(): v for k, v in metadata.items() if k.lower() in PROPAGATED})
     attributes = _attrs(
-        gen_ai__request__id=request_id,
-        gen_ai__request__model=model_of(payload),
-        llm_d__async__queue__id=queue_id,
-        llm_d__async__queue__name=queue_name,
+        {
+            "gen_ai.request.id": request_id,
+            "gen_ai.request.model": model_of(payload),
+            "llm_d.async.queue.id": queue_id,
+            "llm_d.async.queue.name": queue_name,
+            "llm_d.async.retry_count": retry_count,
+        }
     )
-    attributes["llm_d.async.retry_count"] = attributes["retry.count"] = retry_count
     with t.start_as_current_span("process-request", context=parent, attributes=attributes) as s:
         if holder is not None:
             with _lock:
@@ -292,9 +261,11 @@ def reenqueue_span(
         linked = found if found.is_valid else None
     links = [trace.Link(linked)] if linked is not None else []
     attributes = _attrs(
-        gen_ai__request__id=request_id,
-        llm_d__async__queue__name=queue_name,
-        llm_d__async__reenqueue__reason=reason,
+        {
+            "gen_ai.request.id": request_id,
+            "llm_d.async.queue.name": queue_name,
+            "llm_d.async.reenqueue.reason": reason,
+        }
     )
     span = t.start_span(
         "re-enqueue", context=otel_context.Context(), links=links, attributes=attributes
