@@ -23,7 +23,7 @@ A replay sends the commands back to back, so the server never idles, and the sam
 cost it less CPU than in the live run. ``--pace SPEED`` sends each command at its recorded time
 instead (divided by SPEED: 1 is the recorded rate, 160 requests/s in the utilisation scenarios),
 so the server idles between commands as it did live. Its CPU per finish then comes out near
-the live run's, with no workers, simulator or client on the machine (BENCHMARKS.md, round 9).
+the live run's, with no workers, simulator or client on the machine.
 It still moves with the machine's speed as much as a live run does, so compare trees in
 alternating runs.
 
@@ -35,7 +35,7 @@ finish than in the recording. ``--callgrind`` needs valgrind (``apt-get install 
 time out by script (from the slow log); without ``--callgrind`` the replay also prints the
 server's user and system CPU per finish. ``count`` lists the commands each script ran inside
 it, per finished request, from the recording alone: each ``redis.call`` costs the server about
-as much as a small command from a client (BENCHMARKS.md, round 8).
+as much as a small command from a client (see ``count``).
 """
 
 from __future__ import annotations

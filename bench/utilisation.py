@@ -30,17 +30,17 @@ machine's speed drifts over a run. That is the Redis CPU per request of a task q
 gate, order, deadline, fencing or lease, measured in the same run. Each scenario's Redis CPU is
 printed as a multiple of the two runs' mean. Every run also prints its Redis CPU over the
 simulator's CPU, per request: the simulator does the same work whatever the tree, so the
-quotient takes out most of the machine's speed, which moves ~15 % between neighbouring runs
-here (BENCHMARKS.md, round 8).
+quotient takes out most of the machine's speed, which moves between neighbouring runs
+(BENCHMARKS.md, Method).
 
 Throughput = requests / (first submit .. the simulator's N-th 200, by its own clock). All
 results are then read back through ``Pipeline.iter_results`` and must be 200. ``dispatches
 / req`` counts how often a request went to a worker (1.0: no attempt was refused back to the
 queue). Per request, by process: CPU ms; and Redis's read events (``INFO stats``
 ``total_reads_processed``: one per client round trip, however many commands it pipelined),
-commands (those inside scripts too), script calls (``FCALL`` and ``EVALSHA``) and the Celery
+commands (those inside scripts too), script calls (``EVALSHA`` and ``EVAL``) and the Celery
 consumers' ``BRPOP``s, over the same span. ``--nodes N`` runs the chosen scenarios on N worker
-nodes: how Redis per request grows with the fleet (BENCHMARKS.md, round 9).
+nodes: how Redis per request grows with the fleet.
 
     .venv/bin/python bench/utilisation.py            # ~4 min
     .venv/bin/python bench/utilisation.py --only quota-1node --only tenants8
@@ -226,7 +226,8 @@ def run_batch(
 def redis_counts(client: Any) -> tuple[int, int, int, int]:
     """So far: the server's read events (each a wake-up for a client's round trip, however
     many commands it pipelined), commands run (those inside scripts too), script calls
-    (``FCALL`` and ``EVALSHA``) and ``BRPOP``s (the Celery consumers' wake-ups)."""
+    (``EVALSHA``, and ``EVAL`` after a ``NOSCRIPT``) and ``BRPOP``s (the Celery consumers'
+    wake-ups)."""
     with client.pipeline(transaction=False) as pipe:
         pipe.info("stats")
         pipe.info("commandstats")
@@ -238,7 +239,7 @@ def redis_counts(client: Any) -> tuple[int, int, int, int]:
     return (
         int(stats["total_reads_processed"]),
         int(stats["total_commands_processed"]),
-        calls("fcall") + calls("evalsha"),
+        calls("evalsha") + calls("eval"),
         calls("brpop"),
     )
 
