@@ -1,44 +1,6 @@
-"""OpenAI-compatible model-server simulator for tests, the demo and benchmarks: a starlette app
-served by uvicorn. It serves ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health``, vLLM-style ``/metrics`` and the control endpoints ``/sim/stats``, ``/sim/reset``,
-``/sim/faults``, ``/sim/release``, ``/sim/arrivals`` and ``/sim/tokens``.
-
-Request life cycle for an inference call: count it (and its attempt per ``x-request-id``), parse
-the JSON body (400 if invalid), admit it (above ``max_concurrency``: 429/503 with
-``Retry-After``, or wait in a FIFO queue), then apply a scripted fault for that attempt, then
-the random ``failure_rate``, else wait the simulated latency and answer 200. A request counts
-as ``in_flight`` from admission until its response is written or its client has hung up.
-Failures are answered at once; stalled attempts hold their slot until the client hangs up.
-Pipelined requests on one connection are taken one at a time, in order. All times are
-monotonic seconds unless a name ends in ``_ms`` (milliseconds).
-
-Per-request fault headers (they pass through any client unchanged):
-``x-sim-fail-first: N`` fails the first N attempts of the ``x-request-id`` (without that header
-every request is a first attempt) with ``x-sim-fail-status`` (503), adding ``Retry-After`` from
-``x-sim-retry-after`` and, like an llm-d gateway whose flow control shed the request,
-``x-llm-d-request-dropped-reason`` from ``x-sim-dropped-reason``; ``x-sim-fail-mode:
-stall|drop`` hangs (up to ``STALL_CAP_S``) or closes the connection instead.
-``x-sim-latency-ms`` replaces the whole simulated delay. ``POST /sim/faults`` ``{"id",
-"fail_first", "status", "retry_after", "mode", "dropped_reason"}`` scripts the same for an
-id; headers win. ``SimConfig.overload_dropped_reason`` adds the drop-reason header to overload
-rejections.
-
-Held requests (for tests that need N requests in flight, without racing a latency):
-``x-sim-hold: NAME`` keeps an admitted request that would answer 200 open — in flight, holding
-its concurrency slot, as a slow request would — until the name is released:
-``SimServer.release(NAME)`` in process, ``POST /sim/release {"name": NAME}`` from another.
-Releasing answers every request held under the name (200, the usual body) and opens the name:
-later requests carrying it (a retry) are not held, until ``reset()``. ``SimServer.wait_held``
-(or ``held`` in ``/sim/stats``) tells how many are held. Bounds: ``reset()`` releases every
-name, ``stop()`` closes the connections, and a request is never held longer than
-``HOLD_CAP_S`` (then answered as if released).
-
-Credentials, like a gateway's: with ``api_key`` set, an inference call without
-``Authorization: Bearer <api_key>`` is answered 401 (counted in ``unauthorized``; the CLI
-reads the key from an environment variable, ``--api-key-env``, never from its arguments).
-With ``tls_cert_file`` / ``tls_key_file`` it serves HTTPS; with ``tls_client_ca_file`` too, it
-requires a client certificate signed by that CA (mTLS) and refuses the handshake without one.
-"""
+"""The OpenAI-compatible model-server simulator: a starlette app served by uvicorn on its own
+loop. Its endpoints, fault headers, holds and options are in docs/development.md, "The
+simulator"; times are monotonic seconds unless a name ends in ``_ms``."""
 
 from __future__ import annotations
 
@@ -229,13 +191,8 @@ def _on_loop(fn: _Method[_P, _T]) -> _Method[_P, _T]:
 
 
 class _Clock:
-    """Runs callbacks on the loop at monotonic times, to within about 0.1 ms, never early.
-
-    The loop's own timers are whole milliseconds: asyncio's ``epoll_wait`` rounds up (a 100 ms
-    latency came out as 100.5-101 ms, charging a benchmark for the simulator's clock), uvloop's
-    rounds to the nearest (answers down to 99.2 ms, shorter than asked; both measured with
-    ``bench/sim_throughput.py --latency-ms 100``). Here a helper thread sleeps on a condition
-    (a nanosecond timeout) until the earliest due time and hands what is due to the loop."""
+    """Runs callbacks on the loop at monotonic times, to within about 0.1 ms, never early: the
+    loop's own timers round to whole milliseconds (docs/development.md, "The simulator")."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
