@@ -33,6 +33,14 @@ def _positive(value: Any, kind: Any = int | float) -> bool:  # a JSON true is no
     return not isinstance(value, bool) and isinstance(value, kind) and value > 0
 
 
+def _check_fields(cls: Any, entry: Any, where: str, kind: str) -> None:
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: a {kind} entry must be a JSON object")
+    unknown = sorted(set(entry) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+
+
 @dataclass(frozen=True)
 class QueueConfig:
     """One queue: where its requests go, how they are gated and retried. The field names are
@@ -73,11 +81,7 @@ class QueueConfig:
     @classmethod
     def from_dict(cls, entry: Any, where: str) -> QueueConfig:
         """Validate one queue entry; ``where`` names it in error messages."""
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{where}: a queue entry must be a JSON object")
-        unknown = sorted(set(entry) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        _check_fields(cls, entry, where, "queue")
         name = entry.get("queue_name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise ConfigError(f"{where}: queue_name must be 1-128 characters of [A-Za-z0-9_.-]")
@@ -144,11 +148,7 @@ class PoolConfig:
 
     @classmethod
     def from_dict(cls, entry: Any, where: str) -> PoolConfig:
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{where}: a pool entry must be a JSON object")
-        unknown = sorted(set(entry) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        _check_fields(cls, entry, where, "pool")
         pid = entry.get("id")
         if not isinstance(pid, str) or not _NAME.match(pid):
             raise ConfigError(f"{where}: id must be 1-128 characters of [A-Za-z0-9_.-]")

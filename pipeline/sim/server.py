@@ -289,21 +289,17 @@ class SimServer:
 
     @property
     def port(self) -> int:
-        """The bound TCP port (the real one once started, even when constructed with 0)."""
         return self._port
 
     @property
     def url(self) -> str:
-        """Base URL without a trailing slash, e.g. ``http://127.0.0.1:40123`` (``https://``
-        when it serves TLS)."""
         return f"{'https' if self.config.tls_cert_file else 'http'}://{self.host}:{self._port}"
 
     # -- the control API (also over HTTP) ---------------------------------------------------
 
     @_on_loop
     def reset(self) -> dict[str, bool]:
-        """Answer every held request, then zero counters, per-id attempts, scripted faults,
-        released hold names and recorded arrivals (``POST /sim/reset``)."""
+        """Answer every held request, then forget everything since the last reset."""
         self.release_all()
         self._released.clear()
         self._requests = self._dropped = self._stalled = self._connections = 0
@@ -318,8 +314,7 @@ class SimServer:
 
     @_on_loop
     def stats(self) -> dict[str, Any]:
-        """Counters since the last reset (``GET /sim/stats``); ``by_status`` keys are status
-        codes as strings."""
+        """Counters since the last reset (``GET /sim/stats``)."""
         return {
             "requests": self._requests,
             "by_status": {str(k): v for k, v in sorted(self._by_status.items())},
@@ -339,8 +334,7 @@ class SimServer:
 
     @_on_loop
     def tokens(self) -> list[tuple[float, int, int, str | None]]:
-        """Per 200 generated (needs ``record_arrivals``; ``GET /sim/tokens``): arrival time
-        (monotonic s), prompt tokens, completion tokens, x-request-id."""
+        """(arrival, prompt tokens, completion tokens, x-request-id) per 200 generated."""
         return list(self._token_log)
 
     @_on_loop
@@ -353,8 +347,7 @@ class SimServer:
         mode: str = "status",
         dropped_reason: str | None = None,
     ) -> None:
-        """Make the first ``fail_first`` attempts of ``request_id`` fail (``POST /sim/faults``);
-        mode status|stall|drop; ``dropped_reason`` is sent as x-llm-d-request-dropped-reason."""
+        """Make the first ``fail_first`` attempts of ``request_id`` fail (``POST /sim/faults``)."""
         if mode not in FAULT_MODES:
             raise ValueError(f"mode must be one of {FAULT_MODES}, not {mode!r}")
         dropped = None if dropped_reason is None else _header_value(dropped_reason)
@@ -363,8 +356,7 @@ class SimServer:
 
     @_on_loop
     def release(self, name: str) -> int:
-        """Answer every request held under ``name`` (``x-sim-hold``; 200, the usual body) and
-        let later ones carrying it pass (``POST /sim/release``); returns how many were held."""
+        """Answer every request held under ``name`` and let later ones pass; how many were held."""
         self._released.add(name)
         held = [fut for fut in self._holds.pop(name, ()) if not fut.done()]
         for fut in held:
@@ -373,18 +365,14 @@ class SimServer:
 
     @_on_loop
     def release_all(self) -> int:
-        """Release every name that holds a request (``reset()`` does too, and zeroes the
-        counters); returns how many requests were held."""
         return sum(self.release(name) for name in list(self._holds))
 
     @_on_loop
     def held(self, name: str) -> int:
-        """How many requests are held under ``name`` now."""
         return len(self._holds.get(name, ()))
 
     def wait_held(self, name: str, n: int = 1, timeout_s: float = 30.0) -> None:
-        """Return once at least ``n`` requests are held under ``name``; TimeoutError after
-        ``timeout_s`` seconds (polls every 5 ms)."""
+        """Return once at least ``n`` requests are held under ``name``; else TimeoutError."""
         deadline = time.monotonic() + timeout_s
         while (got := self.held(name)) < n:
             if time.monotonic() > deadline:
@@ -392,7 +380,6 @@ class SimServer:
             time.sleep(0.005)
 
     def _metrics(self) -> str:
-        """Prometheus text exposition in vLLM naming."""
         rows = [
             ("num_requests_running", "gauge", "Requests currently running.", self._in_flight),
             ("num_requests_waiting", "gauge", "Requests waiting for a slot.", len(self._waiters)),
@@ -484,7 +471,6 @@ class SimServer:
         return await self._complete(call)
 
     async def _fail(self, call: _Call, fault: _Fault) -> Response | None:
-        """A scripted fault: an error status at once, or a stall or drop (None)."""
         if fault.mode == "status":
             msg = f"simulated failure (attempt {call.attempt} of {fault.fail_first})"
             return _error(fault.status, msg, fault.retry_after, fault.dropped_reason)
@@ -606,9 +592,7 @@ class SimServer:
             raise _BadRequest(f"x-sim-fail-mode must be one of {FAULT_MODES}")
 
     def _completion(self, call: _Call, completion: int) -> Response:
-        """A 200 with ``completion`` generated tokens; its usage is counted (and logged with
-        the request's arrival time when ``record_arrivals``): the prompt's tokens are its
-        whitespace-separated words (for chat: of the messages' contents)."""
+        """A 200 with ``completion`` tokens, counted; a prompt token is a word."""
         text = _fake_text(call.prompt, completion)
         prompt_tokens = len(call.prompt.split())
         self._prompt_tokens += prompt_tokens
@@ -634,7 +618,6 @@ class SimServer:
     # -- serving ------------------------------------------------------------------------------
 
     def start_in_thread(self, timeout_s: float = 10.0) -> SimServer:
-        """Start listening on a fresh loop in a daemon thread; returns once bound."""
         if self._thread is None:
             started = concurrent.futures.Future[None]()
             self._thread = threading.Thread(
@@ -645,7 +628,6 @@ class SimServer:
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Close the listener and every client connection, then end the thread. Idempotent."""
         loop, thread = self._loop, self._thread
         if loop is not None and thread is not None and thread.is_alive():
             loop.call_soon_threadsafe(loop.stop)
@@ -729,8 +711,7 @@ class SimServer:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the simulator's options (times in milliseconds unless noted); each ``dest`` is the
-    :class:`SimConfig` field it sets."""
+    """Each option's ``dest`` is the :class:`SimConfig` field it sets."""
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="bind address")
     add("--port", type=int, default=8000, help="TCP port (0 = any free port)")
@@ -758,7 +739,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Serve until SIGINT/SIGTERM; prints ``simulator listening on URL`` once bound."""
     if args.tls_client_ca_file and not args.tls_cert_file:
         raise SystemExit("pipeline sim: --tls-client-ca needs --tls-cert (and --tls-key)")
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
