@@ -16,8 +16,6 @@ from ..config import bool_env, load_settings
 from ..errors import PipelineError
 from ..gates import check_gates
 
-log = logging.getLogger("pipeline.cli")
-
 
 def _setup_logging(level: str = "INFO") -> None:
     from ..observability import logs
@@ -214,14 +212,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .services import Services
 
     console = Console(stderr=True)
-    settings = load_settings()
-    try:  # the whole file is read and checked before anything is started
-        check_file(
-            args.file, settings.max_payload_bytes, BatchSettings.from_env(settings).max_lines
-        )
-    except RunError as exc:
-        print(f"pipeline run: {exc}", file=sys.stderr)
-        return 2
     opts = RunOptions(
         path=args.file,
         output=args.output,
@@ -242,6 +232,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = time.time()
     run = None
     try:
+        settings = load_settings()  # the whole file is checked before anything is started
+        limit = BatchSettings.from_env(settings).max_lines
+        check_file(args.file, settings.max_payload_bytes, limit)
         env, embedded = _start_services(args, services, console)
         pipeline = Pipeline(load_settings(env))
         _start_worker(args, services, console, env, pipeline)

@@ -110,10 +110,7 @@ def tracer() -> Any:
     with _lock:
         if _pid != pid:
             _provider = None
-            if _override is not None:
-                _tracer = _override.get_tracer(TRACER_NAME)
-            else:
-                _tracer = _from_env()
+            _tracer = _override.get_tracer(TRACER_NAME) if _override is not None else _from_env()
             _pid = pid
     return _tracer
 
