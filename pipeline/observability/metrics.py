@@ -182,11 +182,8 @@ def private_dir(prefix: str) -> str:
 
 
 def setup_node(node: str | None = None) -> str | None:
-    """Switch this (worker main) process to multiprocess mode before the pool forks.
-
-    Uses ``PROMETHEUS_MULTIPROC_DIR`` when set (it must be emptied between runs), else a
-    fresh temporary directory removed at exit. Returns the directory, or None when metrics
-    are off (``PIPELINE_METRICS_PORT=0``) or values were already recorded in memory."""
+    """Switch this (worker main) process to multiprocess mode before the pool forks; the
+    directory, or None when metrics are off or values were already recorded in memory."""
     global multiproc_dir
     if port_from_env() == 0:
         return None

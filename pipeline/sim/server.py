@@ -237,11 +237,8 @@ class _Clock:
 
 
 class SimServer:
-    """The simulator: its state, its starlette app, and uvicorn serving it on its own event
-    loop in a daemon thread. Its public methods may be called from any thread.
-
-    ``with SimServer(SimConfig(latency_ms=5)) as sim: httpx.get(sim.url + "/health")``
-    """
+    """The simulator, served on its own loop in a daemon thread; its public methods may be
+    called from any thread: ``with SimServer(SimConfig(latency_ms=5)) as sim: ...``"""
 
     def __init__(self, config: SimConfig | None = None, host: str = "127.0.0.1", port: int = 0):
         self.config = config = config if config is not None else SimConfig()
@@ -268,7 +265,7 @@ class SimServer:
 
         model = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "sim"}
         # starlette's router without the application's middleware, which the simulator does
-        # not use: 15-20 % of its CPU per request (bench/sim_throughput.py)
+        # not use and which costs CPU per request (bench/sim_throughput.py)
         self.app = Router(
             routes=[
                 Route("/v1/completions", _Asgi(self._inference)),
