@@ -5,13 +5,10 @@ handler would restart the worker)."""
 
 from __future__ import annotations
 
-import atexit
 import gc
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from typing import Any
@@ -203,15 +200,7 @@ def _snapshot_path() -> None:
     """Where this node writes the config it accepted on a reload, for its pool children (a
     fresh private directory per node start, removed at exit; see ``Runtime.follow_snapshot``).
     Never inherited: a node started by another process gets its own."""
-    path = tempfile.mkdtemp(prefix="pipeline-config-")
-    owner = os.getpid()
-
-    def _cleanup() -> None:
-        if os.getpid() == owner:
-            shutil.rmtree(path, ignore_errors=True)
-
-    atexit.register(_cleanup)
-    os.environ[SNAPSHOT_ENV] = os.path.join(path, "config.json")
+    os.environ[SNAPSHOT_ENV] = os.path.join(metrics.private_dir("pipeline-config-"), "config.json")
 
 
 def refuse_unsafe_redis() -> None:

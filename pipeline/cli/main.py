@@ -16,8 +16,6 @@ from ..config import bool_env, load_settings
 from ..errors import PipelineError
 from ..gates import check_gates
 
-log = logging.getLogger("pipeline.cli")
-
 
 def _setup_logging(level: str = "INFO") -> None:
     from ..observability import logs
@@ -104,7 +102,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    """Where a request is and why; exit 2 naming the id when it is unknown."""
     from ..client import Pipeline
     from ..errors import UnknownRequest
 
@@ -125,8 +122,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    """Ask every live worker node to re-read its queue and pool files; print each node's
-    outcome. Exit 0 when every node applied it (or had nothing to change), 1 otherwise."""
+    """Every live node re-reads its queue and pool files; exit 1 unless all applied it."""
     from ..store import Keys, connect
     from .services import wait_until
 
@@ -216,14 +212,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .services import Services
 
     console = Console(stderr=True)
-    settings = load_settings()
-    try:  # the whole file is read and checked before anything is started
-        check_file(
-            args.file, settings.max_payload_bytes, BatchSettings.from_env(settings).max_lines
-        )
-    except RunError as exc:
-        print(f"pipeline run: {exc}", file=sys.stderr)
-        return 2
     opts = RunOptions(
         path=args.file,
         output=args.output,
@@ -244,6 +232,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = time.time()
     run = None
     try:
+        settings = load_settings()  # the whole file is checked before anything is started
+        limit = BatchSettings.from_env(settings).max_lines
+        check_file(args.file, settings.max_payload_bytes, limit)
         env, embedded = _start_services(args, services, console)
         pipeline = Pipeline(load_settings(env))
         _start_worker(args, services, console, env, pipeline)
@@ -270,7 +261,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _stop_following(
     args: argparse.Namespace, run: Any, services: Any, console: Any, embedded: bool
 ) -> None:
-    """Ctrl-C or --timeout: cancel the batch (--cancel-on-exit), or say how to re-attach."""
     if args.cancel_on_exit:
         b = run.batches.cancel(run.batch.id)
         console.print(f"batch {b.id} cancelled ({b.status})")
@@ -288,8 +278,7 @@ def _stop_following(
 def _start_services(
     args: argparse.Namespace, services: Any, console: Any
 ) -> tuple[dict[str, str], bool]:
-    """An embedded Redis and the simulator when none is configured; returns the environment
-    and whether the Redis is the embedded one."""
+    """An embedded Redis and the simulator when none is configured; (env, embedded Redis)."""
     from .services import redis_reachable
 
     env = dict(os.environ)
@@ -311,7 +300,6 @@ def _start_services(
 def _start_worker(
     args: argparse.Namespace, services: Any, console: Any, env: dict[str, str], pipeline: Any
 ) -> None:
-    """A worker node for the pools the file's lines use, when none is running."""
     from .services import wait_until
 
     needed = _pools_used(args.file, pipeline.settings)
@@ -336,7 +324,6 @@ def _start_worker(
 
 
 def _pools_used(path: str, settings: Any) -> list[str]:
-    """The worker pools the batch in ``path`` needs (from each line's ``queue``)."""
     queues: set[str] = set()
     with open(path, encoding="utf-8", errors="replace") as fh:
         for text in fh:

@@ -57,8 +57,8 @@ def redis_server_binary() -> str:
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll ``check`` until it returns something truthy and return that; raise TimeoutError
-    after ``timeout`` seconds. The one polling helper (the tests and benchmarks use it too)."""
+    """``check()``'s first truthy value, polled; TimeoutError after ``timeout`` s. The one
+    polling helper (the tests and benchmarks use it too)."""
     end = time.monotonic() + timeout
     while True:
         value = check()
@@ -77,7 +77,6 @@ class Services:
         self.sims: list[SimServer] = []
 
     def _spawn(self, argv: list[str], env: dict[str, str] | None = None, log: str = "") -> None:
-        """Start ``argv`` in a session of its own, its output appended to ``log`` (or dropped)."""
         out: Any = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child's
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
         self.procs.append(proc)
@@ -85,30 +84,16 @@ class Services:
     def start_redis(self) -> str:
         """An embedded, non-persistent Redis on a free loopback port; returns its URL."""
         port = free_port()
-        self._spawn(
-            [
-                redis_server_binary(),
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--maxmemory-policy",
-                "noeviction",  # the default, said out loud: a worker refuses anything else
-                "--daemonize",
-                "no",
-            ],
-        )
+        argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1"]
+        argv += ["--save", "", "--appendonly", "no", "--daemonize", "no"]
+        # the default, said out loud: a worker refuses anything else
+        self._spawn([*argv, "--maxmemory-policy", "noeviction"])
         url = f"redis://127.0.0.1:{port}/0"
         wait_until(lambda: redis_reachable(url, 0.2), 15, "embedded redis-server")
         log.info("started an embedded redis-server at %s", redact_url(url))
         return url
 
     def start_simulator(self, latency_ms: float, jitter_ms: float) -> str:
-        """The simulator, in a thread of this process; returns its URL once it listens."""
         from ..sim import SimConfig, SimServer
 
         sim = SimServer(SimConfig(latency_ms=latency_ms, jitter_ms=jitter_ms)).start_in_thread()
@@ -116,12 +101,10 @@ class Services:
         return sim.url
 
     def start_worker(self, env: dict[str, str], args: list[str], log_path: str) -> None:
-        """``pipeline worker`` with ``args``, its output appended to ``log_path``."""
         self._spawn([sys.executable, "-m", "pipeline", "worker", *args], env, log_path)
 
     def close(self, timeout: float = 15.0) -> None:
-        """Terminate every child, newest first, and kill one that is still there after
-        ``timeout`` seconds in all; then stop the simulator."""
+        """Terminate every child, newest first (killed after ``timeout`` s), then the simulator."""
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()

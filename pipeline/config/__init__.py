@@ -1,6 +1,5 @@
-"""Configuration as plain data: :class:`Settings`, queues (:class:`QueueConfig`) and worker
-pools (:class:`PoolConfig`), read from ``PIPELINE_*`` variables and the queue / pool files by
-:func:`load_settings`. Imports nothing of the pipeline but ``errors``."""
+"""Configuration as plain data, read by :func:`load_settings`. Imports nothing of the pipeline
+but ``errors``."""
 
 from .load import bool_env, load_settings, parse_pools, parse_queues, with_overrides
 from .merge import MergePolicy, parse_merge_policy

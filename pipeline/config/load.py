@@ -1,7 +1,5 @@
-"""Reading settings: the ``PIPELINE_*`` environment variables and the queue and pool files,
-validated field by field (docs/configuration.md lists them all). Builds plain
-:mod:`pipeline.config.settings` data, nothing else: gate parameters are checked by the gates
-themselves (``pipeline.gates.check_gates``)."""
+"""Reading settings from ``PIPELINE_*`` variables and the queue and pool files, validated field
+by field; gate parameters are checked by the gates (``pipeline.gates.check_gates``)."""
 
 from __future__ import annotations
 
@@ -69,9 +67,8 @@ def _read_json(path: str, var: str) -> Any:
 def read_queue_files(
     env: Mapping[str, str],
 ) -> tuple[dict[str, QueueConfig], dict[str, PoolConfig]]:
-    """The queues of the ``PIPELINE_QUEUES`` file (without it, one queue ``default`` at
-    ``PIPELINE_ENDPOINT``) and the pools of the ``PIPELINE_POOLS`` file (none without it);
-    ConfigError naming the file, entry and field."""
+    """The queues of ``PIPELINE_QUEUES`` (else ``default`` at ``PIPELINE_ENDPOINT``) and the
+    pools of ``PIPELINE_POOLS``; ConfigError naming the file, entry and field."""
     path = env.get("PIPELINE_QUEUES")
     if path:
         queues = parse_queues(_read_json(path, "PIPELINE_QUEUES"), path)

@@ -1,8 +1,5 @@
 """The merge policy: how the queues of one worker pool share its dispatches
-(``PIPELINE_MERGE_POLICY``, a JSON file ``{"type": ..., "parameters": {...}}`` in the
-reference's shape). The policies, their lanes and parameters are described in
-docs/scheduling.md, "Merge policies"; the dispatch script applies them.
-"""
+(``PIPELINE_MERGE_POLICY``; docs/scheduling.md, "Merge policies")."""
 
 from __future__ import annotations
 
@@ -32,8 +29,6 @@ _PARAMS = {
 
 @dataclass(frozen=True)
 class MergePolicy:
-    """A validated merge policy (see the module doc)."""
-
     type: str = "random-robin"
     tier_label: str = "tier"
     priority_header: str = ""

@@ -1,8 +1,5 @@
-"""Redis URLs in Celery's syntax, Sentinel lists included (docs/production.md, "Sentinel"):
-plain data, nothing is connected to. A Sentinel list is ``sentinel://[[user]:password@]host
-[:port][/db]`` entries joined by ``;``; the database and credentials (the master's) are the
-first entry's, the master's name is ``PIPELINE_REDIS_SENTINEL_MASTER``.
-"""
+"""Redis URLs in Celery's syntax, Sentinel lists included (docs/production.md, "Sentinel"),
+as plain data: the master's database and credentials are the first entry's."""
 
 from __future__ import annotations
 
@@ -17,7 +14,6 @@ MASTER_VAR = "PIPELINE_REDIS_SENTINEL_MASTER"
 
 
 def is_sentinel(url: str) -> bool:
-    """Whether ``url`` names a Redis through its sentinels (``sentinel://...``)."""
     return url.strip().lower().startswith(SENTINEL_SCHEME + "://")
 
 

@@ -1,9 +1,5 @@
-"""Reloading the queue and pool files into running settings, as plain data (what a worker
-node does with the result is ``pipeline.worker.reload``; docs/configuration.md, "Changing
-queues without a restart"). A snapshot (:func:`to_snapshot`) is the queues and pools a node
-accepted, as JSON, for its prefork children to follow; it holds no secret (a queue names its
-API key's variable, not the key).
-"""
+"""Reloading the queue and pool files into running settings, as plain data (a node applies
+it in ``pipeline.worker.reload``); a snapshot is what a node accepted, for its children."""
 
 from __future__ import annotations
 
@@ -18,9 +14,8 @@ from .settings import Settings
 
 
 def reload_queue_files(current: Settings, env: Mapping[str, str] | None = None) -> Settings:
-    """``current`` with the queue and pool files read again (every other setting stays: a
-    process's environment does not change); ConfigError when a file is missing, not JSON or
-    does not validate (naming the file, entry and field)."""
+    """``current`` with the queue and pool files read again (a process's environment does not
+    change); ConfigError naming the file, entry and field."""
     env = os.environ if env is None else env
     if not env.get("PIPELINE_QUEUES"):
         raise ConfigError("PIPELINE_QUEUES is not set: there is no queue file to reload")

@@ -1,11 +1,6 @@
-"""Settings and queue configuration as plain, frozen data: nothing here builds gates or
-connects to anything (:mod:`pipeline.config.load` reads it). Every field is described in
-docs/configuration.md; durations are in seconds.
-
-A queue names its API key's *environment variable*, never the key: the config (which clients
-load too, and which a node may copy) holds no secret. Whether the variable is set and the TLS
-files load is checked where they are used, at worker start (``pipeline.worker.check_endpoints``).
-"""
+"""Settings and queue configuration as plain, frozen data (every field is in
+docs/configuration.md; durations in seconds). A queue names its API key's variable, never the
+key: clients load the config too (checked at worker start, ``pipeline.worker.check_endpoints``)."""
 
 from __future__ import annotations
 
@@ -34,9 +29,16 @@ _COUNTS = ("result_list_max_len", "max_response_bytes")
 _FLAGS = ("result_list", "fair_share", "tls_insecure_skip_verify", "follow_redirects")
 
 
-def _positive(value: Any, kind: Any = int | float) -> bool:
-    """Whether ``value`` is a ``kind`` above 0 (a JSON ``true`` is not a number here)."""
+def _positive(value: Any, kind: Any = int | float) -> bool:  # a JSON true is no number
     return not isinstance(value, bool) and isinstance(value, kind) and value > 0
+
+
+def _check_fields(cls: Any, entry: Any, where: str, kind: str) -> None:
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: a {kind} entry must be a JSON object")
+    unknown = sorted(set(entry) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
 
 
 @dataclass(frozen=True)
@@ -79,11 +81,7 @@ class QueueConfig:
     @classmethod
     def from_dict(cls, entry: Any, where: str) -> QueueConfig:
         """Validate one queue entry; ``where`` names it in error messages."""
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{where}: a queue entry must be a JSON object")
-        unknown = sorted(set(entry) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        _check_fields(cls, entry, where, "queue")
         name = entry.get("queue_name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise ConfigError(f"{where}: queue_name must be 1-128 characters of [A-Za-z0-9_.-]")
@@ -103,7 +101,6 @@ class QueueConfig:
 
 
 def _check_values(entry: dict[str, Any], where: str) -> None:
-    """The numbers, flags and ``ingest`` of a queue entry."""
     for key in _SECONDS:
         if not _positive(entry.get(key, 1.0)):
             raise ConfigError(f"{where}: {key} must be a positive number of seconds")
@@ -122,7 +119,6 @@ def _check_values(entry: dict[str, Any], where: str) -> None:
 
 
 def _check_credentials(entry: dict[str, Any], where: str, https: bool) -> None:
-    """``api_key_env`` and the ``tls_*`` fields of a queue entry (types and names only)."""
     env = entry.get("api_key_env")
     if env is not None and (not isinstance(env, str) or not ENV_NAME.match(env)):
         raise ConfigError(
@@ -152,11 +148,7 @@ class PoolConfig:
 
     @classmethod
     def from_dict(cls, entry: Any, where: str) -> PoolConfig:
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{where}: a pool entry must be a JSON object")
-        unknown = sorted(set(entry) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        _check_fields(cls, entry, where, "pool")
         pid = entry.get("id")
         if not isinstance(pid, str) or not _NAME.match(pid):
             raise ConfigError(f"{where}: id must be 1-128 characters of [A-Za-z0-9_.-]")
@@ -201,13 +193,10 @@ class Settings:
     def lookahead_for(
         self, capacity: int, *, quota_key: bool = False, behind_quota: bool = False
     ) -> int:
-        """How many attempts the dispatcher sends past a slot gate of ``capacity`` (or past a
-        per-key quota's limit, ``quota_key``) to park at the workers, so that a released slot
-        is taken at once: ``PIPELINE_LOOKAHEAD``, or by default half the capacity or limit,
-        1 to 8 (0 when parking is off). Behind per-key quotas (``behind_quota``: a
-        composite's) a slot gate gets a quarter: its parked attempts hold their tenants'
-        quota slots, and half cost a fair tenant mix more Redis instructions per request than
-        it saved (bench/redis_replay.py). See docs/scheduling.md, "Look-ahead and parking"."""
+        """Attempts the dispatcher sends past a slot gate's ``capacity`` (or a per-key quota's
+        limit, ``quota_key``) to park at the workers (docs/scheduling.md, "Look-ahead and
+        parking"); a quarter behind per-key quotas, whose slots parked attempts hold
+        (bench/redis_replay.py)."""
         if self.park_s <= 0:
             return 0
         if self.lookahead >= 0:

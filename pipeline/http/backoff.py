@@ -30,9 +30,7 @@ def backoff_delay(
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
     """Retry-After as seconds: an integer ≥ 0 or an HTTP date (a past date gives 0).
     Returns None for a missing or invalid value."""
-    if value is None:
-        return None
-    value = value.strip()
+    value = (value or "").strip()
     if not value:
         return None
     if value.isdigit():
@@ -40,8 +38,6 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):
-        return None
-    if when is None:
         return None
     now = time.time() if now is None else now
     return max(0.0, when.timestamp() - now)

@@ -27,6 +27,7 @@ none), and none bounds a whole sync call by one deadline. What this module keeps
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import select
@@ -121,26 +122,17 @@ class _Local(threading.local):
 
 
 _local = _Local()
-_contexts: dict[TLS, ssl.SSLContext] = {}
-_contexts_lock = threading.Lock()
 
 
+@functools.cache  # one context per settings value; a race builds two, one is kept
 def tls_context(tls: TLS) -> ssl.SSLContext:
-    """The process's context for ``tls`` (built on first use)."""
-    ctx = _contexts.get(tls)
-    if ctx is None:
-        with _contexts_lock:
-            ctx = _contexts.get(tls)
-            if ctx is None:
-                ctx = _contexts[tls] = tls.context()
-    return ctx
+    return tls.context()
 
 
 def reset_tls() -> None:
     """Forget the built contexts, so the next new connection loads the files again (after a
     certificate rotation and a config reload). Open connections are kept."""
-    with _contexts_lock:
-        _contexts.clear()
+    tls_context.cache_clear()
 
 
 def close_all() -> None:

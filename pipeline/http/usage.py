@@ -1,12 +1,6 @@
-"""The ``usage`` object of an OpenAI-compatible response body: how many tokens a request
-consumed. Read for ``pipeline_tokens_total{direction}`` (the reference's series, #401) and to
-settle a token budget's charge (``redis-quota`` in ``tokens`` mode).
-
-Rules (the reference's ``pkg/asyncworker/usage.go``): the body must be a JSON object whose
-``usage`` is an object; ``prompt_tokens`` and ``completion_tokens`` are integers (a missing one
-is 0, a negative one counts 0); any other type of either — a float, a string, a boolean —
-makes the whole ``usage`` unreadable (None). ``total`` is their sum; when both are missing it is
-``total_tokens`` (an integer, else unreadable)."""
+"""The ``usage`` of an OpenAI-compatible response body, read as the reference's
+``pkg/asyncworker/usage.go`` does (docs/observability.md, "Prometheus"): for
+``pipeline_tokens_total`` and a token budget's charge (``redis-quota`` in ``tokens`` mode)."""
 
 from __future__ import annotations
 
@@ -44,20 +38,17 @@ def parse_usage(body: str | bytes) -> Usage | None:
     usage = data.get("usage") if isinstance(data, dict) else None
     if not isinstance(usage, dict):
         return None
-    fields = ("prompt_tokens", "completion_tokens")
-    present = [f for f in fields if f in usage]
-    if not present:
+    if "prompt_tokens" not in usage and "completion_tokens" not in usage:
         total = _count(usage.get("total_tokens"))
         return None if total is None else Usage(0, 0, total)
-    counts = [_count(usage[f]) if f in usage else 0 for f in fields]
-    prompt, completion = counts
+    prompt = _count(usage.get("prompt_tokens", 0))
+    completion = _count(usage.get("completion_tokens", 0))
     if prompt is None or completion is None:
         return None
     return Usage(prompt, completion, prompt + completion)
 
 
 def counted_path(url: str) -> bool:
-    """Whether answers from ``url`` count in ``pipeline_tokens_total``: its path, slashes
-    trimmed, ends with ``v1/completions`` or ``v1/chat/completions`` (as the reference)."""
+    """Whether answers from ``url`` count in ``pipeline_tokens_total`` (as the reference)."""
     path = urlsplit(url).path.strip("/")
     return any(path == p or path.endswith("/" + p) for p in COUNTED_PATHS)

@@ -24,7 +24,6 @@ log = logging.getLogger("pipeline.metrics")
 
 
 def _nested(gate: Gate) -> Iterator[Gate]:
-    """``gate`` and every gate it is made of."""
     yield gate
     for part in gate.parts():
         yield from _nested(part)
@@ -63,8 +62,7 @@ class ClusterCollector:
         yield from self._drain_limits()
 
     def _drain_limits(self) -> Iterator[Metric]:
-        """The planner's lease of every ``redis-leased-rate`` gate, read from Redis now (the
-        same on every node); 0 while the lease is missing, expired or invalid."""
+        """The planner's lease of every ``redis-leased-rate`` gate, read from Redis now."""
         by_pool: dict[str, RedisLeasedRateGate] = {}
         for _, gate in self.gates:
             for g in _nested(gate):
@@ -149,10 +147,8 @@ class ClusterCollector:
         yield self._proximity_histogram(names, [int(c) for c in proximity])
 
     def _proximity_histogram(self, names: list[str], counts: list[int]) -> Metric:
-        """``deadline_proximity_millis``: per queue, its waiting requests by time left before
-        their deadline (``le="0.0"``: already expired). A snapshot: use it per scrape
-        (``histogram_quantile`` of the buckets), never with ``rate()``. ``_sum`` is estimated
-        (each bucket's requests at its midpoint, those beyond the last bound at that bound)."""
+        """A snapshot per queue (docs/observability.md); ``_sum`` from bucket midpoints, those
+        beyond the last bound at that bound."""
         hist = HistogramMetricFamily(
             PREFIX + "deadline_proximity_millis",
             "Waiting requests by time left before their deadline (ms), read from Redis now.",
@@ -221,8 +217,7 @@ class ClusterCollector:
 
 
 class _MultiProcessCollector(multiprocess.MultiProcessCollector):
-    """The values every process of this node wrote (multiprocess mode), once the gauges of
-    processes that died without saying so are dropped."""
+    """Every process's values, once the gauges of processes killed unannounced are dropped."""
 
     def __init__(self, path: str) -> None:
         super().__init__(None, path=path)
@@ -234,9 +229,8 @@ class _MultiProcessCollector(multiprocess.MultiProcessCollector):
 
 
 def scrape_registry(settings: Settings, dispatcher: Any = None) -> CollectorRegistry:
-    """A registry serving this node's series: the multiprocess files when
-    :func:`.metrics.setup_node` switched to that mode, else this process's memory; plus the
-    scrape-time collector (which starts every configured queue's series at 0)."""
+    """This node's series (the multiprocess files, or this process's memory) and the
+    scrape-time collector."""
     reg = CollectorRegistry(auto_describe=False)
     path = metrics.multiproc_dir
     reg.register(metrics.registry if path is None else _MultiProcessCollector(path))

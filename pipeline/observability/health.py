@@ -1,8 +1,5 @@
-"""The worker node's HTTP endpoint: ``/metrics`` (Prometheus), ``/healthz``, ``/readyz``
-(docs/observability.md, "Health"), served from the worker's main process on
-``PIPELINE_METRICS_HOST`` (default ``127.0.0.1``) and ``PIPELINE_METRICS_PORT`` (default 9808;
-0 = off). A port that is taken is logged and the node runs on without the endpoint.
-"""
+"""The worker node's ``/metrics``, ``/healthz`` and ``/readyz`` (docs/observability.md,
+"Health"), from its main process; a port that is taken is logged and the node runs on."""
 
 from __future__ import annotations
 
@@ -75,8 +72,7 @@ class NodeServer:
         self._redis.close()
 
     def not_ready(self) -> str | None:
-        """Why the node is not ready, or None: shutting down, Redis does not answer a PING
-        within ``PING_TIMEOUT_S``, or a check names a reason."""
+        """Why the node is not ready (shutting down, no PING answer, a check's reason), or None."""
         if self.stopping.is_set():
             return "shutting down"
         try:
@@ -93,7 +89,6 @@ class NodeServer:
         return None
 
     def _app(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
-        """The WSGI application: prometheus_client's for ``/metrics``, JSON for the rest."""
         path = environ.get("PATH_INFO", "")
         data: dict[str, Any] = {"error": "not found", "paths": ["/metrics", "/healthz", "/readyz"]}
         status = 404

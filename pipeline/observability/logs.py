@@ -1,10 +1,5 @@
-"""What a worker logs about a request, and how (docs/observability.md, "Logs"): the request
-id, queue, attempt, status, attempts and latency — never the request's or the response's body
-(user data, and possibly large) unless ``PIPELINE_LOG_BODIES=1``; plain text, or one JSON
-object per line with ``PIPELINE_LOG_FORMAT=json``. The fields of the attempt a thread is
-running are a context variable (:func:`bind`, :func:`clear`), added to every JSON line logged
-meanwhile.
-"""
+"""What a worker logs about a request (docs/observability.md, "Logs"): never a body unless
+``PIPELINE_LOG_BODIES=1``; JSON lines carry the running attempt's fields (:func:`bind`)."""
 
 from __future__ import annotations
 
@@ -35,8 +30,7 @@ def log_format() -> str:
 
 
 def bind(**fields: Any) -> None:
-    """Add fields (``request_id``, ``queue``, ``attempt``, ``status``, ...) to this thread's
-    (or task's) log context."""
+    """Add fields to this thread's (or task's) log context."""
     current = _context.get()
     _context.set({**(current or {}), **{k: v for k, v in fields.items() if v is not None}})
 
@@ -63,9 +57,8 @@ def result_summary(result: Mapping[str, Any], bodies: bool = False) -> dict[str,
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record, on one line (newlines inside values are escaped). A record
-    without bound fields takes the request id from Celery's own ``extra={"data": {"id": ...}}``
-    (its "received" and "succeeded" lines)."""
+    """One JSON object per line; without bound fields the request id comes from Celery's own
+    ``extra={"data": {"id": ...}}`` (its "received" and "succeeded" lines)."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -90,7 +83,6 @@ class JsonFormatter(logging.Formatter):
 
 
 def use_json(logger: logging.Logger) -> None:
-    """Give every handler of ``logger`` the JSON formatter."""
     formatter = JsonFormatter()
     for handler in logger.handlers:
         handler.setFormatter(formatter)

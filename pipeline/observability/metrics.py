@@ -1,12 +1,6 @@
-"""Prometheus metrics of a worker node: the series, the node's multiprocess setup, and the
-hooks the dispatcher calls (the attempt's hooks are ``pipeline.worker.observe``; the series
-read at scrape time are :mod:`.collectors`). Every series, its labels and how to aggregate it
-are in docs/observability.md, "Prometheus".
-
-Prefork: attempts run in pool children, whose in-memory counters the main process (which
-serves ``/metrics``) cannot see, so a worker node runs prometheus_client's multiprocess mode
-(:func:`setup_node`, before the pool forks), under the threads pool too.
-"""
+"""Prometheus metrics of a worker node: the series, the node's multiprocess setup (pool
+children's counters, docs/observability.md "Prefork") and the dispatcher's hooks; the
+attempt's hooks are ``pipeline.worker.observe``, scrape-time series :mod:`.collectors`."""
 
 from __future__ import annotations
 
@@ -52,7 +46,6 @@ GATE_EVENTS = {  # Flower task events, by gate verdict
 
 
 def queue_labels(q: QueueConfig) -> tuple[str, str, str]:
-    """(queue_id, queue_name, pool_name) of a queue."""
     return (q.queue_id, q.queue_name, q.worker_pool_id)
 
 
@@ -174,12 +167,23 @@ def port_from_env() -> int:
         return DEFAULT_PORT
 
 
-def setup_node(node: str | None = None) -> str | None:
-    """Switch this (worker main) process to multiprocess mode before the pool forks.
+def private_dir(prefix: str) -> str:
+    """A fresh temporary directory, removed at exit by the process that made it (never by a
+    forked child)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    owner = os.getpid()
 
-    Uses ``PROMETHEUS_MULTIPROC_DIR`` when set (it must be emptied between runs), else a
-    fresh temporary directory removed at exit. Returns the directory, or None when metrics
-    are off (``PIPELINE_METRICS_PORT=0``) or values were already recorded in memory."""
+    def cleanup() -> None:
+        if os.getpid() == owner:
+            shutil.rmtree(path, ignore_errors=True)
+
+    atexit.register(cleanup)
+    return path
+
+
+def setup_node(node: str | None = None) -> str | None:
+    """Switch this (worker main) process to multiprocess mode before the pool forks; the
+    directory, or None when metrics are off or values were already recorded in memory."""
     global multiproc_dir
     if port_from_env() == 0:
         return None
@@ -191,15 +195,7 @@ def setup_node(node: str | None = None) -> str | None:
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not path:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", node or "node")[:64]
-        path = tempfile.mkdtemp(prefix=f"pipeline-metrics-{safe}-")
-        owner = os.getpid()
-
-        def _cleanup() -> None:
-            if os.getpid() == owner:
-                shutil.rmtree(path, ignore_errors=True)
-
-        atexit.register(_cleanup)
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+        path = os.environ["PROMETHEUS_MULTIPROC_DIR"] = private_dir(f"pipeline-metrics-{safe}-")
     os.makedirs(path, exist_ok=True)
     prom_values.ValueClass = prom_values.get_value_class()
     multiproc_dir = path
@@ -236,8 +232,7 @@ budgets: dict[str, tuple[QueueConfig, Gate]] = {}  # queue name -> (queue, gate)
 
 
 def dispatch_budget(q: QueueConfig, gate: Gate) -> None:
-    """Record that this node dispatches queue ``q`` through ``gate`` (its budget is read at
-    scrape time)."""
+    """This node dispatches ``q`` through ``gate`` (whose budget a scrape reads)."""
     budgets[q.queue_name] = (q, gate)
 
 

@@ -39,8 +39,7 @@ def _oldest_pending(p: Pipeline, names: list[str], now: float) -> dict[str, floa
 
 def status_snapshot(p: Pipeline) -> dict[str, Any]:
     """``pipeline.inspect()`` plus, per queue, ``done_last_minute``, ``oldest_pending_age_s``
-    (s since the oldest pending request was submitted) and ``min_deadline_slack_s`` (s left
-    to the earliest deadline of a waiting request)."""
+    and ``min_deadline_slack_s`` (s left to the earliest deadline of a waiting request)."""
     info = p.inspect()
     k = p.store.keys
     client = p.store.client
@@ -103,7 +102,6 @@ _COUNT_COLUMNS = ("pending", "retry_wait", "running", "done/min", "oldest", "sla
 
 
 def wide_table(info: dict[str, Any]) -> Table:
-    """Everything in one row per queue (wide terminals)."""
     t = Table(title="pipeline status")
     t.add_column("queue", overflow="fold")
     t.add_column("pool", overflow="fold")
@@ -121,7 +119,6 @@ def wide_table(info: dict[str, Any]) -> Table:
 
 
 def queues_table(info: dict[str, Any]) -> Table:
-    """The counts, one row per queue (narrow terminals; see :func:`gates_table`)."""
     t = Table(title="pipeline status: queues", box=box.SIMPLE_HEAD, padding=(0, 1))
     t.add_column("queue", overflow="fold", ratio=1, min_width=8)
     for col in ("pending", "retry", "running", "done/min", "oldest", "slack"):
@@ -132,8 +129,6 @@ def queues_table(info: dict[str, Any]) -> Table:
 
 
 def gates_table(info: dict[str, Any]) -> Table:
-    """Each queue's gate: type, in flight / limit, holders one per line; the queue's pool
-    under its name."""
     t = Table(title="gates", box=box.SIMPLE_HEAD, padding=(0, 1))
     t.add_column("queue / pool", overflow="fold", ratio=1, min_width=8)
     t.add_column("gate", no_wrap=True)
@@ -190,8 +185,7 @@ def _rdb(facts: ServerFacts) -> str:
 
 
 def render_redis(facts: ServerFacts) -> Table:
-    """The Redis server's memory used, ``maxmemory``, ``maxmemory-policy`` (anything but
-    ``noeviction`` is flagged: a worker refuses it) and persistence (AOF, RDB)."""
+    """Memory, ``maxmemory``, its policy (flagged unless ``noeviction``) and persistence."""
     t = Table(title="redis", show_header=False)
     t.add_column("fact")
     t.add_column("value")
@@ -211,7 +205,6 @@ def render_redis(facts: ServerFacts) -> Table:
 
 
 def render(p: Pipeline) -> RenderableType:
-    """``pipeline status``: the Redis server's table (when it answers) above the queues' view."""
     table = StatusView(status_snapshot(p))
     try:
         facts = server_facts(p.store.client)

@@ -1,11 +1,6 @@
-"""Optional OpenTelemetry tracing of attempts (the ``[otel]`` extra): a ``process-request``
-span per attempt with a child ``http-request`` span whose context goes out in the request's
-headers, and a ``re-enqueue`` span for an attempt put back without finishing. The spans,
-their attributes and the ``OTEL_*`` variables that turn tracing on are in
-docs/observability.md, "Tracing". With tracing off every function here is a no-op that never
-imports ``opentelemetry``. A provider is set up per process, after a fork (prefork pool
-children get their own); tests and embedders install one with :func:`use_tracer_provider`.
-"""
+"""Optional OpenTelemetry tracing of attempts (the ``[otel]`` extra; spans, attributes and
+``OTEL_*`` variables in docs/observability.md, "Tracing"). Off, every function is a no-op that
+never imports ``opentelemetry``; on, each process (a forked child too) sets up its provider."""
 
 from __future__ import annotations
 
@@ -107,7 +102,7 @@ def _from_env() -> Any:
 
 
 def tracer() -> Any:
-    """This process's tracer, or None when tracing is off (cheap after the first call)."""
+    """This process's tracer, or None when tracing is off."""
     global _pid, _tracer, _provider
     pid = os.getpid()
     if _pid == pid:
@@ -115,10 +110,7 @@ def tracer() -> Any:
     with _lock:
         if _pid != pid:
             _provider = None
-            if _override is not None:
-                _tracer = _override.get_tracer(TRACER_NAME)
-            else:
-                _tracer = _from_env()
+            _tracer = _override.get_tracer(TRACER_NAME) if _override is not None else _from_env()
             _pid = pid
     return _tracer
 
@@ -153,19 +145,17 @@ class AttemptSpan:
         self.span = span
 
     def set(self, key: str, value: Any) -> None:
-        """Set an attribute (and its old name too, see ``ALIASES``), unless it is empty."""
         if self.span is not None:
             self.span.set_attributes(_attrs({key: value}))
 
     def traceparent(self) -> str | None:
-        """The span's W3C ``traceparent``, or None when tracing is off."""
         if self.span is None:
             return None
         c = self.span.get_span_context()
         return f"00-{c.trace_id:032x}-{c.span_id:016x}-{c.trace_flags:02x}"
 
     def fail(self, description: str) -> None:
-        """Mark the span as an error (fatal outcomes only, as in the reference)."""
+        """Fatal outcomes only, as in the reference."""
         if self.span is not None:
             from opentelemetry.trace import Status, StatusCode
 
@@ -176,7 +166,6 @@ _OFF = AttemptSpan()
 
 
 def model_of(payload: str | None) -> str | None:
-    """The non-empty string ``model`` of a JSON payload, else None."""
     try:
         model = json.loads(payload or "").get("model")
     except (ValueError, AttributeError):
@@ -185,7 +174,7 @@ def model_of(payload: str | None) -> str | None:
 
 
 def _attrs(current: dict[str, Any]) -> dict[str, Any]:
-    """Attributes under their current names and their old ones; empty values left out."""
+    """Under their current names and their old ones (``ALIASES``); empty values left out."""
     out: dict[str, Any] = {}
     for name, value in current.items():
         if value is not None and value != "":
@@ -242,10 +231,8 @@ def reenqueue_span(
     queue_name: str = "",
     traceparent: str | None = None,
 ) -> None:
-    """A ``re-enqueue`` span: a new trace (no parent) recording that an attempt was put back
-    in its queue without finishing (``reason``: node shutdown, expired lease, ...), linked to
-    that attempt's ``process-request`` span — remembered in this process, or given as the
-    ``traceparent`` the attempt left in Redis. Without either there is no link."""
+    """A ``re-enqueue`` span (a new trace): an attempt put back without finishing, linked to
+    its ``process-request`` span, remembered here or given as the ``traceparent`` in Redis."""
     t = tracer()
     if t is None:
         return

@@ -1,44 +1,6 @@
-"""OpenAI-compatible model-server simulator for tests, the demo and benchmarks: a starlette app
-served by uvicorn. It serves ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health``, vLLM-style ``/metrics`` and the control endpoints ``/sim/stats``, ``/sim/reset``,
-``/sim/faults``, ``/sim/release``, ``/sim/arrivals`` and ``/sim/tokens``.
-
-Request life cycle for an inference call: count it (and its attempt per ``x-request-id``), parse
-the JSON body (400 if invalid), admit it (above ``max_concurrency``: 429/503 with
-``Retry-After``, or wait in a FIFO queue), then apply a scripted fault for that attempt, then
-the random ``failure_rate``, else wait the simulated latency and answer 200. A request counts
-as ``in_flight`` from admission until its response is written or its client has hung up.
-Failures are answered at once; stalled attempts hold their slot until the client hangs up.
-Pipelined requests on one connection are taken one at a time, in order. All times are
-monotonic seconds unless a name ends in ``_ms`` (milliseconds).
-
-Per-request fault headers (they pass through any client unchanged):
-``x-sim-fail-first: N`` fails the first N attempts of the ``x-request-id`` (without that header
-every request is a first attempt) with ``x-sim-fail-status`` (503), adding ``Retry-After`` from
-``x-sim-retry-after`` and, like an llm-d gateway whose flow control shed the request,
-``x-llm-d-request-dropped-reason`` from ``x-sim-dropped-reason``; ``x-sim-fail-mode:
-stall|drop`` hangs (up to ``STALL_CAP_S``) or closes the connection instead.
-``x-sim-latency-ms`` replaces the whole simulated delay. ``POST /sim/faults`` ``{"id",
-"fail_first", "status", "retry_after", "mode", "dropped_reason"}`` scripts the same for an
-id; headers win. ``SimConfig.overload_dropped_reason`` adds the drop-reason header to overload
-rejections.
-
-Held requests (for tests that need N requests in flight, without racing a latency):
-``x-sim-hold: NAME`` keeps an admitted request that would answer 200 open — in flight, holding
-its concurrency slot, as a slow request would — until the name is released:
-``SimServer.release(NAME)`` in process, ``POST /sim/release {"name": NAME}`` from another.
-Releasing answers every request held under the name (200, the usual body) and opens the name:
-later requests carrying it (a retry) are not held, until ``reset()``. ``SimServer.wait_held``
-(or ``held`` in ``/sim/stats``) tells how many are held. Bounds: ``reset()`` releases every
-name, ``stop()`` closes the connections, and a request is never held longer than
-``HOLD_CAP_S`` (then answered as if released).
-
-Credentials, like a gateway's: with ``api_key`` set, an inference call without
-``Authorization: Bearer <api_key>`` is answered 401 (counted in ``unauthorized``; the CLI
-reads the key from an environment variable, ``--api-key-env``, never from its arguments).
-With ``tls_cert_file`` / ``tls_key_file`` it serves HTTPS; with ``tls_client_ca_file`` too, it
-requires a client certificate signed by that CA (mTLS) and refuses the handshake without one.
-"""
+"""The OpenAI-compatible model-server simulator: a starlette app served by uvicorn on its own
+loop. Its endpoints, fault headers, holds and options are in docs/development.md, "The
+simulator"; times are monotonic seconds unless a name ends in ``_ms``."""
 
 from __future__ import annotations
 
@@ -229,13 +191,8 @@ def _on_loop(fn: _Method[_P, _T]) -> _Method[_P, _T]:
 
 
 class _Clock:
-    """Runs callbacks on the loop at monotonic times, to within about 0.1 ms, never early.
-
-    The loop's own timers are whole milliseconds: asyncio's ``epoll_wait`` rounds up (a 100 ms
-    latency came out as 100.5-101 ms, charging a benchmark for the simulator's clock), uvloop's
-    rounds to the nearest (answers down to 99.2 ms, shorter than asked; both measured with
-    ``bench/sim_throughput.py --latency-ms 100``). Here a helper thread sleeps on a condition
-    (a nanosecond timeout) until the earliest due time and hands what is due to the loop."""
+    """Runs callbacks on the loop at monotonic times, to within about 0.1 ms, never early: the
+    loop's own timers round to whole milliseconds (docs/development.md, "The simulator")."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -280,11 +237,8 @@ class _Clock:
 
 
 class SimServer:
-    """The simulator: its state, its starlette app, and uvicorn serving it on its own event
-    loop in a daemon thread. Its public methods may be called from any thread.
-
-    ``with SimServer(SimConfig(latency_ms=5)) as sim: httpx.get(sim.url + "/health")``
-    """
+    """The simulator, served on its own loop in a daemon thread; its public methods may be
+    called from any thread: ``with SimServer(SimConfig(latency_ms=5)) as sim: ...``"""
 
     def __init__(self, config: SimConfig | None = None, host: str = "127.0.0.1", port: int = 0):
         self.config = config = config if config is not None else SimConfig()
@@ -311,7 +265,7 @@ class SimServer:
 
         model = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "sim"}
         # starlette's router without the application's middleware, which the simulator does
-        # not use: 15-20 % of its CPU per request (bench/sim_throughput.py)
+        # not use and which costs CPU per request (bench/sim_throughput.py)
         self.app = Router(
             routes=[
                 Route("/v1/completions", _Asgi(self._inference)),
@@ -332,21 +286,17 @@ class SimServer:
 
     @property
     def port(self) -> int:
-        """The bound TCP port (the real one once started, even when constructed with 0)."""
         return self._port
 
     @property
     def url(self) -> str:
-        """Base URL without a trailing slash, e.g. ``http://127.0.0.1:40123`` (``https://``
-        when it serves TLS)."""
         return f"{'https' if self.config.tls_cert_file else 'http'}://{self.host}:{self._port}"
 
     # -- the control API (also over HTTP) ---------------------------------------------------
 
     @_on_loop
     def reset(self) -> dict[str, bool]:
-        """Answer every held request, then zero counters, per-id attempts, scripted faults,
-        released hold names and recorded arrivals (``POST /sim/reset``)."""
+        """Answer every held request, then forget everything since the last reset."""
         self.release_all()
         self._released.clear()
         self._requests = self._dropped = self._stalled = self._connections = 0
@@ -361,8 +311,7 @@ class SimServer:
 
     @_on_loop
     def stats(self) -> dict[str, Any]:
-        """Counters since the last reset (``GET /sim/stats``); ``by_status`` keys are status
-        codes as strings."""
+        """Counters since the last reset (``GET /sim/stats``)."""
         return {
             "requests": self._requests,
             "by_status": {str(k): v for k, v in sorted(self._by_status.items())},
@@ -382,8 +331,7 @@ class SimServer:
 
     @_on_loop
     def tokens(self) -> list[tuple[float, int, int, str | None]]:
-        """Per 200 generated (needs ``record_arrivals``; ``GET /sim/tokens``): arrival time
-        (monotonic s), prompt tokens, completion tokens, x-request-id."""
+        """(arrival, prompt tokens, completion tokens, x-request-id) per 200 generated."""
         return list(self._token_log)
 
     @_on_loop
@@ -396,8 +344,7 @@ class SimServer:
         mode: str = "status",
         dropped_reason: str | None = None,
     ) -> None:
-        """Make the first ``fail_first`` attempts of ``request_id`` fail (``POST /sim/faults``);
-        mode status|stall|drop; ``dropped_reason`` is sent as x-llm-d-request-dropped-reason."""
+        """Make the first ``fail_first`` attempts of ``request_id`` fail (``POST /sim/faults``)."""
         if mode not in FAULT_MODES:
             raise ValueError(f"mode must be one of {FAULT_MODES}, not {mode!r}")
         dropped = None if dropped_reason is None else _header_value(dropped_reason)
@@ -406,8 +353,7 @@ class SimServer:
 
     @_on_loop
     def release(self, name: str) -> int:
-        """Answer every request held under ``name`` (``x-sim-hold``; 200, the usual body) and
-        let later ones carrying it pass (``POST /sim/release``); returns how many were held."""
+        """Answer every request held under ``name`` and let later ones pass; how many were held."""
         self._released.add(name)
         held = [fut for fut in self._holds.pop(name, ()) if not fut.done()]
         for fut in held:
@@ -416,18 +362,14 @@ class SimServer:
 
     @_on_loop
     def release_all(self) -> int:
-        """Release every name that holds a request (``reset()`` does too, and zeroes the
-        counters); returns how many requests were held."""
         return sum(self.release(name) for name in list(self._holds))
 
     @_on_loop
     def held(self, name: str) -> int:
-        """How many requests are held under ``name`` now."""
         return len(self._holds.get(name, ()))
 
     def wait_held(self, name: str, n: int = 1, timeout_s: float = 30.0) -> None:
-        """Return once at least ``n`` requests are held under ``name``; TimeoutError after
-        ``timeout_s`` seconds (polls every 5 ms)."""
+        """Return once at least ``n`` requests are held under ``name``; else TimeoutError."""
         deadline = time.monotonic() + timeout_s
         while (got := self.held(name)) < n:
             if time.monotonic() > deadline:
@@ -435,7 +377,6 @@ class SimServer:
             time.sleep(0.005)
 
     def _metrics(self) -> str:
-        """Prometheus text exposition in vLLM naming."""
         rows = [
             ("num_requests_running", "gauge", "Requests currently running.", self._in_flight),
             ("num_requests_waiting", "gauge", "Requests waiting for a slot.", len(self._waiters)),
@@ -527,7 +468,6 @@ class SimServer:
         return await self._complete(call)
 
     async def _fail(self, call: _Call, fault: _Fault) -> Response | None:
-        """A scripted fault: an error status at once, or a stall or drop (None)."""
         if fault.mode == "status":
             msg = f"simulated failure (attempt {call.attempt} of {fault.fail_first})"
             return _error(fault.status, msg, fault.retry_after, fault.dropped_reason)
@@ -649,9 +589,7 @@ class SimServer:
             raise _BadRequest(f"x-sim-fail-mode must be one of {FAULT_MODES}")
 
     def _completion(self, call: _Call, completion: int) -> Response:
-        """A 200 with ``completion`` generated tokens; its usage is counted (and logged with
-        the request's arrival time when ``record_arrivals``): the prompt's tokens are its
-        whitespace-separated words (for chat: of the messages' contents)."""
+        """A 200 with ``completion`` tokens, counted; a prompt token is a word."""
         text = _fake_text(call.prompt, completion)
         prompt_tokens = len(call.prompt.split())
         self._prompt_tokens += prompt_tokens
@@ -677,7 +615,6 @@ class SimServer:
     # -- serving ------------------------------------------------------------------------------
 
     def start_in_thread(self, timeout_s: float = 10.0) -> SimServer:
-        """Start listening on a fresh loop in a daemon thread; returns once bound."""
         if self._thread is None:
             started = concurrent.futures.Future[None]()
             self._thread = threading.Thread(
@@ -688,7 +625,6 @@ class SimServer:
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Close the listener and every client connection, then end the thread. Idempotent."""
         loop, thread = self._loop, self._thread
         if loop is not None and thread is not None and thread.is_alive():
             loop.call_soon_threadsafe(loop.stop)
@@ -772,8 +708,7 @@ class SimServer:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the simulator's options (times in milliseconds unless noted); each ``dest`` is the
-    :class:`SimConfig` field it sets."""
+    """Each option's ``dest`` is the :class:`SimConfig` field it sets."""
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="bind address")
     add("--port", type=int, default=8000, help="TCP port (0 = any free port)")
@@ -801,7 +736,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Serve until SIGINT/SIGTERM; prints ``simulator listening on URL`` once bound."""
     if args.tls_client_ca_file and not args.tls_cert_file:
         raise SystemExit("pipeline sim: --tls-client-ca needs --tls-cert (and --tls-key)")
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
