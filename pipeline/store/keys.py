@@ -12,8 +12,29 @@ name), the result lists its messages name, and the producer's ``request-active:<
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..config import QueueConfig, Settings
+
+#: The fixed ends of the key families whose variable part is not last (a queue's, a quota
+#: key's, a pool's, a batch's keys). A Lua script gets them as the constants ``TAIL_<NAME>``
+#: (luatext.py), never as literals, and the family's root in KEYS (:attr:`Keys.families`).
+TAILS = {
+    "pending": ":pending",
+    "delayed": ":delayed",
+    "expiry": ":expiry",
+    "active": ":active",
+    "stats": ":stats",
+    "recent": ":recent",
+    "sched": ":sched",
+    "tenant": ":t:",
+    "ready": ":ready",
+    "blocked": ":blocked",
+    "sent": ":sent",
+    "holders": ":holders",
+    "wake": ":wake",
+    "invalid": ":invalid",
+}
 
 
 @dataclass(frozen=True)
@@ -35,37 +56,48 @@ class Keys:
         ...}`` (``dispatched``, ``held``, ``admitted``, ``parked``, ``refused``, ``retry``,
         ``requeued``, ``reaped``, ``dropped``, ``done``; see lib.lua ``log_with``), the last 50
         kept. It lives and expires with the record."""
-        return f"{self.prefix}req:{request_id}"
+        return self.request_prefix() + request_id
+
+    def request_prefix(self) -> str:
+        """The root of :meth:`request` (the id appended)."""
+        return f"{self.prefix}req:"
 
     def notify(self, request_id: str) -> str:
         """List: one element pushed when the request reaches its terminal result."""
-        return f"{self.prefix}notify:{request_id}"
+        return self.notify_prefix() + request_id
+
+    def notify_prefix(self) -> str:
+        return f"{self.prefix}notify:"
 
     # -- per queue -----------------------------------------------------------------------
     def pending(self, queue: str) -> str:
         """Sorted set: waiting requests; score = ordering key, member = ``seq|id``."""
-        return f"{self.prefix}q:{queue}:pending"
+        return self.queue_prefix() + queue + TAILS["pending"]
 
     def delayed(self, queue: str) -> str:
         """Sorted set: requests waiting out a retry backoff; score = due time (Unix s)."""
-        return f"{self.prefix}q:{queue}:delayed"
+        return self.queue_prefix() + queue + TAILS["delayed"]
 
     def expiry(self, queue: str) -> str:
         """Sorted set: waiting (pending or delayed) requests; score = deadline (Unix s)."""
-        return f"{self.prefix}q:{queue}:expiry"
+        return self.queue_prefix() + queue + TAILS["expiry"]
 
     def active(self, queue: str) -> str:
         """Sorted set: dispatched or running requests; score = lease expiry (Unix s)."""
-        return f"{self.prefix}q:{queue}:active"
+        return self.queue_prefix() + queue + TAILS["active"]
 
     def stats(self, queue: str) -> str:
         """Hash: terminal outcome counters of a queue."""
-        return f"{self.prefix}q:{queue}:stats"
+        return self.queue_prefix() + queue + TAILS["stats"]
 
     def recent(self, queue: str) -> str:
         """Sorted set: ids finished recently; score = finish time (Unix s); trimmed to 5 min by
         one finish in 16 (readers select by score)."""
-        return f"{self.prefix}q:{queue}:recent"
+        return self.queue_prefix() + queue + TAILS["recent"]
+
+    def queue_prefix(self) -> str:
+        """The root of a queue's keys: ``<root><queue name><tail>`` (:data:`TAILS`)."""
+        return f"{self.prefix}q:"
 
     def default_result_list(self, queue: str) -> str:
         """List: terminal results of a queue without a configured ``result_queue_name``."""
@@ -91,13 +123,13 @@ class Keys:
         key), ``fair`` ('1': fair share), ``pool``, ``rr`` (last ring ticket handed out),
         ``n`` (entries in the tenant sub-queues; equals ZCARD pending when consistent),
         ``cursor`` (where a re-index of pending continues)."""
-        return f"{self.prefix}q:{queue}:sched"
+        return self.queue_prefix() + queue + TAILS["sched"]
 
     def tenant_queue(self, queue: str, tenant_key: str) -> str:
         """Sorted set: one tenant's waiting requests (score and member as in ``pending``).
         ``tenant_key`` is the tenant (the attribute's value, '' when absent) when it is at most
         128 printable characters without a newline, else ``sha1:<hex of it>``."""
-        return f"{self.prefix}q:{queue}:t:{tenant_key}"
+        return self.queue_prefix() + queue + TAILS["tenant"] + tenant_key
 
     def ready(self, queue: str) -> str:
         """Sorted set: one entry per tenant that may be dispatched, member
@@ -106,12 +138,12 @@ class Keys:
         by member = submission order); with fair share: ``(9 - priority) x 2^49 + ticket``
         (a ring per priority: a tenant gets a new, last ticket when it joins, when one of its
         requests is dispatched and when its head's priority changes)."""
-        return f"{self.prefix}q:{queue}:ready"
+        return self.queue_prefix() + queue + TAILS["ready"]
 
     def blocked(self, queue: str) -> str:
         """Hash: tenant key → the quota key it is held back by (its tenants at a limit, out of
         ``ready`` until the key's requests are down to its wake count: see ``quota_blocked``)."""
-        return f"{self.prefix}q:{queue}:blocked"
+        return self.queue_prefix() + queue + TAILS["blocked"]
 
     # -- per quota key (a redis-quota concurrency gate's key, e.g. ``quota:userid:alice``) --
     def quota_sent(self, quota_key: str) -> str:
@@ -120,7 +152,7 @@ class Keys:
         small sorted set compares without parsing). What the dispatch script counts against the
         key's limit (plus its look-ahead); an attempt leaves it when it leaves the active
         state (lib.lua terminal / enqueue, via the record's ``qkeys``)."""
-        return f"{self.prefix}gate:{quota_key}:sent"
+        return self.gate_prefix() + quota_key + TAILS["sent"]
 
     def quota_blocked(self, quota_key: str) -> str:
         """Set: ``<queue>\\n<tenant key>`` of tenants held back by this key; emptied (and the
@@ -128,12 +160,16 @@ class Keys:
         at most its wake count in ``quota_sent`` (the key's limit plus half its look-ahead,
         rounded down: the record's ``qwake``), so one tick tops the look-ahead up after every
         second or third leave instead of after each."""
-        return f"{self.prefix}gate:{quota_key}:blocked"
+        return self.gate_prefix() + quota_key + TAILS["blocked"]
 
     # -- per pool (a group of worker slots) ----------------------------------------------
     def wake(self, pool: str) -> str:
         """List used as a doorbell: pushed when the pool's dispatcher has work to do."""
-        return f"{self.prefix}pool:{pool}:wake"
+        return self.pool_prefix() + pool + TAILS["wake"]
+
+    def pool_prefix(self) -> str:
+        """The root of a pool's keys: ``<root><pool><tail>``."""
+        return f"{self.prefix}pool:"
 
     def pool_nodes(self, pool: str) -> str:
         """Sorted set: worker nodes serving the pool; score = liveness expiry (Unix s)."""
@@ -150,10 +186,14 @@ class Keys:
         return f"{self.prefix}pool:{pool}:merge"
 
     # -- gates ---------------------------------------------------------------------------
+    def gate_prefix(self) -> str:
+        """The root of a gate's and a quota key's keys: ``<root><gate or key><tail>``."""
+        return f"{self.prefix}gate:"
+
     def gate_holders(self, gate: str) -> str:
         """Sorted set: holders of a gate's reservations; member = ``id:token``, score = lease
         expiry (Unix s)."""
-        return f"{self.prefix}gate:{gate}:holders"
+        return self.gate_prefix() + gate + TAILS["holders"]
 
     def gate_info(self, gate: str) -> str:
         """Hash: holder → JSON description (request, attempt, worker, acquired_at)."""
@@ -166,7 +206,11 @@ class Keys:
 
     def gate_node_holders(self, gate: str, node: str) -> str:
         """Sorted set: one node's holders of a per-node gate (see :meth:`gate_holders`)."""
-        return self.gate_holders(f"{gate}@{node}")
+        return self.gate_node_prefix(gate) + node + TAILS["holders"]
+
+    def gate_node_prefix(self, gate: str) -> str:
+        """:meth:`gate_node_holders` up to the node's name (its tail ``TAILS["holders"]``)."""
+        return f"{self.gate_prefix()}{gate}@"
 
     def gate_node_info(self, gate: str, node: str) -> str:
         """Hash: one node's holder descriptions of a per-node gate (see :meth:`gate_info`)."""
@@ -199,11 +243,14 @@ class Keys:
     def batch(self, batch_id: str) -> str:
         """Hash: a batch (status, counts, timestamps, file ids; see ``batch_*.lua``). Expires
         its retention after it closes (and at the latest its window plus retention)."""
-        return f"{self.prefix}batch:{batch_id}"
+        return self.batch_prefix() + batch_id
+
+    def batch_prefix(self) -> str:
+        return f"{self.prefix}batch:"
 
     def batch_invalid(self, batch_id: str) -> str:
         """List: a batch's invalid lines kept for its error file (JSON); expires with it."""
-        return f"{self.prefix}batch:{batch_id}:invalid"
+        return self.batch_prefix() + batch_id + TAILS["invalid"]
 
     def batch_lease(self, batch_id: str) -> str:
         """String with a TTL: the process validating, enqueuing, cancelling or finalizing a
@@ -269,6 +316,27 @@ class Keys:
         """Glob matching every key under the prefix."""
         return f"{self.prefix}*"
 
+    @cached_property
+    def families(self) -> tuple[str, ...]:
+        """What a request-state or batch script's KEYS end with, in lib.lua ``key_families``'s
+        order: the roots of the keys it derives from what it reads (a root, then an id, or a
+        queue's, pool's, quota key's name and a :data:`TAILS` end), then the global keys."""
+        return (
+            self.request_prefix(),
+            self.notify_prefix(),
+            self.queue_prefix(),
+            self.gate_prefix(),
+            self.pool_prefix(),
+            self.batch_prefix(),
+            REF_ACTIVE_PREFIX,
+            REF_CANCEL_PREFIX,
+            self.seq(),
+            self.freed_channel(),
+            self.batches_active(),
+            self.batches_expiry(),
+            self.batches_bell(),
+        )
+
 
 def celery_queue(pool: str, prefix: str = "pl:") -> str:
     """The Celery queue carrying a worker pool's attempts: ``pipeline.<pool>`` for the default
@@ -284,14 +352,18 @@ def celery_queue_prefix(prefix: str = "pl:") -> str:
 
 
 # -- the llm-d-async reference's own keys (verbatim, outside the prefix; see store/wire.py) --
+REF_CANCEL_PREFIX = "request-cancel:"
+REF_ACTIVE_PREFIX = "request-active:"
+
+
 def ref_cancel_key(request_id: str) -> str:
     """String: the generation token a reference producer cancelled (``CancelRequests``)."""
-    return f"request-cancel:{request_id}"
+    return REF_CANCEL_PREFIX + request_id
 
 
 def ref_active_key(request_id: str) -> str:
     """String: the generation token of a reference producer's live submission of the id."""
-    return f"request-active:{request_id}"
+    return REF_ACTIVE_PREFIX + request_id
 
 
 def holder(request_id: str, token: str) -> str:

@@ -33,7 +33,7 @@ from redis.connection import AbstractConnection
 from redis.exceptions import NoScriptError, ResponseError
 
 from ..errors import ReplicationError
-from .luatext import SCRIPT_NAMES, lua_source, source
+from .luatext import SCRIPT_NAMES, source
 
 log = logging.getLogger("pipeline.store")
 
@@ -186,7 +186,7 @@ class Script:
 
 def register(client: redis.Redis, name: str) -> Script:
     """A stand-alone script (``lua/<name>.lua``, a gate's) registered on ``client``."""
-    return Script(client, lua_source(name), name=name)
+    return Script(client, source(name, library=False), name=name)
 
 
 @dataclass(frozen=True)

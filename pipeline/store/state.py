@@ -141,7 +141,7 @@ class Store:
         i, size = 0, SUBMIT_FIRST_CHUNK
         while i < len(rows):
             items = json.dumps(rows[i : i + size], ensure_ascii=False, separators=(",", ":"))
-            out.extend(self.scripts.submit(keys=[], args=[self.keys.prefix, items]))
+            out.extend(self.scripts.submit(keys=self.keys.families, args=[items]))
             i, size = i + size, min(SUBMIT_MAX_CHUNK, size * 2)
         return out
 
@@ -167,10 +167,16 @@ class Store:
                 json.dumps(env.metadata), json.dumps(env.headers), env.endpoint,
                 wire.result_list(queue.result_queue_name, env.result_list),
             ])  # fmt: skip
+        k = self.keys
         words = self.scripts.ingest(
-            keys=[queue.queue_name],
+            keys=[
+                queue.queue_name,
+                k.pending(queue.queue_name),
+                k.expiry(queue.queue_name),
+                k.wake(queue.worker_pool_id),
+                *k.families,
+            ],
             args=[
-                self.keys.prefix,
                 queue.queue_name,
                 queue.worker_pool_id,
                 json.dumps(queue.labels) if queue.labels else "{}",
@@ -298,7 +304,7 @@ class Store:
 
     def reap(self, queue: str) -> list[tuple[str, str]]:
         """Requeue attempts of ``queue`` whose lease expired; returns (id, token) pairs."""
-        raw = self.scripts.reap(keys=[self.keys.active(queue)], args=[self.keys.prefix, 1000])
+        raw = self.scripts.reap(keys=[self.keys.active(queue), *self.keys.families], args=[1000])
         return [(raw[i], raw[i + 1]) for i in range(0, len(raw), 2)]
 
     # -- attempts ------------------------------------------------------------------------
@@ -380,9 +386,8 @@ class Store:
             extra = [mirror.head, mirror.tail, mirror.ttl, 1 if mirror.embed else 0]
         return ScriptCall(
             self.scripts.finish,
-            keys,
+            [*keys, *self.keys.families],
             [
-                self.keys.prefix,
                 token,
                 int(self.settings.result_ttl_s),
                 1 if attempted else 0,
@@ -461,9 +466,8 @@ class Store:
             extra = [mirror.head, mirror.ttl]
         return ScriptCall(
             self.scripts.requeue,
-            keys,
+            [*keys, *self.keys.families],
             [
-                self.keys.prefix,
                 token,
                 repr(float(delay)),
                 1 if attempted else 0,
@@ -486,9 +490,7 @@ class Store:
         text = journal.take()
         if not text:
             return False
-        res = self.scripts.note(
-            keys=[self.keys.request(request_id)], args=[self.keys.prefix, token, text]
-        )
+        res = self.scripts.note(keys=[self.keys.request(request_id)], args=[token, text])
         return bool(res)
 
     def explain(
@@ -504,8 +506,8 @@ class Store:
         ``listed`` holders and requests each) and its decision log. None for an unknown id."""
         specs = {q: [s.arg() for s in specs] for q, specs in (quotas or {}).items() if specs}
         raw = self.scripts.explain(
-            keys=[],
-            args=[self.keys.prefix, request_id, json.dumps(specs or {}), int(listed)],
+            keys=[self.keys.request(request_id), *self.keys.families],
+            args=[request_id, json.dumps(specs or {}), int(listed)],
         )
         if not raw:
             return None
@@ -516,10 +518,12 @@ class Store:
         """Extend the leases of live attempts given as (id, token, queue)."""
         if not attempts:
             return 0
-        args: list[Any] = [self.keys.prefix, self.settings.lease_s]
-        for a in attempts:
-            args.extend(a)
-        return int(self.scripts.renew(keys=[], args=args))
+        keys: list[str] = []
+        args: list[Any] = [self.settings.lease_s]
+        for request_id, token, queue in attempts:
+            keys += [self.keys.request(request_id), self.keys.active(queue)]
+            args += [request_id, token]
+        return int(self.scripts.renew(keys=keys, args=args))
 
     def note_span(self, request_id: str, token: str, traceparent: str) -> None:
         """Record the running attempt's trace span (``attempt_span`` = ``<token> <traceparent>``)
@@ -536,8 +540,8 @@ class Store:
     # -- client side ---------------------------------------------------------------------
     def cancel(self, request_id: str) -> bool:
         res = self.scripts.cancel(
-            keys=[self.keys.request(request_id)],
-            args=[self.keys.prefix, int(self.settings.result_ttl_s)],
+            keys=[self.keys.request(request_id), *self.keys.families],
+            args=[int(self.settings.result_ttl_s)],
         )
         return bool(res)
 
@@ -548,7 +552,7 @@ class Store:
         asked only by a parked attempt that a cancel notice named or whose park timed out
         (``cancel_asked.lua``)."""
         res = self.scripts.cancel_asked(
-            keys=[self.keys.request(request_id)], args=[self.keys.prefix, token]
+            keys=[self.keys.request(request_id), *self.keys.families], args=[token]
         )
         if not res:
             return None
