@@ -38,15 +38,13 @@ local function fmt_time(t)
 end
 
 -- `s` as a JSON string (quoted and escaped).
--- (a function, not cjson.encode itself: a Functions library's definitions run where cjson is
--- not yet reachable, see pipeline/store/functions.py)
 local function json_str(s) return cjson.encode(s) end
 
 -- The score of a lease that runs until `t` (server clock) in a sorted set of leases (a queue's
 -- active set, a gate's holders): `t` rounded up to a whole second. A lease lasts up to 1 s
 -- longer than asked; in return the set holds integers, which a small (listpack) sorted set
 -- compares without parsing text: a fraction cost every ZADD one strtod() per member
--- (BENCHMARKS.md, round 7).
+-- (bench/redis_replay.py).
 local function lease_score(t)
   return string.format('%d', math.ceil(t))
 end

@@ -1,12 +1,12 @@
 -- sched.lua: the scheduling structures of indexed queues (fair share by tenant, quota-aware
--- dispatch), kept by every request-state script: pipeline/store/scripts.py prepends this file
+-- dispatch), kept by every request-state script: pipeline/store/luatext.py prepends this file
 -- (before lib.lua) to each of them. Not a script on its own: it reads no KEYS or ARGV.
 --
 -- Keys: K is the script's key families (lib.lua key_families, store/keys.py Keys.families);
 -- a queue's keys are K.q .. <queue> .. TAIL_<NAME> (store/keys.py TAILS).
 -- A queue is *indexed* while its sched hash exists (attr = the tenant
--- attribute, fair = '1' for fair share, pool, rr, n, cursor; see pipeline/store/keys.py,
--- which documents every key below). For an indexed queue every waiting request is, besides
+-- attribute, fair = '1' for fair share, pool, rr, n, cursor; see docs/internals.md,
+-- "Redis keys", for every key below). For an indexed queue every waiting request is, besides
 -- pending, in its tenant's sub-queue (Keys.tenant_queue; same score and member). A tenant with
 -- waiting requests is either
 --   ready:   <its head member>\n<tenant key> is in the queue's ready set, or
@@ -196,7 +196,8 @@ end
 -- sched_add for many new requests in one script run (submit), whose records were just written
 -- with their tenant (key `tk`). `memo` (from sched_memo) keeps what was read of each tenant
 -- (held back or not, its head; nothing else changes them while the script adds) and how many
--- joined each queue, added to its count once by sched_add_done (BENCHMARKS.md, round 8).
+-- joined each queue, added to its count once by sched_add_done
+-- (fewer commands per submitted request: bench/redis_replay.py).
 local function sched_memo()
   return {tenants = {}, added = {}}
 end
