@@ -73,7 +73,7 @@ class QueueTick:
             "cap": self.cap,
             "weight": self.weight,
             "lane": self.lane,
-            "rand": round(self.rand, 6),  # (17 digits cost the script's JSON decode ~20 %)
+            "rand": round(self.rand, 6),  # (17 digits make the script's JSON decode slower)
             "rl_max": self.result_list[1],
             "rl_ttl": self.result_list[2],
             "specs": [s.arg() for s in self.specs],

@@ -310,8 +310,7 @@ class Store:
     # -- attempts ------------------------------------------------------------------------
     def start(self, request_id: str, token: str, queue: str, worker: str) -> Started | None:
         """Begin an attempt; None when the message is stale (fenced off by its token)."""
-        call = self.start_call(request_id, token, queue, worker)
-        return self.started(call.script(keys=call.keys, args=call.args))
+        return self.started(self.start_call(request_id, token, queue, worker)())
 
     def start_call(self, request_id: str, token: str, queue: str, worker: str) -> ScriptCall:
         """:meth:`start` as a call to send in a batch; :meth:`started` reads its reply."""
@@ -328,37 +327,10 @@ class Store:
         it = iter(reply[2:])
         return Started(dict(zip(it, it, strict=True)), float(reply[1]), time.time())
 
-    def finish(
-        self,
-        request_id: str,
-        token: str,
-        *,
-        attempted: bool,
-        status_code: int | None,
-        payload: str,
-        error_code: str | None = None,
-        error_message: str | None = None,
-        mirror: Mirror | None = None,
-        handed_over: bool = False,
-        journal: Journal | None = None,
-    ) -> str | None:
-        """Write the terminal result of an attempt (and its ``mirror``); None when fenced
-        off. ``handed_over``: its slot went to another attempt, so no release is published.
-        ``journal``: the attempt's events for the decision log; the script adds the ``done``
-        entry."""
-        call = self.finish_call(
-            request_id,
-            token,
-            attempted=attempted,
-            status_code=status_code,
-            payload=payload,
-            error_code=error_code,
-            error_message=error_message,
-            mirror=mirror,
-            handed_over=handed_over,
-            journal=journal,
-        )
-        return self.finished(call.script(keys=call.keys, args=call.args))
+    def finish(self, request_id: str, token: str, **kw: Any) -> str | None:
+        """Write the terminal result of an attempt (:meth:`finish_call` sent now); None when
+        fenced off."""
+        return self.finished(self.finish_call(request_id, token, **kw)())
 
     def finish_call(
         self,
@@ -375,10 +347,11 @@ class Store:
         nowake: bool = False,
         journal: Journal | None = None,
     ) -> ScriptCall:
-        """:meth:`finish` as a call to send in a batch; :meth:`finished` reads its reply.
-        ``nowake`` (with ``handed_over``): the pool's doorbell is not rung either — the worker
-        that took the slot still has attempts of the queue parked, so the dispatcher need not
-        send more yet. ``journal`` as in :meth:`finish` (taken when the call is built)."""
+        """The terminal result of an attempt (and its ``mirror``), as a call to send in a
+        batch; :meth:`finished` reads its reply. ``handed_over``: its slot went to another
+        attempt, so no release is published; ``nowake`` (with it): nor is the pool's doorbell
+        rung (the taker still has attempts of the queue parked). ``journal``: the attempt's
+        events for the decision log (taken now); the script adds the ``done`` entry."""
         keys = [self.keys.request(request_id)]
         extra: list[Any] = []
         if mirror is not None:
@@ -406,38 +379,10 @@ class Store:
         """The result JSON a finish call wrote, None when it was fenced off."""
         return reply or None
 
-    def requeue(
-        self,
-        request_id: str,
-        token: str,
-        *,
-        delay: float,
-        attempted: bool,
-        last_response: dict[str, Any] | None = None,
-        last_error: str | None = None,
-        mirror: Mirror | None = None,
-        handed_over: bool = False,
-        journal: Journal | None = None,
-        note: dict[str, Any] | None = None,
-    ) -> float | None:
-        """Give the request back to its queue (now, or ``delay`` s from now by the server's
-        clock) and write its ``mirror`` (``head`` alone). Returns the due time (Unix s, server
-        clock), None when fenced off. ``handed_over`` as in :meth:`finish`. The decision log
-        gets the ``journal``'s events, then ``note`` (default ``{"e": "requeued"}``; see
-        :func:`pipeline.store.journal.entry`) with the delay."""
-        call = self.requeue_call(
-            request_id,
-            token,
-            delay=delay,
-            attempted=attempted,
-            last_response=last_response,
-            last_error=last_error,
-            mirror=mirror,
-            handed_over=handed_over,
-            journal=journal,
-            note=note,
-        )
-        return self.requeued(call.script(keys=call.keys, args=call.args))
+    def requeue(self, request_id: str, token: str, **kw: Any) -> float | None:
+        """Give the request back to its queue (:meth:`requeue_call` sent now): the due time
+        (Unix s, server clock), None when fenced off."""
+        return self.requeued(self.requeue_call(request_id, token, **kw)())
 
     def requeue_call(
         self,
@@ -453,8 +398,11 @@ class Store:
         journal: Journal | None = None,
         note: dict[str, Any] | None = None,
     ) -> ScriptCall:
-        """:meth:`requeue` as a call to send in a batch; :meth:`requeued` reads its reply
-        (``journal`` and ``note`` as there, taken when the call is built)."""
+        """Give the request back to its queue, now or ``delay`` s from now by the server's
+        clock, and write its ``mirror`` (``head`` alone), as a call to send in a batch;
+        :meth:`requeued` reads its reply. ``handed_over`` as in :meth:`finish_call`. The
+        decision log gets the ``journal``'s events, then ``note`` (default
+        ``{"e": "requeued"}``; see :func:`pipeline.store.journal.entry`) with the delay."""
         last = dict(note or entry("requeued"))
         if delay > 0:
             last["delay"] = round(float(delay), 3)
