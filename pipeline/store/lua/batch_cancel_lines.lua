@@ -1,8 +1,8 @@
 -- batch_cancel_lines.lua: cancel requests of a cancelling batch that have not started an
 -- attempt (queued, waiting out a retry, or dispatched but not started: such an attempt holds
 -- no gate reservation, and its start is fenced off). A running attempt is marked: one still
--- parked at its worker for a gate slot ends CANCELLED unsent at once (the notice published here wakes it), one sent
--- finishes.
+-- parked at its worker for a gate slot ends CANCELLED unsent at once (the notice published
+-- here wakes it), one sent finishes.
 -- KEYS: the key families (lib.lua key_families; each request's keys follow from its id).
 -- ARGV[1] result TTL (s), ARGV[3..] request ids.
 -- Returns how many this call cancelled.

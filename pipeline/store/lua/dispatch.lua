@@ -33,8 +33,8 @@
 -- 'tier-priority'), max_wait, lookahead (most quota look-ahead attempts this tick), queues:
 -- [{name, dispatch (bool: may dispatch), sweep (bool), budget (0..1), cap (-1: none), weight,
 -- lane (0..5), rand (0..1: a new round-robin counter's start), rl_max, rl_ttl (result list),
--- specs: [{k (the quota key's name up to its value: <gate prefix><attribute>:), attr, limit, la (look-ahead),
--- h (bool: the key's leases are in this Redis)}]}]}.
+-- specs: [{k (the quota key up to its value: <the gate's prefix param><attribute>:), attr,
+-- limit, la (look-ahead), h (bool: the key's leases are in this Redis)}]}]}.
 -- With cfg.list set, each moved request is also pushed there as a Celery message (protocol 2,
 -- kombu's Redis transport envelope, JSON body), so the move and the publish are one step.
 -- Returns {moved, expired, next_event, rejected}: moved is a flat list of id, token,

@@ -9,8 +9,8 @@
 -- attempt handed its slot over (no release to publish on the freed channel), else '0',
 -- ARGV[7] the attempt's journal for the request's decision log, its last line this requeue
 -- (lib.lua log_journal; '' for none).
--- With the Celery result key: ARGV[8] the task's Celery result meta (a RETRY, never replacing a final
--- state), ARGV[9] its TTL (s).
+-- With the Celery result key: ARGV[8] the task's Celery result meta (a RETRY, never replacing
+-- a final state), ARGV[9] its TTL (s).
 -- Returns the due time (server clock, as text), or 0 when fenced off.
 local K = key_families()
 local celery = #KEYS > KEY_FAMILIES + 1 and KEYS[2]

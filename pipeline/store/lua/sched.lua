@@ -4,9 +4,8 @@
 --
 -- Keys: K is the script's key families (lib.lua key_families, store/keys.py Keys.families);
 -- a queue's keys are K.q .. <queue> .. TAIL_<NAME> (store/keys.py TAILS).
--- A queue is *indexed* while its sched hash exists (attr = the tenant
--- attribute, fair = '1' for fair share, pool, rr, n, cursor; see docs/internals.md,
--- "Redis keys", for every key below). For an indexed queue every waiting request is, besides
+-- A queue is *indexed* while its sched hash exists (attr = the tenant attribute, fair = '1'
+-- for fair share, pool, rr, n, cursor; docs/internals.md, "Redis keys", has every key below). For an indexed queue every waiting request is, besides
 -- pending, in its tenant's sub-queue (Keys.tenant_queue; same score and member). A tenant with
 -- waiting requests is either
 --   ready:   <its head member>\n<tenant key> is in the queue's ready set, or
@@ -17,8 +16,8 @@
 -- (9 - priority) x 2^49 + a ticket from the queue's counter rr: tenants at the highest
 -- priority take turns, and a tenant takes a new (last) ticket when it joins, when one of its
 -- requests is dispatched and when its head's priority changes.
--- A dispatched request of a blocking concurrency quota key is listed in
--- the key's sent set (Keys.quota_sent: what the dispatch script counts against the key's limit) and
+-- A dispatched request of a blocking concurrency quota key is listed in the key's sent set
+-- (Keys.quota_sent: what the dispatch script counts against the key's limit) and
 -- its record's qkeys field (JSON list of quota keys) says so, until it leaves the active state:
 -- then sched_leave() takes it out and, once the key is down to its wake count (its limit plus
 -- half its look-ahead: the record's qwake), makes the key's blocked tenants ready again and

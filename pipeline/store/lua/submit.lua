@@ -1,7 +1,7 @@
 -- submit.lua: accept a batch of requests atomically, item by item.
 -- KEYS: the key families (lib.lua key_families): each item's keys are derived from its id,
 --   queue and pool (its record, its queue's pending and expiry sets, for a queue indexed by
---   tenant its scheduling keys (sched.lua), its pool's doorbell), a batch's from ARGV[1].
+--   tenant its scheduling keys (sched.lua), its pool's doorbell), a batch's from ARGV[2].
 -- ARGV[1] the items: a JSON array with one array of 14 strings per item:
 --   id, queue, pool, priority (0-9), deadline (Unix s, the server's clock) or '',
 --   timeout (s from now by the server's clock, when deadline is ''), payload (JSON text),
