@@ -175,19 +175,17 @@ def tick_args(
             keys.active(q.name),
             q.result_list[0],
         ]
-    ks.append(keys.merge(pool))
+    list_key, task, origin = publish or ("", "", "")
+    ks += [keys.merge(pool), list_key]
     if doorbell:
         ks.append(doorbell)
     ks += keys.families
-    list_key, task, origin = publish or ("", "", "")
     cfg = {
-        "pool": pool,
         "cap": pool_cap,
         "lease": lease_s,
         "ttl": ttl_s,
         "sweep": sweep,
         "nonce": nonce,
-        "list": list_key,
         "task": task,
         "origin": origin,
         "doorbell": bool(doorbell),

@@ -23,19 +23,19 @@
 -- "ahead", the quota key it was sent past), and the head request of a tenant held back a
 -- "held" entry (the key).
 -- KEYS: per queue of ARGV[1]'s list, in order: pending, delayed, expiry, active, result list
--- ('' when it keeps none); then the pool's merge hash; then the pool's doorbell when
--- cfg.doorbell (emptied first: every ring pushed so far is answered by this tick); then the
--- key families (lib.lua key_families: records, tenants' and quota keys' sets).
--- ARGV[1] JSON: {pool, cap (the pool's worker slots), lease (s: a dispatched
--- request's lease), ttl (result TTL, s), sweep (limit per sweep), nonce (attempt tokens are
--- <nonce>.<n>), list (the pool's Celery queue list when the broker is this Redis, else ''),
+-- ('' when it keeps none); then the pool's merge hash; the pool's Celery queue list when the
+-- broker is this Redis, else ''; the pool's doorbell when cfg.doorbell (emptied first: every
+-- ring pushed so far is answered by this tick); then the key families (lib.lua key_families:
+-- records, tenants' and quota keys' sets).
+-- ARGV[1] JSON: {cap (the pool's worker slots), lease (s: a dispatched request's lease),
+-- ttl (result TTL, s), sweep (limit per sweep), nonce (attempt tokens are <nonce>.<n>),
 -- task, origin (Celery message fields), doorbell (bool), policy ('random-robin' or
 -- 'tier-priority'), max_wait, lookahead (most quota look-ahead attempts this tick), queues:
 -- [{name, dispatch (bool: may dispatch), sweep (bool), budget (0..1), cap (-1: none), weight,
 -- lane (0..5), rand (0..1: a new round-robin counter's start), rl_max, rl_ttl (result list),
 -- specs: [{k (the quota key up to its value: <the gate's prefix param><attribute>:), attr,
 -- limit, la (look-ahead), h (bool: the key's leases are in this Redis)}]}]}.
--- With cfg.list set, each moved request is also pushed there as a Celery message (protocol 2,
+-- With a Celery queue list, each moved request is also pushed there as a Celery message (protocol 2,
 -- kombu's Redis transport envelope, JSON body), so the move and the publish are one step.
 -- Returns {moved, expired, next_event, rejected}: moved is a flat list of id, token,
 -- dispatch number, priority, queue index (1-based, in ARGV[1]'s order), tenant (JSON
@@ -51,7 +51,8 @@ local limit = cfg.sweep
 local limit_text = string.format('%d', limit)
 local lease_until = lease_score(now + cfg.lease)
 local Q = cfg.queues
-if cfg.doorbell then redis.call('DEL', KEYS[#Q * 5 + 2]) end
+local celery_list = KEYS[#Q * 5 + 2]
+if cfg.doorbell then redis.call('DEL', KEYS[#Q * 5 + 3]) end
 
 for i, q in ipairs(Q) do
   local b = (i - 1) * 5
@@ -178,7 +179,7 @@ local msg_origin = ', "origin": ' .. json_str(cfg.origin) .. ', "ignore_result":
   '"replaced_task_nesting": 0, "stamped_headers": null, "stamps": {}}, ' ..
   '"properties": {"correlation_id": '
 local msg_tail = ', "delivery_mode": 2, "priority": 0, "delivery_info": {"exchange": "", ' ..
-  '"routing_key": ' .. json_str(cfg.list) .. '}, "delivery_tag": '
+  '"routing_key": ' .. json_str(celery_list) .. '}, "delivery_tag": '
 local function celery_message(queue_name, id, token, n_text, priority, t, tenant)
   local jid, jq = json_str(id), json_str(queue_name)
   local kwrepr = "{'queue': '" .. queue_name .. "', 'priority': " .. priority ..
@@ -235,8 +236,8 @@ local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes)
   moved[#moved + 1] = q.idx
   local tenant = tenant_hint(q, f[5])
   moved[#moved + 1] = tenant and cjson.encode(tenant) or ''
-  if cfg.list ~= '' then
-    redis.call('LPUSH', cfg.list,
+  if celery_list ~= '' then
+    redis.call('LPUSH', celery_list,
       celery_message(q.name, id, token, n_text, string.format('%d', tonumber(priority) or 0), t,
         tenant))
   end
