@@ -24,7 +24,7 @@ if __package__ in (None, ""):
 
 from bench.common import base_parser, bench_session, log, table
 from bench.utilisation import LIMIT, SCENARIOS, scenario
-from pipeline.store.scripts import SCRIPT_NAMES, lua_source, source
+from pipeline.store.scripts import SCRIPT_NAMES, source
 
 SLOWLOG_MAX = 2_000_000
 
@@ -36,7 +36,7 @@ def script_names() -> dict[str, str]:
         names[hashlib.sha1(source(name).encode()).hexdigest()] = name
     for path in (resources.files("pipeline.store") / "lua").iterdir():
         stem = path.name.removesuffix(".lua")
-        names.setdefault(hashlib.sha1(lua_source(stem).encode()).hexdigest(), stem)
+        names.setdefault(hashlib.sha1(source(stem, library=False).encode()).hexdigest(), stem)
     return names
 
 

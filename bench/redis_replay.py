@@ -64,7 +64,7 @@ import redis
 
 from bench.common import above_zero, free_port, log, stop_proc, wait_for
 from bench.utilisation import SCENARIOS
-from pipeline.store.scripts import SCRIPT_NAMES, lua_source, source
+from pipeline.store.scripts import SCRIPT_NAMES, source
 
 ROOT = Path(__file__).resolve().parent.parent
 UNESCAPE = {"\\": b"\\", '"': b'"', "n": b"\n", "r": b"\r", "t": b"\t", "a": b"\a", "b": b"\b"}
@@ -174,7 +174,9 @@ def own_scripts(commands: list[list[bytes]]) -> dict[str, str]:
                 continue
             name = m.group(1).decode()
             try:
-                body = (source(name) if name in SCRIPT_NAMES else lua_source(name)).encode()
+                body = (
+                    source(name) if name in SCRIPT_NAMES else source(name, library=False)
+                ).encode()
             except FileNotFoundError:  # not in this checkout: replayed as recorded
                 body = args[2]
             sha = hashlib.sha1(body).hexdigest()

@@ -92,7 +92,7 @@ def script_stats(client: Any) -> tuple[int, int]:
 def cancel_all(store: Any, ids: list[str], ttl_s: int) -> None:
     """Cancel ``ids`` in one round trip (results kept ``ttl_s``)."""
     calls = [
-        ScriptCall(store.scripts.cancel, [store.keys.request(i)], [store.keys.prefix, ttl_s])
+        ScriptCall(store.scripts.cancel, [store.keys.request(i), *store.keys.families], [ttl_s])
         for i in ids
     ]
     for reply in run_batch(store.client, calls):

@@ -69,15 +69,19 @@ class BatchRecords:
             for name in BATCH_SCRIPTS
         }
 
-    def _run(self, name: str, *args: Any) -> Any:
-        return self._scripts[name](keys=[], args=[self.keys.prefix, *args])
+    def _run(self, name: str, batch_id: str, *args: Any) -> Any:
+        """Script ``name`` on the batch's hash and the key families (see its header)."""
+        keys = [self.keys.batch(batch_id), *self.keys.families]
+        return self._scripts[name](keys=keys, args=[batch_id, *args])
 
     # -- life cycle -----------------------------------------------------------------------
     def create(
         self, batch_id: str, window_s: float, retention_s: float, fields: dict[str, str]
     ) -> Created:
-        created, at, expires, status = self._run(
-            "batch_create", batch_id, repr(window_s), repr(retention_s), json.dumps(fields)
+        k = self.keys
+        created, at, expires, status = self._scripts["batch_create"](
+            keys=[k.batch(batch_id), k.batches(), k.batches_expiry(), k.batches_active()],
+            args=[batch_id, repr(window_s), repr(retention_s), json.dumps(fields)],
         )
         return Created(int(created) == 1, float(at), float(expires), str(status))
 
@@ -114,7 +118,7 @@ class BatchRecords:
         """Store the batch's lines after line ``after`` up to line ``upto`` (``items``: the
         JSON array of submit.lua rows of the valid ones), fenced (see submit.lua)."""
         reply = self.store.scripts.submit(
-            keys=[], args=[self.keys.prefix, items, batch_id, after, upto]
+            keys=self.keys.families, args=[items, batch_id, after, upto]
         )
         if reply and reply[0] == "stopped":
             return ChunkReply(False, stopped=True, status=str(reply[1]))
@@ -137,7 +141,7 @@ class BatchRecords:
                 f"{batch_id}-{i}"
                 for i in range(first, min(submitted, first + CANCEL_CHUNK - 1) + 1)
             ]
-            n += int(self._run("batch_cancel_lines", ttl, *ids))
+            n += int(self._scripts["batch_cancel_lines"](keys=self.keys.families, args=[ttl, *ids]))
         self.client.hset(self.keys.batch(batch_id), "cancel_done", "1")
         return n
 
@@ -150,7 +154,8 @@ class BatchRecords:
 
     def lapse(self, batch_id: str) -> str:
         """Close a batch whose window passed while nobody enqueues it (see batch_lapse.lua)."""
-        return str(self._run("batch_lapse", batch_id))
+        keys = [self.keys.batch(batch_id), self.keys.batch_lease(batch_id), *self.keys.families]
+        return str(self._scripts["batch_lapse"](keys=keys, args=[batch_id]))
 
     # -- leases (who validates, enqueues, cancels or finalizes a batch) -----------------------
     def take_lease(self, batch_id: str, holder: str, ttl_s: int = 30) -> bool:
@@ -199,6 +204,8 @@ class BatchRecords:
         out: list[tuple[str | None, str | None]] = []
         for lo in range(first, last + 1, READ_CHUNK):
             hi = min(last, lo + READ_CHUNK - 1)
-            flat = self._run("batch_results", batch_id, lo, hi)
+            flat = self._scripts["batch_results"](
+                keys=[self.keys.request_prefix()], args=[batch_id, lo, hi]
+            )
             out.extend(zip(flat[0::2], flat[1::2], strict=True))
         return out

@@ -75,8 +75,10 @@ class LocalMaxConcurrencyGate(Batched, HandsOver):
     def _prune_nodes(self) -> None:
         """Forget nodes whose slot pool expired (see ``gate_nodes_prune.lua``)."""
         assert self.env is not None and self._scripts is not None
-        head, _, tail = self.env.keys.gate_node_holders(self.name, "\0").partition("\0")
-        self._scripts.prune_nodes(keys=[self.env.keys.gate_nodes(self.name)], args=[head, tail])
+        keys = self.env.keys
+        self._scripts.prune_nodes(
+            keys=[keys.gate_nodes(self.name), keys.gate_node_prefix(self.name)]
+        )
 
     @property
     def slots(self) -> LeaseSet:

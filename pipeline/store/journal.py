@@ -1,5 +1,5 @@
-"""The events an attempt notes for its request's decision log (``Keys.log``, what ``pipeline
-explain`` shows), sent with the script call that ends the attempt (``finish.lua`` /
+"""The events an attempt notes for its request's decision log (the record's field ``log``, what
+``pipeline explain`` shows), sent with the script call that ends the attempt (``finish.lua`` /
 ``requeue.lua``) instead of a round trip of their own.
 
 An attempt knows no server time of its own, so each event carries its age (s, measured with

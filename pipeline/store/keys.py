@@ -1,4 +1,5 @@
-"""Every Redis key the pipeline uses, in one place.
+"""Every Redis key the pipeline uses, in one place (each structure is described in
+docs/internals.md, "Redis keys").
 
 All keys share one prefix (``PIPELINE_KEY_PREFIX``, default ``pl:``) so a deployment can share a
 Redis database with other software, and so tests can isolate themselves. The exceptions are
@@ -12,13 +13,35 @@ name), the result lists its messages name, and the producer's ``request-active:<
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..config import QueueConfig, Settings
+
+#: The fixed ends of the key families whose variable part is not last (a queue's, a quota
+#: key's, a pool's, a batch's keys). A Lua script gets them as the constants ``TAIL_<NAME>``
+#: (luatext.py), never as literals, and the family's root in KEYS (:attr:`Keys.families`).
+TAILS = {
+    "pending": ":pending",
+    "delayed": ":delayed",
+    "expiry": ":expiry",
+    "active": ":active",
+    "stats": ":stats",
+    "recent": ":recent",
+    "sched": ":sched",
+    "tenant": ":t:",
+    "ready": ":ready",
+    "blocked": ":blocked",
+    "sent": ":sent",
+    "holders": ":holders",
+    "wake": ":wake",
+    "invalid": ":invalid",
+}
 
 
 @dataclass(frozen=True)
 class Keys:
-    """Key builder bound to a prefix."""
+    """Key builder bound to a prefix. A ``*_prefix`` method is a family's root: the family's
+    key is the root, the variable part, and for some a :data:`TAILS` end."""
 
     prefix: str = "pl:"
 
@@ -28,44 +51,47 @@ class Keys:
         return cls(settings.key_prefix)
 
     # -- per request ---------------------------------------------------------------------
+    def request_prefix(self) -> str:
+        return f"{self.prefix}req:"
+
     def request(self, request_id: str) -> str:
-        """Hash: the request record (payload, ordering key, state, attempt token, result), and
-        its decision log, what ``pipeline explain`` shows: field ``log``, one compact JSON
-        object per line and event, oldest first, ``{"t": <server time, Unix s>, "e": <event>,
-        ...}`` (``dispatched``, ``held``, ``admitted``, ``parked``, ``refused``, ``retry``,
-        ``requeued``, ``reaped``, ``dropped``, ``done``; see lib.lua ``log_with``), the last 50
-        kept. It lives and expires with the record."""
-        return f"{self.prefix}req:{request_id}"
+        """Hash: the request record, with its decision log (field ``log``)."""
+        return self.request_prefix() + request_id
+
+    def notify_prefix(self) -> str:
+        return f"{self.prefix}notify:"
 
     def notify(self, request_id: str) -> str:
-        """List: one element pushed when the request reaches its terminal result."""
-        return f"{self.prefix}notify:{request_id}"
+        """List: rung when the request reaches its terminal result (a client waits)."""
+        return self.notify_prefix() + request_id
 
     # -- per queue -----------------------------------------------------------------------
+    def queue_prefix(self) -> str:
+        return f"{self.prefix}q:"
+
     def pending(self, queue: str) -> str:
         """Sorted set: waiting requests; score = ordering key, member = ``seq|id``."""
-        return f"{self.prefix}q:{queue}:pending"
+        return self.queue_prefix() + queue + TAILS["pending"]
 
     def delayed(self, queue: str) -> str:
-        """Sorted set: requests waiting out a retry backoff; score = due time (Unix s)."""
-        return f"{self.prefix}q:{queue}:delayed"
+        """Sorted set: requests waiting out a retry backoff; score = due time."""
+        return self.queue_prefix() + queue + TAILS["delayed"]
 
     def expiry(self, queue: str) -> str:
-        """Sorted set: waiting (pending or delayed) requests; score = deadline (Unix s)."""
-        return f"{self.prefix}q:{queue}:expiry"
+        """Sorted set: waiting (pending or delayed) requests; score = deadline."""
+        return self.queue_prefix() + queue + TAILS["expiry"]
 
     def active(self, queue: str) -> str:
-        """Sorted set: dispatched or running requests; score = lease expiry (Unix s)."""
-        return f"{self.prefix}q:{queue}:active"
+        """Sorted set: dispatched or running requests; score = lease expiry."""
+        return self.queue_prefix() + queue + TAILS["active"]
 
     def stats(self, queue: str) -> str:
-        """Hash: terminal outcome counters of a queue."""
-        return f"{self.prefix}q:{queue}:stats"
+        """Hash: terminal outcome counters."""
+        return self.queue_prefix() + queue + TAILS["stats"]
 
     def recent(self, queue: str) -> str:
-        """Sorted set: ids finished recently; score = finish time (Unix s); trimmed to 5 min by
-        one finish in 16 (readers select by score)."""
-        return f"{self.prefix}q:{queue}:recent"
+        """Sorted set: ids finished in the last 5 minutes or so; score = finish time."""
+        return self.queue_prefix() + queue + TAILS["recent"]
 
     def default_result_list(self, queue: str) -> str:
         """List: terminal results of a queue without a configured ``result_queue_name``."""
@@ -75,98 +101,78 @@ class Keys:
         """List: a queue's terminal results (``result_queue_name`` verbatim, when set)."""
         return queue.result_queue_name or self.default_result_list(queue.queue_name)
 
-    # -- per queue, scheduling (see lua/sched.lua) ---------------------------------------
-    # A queue with ``fair_share`` or a blocking per-key concurrency quota in its gates is
-    # *indexed*: besides ``pending`` (which stays the whole waiting set, in dispatch order
-    # without tenants), each waiting request is in its tenant's sub-queue, and the dispatch
-    # script picks tenants from ``ready``. Where a waiting request stands, cheaply:
-    #   - requests of a higher priority: ZCOUNT pending on the scores of the higher bands
-    #     (score = (9 - priority) x 1e13 + deadline in ms);
-    #   - its place among its tenant's: ZRANK tenant_queue(q, tenant) (same member as pending);
-    #   - its tenant's place: ZRANK ready <head member>"\n"<tenant key> (fair share: its turn
-    #     in its priority's ring), or HGET blocked <tenant key> (waiting for that quota key);
-    #   - the tenants taking turns with it: ZCOUNT ready on its priority's band.
+    # -- per queue, scheduling of an indexed queue (lua/sched.lua, docs/scheduling.md) ---
     def sched(self, queue: str) -> str:
-        """Hash: present while the queue is indexed. ``attr`` (the tenant attribute, a metadata
-        key), ``fair`` ('1': fair share), ``pool``, ``rr`` (last ring ticket handed out),
-        ``n`` (entries in the tenant sub-queues; equals ZCARD pending when consistent),
-        ``cursor`` (where a re-index of pending continues)."""
-        return f"{self.prefix}q:{queue}:sched"
+        """Hash: present while the queue is indexed (attr, fair, pool, rr, n, cursor)."""
+        return self.queue_prefix() + queue + TAILS["sched"]
 
     def tenant_queue(self, queue: str, tenant_key: str) -> str:
-        """Sorted set: one tenant's waiting requests (score and member as in ``pending``).
-        ``tenant_key`` is the tenant (the attribute's value, '' when absent) when it is at most
-        128 printable characters without a newline, else ``sha1:<hex of it>``."""
-        return f"{self.prefix}q:{queue}:t:{tenant_key}"
+        """Sorted set: one tenant's waiting requests (as in ``pending``)."""
+        return self.queue_prefix() + queue + TAILS["tenant"] + tenant_key
 
     def ready(self, queue: str) -> str:
-        """Sorted set: one entry per tenant that may be dispatched, member
-        ``<its head's pending member>\\n<tenant key>``. Score without fair share: the head's
-        ordering score (so the lowest entry is the head of pending among ready tenants, ties
-        by member = submission order); with fair share: ``(9 - priority) x 2^49 + ticket``
-        (a ring per priority: a tenant gets a new, last ticket when it joins, when one of its
-        requests is dispatched and when its head's priority changes)."""
-        return f"{self.prefix}q:{queue}:ready"
+        """Sorted set: tenants that may be dispatched (``<head member>\\n<tenant key>``)."""
+        return self.queue_prefix() + queue + TAILS["ready"]
 
     def blocked(self, queue: str) -> str:
-        """Hash: tenant key → the quota key it is held back by (its tenants at a limit, out of
-        ``ready`` until the key's requests are down to its wake count: see ``quota_blocked``)."""
-        return f"{self.prefix}q:{queue}:blocked"
+        """Hash: tenant key → the quota key it is held back by."""
+        return self.queue_prefix() + queue + TAILS["blocked"]
 
     # -- per quota key (a redis-quota concurrency gate's key, e.g. ``quota:userid:alice``) --
     def quota_sent(self, quota_key: str) -> str:
-        """Sorted set: requests dispatched or running under this quota key (any queue); member
-        = request id, score = dispatch time (whole seconds of the server's clock, which a
-        small sorted set compares without parsing). What the dispatch script counts against the
-        key's limit (plus its look-ahead); an attempt leaves it when it leaves the active
-        state (lib.lua terminal / enqueue, via the record's ``qkeys``)."""
-        return f"{self.prefix}gate:{quota_key}:sent"
+        """Sorted set: requests dispatched or running under the key (any queue)."""
+        return self.gate_prefix() + quota_key + TAILS["sent"]
 
     def quota_blocked(self, quota_key: str) -> str:
-        """Set: ``<queue>\\n<tenant key>`` of tenants held back by this key; emptied (and the
-        tenants made ready again) when a request of the key leaves the active state and leaves
-        at most its wake count in ``quota_sent`` (the key's limit plus half its look-ahead,
-        rounded down: the record's ``qwake``), so one tick tops the look-ahead up after every
-        second or third leave instead of after each."""
-        return f"{self.prefix}gate:{quota_key}:blocked"
+        """Set: ``<queue>\\n<tenant key>`` of the tenants the key holds back."""
+        return self.gate_prefix() + quota_key + TAILS["blocked"]
 
     # -- per pool (a group of worker slots) ----------------------------------------------
+    def pool_prefix(self) -> str:
+        return f"{self.prefix}pool:"
+
     def wake(self, pool: str) -> str:
         """List used as a doorbell: pushed when the pool's dispatcher has work to do."""
-        return f"{self.prefix}pool:{pool}:wake"
+        return self.pool_prefix() + pool + TAILS["wake"]
 
     def pool_nodes(self, pool: str) -> str:
-        """Sorted set: worker nodes serving the pool; score = liveness expiry (Unix s)."""
+        """Sorted set: worker nodes serving the pool; score = liveness expiry."""
         return f"{self.prefix}pool:{pool}:nodes"
 
     def pool_slots(self, pool: str) -> str:
         """Hash: worker node name → number of execution slots it offers the pool."""
         return f"{self.prefix}pool:{pool}:slots"
 
+    def pool_nodes_pattern(self) -> str:
+        """Glob matching every pool's :meth:`pool_nodes` key."""
+        return f"{self.prefix}pool:*:nodes"
+
     def merge(self, pool: str) -> str:
-        """Hash: the pool's merge-policy state, shared by its dispatchers: ``c:<queue>`` (the
-        queue's smooth weighted round-robin counter), ``w:<lane>`` (tier-priority: dispatches
-        the lane has been passed over while it had something to send)."""
+        """Hash: the pool's merge-policy state, shared by its dispatchers."""
         return f"{self.prefix}pool:{pool}:merge"
 
     # -- gates ---------------------------------------------------------------------------
+    def gate_prefix(self) -> str:
+        return f"{self.prefix}gate:"
+
     def gate_holders(self, gate: str) -> str:
-        """Sorted set: holders of a gate's reservations; member = ``id:token``, score = lease
-        expiry (Unix s)."""
-        return f"{self.prefix}gate:{gate}:holders"
+        """Sorted set: holders (``id:token``) of a gate's reservations; score = lease expiry."""
+        return self.gate_prefix() + gate + TAILS["holders"]
 
     def gate_info(self, gate: str) -> str:
         """Hash: holder → JSON description (request, attempt, worker, acquired_at)."""
         return f"{self.prefix}gate:{gate}:info"
 
     def gate_nodes(self, gate: str) -> str:
-        """Set: worker nodes whose slot pool of a per-node gate exists (listed when they take a
-        slot, dropped once the pool's keys expired: ``gate_nodes_prune.lua``)."""
+        """Set: worker nodes whose slot pool of a per-node gate exists."""
         return f"{self.prefix}gate:{gate}:nodes"
+
+    def gate_node_prefix(self, gate: str) -> str:
+        return f"{self.gate_prefix()}{gate}@"
 
     def gate_node_holders(self, gate: str, node: str) -> str:
         """Sorted set: one node's holders of a per-node gate (see :meth:`gate_holders`)."""
-        return self.gate_holders(f"{gate}@{node}")
+        return self.gate_node_prefix(gate) + node + TAILS["holders"]
 
     def gate_node_info(self, gate: str, node: str) -> str:
         """Hash: one node's holder descriptions of a per-node gate (see :meth:`gate_info`)."""
@@ -177,18 +183,13 @@ class Keys:
         return f"{self.prefix}gate:{gate}:rate:{window_s:g}:{attribute_value}"
 
     def gate_tokens(self, gate: str, attribute_value: str, window_s: float) -> tuple[str, str]:
-        """A token budget's window, one per (key, window) (``redis-quota``, tokens mode):
-        a sorted set, the charge log (member = holder ``id:token``, score = admission time,
-        Unix s, server clock), and a hash, holder → its charge (``e<n>`` while it is the
-        admission's estimate, ``<n>`` once settled by the response's usage). Both hold only
-        the last window's charges and expire a second after the window of the latest."""
+        """A token budget's window, one per (key, window): its charge log (sorted set) and
+        its charges (hash)."""
         base = f"{self.prefix}gate:{gate}:tokens:{window_s:g}"
         return f"{base}:log:{attribute_value}", f"{base}:charges:{attribute_value}"
 
     def leased_rate_state(self, control_key: str) -> str:
-        """Hash: the token bucket (``tokens``, ``last_ms``) of a ``redis-leased-rate`` gate,
-        shared by every node; the planner's control hash (``control_key``) is named verbatim
-        in the gate's params, outside the prefix."""
+        """Hash: the token bucket of a ``redis-leased-rate`` gate, shared by every node."""
         return f"{self.prefix}gate:leased-rate:{control_key}:state"
 
     def wedged(self) -> str:
@@ -196,31 +197,31 @@ class Keys:
         return f"{self.prefix}wedged"
 
     # -- batches and files (pipeline/batch/) -------------------------------------------
+    def batch_prefix(self) -> str:
+        return f"{self.prefix}batch:"
+
     def batch(self, batch_id: str) -> str:
-        """Hash: a batch (status, counts, timestamps, file ids; see ``batch_*.lua``). Expires
-        its retention after it closes (and at the latest its window plus retention)."""
-        return f"{self.prefix}batch:{batch_id}"
+        """Hash: a batch (status, counts, timestamps, file ids; see ``batch_*.lua``)."""
+        return self.batch_prefix() + batch_id
 
     def batch_invalid(self, batch_id: str) -> str:
         """List: a batch's invalid lines kept for its error file (JSON); expires with it."""
-        return f"{self.prefix}batch:{batch_id}:invalid"
+        return self.batch_prefix() + batch_id + TAILS["invalid"]
 
     def batch_lease(self, batch_id: str) -> str:
-        """String with a TTL: the process validating, enqueuing, cancelling or finalizing a
-        batch (another takes over once it lapses)."""
+        """String with a TTL: the process validating, enqueuing, cancelling or finalizing."""
         return f"{self.prefix}batch:{batch_id}:lease"
 
     def batches(self) -> str:
-        """Sorted set: every unexpired batch; score = created_at (Unix s, server clock)."""
+        """Sorted set: every unexpired batch; score = created_at."""
         return f"{self.prefix}batches"
 
     def batches_expiry(self) -> str:
-        """Sorted set: every unexpired batch; score = when its record expires. Expired ones
-        are pruned from :meth:`batches`, this set and :meth:`batches_active`."""
+        """Sorted set: every unexpired batch; score = when its record expires."""
         return f"{self.prefix}batches:expiry"
 
     def batches_active(self) -> str:
-        """Set: batches not yet closed (validating, in_progress, cancelling, finalizing)."""
+        """Set: batches not yet closed."""
         return f"{self.prefix}batches:active"
 
     def batches_bell(self) -> str:
@@ -232,33 +233,25 @@ class Keys:
         return f"{self.prefix}file:{file_id}"
 
     def files(self) -> str:
-        """Sorted set: every unexpired file; score = created_at (Unix s)."""
+        """Sorted set: every unexpired file; score = created_at."""
         return f"{self.prefix}files"
 
     def files_expiry(self) -> str:
         """Sorted set: every file; score = when it expires (its bytes are removed then)."""
         return f"{self.prefix}files:expiry"
 
-    def pool_nodes_pattern(self) -> str:
-        """Glob matching every pool's :meth:`pool_nodes` key."""
-        return f"{self.prefix}pool:*:nodes"
-
     # -- global --------------------------------------------------------------------------
     def config_reload(self) -> str:
-        """String counter: the config generation ``pipeline reload`` asked for; every node
-        re-reads its queue and pool files when it moves (see ``pipeline.worker.reload``)."""
+        """String counter: the config generation ``pipeline reload`` asked for."""
         return f"{self.prefix}config:reload"
 
     def config_reloads(self) -> str:
-        """Hash: worker node → JSON outcome of its latest reload (generation, result, reason,
-        what changed), for ``pipeline reload`` to report."""
+        """Hash: worker node → JSON outcome of its latest reload."""
         return f"{self.prefix}config:reloads"
 
     def freed_channel(self) -> str:
-        """Pub/Sub channel: a queue's name is published on it each time an attempt of that
-        queue ends or goes back (its gate reservation was released just before), followed by
-        the quota keys the attempt counted against, one per line (``<queue>\n<key>...``), so
-        attempts parked for a slot or a key wake up (see ``pipeline.bell``)."""
+        """Pub/Sub channel: ``<queue>\\n<quota key>...`` when an attempt released its gate
+        reservation (``pipeline.bell``)."""
         return f"{self.prefix}freed"
 
     def seq(self) -> str:
@@ -268,6 +261,26 @@ class Keys:
     def pattern(self) -> str:
         """Glob matching every key under the prefix."""
         return f"{self.prefix}*"
+
+    @cached_property
+    def families(self) -> tuple[str, ...]:
+        """What a request-state or batch script's KEYS end with (lib.lua ``key_families``,
+        same order): the roots of the keys it derives from what it reads, then global keys."""
+        return (
+            self.request_prefix(),
+            self.notify_prefix(),
+            self.queue_prefix(),
+            self.gate_prefix(),
+            self.pool_prefix(),
+            self.batch_prefix(),
+            REF_ACTIVE_PREFIX,
+            REF_CANCEL_PREFIX,
+            self.seq(),
+            self.freed_channel(),
+            self.batches_active(),
+            self.batches_expiry(),
+            self.batches_bell(),
+        )
 
 
 def celery_queue(pool: str, prefix: str = "pl:") -> str:
@@ -284,14 +297,18 @@ def celery_queue_prefix(prefix: str = "pl:") -> str:
 
 
 # -- the llm-d-async reference's own keys (verbatim, outside the prefix; see store/wire.py) --
+REF_CANCEL_PREFIX = "request-cancel:"
+REF_ACTIVE_PREFIX = "request-active:"
+
+
 def ref_cancel_key(request_id: str) -> str:
     """String: the generation token a reference producer cancelled (``CancelRequests``)."""
-    return f"request-cancel:{request_id}"
+    return REF_CANCEL_PREFIX + request_id
 
 
 def ref_active_key(request_id: str) -> str:
     """String: the generation token of a reference producer's live submission of the id."""
-    return f"request-active:{request_id}"
+    return REF_ACTIVE_PREFIX + request_id
 
 
 def holder(request_id: str, token: str) -> str:

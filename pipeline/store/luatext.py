@@ -1,6 +1,7 @@
 """The text of the Lua scripts (``pipeline/store/lua/*.lua``) as the server runs them: a
-script file as it is (:func:`lua_source`), or a request-state script with the definitions of
-``sched.lua`` and ``lib.lua`` it uses prepended (:func:`source`)."""
+script with the definitions of ``sched.lua`` and ``lib.lua`` it uses prepended
+(:func:`source`; a gate's script stands alone), and the key tails it uses
+(``TAIL_<NAME>``, from :data:`~.keys.TAILS`: no script spells a key name)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import re
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+
+from .keys import TAILS
 
 SCRIPT_NAMES = (
     "submit",
@@ -57,11 +60,21 @@ def _uses(code: str) -> frozenset[str]:
 
 
 @cache
+def _tails() -> tuple[_Chunk, ...]:
+    """One definition per key tail: ``local TAIL_PENDING = ':pending'``, ..."""
+    names = {n: f"TAIL_{n.upper()}" for n in TAILS}
+    return tuple(
+        _Chunk(f"local {names[n]} = '{t}'\n", frozenset({names[n]}), frozenset())
+        for n, t in TAILS.items()
+    )
+
+
+@cache
 def _library() -> tuple[_Chunk, ...]:
     """sched.lua then lib.lua cut into their top-level definitions, in order: each starts at a
     line ``local ...`` at column 0 (the comment lines just above it go with it) and runs to the
     next one. The files' header comments are left out."""
-    chunks: list[_Chunk] = []
+    chunks = list(_tails())
     for text in (lua_source("sched"), lua_source("lib")):
         lines = text.splitlines()
         starts = [i for i, line in enumerate(lines) if _DEFINES.match(line)]
@@ -86,14 +99,14 @@ def _library() -> tuple[_Chunk, ...]:
 
 
 @cache
-def source(name: str) -> str:
-    """The full text of script ``name`` as registered on the server: the definitions of
-    sched.lua and lib.lua it uses, directly or through another one (in the files' order), then
-    the script. Only those: the server builds every definition of the prefix (a closure or a
-    table each) on every call of the script, so a script carrying all of them costs the server
-    more on every call (``bench/redis_replay.py``)."""
+def source(name: str, library: bool = True) -> str:
+    """The full text of script ``name`` as registered on the server: the key tails and (with
+    ``library``) the definitions of sched.lua and lib.lua it uses, directly or through another
+    one (in the files' order), then the script. Only those: the server builds every
+    definition (a closure or a table each) on every call of the script, so a script carrying
+    all of them costs the server more on every call (``bench/redis_replay.py``)."""
     script = lua_source(name)
-    chunks = _library()
+    chunks = _library() if library else _tails()
     need = set(_uses(script))
     for chunk in reversed(chunks):  # a definition only uses earlier ones
         if chunk.defines & need:

@@ -73,7 +73,7 @@ class QueueTick:
             "cap": self.cap,
             "weight": self.weight,
             "lane": self.lane,
-            "rand": round(self.rand, 6),  # (17 digits cost the script's JSON decode ~20 %)
+            "rand": round(self.rand, 6),  # (17 digits make the script's JSON decode slower)
             "rl_max": self.result_list[1],
             "rl_ttl": self.result_list[2],
             "specs": [s.arg() for s in self.specs],
@@ -121,7 +121,7 @@ def setup(
     client.hset(conf, mapping={"attr": attr, "fair": _flag(fair), "pool": pool})
     done = 0
     while True:
-        res = scripts.sched_index(keys=[keys.pending(queue)], args=[keys.prefix, queue, CHUNK])
+        res = scripts.sched_index(keys=[keys.pending(queue), *keys.families], args=[queue, CHUNK])
         done += int(res[1])
         if int(res[0]) == 0:
             return done
@@ -148,7 +148,7 @@ def recheck(scripts: Scripts, keys: Keys, queue: str) -> int:
     """Make every tenant of ``queue`` that is held back by a quota key ready again (the next
     tick holds back those still at their limit): a safety net against a wake-up that was lost
     (a lease freed by a reaper, a limit raised); returns how many."""
-    return int(scripts.sched_recheck(keys=[], args=[keys.prefix, queue]))
+    return int(scripts.sched_recheck(keys=keys.families, args=[queue]))
 
 
 def tick_args(
@@ -175,17 +175,17 @@ def tick_args(
             keys.active(q.name),
             q.result_list[0],
         ]
+    list_key, task, origin = publish or ("", "", "")
+    ks += [keys.merge(pool), list_key]
     if doorbell:
         ks.append(doorbell)
-    list_key, task, origin = publish or ("", "", "")
+    ks += keys.families
     cfg = {
-        "pool": pool,
         "cap": pool_cap,
         "lease": lease_s,
         "ttl": ttl_s,
         "sweep": sweep,
         "nonce": nonce,
-        "list": list_key,
         "task": task,
         "origin": origin,
         "doorbell": bool(doorbell),
@@ -194,7 +194,7 @@ def tick_args(
         "lookahead": merge.lookahead,
         "queues": [q.arg() for q in queues],
     }
-    return ks, [keys.prefix, json.dumps(cfg, separators=(",", ":"))]
+    return ks, [json.dumps(cfg, separators=(",", ":"))]
 
 
 def _flag(value: bool) -> str:

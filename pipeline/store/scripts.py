@@ -1,16 +1,14 @@
 """The Lua scripts (``lua/*.lua``) and how they are called.
 
 Every script runs with ``EVALSHA`` (the same code on every Redis the pipeline supports, 6.2
-and later). A request-state script is registered with the definitions of ``sched.lua`` and
-``lib.lua`` it uses prepended (:func:`~.luatext.source`); a gate's script stands alone.
-:func:`run_batch` sends several calls in one round trip.
+and later), its text from :func:`~.luatext.source`. :func:`run_batch` sends several calls in
+one round trip.
 
-A call goes over a connection of the calling thread's own, taken from the client's pool and
-kept, as one packed write and one read: redis-py's per-command path (pool borrow, health
-check, retry and observability wrappers; a pipeline object per batch) cost the worker ~15 %
-more CPU per request and the pipeline ~10 % of its throughput (``bench/overhead.py``). When
-that connection fails, or the server lost the script (NOSCRIPT), the call takes redis-py's own
-path, which reconnects with the client's retries and loads the script.
+A call goes over a connection of the calling thread's own, as one packed write and one read:
+redis-py's per-command path cost the worker CPU and the pipeline throughput
+(``bench/overhead.py``; docs/internals.md, "Script calls"). When that connection fails, or the
+server lost the script (NOSCRIPT), the call takes redis-py's own path, which reconnects with
+the client's retries and loads the script.
 
 With ``PIPELINE_REDIS_MIN_REPLICAS``, a script whose writes must survive a failover is
 followed by ``WAIT`` in the same write, on the same connection (WAIT counts the replicas that
@@ -33,7 +31,7 @@ from redis.connection import AbstractConnection
 from redis.exceptions import NoScriptError, ResponseError
 
 from ..errors import ReplicationError
-from .luatext import SCRIPT_NAMES, lua_source, source
+from .luatext import SCRIPT_NAMES, source
 
 log = logging.getLogger("pipeline.store")
 
@@ -186,7 +184,7 @@ class Script:
 
 def register(client: redis.Redis, name: str) -> Script:
     """A stand-alone script (``lua/<name>.lua``, a gate's) registered on ``client``."""
-    return Script(client, lua_source(name), name=name)
+    return Script(client, source(name, library=False), name=name)
 
 
 @dataclass(frozen=True)

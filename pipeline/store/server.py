@@ -1,13 +1,8 @@
 """What the pipeline needs to know of its Redis server's own settings: memory, the eviction
 policy and persistence (for ``pipeline status``), and whether it may evict keys (a worker
-refuses to start on such a Redis).
-
-Everything the pipeline knows lives in Redis: an evicted lease, request record or queue entry
-breaks its guarantees (a slot that is never freed, a request that never ends) without any
-error. So the server must not evict: ``maxmemory-policy noeviction``, where a full Redis
-refuses writes instead (the callers see an error and retry). ``INFO`` is read first — it is
-allowed on managed Redis services that rename or disable ``CONFIG`` — and ``CONFIG GET`` only
-for what ``INFO`` does not say.
+refuses to start on such a Redis: an evicted lease, record or queue entry breaks a guarantee
+without any error; docs/production.md). ``INFO`` is read first — managed services that rename
+or disable ``CONFIG`` allow it — and ``CONFIG GET`` only for what ``INFO`` does not say.
 """
 
 from __future__ import annotations

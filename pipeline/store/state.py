@@ -141,7 +141,7 @@ class Store:
         i, size = 0, SUBMIT_FIRST_CHUNK
         while i < len(rows):
             items = json.dumps(rows[i : i + size], ensure_ascii=False, separators=(",", ":"))
-            out.extend(self.scripts.submit(keys=[], args=[self.keys.prefix, items]))
+            out.extend(self.scripts.submit(keys=self.keys.families, args=[items]))
             i, size = i + size, min(SUBMIT_MAX_CHUNK, size * 2)
         return out
 
@@ -167,10 +167,16 @@ class Store:
                 json.dumps(env.metadata), json.dumps(env.headers), env.endpoint,
                 wire.result_list(queue.result_queue_name, env.result_list),
             ])  # fmt: skip
+        k = self.keys
         words = self.scripts.ingest(
-            keys=[queue.queue_name],
+            keys=[
+                queue.queue_name,
+                k.pending(queue.queue_name),
+                k.expiry(queue.queue_name),
+                k.wake(queue.worker_pool_id),
+                *k.families,
+            ],
             args=[
-                self.keys.prefix,
                 queue.queue_name,
                 queue.worker_pool_id,
                 json.dumps(queue.labels) if queue.labels else "{}",
@@ -298,14 +304,13 @@ class Store:
 
     def reap(self, queue: str) -> list[tuple[str, str]]:
         """Requeue attempts of ``queue`` whose lease expired; returns (id, token) pairs."""
-        raw = self.scripts.reap(keys=[self.keys.active(queue)], args=[self.keys.prefix, 1000])
+        raw = self.scripts.reap(keys=[self.keys.active(queue), *self.keys.families], args=[1000])
         return [(raw[i], raw[i + 1]) for i in range(0, len(raw), 2)]
 
     # -- attempts ------------------------------------------------------------------------
     def start(self, request_id: str, token: str, queue: str, worker: str) -> Started | None:
         """Begin an attempt; None when the message is stale (fenced off by its token)."""
-        call = self.start_call(request_id, token, queue, worker)
-        return self.started(call.script(keys=call.keys, args=call.args))
+        return self.started(self.start_call(request_id, token, queue, worker)())
 
     def start_call(self, request_id: str, token: str, queue: str, worker: str) -> ScriptCall:
         """:meth:`start` as a call to send in a batch; :meth:`started` reads its reply."""
@@ -322,37 +327,10 @@ class Store:
         it = iter(reply[2:])
         return Started(dict(zip(it, it, strict=True)), float(reply[1]), time.time())
 
-    def finish(
-        self,
-        request_id: str,
-        token: str,
-        *,
-        attempted: bool,
-        status_code: int | None,
-        payload: str,
-        error_code: str | None = None,
-        error_message: str | None = None,
-        mirror: Mirror | None = None,
-        handed_over: bool = False,
-        journal: Journal | None = None,
-    ) -> str | None:
-        """Write the terminal result of an attempt (and its ``mirror``); None when fenced
-        off. ``handed_over``: its slot went to another attempt, so no release is published.
-        ``journal``: the attempt's events for the decision log; the script adds the ``done``
-        entry."""
-        call = self.finish_call(
-            request_id,
-            token,
-            attempted=attempted,
-            status_code=status_code,
-            payload=payload,
-            error_code=error_code,
-            error_message=error_message,
-            mirror=mirror,
-            handed_over=handed_over,
-            journal=journal,
-        )
-        return self.finished(call.script(keys=call.keys, args=call.args))
+    def finish(self, request_id: str, token: str, **kw: Any) -> str | None:
+        """Write the terminal result of an attempt (:meth:`finish_call` sent now); None when
+        fenced off."""
+        return self.finished(self.finish_call(request_id, token, **kw)())
 
     def finish_call(
         self,
@@ -369,10 +347,11 @@ class Store:
         nowake: bool = False,
         journal: Journal | None = None,
     ) -> ScriptCall:
-        """:meth:`finish` as a call to send in a batch; :meth:`finished` reads its reply.
-        ``nowake`` (with ``handed_over``): the pool's doorbell is not rung either — the worker
-        that took the slot still has attempts of the queue parked, so the dispatcher need not
-        send more yet. ``journal`` as in :meth:`finish` (taken when the call is built)."""
+        """The terminal result of an attempt (and its ``mirror``), as a call to send in a
+        batch; :meth:`finished` reads its reply. ``handed_over``: its slot went to another
+        attempt, so no release is published; ``nowake`` (with it): nor is the pool's doorbell
+        rung (the taker still has attempts of the queue parked). ``journal``: the attempt's
+        events for the decision log (taken now); the script adds the ``done`` entry."""
         keys = [self.keys.request(request_id)]
         extra: list[Any] = []
         if mirror is not None:
@@ -380,9 +359,8 @@ class Store:
             extra = [mirror.head, mirror.tail, mirror.ttl, 1 if mirror.embed else 0]
         return ScriptCall(
             self.scripts.finish,
-            keys,
+            [*keys, *self.keys.families],
             [
-                self.keys.prefix,
                 token,
                 int(self.settings.result_ttl_s),
                 1 if attempted else 0,
@@ -401,38 +379,10 @@ class Store:
         """The result JSON a finish call wrote, None when it was fenced off."""
         return reply or None
 
-    def requeue(
-        self,
-        request_id: str,
-        token: str,
-        *,
-        delay: float,
-        attempted: bool,
-        last_response: dict[str, Any] | None = None,
-        last_error: str | None = None,
-        mirror: Mirror | None = None,
-        handed_over: bool = False,
-        journal: Journal | None = None,
-        note: dict[str, Any] | None = None,
-    ) -> float | None:
-        """Give the request back to its queue (now, or ``delay`` s from now by the server's
-        clock) and write its ``mirror`` (``head`` alone). Returns the due time (Unix s, server
-        clock), None when fenced off. ``handed_over`` as in :meth:`finish`. The decision log
-        gets the ``journal``'s events, then ``note`` (default ``{"e": "requeued"}``; see
-        :func:`pipeline.store.journal.entry`) with the delay."""
-        call = self.requeue_call(
-            request_id,
-            token,
-            delay=delay,
-            attempted=attempted,
-            last_response=last_response,
-            last_error=last_error,
-            mirror=mirror,
-            handed_over=handed_over,
-            journal=journal,
-            note=note,
-        )
-        return self.requeued(call.script(keys=call.keys, args=call.args))
+    def requeue(self, request_id: str, token: str, **kw: Any) -> float | None:
+        """Give the request back to its queue (:meth:`requeue_call` sent now): the due time
+        (Unix s, server clock), None when fenced off."""
+        return self.requeued(self.requeue_call(request_id, token, **kw)())
 
     def requeue_call(
         self,
@@ -448,8 +398,11 @@ class Store:
         journal: Journal | None = None,
         note: dict[str, Any] | None = None,
     ) -> ScriptCall:
-        """:meth:`requeue` as a call to send in a batch; :meth:`requeued` reads its reply
-        (``journal`` and ``note`` as there, taken when the call is built)."""
+        """Give the request back to its queue, now or ``delay`` s from now by the server's
+        clock, and write its ``mirror`` (``head`` alone), as a call to send in a batch;
+        :meth:`requeued` reads its reply. ``handed_over`` as in :meth:`finish_call`. The
+        decision log gets the ``journal``'s events, then ``note`` (default
+        ``{"e": "requeued"}``; see :func:`pipeline.store.journal.entry`) with the delay."""
         last = dict(note or entry("requeued"))
         if delay > 0:
             last["delay"] = round(float(delay), 3)
@@ -461,9 +414,8 @@ class Store:
             extra = [mirror.head, mirror.ttl]
         return ScriptCall(
             self.scripts.requeue,
-            keys,
+            [*keys, *self.keys.families],
             [
-                self.keys.prefix,
                 token,
                 repr(float(delay)),
                 1 if attempted else 0,
@@ -486,9 +438,7 @@ class Store:
         text = journal.take()
         if not text:
             return False
-        res = self.scripts.note(
-            keys=[self.keys.request(request_id)], args=[self.keys.prefix, token, text]
-        )
+        res = self.scripts.note(keys=[self.keys.request(request_id)], args=[token, text])
         return bool(res)
 
     def explain(
@@ -504,8 +454,8 @@ class Store:
         ``listed`` holders and requests each) and its decision log. None for an unknown id."""
         specs = {q: [s.arg() for s in specs] for q, specs in (quotas or {}).items() if specs}
         raw = self.scripts.explain(
-            keys=[],
-            args=[self.keys.prefix, request_id, json.dumps(specs or {}), int(listed)],
+            keys=[self.keys.request(request_id), *self.keys.families],
+            args=[request_id, json.dumps(specs or {}), int(listed)],
         )
         if not raw:
             return None
@@ -516,10 +466,12 @@ class Store:
         """Extend the leases of live attempts given as (id, token, queue)."""
         if not attempts:
             return 0
-        args: list[Any] = [self.keys.prefix, self.settings.lease_s]
-        for a in attempts:
-            args.extend(a)
-        return int(self.scripts.renew(keys=[], args=args))
+        keys: list[str] = []
+        args: list[Any] = [self.settings.lease_s]
+        for request_id, token, queue in attempts:
+            keys += [self.keys.request(request_id), self.keys.active(queue)]
+            args += [request_id, token]
+        return int(self.scripts.renew(keys=keys, args=args))
 
     def note_span(self, request_id: str, token: str, traceparent: str) -> None:
         """Record the running attempt's trace span (``attempt_span`` = ``<token> <traceparent>``)
@@ -536,8 +488,8 @@ class Store:
     # -- client side ---------------------------------------------------------------------
     def cancel(self, request_id: str) -> bool:
         res = self.scripts.cancel(
-            keys=[self.keys.request(request_id)],
-            args=[self.keys.prefix, int(self.settings.result_ttl_s)],
+            keys=[self.keys.request(request_id), *self.keys.families],
+            args=[int(self.settings.result_ttl_s)],
         )
         return bool(res)
 
@@ -548,7 +500,7 @@ class Store:
         asked only by a parked attempt that a cancel notice named or whose park timed out
         (``cancel_asked.lua``)."""
         res = self.scripts.cancel_asked(
-            keys=[self.keys.request(request_id)], args=[self.keys.prefix, token]
+            keys=[self.keys.request(request_id), *self.keys.families], args=[token]
         )
         if not res:
             return None

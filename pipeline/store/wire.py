@@ -1,20 +1,10 @@
-"""The llm-d-async reference's Redis wire format, for queues with ``"ingest": "llm-d-async"``.
+"""The llm-d-async reference's Redis wire format, for queues with ``"ingest": "llm-d-async"``
+(the envelope and result records: docs/llm-d-async.md).
 
-A reference producer (its Go ``producer`` package, llm-d's batch gateway) writes each request
-as a member of a sorted set named like the queue: an envelope ``{"internal": {...},
-"request_kind": "plain"|"redis"|"pubsub", "data": {"id", "created", "deadline", "payload",
-"metadata", "headers", "endpoint", "model"}}``, scored by its deadline (Unix s, plus a
-fraction that orders equal deadlines by submission), with ``request-active:<id>`` holding the
-submission's generation token (``internal.request_token``) and ``request-cancel:<id>`` the
-token it cancelled. Its consumers ``BRPOP`` a result list of JSON records ``{"id",
-"status_code", "payload", "error_code", "error_message", "request_token"}``.
-
-:func:`parse` reads one member into an :class:`Envelope` (or the reason it cannot be served);
-:meth:`pipeline.store.Store.ingest` moves a batch of them into the queue (``ingest.lua``: one
-atomic step, at most once per entry). The result record of a request that came this way is
-written in the reference's format by ``lib.lua``'s ``terminal`` (``ref_result``), on the list
-the reference would use: the queue's ``result_queue_name`` when configured, else the message's
-``internal.result_queue_name``, else ``result-list``.
+:func:`parse` reads one sorted-set member into an :class:`Envelope` (or the reason it cannot
+be served); :meth:`pipeline.store.Store.ingest` moves a batch of them into the queue
+(``ingest.lua``: one atomic step, at most once per entry); ``lib.lua``'s ``terminal`` writes
+the result in the reference's format (``ref_result``) on the list :func:`result_list` names.
 """
 
 from __future__ import annotations

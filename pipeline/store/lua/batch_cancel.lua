@@ -3,26 +3,25 @@
 -- checks `stopped`), the lines not yet submitted are counted failed now, and the caller then
 -- cancels the submitted lines that have not started (batch_cancel_lines.lua); attempts in
 -- flight finish, and the last result ends the batch `cancelled` (lib.lua batch_settle).
--- KEYS: none passed; <prefix>batch:<id> derived from the prefix.
--- ARGV[1] prefix, ARGV[2] batch id.
+-- KEYS[1] the batch hash, then the key families (lib.lua key_families).
+-- ARGV[1] batch id.
 -- Returns {status afterwards, lines submitted (the ids to cancel), '1' if the caller should
 -- cancel the submitted lines (cancelling, and no canceller finished that yet) else '0'}.
-local prefix, id = ARGV[1], ARGV[2]
-local bk = prefix .. 'batch:' .. id
+local K, id, bk = key_families(), ARGV[1], KEYS[1]
 local f = redis.call('HMGET', bk, 'status', 'submitted', 'unsubmitted', 'cancel_done')
 local status = f[1]
 if not status then return {'missing', 0, '0'} end
 local now = server_now()
 if status == 'validating' then
   redis.call('HSET', bk, 'cancelling_at', fmt_time(now), 'stopped', '1')
-  batch_close(prefix, id, 'cancelled', now)
+  batch_close(K, id, 'cancelled', now)
   return {'cancelled', 0, '0'}
 end
 if status == 'in_progress' then
   redis.call('HSET', bk, 'status', 'cancelling', 'cancelling_at', fmt_time(now), 'stopped', '1',
     'unsubmitted', 0)
   redis.call('HINCRBY', bk, 'failed', tonumber(f[3]) or 0)
-  batch_settle(prefix, id, now)
+  batch_settle(K, id, now)
   status = redis.call('HGET', bk, 'status')
 end
 local todo = '0'

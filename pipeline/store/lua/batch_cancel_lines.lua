@@ -1,28 +1,28 @@
 -- batch_cancel_lines.lua: cancel requests of a cancelling batch that have not started an
 -- attempt (queued, waiting out a retry, or dispatched but not started: such an attempt holds
 -- no gate reservation, and its start is fenced off). A running attempt is marked: one still
--- parked at its worker for a gate slot ends CANCELLED unsent at once (the notice published here wakes it), one sent
--- finishes.
--- KEYS: none passed; <prefix>req:<id> derived from the prefix.
--- ARGV[1] prefix, ARGV[2] result TTL (s), ARGV[3..] request ids.
+-- parked at its worker for a gate slot ends CANCELLED unsent at once (the notice published
+-- here wakes it), one sent finishes.
+-- KEYS: the key families (lib.lua key_families; each request's keys follow from its id).
+-- ARGV[1] result TTL (s), ARGV[3..] request ids.
 -- Returns how many this call cancelled.
-local prefix, ttl = ARGV[1], ARGV[2]
+local K, ttl = key_families(), ARGV[1]
 local now = server_now()
 local n = 0
 local running = {}
-for i = 3, #ARGV do
+for i = 2, #ARGV do
   local id = ARGV[i]
-  local state = redis.call('HGET', prefix .. 'req:' .. id, 'state')
+  local state = redis.call('HGET', K.req .. id, 'state')
   if state == 'queued' or state == 'retry_wait' or state == 'dispatched' then
-    terminal(prefix, id, now, ttl, '', '{"error": "batch cancelled"}', 'CANCELLED',
+    terminal(K, id, now, ttl, '', '{"error": "batch cancelled"}', 'CANCELLED',
       'batch cancelled')
     n = n + 1
   elseif state == 'running' then  -- parked for a gate slot, or sent: see cancel.lua
-    redis.call('HSET', prefix .. 'req:' .. id, 'cancel', 'batch cancelled', 'cancel_ttl', ttl)
+    redis.call('HSET', K.req .. id, 'cancel', 'batch cancelled', 'cancel_ttl', ttl)
     running[#running + 1] = id
   end
 end
 if #running > 0 then  -- wake their attempts if parked (pipeline/worker/bell.py)
-  redis.call('PUBLISH', prefix .. 'freed', '!cancel\n' .. table.concat(running, '\n'))
+  redis.call('PUBLISH', K.freed, '!cancel\n' .. table.concat(running, '\n'))
 end
 return n

@@ -3,9 +3,9 @@
 -- of a cancelling batch counts too, should the attempt ask before its line was marked)?
 -- Asked by a parked attempt when a cancel notice named its request (pipeline/worker/bell.py)
 -- or its park timed out without a ring (a notice may have been lost), before it sends.
--- KEYS[1] request hash.
--- ARGV[1] prefix, ARGV[2] the attempt's token.
+-- KEYS[1] request hash, then the key families (lib.lua key_families).
+-- ARGV[1] the attempt's token.
 -- Returns the reason ('cancelled', 'batch cancelled'), or false (not cancelled, or fenced off:
 -- the finish that follows finds that out).
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[2] then return false end
-return cancel_reason(ARGV[1], KEYS[1]) or false
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return false end
+return cancel_reason(key_families(), KEYS[1]) or false

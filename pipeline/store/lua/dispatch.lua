@@ -22,35 +22,37 @@
 -- Each dispatched request's decision log gets a "dispatched" entry (its dispatch number; with
 -- "ahead", the quota key it was sent past), and the head request of a tenant held back a
 -- "held" entry (the key).
--- KEYS: per queue of ARGV[2]'s list, in order: pending, delayed, expiry, active, result list
--- ('' when it keeps none); then the pool's doorbell when cfg.doorbell (emptied first: every
--- ring pushed so far is answered by this tick).
--- ARGV[1] prefix, ARGV[2] JSON: {pool, cap (the pool's worker slots), lease (s: a dispatched
--- request's lease), ttl (result TTL, s), sweep (limit per sweep), nonce (attempt tokens are
--- <nonce>.<n>), list (the pool's Celery queue list when the broker is this Redis, else ''),
+-- KEYS: per queue of ARGV[1]'s list, in order: pending, delayed, expiry, active, result list
+-- ('' when it keeps none); then the pool's merge hash; the pool's Celery queue list when the
+-- broker is this Redis, else ''; the pool's doorbell when cfg.doorbell (emptied first: every
+-- ring pushed so far is answered by this tick); then the key families (lib.lua key_families:
+-- records, tenants' and quota keys' sets).
+-- ARGV[1] JSON: {cap (the pool's worker slots), lease (s: a dispatched request's lease),
+-- ttl (result TTL, s), sweep (limit per sweep), nonce (attempt tokens are <nonce>.<n>),
 -- task, origin (Celery message fields), doorbell (bool), policy ('random-robin' or
 -- 'tier-priority'), max_wait, lookahead (most quota look-ahead attempts this tick), queues:
 -- [{name, dispatch (bool: may dispatch), sweep (bool), budget (0..1), cap (-1: none), weight,
 -- lane (0..5), rand (0..1: a new round-robin counter's start), rl_max, rl_ttl (result list),
--- specs: [{k (quota key prefix: <prefix><attribute>:), attr, limit, la (look-ahead),
--- h (bool: the key's leases are in this Redis)}]}]}.
--- With cfg.list set, each moved request is also pushed there as a Celery message (protocol 2,
+-- specs: [{k (the quota key up to its value: <the gate's prefix param><attribute>:), attr,
+-- limit, la (look-ahead), h (bool: the key's leases are in this Redis)}]}]}.
+-- With a Celery queue list, each moved request is also pushed there as a Celery message (protocol 2,
 -- kombu's Redis transport envelope, JSON body), so the move and the publish are one step.
 -- Returns {moved, expired, next_event, rejected}: moved is a flat list of id, token,
--- dispatch number, priority, queue index (1-based, in ARGV[2]'s order), tenant (JSON
+-- dispatch number, priority, queue index (1-based, in ARGV[1]'s order), tenant (JSON
 -- {attribute: value} of an indexed queue's request, see tenant_hint; '' for none); expired
 -- the number of requests expired per queue; next_event how long until the earliest due retry
 -- or deadline of a waiting request (s, as text; -1 if none); rejected, per queue, the
 -- malformed members removed.
-local prefix = ARGV[1]
-local cfg = cjson.decode(ARGV[2])
+local K = key_families()
+local cfg = cjson.decode(ARGV[1])
 local now = server_now()
 local ttl = cfg.ttl
 local limit = cfg.sweep
 local limit_text = string.format('%d', limit)
 local lease_until = lease_score(now + cfg.lease)
 local Q = cfg.queues
-if cfg.doorbell then redis.call('DEL', KEYS[#Q * 5 + 1]) end
+local celery_list = KEYS[#Q * 5 + 2]
+if cfg.doorbell then redis.call('DEL', KEYS[#Q * 5 + 3]) end
 
 for i, q in ipairs(Q) do
   local b = (i - 1) * 5
@@ -75,19 +77,19 @@ local function sweep(q)
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', q.delayed, '-inf', now_text, 'LIMIT', '0',
       limit_text)) do
     redis.call('ZREM', q.delayed, id)
-    local rk = prefix .. 'req:' .. id
+    local rk = K.req .. id
     local f = redis.call('HMGET', rk, 'member', 'score', 'state')
     if f[3] == 'retry_wait' then
       redis.call('ZADD', q.pending, f[2], f[1])
       redis.call('HSET', rk, 'state', 'queued')
-      sched_add(prefix, q.name, id, f[2], f[1])
+      sched_add(K, q.name, id, f[2], f[1])
     end
   end
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', q.expiry, '-inf', now_text, 'LIMIT', '0',
       limit_text)) do
-    local state = redis.call('HGET', prefix .. 'req:' .. id, 'state')
+    local state = redis.call('HGET', K.req .. id, 'state')
     if state == 'queued' or state == 'retry_wait' then
-      expire(prefix, id, now, ttl)
+      expire(K, id, now, ttl)
       q.expired = q.expired + 1
     else
       redis.call('ZREM', q.expiry, id)
@@ -98,7 +100,7 @@ end
 -- An indexed queue whose pending set holds more than its sub-queues (requests queued before it
 -- was indexed, or by a writer that did not index them): index the next chunk of pending.
 local function reindex(q, c)
-  local h = redis.call('HMGET', c.base .. 'sched', 'n', 'cursor')
+  local h = redis.call('HMGET', c.base .. TAIL_SCHED, 'n', 'cursor')
   local total = redis.call('ZCARD', q.pending)
   if total <= (tonumber(h[1]) or 0) then return end
   local cur = tonumber(h[2]) or 0
@@ -108,23 +110,23 @@ local function reindex(q, c)
   for i = 1, #rows, 2 do
     local member = rows[i]
     local id = string.match(member, '^%d+|(.+)$')
-    local f = id and redis.call('HMGET', prefix .. 'req:' .. id, 'state', 'member') or {}
+    local f = id and redis.call('HMGET', K.req .. id, 'state', 'member') or {}
     if not id or f[1] ~= 'queued' or f[2] ~= member then
       reject(q, member, id, f[1])
     else
-      sched_add(prefix, q.name, id, rows[i + 1], member)
+      sched_add(K, q.name, id, rows[i + 1], member)
       kept = kept + 1
     end
   end
   cur = cur + kept
   if #rows == 0 or cur >= total then cur = 0 end
-  redis.call('HSET', c.base .. 'sched', 'cursor', cur)
+  redis.call('HSET', c.base .. TAIL_SCHED, 'cursor', cur)
 end
 
 for _, q in ipairs(Q) do
   if q.sweep then sweep(q) end
   if q.dispatch then
-    q.conf = sched_conf(prefix, q.name)
+    q.conf = sched_conf(K, q.name)
     if q.conf then reindex(q, q.conf) end
   end
 end
@@ -167,7 +169,7 @@ end
 -- One Celery task message (what ``Task.apply_async`` would LPUSH through kombu) for attempt
 -- `token` of request `id`: args (id, token), kwargs {queue, priority, attempt[, tenant]}.
 -- Written as text around the tick's constant parts, not as tables for cjson to encode (fewer
--- instructions: BENCHMARKS.md, round 7); tests/test_wire.py holds it to what kombu and Celery
+-- instructions: bench/redis_replay.py); tests/test_wire.py holds it to what kombu and Celery
 -- read.
 local msg_head = ', "content-encoding": "utf-8", "content-type": "application/json", ' ..
   '"headers": {"lang": "py", "task": ' .. json_str(cfg.task) .. ', "id": '
@@ -177,7 +179,7 @@ local msg_origin = ', "origin": ' .. json_str(cfg.origin) .. ', "ignore_result":
   '"replaced_task_nesting": 0, "stamped_headers": null, "stamps": {}}, ' ..
   '"properties": {"correlation_id": '
 local msg_tail = ', "delivery_mode": 2, "priority": 0, "delivery_info": {"exchange": "", ' ..
-  '"routing_key": ' .. json_str(cfg.list) .. '}, "delivery_tag": '
+  '"routing_key": ' .. json_str(celery_list) .. '}, "delivery_tag": '
 local function celery_message(queue_name, id, token, n_text, priority, t, tenant)
   local jid, jq = json_str(id), json_str(queue_name)
   local kwrepr = "{'queue': '" .. queue_name .. "', 'priority': " .. priority ..
@@ -216,7 +218,7 @@ local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes)
     redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'dispatches', n_text,
       'qkeys', cjson.encode(qkeys), 'qwake', cjson.encode(wakes), 'log', log)
     for _, qk in ipairs(qkeys) do -- (whole seconds: see lease_score)
-      if redis.call('ZADD', prefix .. 'gate:' .. qk .. ':sent', now_whole, id) == 1
+      if redis.call('ZADD', K.gate .. qk .. TAIL_SENT, now_whole, id) == 1
           and quota_used[qk] then
         quota_used[qk][1] = quota_used[qk][1] + 1
       end
@@ -234,8 +236,8 @@ local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes)
   moved[#moved + 1] = q.idx
   local tenant = tenant_hint(q, f[5])
   moved[#moved + 1] = tenant and cjson.encode(tenant) or ''
-  if cfg.list ~= '' then
-    redis.call('LPUSH', cfg.list,
+  if celery_list ~= '' then
+    redis.call('LPUSH', celery_list,
       celery_message(q.name, id, token, n_text, string.format('%d', tonumber(priority) or 0), t,
         tenant))
   end
@@ -247,16 +249,16 @@ end
 -- here (rejected, an unreadable record resulted, an expired one resulted) and nil returned.
 local function check(q, member)
   local id = string.match(member, '^%d+|(.+)$')
-  local rk = id and (prefix .. 'req:' .. id)
+  local rk = id and (K.req .. id)
   local f = rk and redis.call('HMGET', rk, 'state', 'deadline', 'member', 'priority', 'tenant',
     'log', 'dispatches') or {}
   if not id or f[1] ~= 'queued' or f[3] ~= member then
     reject(q, member, id, f[1])
   elseif not tonumber(f[2]) then
-    terminal(prefix, id, now, ttl, '', '{"error": "unreadable request record"}',
+    terminal(K, id, now, ttl, '', '{"error": "unreadable request record"}',
       'INVALID_REQUEST', 'unreadable request record: deadline is not a number')
   elseif tonumber(f[2]) <= now then
-    expire(prefix, id, now, ttl)
+    expire(K, id, now, ttl)
     q.expired = q.expired + 1
   else
     return id, rk, f
@@ -287,9 +289,9 @@ local function quota_keys(q, c, rk, tenant, ahead)
         -- counted once a tick: only this tick's dispatches change them (dispatch_one)
         local u = quota_used[qk]
         if not u then
-          u = {redis.call('ZCARD', prefix .. 'gate:' .. qk .. ':sent'), 0}
+          u = {redis.call('ZCARD', K.gate .. qk .. TAIL_SENT), 0}
           if s.h then -- (leases end on whole seconds: later than now = later than its second)
-            u[2] = redis.call('ZCOUNT', prefix .. 'gate:' .. qk .. ':holders',
+            u[2] = redis.call('ZCOUNT', K.gate .. qk .. TAIL_HOLDERS,
               '(' .. now_whole, '+inf')
           end
           quota_used[qk] = u
@@ -317,7 +319,7 @@ local function take(q)
       if id then return dispatch_one(q, id, rk, f, nil) end
     end
   end
-  local ready = c.base .. 'ready'
+  local ready = c.base .. TAIL_READY
   while true do
     local top = redis.call('ZRANGE', ready, 0, 0)
     if #top == 0 then return false end
@@ -329,11 +331,11 @@ local function take(q)
       local id, rk, f = check(q, hm)
       if not id then
         -- dealt with; make sure the tenant moves on (the record may be gone or unreadable)
-        if not sched_drop(prefix, c, tk, hm, false) then redis.call('ZREM', ready, rm) end
+        if not sched_drop(K, c, tk, hm, false) then redis.call('ZREM', ready, rm) end
       else
         local qkeys, over, wakes = quota_keys(q, c, rk, f[5], false)
         if over then
-          sched_block(prefix, c, tk, rm, over)
+          sched_block(K, c, tk, rm, over)
           -- once per hold-back, not again after every re-check (its log says since when)
           local note = '"key":' .. cjson.encode(over)
           local tail = '"e":"held",' .. note .. '}'
@@ -352,7 +354,7 @@ local function take(q)
 end
 
 -- the merge policy's state (shared by the pool's dispatchers), when there is a choice
-local merge_key = prefix .. 'pool:' .. cfg.pool .. ':merge'
+local merge_key = KEYS[#Q * 5 + 1]
 local tiered = cfg.policy == 'tier-priority'
 local choosers, total_w = 0, 0
 for _, q in ipairs(Q) do
@@ -447,20 +449,20 @@ end
 local ahead = 0
 for _, b in ipairs(held) do
   local q, c, tk = b.q, b.c, b.tk
-  local sub = c.base .. 't:' .. tk
+  local sub = sched_sub(c, tk)
   while ahead < cfg.lookahead and n_free > 0 and q.allowed > 0 do
-    local past = redis.call('HGET', c.base .. 'blocked', tk) -- (unlisted once it is empty)
+    local past = redis.call('HGET', c.base .. TAIL_BLOCKED, tk) -- (unlisted once it is empty)
     if not past then break end
     local head = redis.call('ZRANGE', sub, 0, 1) -- its head, and whether it has more
     if #head == 0 then break end
     local id, rk, f = check(q, head[1])
     if not id then
-      if not sched_drop(prefix, c, tk, head[1], false) then break end
+      if not sched_drop(K, c, tk, head[1], false) then break end
     else
       local qkeys, over, wakes = quota_keys(q, c, rk, f[5], true)
       if over then break end
       redis.call('ZREM', q.pending, head[1])
-      sched_pop_held(prefix, c, tk, head[1], past, #head > 1)
+      sched_pop_held(K, c, tk, head[1], past, #head > 1)
       dispatch_one(q, id, rk, f, qkeys, past, wakes)
       ahead = ahead + 1
       n_free = n_free - 1

@@ -24,7 +24,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local now_text = t[1] .. '.' .. string.sub('00000' .. t[2], -6)
 -- the lease's expiry rounded up to a whole second: the set holds integers, which a small
--- (listpack) sorted set compares without parsing text (BENCHMARKS.md, round 7)
+-- (listpack) sorted set compares without parsing text (see lease_score in lib.lua)
 local lease, grace = math.ceil(now + tonumber(ARGV[2])), tonumber(ARGV[5])
 local lease_text = string.format('%d', lease)
 

@@ -2,13 +2,12 @@
 -- pool is gone (its keys expired: the node held nothing for an hour, or never will again), so
 -- the registry does not grow with every node name a fleet ever used. Atomic with respect to
 -- gate_lease_acquire.lua, which lists a node again in the same step as it takes a slot.
--- KEYS[1] the registry set (members: node names).
--- ARGV[1], ARGV[2] the text before and after a node's name in its holders key
---   (<prefix>gate:<gate>@<node>:holders).
+-- KEYS[1] the registry set (members: node names), KEYS[2] the root of the nodes' holders keys
+-- (Keys.gate_node_prefix: a node's is the root, its name, TAIL_HOLDERS).
 -- Returns the nodes dropped.
 local out = {}
 for _, node in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  if redis.call('EXISTS', ARGV[1] .. node .. ARGV[2]) == 0 then
+  if redis.call('EXISTS', KEYS[2] .. node .. TAIL_HOLDERS) == 0 then
     redis.call('SREM', KEYS[1], node)
     out[#out + 1] = node
   end

@@ -3,8 +3,8 @@
 -- holds nothing is a no-op.
 -- KEYS[1] the gate's index hash: holder -> JSON {"key": <holders sorted set>, ...}.
 -- ARGV[1] holder.
--- The holders set is named by the index entry (a key derived from data: not Cluster-safe, like
--- the request-state scripts; see the README's "Redis Cluster").
+-- The holders set is the whole key the index entry names (written by the gate from
+-- Keys.gate_holders when it acquired; not in KEYS: see docs/production.md, "Redis Cluster").
 -- Returns 1 when a slot was freed, else 0.
 local info = redis.call('HGET', KEYS[1], ARGV[1])
 if not info then return 0 end

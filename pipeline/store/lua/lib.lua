@@ -2,7 +2,7 @@
 -- each script before registering it, so every script is self-contained on the server.
 -- Not a script on its own: it reads no KEYS or ARGV.
 --
--- Record fields (hash <prefix>req:<id>): id, queue, pool, payload, priority, deadline,
+-- Record fields (hash Keys.request): id, queue, pool, payload, priority, deadline,
 -- submitted_at, member, score, metadata, headers, endpoint, labels, result_list (key, '' for
 -- none), result_list_max (entries kept, 0 = no trim), result_list_ttl (s, re-armed on every
 -- push, 0 = none), state, token, attempts, dispatches, last_response, last_error, result,
@@ -38,21 +38,33 @@ local function fmt_time(t)
 end
 
 -- `s` as a JSON string (quoted and escaped).
--- (a function, not cjson.encode itself: a Functions library's definitions run where cjson is
--- not yet reachable, see pipeline/store/functions.py)
 local function json_str(s) return cjson.encode(s) end
 
 -- The score of a lease that runs until `t` (server clock) in a sorted set of leases (a queue's
 -- active set, a gate's holders): `t` rounded up to a whole second. A lease lasts up to 1 s
 -- longer than asked; in return the set holds integers, which a small (listpack) sorted set
 -- compares without parsing text: a fraction cost every ZADD one strtod() per member
--- (BENCHMARKS.md, round 7).
+-- (bench/redis_replay.py).
 local function lease_score(t)
   return string.format('%d', math.ceil(t))
 end
 
-local function qkey(prefix, queue, name)
-  return prefix .. 'q:' .. queue .. ':' .. name
+-- A script's key families: the last KEY_FAMILIES entries of its KEYS, in the order of
+-- pipeline/store/keys.py Keys.families: the roots of the keys it derives from what it reads
+-- (completed with an id, or a queue's, pool's or quota key's name and a TAIL_ constant,
+-- store/keys.py TAILS), then global keys. Helpers take them as their parameter K.
+local KEY_FAMILIES = 13
+local function key_families()
+  local n = #KEYS - KEY_FAMILIES
+  return {req = KEYS[n + 1], notify = KEYS[n + 2], q = KEYS[n + 3], gate = KEYS[n + 4],
+    pool = KEYS[n + 5], batch = KEYS[n + 6], ref_active = KEYS[n + 7],
+    ref_cancel = KEYS[n + 8], seq = KEYS[n + 9], freed = KEYS[n + 10],
+    batches_active = KEYS[n + 11], batches_expiry = KEYS[n + 12], batches_bell = KEYS[n + 13]}
+end
+
+-- Key `tail` (a TAIL_ constant) of `queue`.
+local function qkey(K, queue, tail)
+  return K.q .. queue .. tail
 end
 
 -- The decision log of a request: its record's field `log`, one JSON object per line and event,
@@ -135,19 +147,16 @@ local function log_with(log, id, entry)
 end
 
 -- Ring the pool's doorbell unless it is already ringing.
-local function wake(prefix, pool)
-  local k = prefix .. 'pool:' .. pool .. ':wake'
-  if redis.call('LLEN', k) == 0 then
-    redis.call('RPUSH', k, '1')
-  end
+local function wake(K, pool)
+  ring(K.pool .. pool .. TAIL_WAKE)
 end
 
 -- An attempt of `queue` ended or went back, its gate reservation released just before:
 -- wake attempts parked for a slot (pipeline/bell.py subscribes).
 -- `also`: more names to ring with it (the quota keys the attempt held, '\n'-separated, or '').
-local function freed(prefix, queue, also)
+local function freed(K, queue, also)
   if also and also ~= '' then queue = queue .. '\n' .. also end
-  redis.call('PUBLISH', prefix .. 'freed', queue)
+  redis.call('PUBLISH', K.freed, queue)
 end
 
 -- Store a Celery task result meta (JSON) at `key` (TTL `ttl` s, '0' = none) and publish it on
@@ -205,9 +214,9 @@ end
 
 -- After a reference-format result is pushed: the producer's generation keys go, but only
 -- where they still hold this generation's token (a newer submission of the id keeps its own).
-local function ref_cleanup(id, token)
+local function ref_cleanup(K, id, token)
   if token == '' then return end
-  for _, k in ipairs({'request-active:' .. id, 'request-cancel:' .. id}) do
+  for _, k in ipairs({K.ref_active .. id, K.ref_cancel .. id}) do
     if redis.call('GET', k) == token then redis.call('DEL', k) end
   end
 end
@@ -224,24 +233,24 @@ local function push_result(list, json, max_len, ttl)
   if ttl > 0 then redis.call('EXPIRE', list, string.format('%d', math.ceil(ttl))) end
 end
 
--- Batches (pipeline/batch/; hash <prefix>batch:<id>, see batch_create.lua for its fields).
+-- Batches (pipeline/batch/; hash Keys.batch, see batch_create.lua for its fields).
 -- Close batch `id` with its final status (completed, expired, cancelled or failed) at `now`:
 -- it and its invalid-line list expire `retention` s later, and it leaves the active set.
-local function batch_close(prefix, id, final, now)
-  local bk = prefix .. 'batch:' .. id
+local function batch_close(K, id, final, now)
+  local bk = K.batch .. id
   local retention = tonumber(redis.call('HGET', bk, 'retention')) or 604800
   redis.call('HSET', bk, 'status', final, final .. '_at', fmt_time(now))
-  for _, k in ipairs({bk, bk .. ':invalid'}) do redis.call('EXPIRE', k, math.ceil(retention)) end
-  redis.call('SREM', prefix .. 'batches:active', id)
-  redis.call('ZADD', prefix .. 'batches:expiry', fmt_time(now + retention), id)
+  for _, k in ipairs({bk, bk .. TAIL_INVALID}) do redis.call('EXPIRE', k, math.ceil(retention)) end
+  redis.call('SREM', K.batches_active, id)
+  redis.call('ZADD', K.batches_expiry, fmt_time(now + retention), id)
 end
 
 -- When every line of a running or cancelling batch has its result, end it: cancelled if it
 -- was cancelled, expired if its window has passed, else completed. A batch whose files are
 -- assembled by `pipeline serve` (field files = '1') goes to finalizing first and rings the
 -- finalizers' doorbell; the finalizer closes it (batch_finalized.lua).
-local function batch_settle(prefix, id, now)
-  local bk = prefix .. 'batch:' .. id
+local function batch_settle(K, id, now)
+  local bk = K.batch .. id
   local b = redis.call('HMGET', bk, 'status', 'total', 'completed', 'failed', 'expires_at',
     'files')
   if b[1] ~= 'in_progress' and b[1] ~= 'cancelling' then return end
@@ -255,20 +264,20 @@ local function batch_settle(prefix, id, now)
   redis.call('HSET', bk, 'finalizing_at', fmt_time(now), 'final_status', final)
   if b[6] == '1' then
     redis.call('HSET', bk, 'status', 'finalizing')
-    local bell = prefix .. 'batches:bell'
+    local bell = K.batches_bell
     if redis.call('LLEN', bell) == 0 then redis.call('RPUSH', bell, id) end
   else
-    batch_close(prefix, id, final, now)
+    batch_close(K, id, final, now)
   end
 end
 
 -- A line of batch `id` got its terminal result (`ok`: a 2xx/3xx response): count it, in the
 -- same atomic step as the result, and end the batch when it was the last.
-local function batch_count(prefix, id, ok, now)
-  local bk = prefix .. 'batch:' .. id
+local function batch_count(K, id, ok, now)
+  local bk = K.batch .. id
   if redis.call('EXISTS', bk) == 0 then return end
   redis.call('HINCRBY', bk, ok and 'completed' or 'failed', 1)
-  batch_settle(prefix, id, now)
+  batch_settle(K, id, now)
 end
 
 -- One terminal write in this many (on average) trims its queue's `recent` set.
@@ -289,23 +298,23 @@ local TERMINAL_FIELDS = {'queue', 'pool', 'member', 'attempts', 'submitted_at', 
 -- `nowake`: do not ring the pool's doorbell (a hand-over, and the worker that took the slot
 -- still has attempts of the queue parked: the dispatcher is rung when it runs low). Returns the
 -- result JSON.
-local function terminal(prefix, id, now, ttl, status_code, payload, error_code, error_message,
+local function terminal(K, id, now, ttl, status_code, payload, error_code, error_message,
     quiet, f, attempted, nowake)
-  local rk = prefix .. 'req:' .. id
+  local rk = K.req .. id
   f = f or redis.call('HMGET', rk, unpack(TERMINAL_FIELDS))
   local queue, pool, member, state = f[1], f[2], f[3], f[13]
   local attempts = tonumber(f[4]) or 0
   if attempted then attempts = attempts + 1 end
   if state ~= 'dispatched' and state ~= 'running' then
-    if redis.call('ZREM', qkey(prefix, queue, 'pending'), member) == 1 then
-      sched_remove(prefix, queue, id, member)
+    if redis.call('ZREM', qkey(K, queue, TAIL_PENDING), member) == 1 then
+      sched_remove(K, queue, id, member)
     end
-    redis.call('ZREM', qkey(prefix, queue, 'delayed'), id)
-    redis.call('ZREM', qkey(prefix, queue, 'expiry'), id)
+    redis.call('ZREM', qkey(K, queue, TAIL_DELAYED), id)
+    redis.call('ZREM', qkey(K, queue, TAIL_EXPIRY), id)
   end
-  local keys = sched_leave(prefix, id, f[11], f[18])
+  local keys = sched_leave(K, id, f[11], f[18])
   if state ~= 'queued' and state ~= 'retry_wait' then
-    redis.call('ZREM', qkey(prefix, queue, 'active'), id)
+    redis.call('ZREM', qkey(K, queue, TAIL_ACTIVE), id)
   end
   local outcome, sc = 'ok', nil
   local finished, attempts_text = fmt_time(now), string.format('%d', attempts)
@@ -350,37 +359,37 @@ local function terminal(prefix, id, now, ttl, status_code, payload, error_code, 
   if f[9] == 'llm-d-async' then  -- it came from a reference producer: its consumer's format
     push_result(f[6], ref_result(id, status_code, payload, error_code, error_message,
       f[10] or ''), f[7], f[8])
-    ref_cleanup(id, f[10] or '')
+    ref_cleanup(K, id, f[10] or '')
   else
     push_result(f[6], json, f[7], f[8])
   end
   if f[17] then  -- a client waits on its notify list (wait.lua marked the record)
-    local nk = prefix .. 'notify:' .. id
+    local nk = K.notify .. id
     redis.call('RPUSH', nk, '1')
     redis.call('EXPIRE', nk, 300)
   end
-  redis.call('HINCRBY', qkey(prefix, queue, 'stats'), outcome, '1')
-  if f[12] then batch_count(prefix, f[12], outcome == 'ok', now) end
-  local recent = qkey(prefix, queue, 'recent')
+  redis.call('HINCRBY', qkey(K, queue, TAIL_STATS), outcome, '1')
+  if f[12] then batch_count(K, f[12], outcome == 'ok', now) end
+  local recent = qkey(K, queue, TAIL_RECENT)
   redis.call('ZADD', recent, finished, id)
   -- trimmed to its last 5 minutes by one finish in RECENT_TRIM (picked by the server clock's
   -- µs; readers select by score), not by every one
   if math.floor(now * 1000000 + 0.5) % RECENT_TRIM == 0 then
     redis.call('ZREMRANGEBYSCORE', recent, '-inf', now - 300)
   end
-  if not nowake then wake(prefix, pool) end
-  if not quiet then freed(prefix, queue, keys) end
+  if not nowake then wake(K, pool) end
+  if not quiet then freed(K, queue, keys) end
   return json
 end
 
 -- Why request `rk` (its hash) must get no new attempt: it was cancelled while an attempt ran
 -- (fields cancel / cancel_ttl, see cancel.lua), or it is a line of a cancelling batch.
 -- Returns the reason ('cancelled', 'batch cancelled') and the result TTL (s), or nil.
-local function cancel_reason(prefix, rk)
+local function cancel_reason(K, rk)
   local c = redis.call('HMGET', rk, 'batch', 'cancel', 'cancel_ttl')
   if c[2] then return c[2], tonumber(c[3]) or 604800 end
   if c[1] then
-    local b = redis.call('HMGET', prefix .. 'batch:' .. c[1], 'status', 'result_ttl')
+    local b = redis.call('HMGET', K.batch .. c[1], 'status', 'result_ttl')
     if b[1] == 'cancelling' then return 'batch cancelled', tonumber(b[2]) or 604800 end
   end
   return nil
@@ -390,48 +399,48 @@ end
 -- delayed set until `due` (server clock). The original ordering key (score, member) is kept.
 -- A request cancelled while its attempt ran, or a line of a cancelling batch, ends CANCELLED
 -- instead. `quiet` as in terminal().
-local function enqueue(prefix, id, now, due, quiet)
-  local rk = prefix .. 'req:' .. id
-  local reason, ttl = cancel_reason(prefix, rk)
+local function enqueue(K, id, now, due, quiet)
+  local rk = K.req .. id
+  local reason, ttl = cancel_reason(K, rk)
   if reason then  -- no new attempt
-    terminal(prefix, id, now, ttl, '', '{"error": "' .. reason .. '"}', 'CANCELLED', reason,
+    terminal(K, id, now, ttl, '', '{"error": "' .. reason .. '"}', 'CANCELLED', reason,
       quiet)
     return
   end
   local f = redis.call('HMGET', rk, 'queue', 'pool', 'member', 'score', 'deadline', 'qkeys',
     'log', 'qwake')
   local queue = f[1]
-  redis.call('ZREM', qkey(prefix, queue, 'active'), id)
-  local keys = sched_leave(prefix, id, f[6], f[8])
-  redis.call('ZADD', qkey(prefix, queue, 'expiry'), f[5], id)
+  redis.call('ZREM', qkey(K, queue, TAIL_ACTIVE), id)
+  local keys = sched_leave(K, id, f[6], f[8])
+  redis.call('ZADD', qkey(K, queue, TAIL_EXPIRY), f[5], id)
   local log = log_with(f[7], id)
   if due > now then
-    redis.call('ZADD', qkey(prefix, queue, 'delayed'), fmt_time(due), id)
+    redis.call('ZADD', qkey(K, queue, TAIL_DELAYED), fmt_time(due), id)
     redis.call('HSET', rk, 'state', 'retry_wait', 'token', '', 'log', log)
   else
-    redis.call('ZADD', qkey(prefix, queue, 'pending'), f[4], f[3])
-    sched_add(prefix, queue, id, f[4], f[3])
+    redis.call('ZADD', qkey(K, queue, TAIL_PENDING), f[4], f[3])
+    sched_add(K, queue, id, f[4], f[3])
     redis.call('HSET', rk, 'state', 'queued', 'token', '', 'log', log)
-    wake(prefix, f[2])
+    wake(K, f[2])
   end
-  if not quiet then freed(prefix, queue, keys) end
+  if not quiet then freed(K, queue, keys) end
 end
 
 local DEADLINE_PAYLOAD = '{"error": "deadline exceeded"}'
 
 -- Terminal result for a request whose deadline passed while it waited: its last HTTP
 -- response if an attempt got one, else DEADLINE_EXCEEDED.
-local function expire(prefix, id, now, ttl)
-  local f = redis.call('HMGET', prefix .. 'req:' .. id, 'last_response', 'last_error')
+local function expire(K, id, now, ttl)
+  local f = redis.call('HMGET', K.req .. id, 'last_response', 'last_error')
   if f[1] and f[1] ~= '' then
     local r = cjson.decode(f[1])
     local note = ''
     if type(r.dropped_reason) == 'string' and r.dropped_reason ~= '' then
       note = 'HTTP ' .. tostring(r.status_code) .. ' (dropped: ' .. r.dropped_reason .. ')'
     end
-    return terminal(prefix, id, now, ttl, tostring(r.status_code), r.payload, '', note)
+    return terminal(K, id, now, ttl, tostring(r.status_code), r.payload, '', note)
   end
   local message = 'deadline exceeded'
   if f[2] and f[2] ~= '' then message = message .. ' (last error: ' .. f[2] .. ')' end
-  return terminal(prefix, id, now, ttl, '', DEADLINE_PAYLOAD, 'DEADLINE_EXCEEDED', message)
+  return terminal(K, id, now, ttl, '', DEADLINE_PAYLOAD, 'DEADLINE_EXCEEDED', message)
 end

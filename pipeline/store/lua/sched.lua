@@ -1,22 +1,23 @@
 -- sched.lua: the scheduling structures of indexed queues (fair share by tenant, quota-aware
--- dispatch), kept by every request-state script: pipeline/store/scripts.py prepends this file
+-- dispatch), kept by every request-state script: pipeline/store/luatext.py prepends this file
 -- (before lib.lua) to each of them. Not a script on its own: it reads no KEYS or ARGV.
 --
--- A queue is *indexed* while its hash <prefix>q:<queue>:sched exists (attr = the tenant
--- attribute, fair = '1' for fair share, pool, rr, n, cursor; see pipeline/store/keys.py,
--- which documents every key below). For an indexed queue every waiting request is, besides
--- pending, in its tenant's sub-queue <prefix>q:<queue>:t:<tenant key> (same score and
--- member). A tenant with waiting requests is either
---   ready:   <its head member>\n<tenant key> is in <prefix>q:<queue>:ready, or
---   blocked: a field of <prefix>q:<queue>:blocked (tenant key -> the quota key it waits for),
---            listed as <queue>\n<tenant key> in that key's set <prefix>gate:<quota key>:blocked.
+-- Keys: K is the script's key families (lib.lua key_families, store/keys.py Keys.families);
+-- a queue's keys are K.q .. <queue> .. TAIL_<NAME> (store/keys.py TAILS).
+-- A queue is *indexed* while its sched hash exists (attr = the tenant attribute, fair = '1'
+-- for fair share, pool, rr, n, cursor; docs/internals.md, "Redis keys", has every key below). For an indexed queue every waiting request is, besides
+-- pending, in its tenant's sub-queue (Keys.tenant_queue; same score and member). A tenant with
+-- waiting requests is either
+--   ready:   <its head member>\n<tenant key> is in the queue's ready set, or
+--   blocked: a field of the queue's blocked hash (tenant key -> the quota key it waits for),
+--            listed as <queue>\n<tenant key> in that key's set (Keys.quota_blocked).
 -- Ready scores: without fair share the head's ordering score (the ready set's order is the
 -- pending order among ready tenants, ties by member: submission order); with fair share
 -- (9 - priority) x 2^49 + a ticket from the queue's counter rr: tenants at the highest
 -- priority take turns, and a tenant takes a new (last) ticket when it joins, when one of its
 -- requests is dispatched and when its head's priority changes.
--- A dispatched request of a blocking concurrency quota key is listed in
--- <prefix>gate:<quota key>:sent (what the dispatch script counts against the key's limit) and
+-- A dispatched request of a blocking concurrency quota key is listed in the key's sent set
+-- (Keys.quota_sent: what the dispatch script counts against the key's limit) and
 -- its record's qkeys field (JSON list of quota keys) says so, until it leaves the active state:
 -- then sched_leave() takes it out and, once the key is down to its wake count (its limit plus
 -- half its look-ahead: the record's qwake), makes the key's blocked tenants ready again and
@@ -29,11 +30,11 @@ local SCHED_BAND = 1e13 -- the ordering score's priority band: (9 - priority) x 
 
 local sched_confs = {} -- queue -> its sched hash as a table, or false (one script run)
 
-local function sched_conf(prefix, queue)
+local function sched_conf(K, queue)
   local c = sched_confs[queue]
   if c == nil then
-    local base = prefix .. 'q:' .. queue .. ':'
-    local f = redis.call('HMGET', base .. 'sched', 'attr', 'fair', 'pool')
+    local base = K.q .. queue
+    local f = redis.call('HMGET', base .. TAIL_SCHED, 'attr', 'fair', 'pool')
     c = false
     if f[1] then
       c = {attr = f[1], fair = f[2] == '1', pool = f[3] or 'default', base = base,
@@ -65,7 +66,7 @@ local function sched_band(score)
 end
 
 local function sched_sub(c, tk)
-  return c.base .. 't:' .. tk
+  return c.base .. TAIL_TENANT .. tk
 end
 
 -- The tenant `tk` becomes ready with `member` (score `score`) at its head: the back of its
@@ -74,43 +75,43 @@ local function sched_ready_add(c, tk, member, score)
   local s = score
   if c.fair then
     s = string.format('%.0f', sched_band(score) * SCHED_SPAN
-      + redis.call('HINCRBY', c.base .. 'sched', 'rr', 1))
+      + redis.call('HINCRBY', c.base .. TAIL_SCHED, 'rr', 1))
   end
-  redis.call('ZADD', c.base .. 'ready', s, member .. '\n' .. tk)
+  redis.call('ZADD', c.base .. TAIL_READY, s, member .. '\n' .. tk)
 end
 
-local function sched_doorbell(prefix, pool)
-  local k = prefix .. 'pool:' .. pool .. ':wake'
+-- Ring doorbell `k` (a pool's wake list) unless it is already ringing.
+local function ring(k)
   if redis.call('LLEN', k) == 0 then redis.call('RPUSH', k, '1') end
 end
 
 -- The tenant `tk` no longer waits for a quota key (it has nothing left, or was woken).
-local function sched_unlist(prefix, c, tk)
-  local qk = redis.call('HGET', c.base .. 'blocked', tk)
+local function sched_unlist(K, c, tk)
+  local qk = redis.call('HGET', c.base .. TAIL_BLOCKED, tk)
   if not qk then return false end
-  redis.call('HDEL', c.base .. 'blocked', tk)
-  redis.call('SREM', prefix .. 'gate:' .. qk .. ':blocked', c.queue .. '\n' .. tk)
+  redis.call('HDEL', c.base .. TAIL_BLOCKED, tk)
+  redis.call('SREM', K.gate .. qk .. TAIL_BLOCKED, c.queue .. '\n' .. tk)
   return true
 end
 
 -- The head (`member`, its ready entry `rm`) of tenant `tk` left the tenant's sub-queue (already
 -- removed from it): the next one takes its place. `dispatched`: the tenant goes to the back of
 -- the ring; otherwise it keeps its turn while its head's priority stays the same.
-local function sched_next_head(prefix, c, tk, rm, dispatched)
-  local r = redis.call('ZSCORE', c.base .. 'ready', rm)
-  if r then redis.call('ZREM', c.base .. 'ready', rm) end
+local function sched_next_head(K, c, tk, rm, dispatched)
+  local r = redis.call('ZSCORE', c.base .. TAIL_READY, rm)
+  if r then redis.call('ZREM', c.base .. TAIL_READY, rm) end
   local nxt = redis.call('ZRANGE', sched_sub(c, tk), 0, 0, 'WITHSCORES')
   if #nxt == 0 then
-    sched_unlist(prefix, c, tk)
+    sched_unlist(K, c, tk)
     return
   end
   if not r then
     -- not ready: blocked (it stays so, its next request at the head), or lost (made ready)
-    if redis.call('HEXISTS', c.base .. 'blocked', tk) == 1 then return end
+    if redis.call('HEXISTS', c.base .. TAIL_BLOCKED, tk) == 1 then return end
     sched_ready_add(c, tk, nxt[1], nxt[2])
   elseif c.fair and not dispatched
       and sched_band(nxt[2]) == math.floor(tonumber(r) / SCHED_SPAN) then
-    redis.call('ZADD', c.base .. 'ready', r, nxt[1] .. '\n' .. tk)
+    redis.call('ZADD', c.base .. TAIL_READY, r, nxt[1] .. '\n' .. tk)
   else
     sched_ready_add(c, tk, nxt[1], nxt[2])
   end
@@ -124,8 +125,8 @@ end
 local function sched_pop_ready(c, tk, rm, member)
   local sub = sched_sub(c, tk)
   if redis.call('ZREM', sub, member) == 0 then return false end
-  redis.call('HINCRBY', c.base .. 'sched', 'n', -1)
-  redis.call('ZREM', c.base .. 'ready', rm)
+  redis.call('HINCRBY', c.base .. TAIL_SCHED, 'n', -1)
+  redis.call('ZREM', c.base .. TAIL_READY, rm)
   local nxt = redis.call('ZRANGE', sub, 0, 0, 'WITHSCORES')
   if #nxt > 0 then sched_ready_add(c, tk, nxt[1], nxt[2]) end
   return true
@@ -135,12 +136,12 @@ end
 -- limit (the look-ahead): it leaves the sub-queue; the tenant stays held with its next request
 -- at its head (`more`: it has one), else it is unlisted. A held tenant is not in the ready set.
 -- Returns true when `member` was in the sub-queue.
-local function sched_pop_held(prefix, c, tk, member, qk, more)
+local function sched_pop_held(K, c, tk, member, qk, more)
   if redis.call('ZREM', sched_sub(c, tk), member) == 0 then return false end
-  redis.call('HINCRBY', c.base .. 'sched', 'n', -1)
+  redis.call('HINCRBY', c.base .. TAIL_SCHED, 'n', -1)
   if not more then
-    redis.call('HDEL', c.base .. 'blocked', tk)
-    redis.call('SREM', prefix .. 'gate:' .. qk .. ':blocked', c.queue .. '\n' .. tk)
+    redis.call('HDEL', c.base .. TAIL_BLOCKED, tk)
+    redis.call('SREM', K.gate .. qk .. TAIL_BLOCKED, c.queue .. '\n' .. tk)
   end
   return true
 end
@@ -156,10 +157,10 @@ local function sched_new_head(c, tk, member, score, old, old_score)
   local ns, os = tonumber(score), tonumber(old_score)
   if ns > os or (ns == os and member > old) then return false end -- not its new head
   local rm = old .. '\n' .. tk
-  local r = redis.call('ZSCORE', c.base .. 'ready', rm)
-  redis.call('ZREM', c.base .. 'ready', rm)
+  local r = redis.call('ZSCORE', c.base .. TAIL_READY, rm)
+  redis.call('ZREM', c.base .. TAIL_READY, rm)
   if c.fair and r and sched_band(score) == math.floor(tonumber(r) / SCHED_SPAN) then
-    redis.call('ZADD', c.base .. 'ready', r, member .. '\n' .. tk) -- same priority: its turn
+    redis.call('ZADD', c.base .. TAIL_READY, r, member .. '\n' .. tk) -- same priority: its turn
   else
     sched_ready_add(c, tk, member, score)
   end
@@ -170,10 +171,10 @@ end
 -- its tenant's sub-queue. `metadata`: its metadata JSON when the record was just written (its
 -- tenant is computed from it), else nil (read from the record).
 -- Returns true when it was added (false: not indexed, or already there).
-local function sched_add(prefix, queue, id, score, member, metadata)
-  local c = sched_conf(prefix, queue)
+local function sched_add(K, queue, id, score, member, metadata)
+  local c = sched_conf(K, queue)
   if not c then return false end
-  local rk = prefix .. 'req:' .. id
+  local rk = K.req .. id
   local tenant
   if not metadata then tenant = redis.call('HGET', rk, 'tenant') end
   if not tenant then
@@ -184,8 +185,8 @@ local function sched_add(prefix, queue, id, score, member, metadata)
   local sub = sched_sub(c, tk)
   local old = redis.call('ZRANGE', sub, 0, 0, 'WITHSCORES')
   if redis.call('ZADD', sub, score, member) == 0 then return false end
-  redis.call('HINCRBY', c.base .. 'sched', 'n', 1)
-  if redis.call('HEXISTS', c.base .. 'blocked', tk) == 0 then
+  redis.call('HINCRBY', c.base .. TAIL_SCHED, 'n', 1)
+  if redis.call('HEXISTS', c.base .. TAIL_BLOCKED, tk) == 0 then
     sched_new_head(c, tk, member, score, old[1], old[2])
   end
   return true
@@ -194,7 +195,8 @@ end
 -- sched_add for many new requests in one script run (submit), whose records were just written
 -- with their tenant (key `tk`). `memo` (from sched_memo) keeps what was read of each tenant
 -- (held back or not, its head; nothing else changes them while the script adds) and how many
--- joined each queue, added to its count once by sched_add_done (BENCHMARKS.md, round 8).
+-- joined each queue, added to its count once by sched_add_done
+-- (fewer commands per submitted request: bench/redis_replay.py).
 local function sched_memo()
   return {tenants = {}, added = {}}
 end
@@ -204,7 +206,7 @@ local function sched_add_new(c, tk, score, member, memo)
   local t = memo.tenants[sub]
   if not t then
     local old = redis.call('ZRANGE', sub, 0, 0, 'WITHSCORES')
-    t = {held = redis.call('HEXISTS', c.base .. 'blocked', tk) == 1, head = old[1],
+    t = {held = redis.call('HEXISTS', c.base .. TAIL_BLOCKED, tk) == 1, head = old[1],
       score = old[2]}
     memo.tenants[sub] = t
   end
@@ -217,48 +219,48 @@ local function sched_add_new(c, tk, score, member, memo)
 end
 
 local function sched_add_done(memo)
-  for c, n in pairs(memo.added) do redis.call('HINCRBY', c.base .. 'sched', 'n', n) end
+  for c, n in pairs(memo.added) do redis.call('HINCRBY', c.base .. TAIL_SCHED, 'n', n) end
 end
 
 -- Take `member` out of tenant `tk`'s sub-queue (whatever state the record is in). Returns
 -- true when it was there.
-local function sched_drop(prefix, c, tk, member, dispatched)
+local function sched_drop(K, c, tk, member, dispatched)
   local sub = sched_sub(c, tk)
   local head = redis.call('ZRANGE', sub, 0, 0)
   if redis.call('ZREM', sub, member) == 0 then return false end
-  redis.call('HINCRBY', c.base .. 'sched', 'n', -1)
+  redis.call('HINCRBY', c.base .. TAIL_SCHED, 'n', -1)
   if head[1] == member then
-    sched_next_head(prefix, c, tk, member .. '\n' .. tk, dispatched)
+    sched_next_head(K, c, tk, member .. '\n' .. tk, dispatched)
   end
   return true
 end
 
 -- A request left the pending set of `queue` without being dispatched (cancelled, expired,
 -- rejected): take it out of its tenant's sub-queue.
-local function sched_remove(prefix, queue, id, member)
-  local c = sched_conf(prefix, queue)
+local function sched_remove(K, queue, id, member)
+  local c = sched_conf(K, queue)
   if not c then return end
-  local tenant = redis.call('HGET', prefix .. 'req:' .. id, 'tenant')
+  local tenant = redis.call('HGET', K.req .. id, 'tenant')
   if not tenant then return end
-  sched_drop(prefix, c, sched_tkey(tenant), member, false)
+  sched_drop(K, c, sched_tkey(tenant), member, false)
 end
 
 -- Make tenant `tk` of `queue` ready again (a request of the quota key it waited for left).
-local function sched_unblock(prefix, queue, tk)
-  local c = sched_conf(prefix, queue)
-  if not c or not sched_unlist(prefix, c, tk) then return end
+local function sched_unblock(K, queue, tk)
+  local c = sched_conf(K, queue)
+  if not c or not sched_unlist(K, c, tk) then return end
   local head = redis.call('ZRANGE', sched_sub(c, tk), 0, 0, 'WITHSCORES')
   if #head > 0 then
     sched_ready_add(c, tk, head[1], head[2])
-    sched_doorbell(prefix, c.pool)
+    ring(K.pool .. c.pool .. TAIL_WAKE)
   end
 end
 
 -- Hold tenant `tk` (ready entry `rm`) back until a request of quota key `qk` leaves.
-local function sched_block(prefix, c, tk, rm, qk)
-  redis.call('ZREM', c.base .. 'ready', rm)
-  redis.call('HSET', c.base .. 'blocked', tk, qk)
-  redis.call('SADD', prefix .. 'gate:' .. qk .. ':blocked', c.queue .. '\n' .. tk)
+local function sched_block(K, c, tk, rm, qk)
+  redis.call('ZREM', c.base .. TAIL_READY, rm)
+  redis.call('HSET', c.base .. TAIL_BLOCKED, tk, qk)
+  redis.call('SADD', K.gate .. qk .. TAIL_BLOCKED, c.queue .. '\n' .. tk)
 end
 
 -- Request `id` left the active state (finished, requeued, reaped, cancelled): it no longer
@@ -268,24 +270,24 @@ end
 -- `qkeys`: the record's qkeys field (read by the caller with the rest of the record), `qwake`
 -- its qwake field: per key, the count of dispatched requests at which the key's held tenants
 -- wake (see quota_keys in dispatch.lua; absent: at every leave).
-local function sched_leave(prefix, id, qkeys, qwake)
+local function sched_leave(K, id, qkeys, qwake)
   if not qkeys or qkeys == '' then return '' end
-  redis.call('HDEL', prefix .. 'req:' .. id, 'qkeys', 'qwake')
+  redis.call('HDEL', K.req .. id, 'qkeys', 'qwake')
   local ok, list = pcall(cjson.decode, qkeys)
   if not ok or type(list) ~= 'table' then return '' end
   local wok, wakes = pcall(cjson.decode, qwake or '')
   if not wok or type(wakes) ~= 'table' then wakes = {} end
   for i, qk in ipairs(list) do
-    local sent = prefix .. 'gate:' .. qk .. ':sent'
+    local sent = K.gate .. qk .. TAIL_SENT
     redis.call('ZREM', sent, id)
     local at = tonumber(wakes[i])
     if not at or redis.call('ZCARD', sent) <= at then
-      local reg = prefix .. 'gate:' .. qk .. ':blocked'
+      local reg = K.gate .. qk .. TAIL_BLOCKED
       local members = redis.call('SMEMBERS', reg)
       redis.call('DEL', reg)
       for _, m in ipairs(members) do
         local q, tk = string.match(m, '^([^\n]*)\n(.*)$')
-        if q then sched_unblock(prefix, q, tk) end
+        if q then sched_unblock(K, q, tk) end
       end
     end
   end

@@ -1,9 +1,8 @@
 -- submit.lua: accept a batch of requests atomically, item by item.
--- KEYS: none passed; keys are derived from ARGV[1] (the prefix) and each item's id/queue:
---   <prefix>req:<id> (hash), <prefix>q:<queue>:pending / :expiry (zsets), <prefix>seq,
---   <prefix>pool:<pool>:wake, and for a queue indexed by tenant its scheduling keys
---   (sched.lua: the tenant's sub-queue, the ready set).
--- ARGV[1] key prefix, ARGV[2] the items: a JSON array with one array of 14 strings per item:
+-- KEYS: the key families (lib.lua key_families): each item's keys are derived from its id,
+--   queue and pool (its record, its queue's pending and expiry sets, for a queue indexed by
+--   tenant its scheduling keys (sched.lua), its pool's doorbell), a batch's from ARGV[2].
+-- ARGV[1] the items: a JSON array with one array of 14 strings per item:
 --   id, queue, pool, priority (0-9), deadline (Unix s, the server's clock) or '',
 --   timeout (s from now by the server's clock, when deadline is ''), payload (JSON text),
 --   metadata (JSON), headers (JSON), endpoint, result_list (key, '' for none),
@@ -11,36 +10,36 @@
 --   per item: the client encodes it in one call.)
 -- The ordering key (score) is (9 - priority) x 1e13 + the deadline in ms: higher priority
 -- first, then earliest deadline; the member's sequence number breaks ties (submission order).
--- With ARGV[3] a batch id, the items are that batch's lines (pipeline/batch/): each item has a
+-- With ARGV[2] a batch id, the items are that batch's lines (pipeline/batch/): each item has a
 -- 15th field, its custom_id, stored with the batch id in the record; the call covers the
--- batch's input lines after ARGV[4] up to ARGV[5] (line numbers) and is fenced: it stores
+-- batch's input lines after ARGV[3] up to ARGV[4] (line numbers) and is fenced: it stores
 -- nothing and returns {'stopped', status} unless the batch is validating or in progress and
--- not stopped, or {'fenced', lines covered so far} unless the batch has covered exactly ARGV[4]
+-- not stopped, or {'fenced', lines covered so far} unless the batch has covered exactly ARGV[3]
 -- lines (so no line is ever stored twice, whoever enqueues it and however often).
 -- Returns one entry per item: 1 when created, else the state of the live request that
 -- already holds that id (idempotent submit).
-local prefix = ARGV[1]
+local K = key_families()
 local now = server_now()
-local batch = ARGV[3] or ''
+local batch = ARGV[2] or ''
 if batch ~= '' then
-  local bk = prefix .. 'batch:' .. batch
+  local bk = K.batch .. batch
   local b = redis.call('HMGET', bk, 'status', 'submitted', 'stopped')
   if (b[1] ~= 'validating' and b[1] ~= 'in_progress') or b[3] == '1' then
     return {'stopped', b[1] or 'missing'}
   end
-  if tonumber(b[2]) ~= tonumber(ARGV[4]) then return {'fenced', b[2]} end
-  redis.call('HSET', bk, 'submitted', ARGV[5])
+  if tonumber(b[2]) ~= tonumber(ARGV[3]) then return {'fenced', b[2]} end
+  redis.call('HSET', bk, 'submitted', ARGV[4])
 end
 local out = {}
 local touched_pools = {}
 local memo = sched_memo() -- what sched_add_new learnt of each tenant (sched.lua)
-local items = cjson.decode(ARGV[2])
-if batch ~= '' then redis.call('HINCRBY', prefix .. 'batch:' .. batch, 'unsubmitted', -#items) end
+local items = cjson.decode(ARGV[1])
+if batch ~= '' then redis.call('HINCRBY', K.batch .. batch, 'unsubmitted', -#items) end
 -- one INCRBY reserves a sequence number per item (a duplicate leaves a gap: only order counts)
-local seq0 = redis.call('INCRBY', prefix .. 'seq', #items) - #items
+local seq0 = redis.call('INCRBY', K.seq, #items) - #items
 for i, r in ipairs(items) do
   local id, queue, pool = r[1], r[2], r[3]
-  local rk = prefix .. 'req:' .. id
+  local rk = K.req .. id
   local state = redis.call('HGET', rk, 'state')
   if state and state ~= 'done' then
     out[#out + 1] = state
@@ -52,13 +51,13 @@ for i, r in ipairs(items) do
     local score = string.format('%.0f',
       (9 - tonumber(r[4])) * 1e13 + math.floor(tonumber(deadline) * 1000 + 0.5))
     -- the fields every step reads first: a small hash (listpack) finds a field by walking
-    -- the fields in the order they were written (BENCHMARKS.md, round 8)
+    -- the fields in the order they were written (bench/redis_replay.py)
     local fields = {'state', 'queued', 'token', '', 'member', member, 'deadline', deadline,
       'dispatches', '0', 'attempts', '0', 'priority', r[4], 'queue', queue, 'id', id,
       'pool', pool, 'submitted_at', fmt_time(now), 'result_list', r[11],
       'result_list_max', r[12], 'result_list_ttl', r[13], 'payload', r[7], 'metadata', r[8],
       'labels', r[14], 'headers', r[9], 'endpoint', r[10], 'score', score}
-    local c, tenant = sched_conf(prefix, queue), nil
+    local c, tenant = sched_conf(K, queue), nil
     if c then -- an indexed queue: the record says its tenant (sched.lua)
       tenant = sched_value(r[8], c.attr)
       fields[#fields + 1] = 'tenant'
@@ -71,13 +70,13 @@ for i, r in ipairs(items) do
       fields[#fields + 1] = r[15]
     end
     redis.call('HSET', rk, unpack(fields))
-    redis.call('ZADD', qkey(prefix, queue, 'pending'), score, member)
+    redis.call('ZADD', qkey(K, queue, TAIL_PENDING), score, member)
     if c then sched_add_new(c, sched_tkey(tenant), score, member, memo) end
-    redis.call('ZADD', qkey(prefix, queue, 'expiry'), deadline, id)
+    redis.call('ZADD', qkey(K, queue, TAIL_EXPIRY), deadline, id)
     touched_pools[pool] = true
     out[#out + 1] = 1
   end
 end
 sched_add_done(memo)
-for pool, _ in pairs(touched_pools) do wake(prefix, pool) end
+for pool, _ in pairs(touched_pools) do wake(K, pool) end
 return out
