@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,17 +51,35 @@ def held(name: str) -> dict[str, str]:
     return {"x-sim-hold": name}
 
 
-def wait_for(
-    check: Callable[[], Any],
-    timeout: float = 10.0,
-    interval: float = 0.02,
-    what: str = "condition",
-) -> Any:
-    """Poll ``check`` until it returns a truthy value; fail the test after ``timeout`` s."""
-    try:
-        return wait_until(check, timeout, what, interval)
-    except TimeoutError as exc:
-        raise AssertionError(str(exc)) from None
+def give_up_after(timeout: float, what: str | Callable[[], str]) -> Callable[[], None]:
+    """An ``on_poll`` for ``Pipeline.iter_results``: fail once ``timeout`` s have passed,
+    naming what was awaited (``what`` may be computed then, e.g. from ``inspect()``)."""
+    end = time.monotonic() + timeout
+
+    def check() -> None:
+        if time.monotonic() > end:
+            said = what() if callable(what) else what
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {said}")
+
+    return check
+
+
+def published(listener: Any, n: int, what: str, timeout: float = 5.0) -> list[Any]:
+    """The next ``n`` messages of a Pub/Sub ``listener`` (subscribed before they were sent),
+    and no more: the listener is closed after checking that nothing else arrived."""
+    got: list[Any] = []
+
+    def arrived() -> bool:
+        message = listener.get_message(timeout=0.1)
+        if message is not None:
+            got.append(message["data"])
+        return len(got) >= n
+
+    wait_until(arrived, timeout, what)
+    extra = listener.get_message(timeout=0.2)
+    listener.close()
+    assert extra is None, f"more than {n} messages: {got} then {extra}"
+    return got
 
 
 @pytest.fixture(scope="session")
@@ -297,8 +316,8 @@ def start_worker(
                 return client.zscore(key, name) is not None
 
             try:
-                wait_for(registered, NODE_START_S, what=f"worker {name}")
-            except AssertionError:
+                wait_until(registered, NODE_START_S, f"worker {name}")
+            except (AssertionError, TimeoutError):
                 w.stop()  # never leave a late node behind to serve a later test's queue
                 raise
         return w
@@ -327,7 +346,7 @@ def assert_idle(p: Pipeline, timeout: float = 20.0) -> None:
             for q in info.values()
         )
 
-    wait_for(idle, timeout, what=f"idle queues and gates: {p.inspect()}")
+    wait_until(idle, timeout, f"idle queues and gates: {p.inspect()}")
     keys = p.store.keys
     leftover = [
         k
@@ -426,5 +445,9 @@ def celery_worker_parameters(env: dict[str, str]) -> dict[str, Any]:
 def in_process(pl: Pipeline, celery_session_worker: TestWorkController) -> Pipeline:
     """``pl`` with the in-process node serving the ``inproc`` queue (limit 2)."""
     key = pl.store.keys.pool_nodes(IN_PROCESS_POOL)
-    wait_for(lambda: pl.store.client.zscore(key, celery_session_worker.hostname) is not None)
+    wait_until(
+        lambda: pl.store.client.zscore(key, celery_session_worker.hostname) is not None,
+        10,
+        "pl.store.client.zscore(key, celery_session_worker.hostname) is not None",
+    )
     return pl

@@ -18,10 +18,9 @@ from typing import Any
 import pytest
 from kombu import Connection, Exchange, Producer
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from tasks.app import celery_queue
-
-from .conftest import wait_for
 
 
 def uid(tag: str = "bad") -> str:
@@ -58,7 +57,7 @@ def test_garbage_in_the_sorted_set(in_process: Pipeline, member: str) -> None:
             for r in default_results(served, NODE_QUEUE)
         )
 
-    wait_for(reported, 10, what="INVALID_REQUEST result for the garbage entry")
+    wait_until(reported, 10, "INVALID_REQUEST result for the garbage entry")
     assert served.inspect()[NODE_QUEUE]["pending"] == 0
     worker_still_serves(served)
 
@@ -175,7 +174,7 @@ def test_duplicate_ids_in_one_batch(served: Pipeline) -> None:
     assert [r.created for r in reqs] == [True, False]
     res = served.wait(rid, 15)
     assert res.ok and json.loads(served.record(rid)["payload"]) == {"n": 1}
-    wait_for(lambda: served.inspect()["default"]["running"] == 0, 10, what="idle")
+    wait_until(lambda: served.inspect()["default"]["running"] == 0, 10, "idle")
     assert [r["id"] for r in default_results(served, "default")].count(rid) == 1
 
 

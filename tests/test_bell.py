@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 import redis
 
+from pipeline.cli.services import wait_until
 from pipeline.worker.bell import ReleaseBell
-
-from .conftest import wait_for
 
 
 @pytest.fixture
@@ -45,26 +44,26 @@ def test_each_ring_wakes_one_waiter_of_its_queue(bell: ReleaseBell) -> None:
     woke: list[bool] = []
     gen = bell.generation("q")
     threads = [waiter(bell, "q", gen, woke) for _ in range(2)]
-    wait_for(lambda: bell.waiting("q") == 2, 5, what="two waiters")
+    wait_until(lambda: bell.waiting("q") == 2, 5, "two waiters")
     other: list[bool] = []
     waiter(bell, "other", bell.generation("other"), other)
     bell.ring("q")
-    wait_for(lambda: len(woke) == 1, 5, what="one waiter woken")
+    wait_until(lambda: len(woke) == 1, 5, "one waiter woken")
     assert bell.waiting("q") == 1
     bell.ring("q")
-    wait_for(lambda: len(woke) == 2, 5, what="the second waiter woken")
+    wait_until(lambda: len(woke) == 2, 5, "the second waiter woken")
     assert woke == [True, True] and other == []  # another queue's waiter slept on
     for t in threads:
         t.join(5)
     bell.ring("other")
-    wait_for(lambda: other == [True], 5, what="the other queue's waiter")
+    wait_until(lambda: other == [True], 5, "the other queue's waiter")
 
 
 def subscribed_waiter(bell: ReleaseBell) -> list[bool]:
     """A waiter on queue "q", returned once the bell's listener has subscribed."""
     woke: list[bool] = []
     waiter(bell, "q", bell.generation("q"), woke)
-    wait_for(lambda: bell._subscribed.is_set(), 5, what="the subscription")
+    wait_until(lambda: bell._subscribed.is_set(), 5, "the subscription")
     return woke
 
 
@@ -75,7 +74,7 @@ def test_a_release_published_by_another_process_wakes_a_waiter(
     woke = subscribed_waiter(bell)
     publisher.publish(bell.channel, "elsewhere")  # another queue: nobody here waits for it
     publisher.publish(bell.channel, "q")  # what finish.lua / requeue.lua publish
-    wait_for(lambda: woke == [True], 5, what="the waiter woken over Pub/Sub")
+    wait_until(lambda: woke == [True], 5, "the waiter woken over Pub/Sub")
 
 
 def test_the_listener_reconnects_after_its_connection_is_killed(
@@ -93,20 +92,20 @@ def test_the_listener_reconnects_after_its_connection_is_killed(
         if c["addr"] == bell.listener_address():
             admin.client_kill_filter(_id=c["id"])
     # everything published while away is lost: every waiter is woken to ask its gate again
-    wait_for(lambda: first == [True], 5, what="waiters woken on the lost subscription")
-    wait_for(lambda: bell._subscribed.is_set() and subscribed() == 1, 10, what="resubscribed")
+    wait_until(lambda: first == [True], 5, "waiters woken on the lost subscription")
+    wait_until(lambda: bell._subscribed.is_set() and subscribed() == 1, 10, "resubscribed")
     again: list[bool] = []
     waiter(bell, "q", bell.generation("q"), again)
     admin.publish(bell.channel, "q")
-    wait_for(lambda: again == [True], 5, what="a wake-up after the reconnect")
+    wait_until(lambda: again == [True], 5, "a wake-up after the reconnect")
 
 
 def test_closing_the_bell_wakes_every_waiter_for_good(bell: ReleaseBell) -> None:
     woke: list[bool] = []
     threads = [waiter(bell, q, bell.generation(q), woke) for q in ("a", "a", "b")]
-    wait_for(lambda: bell.waiting("a") + bell.waiting("b") == 3, 5, what="waiters")
+    wait_until(lambda: bell.waiting("a") + bell.waiting("b") == 3, 5, "waiters")
     bell.close()
-    wait_for(lambda: len(woke) == 3, 5, what="every waiter woken")
+    wait_until(lambda: len(woke) == 3, 5, "every waiter woken")
     for t in threads:
         t.join(5)
     assert bell.wait("a", bell.generation("a"), 10.0) is True  # returns at once from now on
@@ -120,15 +119,15 @@ def test_a_release_here_wakes_one_waiter_not_two_when_its_echo_arrives(
     gen = bell.generation("q")
     waiter(bell, "q", gen, woke)
     waiter(bell, "q", gen, woke)
-    wait_for(lambda: bell.waiting("q") == 2, 5, what="two waiters")
-    wait_for(lambda: bell._subscribed.is_set(), 5, what="the subscription")
+    wait_until(lambda: bell.waiting("q") == 2, 5, "two waiters")
+    wait_until(lambda: bell._subscribed.is_set(), 5, "the subscription")
     bell.ring("q", echo=True)  # a release in this process ...
     publisher.publish(bell.channel, "q")  # ... and its own message from finish.lua
-    wait_for(lambda: not bell._echoes["q"], 5, what="the echo swallowed")
+    wait_until(lambda: not bell._echoes["q"], 5, "the echo swallowed")
     assert woke == [True]
     assert bell.waiting("q") == 1
     publisher.publish(bell.channel, "q")  # a release in another process
-    wait_for(lambda: woke == [True, True], 5, what="the second waiter woken")
+    wait_until(lambda: woke == [True, True], 5, "the second waiter woken")
 
 
 def parked(bell: ReleaseBell, queue: str, ctx: object, out: list[object]) -> threading.Thread:
@@ -144,19 +143,19 @@ def test_a_hand_over_grants_the_longest_parked_waiter_and_wakes_only_it(
     first: list[object] = []
     second: list[object] = []
     parked(bell, "q", "ctx-1", first)
-    wait_for(lambda: bell.waiting("q") == 1, 5, what="the first waiter")
+    wait_until(lambda: bell.waiting("q") == 1, 5, "the first waiter")
     parked(bell, "q", "ctx-2", second)
-    wait_for(lambda: bell.waiting("q") == 2, 5, what="the second waiter")
+    wait_until(lambda: bell.waiting("q") == 2, 5, "the second waiter")
     gen = bell.generation("q")
     ticket = bell.hand_over("q")
     assert ticket is not None and ticket.ctx == "ctx-1" and ticket.granted and not ticket.rang
-    wait_for(lambda: first == [ticket], 5, what="the first waiter woken, granted")
+    wait_until(lambda: first == [ticket], 5, "the first waiter woken, granted")
     assert second == [] and bell.waiting("q") == 1
     assert bell.generation("q") == gen  # no slot was freed: nobody else is told to ask
     ticket.held = True
     ticket.transferred.set()
     bell.ring("q")  # a real release wakes the next one to ask its gate
-    wait_for(lambda: len(second) == 1, 5, what="the second waiter rang")
+    wait_until(lambda: len(second) == 1, 5, "the second waiter rang")
     (rang,) = second
     assert getattr(rang, "rang", False) and not getattr(rang, "granted", True)
 
@@ -165,10 +164,10 @@ def test_no_hand_over_without_a_waiter_that_can_take_one(bell: ReleaseBell) -> N
     assert bell.hand_over("q") is None  # nobody parked: the slot is released instead
     out: list[object] = []
     parked(bell, "q", None, out)  # parked on a gate that does not hand over
-    wait_for(lambda: bell.waiting("q") == 1, 5, what="the waiter")
+    wait_until(lambda: bell.waiting("q") == 1, 5, "the waiter")
     assert bell.hand_over("q") is None and bell.waiting("q") == 1
     bell.close()
-    wait_for(lambda: len(out) == 1, 5, what="woken by close")
+    wait_until(lambda: len(out) == 1, 5, "woken by close")
     assert bell.hand_over("q") is None  # closed: nobody is granted anything
 
 
@@ -195,7 +194,7 @@ def test_the_bell_keeps_a_bounded_number_of_names() -> None:
     tickets: list[Any] = []
     waiter = threading.Thread(target=lambda: tickets.append(b.park("quota:userid:w", gen, 10)))
     waiter.start()
-    wait_for(lambda: b.waiting("quota:userid:w") == 1, 5, what="the waiter parked")
+    wait_until(lambda: b.waiting("quota:userid:w") == 1, 5, "the waiter parked")
     for i in range(2 * bell_module.MAX_NAMES):
         b.generation(f"quota:userid:v{i}")
     assert len(b._gen) <= bell_module.MAX_NAMES + 1 and "quota:userid:w" in b._gen
@@ -220,15 +219,15 @@ def test_a_cancel_notice_wakes_only_the_waiters_of_the_cancelled_requests(
     threads = [threading.Thread(target=park, args=(r,), daemon=True) for r in ("a", "b", "c")]
     for t in threads:
         t.start()
-    wait_for(lambda: bell.waiting("q") == 3, 5, what="three waiters")
+    wait_until(lambda: bell.waiting("q") == 3, 5, "three waiters")
     assert not bell.cancelled("a")
     bell.client.publish(bell.channel, "!cancel\na\nc\nnot-parked")
-    wait_for(lambda: "a" in tickets and "c" in tickets, 5, what="the cancelled waiters woken")
+    wait_until(lambda: "a" in tickets and "c" in tickets, 5, "the cancelled waiters woken")
     assert tickets["a"].cancelled and tickets["c"].cancelled
     assert not (tickets["a"].rang or tickets["a"].granted)
     assert bell.waiting("q") == 1 and "b" not in tickets  # b sleeps on
     assert bell.cancelled("not-parked") and not bell.cancelled("b")
     assert bell.generation("q") == gen  # no slot was freed: nobody else is woken
     bell.ring("q")
-    wait_for(lambda: "b" in tickets, 5, what="b woken by a ring")
+    wait_until(lambda: "b" in tickets, 5, "b woken by a ring")
     assert tickets["b"].rang and not tickets["b"].cancelled

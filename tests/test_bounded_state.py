@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 
-from .conftest import RESULTS_TAG, assert_idle, held, wait_for
+from .conftest import RESULTS_TAG, assert_idle, held
 
 
 def finish(p: Pipeline, items: list[dict[str, Any]], timeout: float = 30.0) -> list[Any]:
@@ -68,7 +69,11 @@ def test_only_a_request_a_client_waits_for_gets_a_notify_list(served: Pipeline, 
     box: dict[str, Any] = {}
     waiter = threading.Thread(target=lambda: box.setdefault("r", waited.result(timeout=30)))
     waiter.start()
-    wait_for(lambda: client.hget(keys.request(waited.id), "waiter") == "1")
+    wait_until(
+        lambda: client.hget(keys.request(waited.id), "waiter") == "1",
+        10,
+        'client.hget(keys.request(waited.id), "waiter") == "1"',
+    )
     sim.release(name)
     waiter.join(30)
     assert box["r"].ok
@@ -116,7 +121,11 @@ def test_every_key_a_finished_request_leaves_expires_or_is_bounded(
     client = served.store.client
     prefix = served.store.keys.prefix
     allowed = re.compile("^(" + "|".join(BOUNDED) + ")$")
-    wait_for(lambda: all(q["running"] == 0 for q in served.inspect().values()), 10)
+    wait_until(
+        lambda: all(q["running"] == 0 for q in served.inspect().values()),
+        10,
+        'all(q["running"] == 0 for q in served.inspect().values())',
+    )
     unbounded = []
     for key in client.scan_iter(prefix + "*", count=10_000):
         rest = key[len(prefix) :]

@@ -14,13 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Explanation, Pipeline
 from pipeline.errors import UnknownRequest
 from pipeline.sim import SimServer
 from pipeline.store import Dispatched, sched
 from pipeline.store.journal import MAX_TEXT, Journal
 
-from .conftest import held, wait_for
+from .conftest import held
 from .test_cli import run_cli
 
 
@@ -113,14 +114,14 @@ def test_a_tenant_at_its_quota_shows_the_key_its_use_and_holders(
                           headers=held("q-" + user["userid"]))  # fmt: skip
     sim.wait_held("q-" + user["userid"])
     second = served.submit({"n": 2}, id=uid("second"), queue="quota1", timeout=60, metadata=user)
-    wait_for(lambda: "parked" in events(second.explain()), 10, what="the park noted")
+    wait_until(lambda: "parked" in events(second.explain()), 10, "the park noted")
     third = served.submit({"n": 3}, id=uid("third"), queue="quota1", timeout=60, metadata=user)
 
     def held_back() -> Explanation | None:
         e = third.explain()
         return e if e.position is not None and e.position.held_back_by == key else None
 
-    e = wait_for(held_back, 10, what="the third held back")
+    e = wait_until(held_back, 10, "the third held back")
     assert events(e) == ["held"] and e.log[-1].fields == {"key": key}  # once, not per recheck
     (q,) = e.quotas
     assert q.key == key and q.limit == 1
@@ -175,10 +176,10 @@ def test_a_refused_request_names_the_gate_and_the_quota_it_waits_for(
         sim.wait_held("r-" + user["userid"])
         second = pl.submit({"n": 2}, id=uid("refused"), queue="qrefuse", timeout=60,
                            metadata=user)  # fmt: skip
-        e = wait_for(
+        e = wait_until(
             lambda: (x := second.explain()) and "refused" in events(x) and x,
             15,
-            what="a refusal in the log",
+            "a refusal in the log",
         )
         refused = next(x for x in e.log if x.event == "refused")
         assert refused.fields["gate"] == "redis-quota"

@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,9 @@ from urllib.parse import quote
 import httpx
 import pytest
 
+from pipeline.cli.services import wait_until
 from pipeline.sim import SimServer
-from tests.conftest import ROOT, WorkerProc, assert_idle, held, quota, wait_for
+from tests.conftest import ROOT, WorkerProc, assert_idle, held, quota
 from tests.observability import Isolated, free_port, isolated, start_node, total
 
 ARTIFACTS = ROOT / "artifacts"
@@ -92,7 +92,7 @@ def flower(iso: Isolated, tmp_path: Path) -> Iterator[Flower]:
         except httpx.HTTPError:
             return False
 
-    wait_for(up, 30, interval=0.1, what="flower")
+    wait_until(up, 30, "flower", interval=0.1)
     yield f
     proc.terminate()
     try:
@@ -132,8 +132,8 @@ def page_showing(url: str, needles: list[str], timeout: float = 90.0) -> str:
         return dom if all(n in dom for n in needles) else None
 
     try:
-        return wait_for(shown, timeout, interval=0.5, what=f"{needles} on {url}")  # type: ignore[no-any-return]
-    except AssertionError:
+        return wait_until(shown, timeout, f"{needles} on {url}", interval=0.5)  # type: ignore[no-any-return]
+    except (AssertionError, TimeoutError):
         ARTIFACTS.mkdir(exist_ok=True)
         (ARTIFACTS / "flower-page-last.html").write_text(last[0])
         raise
@@ -144,7 +144,7 @@ def final(flower: Flower, rid: str) -> dict[str, Any]:
         t = flower.task(rid)
         return t if t and t["state"] in ("SUCCESS", "FAILURE") else None
 
-    return wait_for(done, 20, interval=0.1, what=f"final state of {rid} in flower")  # type: ignore[no-any-return]
+    return wait_until(done, 20, f"final state of {rid} in flower", interval=0.1)  # type: ignore[no-any-return]
 
 
 def task_events_on(flower: Flower, pl: Any, queue: str) -> None:
@@ -155,15 +155,17 @@ def task_events_on(flower: Flower, pl: Any, queue: str) -> None:
     def seen() -> bool:
         probe = pl.submit({"prompt": "probe"}, queue=queue)
         assert pl.wait(probe.id, 10).ok
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            t = flower.task(probe.id)
-            if t and t["state"] == "SUCCESS":
-                return True
-            time.sleep(0.05)
-        return False
+        try:
+            wait_until(
+                lambda: (flower.task(probe.id) or {}).get("state") == "SUCCESS",
+                1.0,
+                f"{probe.id} a success in flower",
+            )
+        except TimeoutError:
+            return False  # a new probe: the events may have been asked for after this one
+        return True
 
-    wait_for(seen, 30, interval=0.1, what="task events from the new node in flower")
+    wait_until(seen, 30, "task events from the new node in flower", interval=0.1)
 
 
 def test_flower_shows_requests_retries_and_gate_decisions(
@@ -209,8 +211,8 @@ def test_flower_shows_requests_retries_and_gate_decisions(
             t = flower.task(parked.id)
             return bool(t and t["state"] == "GATE-WAITING")
 
-        wait_for(parked_state, 20, interval=0.05, what="GATE-WAITING in flower")
-        wait_for(lambda: int(pl.record(refused.id).get("dispatches", 0)) >= 2, 20, what="a refusal")
+        wait_until(parked_state, 20, "GATE-WAITING in flower", interval=0.05)
+        wait_until(lambda: int(pl.record(refused.id).get("dispatches", 0)) >= 2, 20, "a refusal")
         assert sim.release(iso.tag) == 1 and sim.release(iso.tag + "2") == 1
 
         for req in (ok, retried, refused, holder, holder2, parked):

@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.config import QueueConfig, load_settings, with_overrides
 from pipeline.errors import ConfigError
 from pipeline.sim import SimServer
 from pipeline.worker import Attempt, Runtime
 
-from .conftest import held, wait_for
+from .conftest import held
 
 
 def uid(tag: str) -> str:
@@ -83,11 +84,11 @@ def test_wedge_detector_flags_a_full_queue_with_no_completions(
     slow = served.submit({"p": 0}, id=uid("w"), queue="lim1", timeout=60, headers=held(hold)).id
     sim.wait_held(hold)  # the only slot is taken until the test releases it
     waiting = served.submit({"p": 1}, id=uid("w"), queue="lim1", timeout=60).id
-    since = wait_for(lambda: served.inspect()["lim1"]["wedged_since"], 10, what="wedge report")
+    since = wait_until(lambda: served.inspect()["lim1"]["wedged_since"], 10, "wedge report")
     assert since <= time.time()
     sim.release(hold)
     assert served.wait(slow, 10).ok and served.wait(waiting, 10).ok
-    wait_for(lambda: served.inspect()["lim1"]["wedged_since"] is None, 5, what="report cleared")
+    wait_until(lambda: served.inspect()["lim1"]["wedged_since"] is None, 5, "report cleared")
 
 
 def test_fairness_identity_header(env: dict[str, str], pl: Pipeline) -> None:

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from pipeline.cli.services import wait_until
 from pipeline.sim import SimServer
-from tests.conftest import WorkerProc, assert_idle, wait_for
+from tests.conftest import WorkerProc, assert_idle
 from tests.observability import Isolated, isolated, start_node
 
 
@@ -74,7 +75,7 @@ def log_text(w: WorkerProc, *needles: str) -> str:
         t = w.log.read_text()
         return t if all(n in t for n in needles) else None
 
-    return str(wait_for(text, 10, what=f"{needles} in {w.log}"))
+    return str(wait_until(text, 10, f"{needles} in {w.log}"))
 
 
 def test_a_worker_at_info_logs_no_body(iso: Isolated, node: Callable[..., WorkerProc]) -> None:

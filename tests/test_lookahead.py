@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.config import Settings
 from pipeline.dispatch.dispatcher import Dispatcher
 from pipeline.sim import SimServer
 
-from .conftest import assert_idle, held, tenants_gate, wait_for
+from .conftest import assert_idle, held, tenants_gate
 from .conftest import quota as quota_gate
 from .sched_harness import bench
 
@@ -42,7 +43,7 @@ def parked_behind_a_holder(pl: Pipeline, sim: SimServer) -> tuple[str, str]:
     sim.reset()
     first = hold(pl, sim, "lim1")
     second = pl.submit({"p": "ahead"}, id=uid("ahead"), queue="lim1", timeout=60).id
-    wait_for(lambda: pl.state(second) == "running", 10, what="the parked attempt")
+    wait_until(lambda: pl.state(second) == "running", 10, "the parked attempt")
     return first, second
 
 
@@ -91,7 +92,7 @@ def test_a_parked_attempt_that_waits_too_long_goes_back_to_the_queue(
         first = hold(pl, sim, "parked")
         second = pl.submit({"p": "impatient"}, id=uid("park"), queue="parked", timeout=60).id
         # parks 0.3 s, is refused and goes back (a refusal, not an attempt), then comes again
-        wait_for(lambda: dispatches(pl, second) >= 2, 10, what="the parked attempt requeued")
+        wait_until(lambda: dispatches(pl, second) >= 2, 10, "the parked attempt requeued")
         sim.release(first)
         assert pl.wait(first, 20).ok
         res = pl.wait(second, 20)
@@ -138,8 +139,11 @@ def test_a_quota_key_gets_half_its_limit_dispatched_past_it_by_default(
         served.submit({"p": n}, id=uid("m"), queue="quota4", timeout=60, metadata=user).id
         for n in range(4)
     ]
-    wait_for(lambda: all(parked_entries(served, r) for r in more[:2]), 10,
-             what="two attempts parked past the key's limit")  # fmt: skip
+    wait_until(
+        lambda: all(parked_entries(served, r) for r in more[:2]),
+        10,
+        "two attempts parked past the key's limit",
+    )
     # settled until a holder leaves: the key counts 4 + 2, its limit plus its look-ahead
     assert [served.state(r) for r in more[2:]] == ["queued", "queued"]
     assert all(r not in sim.stats()["attempts_by_request_id"] for r in more)
@@ -157,17 +161,17 @@ def test_a_warm_shutdown_sends_parked_attempts_back_to_the_queue(
     worker = start_worker(pools="parked", concurrency=4, extra_env={"PIPELINE_PARK_S": "60"})
     first = hold(pl, sim, "parked")
     second = pl.submit({"p": "parked"}, id=uid("park"), queue="parked", timeout=60).id
-    wait_for(lambda: pl.state(second) == "running", 10, what="the parked attempt")
+    wait_until(lambda: pl.state(second) == "running", 10, "the parked attempt")
     worker.proc.terminate()  # warm shutdown: the holder finishes, the parked one goes back
     # without the bell closing, the parked attempt would hold the node up for 60 s
-    wait_for(
+    wait_until(
         lambda: pl.state(second) in ("queued", "retry_wait"),
         20,
-        what="the parked attempt back in its queue while the holder still runs",
+        "the parked attempt back in its queue while the holder still runs",
     )
     assert pl.state(first) == "running" and worker.proc.poll() is None
     sim.release(first)
-    wait_for(lambda: worker.proc.poll() is not None, 20, what="the node to stop")
+    wait_until(lambda: worker.proc.poll() is not None, 20, "the node to stop")
     assert pl.wait(first, 5).ok
     assert pl.state(second) in ("queued", "retry_wait")
     replacement = start_worker(pools="parked", concurrency=4)
@@ -195,9 +199,9 @@ def test_an_attempt_that_finds_others_parked_parks_behind_them_without_asking(
         first = uid("a")  # held at the simulator too once admitted: the order is checked
         pl.submit({"p": "a"}, id=first, queue="parked", timeout=60, headers=held(first))
         # its park noted in the log (after PARK_POLL_S): it waits on the bell now
-        wait_for(lambda: parked_entries(pl, first), 10, what="the first attempt parked")
+        wait_until(lambda: parked_entries(pl, first), 10, "the first attempt parked")
         second = pl.submit({"p": "b"}, id=uid("b"), queue="parked", timeout=60).id
-        wait_for(lambda: parked_entries(pl, second), 10, what="the second attempt parked")
+        wait_until(lambda: parked_entries(pl, second), 10, "the second attempt parked")
         assert "behind" not in parked_entries(pl, first)[0]  # it asked the gate
         assert parked_entries(pl, second)[0]["behind"] == 1
         assert pl.explain(second).to_text().count("behind 1 parked on its worker") == 1
@@ -233,9 +237,9 @@ def test_an_attempt_that_finds_others_parked_on_its_quota_key_parks_behind_them_
         first = uid("a")  # held at the simulator too once admitted: the order is checked
         pl.submit({"p": "a"}, id=first, queue="qrefuse", timeout=60, metadata=user,
                   headers=held(first))  # fmt: skip
-        wait_for(lambda: parked_entries(pl, first), 10, what="the first attempt parked")
+        wait_until(lambda: parked_entries(pl, first), 10, "the first attempt parked")
         second = pl.submit({"p": "b"}, id=uid("b"), queue="qrefuse", timeout=60, metadata=user)
-        wait_for(lambda: parked_entries(pl, second.id), 10, what="the second attempt parked")
+        wait_until(lambda: parked_entries(pl, second.id), 10, "the second attempt parked")
         key = f"quota:userid:{user['userid']}"
         (asked,) = parked_entries(pl, first)
         assert asked["key"] == key and asked["reason"] == "quota_exhausted"
@@ -275,7 +279,7 @@ def test_a_global_limit_holds_across_nodes_and_a_release_on_one_wakes_a_parked_a
         sim.wait_held(holding, 2)  # both on A, the only node yet: the global limit is reached
         nodes.append(start_worker(pools="global", concurrency=4))
         parked = pl.submit({"p": "b"}, id=uid("parked"), queue="global2", timeout=60).id
-        wait_for(lambda: pl.state(parked) == "running", 10, what="the attempt parked on B")
+        wait_until(lambda: pl.state(parked) == "running", 10, "the attempt parked on B")
         assert pl.inspect()["global2"]["gate"]["in_flight"] == 2
         assert parked not in sim.stats()["attempts_by_request_id"]  # parked, not at the server
         assert sim.release(holding) == 2

@@ -21,12 +21,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
+from pipeline.cli.services import wait_until
 from pipeline.config import load_settings
 from pipeline.observability.collectors import scrape_registry
 from pipeline.observability.health import NodeServer
 from pipeline.observability.status import StatusView, status_snapshot
 from pipeline.sim import SimServer
-from tests.conftest import ROOT, WorkerProc, assert_idle, held, quota, wait_for
+from tests.conftest import ROOT, WorkerProc, assert_idle, held, quota
 from tests.observability import (
     Isolated,
     Samples,
@@ -109,7 +110,7 @@ def submit_workload(iso: Isolated, sim: SimServer) -> tuple[list[str], str]:
     sim.wait_held(iso.tag)
     second = pl.submit({"prompt": "q2"}, **user)
     # refused, so dispatched again (before the other queue's work competes for the slots)
-    wait_for(lambda: int(pl.record(second.id).get("dispatches", 0)) >= 2, 10, what="a refusal")
+    wait_until(lambda: int(pl.record(second.id).get("dispatches", 0)) >= 2, 10, "a refusal")
     sim.release(iso.tag)
     ids = [first.id, second.id]
     ids += [pl.submit({"prompt": f"ok {i}"}, queue=m).id for i in range(6)]
@@ -257,7 +258,7 @@ def test_queue_depth_gate_in_flight_and_wedge(
             s if total(s, "pipeline_queue_wedged", queue_name=q) == 1 and depth == (2, 2) else None
         )
 
-    s = wait_for(wedged, 10, interval=0.1, what="the wedge gauge")
+    s = wait_until(wedged, 10, "the wedge gauge", interval=0.1)
     assert total(s, "pipeline_gate_in_flight", queue_name=q) == 1
     assert total(s, "pipeline_gate_limit", queue_name=q, gate_type="local-max-concurrency") == 1
     assert total(s, "pipeline_inflight_requests", queue_name=q) == 1
@@ -267,10 +268,10 @@ def test_queue_depth_gate_in_flight_and_wedge(
         assert iso.pl.wait(rid, timeout=20).ok
     assert_idle(iso.pl)
     # the detector re-checks on its next reaper pass
-    s = wait_for(
+    s = wait_until(
         lambda: (s := scrape(port)) and not total(s, "pipeline_queue_wedged", queue_name=q) and s,
         5,
-        what="the wedge to clear",
+        "the wedge to clear",
     )
     assert total(s, "pipeline_gate_in_flight", queue_name=q) == 0
     assert total(s, "pipeline_request_retries_total", queue_name=q) == 0
@@ -389,7 +390,7 @@ def test_deadline_proximity_histogram_is_read_from_the_sorted_sets(
     for timeout in (10, 10, 10, 100, 100, 2 * 86_400):
         iso.pl.submit({"prompt": "w"}, queue=q, timeout=timeout)
     deadline = float(iso.pl.record(late.id)["deadline"])
-    wait_for(lambda: time.time() > deadline + 0.01, 5, what="the first deadline to pass")
+    wait_until(lambda: time.time() > deadline + 0.01, 5, "the first deadline to pass")
     text = generate_latest(scrape_registry(iso.settings)).decode()
     samples = [
         (s.name, dict(s.labels), float(s.value))

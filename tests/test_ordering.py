@@ -11,10 +11,11 @@ import httpx
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline, ordering_score
 from pipeline.sim import SimServer
 
-from .conftest import held, wait_for
+from .conftest import held
 
 
 @given(
@@ -88,7 +89,7 @@ def test_ordering_keeps_retries_after_backoff(
     hold = f"rt-hold-{uuid.uuid4().hex[:6]}"
     w = start_worker(pools="solo", concurrency=1)
     try:
-        wait_for(lambda: first.state() == "retry_wait", 20, what="the first attempt's 503")
+        wait_until(lambda: first.state() == "retry_wait", 20, "the first attempt's 503")
         others = [
             pl.submit(
                 {"prompt": f"b{i}"},
@@ -101,7 +102,7 @@ def test_ordering_keeps_retries_after_backoff(
             for i in range(5)
         ]
         sim.wait_held(hold)  # dispatched during the backoff, in the only slot
-        wait_for(lambda: first.state() == "queued", 20, what="the retry due, back in its queue")
+        wait_until(lambda: first.state() == "queued", 20, "the retry due, back in its queue")
         sim.release(hold)
         assert first.result(timeout=20).ok
         assert all(o.result(timeout=20).ok for o in others)
@@ -115,4 +116,4 @@ def test_ordering_keeps_retries_after_backoff(
     # attempt 1 of the high-priority request, the held one that ran during its backoff, then
     # the retry with its original key ahead of the lower-priority rest
     assert seen == [first.id, others[0].id, first.id] + [o.id for o in others[1:]]
-    wait_for(lambda: pl.inspect()["solo"]["running"] == 0, 5, what="solo idle")
+    wait_until(lambda: pl.inspect()["solo"]["running"] == 0, 5, "solo idle")

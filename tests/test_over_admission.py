@@ -9,10 +9,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
-
-from .conftest import wait_for
 
 LIMIT = 5  # the "overadmit" queue: redis-quota, mode concurrency, limit 5 per userid
 
@@ -93,7 +92,7 @@ def test_requests_that_outlive_their_leases_are_renewed_not_reaped(
             now = holders()
             return now if sec + usec / 1e6 > max(first.values()) + 0.5 else None
 
-        renewed = wait_for(outlived, 30, interval=0.1, what="the held requests to outlive a lease")
+        renewed = wait_until(outlived, 30, "the held requests to outlive a lease", interval=0.1)
         assert set(renewed) == set(first)  # the same five, none reaped
         assert all(renewed[k] > first[k] for k in first)  # each lease renewed
         assert sim.held(name) == LIMIT and sim.stats()["in_flight"] == LIMIT

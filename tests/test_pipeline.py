@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 from celery.result import AsyncResult
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
 
-from .conftest import held, wait_for
+from .conftest import held
 
 
 def uid(tag: str = "r") -> str:
@@ -44,7 +45,7 @@ def test_success(served: Pipeline, sim: SimServer) -> None:
     assert res.finished_at >= res.submitted_at
     assert req.state() == "done"
     assert sim.stats()["attempts_by_request_id"][req.id] == 1
-    assert wait_for(lambda: AsyncResult(req.id).state == "SUCCESS", 5, what="Celery SUCCESS")
+    assert wait_until(lambda: AsyncResult(req.id).state == "SUCCESS", 5, "Celery SUCCESS")
 
 
 def test_terminal_400_is_not_retried(served: Pipeline, sim: SimServer) -> None:
@@ -59,7 +60,7 @@ def test_terminal_400_is_not_retried(served: Pipeline, sim: SimServer) -> None:
     assert "error" in res.json()
     assert res.attempts == 1
     assert sim.stats()["attempts_by_request_id"][req.id] == 1
-    assert wait_for(lambda: AsyncResult(req.id).state == "FAILURE", 5, what="Celery FAILURE")
+    assert wait_until(lambda: AsyncResult(req.id).state == "FAILURE", 5, "Celery FAILURE")
 
 
 def test_503_then_success(served: Pipeline, sim: SimServer) -> None:
@@ -99,7 +100,7 @@ def test_retry_state_is_visible_in_celery(served: Pipeline, sim: SimServer) -> N
     assert sim.stats()["attempts_by_request_id"][rid] == 2
     sim.release(rid)
     assert req.result(timeout=15).ok
-    assert wait_for(lambda: AsyncResult(req.id).state == "SUCCESS", 5, what="Celery SUCCESS")
+    assert wait_until(lambda: AsyncResult(req.id).state == "SUCCESS", 5, "Celery SUCCESS")
 
 
 def test_deadline_exhausted_by_retries_keeps_last_http_status(
@@ -318,7 +319,7 @@ def test_gateway_drop_reason_is_kept_in_the_retry_reason_and_the_result(
         queue="slowretry",
         headers={"x-sim-fail-first": "1", "x-sim-retry-after": "2", **DROPPED},
     )
-    wait_for(lambda: AsyncResult(req.id).state == "RETRY", 10, what="Celery RETRY")
+    wait_until(lambda: AsyncResult(req.id).state == "RETRY", 10, "Celery RETRY")
     assert "HTTP 429 (dropped: rejected-saturated)" in str(AsyncResult(req.id).traceback)
     res = req.result(timeout=15)
     assert res.ok and res.error_message is None

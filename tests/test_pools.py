@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
 from pipeline.errors import ConfigError
 from pipeline.gates import check_gates
 from pipeline.sim import SimServer
 
-from .conftest import NODE_START_S, ROOT, assert_idle, held, wait_for
+from .conftest import NODE_START_S, ROOT, assert_idle, held
 
 
 def write_config(tmp_path: Path, sim_url: str) -> dict[str, str]:
@@ -83,14 +84,14 @@ def test_pool_gate_and_worker_cap(tmp_path: Path, env: dict[str, str], sim: SimS
 
         # the pool gate's limit is at the server (once the node, not waited for, has started)
         sim.wait_held(hold, 2, timeout_s=NODE_START_S)
-        wait_for(lambda: running() >= 2, 10, what="the held requests counted as running")
+        wait_until(lambda: running() >= 2, 10, "the held requests counted as running")
         sim.release(hold)
 
         def done() -> bool:
             running()  # keeps sampling the count until the end
             return all(pl.state(r.id) == "done" for r in reqs)
 
-        wait_for(done, 60, interval=0.05, what="all pooled requests")
+        wait_until(done, 60, "all pooled requests", interval=0.05)
         assert all(r.result(1).ok for r in reqs)
         # the pool gate (limit 2 on the node) bounds what reaches the server, across queues
         assert sim.stats()["max_concurrency_observed"] == 2

@@ -12,10 +12,10 @@ from typing import Any
 
 import redis
 
+from pipeline.cli.services import wait_until
 from pipeline.gates import AcquireContext, GateEnv, build_gate, wake_keys
 from pipeline.store import MergeArgs, sched
 
-from .conftest import wait_for
 from .sched_harness import Bench, bench, check_consistent, quota_spec
 
 QUEUES = [{"queue_name": "q"}, {"queue_name": "other", "worker_pool_id": "o"}]
@@ -50,7 +50,11 @@ def test_a_tenant_at_its_limit_is_held_back_then_woken_by_a_leave(redis_url: str
         bees = submit(b, "B", 2, "b", offset=100)
         pubsub = b.client.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(b.store.keys.freed_channel())
-        wait_for(lambda: b.client.pubsub_numsub(b.store.keys.freed_channel())[0][1] >= 1, 5)
+        wait_until(
+            lambda: b.client.pubsub_numsub(b.store.keys.freed_channel())[0][1] >= 1,
+            5,
+            "b.client.pubsub_numsub(b.store.keys.freed_channel())[0][1] >= 1",
+        )
         moved = tick(b, 20)
         # A's first two (its limit), B's two, then one look-ahead attempt of A past its limit
         assert [d.id for d in moved] == [a[0], a[1], *bees, a[2]]
@@ -77,7 +81,7 @@ def test_a_tenant_at_its_limit_is_held_back_then_woken_by_a_leave(redis_url: str
                 msgs.extend(m["data"].split("\n"))  # "<queue>\n<key>..."
             return "quota:userid:A" in msgs
 
-        wait_for(published, 5, what="the key published on the freed channel")
+        wait_until(published, 5, "the key published on the freed channel")
         # 2 dispatched still: held back again at once, and its look-ahead topped up to 3
         assert [d.id for d in tick(b, 20)] == [a[3]]
         # a retry (requeue) is a leave too: its request goes back with its key

@@ -17,11 +17,12 @@ import pytest
 import redis
 from rich.console import Console
 
+from pipeline.cli.services import wait_until
 from pipeline.errors import UnsafeRedis
 from pipeline.observability.status import render_redis
 from pipeline.store import check_eviction, server_facts
 
-from .conftest import ROOT, wait_for
+from .conftest import ROOT
 from .redis_servers import lone_server
 
 
@@ -77,7 +78,7 @@ def test_allow_eviction_starts_the_worker_with_a_warning(tmp_path: Path) -> None
                 assert proc.poll() is None, log.read_text()
                 return bool(server.client().zcard(nodes))
 
-            wait_for(registered, 30, what="the worker to start")
+            wait_until(registered, 30, "the worker to start")
             text = log.read_text()
             assert "PIPELINE_ALLOW_EVICTION=1" in text and "volatile-lru" in text, text
             assert "WARNING" in text.split("volatile-lru")[0].splitlines()[-1]

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.client.models import Result
 from pipeline.gates import AcquireContext, Calls
@@ -30,7 +31,7 @@ from pipeline.store import sched
 from pipeline.worker import Runtime, process, reservation
 from tasks.app import celery_queue
 
-from .conftest import assert_idle, held, wait_for
+from .conftest import assert_idle, held, published
 
 
 def uid(tag: str) -> str:
@@ -53,13 +54,13 @@ def gate_in_flight(pl: Pipeline, queue: str) -> int:
 def finished(pl: Pipeline, queue: str, rid: str, timeout: float = 20) -> Result:
     """The request's single terminal result, after its gate is back to 0 in flight."""
     res = pl.wait(rid, timeout)
-    wait_for(lambda: gate_in_flight(pl, queue) == 0, 10, what=f"{queue} gate released")
+    wait_until(lambda: gate_in_flight(pl, queue) == 0, 10, f"{queue} gate released")
     assert len(results_pushed(pl, queue, rid)) == 1, "exactly one terminal result"
     return res
 
 
 def wait_running(pl: Pipeline, rid: str, timeout: float = 10) -> None:
-    wait_for(lambda: pl.state(rid) == "running", timeout, what=f"{rid} running")
+    wait_until(lambda: pl.state(rid) == "running", timeout, f"{rid} running")
 
 
 def sim_attempts(sim: SimServer, rid: str) -> int:
@@ -155,11 +156,7 @@ def test_gate_refuse(pl: Pipeline, sim: SimServer, start_worker: Any) -> None:
         second = pl.submit(
             {"p": 2}, id=uid("refused"), queue="qrefuse", timeout=30, metadata=user
         ).id
-        wait_for(
-            lambda: dispatches(pl, second) >= 2,
-            10,
-            what="a refusal and a new dispatch",
-        )
+        wait_until(lambda: dispatches(pl, second) >= 2, 10, "a refusal and a new dispatch")
         assert sim_attempts(sim, second) == 0  # refused attempts never reach the server
         sim.release(first)
         assert finished(pl, "qrefuse", first).ok
@@ -176,11 +173,7 @@ def test_wait_times_out_and_requeues(served: Pipeline, sim: SimServer) -> None:
         {"p": 2}, id=uid("waiter"), queue="quotawait", timeout=30, metadata=user
     ).id
     # parks on the gate, times out after PIPELINE_GATE_WAIT_TIMEOUT_S=1 and is requeued
-    wait_for(
-        lambda: dispatches(served, second) >= 2,
-        10,
-        what="requeue after the wait timed out",
-    )
+    wait_until(lambda: dispatches(served, second) >= 2, 10, "requeue after the wait timed out")
     assert sim_attempts(sim, second) == 0
     sim.release(first)
     assert finished(served, "quotawait", first).ok
@@ -266,7 +259,7 @@ def test_revoke_terminate(pl: Pipeline, prefork: Any) -> None:
         {"p": 1}, id=uid("revoke"), queue="prefork", timeout=30, headers=stall_first(1)
     ).id
     wait_running(pl, rid)
-    wait_for(lambda: gate_in_flight(pl, "prefork") == 1, 5, what="reservation held")
+    wait_until(lambda: gate_in_flight(pl, "prefork") == 1, 5, "reservation held")
     tasks.app.control.revoke(rid, terminate=True, signal="SIGKILL")
     res = finished(pl, "prefork", rid)
     assert res.error_code == "CANCELLED"
@@ -277,8 +270,8 @@ def test_sigkill_of_a_pool_child(pl: Pipeline, prefork: Any, sim: SimServer) -> 
         {"p": 1}, id=uid("child"), queue="prefork", timeout=30, headers=stall_first(1)
     ).id
     wait_running(pl, rid)
-    wait_for(lambda: sim_attempts(sim, rid) == 1, 5, what="first attempt at the server")
-    children = wait_for(lambda: _children(prefork.proc.pid), 5, what="pool child")
+    wait_until(lambda: sim_attempts(sim, rid) == 1, 5, "first attempt at the server")
+    children = wait_until(lambda: _children(prefork.proc.pid), 5, "pool child")
     for child in children:
         os.kill(child, signal.SIGKILL)
     res = finished(pl, "prefork", rid, timeout=30)
@@ -353,7 +346,7 @@ def test_warm_shutdown_with_a_request_in_flight(
     sim.wait_held(rid)
     w.proc.send_signal(signal.SIGTERM)  # warm: the running attempt finishes first
     nodes = pl.store.keys.pool_nodes("crash")
-    wait_for(lambda: pl.store.client.zscore(nodes, w.name) is None, 20, what="shutdown begun")
+    wait_until(lambda: pl.store.client.zscore(nodes, w.name) is None, 20, "shutdown begun")
     assert w.proc.poll() is None and pl.state(rid) == "running"  # waiting for the attempt
     sim.release(rid)
     res = finished(pl, "crash", rid, timeout=30)
@@ -430,7 +423,11 @@ def test_finish_hands_the_slot_to_a_parked_attempt(pl: Pipeline, sim: SimServer)
     assert gate_in_flight(pl, "parked") == 1
     sim.release(giving)
     sim.wait_held(taking)  # the taker at the server, in the slot the giver handed over
-    wait_for(lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == giver)
+    wait_until(
+        lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == giver,
+        10,
+        '(holder_of(pl, "parked", taker) or {}).get("handed_over_by") == giver',
+    )
     assert gate_in_flight(pl, "parked") == 1
     sim.release(taking)
     assert finished(pl, "parked", giver).ok
@@ -452,7 +449,11 @@ def test_retry_hands_the_slot_to_a_parked_attempt(pl: Pipeline, sim: SimServer) 
     # first -> retried (503: backs off, requeued) -> taker, each slot handed over
     sim.release(holding_first)
     sim.wait_held(taking)
-    wait_for(lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == retried)
+    wait_until(
+        lambda: (holder_of(pl, "parked", taker) or {}).get("handed_over_by") == retried,
+        10,
+        '(holder_of(pl, "parked", taker) or {}).get("handed_over_by") == retried',
+    )
     assert gate_in_flight(pl, "parked") == 1
     sim.release(taking)
     for rid in (first, taker):
@@ -647,7 +648,7 @@ def test_a_quota_hand_over_goes_in_the_givers_finish_round_trip(
         parked = threading.Thread(target=lambda: reports.append(b.run()))
         parked.start()
         key = f"quota:userid:{user}"
-        wait_for(lambda: rt.bell.waiting(key) == 1, 5, what="the second attempt parked")
+        wait_until(lambda: rt.bell.waiting(key) == 1, 5, "the second attempt parked")
         sent = counted_batches(monkeypatch)
         monkeypatch.setattr(Calls, "run", None)  # no gate step on its own (no direct transfer)
         assert a.run().status.value == "success"
@@ -701,19 +702,13 @@ def test_a_hand_over_publishes_no_release(prepared: tuple[Pipeline, Runtime, str
     reports: list[Any] = []
     parked = threading.Thread(target=lambda: reports.append(c.run()))
     parked.start()
-    wait_for(lambda: rt.bell.waiting(queue) == 1, 5, what="the third attempt parked")
+    wait_until(lambda: rt.bell.waiting(queue) == 1, 5, "the third attempt parked")
     assert a.run().status.value == "success"  # hands its slot to c
     parked.join(10)
     assert reports and reports[0].status.value == "success"  # c released: nobody parked
     assert b.run().status.value == "success"
     assert gate_in_flight(p, queue) == 0
-    released = []
-    end = time.monotonic() + 1.0  # read what was published (the subscribe reply is skipped)
-    while time.monotonic() < end:
-        message = listener.get_message(timeout=0.1)
-        if message is not None:
-            released.append(message["data"])
-    listener.close()
+    released = published(listener, 2, "the releases published")  # subscribe reply skipped
     assert released == [queue, queue]  # c's and b's releases; none for a's hand-over
 
 
@@ -732,9 +727,9 @@ def test_a_second_release_frees_nothing_and_hands_nothing_over(
     reports: list[Any] = []
     parked = threading.Thread(target=lambda: reports.append(c.run()))
     parked.start()
-    wait_for(lambda: rt.bell.waiting(queue) == 1, 5, what="the third attempt parked")
+    wait_until(lambda: rt.bell.waiting(queue) == 1, 5, "the third attempt parked")
     assert b._error("CANCELLED", "ended after its release").status.value == "failed"
-    wait_for(lambda: rt.bell.waiting(queue) == 1, 5, what="the third attempt parked again")
+    wait_until(lambda: rt.bell.waiting(queue) == 1, 5, "the third attempt parked again")
     assert not reports and gate_in_flight(p, queue) == 2  # a's and the other's
     rt.gate(queue).release(other.holder)  # the parked attempt finds it at its next ask
     parked.join(10)
@@ -760,7 +755,11 @@ def test_finish_hands_a_quota_slot_to_an_attempt_parked_for_its_key(
     sim.release(giver)
     sim.wait_held(taker)  # at the server, with the slot handed over
     # the taker leaves for the server at once; the giver records the transfer meanwhile
-    wait_for(lambda: (holder_of(served, "quota1", taker) or {}).get("handed_over_by") == giver)
+    wait_until(
+        lambda: (holder_of(served, "quota1", taker) or {}).get("handed_over_by") == giver,
+        10,
+        '(holder_of(served, "quota1", taker) or {}).get("handed_over_by") == giver',
+    )
     sim.release(taker)
     assert finished(served, "quota1", giver).ok
     res = finished(served, "quota1", taker)
@@ -791,16 +790,20 @@ def test_a_composite_hands_its_global_slot_to_an_attempt_holding_its_own_quota(
         keys, c = pl.store.keys, pl.store.client
         token = pl.record(taker)["token"]
         quota_holders = keys.gate_holders("quota:userid:u9")
-        wait_for(lambda: c.zscore(quota_holders, f"{taker}:{token}"), 10, what="its own quota")
+        wait_until(lambda: c.zscore(quota_holders, f"{taker}:{token}"), 10, "its own quota")
         # parked on the global gate, not only refused: a finish hands over only to an attempt
         # parked by then (its park is noted once it outlasts PARK_POLL_S)
-        wait_for(lambda: any(x.event == "parked" for x in pl.explain(taker).log), 10,
-                 what="the park noted")  # fmt: skip
+        wait_until(
+            lambda: any(x.event == "parked" for x in pl.explain(taker).log), 10, "the park noted"
+        )
         sim.release(holders[0])
         sim.wait_held(taker)
         # the taker leaves for the server at once; the transfer lands with its giver's finish
-        info = wait_for(lambda: c.hget(keys.gate_info("tenants/1"), f"{taker}:{token}"), 10,
-                        what="the hand-over recorded")  # fmt: skip
+        info = wait_until(
+            lambda: c.hget(keys.gate_info("tenants/1"), f"{taker}:{token}"),
+            10,
+            "the hand-over recorded",
+        )
         assert json.loads(info)["handed_over_by"].rsplit(":", 1)[0] == holders[0]
         for rid in [*holders[1:], taker]:
             sim.release(rid)
@@ -837,21 +840,19 @@ def test_a_quota_hand_over_publishes_no_release_of_the_key(pl: Pipeline) -> None
         assert a and b and a.acquire().admitted and not b.acquire().admitted
         listener = s.client.pubsub(ignore_subscribe_messages=True)
         listener.subscribe(s.keys.freed_channel())
-        wait_for(lambda: s.client.pubsub_numsub(s.keys.freed_channel())[0][1] >= 1, 5)
+        wait_until(
+            lambda: s.client.pubsub_numsub(s.keys.freed_channel())[0][1] >= 1,
+            5,
+            "s.client.pubsub_numsub(s.keys.freed_channel())[0][1] >= 1",
+        )
         reports: list[Any] = []
         parked = threading.Thread(target=lambda: reports.append(b.run()))
         parked.start()
-        wait_for(lambda: rt.bell.waiting("quota:userid:qh-user") == 1, 5, what="b parked")
+        wait_until(lambda: rt.bell.waiting("quota:userid:qh-user") == 1, 5, "b parked")
         assert a.run().status.value == "success"  # hands the key's slot to b
         parked.join(10)
         assert reports and reports[0].status.value == "success"
-        released = []
-        end = time.monotonic() + 1.0  # read what was published
-        while time.monotonic() < end:
-            message = listener.get_message(timeout=0.1)
-            if message is not None:
-                released.append(message["data"])
-        listener.close()
+        released = published(listener, 1, "b's release published")
         assert released == ["qprep\nquota:userid:qh-user"]  # b's release only, with its key
         assert not list(s.client.scan_iter(s.keys.prefix + "gate:*:sent", count=10_000))
     finally:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.config import (
     PoolConfig,
@@ -37,7 +38,7 @@ from pipeline.gates import AcquireContext, same_attempt_gate
 from pipeline.sim import SimConfig, SimServer
 from pipeline.worker import Runtime
 from pipeline.worker.reservation import Reservation
-from tests.conftest import ROOT, WorkerProc, assert_idle, held, local_limit, wait_for
+from tests.conftest import ROOT, WorkerProc, assert_idle, held, local_limit
 from tests.observability import FAST, Isolated, isolated, scrape, start_node, total
 
 
@@ -185,7 +186,7 @@ def test_a_slot_of_a_replaced_gate_is_released_not_handed_over(env: dict[str, st
             target=lambda: parked.append(rt.bell.park("q", gen, 10.0, ctx("waiter"), old))
         )
         waiter.start()
-        wait_for(lambda: rt.bell.waiting("q") == 1, 5, what="the parked attempt")
+        wait_until(lambda: rt.bell.waiting("q") == 1, 5, "the parked attempt")
         rt.apply(with_limit(3))
         new = rt.gate("q")
         assert new is not old and new.acquire(ctx("newcomer")).admitted  # 2 of 3
@@ -234,8 +235,11 @@ def test_queues_added_by_reload_and_by_sighup_serve_requests(
     pl = write_queues(iso, [a, {"queue_name": "b", "igw_base_url": sim.url},
                             {"queue_name": "c", "igw_base_url": sim.url}])  # fmt: skip
     w.proc.send_signal(signal.SIGHUP)
-    wait_for(lambda: f"config reloaded (SIGHUP): added {iso.queue('c')}" in w.log.read_text(),
-             15, what="the SIGHUP reload")  # fmt: skip
+    wait_until(
+        lambda: f"config reloaded (SIGHUP): added {iso.queue('c')}" in w.log.read_text(),
+        15,
+        "the SIGHUP reload",
+    )
     assert pl.submit({"prompt": "hup"}, queue=iso.queue("c")).result(timeout=20).ok
     assert pl.submit({"prompt": "old"}, queue=iso.queue("a")).result(timeout=20).ok
     assert w.proc.poll() is None  # reloaded, not restarted

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli.services import free_port, redis_reachable
+from pipeline.cli.services import free_port, redis_reachable, wait_until
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
 from pipeline.redact import redact_url
 from pipeline.sim import SimServer
 
-from .conftest import NODE_START_S, ROOT, wait_for
+from .conftest import NODE_START_S, ROOT
 
 PASSWORD = "s3cret-" + uuid.uuid4().hex[:8]
 
@@ -82,7 +82,7 @@ def secured_redis(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[st
         url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for(lambda: redis_reachable(url, 0.3), 10, what="secured redis-server")
+        wait_until(lambda: redis_reachable(url, 0.3), 10, "secured redis-server")
         yield url
     finally:
         proc.terminate()

@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline import ReplicationError
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.config import MASTER_VAR, load_settings, parse_sentinel_url
 from pipeline.errors import ConfigError
@@ -31,7 +32,7 @@ from pipeline.store.scripts import Script
 from pipeline.worker.bell import ReleaseBell
 
 from .conftest import REDIS_URL as REDIS_URL_OF_SESSION
-from .conftest import ROOT, wait_for
+from .conftest import ROOT
 from .redis_servers import MASTER_NAME, SentinelGroup, sentinel_group
 
 INCR = "return redis.call('INCR', KEYS[1])"
@@ -250,10 +251,10 @@ def test_connections_follow_a_failover(tmp_path: Path) -> None:
             woke: list[bool] = []
             t = threading.Thread(target=lambda: woke.append(bell.wait("q", gen, 60)), daemon=True)
             t.start()
-            wait_for(lambda: bell.waiting("q") == 1, 5, what="a parked waiter")
+            wait_until(lambda: bell.waiting("q") == 1, 5, "a parked waiter")
             old = g.master.port
             g.master.kill()
-            wait_for(lambda: g.master_port() != old, 30, what="the sentinels to promote")
+            wait_until(lambda: g.master_port() != old, 30, "the sentinels to promote")
 
             def incr_answers() -> Any:
                 try:
@@ -261,17 +262,20 @@ def test_connections_follow_a_failover(tmp_path: Path) -> None:
                 except redis.ConnectionError:
                     return None
 
-            assert wait_for(incr_answers, 15, what="a script call on the new master") == 2
+            assert wait_until(incr_answers, 15, "a script call on the new master") == 2
             assert incr(keys=[key]) == 3
             new = redis.Redis(port=g.master_port(), decode_responses=True)
             assert new.get(key) == "3" and g.master_port() != old
             # the bell lost its subscription: it woke its waiter to ask again, and listens
             # on the new master
-            wait_for(lambda: woke == [True], 15, what="the bell's waiter woken by the loss")
+            wait_until(lambda: woke == [True], 15, "the bell's waiter woken by the loss")
             gen = bell.generation("q")
-            wait_for(lambda: bool(client.pubsub_numsub("test-failover-bell")[0][1]), 15,
-                     what="the bell subscribed on the new master")  # fmt: skip
+            wait_until(
+                lambda: bool(client.pubsub_numsub("test-failover-bell")[0][1]),
+                15,
+                "the bell subscribed on the new master",
+            )
             client.publish("test-failover-bell", "q")
-            wait_for(lambda: bell.generation("q") > gen, 10, what="a ring over the new master")
+            wait_until(lambda: bell.generation("q") > gen, 10, "a ring over the new master")
         finally:
             bell.stop()

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pipeline.cli.services import wait_until
 from pipeline.sim import server as server_module
 from pipeline.sim.server import SimConfig, SimServer, _Clock
 
@@ -38,15 +39,6 @@ def start() -> Iterator[Callable[..., SimServer]]:
     yield _start
     for server in servers:
         server.stop()
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Poll ``predicate`` until true; fail after ``timeout_s`` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.005)
 
 
 def post(
@@ -174,7 +166,7 @@ def test_queue_overload_gauges_follow_load(start: Callable[..., SimServer]) -> N
     with ThreadPoolExecutor(5) as pool:
         futures = [pool.submit(post, sim.url, {"x-sim-hold": "q"}) for _ in range(5)]
         sim.wait_held("q", 2)
-        wait_until(lambda: gauges(sim.url) == (2, 3))
+        wait_until(lambda: gauges(sim.url) == (2, 3), 5, "gauges(sim.url) == (2, 3)")
         assert sim.stats()["waiting"] == 3
         assert sim.release("q") == 2  # the three queued ones pass: "q" is released
         statuses = [f.result().status_code for f in futures]
@@ -192,7 +184,7 @@ def test_queued_request_abandoned_by_client_is_forgotten(start: Callable[..., Si
         sim.wait_held("h")
         with pytest.raises(httpx.ReadTimeout):  # queued behind the holder until it gives up
             httpx.post(sim.url + COMPLETIONS, json=BODY, timeout=0.2)
-        wait_until(lambda: sim.stats()["waiting"] == 0)
+        wait_until(lambda: sim.stats()["waiting"] == 0, 5, 'sim.stats()["waiting"] == 0')
         assert sim.stats()["in_flight"] == 1
         sim.release("h")
         assert holder.result().status_code == 200
@@ -278,7 +270,11 @@ def test_reset_answers_held_requests_and_stop_ends_them(start: Callable[..., Sim
         with socket.create_connection(("127.0.0.1", sim.port), timeout=5) as sock:
             sock.sendall(raw_request(COMPLETIONS, BODY, "x-sim-hold: r\r\n"))
             sim.wait_held("r")  # held again: reset closed the name
-        wait_until(lambda: sim.stats()["held"] == {} and sim.stats()["in_flight"] == 0)
+        wait_until(
+            lambda: sim.stats()["held"] == {} and sim.stats()["in_flight"] == 0,
+            5,
+            'sim.stats()["held"] == {} and sim.stats()["in_flight"] == 0',
+        )
         again = pool.submit(post, sim.url, {"x-sim-hold": "r"})
         sim.wait_held("r")
         sim.stop()
@@ -322,7 +318,7 @@ def test_a_client_that_hangs_up_during_the_latency_frees_its_slot(
     sim = start(latency_ms=60_000)
     with pytest.raises(httpx.ReadTimeout):
         post(sim.url, timeout=0.2)
-    wait_until(lambda: sim.stats()["in_flight"] == 0)
+    wait_until(lambda: sim.stats()["in_flight"] == 0, 5, 'sim.stats()["in_flight"] == 0')
     stats = sim.stats()
     assert stats["requests"] == 1 and stats["by_status"] == {}  # never answered
     assert stats["max_concurrency_observed"] == 1
@@ -387,9 +383,9 @@ def test_stall_holds_slot_until_client_gives_up(start: Callable[..., SimServer])
     extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     with socket.create_connection(("127.0.0.1", sim.port), timeout=5) as sock:
         sock.sendall(raw_request(COMPLETIONS, BODY, extra))
-        wait_until(lambda: sim.stats()["stalled"] == 1)
+        wait_until(lambda: sim.stats()["stalled"] == 1, 5, 'sim.stats()["stalled"] == 1')
         assert sim.stats()["in_flight"] == 1  # held until the client hangs up
-    wait_until(lambda: sim.stats()["in_flight"] == 0)
+    wait_until(lambda: sim.stats()["in_flight"] == 0, 5, 'sim.stats()["in_flight"] == 0')
     assert post(sim.url, headers).status_code == 200
     stats = sim.stats()
     assert stats["stalled"] == 1 and stats["attempts_by_request_id"] == {"s1": 2}
@@ -555,7 +551,11 @@ def test_cli_serves_until_sigterm() -> None:
             assert httpx.get(url + "/health").json() == {"status": "ok"}
             with ThreadPoolExecutor(1) as pool:  # hold and release over HTTP, across processes
                 held = pool.submit(post, url, {"x-sim-hold": "cli"})
-                wait_until(lambda: httpx.get(url + "/sim/stats").json()["held"] == {"cli": 1})
+                wait_until(
+                    lambda: httpx.get(url + "/sim/stats").json()["held"] == {"cli": 1},
+                    5,
+                    'httpx.get(url + "/sim/stats").json()["held"] == {"cli": 1}',
+                )
                 assert post(url).status_code == 503  # the held request has the only slot
                 assert httpx.post(url + "/sim/release", json={"name": "cli"}).json() == {
                     "released": 1

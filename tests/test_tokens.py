@@ -10,10 +10,11 @@ import json
 import uuid
 from typing import Any
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
 
-from .conftest import held, wait_for
+from .conftest import held
 
 
 def uid(tag: str) -> str:
@@ -101,7 +102,7 @@ def test_over_the_budget_a_request_waits_for_the_window_not_in_a_loop(
     first = served.submit(body(1, 60), queue="tokens1s", metadata=u, timeout=30, headers=held(hold))
     sim.wait_held(hold)
     second = served.submit(body(1, 60), queue="tokens1s", metadata=u, timeout=30)
-    wait_for(lambda: served.state(second.id) == "retry_wait", 10, what="the second refused")
+    wait_until(lambda: served.state(second.id) == "retry_wait", 10, "the second refused")
     sim.release(hold)
     assert served.wait(first.id, 20).ok and served.wait(second.id, 20).ok
     arrivals = {rid: at for at, _, _, rid in sim.tokens()}

@@ -21,11 +21,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from pipeline.cli.services import wait_until
 from pipeline.config import with_overrides
 from pipeline.dispatch import Dispatcher
 from pipeline.observability import tracing
 from pipeline.worker import Report, Runtime, Status, observe
-from tests.conftest import ROOT, WorkerProc, assert_idle, wait_for
+from tests.conftest import ROOT, WorkerProc, assert_idle
 from tests.observability import Isolated, isolated, start_node
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -112,7 +113,7 @@ def run_one_attempt(iso: Isolated, rt: Runtime, rid: str, timeout: float = 10.0)
     def dispatched() -> Any:
         return iso.pl.store.tick(q, [q], 1.0, -1, 1).moved
 
-    moved = wait_for(dispatched, timeout, what=f"{rid} dispatched")
+    moved = wait_until(dispatched, timeout, f"{rid} dispatched")
     assert [d.id for d in moved] == [rid]
     attempt = rt.begin(rid, moved[0].token, "test-node", q.queue_name)
     assert attempt is not None
@@ -194,14 +195,18 @@ def start_held_attempt(
     and the attempt's token."""
     q = iso.settings.queues[iso.queue("t")]
     recorder.hold[rid] = threading.Event()
-    (moved,) = wait_for(lambda: iso.pl.store.tick(q, [q], 1.0, -1, 1).moved, 10)
+    (moved,) = wait_until(
+        lambda: iso.pl.store.tick(q, [q], 1.0, -1, 1).moved,
+        10,
+        "iso.pl.store.tick(q, [q], 1.0, -1, 1).moved",
+    )
     attempt = rt.begin(rid, moved.token, "test-node", q.queue_name)
     assert attempt is not None
     attempt.acquire()
     reports: list[Report] = []
     thread = threading.Thread(target=lambda: reports.append(observe.observed_run(attempt)))
     thread.start()
-    wait_for(lambda: recorder.calls_for(rid), 10, what="the held call")
+    wait_until(lambda: recorder.calls_for(rid), 10, "the held call")
     return thread, reports, moved.token
 
 
@@ -260,7 +265,7 @@ def test_reenqueue_span_when_the_reaper_requeues_an_attempt(
     reaper = Dispatcher(settings, [iso.pool()], node="reaper", slots=1, send=lambda m: None,
                         store=iso.pl.store)  # fmt: skip
     try:
-        wait_for(lambda: reaper.reap() == 1, 10, interval=0.1, what="the reaper")
+        wait_until(lambda: reaper.reap() == 1, 10, "the reaper", interval=0.1)
     finally:
         reaper.stop()
     recorder.hold[req.id].set()
@@ -334,7 +339,7 @@ def test_worker_traces_from_otel_environment(
             spans = [s for s in _console_spans(w.log.read_text()) if s["name"] == "process-request"]
             return spans if len(spans) == 2 else []
 
-        spans = wait_for(exported, 10, interval=0.05, what="spans on the console exporter")
+        spans = wait_until(exported, 10, "spans on the console exporter", interval=0.05)
         for i, span in enumerate(spans):
             assert span["context"]["trace_id"] == f"0x{TRACE_ID}"
             assert span["parent_id"] == f"0x{PARENT_SPAN}"

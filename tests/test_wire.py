@@ -23,6 +23,7 @@ from celery.result import AsyncResult
 from kombu import Consumer, Queue
 from kombu.message import Message
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
 from pipeline.sim import SimServer
@@ -32,7 +33,7 @@ from tasks.backend import PipelineRedisBackend
 from tasks.inference import AttemptRetry, RequestFailed, infer
 from tasks.node import direct_publish
 
-from .conftest import RESULTS_TAG, ROOT, held, wait_for
+from .conftest import RESULTS_TAG, ROOT, held
 
 
 def _decoded(raw: str) -> dict[str, Any]:
@@ -245,15 +246,13 @@ def test_celery_shows_each_attempts_outcome(
     assert AsyncResult(retried.id, app=app).traceback == "tasks.inference.AttemptRetry: HTTP 503\n"
     sim.release(rid)
     assert retried.result(timeout=15).ok
-    assert wait_for(
-        lambda: AsyncResult(retried.id, app=app).state == states.SUCCESS, 5, what="SUCCESS"
+    assert wait_until(
+        lambda: AsyncResult(retried.id, app=app).state == states.SUCCESS, 5, "SUCCESS"
     )
     stored = pl.store.client.hget(pl.store.keys.request(retried.id), "result")
     assert AsyncResult(retried.id, app=app).result == json.loads(stored)
     assert failed.result(timeout=15).status_code == 400
-    assert wait_for(
-        lambda: AsyncResult(failed.id, app=app).state == states.FAILURE, 5, what="FAILURE"
-    )
+    assert wait_until(lambda: AsyncResult(failed.id, app=app).state == states.FAILURE, 5, "FAILURE")
     err = AsyncResult(failed.id, app=app)
     # the status, not the response body (user data: PIPELINE_LOG_BODIES=1 shows it)
     assert isinstance(err.result, RequestFailed)
@@ -288,7 +287,7 @@ def test_a_redis_broker_is_consumed_without_kombus_unacked_bookkeeping(
             assert _unacked(client, rid) is expect_unacked
             sim.release(rid)
             assert pl.wait(rid, 20).ok
-            wait_for(lambda r=rid: not _unacked(client, r), 10, what="nothing left unacked")
+            wait_until(lambda r=rid: not _unacked(client, r), 10, "nothing left unacked")
         finally:
             worker.stop()
 

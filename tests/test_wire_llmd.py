@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 import redis
 
+from pipeline.cli.services import wait_until
 from pipeline.config import load_settings
 from pipeline.errors import ConfigError
 from pipeline.sim import SimServer
 from pipeline.store import wire
-from tests.conftest import WorkerProc, assert_idle, held, wait_for
+from tests.conftest import WorkerProc, assert_idle, held
 from tests.observability import Isolated, isolated, start_node
 
 # the reference producer's submit (§1.1): sequence per (queue, deadline), generation keys, ZADD
@@ -249,7 +250,7 @@ def test_unservable_entries_get_a_terminal_result_never_a_silent_drop(
     client.zadd(q, {envelope(bad_deadline, 0, {}, token="t", queue=q, results=results): 1})
     client.zadd(q, {"this is not json": 2, '{"data": {"id": "no-kind"}}': 3})
     deadline = int(time.time()) + 1  # (the entry's whole-second deadline is at most this)
-    wait_for(lambda: time.time() > deadline, 5, what="the first deadline to pass")
+    wait_until(lambda: time.time() > deadline, 5, "the first deadline to pass")
     start_node(start_worker, iso, pools="p", concurrency=2)
     raw, record = consumer.get()
     by_id = {record["id"]: (raw, record)}

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.cli.services import free_port
-from tests.conftest import ROOT, wait_for
+from pipeline.cli.services import free_port, wait_until
+from tests.conftest import ROOT
 
 
 class ServeProc:
@@ -42,7 +42,7 @@ class ServeProc:
             except httpx.HTTPError:
                 return False
 
-        wait_for(up, 30, interval=0.1, what="pipeline serve")
+        wait_until(up, 30, "pipeline serve", interval=0.1)
         return self
 
     def kill(self) -> None:

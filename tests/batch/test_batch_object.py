@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from pipeline.batch import Batches, UnknownBatch
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
-from tests.conftest import assert_idle, held, local_limit, wait_for
+from tests.conftest import assert_idle, held, local_limit
 from tests.observability import isolated, start_node
 
 
@@ -111,7 +112,7 @@ def test_cancel_cancels_what_has_not_started_and_in_flight_attempts_finish(
         lines = [chat("s", headers=stall)] + [chat(f"w{i}") for i in range(5)]
         batch = b.submit_batch(lines, queue=iso.queue("lim"))
         first = batch.request_id(1)
-        wait_for(lambda: iso.pl.state(first) == "running", 15, what="line 1 in flight")
+        wait_until(lambda: iso.pl.state(first) == "running", 15, "line 1 in flight")
         cancelled = batch.cancel()
         assert cancelled.status == "cancelling" and cancelled.cancelling_at
         done = b.wait(batch.id, timeout=30)
@@ -146,14 +147,12 @@ def test_cancel_ends_an_attempt_parked_for_the_slot_unsent(
     ids = [batch.request_id(n) for n in range(1, 6)]
     (holder,) = sim.stats()["attempts_by_request_id"]  # the line that took the slot
     rest = [r for r in ids if r != holder]
-    wait_for(
-        lambda: any(served.state(r) == "running" for r in rest), 10, what="a line parked ahead"
-    )
+    wait_until(lambda: any(served.state(r) == "running" for r in rest), 10, "a line parked ahead")
     (parked,) = [r for r in rest if served.state(r) == "running"]
     assert parked not in sim.stats()["attempts_by_request_id"]  # started, not sent
     assert batch.cancel().status == "cancelling"
     # the parked attempt ends at once, unsent, while the holder still holds the slot
-    wait_for(lambda: served.state(parked) == "done", 10, what="the parked line cancelled")
+    wait_until(lambda: served.state(parked) == "done", 10, "the parked line cancelled")
     assert served.state(holder) == "running"
     sim.release(name)
     done = b.wait(batch.id, timeout=30)

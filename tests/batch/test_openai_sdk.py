@@ -14,10 +14,10 @@ import openai
 import pytest
 from openai import OpenAI
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
 from tests.batch.conftest import ServeProc
-from tests.conftest import wait_for
 
 
 def write_input(
@@ -41,7 +41,7 @@ def poll(client: OpenAI, batch_id: str, timeout: float = 60) -> Any:
         b = client.batches.retrieve(batch_id)
         return b if b.status in ("completed", "failed", "expired", "cancelled") else None
 
-    return wait_for(closed, timeout, interval=0.2, what=f"batch {batch_id} to close")
+    return wait_until(closed, timeout, f"batch {batch_id} to close", interval=0.2)
 
 
 def test_the_openai_batch_guide_runs_unchanged(
@@ -112,7 +112,11 @@ def test_cancel_list_pages_and_errors_through_the_sdk(
         b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                   completion_window="24h")  # fmt: skip
         ids.append(b.id)
-    wait_for(lambda: client.batches.retrieve(ids[0]).status == "in_progress", 20)
+    wait_until(
+        lambda: client.batches.retrieve(ids[0]).status == "in_progress",
+        20,
+        'client.batches.retrieve(ids[0]).status == "in_progress"',
+    )
     cancelled = client.batches.cancel(ids[0])
     assert cancelled.status == "cancelling" and cancelled.cancelling_at
     done = poll(client, ids[0])
@@ -263,8 +267,11 @@ def test_a_tenant_over_its_open_batches_gets_429(
         f = client.files.create(file=open(path, "rb"), purpose="batch")
         b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                   completion_window="24h")  # fmt: skip
-        return wait_for(lambda: client.batches.retrieve(b.id).status == "in_progress" and b,
-                        30, what="the batch running")  # fmt: skip
+        return wait_until(
+            lambda: client.batches.retrieve(b.id).status == "in_progress" and b,
+            30,
+            "the batch running",
+        )
 
     first = create(alice)
     with pytest.raises(openai.RateLimitError) as exc:
@@ -275,10 +282,14 @@ def test_a_tenant_over_its_open_batches_gets_429(
     assert "at most 1 open batches per tenant" in str(err.get("message"))
     other = create(bob)  # bob has his own allowance
     assert alice.batches.cancel(first.id).status in ("cancelling", "cancelled")
-    wait_for(lambda: alice.batches.retrieve(first.id).status == "cancelled", 30,
-             what="alice's batch cancelled")  # fmt: skip
+    wait_until(
+        lambda: alice.batches.retrieve(first.id).status == "cancelled",
+        30,
+        "alice's batch cancelled",
+    )
     again = create(alice)  # the closed batch freed her place
     for client, b in ((alice, again), (bob, other)):
         client.batches.cancel(b.id)
-        wait_for(lambda c=client, i=b.id: c.batches.retrieve(i).status == "cancelled", 30,
-                 what="cancelled")  # fmt: skip
+        wait_until(
+            lambda c=client, i=b.id: c.batches.retrieve(i).status == "cancelled", 30, "cancelled"
+        )

@@ -13,10 +13,10 @@ import httpx
 from openai import OpenAI
 
 from pipeline.batch import Batches
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from tests.batch.conftest import ServeProc
 from tests.batch.test_openai_sdk import poll, write_input
-from tests.conftest import wait_for
 from tests.test_flower import ARTIFACTS, browse
 
 
@@ -30,13 +30,21 @@ def test_the_batch_page_shows_every_batch_with_progress(
     f = client.files.create(file=open(path, "rb"), purpose="batch")
     waiting = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                     completion_window="24h")  # fmt: skip
-    wait_for(lambda: client.batches.retrieve(waiting.id).status == "in_progress", 20)
+    wait_until(
+        lambda: client.batches.retrieve(waiting.id).status == "in_progress",
+        20,
+        'client.batches.retrieve(waiting.id).status == "in_progress"',
+    )
     # one that ran (default queue, served) and one cancelled
     b = Batches(served)
     ran = b.submit_batch([json.loads(x) for x in path.read_text().splitlines()[:10]]).wait(30)
     cancelled = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                       completion_window="24h")  # fmt: skip
-    wait_for(lambda: client.batches.retrieve(cancelled.id).status == "in_progress", 20)
+    wait_until(
+        lambda: client.batches.retrieve(cancelled.id).status == "in_progress",
+        20,
+        'client.batches.retrieve(cancelled.id).status == "in_progress"',
+    )
     client.batches.cancel(cancelled.id)
     poll(client, cancelled.id)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from pipeline.batch import Batches
 from pipeline.batch.ingest import RowBuilder, RowContext, input_lines, scan
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
 from tests.conftest import held
@@ -158,7 +159,7 @@ def test_ctrl_c_leaves_the_batch_running_and_says_how_to_reattach(
     import sys
 
     from pipeline.batch import content_batch_id
-    from tests.conftest import ROOT, wait_for
+    from tests.conftest import ROOT
 
     b = Batches(served)
     for cancel in (False, True):
@@ -176,7 +177,7 @@ def test_ctrl_c_leaves_the_batch_running_and_says_how_to_reattach(
         def two_done(bid: str = bid) -> bool:
             return bool(b.records.record(bid)) and b.get(bid).request_counts.done == 2
 
-        wait_for(two_done, 30, what="two lines done, one held")
+        wait_until(two_done, 30, "two lines done, one held")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, err

@@ -132,12 +132,3 @@ def lease_expiry(env: GateEnv, holder: str) -> float:
         if score is not None:
             return float(score)
     raise AssertionError(f"{holder} holds no lease")
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Poll ``predicate`` until it holds; fail after ``timeout_s`` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)

@@ -13,10 +13,11 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline.cli.services import wait_until
 from pipeline.gates import Gate, GateEnv, Verdict, build_gate
 from pipeline.gates.leased_rate import API_VERSION
 
-from .conftest import ctx, wait_until
+from .conftest import ctx
 
 DECIMAL = re.compile(r"^(\d+\.?\d*|\d*\.\d+)([eE][+-]?\d+)?$", re.ASCII)
 
@@ -71,7 +72,9 @@ def test_a_valid_lease_admits_a_burst_then_the_rate(
     refused = gate.acquire(ctx())
     assert (refused.verdict, refused.reason) == (Verdict.REFUSE, "gate_closed")
     assert gate.budget() == 1.0  # the lease is valid: budget does not look at the bucket
-    wait_until(lambda: gate.acquire(ctx()).admitted, timeout_s=2)  # refilled at 4/s
+    wait_until(
+        lambda: gate.acquire(ctx()).admitted, 2, "gate.acquire(ctx()).admitted"
+    )  # refilled at 4/s
     assert (gate.limit_rps, gate.lease_valid) == (4.0, 1)
     assert gate.valid_until_s > server_ms(env.client) / 1000
     state = env.client.hgetall(gate.state_key)
@@ -147,7 +150,7 @@ def test_a_missing_or_expired_lease_refuses(
     lease(ahead_ms=60_000)
     assert gate.acquire(ctx()).admitted
     env.client.pexpire(control, 1)  # the planner's own TTL on the hash: gone reads as missing
-    wait_until(lambda: not env.client.exists(control))
+    wait_until(lambda: not env.client.exists(control), 5, "not env.client.exists(control)")
     assert not gate.acquire(ctx()).admitted and gate.lease_valid == 0
 
 

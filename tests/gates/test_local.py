@@ -12,9 +12,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from pipeline.cli.services import wait_until
 from pipeline.gates import Gate, GateEnv, HandsOver, Verdict, build_gate, dispatch_budget
 
-from .conftest import LEASE_S, REDIS_URL, ctx, lapse, lease_expiry, server_now, wait_until
+from .conftest import LEASE_S, REDIS_URL, ctx, lapse, lease_expiry, server_now
 
 
 def test_admits_below_limit_refuses_at_it_and_resumes_after_release(
@@ -114,7 +115,7 @@ def test_a_lease_runs_out_by_the_servers_clock(make: Callable[..., Gate]) -> Non
     gate = make("local-max-concurrency", {"limit": 1})
     a = ctx(lease_s=0.2)
     assert gate.acquire(a).admitted
-    wait_until(lambda: gate.in_flight() == 0, timeout_s=5)
+    wait_until(lambda: gate.in_flight() == 0, 5, "gate.in_flight() == 0")
     assert gate.reap() == [a.holder]
 
 

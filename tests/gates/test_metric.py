@@ -17,10 +17,11 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 
+from pipeline.cli.services import wait_until
 from pipeline.gates import Gate, Verdict, build_gate
 from pipeline.sim import SimConfig, SimServer
 
-from .conftest import ctx, wait_until
+from .conftest import ctx
 
 
 class Stub:
@@ -200,12 +201,16 @@ def test_cache_ttl_is_honoured_for_values_and_errors(
     t0 = time.monotonic()
     assert short.budget() == pytest.approx(0.9)
     stub.default = "0.5"
-    wait_until(lambda: short.budget() == pytest.approx(0.5), timeout_s=10)
+    wait_until(
+        lambda: short.budget() == pytest.approx(0.5), 10, "short.budget() == pytest.approx(0.5)"
+    )
     assert time.monotonic() - t0 >= 0.29
     stub.status = 500
-    wait_until(lambda: short.budget() == 0.0, timeout_s=10)
+    wait_until(lambda: short.budget() == 0.0, 10, "short.budget() == 0.0")
     stub.status = 200
-    wait_until(lambda: short.budget() == pytest.approx(0.5), timeout_s=10)  # errors expire too
+    wait_until(
+        lambda: short.budget() == pytest.approx(0.5), 10, "short.budget() == pytest.approx(0.5)"
+    )  # errors expire too
 
 
 def test_cache_ttl_zero_reads_every_time(stub: Stub, gates: Callable[..., Gate]) -> None:
@@ -387,11 +392,11 @@ def test_endpoint_scrape_against_the_simulator(gates: Callable[..., Gate]) -> No
                 )
                 for _ in range(3)
             ]
-            wait_until(lambda: gate.budget() == 0.0, timeout_s=10)  # 2 waiting of 2
+            wait_until(lambda: gate.budget() == 0.0, 10, "gate.budget() == 0.0")  # 2 waiting of 2
             assert not gate.acquire(ctx()).admitted
             assert sim.release("h") == 1
             assert [f.result().status_code for f in futures] == [200, 200, 200]
-        wait_until(lambda: gate.budget() == 1.0, timeout_s=5)
+        wait_until(lambda: gate.budget() == 1.0, 5, "gate.budget() == 1.0")
         assert gate.acquire(ctx()).admitted
     finally:
         sim.stop()

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pipeline.cli.services import wait_until
 from pipeline.gates import Gate, GateEnv, Verdict
 
-from .conftest import ctx, lapse, server_now, wait_until
+from .conftest import ctx, lapse, server_now
 
 ALICE = {"userid": "alice"}
 BOB = {"userid": "bob"}
@@ -141,7 +142,7 @@ def test_rate_limit_sliding_window_not_refunded(make: Callable[..., Gate]) -> No
     assert gate.acquire(ctx(metadata=BOB)).admitted  # per value
     if time.monotonic() - t0 < 0.4:  # still inside the window: still refused
         assert not gate.acquire(ctx(metadata=ALICE)).admitted
-    wait_until(lambda: gate.acquire(late).admitted, timeout_s=3)
+    wait_until(lambda: gate.acquire(late).admitted, 3, "gate.acquire(late).admitted")
     assert time.monotonic() - t0 >= 0.45
     assert gate.in_flight() == 0
 
@@ -167,7 +168,11 @@ def test_two_windows_on_one_key_do_not_interfere(make: Callable[..., Gate]) -> N
     long = make("redis-quota", {"limit": 2, "window": 60}, name="long")
     assert long.acquire(ctx(metadata=ALICE)).admitted
     assert short.acquire(ctx(metadata=ALICE)).admitted
-    wait_until(lambda: short.acquire(ctx(metadata=ALICE)).admitted, timeout_s=3)
+    wait_until(
+        lambda: short.acquire(ctx(metadata=ALICE)).admitted,
+        3,
+        "short.acquire(ctx(metadata=ALICE)).admitted",
+    )
     # the short window's purges never dropped the long window's entry: one slot left there
     assert long.acquire(ctx(metadata=ALICE)).admitted
     assert not long.acquire(ctx(metadata=ALICE)).admitted

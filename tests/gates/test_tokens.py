@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 
+from pipeline.cli.services import wait_until
 from pipeline.errors import ConfigError
 from pipeline.gates import AcquireContext, Gate, GateEnv, Settles, Verdict, build_gate, settle
 from pipeline.gates.base import walk
 from pipeline.gates.quota import SETTLE_POLL_S
 
-from .conftest import ctx, server_now, wait_until
+from .conftest import ctx, server_now
 
 ALICE = {"userid": "alice"}
 BOB = {"userid": "bob"}
@@ -113,7 +114,7 @@ def test_the_window_expires_and_admits_again(make: Callable[..., Gate]) -> None:
     late = req(100)
     refused = gate.acquire(late)
     assert refused.retry_after is not None and 0 < refused.retry_after <= 0.4
-    wait_until(lambda: gate.acquire(late).admitted, timeout_s=3)
+    wait_until(lambda: gate.acquire(late).admitted, 3, "gate.acquire(late).admitted")
 
 
 def test_settling_lower_makes_room_and_higher_takes_it(
