@@ -51,7 +51,7 @@ def slot_keys(client: redis.Redis, prefix: str) -> dict[str, int]:
 
 
 @pytest.fixture
-def env(client: redis.Redis) -> Iterator[GateEnv]:
+def genv(client: redis.Redis) -> Iterator[GateEnv]:
     keys = Keys(f"t{uuid.uuid4().hex[:12]}:")
     yield GateEnv(client=client, keys=keys, node="node-a")
     try:
@@ -64,12 +64,12 @@ def env(client: redis.Redis) -> Iterator[GateEnv]:
 
 
 @pytest.fixture
-def make(env: GateEnv) -> Iterator[Callable[..., Gate]]:
+def make(genv: GateEnv) -> Iterator[Callable[..., Gate]]:
     """Factory: build a gate bound to the test's env; every gate is closed afterwards."""
     built: list[Gate] = []
 
     def _make(gate_type: str, params: dict[str, Any] | None = None, name: str = "q") -> Gate:
-        gate = build_gate(gate_type, params or {}, name=name, env=env)
+        gate = build_gate(gate_type, params or {}, name=name, env=genv)
         built.append(gate)
         return gate
 
@@ -110,25 +110,25 @@ def server_now(client: redis.Redis) -> float:
     return float(sec) + usec / 1e6
 
 
-def lapse(env: GateEnv, *holders: str) -> None:
+def lapse(genv: GateEnv, *holders: str) -> None:
     """Make ``holders``' leases expire now, as if their holders had crashed a lease period
     ago: each one's expiry is set 1 s in the past by the server's clock, in whichever of the
     test's slot pools holds it. (Gates judge expiry by the server's clock only, so a test
     cannot move time; it moves the lease.)"""
-    past = f"{server_now(env.client) - 1.0:.6f}"
+    past = f"{server_now(genv.client) - 1.0:.6f}"
     found = set()
-    for key in env.client.scan_iter(match=f"{env.keys.prefix}gate:*:holders", count=10_000):
+    for key in genv.client.scan_iter(match=f"{genv.keys.prefix}gate:*:holders", count=10_000):
         for h in holders:
-            if env.client.zscore(key, h) is not None:
-                env.client.zadd(key, {h: past}, xx=True)
+            if genv.client.zscore(key, h) is not None:
+                genv.client.zadd(key, {h: past}, xx=True)
                 found.add(h)
     assert found == set(holders), f"no lease to lapse for {set(holders) - found}"
 
 
-def lease_expiry(env: GateEnv, holder: str) -> float:
+def lease_expiry(genv: GateEnv, holder: str) -> float:
     """The holder's lease expiry (Unix s, server clock), from whichever pool holds it."""
-    for key in env.client.scan_iter(match=f"{env.keys.prefix}gate:*:holders", count=10_000):
-        score = env.client.zscore(key, holder)
+    for key in genv.client.scan_iter(match=f"{genv.keys.prefix}gate:*:holders", count=10_000):
+        score = genv.client.zscore(key, holder)
         if score is not None:
             return float(score)
     raise AssertionError(f"{holder} holds no lease")

@@ -29,21 +29,21 @@ def quota(limit: int, **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def budget_key(env: GateEnv) -> str:
-    return f"{env.keys.prefix}budget"
+def budget_key(genv: GateEnv) -> str:
+    return f"{genv.keys.prefix}budget"
 
 
 # -- composite --------------------------------------------------------------------------------
 def test_composite_budget_is_the_min_and_capacity_the_min_counting(
-    env: GateEnv, make: Callable[..., Gate], budget_key: str
+    genv: GateEnv, make: Callable[..., Gate], budget_key: str
 ) -> None:
     gate = make("composite", {"gates": [budget_gate(budget_key), local(4), local(2)]})
-    env.client.set(budget_key, "0.8")
+    genv.client.set(budget_key, "0.8")
     assert gate.capacity() == 2
     a = ctx()
     assert gate.acquire(a).admitted
     assert gate.budget() == pytest.approx(0.5)  # the limit-2 gate is half full
-    env.client.set(budget_key, "0.3")
+    genv.client.set(budget_key, "0.3")
     assert gate.budget() == pytest.approx(0.3)
     # dispatch: the slot gates count themselves (1.0), so the metric gate's budget decides
     assert dispatch_budget(gate) == pytest.approx(0.3)
@@ -54,15 +54,15 @@ def test_composite_budget_is_the_min_and_capacity_the_min_counting(
 
 
 def test_composite_rolls_back_earlier_reservations_when_a_later_gate_refuses(
-    env: GateEnv, make: Callable[..., Gate], budget_key: str
+    genv: GateEnv, make: Callable[..., Gate], budget_key: str
 ) -> None:
     gate = make("composite", {"gates": json.dumps([local(5), budget_gate(budget_key)])})
     first = gate.gates[0]
-    env.client.set(budget_key, "0")
+    genv.client.set(budget_key, "0")
     d = gate.acquire(ctx())
     assert (d.verdict, d.reason) == (Verdict.REFUSE, "gate_closed")
     assert first.in_flight() == 0  # the local slot it took was given back
-    env.client.set(budget_key, "1")
+    genv.client.set(budget_key, "1")
     a = ctx()
     assert gate.acquire(a).admitted and first.in_flight() == 1
     gate.release(a.holder)
@@ -93,23 +93,23 @@ def test_composite_rolls_back_when_a_gate_raises(
     assert gate.gates[0].in_flight() == 0
 
 
-def test_composite_renew_and_reap_fan_out(env: GateEnv, make: Callable[..., Gate]) -> None:
+def test_composite_renew_and_reap_fan_out(genv: GateEnv, make: Callable[..., Gate]) -> None:
     gate = make("composite", {"gates": [local(2), quota(2)]})
     a = ctx(metadata={"userid": "u"})
     b = ctx(metadata={"userid": "u"})
     gate.acquire(a)
     gate.acquire(b)
-    before = lease_expiry(env, a.holder)
+    before = lease_expiry(genv, a.holder)
     gate.renew([a.holder], 100)
-    assert lease_expiry(env, a.holder) >= before + 60  # renewed in the inner gates
-    lapse(env, b.holder)  # in both inner gates
+    assert lease_expiry(genv, a.holder) >= before + 60  # renewed in the inner gates
+    lapse(genv, b.holder)  # in both inner gates
     assert gate.in_flight() == 1
     assert gate.reap() == [b.holder]  # reaped in both gates, reported once
     gate.release(a.holder)
 
 
 # -- wait-on-refuse ---------------------------------------------------------------------------
-def test_wait_on_refuse_turns_refuse_into_wait(env: GateEnv, make: Callable[..., Gate]) -> None:
+def test_wait_on_refuse_turns_refuse_into_wait(genv: GateEnv, make: Callable[..., Gate]) -> None:
     gate = make("wait-on-refuse", {"gate": local(1)})
     a = ctx()
     assert gate.acquire(a).admitted
@@ -118,12 +118,12 @@ def test_wait_on_refuse_turns_refuse_into_wait(env: GateEnv, make: Callable[...,
     assert gate.capacity() == 1 and gate.per_node and gate.in_flight() == 1
     gate.release(a.holder)
     assert gate.acquire(ctx()).admitted is True
-    lapse(env, *(f"{h['request_id']}:{h['attempt']}" for h in gate.holders()))
+    lapse(genv, *(f"{h['request_id']}:{h['attempt']}" for h in gate.holders()))
     assert len(gate.reap()) == 1
 
 
 def test_wait_on_refuse_keeps_reason_and_labels_and_passes_drop(
-    make: Callable[..., Gate], env: GateEnv, budget_key: str
+    make: Callable[..., Gate], genv: GateEnv, budget_key: str
 ) -> None:
     gate = make("wait-on-refuse", {"gate": json.dumps(quota(1))})
     a = ctx(metadata={"userid": "u"})
@@ -140,7 +140,7 @@ def test_wait_on_refuse_keeps_reason_and_labels_and_passes_drop(
         },
     }
     dropping = make("wait-on-refuse", {"gate": tier}, name="q2")
-    env.client.set(budget_key, "0")
+    genv.client.set(budget_key, "0")
     d = dropping.acquire(ctx(labels={"classification": "overflow", "tier": "interactive"}))
     assert d.verdict is Verdict.DROP
 
@@ -163,7 +163,7 @@ TIER_TABLE = [
 
 @pytest.mark.parametrize(("classification", "tier", "meta_tier", "expected"), TIER_TABLE)
 def test_tier_table(
-    env: GateEnv,
+    genv: GateEnv,
     make: Callable[..., Gate],
     budget_key: str,
     classification: str | None,
@@ -182,13 +182,13 @@ def test_tier_table(
     metadata = {"tier": meta_tier} if meta_tier else {}
     c = ctx(labels=labels, metadata=metadata)
     assert gate.acquire(c).verdict is Verdict.CONTINUE  # not saturated: every row admitted
-    env.client.set(budget_key, "0")
+    genv.client.set(budget_key, "0")
     d = gate.acquire(c)
     assert d.verdict is expected
     if expected is Verdict.DROP:
         assert (d.reason, d.status_code) == ("dropped", 429)
         assert json.loads(d.payload or "") == {"error": "Too Many Requests", "code": 429}
-    env.client.set(budget_key, "0.5")
+    genv.client.set(budget_key, "0.5")
     assert gate.acquire(c).verdict is Verdict.CONTINUE  # resumes
 
 
@@ -211,7 +211,7 @@ def test_tier_custom_label_and_inner_reservation(make: Callable[..., Gate]) -> N
 
 
 def test_quota_then_tier_in_a_composite(
-    env: GateEnv, make: Callable[..., Gate], budget_key: str
+    genv: GateEnv, make: Callable[..., Gate], budget_key: str
 ) -> None:
     tier = {
         "gate_type": "tier-priority-admission",
@@ -222,15 +222,15 @@ def test_quota_then_tier_in_a_composite(
     }
     gate = make("composite", {"gates": [quota(1, gating_mode="classifying"), tier]})
     q = gate.gates[0]
-    env.client.set(budget_key, "0")  # saturated
+    genv.client.set(budget_key, "0")  # saturated
     reserved = gate.acquire(ctx(metadata={"userid": "u", "tier": "batch"}))
     assert reserved.verdict is Verdict.WAIT  # holds quota: park ...
     assert reserved.labels["classification"] == "reserved"
     assert q.in_flight() == 0  # ... without keeping the quota slot while parked
     held = ctx(metadata={"userid": "u"})
-    env.client.set(budget_key, "1")
+    genv.client.set(budget_key, "1")
     assert gate.acquire(held).admitted
-    env.client.set(budget_key, "0")
+    genv.client.set(budget_key, "0")
     over = gate.acquire(ctx(metadata={"userid": "u", "tier": "interactive"}))
     assert over.verdict is Verdict.DROP and over.status_code == 429
     over = gate.acquire(ctx(metadata={"userid": "u", "tier": "batch"}))
@@ -238,10 +238,10 @@ def test_quota_then_tier_in_a_composite(
     assert gate.release(held.holder)
 
 
-def test_composite_of_built_gates(env: GateEnv, make: Callable[..., Gate]) -> None:
+def test_composite_of_built_gates(genv: GateEnv, make: Callable[..., Gate]) -> None:
     queue_gate = make("redis-quota", {"mode": "concurrency", "limit": 1}, name="q")
     pool_gate = make("local-max-concurrency", {"limit": 2}, name="pool.p")
-    chain = CompositeGate.of("q+pool.p", [queue_gate, pool_gate], env)
+    chain = CompositeGate.of("q+pool.p", [queue_gate, pool_gate], genv)
     assert chain.capacity() == 2 and chain.per_node
     a = ctx(metadata={"userid": "u"})
     assert chain.acquire(a).admitted
@@ -251,4 +251,4 @@ def test_composite_of_built_gates(env: GateEnv, make: Callable[..., Gate]) -> No
     assert chain.release(a.holder)
     assert queue_gate.in_flight() == 0 and pool_gate.in_flight() == 0
     with pytest.raises(ConfigError):
-        CompositeGate.of("empty", [], env)
+        CompositeGate.of("empty", [], genv)

@@ -9,9 +9,9 @@ from pipeline.gates import GateEnv, Verdict, build_gate
 from .conftest import ctx, lapse
 
 
-def test_the_limit_counts_every_node_together(env: GateEnv) -> None:
-    other = GateEnv(env.client, env.keys, node="node-b")
-    g1 = build_gate("global-max-concurrency", {"limit": 2}, name="q", env=env)
+def test_the_limit_counts_every_node_together(genv: GateEnv) -> None:
+    other = GateEnv(genv.client, genv.keys, node="node-b")
+    g1 = build_gate("global-max-concurrency", {"limit": 2}, name="q", env=genv)
     g2 = build_gate("global-max-concurrency", {"limit": 2}, name="q", env=other)
     assert g1.capacity() == 2 and not g1.per_node  # the dispatcher counts it cluster-wide
     a, b = ctx(), ctx()
@@ -30,27 +30,27 @@ def test_the_limit_counts_every_node_together(env: GateEnv) -> None:
     assert g1.in_flight() == 0 and g2.budget() == 1.0
 
 
-def test_blocking_mode_waits_and_a_dead_nodes_lease_is_reaped_anywhere(env: GateEnv) -> None:
-    dead = GateEnv(env.client, env.keys, node="node-dead")
+def test_blocking_mode_waits_and_a_dead_nodes_lease_is_reaped_anywhere(genv: GateEnv) -> None:
+    dead = GateEnv(genv.client, genv.keys, node="node-dead")
     g_dead = build_gate("global-max-concurrency", {"limit": 1}, name="q", env=dead)
     g_live = build_gate(
-        "global-max-concurrency", {"limit": 1, "gating_mode": "blocking"}, name="q", env=env
+        "global-max-concurrency", {"limit": 1, "gating_mode": "blocking"}, name="q", env=genv
     )
     c = ctx()
     assert g_dead.acquire(c).admitted
     assert g_live.acquire(ctx()).verdict is Verdict.WAIT
-    lapse(env, c.holder)
+    lapse(genv, c.holder)
     assert g_live.reap() == [c.holder]
     assert g_live.in_flight() == 0
 
 
-def test_concurrent_acquires_never_exceed_the_limit(env: GateEnv) -> None:
+def test_concurrent_acquires_never_exceed_the_limit(genv: GateEnv) -> None:
     gates = [
         build_gate(
             "global-max-concurrency",
             {"limit": 3},
             name="q",
-            env=GateEnv(env.client, env.keys, f"n{i}"),
+            env=GateEnv(genv.client, genv.keys, f"n{i}"),
         )
         for i in range(4)
     ]

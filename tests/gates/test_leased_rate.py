@@ -28,12 +28,12 @@ def server_ms(client: redis.Redis) -> int:
 
 
 @pytest.fixture
-def control(env: GateEnv) -> str:
-    return f"{env.keys.prefix}ctrl:batch"
+def control(genv: GateEnv) -> str:
+    return f"{genv.keys.prefix}ctrl:batch"
 
 
 @pytest.fixture
-def lease(env: GateEnv, control: str) -> Callable[..., dict[str, str]]:
+def lease(genv: GateEnv, control: str) -> Callable[..., dict[str, str]]:
     """Write the planner's hash (fields may be overridden or removed with None)."""
 
     def write(rate: str = "10", ahead_ms: int = 60_000, **fields: str | None) -> dict[str, str]:
@@ -41,14 +41,14 @@ def lease(env: GateEnv, control: str) -> Callable[..., dict[str, str]]:
             "api_version": API_VERSION,
             "pool_id": "batch",
             "max_admission_rps": rate,
-            "valid_until_unix_ms": str(server_ms(env.client) + ahead_ms),
+            "valid_until_unix_ms": str(server_ms(genv.client) + ahead_ms),
             "decision_id": "d-1",
             **fields,
         }
-        env.client.delete(control)
+        genv.client.delete(control)
         kept = {k: v for k, v in data.items() if v is not None}
         if kept:
-            env.client.hset(control, mapping=kept)
+            genv.client.hset(control, mapping=kept)
         return kept
 
     return write
@@ -64,7 +64,7 @@ def admitted(gate: Gate, n: int) -> int:
 
 
 def test_a_valid_lease_admits_a_burst_then_the_rate(
-    gate: Gate, lease: Callable[..., dict[str, str]], env: GateEnv
+    gate: Gate, lease: Callable[..., dict[str, str]], genv: GateEnv
 ) -> None:
     lease(rate="4", ahead_ms=60_000)  # burst_seconds 1: capacity 4
     assert gate.budget() == 1.0
@@ -76,10 +76,10 @@ def test_a_valid_lease_admits_a_burst_then_the_rate(
         lambda: gate.acquire(ctx()).admitted, 2, "gate.acquire(ctx()).admitted"
     )  # refilled at 4/s
     assert (gate.limit_rps, gate.lease_valid) == (4.0, 1)
-    assert gate.valid_until_s > server_ms(env.client) / 1000
-    state = env.client.hgetall(gate.state_key)
+    assert gate.valid_until_s > server_ms(genv.client) / 1000
+    state = genv.client.hgetall(gate.state_key)
     assert float(state["tokens"]) < 1 and state["decision_id"] == "d-1"
-    assert 0 < env.client.pttl(gate.state_key) <= 61_000
+    assert 0 < genv.client.pttl(gate.state_key) <= 61_000
 
 
 def test_burst_seconds_sizes_the_bucket(
@@ -95,12 +95,14 @@ def test_burst_seconds_sizes_the_bucket(
 
 
 def test_every_node_shares_one_bucket(
-    env: GateEnv, control: str, lease: Callable[..., dict[str, str]]
+    genv: GateEnv, control: str, lease: Callable[..., dict[str, str]]
 ) -> None:
     lease(rate="5")
     params = {"control_key": control, "pool_id": "batch"}
     nodes = [
-        build_gate("redis-leased-rate", params, name="q", env=GateEnv(env.client, env.keys, node=n))
+        build_gate(
+            "redis-leased-rate", params, name="q", env=GateEnv(genv.client, genv.keys, node=n)
+        )
         for n in ("a", "b", "c")
     ]
     assert sum(admitted(g, 4) for g in nodes) == 5
@@ -132,25 +134,25 @@ def test_rate_zero_pauses(gate: Gate, lease: Callable[..., dict[str, str]]) -> N
     ],
 )
 def test_a_mismatched_or_incomplete_lease_refuses_and_creates_no_state(
-    gate: Gate, lease: Callable[..., dict[str, str]], env: GateEnv, fields: dict[str, Any]
+    gate: Gate, lease: Callable[..., dict[str, str]], genv: GateEnv, fields: dict[str, Any]
 ) -> None:
     lease(**fields)
     assert gate.budget() == 0.0
     assert not gate.acquire(ctx()).admitted
     assert (gate.limit_rps, gate.lease_valid, gate.valid_until_s) == (0.0, 0, 0.0)
-    assert not env.client.exists(gate.state_key)
+    assert not genv.client.exists(gate.state_key)
 
 
 def test_a_missing_or_expired_lease_refuses(
-    gate: Gate, lease: Callable[..., dict[str, str]], env: GateEnv, control: str
+    gate: Gate, lease: Callable[..., dict[str, str]], genv: GateEnv, control: str
 ) -> None:
     assert not gate.acquire(ctx()).admitted and gate.budget() == 0.0  # no hash at all
     lease(ahead_ms=-1)  # the Redis clock has passed it
     assert not gate.acquire(ctx()).admitted
     lease(ahead_ms=60_000)
     assert gate.acquire(ctx()).admitted
-    env.client.pexpire(control, 1)  # the planner's own TTL on the hash: gone reads as missing
-    wait_until(lambda: not env.client.exists(control), 5, "not env.client.exists(control)")
+    genv.client.pexpire(control, 1)  # the planner's own TTL on the hash: gone reads as missing
+    wait_until(lambda: not genv.client.exists(control), 5, "not genv.client.exists(control)")
     assert not gate.acquire(ctx()).admitted and gate.lease_valid == 0
 
 
@@ -178,7 +180,7 @@ def test_a_redis_error_refuses_with_reason_error(make: Callable[..., Gate], cont
 
 
 def test_nothing_to_release_renew_or_reap(
-    gate: Gate, lease: Callable[..., dict[str, str]], env: GateEnv
+    gate: Gate, lease: Callable[..., dict[str, str]], genv: GateEnv
 ) -> None:
     lease(rate="1")
     a = ctx()

@@ -79,31 +79,31 @@ def test_holders_describe_request_attempt_worker_age_and_lease(
 
 
 def test_a_lease_ends_on_a_whole_second_of_the_servers_clock(
-    env: GateEnv, make: Callable[..., Gate]
+    genv: GateEnv, make: Callable[..., Gate]
 ) -> None:
     """Acquire and renew round the lease's end up to a whole second (an integer score: Redis
     compares it without parsing text), never before now + the lease, at most 1 s after it."""
     gate = make("local-max-concurrency", {"limit": 1})
     a = ctx(lease_s=10)
-    before = server_now(env.client)
+    before = server_now(genv.client)
     assert gate.acquire(a).admitted
-    expiry = lease_expiry(env, a.holder)
-    assert expiry == int(expiry) and before + 10 <= expiry <= server_now(env.client) + 11
-    before = server_now(env.client)
+    expiry = lease_expiry(genv, a.holder)
+    assert expiry == int(expiry) and before + 10 <= expiry <= server_now(genv.client) + 11
+    before = server_now(genv.client)
     gate.renew([a.holder], 20)
-    expiry = lease_expiry(env, a.holder)
-    assert expiry == int(expiry) and before + 20 <= expiry <= server_now(env.client) + 21
+    expiry = lease_expiry(genv, a.holder)
+    assert expiry == int(expiry) and before + 20 <= expiry <= server_now(genv.client) + 21
     gate.release(a.holder)
 
 
 def test_expired_lease_stops_counting_and_reap_frees_it(
-    env: GateEnv, make: Callable[..., Gate]
+    genv: GateEnv, make: Callable[..., Gate]
 ) -> None:
     gate = make("local-max-concurrency", {"limit": 1})
     a = ctx()
     assert gate.acquire(a).admitted
     assert not gate.acquire(ctx()).admitted
-    lapse(env, a.holder)  # the holder crashed: a lease period without renewal
+    lapse(genv, a.holder)  # the holder crashed: a lease period without renewal
     assert gate.in_flight() == 0
     assert gate.reap() == [a.holder]
     assert gate.reap() == []
@@ -120,16 +120,16 @@ def test_a_lease_runs_out_by_the_servers_clock(make: Callable[..., Gate]) -> Non
 
 
 def test_renew_keeps_a_lease_alive_but_never_revives_an_expired_one(
-    env: GateEnv, make: Callable[..., Gate]
+    genv: GateEnv, make: Callable[..., Gate]
 ) -> None:
     gate = make("local-max-concurrency", {"limit": 2})
     a, b = ctx(lease_s=10), ctx(lease_s=10)
     gate.acquire(a)
     gate.acquire(b)
-    before = lease_expiry(env, a.holder)
+    before = lease_expiry(genv, a.holder)
     gate.renew([a.holder], 100)  # a's heartbeat moves its expiry later
-    assert lease_expiry(env, a.holder) >= before + 89
-    lapse(env, b.holder)  # b was silent for a lease period
+    assert lease_expiry(genv, a.holder) >= before + 89
+    lapse(genv, b.holder)  # b was silent for a lease period
     assert [h["request_id"] for h in gate.holders()] == [a.request_id]
     gate.renew([a.holder, b.holder], 100)  # b's late heartbeat must not revive it
     assert gate.in_flight() == 1
@@ -137,9 +137,9 @@ def test_renew_keeps_a_lease_alive_but_never_revives_an_expired_one(
     gate.release(a.holder)
 
 
-def test_limit_is_per_node(env: GateEnv) -> None:
-    other = GateEnv(env.client, env.keys, node="node-b")
-    g1 = build_gate("local-max-concurrency", {"limit": 1}, name="q", env=env)
+def test_limit_is_per_node(genv: GateEnv) -> None:
+    other = GateEnv(genv.client, genv.keys, node="node-b")
+    g1 = build_gate("local-max-concurrency", {"limit": 1}, name="q", env=genv)
     g2 = build_gate("local-max-concurrency", {"limit": 1}, name="q", env=other)
     a, b = ctx(), ctx()
     assert g1.acquire(a).admitted and g2.acquire(b).admitted
@@ -154,24 +154,24 @@ def test_limit_is_per_node(env: GateEnv) -> None:
     g1.release(a.holder)
 
 
-def test_reap_frees_a_dead_nodes_expired_leases(env: GateEnv) -> None:
-    dead = GateEnv(env.client, env.keys, node="node-dead")
+def test_reap_frees_a_dead_nodes_expired_leases(genv: GateEnv) -> None:
+    dead = GateEnv(genv.client, genv.keys, node="node-dead")
     g_dead = build_gate("local-max-concurrency", {"limit": 2}, name="q", env=dead)
-    g_live = build_gate("local-max-concurrency", {"limit": 2}, name="q", env=env)
+    g_live = build_gate("local-max-concurrency", {"limit": 2}, name="q", env=genv)
     c = ctx()
     assert g_dead.acquire(c).admitted
     assert g_live.reap() == []  # alive: nothing to free
-    lapse(env, c.holder)
+    lapse(genv, c.holder)
     assert g_live.reap() == [c.holder]
     assert g_live.in_flight() == 0
 
 
-def test_budget_fails_closed_when_redis_is_unreachable(env: GateEnv) -> None:
+def test_budget_fails_closed_when_redis_is_unreachable(genv: GateEnv) -> None:
     dead = redis.Redis(
         host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
     )
     gate = build_gate(
-        "local-max-concurrency", {"limit": 1}, name="q", env=GateEnv(dead, env.keys, "n")
+        "local-max-concurrency", {"limit": 1}, name="q", env=GateEnv(dead, genv.keys, "n")
     )
     assert gate.budget() == 0.0
 
@@ -192,18 +192,18 @@ def _child(prefix: str, n: int, out: multiprocessing.Queue) -> None:  # type: ig
     from pipeline.store.keys import Keys
 
     client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
-    env = GateEnv(client, Keys(prefix), node="node-a")
-    gate = build_gate("local-max-concurrency", {"limit": 2}, name="q", env=env)
+    genv = GateEnv(client, Keys(prefix), node="node-a")
+    gate = build_gate("local-max-concurrency", {"limit": 2}, name="q", env=genv)
     contexts = [ctx(f"p{os.getpid()}-{i}") for i in range(n)]
     won = [c.holder for c in contexts if gate.acquire(c).admitted]
     out.put(won)
 
 
-def test_limit_holds_across_processes_of_one_node(env: GateEnv, make: Callable[..., Gate]) -> None:
+def test_limit_holds_across_processes_of_one_node(genv: GateEnv, make: Callable[..., Gate]) -> None:
     gate = make("local-max-concurrency", {"limit": 2})
     mp = multiprocessing.get_context("fork")
     out: multiprocessing.Queue = mp.Queue()  # type: ignore[type-arg]
-    procs = [mp.Process(target=_child, args=(env.keys.prefix, 5, out)) for _ in range(3)]
+    procs = [mp.Process(target=_child, args=(genv.keys.prefix, 5, out)) for _ in range(3)]
     for p in procs:
         p.start()
     won = [h for _ in procs for h in out.get(timeout=20)]
@@ -273,22 +273,22 @@ def test_a_quota_hands_a_slot_over_to_an_attempt_of_the_same_key(
     assert quota.release(taker.holder) and quota.in_flight() == 0
 
 
-def test_a_dead_nodes_entry_is_forgotten_once_its_slot_pool_is_gone(env: GateEnv) -> None:
+def test_a_dead_nodes_entry_is_forgotten_once_its_slot_pool_is_gone(genv: GateEnv) -> None:
     """The per-node registry lists a node while its slot pool exists: a fleet that restarts
     under new node names for months does not grow it."""
-    dead = GateEnv(env.client, env.keys, node="node-dead")
+    dead = GateEnv(genv.client, genv.keys, node="node-dead")
     g_dead = build_gate("local-max-concurrency", {"limit": 2}, name="q", env=dead)
-    g_live = build_gate("local-max-concurrency", {"limit": 2}, name="q", env=env)
-    registry = env.keys.gate_nodes("q")
+    g_live = build_gate("local-max-concurrency", {"limit": 2}, name="q", env=genv)
+    registry = genv.keys.gate_nodes("q")
     c = ctx()
     assert g_dead.acquire(c).admitted
-    assert env.client.smembers(registry) == {"node-dead"}
-    assert g_live.reap() == [] and env.client.smembers(registry) == {"node-dead"}
-    lapse(env, c.holder)
+    assert genv.client.smembers(registry) == {"node-dead"}
+    assert g_live.reap() == [] and genv.client.smembers(registry) == {"node-dead"}
+    lapse(genv, c.holder)
     assert g_live.reap() == [c.holder]  # its last lease freed: its pool is gone, and so is it
-    assert env.client.smembers(registry) == set()
+    assert genv.client.smembers(registry) == set()
     d = ctx()
     assert g_dead.acquire(d).admitted  # taking a slot lists it again, in the same step
-    assert env.client.smembers(registry) == {"node-dead"}
+    assert genv.client.smembers(registry) == {"node-dead"}
     assert g_live.in_flight() == 1
     g_dead.release(d.holder)

@@ -60,13 +60,13 @@ def test_metadata_prefixed_attribute(make: Callable[..., Gate]) -> None:
 
 
 def test_lease_expiry_then_reap_frees_and_returns_the_holder(
-    env: GateEnv, make: Callable[..., Gate]
+    genv: GateEnv, make: Callable[..., Gate]
 ) -> None:
     gate = make("redis-quota", conc(limit=1))
     a = ctx(metadata=ALICE)
     assert gate.acquire(a).admitted
     assert not gate.acquire(ctx(metadata=ALICE)).admitted
-    lapse(env, a.holder)  # a crashed and stopped renewing
+    lapse(genv, a.holder)  # a crashed and stopped renewing
     assert gate.in_flight() == 0
     assert gate.reap() == [a.holder]
     assert gate.reap() == []
@@ -93,7 +93,7 @@ def test_renew_keeps_a_lease_alive_past_its_original_expiry(make: Callable[..., 
 
 
 def test_reap_of_one_gate_leaves_another_gates_holders(
-    env: GateEnv, make: Callable[..., Gate]
+    genv: GateEnv, make: Callable[..., Gate]
 ) -> None:
     g1 = make("redis-quota", conc(limit=2), name="q1")
     g2 = make("redis-quota", conc(limit=2), name="q2")
@@ -102,7 +102,7 @@ def test_reap_of_one_gate_leaves_another_gates_holders(
     assert g1.acquire(a).admitted and g2.acquire(b).admitted
     # the two queues share alice's quota (same prefix): the third is over it
     assert not g1.acquire(ctx(metadata=ALICE)).admitted
-    lapse(env, a.holder, b.holder)
+    lapse(genv, a.holder, b.holder)
     assert g1.reap() == [a.holder]
     assert g2.reap() == [b.holder]
 
@@ -178,12 +178,12 @@ def test_two_windows_on_one_key_do_not_interfere(make: Callable[..., Gate]) -> N
     assert not long.acquire(ctx(metadata=ALICE)).admitted
 
 
-def test_rate_limit_log_expires(env: GateEnv, make: Callable[..., Gate]) -> None:
+def test_rate_limit_log_expires(genv: GateEnv, make: Callable[..., Gate]) -> None:
     gate = make("redis-quota", {"limit": 1, "window": 0.2})
     gate.acquire(ctx(metadata=ALICE))
     key = gate.rate_key("alice")
-    assert env.client.exists(key)
-    assert 0 < env.client.pttl(key) <= 1200
+    assert genv.client.exists(key)
+    assert 0 < genv.client.pttl(key) <= 1200
 
 
 def test_classifying_rate_limit_never_blocks(make: Callable[..., Gate]) -> None:

@@ -12,37 +12,37 @@ from pipeline.gates import Gate, GateEnv, Verdict
 from .conftest import REDIS_URL, ctx
 
 
-def test_budget_follows_the_key(env: GateEnv, make: Callable[..., Gate]) -> None:
-    key = f"{env.keys.prefix}budget"
+def test_budget_follows_the_key(genv: GateEnv, make: Callable[..., Gate]) -> None:
+    key = f"{genv.keys.prefix}budget"
     gate = make("redis", {"budget_key": key})
     assert gate.budget() == 1.0  # missing key: open
     assert gate.acquire(ctx()).admitted
-    env.client.set(key, "0.25")
+    genv.client.set(key, "0.25")
     assert gate.budget() == 0.25 and gate.acquire(ctx()).admitted
-    env.client.set(key, "0")
+    genv.client.set(key, "0")
     assert gate.budget() == 0.0
     closed = gate.acquire(ctx())
     assert (closed.verdict, closed.reason) == (Verdict.REFUSE, "gate_closed")
-    env.client.set(key, "7")
+    genv.client.set(key, "7")
     assert gate.budget() == 1.0  # clamped
-    env.client.set(key, "-2")
+    genv.client.set(key, "-2")
     assert gate.budget() == 0.0
-    env.client.set(key, "0.5")
+    genv.client.set(key, "0.5")
     assert gate.acquire(ctx()).admitted  # resumes
     assert gate.in_flight() == 0 and gate.release("x:y") is False
 
 
 def test_unparsable_value_fails_closed_with_a_warning(
-    env: GateEnv, make: Callable[..., Gate], caplog: pytest.LogCaptureFixture
+    genv: GateEnv, make: Callable[..., Gate], caplog: pytest.LogCaptureFixture
 ) -> None:
-    key = f"{env.keys.prefix}budget"
-    env.client.set(key, "lots")
+    key = f"{genv.keys.prefix}budget"
+    genv.client.set(key, "lots")
     gate = make("redis", {"budget_key": key})
     with caplog.at_level(logging.WARNING):
         assert gate.budget() == 0.0
         assert gate.budget() == 0.0
     assert sum("not a number" in r.getMessage() for r in caplog.records) == 1  # once
-    env.client.set(key, "nan")
+    genv.client.set(key, "nan")
     assert gate.budget() == 0.0
 
 
@@ -56,8 +56,8 @@ def test_redis_error_fails_closed_and_hides_the_password(
     assert caplog.records and all("s3cret" not in r.getMessage() for r in caplog.records)
 
 
-def test_address_names_another_redis(env: GateEnv, make: Callable[..., Gate]) -> None:
-    key = f"{env.keys.prefix}budget"
-    env.client.set(key, "0.75")
+def test_address_names_another_redis(genv: GateEnv, make: Callable[..., Gate]) -> None:
+    key = f"{genv.keys.prefix}budget"
+    genv.client.set(key, "0.75")
     gate = make("redis", {"address": REDIS_URL.removeprefix("redis://"), "budget_key": key})
     assert gate.budget() == 0.75

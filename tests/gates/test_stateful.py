@@ -205,12 +205,12 @@ def raw_holders(env: GateEnv, gate: Gate) -> set[str]:
     return members
 
 
-def test_local_max_concurrency_state_machine(env: GateEnv) -> None:
-    m = machine(env, "local-max-concurrency", {"limit": LIMIT}, per_user=False)
+def test_local_max_concurrency_state_machine(genv: GateEnv) -> None:
+    m = machine(genv, "local-max-concurrency", {"limit": LIMIT}, per_user=False)
     run_state_machine_as_test(m, settings=SETTINGS)
 
 
-def test_redis_quota_concurrency_state_machine(env: GateEnv) -> None:
+def test_redis_quota_concurrency_state_machine(genv: GateEnv) -> None:
     params = {"mode": "concurrency", "limit": LIMIT}
-    m = machine(env, "redis-quota", params, per_user=True)
+    m = machine(genv, "redis-quota", params, per_user=True)
     run_state_machine_as_test(m, settings=SETTINGS)

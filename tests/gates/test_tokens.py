@@ -36,19 +36,19 @@ def req(
     return AcquireContext(**{**c.__dict__, "payload": payload})
 
 
-def charges(env: GateEnv, gate: Gate, value: str = "alice") -> dict[str, str]:
+def charges(genv: GateEnv, gate: Gate, value: str = "alice") -> dict[str, str]:
     _, hash_key = gate.tokens_keys(value)  # type: ignore[attr-defined]
-    return dict(env.client.hgetall(hash_key))
+    return dict(genv.client.hgetall(hash_key))
 
 
 def test_admission_charges_the_estimate_until_the_limit(
-    env: GateEnv, make: Callable[..., Gate]
+    genv: GateEnv, make: Callable[..., Gate]
 ) -> None:
     gate = make("redis-quota", tokens(100))
     a, b, c = req(40, "x" * 8), req(50), req(10)  # 42, 50, 10
     assert gate.acquire(a).labels == {"classification": "reserved"}
     assert gate.acquire(b).admitted
-    assert charges(env, gate) == {a.holder: "e42", b.holder: "e50"}
+    assert charges(genv, gate) == {a.holder: "e42", b.holder: "e50"}
     over = gate.acquire(c)  # 92 + 10 > 100
     assert over.verdict is Verdict.REFUSE and over.reason == "quota_exhausted"
     assert over.labels == {"classification": "overflow"}
@@ -57,21 +57,21 @@ def test_admission_charges_the_estimate_until_the_limit(
     assert gate.in_flight() == 0  # nothing is held: a charge is not a reservation
 
 
-def test_the_same_holder_is_charged_once(env: GateEnv, make: Callable[..., Gate]) -> None:
+def test_the_same_holder_is_charged_once(genv: GateEnv, make: Callable[..., Gate]) -> None:
     gate = make("redis-quota", tokens(100))
     a = req(60)
     assert gate.acquire(a).admitted and gate.acquire(a).admitted
-    assert charges(env, gate) == {a.holder: "e60"}
+    assert charges(genv, gate) == {a.holder: "e60"}
     assert not gate.acquire(req(60)).admitted
 
 
-def stamps(env: GateEnv, gate: Gate, *holders: str) -> list[float]:
+def stamps(genv: GateEnv, gate: Gate, *holders: str) -> list[float]:
     log_key, _ = gate.tokens_keys("alice")  # type: ignore[attr-defined]
-    return [float(env.client.zscore(log_key, h)) for h in holders]
+    return [float(genv.client.zscore(log_key, h)) for h in holders]
 
 
 def test_a_refusal_waits_until_enough_of_the_window_has_expired(
-    env: GateEnv, make: Callable[..., Gate]
+    genv: GateEnv, make: Callable[..., Gate]
 ) -> None:
     """Charges settled at t0 (30) and t1 (50), limit 100, window 60 s: a request of 40 needs
     the first to expire, so its delay is t0 + 60 - now; one of 75 needs both: t1 + 60 - now."""
@@ -81,11 +81,11 @@ def test_a_refusal_waits_until_enough_of_the_window_has_expired(
     gate.acquire(b)
     gate.settle(a, 30)  # settled: no settlement can make room sooner
     gate.settle(b, 50)
-    t0, t1 = stamps(env, gate, a.holder, b.holder)
-    before = server_now(env.client)
+    t0, t1 = stamps(genv, gate, a.holder, b.holder)
+    before = server_now(genv.client)
     small = gate.acquire(req(40))
     large = gate.acquire(req(75))
-    after = server_now(env.client)
+    after = server_now(genv.client)
     assert small.retry_after is not None and large.retry_after is not None
     assert t0 + 60 - after - 0.002 <= small.retry_after <= t0 + 60 - before + 0.002
     assert t1 + 60 - after - 0.002 <= large.retry_after <= t1 + 60 - before + 0.002
@@ -118,14 +118,14 @@ def test_the_window_expires_and_admits_again(make: Callable[..., Gate]) -> None:
 
 
 def test_settling_lower_makes_room_and_higher_takes_it(
-    env: GateEnv, make: Callable[..., Gate]
+    genv: GateEnv, make: Callable[..., Gate]
 ) -> None:
     gate = make("redis-quota", tokens(100))
     a = req(80)
     assert gate.acquire(a).admitted
     assert not gate.acquire(req(30)).admitted
     gate.settle(a, 20)  # the response said 20 tokens were used
-    assert charges(env, gate) == {a.holder: "20"}
+    assert charges(genv, gate) == {a.holder: "20"}
     b = req(80)
     assert gate.acquire(b).admitted  # 20 + 80
     gate.settle(b, 95)  # used more than estimated: the window now holds 115
@@ -133,68 +133,68 @@ def test_settling_lower_makes_room_and_higher_takes_it(
 
 
 def test_a_settled_charge_counts_for_a_window_from_its_settlement(
-    env: GateEnv, make: Callable[..., Gate]
+    genv: GateEnv, make: Callable[..., Gate]
 ) -> None:
     """Re-stamped when settled: the tokens the server received before the answer all lie in
     the windows the charge is counted in, however late the request reached the server."""
     gate = make("redis-quota", tokens(100))
     a = req(50)
     gate.acquire(a)
-    (admitted,) = stamps(env, gate, a.holder)
-    before = server_now(env.client)
+    (admitted,) = stamps(genv, gate, a.holder)
+    before = server_now(genv.client)
     gate.settle(a, 40)
-    (settled,) = stamps(env, gate, a.holder)
+    (settled,) = stamps(genv, gate, a.holder)
     assert settled >= before > admitted
     for key in gate.tokens_keys("alice"):  # type: ignore[attr-defined]
-        assert env.client.pttl(key) > 60_000
+        assert genv.client.pttl(key) > 60_000
 
 
 def test_settling_to_none_keeps_the_estimate_as_settled(
-    env: GateEnv, make: Callable[..., Gate]
+    genv: GateEnv, make: Callable[..., Gate]
 ) -> None:
     """An answer that never came (a time-out): the estimate stays charged, no longer open."""
     gate = make("redis-quota", tokens(100))
     a = req(70)
     gate.acquire(a)
     gate.settle(a, None)
-    assert charges(env, gate) == {a.holder: "70"}
+    assert charges(genv, gate) == {a.holder: "70"}
     refused = gate.acquire(req(40))
     assert refused.retry_after is not None and refused.retry_after > 50  # nothing left open
 
 
 def test_settle_is_idempotent_and_a_refund_removes_the_charge(
-    env: GateEnv, make: Callable[..., Gate]
+    genv: GateEnv, make: Callable[..., Gate]
 ) -> None:
     gate = make("redis-quota", tokens(100))
     a = req(100)
     assert gate.acquire(a).admitted
     gate.settle(a, 0)
     gate.settle(a, 0)
-    assert charges(env, gate) == {}
+    assert charges(genv, gate) == {}
     gate.settle(a, 40)  # no charge any more: nothing to settle
-    assert charges(env, gate) == {}
+    assert charges(genv, gate) == {}
     assert gate.acquire(req(100)).admitted
     gate.settle(req(5), 50)  # never charged: a no-op
-    assert len(charges(env, gate)) == 1
+    assert len(charges(genv, gate)) == 1
 
 
 def test_an_estimate_above_the_whole_budget_is_dropped_saying_so(
-    env: GateEnv, make: Callable[..., Gate]
+    genv: GateEnv, make: Callable[..., Gate]
 ) -> None:
     gate = make("redis-quota", tokens(100, window="1m"))
     dropped = gate.acquire(req(99, "x" * 8))  # 2 + 99
     assert dropped.verdict is Verdict.DROP
     assert "101" in dropped.message and "100 tokens per 60 s" in dropped.message
-    assert charges(env, gate) == {}
+    assert charges(genv, gate) == {}
     assert gate.acquire(req(100)).admitted  # the whole budget is not too big
 
 
-def test_classifying_tokens_never_blocks(env: GateEnv, make: Callable[..., Gate]) -> None:
+def test_classifying_tokens_never_blocks(genv: GateEnv, make: Callable[..., Gate]) -> None:
     gate = make("redis-quota", tokens(100, gating_mode="classifying"))
     got = [gate.acquire(r) for r in (req(60), req(60), req(500))]
     assert all(d.verdict is Verdict.CONTINUE for d in got)
     assert [d.labels["classification"] for d in got] == ["reserved", "overflow", "overflow"]
-    assert len(charges(env, gate)) == 1  # overflow is not charged
+    assert len(charges(genv, gate)) == 1  # overflow is not charged
 
 
 def test_without_the_attribute_it_passes_uncharged(make: Callable[..., Gate]) -> None:
@@ -225,28 +225,28 @@ def test_release_renew_and_reap_hold_nothing(make: Callable[..., Gate]) -> None:
     assert not gate.acquire(req(60)).admitted  # the charge stays until settled or expired
 
 
-def test_the_keys_expire_after_the_window(env: GateEnv, make: Callable[..., Gate]) -> None:
+def test_the_keys_expire_after_the_window(genv: GateEnv, make: Callable[..., Gate]) -> None:
     gate = make("redis-quota", tokens(100, window=2))
     gate.acquire(req(5))
     for key in gate.tokens_keys("alice"):  # type: ignore[attr-defined]
-        assert 0 < env.client.pttl(key) <= 3000
+        assert 0 < genv.client.pttl(key) <= 3000
 
 
 def test_concurrent_admissions_never_charge_past_the_limit(
-    env: GateEnv, make: Callable[..., Gate]
+    genv: GateEnv, make: Callable[..., Gate]
 ) -> None:
     gate = make("redis-quota", tokens(1000))
     sizes = [37, 91, 13, 120, 55, 8, 77, 64] * 5
     reqs = [req(n) for n in sizes]
     with ThreadPoolExecutor(8) as pool:
         admitted = list(pool.map(lambda r: gate.acquire(r).admitted, reqs))
-    charged = sum(int(v[1:]) for v in charges(env, gate).values())
+    charged = sum(int(v[1:]) for v in charges(genv, gate).values())
     assert charged == sum(n for n, ok in zip(sizes, admitted, strict=True) if ok)
     assert charged <= 1000
     assert not all(admitted)  # the budget was the limit, not the requests
 
 
-def test_a_composite_rollback_refunds_the_charge(env: GateEnv, make: Callable[..., Gate]) -> None:
+def test_a_composite_rollback_refunds_the_charge(genv: GateEnv, make: Callable[..., Gate]) -> None:
     params = {
         "gates": [
             {"gate_type": "redis-quota", "gate_params": tokens(100)},
@@ -260,13 +260,13 @@ def test_a_composite_rollback_refunds_the_charge(env: GateEnv, make: Callable[..
     refused = gate.acquire(second)  # charged by the quota, then the slot gate refused
     assert not refused.admitted
     inner = gate.gates[0]  # type: ignore[attr-defined]
-    assert list(charges(env, inner)) == [first.holder]  # the refused one was refunded
+    assert list(charges(genv, inner)) == [first.holder]  # the refused one was refunded
     settle(gate, first, 12)
-    assert charges(env, inner) == {first.holder: "12"}
+    assert charges(genv, inner) == {first.holder: "12"}
     gate.release(first.holder)
 
 
-def test_wrappers_pass_settle_through(env: GateEnv, make: Callable[..., Gate]) -> None:
+def test_wrappers_pass_settle_through(genv: GateEnv, make: Callable[..., Gate]) -> None:
     gate = make("wait-on-refuse", {"gate": {"gate_type": "redis-quota", "gate_params": tokens(50)}})
     assert any(isinstance(g, Settles) for g in walk(gate))
     a = req(50)
