@@ -20,8 +20,8 @@ from openai import OpenAI
 from pipeline.batch import Batches, content_batch_id
 from pipeline.cli.services import wait_until
 from pipeline.sim import SimConfig, SimServer
-from tests.batch.conftest import ServeProc
 from tests.conftest import ROOT, WorkerProc, assert_idle
+from tests.integration.batch.conftest import ServeProc
 from tests.observability import Isolated, isolated, start_node
 
 N = 3000

@@ -18,8 +18,7 @@ import pytest
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
-
-from ..conftest import ROOT, give_up_after
+from tests.conftest import ROOT, give_up_after
 
 LIMIT = 4  # the "skew" queue: global-max-concurrency 4
 SKEW_S = 120

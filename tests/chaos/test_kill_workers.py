@@ -21,8 +21,7 @@ from typing import Any
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
-
-from ..test_scheduling_e2e import peak_by, sim_arrivals
+from tests.integration.test_scheduling_e2e import peak_by, sim_arrivals
 
 LIMIT = 8  # the "chaos" queue: redis-quota concurrency 8 for one tenant
 LEASE_S = 2.0

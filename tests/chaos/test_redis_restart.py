@@ -18,8 +18,7 @@ from pipeline.cli.services import free_port, redis_reachable, wait_until
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
 from pipeline.sim import SimServer
-
-from ..conftest import ROOT, give_up_after
+from tests.conftest import ROOT, give_up_after
 
 
 @pytest.mark.parametrize("broker_acks", ["0", "1"])

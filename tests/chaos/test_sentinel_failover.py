@@ -24,9 +24,8 @@ from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.config import MASTER_VAR, load_settings
 from pipeline.sim import SimServer
-
-from ..conftest import ROOT, give_up_after
-from ..redis_servers import MASTER_NAME, sentinel_group
+from tests.conftest import ROOT, give_up_after
+from tests.redis_servers import MASTER_NAME, sentinel_group
 
 REQUESTS = 500
 BEFORE_KILL = 300  # submitted before the kill; the rest after the promotion
