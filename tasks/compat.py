@@ -157,7 +157,7 @@ def _batched_brpop_read(self: Any, **options: Any) -> Any:
     return True
 
 
-def _batched_poll_error(self: Any, type: str, **options: Any) -> Any:
+def _batched_poll_error(self: Any, type: str, **options: Any) -> Any:  # noqa: A002 - kombu's
     """kombu reads the BRPOP's reply on a connection error event; a batch's reply behind it
     would be left unread: that connection is dropped (kombu reconnects it)."""
     batch = type == "BRPOP" and self.__dict__.get("_pipeline_batch") is not None

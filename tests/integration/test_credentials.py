@@ -157,7 +157,7 @@ def test_insecure_skip_verify_accepts_a_server_of_an_unknown_ca(
     assert (
         send(url, BODY, auth, 5, httpcall.TLS(None, certs.client_cert, certs.client_key)).category
         == "TLS"
-    )  # noqa: E501
+    )
     skip = httpcall.TLS(None, certs.client_cert, certs.client_key, insecure_skip_verify=True)
     assert send(url, BODY, auth, 5, skip).status_code == 200
 
@@ -325,7 +325,7 @@ def test_pipeline_sim_serves_https_with_client_certificates_and_a_key(
         assert (
             send(url, BODY, {"Authorization": f"Bearer {secret}"}, 5, httpcall.TLS(certs.ca)).kind
             is Kind.RETRY
-        )  # noqa: E501
+        )
     finally:
         proc.terminate()
         proc.wait(10)

@@ -82,9 +82,10 @@ class Model:
             del self.subs[t]
             self.ring.pop(t, None)
             self.blocked.discard(t)
-        elif was_head and t not in self.blocked:
-            if not self.fair or lst[0][0] // BAND != old_band:
-                self._ready(t)
+        elif (
+            was_head and t not in self.blocked and (not self.fair or lst[0][0] // BAND != old_band)
+        ):
+            self._ready(t)
 
     def leave(self, rid: str) -> None:
         """A dispatched request leaves the active state (finished, cancelled, requeued)."""

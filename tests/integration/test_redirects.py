@@ -68,7 +68,7 @@ class Server:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 peer = getattr(self.connection, "getpeercert", lambda: None)()
                 headers = {k.lower(): v for k, v in self.headers.items()}

@@ -26,7 +26,7 @@ class ServeProc:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServeProc:
-        fh = open(self.log, "ab")  # noqa: SIM115 - owned by the child
+        fh = open(self.log, "ab")  # owned by the child
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pipeline", "serve", "--port", str(self.port),
              "--loglevel", "warning"],

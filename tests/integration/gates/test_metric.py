@@ -40,7 +40,7 @@ class Stub:
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:
                 stub.hits += 1
                 parts = urlsplit(self.path)
                 if parts.path == "/api/v1/query":
