@@ -30,7 +30,7 @@ from pipeline.client import Pipeline
 from pipeline.config import load_settings
 from pipeline.sim import SimConfig, SimServer
 from pipeline.store import Keys
-from pipeline.store.keys import celery_queue
+from pipeline.store.keys import celery_queue, celery_queue_prefix
 
 REDIS_URL = os.environ.get("PIPELINE_TEST_REDIS_URL", "redis://127.0.0.1:6379/12")
 ROOT = Path(__file__).resolve().parent.parent
@@ -243,9 +243,47 @@ def env(
     yield {**os.environ, **e}
     # each session has its own key prefix and Celery queues: clean up only what is ours
     client = redis.Redis.from_url(redis_url)
-    for pattern in (e["PIPELINE_KEY_PREFIX"] + "*", RESULTS_TAG + "-*"):
-        for key in client.scan_iter(pattern, count=10_000):
-            client.delete(key)
+    for prefix in [e["PIPELINE_KEY_PREFIX"], *ISOLATED]:  # isolated ones a late node rewrote
+        drop_keys(client, prefix)
+    unlink_matching(client, RESULTS_TAG + "-*")
+    client.close()
+
+
+# Key prefixes handed out by ``isolated()`` (tests/observability.py), one per isolated
+# pipeline; their keys are deleted after the test that made them (and again after the session).
+ISOLATED: list[str] = []
+
+
+def unlink_matching(client: redis.Redis, pattern: str) -> None:
+    """Delete the keys matching ``pattern``: SCAN and UNLINK in batches. Never FLUSHDB: other
+    sessions share this Redis database."""
+    batch: list[Any] = []
+    for key in client.scan_iter(pattern, count=10_000):
+        batch.append(key)
+        if len(batch) >= 1000:
+            client.unlink(*batch)
+            batch.clear()
+    if batch:
+        client.unlink(*batch)
+
+
+def drop_keys(client: redis.Redis, prefix: str) -> None:
+    """Every key of a pipeline with key prefix ``prefix``: its own keys, and its Celery queues
+    and kombu's bindings of them (named after the prefix: ``celery_queue_prefix``)."""
+    unlink_matching(client, prefix + "*")
+    unlink_matching(client, "*" + celery_queue_prefix(prefix) + "*")
+
+
+@pytest.fixture(autouse=True)
+def _drop_isolated_keys() -> Iterator[None]:
+    """After each test, the keys of the isolated pipelines it made (none: no Redis call)."""
+    made = len(ISOLATED)
+    yield
+    if len(ISOLATED) > made:
+        client = redis.Redis.from_url(REDIS_URL)
+        for prefix in ISOLATED[made:]:
+            drop_keys(client, prefix)
+        client.close()
 
 
 class WorkerProc:

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.config import Settings, load_settings
-from tests.conftest import HELD_S, NODE_START_S, WorkerProc
+from tests.conftest import HELD_S, ISOLATED, NODE_START_S, WorkerProc
 
 FAST = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.2, "request_timeout_s": HELD_S}
 
@@ -60,6 +60,7 @@ def isolated(
         **extra,
     }
     settings = load_settings(e)
+    ISOLATED.append(f"plobs{tag}:")  # its keys are deleted after the test
     return Isolated(e, settings, Pipeline(settings), tag)
 
 
