@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test system-deps test-rabbitmq test-chaos-long lint typecheck format clean
+.PHONY: demo test test-unit system-deps test-rabbitmq test-chaos-long lint typecheck format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ PYTEST_PARALLEL ?= -n 3 --dist loadfile
 test: system-deps $(STAMP) lint typecheck
 	$(BIN)/pytest -q $(PYTEST_PARALLEL)
 
+## test-unit: the tests that need no Redis, worker or network (seconds)
+test-unit: $(STAMP)
+	$(BIN)/pytest -q tests/unit
+
 ## system-deps: the system packages the tests need beyond pip (chromium, libfaketime):
 ## installs them with apt-get when missing (root or passwordless sudo), else stops naming them
 system-deps:
@@ -36,8 +40,8 @@ system-deps:
 ## test-rabbitmq: the end-to-end and gate suites with RabbitMQ as the Celery broker
 test-rabbitmq: $(STAMP)
 	PIPELINE_TEST_BROKER_URL=$${PIPELINE_TEST_BROKER_URL:-amqp://guest:guest@127.0.0.1:5672//} \
-	  $(BIN)/pytest -q $(PYTEST_PARALLEL) tests/test_pipeline.py tests/test_release_paths.py \
-	  tests/test_gates_pipeline.py
+	  $(BIN)/pytest -q $(PYTEST_PARALLEL) tests/integration/test_pipeline.py \
+	  tests/integration/test_release_paths.py tests/integration/test_gates_pipeline.py
 
 ## test-chaos-long: the chaos suite with its long variants (60 s of random worker kills)
 test-chaos-long: $(STAMP)

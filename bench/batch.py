@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.cli.services import wait_until
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -50,7 +52,6 @@ from bench.common import (
     stop_proc,
     table,
     verdict,
-    wait_for,
 )
 
 
@@ -103,7 +104,7 @@ def main() -> int:
             except httpx.HTTPError:
                 return False
 
-        wait_for(up, 60, 0.1, "pipeline serve")
+        wait_until(up, 60, "pipeline serve", interval=0.1)
         path = workdir / "input.jsonl"
         size = write_input(path, n)
         log(f"input: {n} lines, {size / 1e6:.1f} MB")
@@ -134,7 +135,7 @@ def main() -> int:
             sub, lines = client.hmget(f"{prefix}batch:{bid}", ["submitted", "lines"])
             return bool(lines) and int(sub or 0) >= int(lines)
 
-        wait_for(stored, 600, 0.005, "every line stored")
+        wait_until(stored, 600, "every line stored", interval=0.005)
         t1 = time.perf_counter()
         cpu = meter.stop()
         steal = meter.steal_pct
@@ -162,11 +163,11 @@ def main() -> int:
         t_run = time.perf_counter()
         th = threading.Thread(target=reader)
         th.start()
-        wait_for(
+        wait_until(
             lambda: client.hget(f"{prefix}batch:{bid}", "status") == "completed",
             3600,
-            0.5,
             "the batch to complete",
+            interval=0.5,
         )
         run_s = time.perf_counter() - t_run
         stop.set()

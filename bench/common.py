@@ -47,13 +47,6 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def wait_for(
-    check: Callable[[], Any], timeout: float, interval: float = 0.02, what: str = "condition"
-) -> Any:
-    """Poll ``check`` until it returns something truthy; raise after ``timeout`` seconds."""
-    return wait_until(check, timeout, what, interval)
-
-
 def _descendants(pid: int) -> list[int]:
     out: list[int] = []
     try:
@@ -160,7 +153,7 @@ class RedisHandle:
             url = f"redis://127.0.0.1:{port}/0"
         self.url = url
         self.client = redis.Redis.from_url(url, decode_responses=True)
-        wait_for(self._ping, 10, 0.05, f"Redis at {url}")
+        wait_until(self._ping, 10, f"Redis at {url}", interval=0.05)
         self.client.flushdb()
         self.private = self.proc is not None
 
@@ -249,7 +242,9 @@ class Sim:
 
     def wait_successes(self, n: int, timeout: float, interval: float = 0.01) -> float:
         """Block until ``n`` 200s were answered since the last reset; returns time.monotonic()."""
-        wait_for(lambda: self.successes() >= n, timeout, interval, f"{n} answers at the sim")
+        wait_until(
+            lambda: self.successes() >= n, timeout, f"{n} answers at the sim", interval=interval
+        )
         return time.monotonic()
 
     def last_answer(self, n: int, timeout: float) -> float:
@@ -344,7 +339,7 @@ class Node:
                 raise RuntimeError(f"worker exited: {self.log_path.read_text()[-3000:]}")
             return client.zscore(key, self.name) is not None
 
-        wait_for(registered, 60, 0.05, f"worker {self.name}")
+        wait_until(registered, 60, f"worker {self.name}", interval=0.05)
         client.close()
 
     def stop(self) -> None:

@@ -39,6 +39,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pipeline.cli.services import wait_until
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -63,7 +65,6 @@ from bench.common import (
     stop_proc,
     table,
     verdict,
-    wait_for,
 )
 
 
@@ -121,11 +122,11 @@ class Plain:
                 == n
             )
 
-        wait_for(all_stored, 30, 0.002, "plain Celery results")
+        wait_until(all_stored, 30, "plain Celery results", interval=0.002)
         return time.monotonic() - t0, polls * ((n + 999) // 1000)
 
     def warm(self, sim: Sim) -> None:
-        wait_for(lambda: self.proc.poll() is None, 1)
+        wait_until(lambda: self.proc.poll() is None, 1, "self.proc.poll() is None")
         self.run(sim, 200, f"plainwarm{time.time_ns()}")
 
     def stop(self) -> None:
@@ -152,7 +153,7 @@ def pipeline_run(penv: PipelineEnv, sim: Sim, n: int, tag: str) -> tuple[float, 
         polls += 1
         return int(p.store.client.hget(stats_key, "ok") or 0) - done0 >= n
 
-    wait_for(all_done, 30, 0.002, "pipeline results")
+    wait_until(all_done, 30, "pipeline results", interval=0.002)
     return time.monotonic() - t0, polls
 
 

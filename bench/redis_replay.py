@@ -57,12 +57,14 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from pipeline.cli.services import wait_until
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
 
-from bench.common import above_zero, free_port, log, stop_proc, wait_for
+from bench.common import above_zero, free_port, log, stop_proc
 from bench.utilisation import SCENARIOS
 from pipeline.store.scripts import SCRIPT_NAMES, source
 
@@ -150,7 +152,7 @@ def _server(port: int, workdir: Path, callgrind: Path | None) -> subprocess.Pope
     if callgrind is not None:
         args = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind}", *args]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for(lambda: _pings(port), 60, 0.1, f"redis-server on {port}")
+    wait_until(lambda: _pings(port), 60, f"redis-server on {port}", interval=0.1)
     return proc
 
 

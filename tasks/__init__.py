@@ -3,7 +3,7 @@ that runs the dispatcher. ``celery -A tasks worker`` starts a complete worker no
 
 from __future__ import annotations
 
-from . import node  # noqa: F401,E402  (registers the bootstep and signal handlers)
+from . import node  # noqa: F401  (registers the bootstep and signal handlers)
 from .app import app
 from .inference import infer
 

@@ -56,7 +56,7 @@ class PipelineRedisBackend(RedisBackend):
         task's return value, put in place by the script). The fields are those of
         ``_get_result_meta`` for a task with no children, group or parent and no extended
         result (``tasks.inference.mirrors_results``), built directly: Celery's own path costs
-        ~0.15 ms per attempt (``tests/test_wire.py`` compares the two)."""
+        ~0.15 ms per attempt (``tests/integration/test_wire.py`` compares the two)."""
         meta: dict[str, Any] = {
             "status": state,
             "result": _RESULT if embed else self.encode_result(result, state),

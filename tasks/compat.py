@@ -1,6 +1,7 @@
 """Every patch of another library's internals, in one place: three, all to kombu's Redis
-transport (celery 5.7.x and kombu 5.7.x, pinned in pyproject.toml; tests/test_compat.py and, for
-the no-ack acks, tests/test_wire.py check each on the pinned versions). Gains: same-run A/B on
+transport (celery 5.7.x and kombu 5.7.x, pinned in pyproject.toml;
+tests/integration/test_compat.py and, for the no-ack acks, tests/integration/test_wire.py check
+each on the pinned versions). Gains: same-run A/B on
 ``bench/overhead.py`` (0 ms simulator, one node, ``-P threads -c 64``), the patch off against
 all on, median of 6 alternating rounds.
 
@@ -156,7 +157,7 @@ def _batched_brpop_read(self: Any, **options: Any) -> Any:
     return True
 
 
-def _batched_poll_error(self: Any, type: str, **options: Any) -> Any:
+def _batched_poll_error(self: Any, type: str, **options: Any) -> Any:  # noqa: A002 - kombu's
     """kombu reads the BRPOP's reply on a connection error event; a batch's reply behind it
     would be left unread: that connection is dropped (kombu reconnects it)."""
     batch = type == "BRPOP" and self.__dict__.get("_pipeline_batch") is not None

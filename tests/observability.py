@@ -16,9 +16,10 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.config import Settings, load_settings
-from tests.conftest import HELD_S, NODE_START_S, WorkerProc, wait_for
+from tests.conftest import HELD_S, ISOLATED, NODE_START_S, WorkerProc
 
 FAST = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.2, "request_timeout_s": HELD_S}
 
@@ -59,6 +60,7 @@ def isolated(
         **extra,
     }
     settings = load_settings(e)
+    ISOLATED.append(f"plobs{tag}:")  # its keys are deleted after the test
     return Isolated(e, settings, Pipeline(settings), tag)
 
 
@@ -94,7 +96,7 @@ def start_node(
     if wait:
         try:
             wait_ready(w, port)
-        except AssertionError:
+        except (AssertionError, TimeoutError):
             w.stop()  # never leave a late node behind to serve a later test's queue
             raise
     return w, port
@@ -109,7 +111,7 @@ def wait_ready(w: WorkerProc, port: int, timeout: float = NODE_START_S) -> None:
         except httpx.HTTPError:
             return False
 
-    wait_for(ready, timeout, interval=0.1, what=f"/readyz of {w.name} on port {port}")
+    wait_until(ready, timeout, f"/readyz of {w.name} on port {port}", interval=0.1)
 
 
 Samples = list[tuple[str, dict[str, str], float]]

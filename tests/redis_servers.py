@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline.cli.services import free_port
-from tests.conftest import wait_for
+from pipeline.cli.services import free_port, wait_until
 
 MASTER_NAME = "mymaster"
 
@@ -97,7 +96,7 @@ def start_server(
         except redis.RedisError:
             return False
 
-    wait_for(answers, 15, what=f"redis-server {name} on port {port}")
+    wait_until(answers, 15, f"redis-server {name} on port {port}")
     return server
 
 
@@ -181,13 +180,9 @@ def sentinel_group(
             started.append(s)
             sents.append(s)
         group = SentinelGroup(master, reps, sents, started)
-        wait_for(
-            lambda: all(r.client().info("replication").get("master_link_status") == "up"
-                        for r in reps),
-            20,
-            what="replicas in sync",
-        )  # fmt: skip
-        wait_for(group.settled, 30, what="sentinels to see the replicas and each other")
+        wait_until(lambda: all(r.client().info("replication").get("master_link_status") == "up"
+                        for r in reps), 20, "replicas in sync")  # fmt: skip
+        wait_until(group.settled, 30, "sentinels to see the replicas and each other")
         yield group
     finally:
         for s in reversed(started):

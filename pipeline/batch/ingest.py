@@ -190,7 +190,7 @@ class _Scanner:
         self.renew = renew
         self.out = Scan()
         if builder is not None:
-            self.out.spool = tempfile.TemporaryFile(prefix="pipeline-batch-")
+            self.out.spool = tempfile.TemporaryFile(prefix="pipeline-batch-")  # noqa: SIM115 - Scan.close
         self.seen: dict[str, int] = {}
         self.rows: list[list[str]] = []
         self.after, self.size = enqueue_after, FIRST_CHUNK

@@ -273,7 +273,7 @@ def _errors_path(out: Path) -> Path:
     return out.with_name(out.stem + ".errors" + (out.suffix or ".jsonl"))
 
 
-class _atomic:
+class _atomic:  # noqa: N801 - used like a function: ``with _atomic(path)``
     """A file written under a temporary name in the same directory, renamed into place when
     the block ends without an error (``None``: a sink that writes nothing)."""
 

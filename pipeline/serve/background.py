@@ -68,7 +68,7 @@ class Background:
                 b.cancel_lines(batch_id)
             elif kind == "finalize":
                 b.finalize(batch_id)
-        except Exception:  # noqa: BLE001 - logged; the loop takes it up again
+        except Exception:  # logged; the loop takes it up again
             log.exception("batch %s: %s failed", batch_id, kind)
         finally:
             with self._lock:
@@ -86,7 +86,7 @@ class Background:
             except redis.RedisError as exc:
                 log.warning("batch loop: Redis: %s", exc)
                 self._stop.wait(self.poll_s)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("batch loop")
                 self._stop.wait(self.poll_s)
 

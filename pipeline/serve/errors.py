@@ -14,7 +14,7 @@ class ApiError(Exception):
         status: int,
         message: str,
         *,
-        type: str = "invalid_request_error",
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
         param: str | None = None,
         code: str | None = None,
     ) -> None:

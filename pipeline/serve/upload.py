@@ -115,7 +115,7 @@ async def receive(request: Request, blobs: FileStore, limit: int) -> Upload:
     except ApiError:
         blobs.delete(file_id)
         raise
-    except Exception as exc:  # a malformed body (python-multipart raises its own errors)
+    except Exception as exc:  # noqa: BLE001 - a malformed body (python-multipart's own errors)
         blobs.delete(file_id)
         raise bad_request(f"malformed multipart upload: {exc}") from None
     assert receiver is not None and receiver.filename is not None

@@ -649,7 +649,7 @@ class SimServer:
         asyncio.set_event_loop(loop)
         try:
             server = loop.run_until_complete(self._listen())
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits
             loop.close()
             started.set_exception(exc)
             return

@@ -338,7 +338,7 @@ class ReleaseBell:
                 self._stopping.wait(delay)
                 delay = min(RECONNECT_S[1], delay * 2)
             finally:
-                try:
+                try:  # noqa: SIM105 - as the loop's other handlers
                     pubsub.close()
                 except Exception:  # noqa: BLE001 - the connection is gone anyway
                     pass

@@ -221,7 +221,7 @@ class Reservation:
         replies: list[Any] | Exception
         try:
             *replies, reply = run_batch(self.host.store.client, [*step.calls, call])
-        except Exception as exc:  # the gate's step is done directly; the error is the call's
+        except Exception as exc:  # noqa: BLE001 - the gate's step is done; the error is the call's
             replies = reply = exc
         self._complete(step, ticket, replies)
         self._ring(rings, echo=False)

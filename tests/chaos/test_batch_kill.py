@@ -18,9 +18,10 @@ import pytest
 from openai import OpenAI
 
 from pipeline.batch import Batches, content_batch_id
+from pipeline.cli.services import wait_until
 from pipeline.sim import SimConfig, SimServer
-from tests.batch.conftest import ServeProc
-from tests.conftest import ROOT, WorkerProc, assert_idle, wait_for
+from tests.conftest import ROOT, WorkerProc, assert_idle
+from tests.integration.batch.conftest import ServeProc
 from tests.observability import Isolated, isolated, start_node
 
 N = 3000
@@ -87,20 +88,20 @@ def test_kill_9_of_pipeline_serve_mid_batch(
         srv.kill()  # 1: while its lines are checked or stored
         print("first kill at:", phase(b, batch.id))
         srv.start()
-        wait_for(
+        wait_until(
             lambda: b.get(batch.id).request_counts.done >= N // 3,
             120,
+            "a third of the batch done",
             interval=0.05,
-            what="a third of the batch done",
         )
         srv.kill()  # 2: while its requests run
         print("second kill at:", phase(b, batch.id))
         srv.start()
-        done = wait_for(
+        done = wait_until(
             lambda: (x := client.batches.retrieve(batch.id)).status == "completed" and x,
             180,
+            "the batch to complete",
             interval=0.2,
-            what="the batch to complete",
         )
         assert done.request_counts.total == N and done.request_counts.completed == N
         lines = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
@@ -143,16 +144,16 @@ def test_kill_9_of_pipeline_run_mid_batch(
             return bool(b.records.record(bid))
 
         proc = start()
-        wait_for(exists, 60, interval=0.01, what="the batch")
+        wait_until(exists, 60, "the batch", interval=0.01)
         proc.send_signal(signal.SIGKILL)  # 1: while its lines are checked or stored
         proc.wait(10)
         print("first kill at:", phase(b, bid))
         proc = start()
-        wait_for(
+        wait_until(
             lambda: b.get(bid).request_counts.done >= N // 3,
             120,
+            "a third of the batch done",
             interval=0.05,
-            what="a third of the batch done",
         )
         proc.send_signal(signal.SIGKILL)  # 2: while its requests run
         proc.wait(10)

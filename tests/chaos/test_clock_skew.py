@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -16,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
-
-from ..conftest import ROOT, wait_for
+from tests.conftest import ROOT, give_up_after
 
 LIMIT = 4  # the "skew" queue: global-max-concurrency 4
 SKEW_S = 120
@@ -65,11 +64,7 @@ def test_nodes_two_minutes_apart_never_over_admit_or_run_twice(
         for i in range(REQUESTS)
     ]
     ids = [r.id for r in pl.submit_many(items)]
-    end = time.monotonic() + 90
-
-    def give_up() -> None:
-        assert time.monotonic() < end, "the skewed nodes did not finish in time"
-
+    give_up = give_up_after(90, "the skewed nodes to finish")
     results = {r.id: r for r in pl.iter_results(ids, on_poll=give_up)}
     assert all(r.ok and r.attempts == 1 for r in results.values()), [
         (r.error_code, r.status_code) for r in results.values() if not r.ok
@@ -85,7 +80,11 @@ def test_nodes_two_minutes_apart_never_over_admit_or_run_twice(
     # both nodes served: the skewed clocks did not keep either out
     workers = {pl.store.record(rid).get("worker", "") for rid in ids}
     assert any(fast.name in w for w in workers) and any(slow.name in w for w in workers)
-    wait_for(lambda: pl.inspect()["skew"]["gate"]["in_flight"] == 0, 10)
+    wait_until(
+        lambda: pl.inspect()["skew"]["gate"]["in_flight"] == 0,
+        10,
+        'pl.inspect()["skew"]["gate"]["in_flight"] == 0',
+    )
 
 
 def test_a_relative_timeout_is_a_deadline_by_the_servers_clock(

@@ -18,11 +18,10 @@ import time
 import uuid
 from typing import Any
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
-
-from ..conftest import wait_for
-from ..test_scheduling_e2e import peak_by, sim_arrivals
+from tests.integration.test_scheduling_e2e import peak_by, sim_arrivals
 
 LIMIT = 8  # the "chaos" queue: redis-quota concurrency 8 for one tenant
 LEASE_S = 2.0
@@ -73,10 +72,10 @@ def test_random_sigkills_under_load(pl: Pipeline, sim: SimServer, start_worker: 
             nodes.append(node())
         last_kill = time.time()
         results = list(pl.iter_results(ids))
-        zero_at = wait_for(
+        zero_at = wait_until(
             lambda: pl.inspect()["chaos"]["gate"]["in_flight"] == 0 and time.time(),
             LEASE_S + 5,
-            what="gate in-flight back to 0",
+            "gate in-flight back to 0",
         )
     finally:
         for n in nodes:
@@ -147,10 +146,10 @@ def test_random_sigkills_with_tenants_behind_quotas(
             kills += 1
             nodes.append(node())
         results = list(pl.iter_results(ids))
-        wait_for(
+        wait_until(
             lambda: pl.inspect()["mtchaos"]["gate"]["in_flight"] == 0,
             LEASE_S + 5,
-            what="gate in-flight back to 0",
+            "gate in-flight back to 0",
         )
     finally:
         for n in nodes:

@@ -9,18 +9,16 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from pipeline.cli.services import free_port, redis_reachable
+from pipeline.cli.services import free_port, redis_reachable, wait_until
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
 from pipeline.sim import SimServer
-
-from ..conftest import ROOT, wait_for
+from tests.conftest import ROOT, give_up_after
 
 
 @pytest.mark.parametrize("broker_acks", ["0", "1"])
@@ -47,7 +45,7 @@ def test_redis_restart_loses_nothing(sim: SimServer, tmp_path: Path, broker_acks
 
     def start_redis() -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: redis_reachable(url, 0.3), 15, what="redis-server")
+        wait_until(lambda: redis_reachable(url, 0.3), 15, "redis-server")
         return proc
 
     redis_proc = start_redis()
@@ -95,20 +93,15 @@ def test_redis_restart_loses_nothing(sim: SimServer, tmp_path: Path, broker_acks
             for i in range(300)
         ]
         ids = [r.id for r in pl.submit_many(items)]
-        wait_for(
+        wait_until(
             lambda: pl.store.client.zcard(pl.store.keys.recent("default")) >= 30,
             30,
-            what="the run under way",
+            "the run under way",
         )
         redis_proc.terminate()  # SIGTERM: Redis flushes its append-only file and exits
         redis_proc.wait(15)
         redis_proc = start_redis()
-        deadline = time.monotonic() + 120
-
-        def bounded() -> None:
-            if time.monotonic() > deadline:
-                raise AssertionError("requests lost: not all results within 120 s")
-
+        bounded = give_up_after(120, "all results (else requests were lost)")
         results = {r.id: r for r in pl.iter_results(ids, on_poll=bounded)}
         assert set(results) == set(ids)
         assert all(r.ok for r in results.values())

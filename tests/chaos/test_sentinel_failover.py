@@ -14,19 +14,18 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import redis
 
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.config import MASTER_VAR, load_settings
 from pipeline.sim import SimServer
-
-from ..conftest import ROOT, wait_for
-from ..redis_servers import MASTER_NAME, sentinel_group
+from tests.conftest import ROOT, give_up_after
+from tests.redis_servers import MASTER_NAME, sentinel_group
 
 REQUESTS = 500
 BEFORE_KILL = 300  # submitted before the kill; the rest after the promotion
@@ -95,7 +94,7 @@ def test_master_killed_mid_batch_loses_nothing(sim: SimServer, tmp_path: Path) -
                     assert w.poll() is None, (tmp_path / "worker0.log").read_text()[-3000:]
                 return pl.store.client.zcard(nodes_key) == len(workers)
 
-            wait_for(registered, 30, what="two worker nodes")
+            wait_until(registered, 30, "two worker nodes")
             sim.reset()
 
             def items(n: int) -> list[dict[str, Any]]:
@@ -111,19 +110,14 @@ def test_master_killed_mid_batch_loses_nothing(sim: SimServer, tmp_path: Path) -
 
             ids = [r.id for r in pl.submit_many(items(BEFORE_KILL))]
             recent = pl.store.keys.recent("default")
-            wait_for(lambda: pl.store.client.zcard(recent) >= 100, 30, what="a third done")
+            wait_until(lambda: pl.store.client.zcard(recent) >= 100, 30, "a third done")
             old = group.master.port
             group.master.kill()  # SIGKILL, mid-batch: attempts are running on both nodes
-            wait_for(lambda: group.master_port() != old, 30, what="a replica promoted")
-            wait_for(lambda: answers(pl), 15, what="the client on the new master")
+            wait_until(lambda: group.master_port() != old, 30, "a replica promoted")
+            wait_until(lambda: answers(pl), 15, "the client on the new master")
             ids += [r.id for r in pl.submit_many(items(REQUESTS - BEFORE_KILL))]
 
-            end = time.monotonic() + 45
-
-            def bounded() -> None:
-                if time.monotonic() > end:
-                    raise AssertionError(f"not all results: {pl.inspect()}")
-
+            bounded = give_up_after(45, lambda: f"all results: {pl.inspect()}")
             results = {r.id: r for r in pl.iter_results(ids, on_poll=bounded)}
             assert set(results) == set(ids)
             assert all(r.ok for r in results.values()), [
@@ -138,13 +132,13 @@ def test_master_killed_mid_batch_loses_nothing(sim: SimServer, tmp_path: Path) -
             assert sorted(pushed) == sorted(ids)  # exactly one terminal result each
             # the gate's reservations: none left once the queue is drained (the lost ones of
             # the dead master's last moments lapse with their lease)
-            wait_for(
+            wait_until(
                 lambda: all(
                     q["pending"] == q["retry_wait"] == q["running"] == q["gate"]["in_flight"] == 0
                     for q in pl.inspect().values()
                 ),
                 LEASE_S + 10,
-                what=f"idle queue and gate: {pl.inspect()}",
+                f"idle queue and gate: {pl.inspect()}",
             )
             holders = [
                 k

@@ -169,8 +169,8 @@ end
 -- One Celery task message (what ``Task.apply_async`` would LPUSH through kombu) for attempt
 -- `token` of request `id`: args (id, token), kwargs {queue, priority, attempt[, tenant]}.
 -- Written as text around the tick's constant parts, not as tables for cjson to encode (fewer
--- instructions: bench/redis_replay.py); tests/test_wire.py holds it to what kombu and Celery
--- read.
+-- instructions: bench/redis_replay.py); tests/integration/test_wire.py holds it to what kombu
+-- and Celery read.
 local msg_head = ', "content-encoding": "utf-8", "content-type": "application/json", ' ..
   '"headers": {"lang": "py", "task": ' .. json_str(cfg.task) .. ', "id": '
 local msg_mid = ', "shadow": null, "eta": null, "expires": null, "group": null, ' ..
