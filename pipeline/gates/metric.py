@@ -5,7 +5,8 @@ compares it with a ``threshold`` below which it is closed: ``budget = min(1, D �
 when ``D > threshold``, else 0. Readings (values and errors alike) are cached for
 ``cache_ttl_s`` seconds (default 5; 0 disables) so the dispatcher's budget call and the
 workers' acquire calls share one HTTP round trip. HTTP calls time out after ``timeout_s``
-(default 5, at most 10) seconds.
+(default 5, at most 10) seconds, through the product's one client (``pipeline.http.call``);
+a 307/308 is followed only when the gate's ``follow_redirects`` is true, as for a queue.
 
 Fail closed: any error — connection refused, HTTP status, unparsable body, no sample, NaN or
 ±Inf — gives the gate's ``fallback`` budget, which by default is 0. After each
@@ -39,6 +40,7 @@ Prometheus gates (``url`` = the HTTP API base, default ``$PROMETHEUS_URL``; an i
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -47,9 +49,11 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urlencode, urlsplit
 
-import httpx
+import httptools
 
+from ..http.call import CallTimeout, Response, request
 from ..redact import redact_url
 from .base import Budgeted, GateEnv
 from .params import Params
@@ -106,7 +110,9 @@ class MetricGate(Budgeted):
         self.source_available = False
         self._lock = threading.Lock()
         self._reading: _Reading | None = None
-        self._http: httpx.Client | None = None
+        self.follow_redirects = (
+            p.get_choice("follow_redirects", ("false", "true"), "false") == "true"
+        )
         self._last_error: str | None = None
 
     # -- subclass hooks -------------------------------------------------------------------
@@ -123,17 +129,23 @@ class MetricGate(Budgeted):
         raise NotImplementedError
 
     # -- the budget -----------------------------------------------------------------------
-    def get(self, url: str, **params: str) -> httpx.Response:
+    def get(self, url: str, **params: str) -> Response:
         """``GET url`` with query ``params``: a 200 response, else MetricUnavailable."""
-        if self._http is None:
-            self._http = httpx.Client(timeout=self.timeout_s, follow_redirects=True)
         where = redact_url(url)
+        if params:
+            url += ("&" if "?" in url else "?") + urlencode(params)
+        parts, headers = urlsplit(url), {}
+        if parts.username is not None:  # user:password@ in the URL is HTTP basic auth
+            login = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            headers["Authorization"] = "Basic " + base64.b64encode(login.encode()).decode()
         try:
-            resp = self._http.get(url, params=params or None)
-        except httpx.HTTPError as exc:
+            resp = request(
+                "GET", url, b"", headers, self.timeout_s, follow_redirects=self.follow_redirects
+            )
+        except (OSError, ValueError, CallTimeout, httptools.HttpParserError) as exc:
             raise MetricUnavailable(f"GET {where}: {type(exc).__name__}: {exc}") from None
-        if resp.status_code != 200:
-            raise MetricUnavailable(f"GET {where}: HTTP {resp.status_code}")
+        if resp.status != 200:
+            raise MetricUnavailable(f"GET {where}: HTTP {resp.status}")
         return resp
 
     def reading(self) -> _Reading:
@@ -194,11 +206,6 @@ class MetricGate(Budgeted):
             "source_available": self.source_available,
         }
 
-    def close(self) -> None:
-        if self._http is not None:
-            self._http.close()
-            self._http = None
-
 
 # -- Prometheus HTTP API ----------------------------------------------------------------------
 def promql_selector(metric: str, labels: dict[str, str]) -> str:
@@ -230,7 +237,7 @@ class PrometheusGate(MetricGate):
         where = redact_url(self.url)
         resp = self.get(f"{self.url}/api/v1/query", query=promql)
         try:
-            body = resp.json()
+            body = json.loads(resp.body)
             if body.get("status") != "success":
                 raise MetricUnavailable(f"{where}: {body.get('error') or body.get('status')}")
             data = body["data"]
