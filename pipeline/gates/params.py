@@ -1,9 +1,5 @@
-"""Typed reads of ``gate_params``, coerced the way the reference coerces them.
-
-Params arrive from JSON: numbers may be strings (``"5"``) or JSON numbers, nested gate configs
-and label maps may be JSON strings or structured objects. Every problem raises
-:class:`~pipeline.errors.ConfigError` naming the gate and the param.
-"""
+"""Typed reads of ``gate_params`` (JSON numbers or strings, nested configs as objects or JSON
+strings); every problem is a ConfigError naming the gate and the param."""
 
 from __future__ import annotations
 

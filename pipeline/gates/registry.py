@@ -1,9 +1,5 @@
-"""Building gates from the configuration: the catalogue (``gate_type`` → class,
-:data:`GATE_TYPES`) and :func:`build_gate`; the gates an attempt of a queue passes — the
-queue's own gate, then its worker pool's gate (``PIPELINE_POOLS``), acquired all-or-nothing as
-one chain just before the HTTP call (:func:`attempt_gate`); and the check of a whole
-configuration's gates (:func:`check_gates`): the settings are plain data, so a bad
-``gate_type`` or ``gate_params`` is found here, by the gates themselves."""
+"""The gate catalogue (:data:`GATE_TYPES`), :func:`build_gate`, the chain an attempt passes (its
+queue's gate, then its pool's) and the check of a whole configuration's gates."""
 
 from __future__ import annotations
 

@@ -1,30 +1,5 @@
-"""``endpoint-scrape``: the budget from a model server's own ``/metrics`` (text exposition).
-
-Params: ``url`` and ``metric`` (required; e.g. a vLLM ``/metrics`` and
-``vllm:num_requests_waiting``), ``labels`` (label filter: object or JSON string; the first
-sample whose labels include all of them is used), ``max_count_per_pod`` (≥ 0; 0 means the
-value already is a saturation in [0, 1]), ``baseline`` (0, in [0, 1)), ``fallback`` (the
-*saturation* assumed when the scrape fails; default 1.0, i.e. closed), ``pods_url`` +
-``pods_metric`` + ``pods_labels`` (a dynamic ready-pod count, e.g. from the EPP; without
-them one pod), plus ``cache_ttl_s`` / ``timeout_s`` (see :mod:`.metric`).
-
-saturation = value / (pods × max_count_per_pod), clamped to [0, 1]; D = 1 − saturation;
-budget = max(0, D − baseline). A missing sample, a pod count ≤ 0, an HTTP error or a NaN all
-read as unavailable → budget ``max(0, 1 − fallback − baseline)``.
-
-``absent_value`` (optional number): when the page was read but has no matching sample (a
-gauge that vanishes while idle), this is the reading instead of an error. Not applied to the
-pods metric.
-
-``admission`` — ``budget`` (default: the above) or ``counted`` (needs ``max_count_per_pod``
-> 0; ``baseline`` must be 0 and ``fallback`` unset): each reading gives a *headroom*
-max(0, pods × max_count_per_pod − value), and the gate admits at most floor(headroom)
-attempts per reading, then refuses until the next reading (at most one per ``cache_ttl_s``).
-A failed reading admits nothing. Budget is 1 while an admission of the current reading is
-left, else 0. The count is per gate instance (per worker process), like the reference's per
-replica; admissions are not refunded (a release is a no-op). ``last_value`` is the headroom
-and ``threshold`` 0.
-"""
+"""``endpoint-scrape``: the budget from a model server's own ``/metrics`` text; with
+``admission: counted``, at most floor(headroom) admissions per reading (docs/gates.md)."""
 
 from __future__ import annotations
 
