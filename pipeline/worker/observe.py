@@ -1,7 +1,4 @@
-"""The attempt path's metrics and traces: counts (first attempts, outcomes, gate decisions,
-429s), the HTTP call's latency and in-flight gauge, the ``process-request`` and
-``http-request`` spans, and Flower's gate events. Observability never breaks an attempt: its
-errors are logged."""
+"""The attempt path's metrics, traces and Flower gate events; their errors are only logged."""
 
 from __future__ import annotations
 
@@ -53,9 +50,8 @@ _current: contextvars.ContextVar[_AttemptObs | None] = contextvars.ContextVar(
 
 
 def attempt_started(attempt: Attempt, send_event: Callable[..., Any] | None = None) -> None:
-    """After the gate was asked in ``before_start``: count a request's first attempt (and its
-    queue residence), count a refusal / wait / drop by reason and tell Flower about it as a
-    ``task-gate-refused`` / ``task-gate-waiting`` / ``task-gate-dropped`` task event."""
+    """After ``before_start`` asked the gate: count a first attempt and its queue residence,
+    and a refusal / wait / drop (with Flower's ``task-gate-*`` event)."""
     q = attempt.queue
     s = metrics.series()
     try:
@@ -131,8 +127,7 @@ def observed_run(attempt: Attempt) -> Report:
 
 
 def _note_span(attempt: Attempt, traceparent: str) -> None:
-    """Leave the attempt span's context in Redis, for the reaper's ``re-enqueue`` link should
-    this process die (tracing on only)."""
+    """Leave the span's context in Redis, for the reaper's ``re-enqueue`` link."""
     try:
         attempt.note_span(traceparent)
     except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
@@ -140,8 +135,7 @@ def _note_span(attempt: Attempt, traceparent: str) -> None:
 
 
 def _is_deadline(result: dict[str, Any]) -> bool:
-    """A terminal result reached through the deadline: DEADLINE_EXCEEDED, or the last 429/5xx
-    answer kept when no retry fitted (those codes are otherwise always retried)."""
+    """Ended by the deadline: DEADLINE_EXCEEDED, or a kept 429/5xx no retry fitted after."""
     if result.get("error_code") == "DEADLINE_EXCEEDED":
         return True
     code = result.get("status_code")
@@ -149,7 +143,6 @@ def _is_deadline(result: dict[str, Any]) -> bool:
 
 
 def record_report(attempt: Attempt, report: Report) -> None:
-    """Count one attempt's outcome (success / failure / deadline / retry)."""
     s = metrics.series()
     q = attempt.queue
     if report.status is Status.SUCCESS:
@@ -194,8 +187,7 @@ def observed_send(
     headers: dict[str, str],
     timeout_s: float,
 ) -> Outcome:
-    """``send(url, body, headers, timeout_s)`` counted (in flight, latency in ms, 429s) and
-    traced (an ``http-request`` span whose context goes out in ``traceparent``)."""
+    """``send(...)`` counted (in flight, latency, 429s) and traced (``http-request``)."""
     labels = metrics.queue_labels(attempt.queue)
     s = metrics.series()
     s.init_queue(labels)
@@ -225,9 +217,7 @@ def observed_send(
 
 
 def count_tokens(labels: tuple[str, str, str], url: str, outcome: Outcome) -> None:
-    """``pipeline_tokens_total{direction}`` from the usage of a 2xx answer (the reference's
-    rule: a completions or chat completions URL, a JSON body with a ``usage`` object; both
-    directions together). Never raises."""
+    """``pipeline_tokens_total{direction}`` from a 2xx answer's usage (the reference's rule)."""
     try:
         usage = outcome.usage
         if usage is None or not counted_path(url):
