@@ -190,12 +190,6 @@ class PrometheusGate(MetricGate):
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise MetricUnavailable(f"{where}: malformed response ({exc!r})") from None
 
-    def query_required(self, promql: str) -> float:
-        value = self.query(promql)
-        if value is None:
-            raise MetricUnavailable(f"no sample for {promql}")
-        return value
-
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "url": redact_url(self.url)}
 
@@ -208,7 +202,10 @@ class PrometheusQueryGate(PrometheusGate):
         self.promql = self.p.get_str("query", required=True)
 
     def read(self) -> float:
-        return self.query_required(self.promql)
+        value = self.query(self.promql)
+        if value is None:
+            raise MetricUnavailable(f"no sample for {self.promql}")
+        return value
 
     def closing_threshold(self) -> float:
         return 0.0

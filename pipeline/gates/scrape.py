@@ -4,73 +4,30 @@
 from __future__ import annotations
 
 import math
-import re
 import threading
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families as text_to_families
 
 from ..redact import redact_url
 from .base import CONTINUE, AcquireContext, Decision, GateEnv, Verdict
 from .metric import MetricGate, MetricUnavailable, finite
 from .params import Params
 
-_LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
-_ESCAPE = re.compile(r'\\[\\"n]')
-
-
-def parse_labels(text: str) -> dict[str, str]:
-    """``a="x",b="y\\"z"`` → {"a": "x", "b": 'y"z'}. Raises ValueError when malformed."""
-    labels: dict[str, str] = {}
-    pos = 0
-    while pos < len(text):
-        if text[pos:].strip() == "":
-            break
-        m = _LABEL.match(text, pos)
-        if m is None:
-            raise ValueError(f"bad label set {text!r}")
-        labels[m.group(1)] = _ESCAPE.sub(lambda e: _UNESCAPE[e.group(0)], m.group(2))
-        pos = m.end()
-    return labels
-
-
-def _split_sample(line: str) -> tuple[str, dict[str, str], str] | None:
-    """(name, labels, value text) of one sample line, or None when it is not one."""
-    brace = line.find("{")
-    if brace >= 0:
-        close = line.rfind("}")
-        if close < brace:
-            return None
-        name, labels = line[:brace].strip(), parse_labels(line[brace + 1 : close])
-        rest = line[close + 1 :].split()
-    else:
-        parts = line.split()
-        if len(parts) < 2:
-            return None
-        name, labels, rest = parts[0], {}, parts[1:]
-    if not rest:
-        return None
-    return name, labels, rest[0]
-
 
 def first_sample(text: str, metric: str, labels: dict[str, str]) -> float | None:
-    """The value of the first sample of ``metric`` whose labels include ``labels``; None
-    when there is none. NaN and ±Inf are returned as they are (the caller decides)."""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#") or not line.startswith(metric):
+    """The value of the first sample of ``metric`` whose labels include ``labels`` (None: no
+    such sample; a line prometheus_client cannot parse is skipped)."""
+    for line in text.splitlines():
+        if not line.strip().startswith(metric):  # a comment starts with '#'
             continue
         try:
-            sample = _split_sample(line)
+            samples = [s for family in text_to_families(line) for s in family.samples]
         except ValueError:
             continue
-        if sample is None or sample[0] != metric:
-            continue
-        name, found, value = sample
-        if all(found.get(k) == v for k, v in labels.items()):
-            try:
-                return float(value)
-            except ValueError:
-                return math.nan
+        for sample in samples:
+            if sample.name == metric and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
     return None
 
 

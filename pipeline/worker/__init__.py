@@ -2,7 +2,7 @@
 
 from .attempt import Attempt
 from .endpoints import check_endpoints
-from .process import Runtime, runtime, use_settings
+from .process import Runtime, runtime
 from .report import Report, Status
 
-__all__ = ["Attempt", "Report", "check_endpoints", "Runtime", "Status", "runtime", "use_settings"]
+__all__ = ["Attempt", "Report", "check_endpoints", "Runtime", "Status", "runtime"]

@@ -343,7 +343,10 @@ class Attempt:
             log.warning("decision log note for %s failed: %s", self.id, exc)
 
     def note_span(self, traceparent: str) -> None:
-        self.rt.store.note_span(self.id, self.token, traceparent)
+        try:
+            self.rt.store.note_span(self.id, self.token, traceparent)
+        except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
+            log.warning("could not note the span of %s: %s", self.id, exc)
 
     def headers(self) -> dict[str, str]:
         """Defaults, the request's own, the lane's, the fairness identity, then the queue's

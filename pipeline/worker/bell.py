@@ -86,10 +86,6 @@ class ReleaseBell:
             if not self._waiters.get(name):
                 del self._gen[name]
 
-    def _bump(self, queue: str) -> None:
-        if queue in self._gen:
-            self._gen[queue] += 1
-
     def _pop_waiter(self, queue: str) -> Ticket | None:
         waiters = self._waiters.get(queue)
         if not waiters:
@@ -117,7 +113,8 @@ class ReleaseBell:
         """A slot of ``queue`` may have freed: wake one waiter. ``echo``: the release will be
         published too, so swallow its message instead of waking a second waiter."""
         with self._lock:
-            self._bump(queue)
+            if queue in self._gen:
+                self._gen[queue] += 1
             ticket = self._pop_waiter(queue)
             if ticket is not None:
                 ticket.rang = True

@@ -41,7 +41,6 @@ class Attempt(Protocol):
 @dataclass
 class _AttemptObs:
     outcome: Outcome | None = None
-    http_calls: int = 0
 
 
 _current: contextvars.ContextVar[_AttemptObs | None] = contextvars.ContextVar(
@@ -70,16 +69,12 @@ def attempt_started(attempt: Attempt, send_event: Callable[..., Any] | None = No
         log.warning("metrics for %s failed: %s", attempt.id, exc)
 
 
-def gate_reason(decision: Decision) -> str:
-    if decision.verdict.value == "drop":
-        return "dropped"
-    return decision.reason if decision.reason in metrics.GATE_REASONS else "gate_closed"
-
-
 def gate_decision(
     attempt: Attempt, decision: Decision, send_event: Callable[..., Any] | None = None
 ) -> None:
-    reason = gate_reason(decision)
+    reason = decision.reason if decision.reason in metrics.GATE_REASONS else "gate_closed"
+    if decision.verdict.value == "drop":
+        reason = "dropped"
     metrics.count(metrics.series().gate_decisions, attempt.queue, reason)
     event = metrics.GATE_EVENTS.get(decision.verdict.value)
     if send_event is None or event is None:
@@ -113,8 +108,8 @@ def observed_run(attempt: Attempt) -> Report:
             holder=f"{attempt.id}:{attempt.token}",
         ) as span:
             traceparent = span.traceparent()
-            if traceparent is not None:
-                _note_span(attempt, traceparent)
+            if traceparent is not None:  # for the reaper's re-enqueue link
+                attempt.note_span(traceparent)
             report = attempt.run()
             _annotate(span, attempt, report, obs)
     finally:
@@ -124,14 +119,6 @@ def observed_run(attempt: Attempt) -> Report:
     except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
         log.warning("metrics for %s failed: %s", attempt.id, exc)
     return report
-
-
-def _note_span(attempt: Attempt, traceparent: str) -> None:
-    """Leave the span's context in Redis, for the reaper's ``re-enqueue`` link."""
-    try:
-        attempt.note_span(traceparent)
-    except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
-        log.warning("could not note the span of %s: %s", attempt.id, exc)
 
 
 def _is_deadline(result: dict[str, Any]) -> bool:
@@ -212,7 +199,6 @@ def observed_send(
     obs = _current.get()
     if obs is not None:
         obs.outcome = outcome
-        obs.http_calls += 1
     return outcome
 
 

@@ -37,7 +37,8 @@ class Runtime:
         self.settings = check_gates(settings or load_settings())
         check_endpoints(self.settings)  # a queue's API key variable is set, its TLS files load
         self.store = Store(self.settings)
-        self.env = GateEnv(self.store.client, self.store.keys, node=_node_name())
+        node = os.environ.get("PIPELINE_NODE") or f"{os.uname().nodename}.{os.getpid()}"
+        self.env = GateEnv(self.store.client, self.store.keys, node=node)
         self._gates: dict[str, Gate] = {}
         self._pool_gates: dict[str, Gate | None] = {}
         self._live: dict[str, Attempt] = {}  # holder -> its attempt (renewed on its gate)
@@ -270,23 +271,8 @@ def node_settings() -> Settings:
         return load_settings()
 
 
-def _node_name() -> str:
-    return os.environ.get("PIPELINE_NODE") or f"{os.uname().nodename}.{os.getpid()}"
-
-
 _runtimes: dict[int, Runtime] = {}
 _runtime_lock = threading.Lock()
-_settings_override: Settings | None = None
-
-
-def use_settings(settings: Settings | None) -> None:
-    """Make new runtimes use ``settings`` instead of the environment (tests, embedding)."""
-    global _settings_override
-    with _runtime_lock:
-        _settings_override = settings
-        for rt in _runtimes.values():
-            rt.stop()
-        _runtimes.clear()
 
 
 def runtime() -> Runtime:
@@ -296,10 +282,6 @@ def runtime() -> Runtime:
         rt = _runtimes.get(pid)
         if rt is None:
             _runtimes.clear()
-            if _settings_override is not None:
-                rt = Runtime(_settings_override)
-            else:
-                stamp = _snapshot_stamp()  # before reading: a newer file is followed later
-                rt = Runtime(node_settings(), stamp)
-            _runtimes[pid] = rt
+            stamp = _snapshot_stamp()  # before reading: a newer file is followed later
+            rt = _runtimes[pid] = Runtime(node_settings(), stamp)
         return rt

@@ -3,6 +3,7 @@ moves the config generation (docs/configuration.md#changing-queues-without-a-res
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -37,15 +38,8 @@ class ReloadOutcome:
     change: dict[str, list[str]] = field(default_factory=dict)
 
     def as_json(self) -> str:
-        return json.dumps(
-            {
-                "result": self.result,
-                "reason": self.reason,
-                "generation": self.generation,
-                "at": self.at,
-                **self.change,
-            }
-        )
+        data = dataclasses.asdict(self)
+        return json.dumps({**data, **data.pop("change")})
 
 
 class Reloader:

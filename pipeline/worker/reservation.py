@@ -74,7 +74,7 @@ class Reservation:
         attempts of this process parked on its hand-over bell, a refusal without asking."""
         gate, bell = self.gate, self.host.bell
         self.generations = {self.queue: bell.generation(self.queue)}
-        name = gate.handover_bell(self.queue, tenant) if isinstance(gate, HandsOver) else None
+        name = self._handover_bell(tenant)
         waiting = 0
         if name is not None:
             self.generations.setdefault(name, bell.generation(name))
@@ -121,20 +121,19 @@ class Reservation:
         """Park once on ``decision``'s bell (None: it rang already, or closed); on the hand-over
         bell a holder of this process may hand it its slot (``ticket.granted``)."""
         assert self.ctx is not None
-        gate, name = self.gate, decision.bell(self.queue)
-        handover = (
-            gate.handover_bell(self.queue, self.ctx.metadata)
-            if isinstance(gate, HandsOver)
-            else None
-        )
+        name = decision.bell(self.queue)
         generation = self.generations.get(name, self.generations.get(self.queue, 0))
-        offer = self.ctx if name == handover else None
+        offer = self.ctx if name == self._handover_bell(self.ctx.metadata) else None
         ticket = self.host.bell.park(
-            name, generation, timeout, offer, gate, rid=self.ctx.request_id
+            name, generation, timeout, offer, self.gate, rid=self.ctx.request_id
         )
         if ticket is not None and ticket.granted:
             self.ticket, self.decision, self._released = ticket, CONTINUE, False
         return ticket
+
+    def _handover_bell(self, metadata: Mapping[str, str]) -> str | None:
+        gate = self.gate
+        return gate.handover_bell(self.queue, metadata) if isinstance(gate, HandsOver) else None
 
     def follow(self, gate: Gate) -> None:
         """Ask ``gate`` from now on (a reload replaced the queue's); a parked attempt's own
