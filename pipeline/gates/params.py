@@ -162,7 +162,6 @@ class Params:
             raise self.error(key, "must name at least one gate")
         return [self._one_config(f"{key}[{i}]", item) for i, item in enumerate(value)]
 
-    # -- helpers ---------------------------------------------------------------------------
     def _json(self, key: str, value: Any) -> Any:
         if isinstance(value, str):
             try:

@@ -84,8 +84,7 @@ class Quota(OnRedis):
         return self.env.keys
 
     def _over(self, wake: str | None = None) -> Decision:
-        """Over the limit: a blocking quota's refusal (``wake``: the key's bell it parks on,
-        concurrency mode), a classifying one's Continue ``overflow``."""
+        """Over the limit: refuse (blocking; ``wake``: the key's bell), else Continue overflow."""
         if self.gating_mode == "classifying":
             return OVERFLOW
         return Decision(
@@ -278,7 +277,6 @@ class ConcurrencyQuota(Quota, Batched, HandsOver):
         call = self._slots(key).acquire(ctx.holder, ctx.lease_s, self.limit, info, giver)
         return self._calls(call, lambda r: bool(int(r)))
 
-    # -- reservations ----------------------------------------------------------------------
     def release(self, holder: str) -> bool:
         """One round trip: the index entry names the holder's key (``gate_quota_release``)."""
         return False if self.client is None else self.release_calls(holder).run()

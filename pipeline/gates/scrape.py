@@ -101,11 +101,9 @@ class EndpointScrapeGate(MetricGate):
             return 0.0
         return max(0.0, 1.0 - self.fallback - self.baseline)
 
-    # -- admission "counted" ----------------------------------------------------------------
     def _claim(self, take: bool) -> bool:
-        """Whether the current reading (a new one at most every ``cache_ttl_s``) allows one
-        more admission; with ``take``, count it. A new reading starts the count again; a
-        failed one allows nothing. Sets the gauges (value = headroom, threshold 0)."""
+        """Whether the current reading allows one more admission (``take``: count it); a new
+        reading starts the count again. Sets the gauges (value = headroom, threshold 0)."""
         reading = self.reading()
         self.threshold = 0.0
         self.last_value = reading.value

@@ -27,8 +27,7 @@ class TierPriorityAdmissionGate(Wrapper):
         self._wrap(build_inner(p, "saturation_gate", gate_type, inner, name, env))
 
     def quota_specs(self) -> list[QuotaSpec]:
-        """None: a refusal of the inner gate is an outcome here (Wait, Drop, Refuse by tier),
-        so the dispatcher must not hold requests back from it."""
+        """None: an inner refusal is an outcome here, the dispatcher must not hold back for it."""
         return []
 
     def acquire(self, ctx: AcquireContext) -> Decision:
