@@ -103,7 +103,8 @@ class MetricGate(Budgeted):
                 "GET", url, b"", headers, self.timeout_s, follow_redirects=self.follow_redirects
             )
         except (OSError, ValueError, CallTimeout, httptools.HttpParserError) as exc:
-            raise MetricUnavailable(f"GET {where}: {type(exc).__name__}: {exc}") from None
+            error = str(exc).replace(url, redact_url(url))  # an unsupported URL names itself
+            raise MetricUnavailable(f"GET {where}: {type(exc).__name__}: {error}") from None
         if resp.status != 200:
             raise MetricUnavailable(f"GET {where}: HTTP {resp.status}")
         return resp
