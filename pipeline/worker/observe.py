@@ -6,7 +6,6 @@ import contextvars
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import QueueConfig
@@ -38,13 +37,9 @@ class Attempt(Protocol):
     def run(self) -> Report: ...
 
 
-@dataclass
-class _AttemptObs:
-    outcome: Outcome | None = None
-
-
-_current: contextvars.ContextVar[_AttemptObs | None] = contextvars.ContextVar(
-    "pipeline_attempt_obs", default=None
+# the outcomes of the HTTP calls of the attempt running in this context
+_outcomes: contextvars.ContextVar[list[Outcome] | None] = contextvars.ContextVar(
+    "pipeline_attempt_outcomes", default=None
 )
 
 
@@ -94,8 +89,8 @@ def gate_decision(
 
 def observed_run(attempt: Attempt) -> Report:
     """``attempt.run()`` inside its ``process-request`` span, then count its outcome."""
-    obs = _AttemptObs()
-    token = _current.set(obs)
+    outcomes: list[Outcome] = []
+    token = _outcomes.set(outcomes)
     q = attempt.queue
     try:
         with tracing.attempt_span(
@@ -111,9 +106,9 @@ def observed_run(attempt: Attempt) -> Report:
             if traceparent is not None:  # for the reaper's re-enqueue link
                 attempt.note_span(traceparent)
             report = attempt.run()
-            _annotate(span, attempt, report, obs)
+            _annotate(span, attempt, report, outcomes[-1] if outcomes else None)
     finally:
-        _current.reset(token)
+        _outcomes.reset(token)
     try:
         record_report(attempt, report)
     except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
@@ -145,14 +140,14 @@ def record_report(attempt: Attempt, report: Report) -> None:
 
 
 def _annotate(
-    span: tracing.AttemptSpan, attempt: Attempt, report: Report, obs: _AttemptObs
+    span: tracing.AttemptSpan, attempt: Attempt, report: Report, outcome: Outcome | None
 ) -> None:
     if span.span is None:
         return
     result = report.result or {}
     category = ""
-    if obs.outcome is not None and obs.outcome.kind.value != "success":
-        category = obs.outcome.category
+    if outcome is not None and outcome.kind.value != "success":
+        category = outcome.category
     elif result.get("error_code"):
         category = str(result["error_code"])
     elif report.status is Status.REQUEUED and attempt.decision is not None:
@@ -196,9 +191,9 @@ def observed_send(
     if outcome.dropped_reason:  # the gateway's flow control shed it: count its reason
         s.gate_decisions.labels(*labels, outcome.dropped_reason).inc()
     count_tokens(labels, url, outcome)
-    obs = _current.get()
-    if obs is not None:
-        obs.outcome = outcome
+    outcomes = _outcomes.get()
+    if outcomes is not None:
+        outcomes.append(outcome)
     return outcome
 
 
