@@ -20,7 +20,7 @@ from ..store.keys import ref_cancel_key
 from . import observe
 from .bell import Ticket
 from .endpoints import authorization, queue_send
-from .report import Mirrors, Report, Status, failure_message, result_dict
+from .report import Mirrors, Report, Status, failure_message
 from .reservation import Host, Reservation
 
 log = logging.getLogger("pipeline.worker")
@@ -149,7 +149,7 @@ class Attempt:
             return Report(Status.STALE, "fenced off at finish")
         self.mirrored = mirror.state if mirror is not None else None
         status = Status.SUCCESS if ok else Status.FAILED
-        return Report(status, failure, result=result_dict(res))
+        return Report(status, failure, result=json.loads(res) if res else None)
 
     def _error(self, code: str, message: str, attempted: bool = False) -> Report:
         return self._finish(

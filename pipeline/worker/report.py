@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,7 +47,3 @@ class Report:
     reason: str = ""  # RETRY/REQUEUED: why; FAILED: the failure message
     due: float | None = None  # Unix s, for RETRY/REQUEUED
     result: dict[str, Any] | None = None  # the terminal result, for SUCCESS/FAILED
-
-
-def result_dict(result_json: str | None) -> dict[str, Any] | None:
-    return json.loads(result_json) if result_json else None
