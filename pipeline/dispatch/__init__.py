@@ -1,6 +1,4 @@
-"""The dispatcher (one per worker node, main process): moves the head of each queue into
-Celery as free slots and gate budgets allow, registers the node's slots and runs the reaper.
-Imports ``config``, ``store``, ``gates``, ``observability`` and ``errors`` of the pipeline."""
+"""The dispatcher: one per worker node (:mod:`.dispatcher`)."""
 
 from .dispatcher import Dispatcher
 

@@ -1,26 +1,7 @@
-"""The dispatcher: moves the heads of a pool's queues into Celery, as many as there are free
-worker slots and as each queue's gate budget allows, so Celery's execution order mirrors the
-sorted-set order. The pool's merge policy shares the dispatches among its queues
-(``PIPELINE_MERGE_POLICY``); a queue with ``fair_share`` or a per-key quota is *indexed* by
-tenant (``pipeline.store.sched``), so tenants take turns and a tenant at its quota is held
-back instead of being sent to a refusal. For a slot gate (one with a capacity) it sends a few
-attempts more than there are slots (``Settings.lookahead_for``, for each node of the pool),
-and likewise past a quota key's limit: they park at the workers and take a released slot at
-once (``pipeline.bell``).
-It is event-driven: a submission, a finished attempt or a due retry rings the pool's doorbell
-(a Redis list it blocks on). It also registers its node's slots, and runs the reaper that
-requeues attempts whose lease expired.
-
-One dispatcher runs in every worker node (main process). Several may run against one Redis:
-each tick is one atomic script for the whole pool, so they never over-dispatch or disagree.
-
-A config reload (:meth:`Dispatcher.apply`) swaps its queues and gates between two ticks. A
-queue whose gate is configured as before keeps its gate object; a changed gate is rebuilt, and
-the old one is kept for the reaper until it holds nothing (its holders release on the gate
-they acquired: when its keys changed, e.g. a new ``gate_type``, a reservation of a holder that
-died is freed from the old keys all the same). The queues are indexed by tenant again as the
-new configuration needs (``setup_queues``).
-"""
+"""The dispatcher (one per worker node, main process): moves the heads of a pool's queues into
+Celery as free worker slots and gate budgets allow, in one atomic script per pool and tick
+(docs/architecture.md#where-dispatch-order-is-decided); registers the node's slots, runs the
+reaper and the wedge detector, and swaps queues and gates on a config reload."""
 
 from __future__ import annotations
 
@@ -105,8 +86,8 @@ class Dispatcher:
         self.dispatched = 0
 
     def _bind(self, settings: Settings, old: Settings | None = None) -> None:
-        """Take ``settings``' queues of the served pools, keeping the gate of every queue
-        whose gate is configured as in ``old``."""
+        """Take ``settings``' queues of the served pools; a gate configured as in ``old`` stays
+        (a replaced one is reaped until it holds nothing)."""
         all_pools = settings.pools()
         pools = {p: all_pools.get(p, []) for p in self.pools}
         pool_gates: dict[str, Gate | None] = {}
@@ -139,28 +120,20 @@ class Dispatcher:
         self.foreign = [q for p, qs in all_pools.items() if p not in self.pools for q in qs]
 
     def apply(self, settings: Settings) -> None:
-        """Switch to reloaded settings between two ticks (the pools served stay the same:
-        they are the node's Celery queues). A tick waiting for its doorbell is rung, so the
-        switch waits for no more than that tick."""
+        """Switch to reloaded settings between two ticks (a waiting tick is rung first)."""
         self._ring()
         with self._lock:
             self._bind(settings, self.settings)
             self._foreign_due = 0.0
             self.setup_queues()
 
-    # -- lifecycle -----------------------------------------------------------------------
-    def indexed(self, q: QueueConfig) -> bool:
-        """Whether the queue's waiting requests are indexed by tenant: for fair share, or to
-        hold tenants at a per-key quota back."""
-        return q.fair_share or bool(self.specs[q.queue_name])
-
     def setup_queues(self) -> None:
-        """Index the queues that need it (and the requests waiting in them), and stop indexing
-        those that no longer do (this node's configuration decides)."""
+        """Index by tenant the queues that need it (fair share, a per-key quota), and only
+        those."""
         c, keys = self.store.client, self.keys
         for pool, queues in self.pools.items():
             for q in queues:
-                if self.indexed(q):
+                if q.fair_share or self.specs[q.queue_name]:
                     n = sched.setup(
                         c,
                         self.store.scripts,
@@ -184,7 +157,6 @@ class Dispatcher:
         return self
 
     def _ring(self) -> None:
-        """Ring this node's pools' doorbells (ends a tick's wait for them)."""
         try:
             for pool in self.pools:
                 self.store.client.rpush(self.keys.wake(pool), "1")
@@ -206,7 +178,6 @@ class Dispatcher:
         for gate in [*self.gates.values(), *self.retired]:
             gate.close()
 
-    # -- node registry -------------------------------------------------------------------
     def _heartbeat(self) -> None:
         pools = list(self.pools)
         beats = self.store.node_beat(self.node, self.slots, pools, NODE_TTL_S)
@@ -217,7 +188,6 @@ class Dispatcher:
             self.pool_nodes[pool] = max(1, live)
         self._next_beat = time.monotonic() + MAX_IDLE_S
 
-    # -- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
         wake_keys = [self.keys.wake(p) for p in self.pools]
         block: float | None = None
@@ -237,7 +207,7 @@ class Dispatcher:
                     wait = min(wait, next_event - now)
                 if wait > 0.001:
                     if self.fused():
-                        block = wait  # the next tick waits for the doorbell itself
+                        block = wait  # the next tick waits for the doorbell itself (one trip)
                     else:
                         self.store.client.blpop(wake_keys, timeout=wait)
             except Exception as exc:  # noqa: BLE001 - the loop must survive Redis outages
@@ -248,10 +218,7 @@ class Dispatcher:
                 self._stop.wait(0.5)
 
     def fused(self) -> bool:
-        """Whether the loop's wait for the doorbell and the tick it wakes go to Redis in one
-        round trip: one pool, no reference producer to ingest from, no other pools' queues to
-        sweep, and gates whose dispatch budget never changes (the tick's arguments are computed
-        before the wait)."""
+        """Whether the doorbell wait and its tick go in one round trip (docs/internals.md)."""
         return (
             len(self.pools) == 1
             and not self.ingesting
@@ -260,48 +227,36 @@ class Dispatcher:
         )
 
     def tick(self, block: float | None = None) -> float | None:
-        """Dispatch every pool once; returns when the earliest known future event is due
-        (``time.monotonic()``: the scripts give delays by the server's clock). ``block`` (s,
-        one pool only): the tick first waits that long for the pool's doorbell, in the same
-        round trip (see ``Store.tick_pool``)."""
+        """Dispatch every pool once; returns when the earliest known event is due (monotonic).
+        ``block`` (s): first wait that long for the doorbell, in the same round trip."""
         with self._lock:
-            return self._tick(block)
-
-    def _tick(self, block: float | None = None) -> float | None:
-        next_event: float | None = None
-        for pool, queues in self.pools.items():
-            # the tick empties the pool's doorbell: the rings pushed so far are all answered
-            # by it, so none of them wakes a redundant tick
-            ne = self._tick_pool(pool, queues, self.keys.wake(pool), block)
-            if ne is not None and (next_event is None or ne < next_event):
-                next_event = ne
-        now = time.monotonic()
-        if self.foreign and now >= self._foreign_due:
-            # other pools' queues only when one of their events is due (or once a second),
-            # not on every doorbell ring
-            due = now + MAX_IDLE_S
-            for q in self.foreign:
-                res = self.store.tick(q, [q], 0.0, 0, 0)
-                metrics.deadline_expired(q, res.expired)
-                if res.next_event is not None:
-                    due = min(due, now + res.next_event)
-            self._foreign_due = due
-        if self.foreign and (next_event is None or self._foreign_due < next_event):
-            next_event = self._foreign_due
-        return next_event
+            next_event: float | None = None
+            for pool, queues in self.pools.items():
+                # the tick empties the doorbell: the rings so far wake no redundant tick
+                ne = self._tick_pool(pool, queues, self.keys.wake(pool), block)
+                if ne is not None and (next_event is None or ne < next_event):
+                    next_event = ne
+            now = time.monotonic()
+            if self.foreign and now >= self._foreign_due:
+                # other pools' queues when one of their events is due, not at every ring
+                due = now + MAX_IDLE_S
+                for q in self.foreign:
+                    res = self.store.tick(q, [q], 0.0, 0, 0)
+                    metrics.deadline_expired(q, res.expired)
+                    if res.next_event is not None:
+                        due = min(due, now + res.next_event)
+                self._foreign_due = due
+            if self.foreign and (next_event is None or self._foreign_due < next_event):
+                next_event = self._foreign_due
+            return next_event
 
     def _queue_tick(self, pool: str, q: QueueConfig) -> QueueTick:
         gate = self.gates[q.queue_name]
         cap = gate.capacity()
         specs = self.specs[q.queue_name]
-        # look ahead: a few attempts past a slot gate's slots (or a quota key's limit) park at
-        # each node of the pool, so a slot released there is taken by a waiter there, not
-        # after a dispatcher round trip; each node keeps its own (a node rings the doorbell
-        # when fewer than half of them are left there: Runtime.parked_ahead), whether the gate
-        # counts per node or for the whole pool. Once in all behind a composite of per-key
-        # quotas and a slot gate: its parked attempts hold their tenants' quota slots, and
-        # more of them cost more than they saved (a fair tenant mix on 3 nodes: 5.5 -> 6.1
-        # Redis round trips per request)
+        # look ahead past the slots (or a quota key's limit) once per node of the pool, so each
+        # node hands released slots over locally; once in all behind a composite of per-key
+        # quotas and a slot gate, whose parked attempts hold quota slots (docs/internals.md)
         nodes = self.pool_nodes[pool]
         per = 1 if cap is not None and specs else nodes
         if cap is not None:
@@ -321,11 +276,7 @@ class Dispatcher:
         )
 
     def _tick_pool(
-        self,
-        pool: str,
-        queues: list[QueueConfig],
-        doorbell: str | None = None,
-        block: float | None = None,
+        self, pool: str, queues: list[QueueConfig], doorbell: str, block: float | None
     ) -> float | None:
         for q in queues:
             if q.ingest:
@@ -359,13 +310,12 @@ class Dispatcher:
             if any(e.budget < 1.0 for e in entries):
                 # a fractional budget moved a share of the free room: more may fit now
                 return time.monotonic()
-        # otherwise the next move needs an event: a release or a submission rings the
-        # doorbell, a due retry or deadline is next_event
+        # else the next move needs an event: a ring, or a due retry or deadline (next_event)
         return None if res.next_event is None else time.monotonic() + res.next_event
 
     def _ingest(self, q: QueueConfig) -> None:
-        """Take what a reference producer wrote into the queue's sorted set (see
-        ``pipeline.store.wire``); a failure is logged and retried on the next tick."""
+        """Take what a reference producer wrote into the queue's sorted set (a failure is
+        retried on the next tick)."""
         try:
             outcome = self.store.ingest(q)
         except Exception as exc:  # noqa: BLE001 - the queue's own requests keep flowing
@@ -389,16 +339,8 @@ class Dispatcher:
                 note = entry("requeued", reason="could not send to Celery")
                 self.store.requeue(d.id, d.token, delay=1.0, attempted=False, note=note)
 
-    def reap(self) -> int:
-        """Requeue attempts whose lease expired and free their gate reservations."""
-        with self._lock:
-            n = self._reap()
-            self._reap_retired()
-            return n
-
     def _reap_retired(self) -> None:
-        """Free expired reservations of gates a reload replaced; forget a gate once it holds
-        nothing (its live holders release on it when they end)."""
+        """Free expired reservations of gates a reload replaced; forget one that holds none."""
         keep = []
         for gate in self.retired:
             try:
@@ -413,34 +355,34 @@ class Dispatcher:
                 keep.append(gate)
         self.retired = keep
 
-    def _reap(self) -> int:
-        n = 0
-        for queues in self.pools.values():
-            for q in queues:
-                gate = self.gates[q.queue_name]
-                for rid, token in self.store.reap(q.queue_name):
-                    gate.release(make_holder(rid, token))
-                    log.warning(
-                        "reaped request %s attempt %s on %s (lease expired)",
-                        rid,
-                        token,
-                        q.queue_name,
-                    )
-                    n += 1
-                    metrics.lease_reclaimed(q, "attempt")
-                    self._trace_reenqueue(q, rid, token)
-                for h in gate.reap():
-                    log.warning("gate %s freed expired reservation %s", q.queue_name, h)
-                    metrics.lease_reclaimed(q, "gate")
-                if self.specs[q.queue_name]:
-                    # tenants held back by a quota key whose wake-up was lost get another look
-                    sched.recheck(self.store.scripts, self.keys, q.queue_name)
-                self.check_wedge(q.queue_name, gate)
-        return n
+    def reap(self) -> int:
+        """Requeue attempts whose lease expired and free their gate reservations."""
+        with self._lock:
+            n = sum(self._reap_queue(q) for qs in self.pools.values() for q in qs)
+            self._reap_retired()
+            return n
+
+    def _reap_queue(self, q: QueueConfig) -> int:
+        gate = self.gates[q.queue_name]
+        reaped = self.store.reap(q.queue_name)
+        for rid, token in reaped:
+            gate.release(make_holder(rid, token))
+            log.warning(
+                "reaped request %s attempt %s on %s (lease expired)", rid, token, q.queue_name
+            )
+            metrics.lease_reclaimed(q, "attempt")
+            self._trace_reenqueue(q, rid, token)
+        for h in gate.reap():
+            log.warning("gate %s freed expired reservation %s", q.queue_name, h)
+            metrics.lease_reclaimed(q, "gate")
+        if self.specs[q.queue_name]:
+            # tenants held back by a quota key whose wake-up was lost get another look
+            sched.recheck(self.store.scripts, self.keys, q.queue_name)
+        self.check_wedge(q.queue_name, gate)
+        return len(reaped)
 
     def _trace_reenqueue(self, q: QueueConfig, request_id: str, token: str) -> None:
-        """A ``re-enqueue`` span for a reaped attempt, linked to its ``process-request`` span
-        (whose context the attempt left in its record). Tracing on only."""
+        """A ``re-enqueue`` span for a reaped attempt, linked to its ``process-request`` span."""
         if not tracing.enabled():
             return
         try:
@@ -456,9 +398,8 @@ class Dispatcher:
             log.warning("re-enqueue span of %s failed: %s", request_id, exc)
 
     def check_wedge(self, queue: str, gate: Gate) -> bool:
-        """A queue is wedged when requests wait, its gate is at its limit and nothing has
-        finished for ``wedge_after_s`` (by the server's clock, which also timed the last
-        finish): log the holders and record it (``pl:wedged``)."""
+        """Wedged: requests wait, the gate is full and nothing finished for ``wedge_after_s``
+        (server clock); log the holders and record it (``Keys.wedged``)."""
         cap = gate.capacity()
         if cap is not None and gate.per_node:
             cap *= self.pool_nodes[self.settings.queues[queue].worker_pool_id]

@@ -1,18 +1,10 @@
-"""Gates: admission control in front of the model servers. See :mod:`pipeline.gates.base`.
-
-The catalogue (``gate_type`` → class) is :data:`GATE_TYPES` (:mod:`.registry`);
-:func:`build_gate` builds one from a queue's ``gate_type`` / ``gate_params`` and raises
-ConfigError for unknown types and bad params of every type; it also builds the gates an
-attempt of a queue passes and checks a whole configuration's gates. Imports ``config``,
-``store`` and ``errors`` of the pipeline.
-"""
+"""Gates: admission control in front of the model servers (docs/gates.md)."""
 
 from .base import (
     CONTINUE,
     AcquireContext,
     Admission,
     Batched,
-    Budgeted,
     Calls,
     Decision,
     Gate,
@@ -41,7 +33,6 @@ __all__ = [
     "AcquireContext",
     "Admission",
     "Batched",
-    "Budgeted",
     "Calls",
     "Decision",
     "Gate",

@@ -1,33 +1,11 @@
-"""The gate protocol: a small core every gate has, and opt-in capabilities.
-
-**Core** (:class:`Gate`). :meth:`~Gate.acquire` answers a :class:`Decision`: Continue (the
-holder now has a reservation to release), Refuse (no reservation; the request goes back to its
-queue), Wait (no reservation; park and ask again until capacity frees or the wait times out),
-or Drop (terminal result). A reservation belongs to a *holder*, ``"<request id>:<attempt
-token>"``; :meth:`~Gate.release` is idempotent and a no-op for a holder that holds nothing, so
-every exit path may call it. Reservations kept in Redis are leases, renewed by the attempt's
-heartbeat (:meth:`~Gate.renew`) and freed by the reaper (:meth:`~Gate.reap`) when the holder
-dies; every expiry is judged by the Redis server's clock. :meth:`~Gate.capacity` is the most
-reservations it grants at once (``per_node``: on each worker node); the dispatcher counts its
-attempts against it. A gate made of others (a composite, a wrapper) names them in
-:meth:`~Gate.parts`, and the core's defaults fan out to them (a gate of no parts: no-ops).
-
-**Capabilities**, each a class a gate derives from (checked with ``isinstance``):
-
-- :class:`Budgeted`: admission follows a reading (a metric, a key another system writes, a
-  planner's lease); the dispatcher scales the worker slots it fills by it
-  (:func:`dispatch_budget`).
-- :class:`Batched`: acquire and release as script calls (:class:`Calls`) the worker sends in
-  the round trip of the attempt's start and of its finish / requeue.
-- :class:`HandsOver`: a reservation is one interchangeable slot, which a holder that is done
-  hands straight to an attempt of its process parked for one.
-- :class:`Settles`: admission charges an estimate that the attempt settles when it ends (a
-  token budget; :func:`settle`).
-"""
+"""The gate protocol: a small core every gate has (:class:`Gate`) and opt-in capabilities
+(:class:`Budgeted`, :class:`Batched`, :class:`HandsOver`, :class:`Settles`); docs/gates.md
+describes both."""
 
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
@@ -37,6 +15,8 @@ import redis
 from ..store.keys import Keys
 from ..store.sched import QuotaSpec
 from ..store.scripts import ScriptCall
+
+log = logging.getLogger("pipeline.gates")
 
 
 class Verdict(enum.Enum):
@@ -55,28 +35,19 @@ class Decision:
     labels: dict[str, str] = field(default_factory=dict)  # e.g. classification
     status_code: int | None = None  # for DROP: a result of the gate's own
     payload: str | None = None
-    # a Refuse that a release of this gate's own reservations can end (a full slot pool, not
-    # a closed metric): the attempt may park for a release instead of going back to the queue
+    # a Refuse a release can end (a full slot pool, not a closed metric): the attempt may park
     wake_on_release: bool = False
-    # the release bell to park on for such a Refuse: None for the queue's (a slot gate), a
-    # quota key for a per-key quota (published when a request of that key leaves)
-    wake_key: str | None = None
-    # for a Refuse: how long (s) the request should wait before it asks again, when the gate
-    # knows (a token budget: until enough of its window has expired); None: the usual jitter
-    retry_after: float | None = None
-    # for a Drop without a result of the gate's own: why (the GATE_DROPPED error_message)
-    message: str = ""
-    # the type of the gate that decided, inside a composite or wrapper (for the request's
-    # decision log; '' for the gate that was asked)
-    gate: str = ""
+    wake_key: str | None = None  # the bell to park on: None the queue's, else a quota key
+    retry_after: float | None = None  # a Refuse: ask again after this long (s); None: jitter
+    message: str = ""  # a Drop without a result of its own: the GATE_DROPPED message
+    gate: str = ""  # the type of the inner gate that decided ('' for the gate asked)
 
     @property
     def admitted(self) -> bool:
         return self.verdict is Verdict.CONTINUE
 
     def bell(self, queue: str) -> str:
-        """The release bell an attempt of ``queue`` parks on for this decision: its per-key
-        quota's key, else the queue's."""
+        """The release bell an attempt of ``queue`` parks on for this decision."""
         return self.wake_key or queue
 
 
@@ -85,8 +56,6 @@ CONTINUE = Decision(Verdict.CONTINUE)
 
 @dataclass(frozen=True)
 class AcquireContext:
-    """Everything a gate may look at when admitting one attempt."""
-
     request_id: str
     token: str
     queue: str
@@ -104,7 +73,7 @@ class AcquireContext:
 
 @dataclass(frozen=True)
 class GateEnv:
-    """Runtime resources a gate binds to (absent while only validating a config)."""
+    """Runtime resources a gate binds to (None while only validating a config)."""
 
     client: redis.Redis
     keys: Keys
@@ -117,10 +86,8 @@ Admission = tuple[Decision, bool]  # an acquire's decision, and whether it took 
 
 @dataclass(frozen=True)
 class Calls(Generic[T]):
-    """A gate step as script calls on the pipeline's Redis, for the worker to send in the round
-    trip of an attempt's start or finish: ``calls`` run in order (each atomic), then ``then``
-    turns their replies (none of them an error) into the step's result, doing what the calls
-    could not (e.g. a release of a holder on another node)."""
+    """A gate step as script calls the worker sends in the round trip of an attempt's start or
+    finish; ``then`` turns their replies (none an error) into the step's result."""
 
     calls: tuple[ScriptCall, ...]
     then: Callable[[Sequence[Any]], T]
@@ -131,8 +98,7 @@ class Calls(Generic[T]):
 
     @staticmethod
     def join(parts: Sequence[Calls[Any]], then: Callable[[list[Any]], T]) -> Calls[T]:
-        """Several steps as one, their calls in ``parts``' order; ``then`` gets each part's
-        result."""
+        """Several steps as one; ``then`` gets each part's result."""
 
         def done(replies: Sequence[Any]) -> T:
             out, at = [], 0
@@ -145,13 +111,10 @@ class Calls(Generic[T]):
 
 
 class Gate:
-    """The core every gate has; see the module. A gate of no :meth:`parts` holds nothing and
-    counts nothing unless it overrides these."""
+    """The core every gate has; its defaults fan out to :meth:`parts`."""
 
     type_name: ClassVar[str] = ""
-    # capacity() applies to each worker node separately (the dispatcher multiplies it by the
-    # live nodes); a gate made of others follows the part that sets its capacity
-    per_node: bool = False
+    per_node: bool = False  # capacity() is per worker node (the dispatcher multiplies it)
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         self.name = name
@@ -159,28 +122,25 @@ class Gate:
         self.env = env
 
     def parts(self) -> Sequence[Gate]:
-        """The gates this one is made of (a composite's, a wrapper's inner gate)."""
         return ()
 
     def acquire(self, ctx: AcquireContext) -> Decision:
         return CONTINUE
 
     def release(self, holder: str) -> bool:
-        """Free ``holder``'s reservation (every part's, last first). Idempotent; True if one
-        was freed."""
+        """Free ``holder``'s reservation (every part's, last first). Idempotent."""
         freed = False
         for gate in reversed(self.parts()):
             freed = gate.release(holder) or freed
         return freed
 
     def renew(self, holders: Iterable[str], lease_s: float) -> None:
-        """Extend the leases of live holders to ``lease_s`` from now (server clock)."""
         listed = list(holders)
         for gate in self.parts():
             gate.renew(listed, lease_s)
 
     def reap(self) -> list[str]:
-        """Free reservations whose lease expired (server clock); returns their holders."""
+        """Free reservations whose lease expired; returns their holders."""
         return list(dict.fromkeys(h for gate in self.parts() for h in gate.reap()))
 
     def capacity(self) -> int | None:
@@ -189,19 +149,15 @@ class Gate:
         return min(caps) if caps else None
 
     def budget(self) -> float:
-        """Free share of capacity in [0, 1], for status and metrics. Never raises. The
-        dispatcher's is :func:`dispatch_budget`."""
+        """Free share in [0, 1], for status (the dispatcher's: :func:`dispatch_budget`)."""
         return min((g.budget() for g in self.parts()), default=1.0)
 
     def quota_specs(self) -> list[QuotaSpec]:
-        """The blocking per-key concurrency quotas in this gate: the dispatcher counts each
-        key's requests against them and holds a tenant at its limit back, instead of sending
-        attempts the gate must refuse (``lookahead`` is left 0: the dispatcher sets it)."""
+        """The blocking per-key quotas the dispatcher counts each key's requests against."""
         return [s for gate in self.parts() for s in gate.quota_specs()]
 
     def holders(self) -> list[dict[str, Any]]:
-        """Live reservations: request id, attempt token, worker, age (s), lease expiry (a
-        holder of several parts once, the first part's entry)."""
+        """Live reservations (a holder of several parts once)."""
         seen: dict[tuple[str, str], dict[str, Any]] = {}
         for gate in self.parts():
             for entry in gate.holders():
@@ -209,7 +165,6 @@ class Gate:
         return list(seen.values())
 
     def in_flight(self) -> int:
-        """Holders with a live reservation (0 iff nothing leaks)."""
         return len(self.holders())
 
     def describe(self) -> dict[str, Any]:
@@ -221,15 +176,13 @@ class Gate:
         }
 
     def close(self) -> None:
-        """Release client resources (HTTP sessions); reservations are untouched."""
+        """Close client resources; reservations are untouched."""
         for gate in self.parts():
             gate.close()
 
 
 class Budgeted(Gate):
-    """Capability: admission follows a reading — :meth:`budget`, which the dispatcher scales
-    the worker slots it fills by (:func:`dispatch_budget`). Acquire refuses while it is 0 and
-    holds nothing."""
+    """Capability: admission follows :meth:`budget`; acquire refuses at 0 and holds nothing."""
 
     def budget(self) -> float:
         raise NotImplementedError
@@ -241,9 +194,7 @@ class Budgeted(Gate):
 
 
 class Batched(Gate):
-    """Capability: the acquire and the release as script calls on the pipeline's Redis, which
-    the worker sends in the same round trip as the attempt's start and as its finish /
-    requeue."""
+    """Capability: acquire and release as script calls (:class:`Calls`)."""
 
     def acquire_calls(
         self,
@@ -253,34 +204,26 @@ class Batched(Gate):
         tenant: Mapping[str, str],
         behind: bool = False,
     ) -> Calls[Admission] | None:
-        """The acquire, needing nothing of the request but its holder, worker and ``tenant``
-        (the metadata attribute the dispatcher named in its message, ``{attribute: value}``).
-        ``behind``: attempts of this process are parked on the gate's hand-over bell
-        (:class:`HandsOver`): the attempt is told the slot they wait for is full without
-        asking for it (it parks behind them; a slot freed rings that bell, so it goes to
-        them first anyway). None: not as calls (the attempt calls :meth:`acquire`)."""
+        """The acquire, from the holder and the ``tenant`` the dispatcher named alone.
+        ``behind``: attempts of this process are parked on the hand-over bell, so the slot is
+        refused without asking (it parks behind them). None: call :meth:`acquire`."""
         raise NotImplementedError
 
     def release_calls(self, holder: str) -> Calls[bool] | None:
-        """:meth:`release` as calls; None: release it directly."""
+        """None: release it directly."""
         raise NotImplementedError
 
 
 class HandsOver(Gate):
-    """Capability: a reservation is one interchangeable slot (a slot gate's, or a per-key
-    quota's slot of one key). A holder of this process that is done hands it to an attempt of
-    this process parked for one on the gate's hand-over bell; that attempt goes to the server
-    at once, while the giver records the transfer (:meth:`transfer_calls`)."""
+    """Capability: a reservation is one interchangeable slot, which a done holder hands to an
+    attempt of its process parked for one."""
 
     def handover_bell(self, queue: str, metadata: Mapping[str, str]) -> str | None:
-        """The bell a holder with ``metadata`` hands its slot over on (where an attempt refused
-        for that slot parks): the queue's for a slot gate, the key's for a per-key quota; None
-        when there is none (no value of the quota's attribute)."""
+        """Where a holder with ``metadata`` hands over: the queue, a quota key, or None."""
         raise NotImplementedError
 
     def transfer_calls(self, giver: str, ctx: AcquireContext) -> Calls[bool]:
-        """Free ``giver``'s slot and take it for ``ctx.holder``, atomically: True when the
-        taker now holds one (False: the giver's lease had lapsed and the gate is full)."""
+        """Free ``giver``'s slot and take it for ``ctx.holder`` atomically; True when taken."""
         raise NotImplementedError
 
 
@@ -288,9 +231,7 @@ class Settles(Gate):
     """Capability: admission charges an estimate that the attempt settles when it ends."""
 
     def settle(self, ctx: AcquireContext, tokens: int | None) -> None:
-        """Settle ``ctx``'s charge to ``tokens`` (what the request consumed: the response's
-        usage), 0 when nothing was served (a refund), or None to keep the estimate (sent, but
-        no answer said what was served). A no-op for a holder charged nothing."""
+        """Settle to ``tokens`` served (0 refunds), or None to keep the estimate."""
         raise NotImplementedError
 
 
@@ -302,15 +243,12 @@ def walk(gate: Gate) -> Iterator[Gate]:
 
 
 def dispatch_budget(gate: Gate) -> float:
-    """The share (0..1) of free worker slots the dispatcher fills for ``gate``: the lowest
-    reading of its :class:`Budgeted` gates, 1.0 when it has none (a slot gate's capacity the
-    dispatcher counts itself). Never raises."""
+    """The share of free worker slots the dispatcher fills: its lowest :class:`Budgeted`."""
     return min((g.budget() for g in walk(gate) if isinstance(g, Budgeted)), default=1.0)
 
 
 def static_budget(gate: Gate) -> bool:
-    """Whether :func:`dispatch_budget` never changes (no :class:`Budgeted` gate in it): the
-    dispatcher may compute a tick's arguments before it blocks on its doorbell."""
+    """No :class:`Budgeted` part: a tick's arguments may be computed before its wait."""
     return not any(isinstance(g, Budgeted) for g in walk(gate))
 
 
@@ -327,9 +265,7 @@ def per_key(gate: Gate) -> bool:
 
 
 def wake_keys(gate: Gate, metadata: Mapping[str, str]) -> list[str]:
-    """The quota keys a request with ``metadata`` may park on besides its queue
-    (``Decision.wake_key``), and rings when it releases a slot of them: one per per-key quota
-    in ``gate`` (wrapped ones too) that the request has a value for."""
+    """The quota keys a request with ``metadata`` may park on and rings when it releases."""
     return [
         spec.key_prefix + value
         for g in walk(gate)
@@ -337,3 +273,12 @@ def wake_keys(gate: Gate, metadata: Mapping[str, str]) -> list[str]:
         for spec in g.quota_specs()
         if (value := metadata.get(spec.attribute))
     ]
+
+
+def note_problem(gate: Gate, old: str | None, problem: str | None, effect: str) -> str | None:
+    """Log a gate's source ``problem`` when it starts or changes, and once when it heals."""
+    if problem != old and problem is None:
+        log.info("%s gate %s: source available again", gate.type_name, gate.name)
+    elif problem != old:
+        log.warning("%s gate %s: %s; %s", gate.type_name, gate.name, problem, effect)
+    return problem

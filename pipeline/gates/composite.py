@@ -1,30 +1,5 @@
-"""Gates made of other gates: ``composite`` and ``wait-on-refuse``.
-
-``composite`` — param ``gates``: a non-empty list of ``{gate_type, gate_params}`` (array or
-JSON string). Inner gate *i* is named ``<name>/<i>`` (its Redis keys use that name).
-
-- budget = min of the inner budgets; capacity = min of the inner capacities that are not
-  None (``per_node`` follows the inner gate that sets it); release / renew / reap fan out to
-  every inner gate (reap's holders de-duplicated); in_flight = number of distinct holders that
-  hold a reservation in any inner gate, and holders() lists them (first inner gate's entry
-  wins): 0 iff nothing leaks anywhere. (These are the core's defaults for a gate of parts.)
-- acquire runs the inner gates in order, all-or-nothing: each sees the labels the earlier
-  ones set; on the first non-Continue (or exception) the reservations already taken are
-  released in reverse order, a token budget's charge refunded first, and that decision (labels
-  merged) is returned (or the exception re-raised) — except that on a refusal the attempt
-  parks through (``wake_on_release``), the per-key quota slots taken (:func:`~.base.per_key`)
-  are kept: they are the attempt's own tenant's, it asks again when woken, and its release on
-  every exit path frees them.
-- batched (:class:`~.base.Batched`) when every inner gate is: the acquire's calls of all
-  inner gates go in one round trip (those after a refusing one give back what they took).
-- hands over (:class:`~.base.HandsOver`) when it is per-key quotas followed by one slot gate
-  that hands over: an attempt parked on that slot gate already holds its own quota slots, so
-  a holder that is done hands it the slot gate's slot and releases its own quota slots.
-
-``wait-on-refuse`` — param ``gate``: one inner config (object or JSON string), named like
-the outer gate. An inner Refuse becomes Wait (same reason and labels); every other decision,
-and everything else, is the inner gate's.
-"""
+"""Gates made of other gates: ``composite`` (all-or-nothing over its parts) and
+``wait-on-refuse``; their rules are in docs/gates.md."""
 
 from __future__ import annotations
 
@@ -80,8 +55,7 @@ class CompositeGate(Batched, HandsOver):
 
     @classmethod
     def of(cls, name: str, gates: Sequence[Gate], env: GateEnv | None) -> CompositeGate:
-        """A composite of gates already built (e.g. a queue's gate chained with its worker
-        pool's): same semantics; the inner gates keep their own names and keys."""
+        """A composite of gates already built (a queue's gate and its pool's)."""
         if not gates:
             raise ConfigError(f"composite gate {name!r}: needs at least one gate")
         self = cls.__new__(cls)
@@ -95,7 +69,7 @@ class CompositeGate(Batched, HandsOver):
         if counting:
             self.per_node = min(counting, key=lambda g: g.capacity() or 0).per_node
         *keyed, last = self.gates
-        # the slot gate whose slot it hands over, after per-key quotas (None: it hands over none)
+        # it hands over the slot of a slot gate after per-key quotas only
         hands = keyed and all(map(per_key, keyed)) and not per_key(last)
         self._slot = last if hands and isinstance(last, HandsOver) else None
 
@@ -124,10 +98,8 @@ class CompositeGate(Batched, HandsOver):
         holder: str,
         ctx: AcquireContext | None = None,
     ) -> Decision:
-        """The whole's decision from the inner ones, in order up to the first that is not
-        Continue: then what the gates before it took is given back (their per-key quota slots
-        kept when it parks), and so is what ``later`` gates took (a batched acquire asks them
-        all); with ``ctx``, a token budget's charge is refunded first."""
+        """The whole's decision from the inner ones up to the first not Continue; what the
+        others took is given back (and ``later`` gates', a batched acquire asked them all)."""
         labels = {k: v for d in decisions for k, v in d.labels.items()}
         last = decisions[-1]
         if last.admitted:
@@ -140,7 +112,6 @@ class CompositeGate(Batched, HandsOver):
         return dataclasses.replace(last, labels=labels, gate=gate)
 
     def _give_back(self, gates: Sequence[Gate], holder: str, ctx: AcquireContext | None) -> None:
-        """Release ``holder`` on ``gates`` in reverse order (refunding charges with ``ctx``)."""
         for gate in reversed(gates):
             try:
                 if ctx is not None:
@@ -163,9 +134,6 @@ class CompositeGate(Batched, HandsOver):
         tenant: Mapping[str, str],
         behind: bool = False,
     ) -> Calls[Admission] | None:
-        """Every inner gate's acquire as calls, when each is (``behind``: the slot gate's
-        refusal instead of its call). All calls run; :meth:`_combined` gives back what the
-        gates after a refusing one took."""
         if behind and self._slot is None:
             return None
         parts = [
@@ -187,7 +155,6 @@ class CompositeGate(Batched, HandsOver):
         return Calls.join(ready, decided)
 
     def release_calls(self, holder: str) -> Calls[bool] | None:
-        """Every inner gate's release, last first, when each is calls."""
         parts = [
             g.release_calls(holder) if isinstance(g, Batched) else None
             for g in reversed(self.gates)
@@ -199,8 +166,7 @@ class CompositeGate(Batched, HandsOver):
         return queue if self._slot is not None else None
 
     def transfer_calls(self, giver: str, ctx: AcquireContext) -> Calls[bool]:
-        """The giver's quota slots released, then the slot gate's slot handed to ``ctx`` (parked
-        for it, holding its own quota slots)."""
+        """The giver's quota slots released, then the slot gate's handed to ``ctx``."""
         assert self._slot is not None
 
         def released(gate: Gate) -> Calls[bool]:
@@ -216,8 +182,7 @@ class CompositeGate(Batched, HandsOver):
 
 
 class Wrapper(Gate):
-    """A gate around one inner gate: everything is the inner gate's (the core's defaults for a
-    gate of parts) but what a subclass overrides."""
+    """A gate around one inner gate: everything is the inner gate's but what it overrides."""
 
     inner: Gate
 
@@ -250,6 +215,3 @@ class WaitOnRefuseGate(Wrapper):
             gate = decision.gate or self.inner.type_name
             return dataclasses.replace(decision, verdict=Verdict.WAIT, gate=gate)
         return decision
-
-
-__all__ = ["CompositeGate", "WaitOnRefuseGate", "Wrapper", "build_inner"]

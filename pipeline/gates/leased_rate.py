@@ -1,28 +1,5 @@
-"""``redis-leased-rate``: a pool-wide admission rate that an external planner leases.
-
-A planner (NVIDIA Dynamo Planner in the reference's design, or any controller) writes a Redis
-hash at ``control_key`` with five non-empty fields: ``api_version`` (must be
-``llm-d.ai/v1alpha1``), ``pool_id`` (must equal the gate's), ``max_admission_rps`` (a finite
-number ≥ 0; ``0`` pauses), ``valid_until_unix_ms`` (an integer; the lease holds while it is
-later than the Redis server's clock) and ``decision_id``. The gate enforces that rate with one
-token bucket shared by every node (``gate_leased_rate.lua``: one atomic script, clock = Redis
-``TIME``): capacity ``max(1, rate × burst_seconds)``, refilled continuously, one token per
-admitted attempt.
-
-Params: ``control_key`` (required; used verbatim, outside the pipeline's key prefix, so the
-planner can write it), ``pool_id`` (default: the worker pool, when the gate is a pool's gate),
-``address`` (optional Redis URL or ``host:port``; default: the pipeline's Redis),
-``state_key`` (default ``Keys.leased_rate_state(control_key)``), ``burst_seconds`` (1.0, > 0).
-
-Fails closed: a missing, expired, mismatched or malformed lease, a Redis error or a rate × burst
-that overflows all **refuse** (reason ``gate_closed``; ``error`` for a Redis error), so a
-``wait-on-refuse`` around it parks the attempt. A paused lease (rate 0) refuses too. Budget
-(what the dispatcher scales by) is 1 for a valid lease with rate > 0, else 0, and never
-touches the bucket. Admissions are not refunded (rate, not concurrency): release, renew and
-reap are no-ops, and a composite that rolls back after this gate admitted keeps the token
-spent. After each call the instance exposes ``limit_rps``, ``lease_valid`` (1 also while
-paused) and ``valid_until_s`` for the ``pipeline_drain_limit_*`` gauges (0 when invalid).
-"""
+"""``redis-leased-rate``: a pool-wide admission rate an external planner leases (the reference's
+dispatch-control contract, docs/gates.md); one token bucket for every node, fails closed."""
 
 from __future__ import annotations
 
@@ -31,7 +8,7 @@ import math
 from typing import Any
 
 from ..store.scripts import register
-from .base import CONTINUE, AcquireContext, Budgeted, Decision, GateEnv, Verdict
+from .base import CONTINUE, AcquireContext, Budgeted, Decision, GateEnv, Verdict, note_problem
 from .params import Params
 from .redis_budget import OnRedis
 
@@ -62,8 +39,9 @@ class RedisLeasedRateGate(Budgeted, OnRedis):
         self.pool_id = pool
         self.burst_s = p.get_float("burst_seconds", 1.0, lo=0.0, lo_open=True)
         self._state_param = p.opt_str("state_key")
+        # the lease as last read, for the pipeline_drain_limit_* gauges (0 when invalid)
         self.limit_rps = 0.0
-        self.lease_valid = 0
+        self.lease_valid = 0  # 1 also while paused
         self.valid_until_s = 0.0
         self.decision_id = ""
         self._problem: str | None = None
@@ -79,22 +57,26 @@ class RedisLeasedRateGate(Budgeted, OnRedis):
         return self.env.keys.leased_rate_state(self.control_key)
 
     def _call(self, mode: str) -> int:
-        """Run the script; record the lease for the gauges; returns the verdict."""
+        """Run the script (``peek`` or ``take``); record the lease; returns the verdict."""
         if self.client is None:
             raise RuntimeError(f"gate {self.name!r} is not bound to Redis (env is None)")
         verdict, rate, until, decision, reason = self._script(
             keys=[self.control_key, self.state_key],
             args=[API_VERSION, self.pool_id, repr(self.burst_s), mode],
         )
-        verdict = int(verdict)
-        if verdict == INVALID:
-            self._note(0.0, 0, 0.0, "", f"no valid lease ({reason})")
+        if int(verdict) == INVALID:
+            self._note(problem=f"no valid lease ({reason})")
         else:
-            self._note(float(rate), 1, int(until) / 1000.0, str(decision), None)
-        return verdict
+            self._note(float(rate), 1, int(until) / 1000.0, str(decision))
+        return int(verdict)
 
     def _note(
-        self, rate: float, valid: int, until_s: float, decision: str, problem: str | None
+        self,
+        rate: float = 0.0,
+        valid: int = 0,
+        until_s: float = 0.0,
+        decision: str = "",
+        problem: str | None = None,
     ) -> None:
         self.limit_rps, self.lease_valid, self.valid_until_s = rate, valid, until_s
         if decision and decision != self.decision_id:
@@ -103,29 +85,22 @@ class RedisLeasedRateGate(Budgeted, OnRedis):
                 self.name, self.pool_id, decision, rate, until_s,
             )  # fmt: skip
         self.decision_id = decision
-        if problem != self._problem:
-            if problem is None:
-                log.info("redis-leased-rate gate %s: lease valid again", self.name)
-            else:
-                log.warning(
-                    "redis-leased-rate gate %s: %s at %s; refusing (fails closed)",
-                    self.name, problem, self.control_key,
-                )  # fmt: skip
-            self._problem = problem
+        effect = f"refusing (fails closed) at {self.control_key}"
+        self._problem = note_problem(self, self._problem, problem, effect)
 
     def budget(self) -> float:
         """1 for a valid lease with a rate > 0, else 0 (never touches the bucket)."""
         try:
             return 1.0 if self._call("peek") == ADMITTED else 0.0
         except Exception as exc:  # noqa: BLE001 - budget() never raises; fail closed
-            self._note(0.0, 0, 0.0, "", f"cannot read the lease: {exc}")
+            self._note(problem=f"cannot read the lease: {exc}")
             return 0.0
 
     def acquire(self, ctx: AcquireContext) -> Decision:
         try:
             verdict = self._call("take")
         except Exception as exc:  # noqa: BLE001 - a Redis error refuses (fails closed)
-            self._note(0.0, 0, 0.0, "", f"cannot read the lease: {exc}")
+            self._note(problem=f"cannot read the lease: {exc}")
             return Decision(Verdict.REFUSE, reason="error")
         if verdict == ADMITTED:
             return CONTINUE

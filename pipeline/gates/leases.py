@@ -1,16 +1,6 @@
-"""Lease-counted slots in Redis, shared by ``local-max-concurrency`` and ``redis-quota``.
-
-A slot pool is a sorted set of holders (``"<request id>:<token>"``) scored by lease expiry
-(Unix s) plus an info hash (holder → JSON: worker, acquired_at, ...). Acquire, release, renew,
-reap and the live count are Lua scripts (``pipeline/store/lua/gate_lease_*.lua``), each atomic.
-Only unexpired leases count, a renew never revives an expired lease, and a reap frees expired
-ones: so a crashed holder's slot comes back within one lease period plus one reaper pass, and
-the count never exceeds the limit (no whole-key TTL that could reset a busy counter).
-
-Every expiry is judged by the Redis server's clock (``TIME`` in the scripts): callers give a
-lease as a duration, never as a time of their own clock, so nodes whose clocks disagree by
-minutes still agree on which leases are live.
-"""
+"""Lease-counted slot pools in Redis (``gate_lease_*.lua``), shared by the slot gates and the
+concurrency quota. Every expiry is judged by the Redis server's clock: a caller gives a lease
+as a duration, never as a time of its own clock."""
 
 from __future__ import annotations
 

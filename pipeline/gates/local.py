@@ -1,18 +1,5 @@
-"""``local-max-concurrency``: at most ``limit`` reservations at once per worker node.
-
-Params: ``limit`` (int > 0, required), ``gating_mode`` (``classifying``, the default, never
-parks: a full gate refuses; ``blocking``: a full gate answers Wait).
-
-The limit holds across every pool slot and process of a node (prefork children included), so
-the holders live in Redis, not in process memory: one lease-counted slot pool per
-(gate name, ``env.node``) — keys ``Keys.gate_holders("<name>@<node>")`` and
-``Keys.gate_info("<name>@<node>")``. ``capacity()`` is the per-node limit (``per_node``): the
-dispatcher counts the slots itself; ``budget()`` is ``(limit − in_flight on this node) /
-limit`` for status, 0.0 when Redis cannot be read. A full gate's Refuse is marked
-``wake_on_release``: an attempt may park until a holder releases, and a holder of its process
-hands it the slot (:class:`~.base.HandsOver`). ``reap`` frees expired leases of every node; a
-node that never comes back leaves keys that expire an hour after its last lease.
-"""
+"""``local-max-concurrency``: at most ``limit`` reservations at once per worker node, held in
+Redis so the limit spans a node's processes."""
 
 from __future__ import annotations
 

@@ -1,44 +1,9 @@
-"""Gates whose budget is read from metrics: the shared machinery and the Prometheus gates.
-
-Every metric gate reads one value ``D`` in *budget space* (1 = idle, lower = busier) and
-compares it with a ``threshold`` below which it is closed: ``budget = min(1, D − threshold)``
-when ``D > threshold``, else 0. Readings (values and errors alike) are cached for
-``cache_ttl_s`` seconds (default 5; 0 disables) so the dispatcher's budget call and the
-workers' acquire calls share one HTTP round trip. HTTP calls time out after ``timeout_s``
-(default 5, at most 10) seconds.
-
-Fail closed: any error — connection refused, HTTP status, unparsable body, no sample, NaN or
-±Inf — gives the gate's ``fallback`` budget, which by default is 0. After each
-:meth:`MetricGate.budget` the instance exposes ``last_value`` (D, or None when the reading
-failed), ``threshold`` and ``source_available`` for gauges. Acquire refuses (``gate_closed``)
-iff the budget is ≤ 0 and holds no reservation.
-
-Prometheus gates (``url`` = the HTTP API base, default ``$PROMETHEUS_URL``; an instant query
-``GET <url>/api/v1/query``; the first sample of the result is used):
-
-- ``prometheus-query``: ``query`` verbatim; D = its value, threshold 0; ``fallback`` (budget,
-  0.0).
-- ``prometheus-saturation``: ``pool`` (required), ``namespace``, ``threshold`` (0.8, a
-  saturation in (0, 1]), ``fallback`` (budget, 0.0 — the reference fails open here).
-  D = ``1 - llm_d_epp_flow_control_pool_saturation{inference_pool, namespace}`` (the name
-  current llm-d routers export), or, when that query has no sample, the same on the older
-  ``inference_extension_flow_control_pool_saturation`` (an EPP that only exports the old
-  name keeps working; the reference dropped it). Closed at D ≤ 1 − threshold.
-- ``prometheus-budget``: ``pool`` (required), ``namespace``, ``max_concurrency`` (100 per
-  ready pod, > 0), ``baseline`` B (0.05, in [0, 1)), ``fallback`` (budget, 0.0),
-  ``ready_pods_aggregation`` (``max`` default, or ``sum``). D from the first of three queries
-  that returns a sample (the reference's cascade): [0] EPP flow-control queue size over ready
-  pods × max_concurrency, [1] mean per-pod queue size over max_concurrency, [2] vLLM running
-  requests over ready pods × max_concurrency. Ready pods are aggregated across EPP replicas
-  into one number *before* the division (each replica exports its own
-  ``inference_pool_ready_pods`` series, and dividing by several series fails in Prometheus:
-  the reference's #489). ``max``: every replica reports the whole pool's count, so the largest
-  is the pool; ``sum``: replicas report disjoint shares. Closed at D ≤ B; the gate closes at
-  ``max_concurrency × (1 − B)`` load per ready pod.
-"""
+"""Gates whose budget is read from metrics: the shared machinery (a cached, fail-closed
+reading) and the Prometheus gates. Formulas and params: docs/gates.md."""
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -47,11 +12,13 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urlencode, urlsplit
 
-import httpx
+import httptools
 
+from ..http.call import CallTimeout, Response, request
 from ..redact import redact_url
-from .base import Budgeted, GateEnv
+from .base import Budgeted, GateEnv, note_problem
 from .params import Params
 
 log = logging.getLogger(__name__)
@@ -62,7 +29,7 @@ MAX_TIMEOUT_S = 10.0
 
 
 class MetricUnavailable(Exception):
-    """The metric could not be read (the gate then uses its fallback)."""
+    pass
 
 
 @dataclass(frozen=True)
@@ -106,10 +73,11 @@ class MetricGate(Budgeted):
         self.source_available = False
         self._lock = threading.Lock()
         self._reading: _Reading | None = None
-        self._http: httpx.Client | None = None
+        self.follow_redirects = (
+            p.get_choice("follow_redirects", ("false", "true"), "false") == "true"
+        )
         self._last_error: str | None = None
 
-    # -- subclass hooks -------------------------------------------------------------------
     def read(self) -> float:
         """One fresh reading of D (budget space). Raises on any failure."""
         raise NotImplementedError
@@ -119,25 +87,30 @@ class MetricGate(Budgeted):
         raise NotImplementedError
 
     def fallback_budget(self) -> float:
-        """The budget used when no reading is available."""
         raise NotImplementedError
 
-    # -- the budget -----------------------------------------------------------------------
-    def get(self, url: str, **params: str) -> httpx.Response:
+    def get(self, url: str, **params: str) -> Response:
         """``GET url`` with query ``params``: a 200 response, else MetricUnavailable."""
-        if self._http is None:
-            self._http = httpx.Client(timeout=self.timeout_s, follow_redirects=True)
         where = redact_url(url)
+        if params:
+            url += ("&" if "?" in url else "?") + urlencode(params)
+        parts, headers = urlsplit(url), {}
+        if parts.username is not None:  # user:password@ in the URL is HTTP basic auth
+            login = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            headers["Authorization"] = "Basic " + base64.b64encode(login.encode()).decode()
         try:
-            resp = self._http.get(url, params=params or None)
-        except httpx.HTTPError as exc:
-            raise MetricUnavailable(f"GET {where}: {type(exc).__name__}: {exc}") from None
-        if resp.status_code != 200:
-            raise MetricUnavailable(f"GET {where}: HTTP {resp.status_code}")
+            resp = request(
+                "GET", url, b"", headers, self.timeout_s, follow_redirects=self.follow_redirects
+            )
+        except (OSError, ValueError, CallTimeout, httptools.HttpParserError) as exc:
+            error = str(exc).replace(url, redact_url(url))  # an unsupported URL names itself
+            raise MetricUnavailable(f"GET {where}: {type(exc).__name__}: {error}") from None
+        if resp.status != 200:
+            raise MetricUnavailable(f"GET {where}: HTTP {resp.status}")
         return resp
 
     def reading(self) -> _Reading:
-        """The cached reading, or a new one (the value or the error) when it is too old."""
+        """The cached reading (a value or an error), or a new one when it is too old."""
         with self._lock:
             cached = self._reading
             if cached is None or time.monotonic() - cached.at >= self.cache_ttl_s:
@@ -148,43 +121,20 @@ class MetricGate(Budgeted):
                 self._reading = cached
         return cached
 
-    def value(self) -> float:
-        """D from the cache, or read now (and cache the value or the error)."""
-        cached = self.reading()
-        if cached.error is not None or cached.value is None:
-            raise MetricUnavailable(cached.error or "no value")
-        return cached.value
-
     def budget(self) -> float:
         """Free share in [0, 1] from the metric; the fallback when it cannot be read."""
         threshold = self.threshold = self.closing_threshold()
-        try:
-            value = self.value()
-        except Exception as exc:  # noqa: BLE001 - budget() never raises
-            self.last_value = None
-            self.source_available = False
-            self._transition(str(exc))
+        cached = self.reading()
+        self.last_value = cached.value
+        self.source_available = cached.value is not None
+        self._transition(None if cached.value is not None else cached.error or "no value")
+        if cached.value is None:
             return min(1.0, max(0.0, self.fallback_budget()))
-        self.last_value = value
-        self.source_available = True
-        self._transition(None)
-        return max(0.0, budget_above(value, threshold))
+        return max(0.0, budget_above(cached.value, threshold))
 
     def _transition(self, error: str | None) -> None:
-        """Log when the source becomes unavailable (or its error changes) and when it heals."""
-        if error == self._last_error:
-            return
-        if error is None:
-            log.info("%s gate %s: metric available again", self.type_name, self.name)
-        else:
-            log.warning(
-                "%s gate %s: metric unavailable (%s); using fallback budget %.3g",
-                self.type_name,
-                self.name,
-                error,
-                self.fallback_budget(),
-            )
-        self._last_error = error
+        effect = f"using fallback budget {self.fallback_budget():.3g}"
+        self._last_error = note_problem(self, self._last_error, error, effect)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -194,13 +144,7 @@ class MetricGate(Budgeted):
             "source_available": self.source_available,
         }
 
-    def close(self) -> None:
-        if self._http is not None:
-            self._http.close()
-            self._http = None
 
-
-# -- Prometheus HTTP API ----------------------------------------------------------------------
 def promql_selector(metric: str, labels: dict[str, str]) -> str:
     """``metric{a="x",b="y"}`` with sorted, quoted label matchers (the reference's form)."""
     if not labels:
@@ -210,7 +154,7 @@ def promql_selector(metric: str, labels: dict[str, str]) -> str:
 
 
 class PrometheusGate(MetricGate):
-    """A metric gate that asks a Prometheus-compatible HTTP API."""
+    """A metric gate that asks a Prometheus-compatible HTTP API (an instant query)."""
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
@@ -230,7 +174,7 @@ class PrometheusGate(MetricGate):
         where = redact_url(self.url)
         resp = self.get(f"{self.url}/api/v1/query", query=promql)
         try:
-            body = resp.json()
+            body = json.loads(resp.body)
             if body.get("status") != "success":
                 raise MetricUnavailable(f"{where}: {body.get('error') or body.get('status')}")
             data = body["data"]
@@ -247,12 +191,6 @@ class PrometheusGate(MetricGate):
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise MetricUnavailable(f"{where}: malformed response ({exc!r})") from None
 
-    def query_required(self, promql: str) -> float:
-        value = self.query(promql)
-        if value is None:
-            raise MetricUnavailable(f"no sample for {promql}")
-        return value
-
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "url": redact_url(self.url)}
 
@@ -265,7 +203,10 @@ class PrometheusQueryGate(PrometheusGate):
         self.promql = self.p.get_str("query", required=True)
 
     def read(self) -> float:
-        return self.query_required(self.promql)
+        value = self.query(self.promql)
+        if value is None:
+            raise MetricUnavailable(f"no sample for {self.promql}")
+        return value
 
     def closing_threshold(self) -> float:
         return 0.0
@@ -356,9 +297,8 @@ class PrometheusBudgetGate(PrometheusGate):
 def budget_queries(
     pool: str, namespace: str | None, max_concurrency: float, aggregation: str = "max"
 ) -> list[str]:
-    """The reference's three PromQL sources of D for ``prometheus-budget``, in order. The
-    ready-pod count is aggregated over EPP replicas (``aggregation``) into one series before
-    it divides, so several replicas' series never make the division fail."""
+    """The reference's three PromQL sources of D for ``prometheus-budget``, in order. Ready
+    pods are aggregated over EPP replicas before they divide (several series fail: its #489)."""
     by_pool = {"inference_pool": pool}
     by_name = {"name": pool}
     if namespace:

@@ -1,9 +1,5 @@
-"""Typed reads of ``gate_params``, coerced the way the reference coerces them.
-
-Params arrive from JSON: numbers may be strings (``"5"``) or JSON numbers, nested gate configs
-and label maps may be JSON strings or structured objects. Every problem raises
-:class:`~pipeline.errors.ConfigError` naming the gate and the param.
-"""
+"""Typed reads of ``gate_params`` (JSON numbers or strings, nested configs as objects or JSON
+strings); every problem is a ConfigError naming the gate and the param."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_DURATION_PART = r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)"
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -31,25 +27,14 @@ def parse_duration(value: Any) -> float:
         try:
             seconds = float(text)
         except ValueError:
-            seconds = _parse_go_duration(text)
+            if not re.fullmatch(f"(?:{_DURATION_PART})+", text):
+                raise ValueError(f"a duration like '30s', '1m' or '500ms', not {text!r}") from None
+            seconds = sum(float(n) * _UNIT_S[unit] for n, unit in re.findall(_DURATION_PART, text))
     else:
         raise ValueError(f"a duration, not {type(value).__name__}")
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"a non-negative duration, not {value!r}")
     return seconds
-
-
-def _parse_go_duration(text: str) -> float:
-    pos, total = 0, 0.0
-    while pos < len(text):
-        m = _DURATION_PART.match(text, pos)
-        if m is None:
-            raise ValueError(f"a duration like '30s', '1m' or '500ms', not {text!r}")
-        total += float(m.group(1)) * _UNIT_S[m.group(2)]
-        pos = m.end()
-    if not text:
-        raise ValueError("a duration, not an empty string")
-    return total
 
 
 class Params:
@@ -119,29 +104,11 @@ class Params:
         return number
 
     def get_int(self, key: str, default: int | None = None, *, lo: int | None = None) -> int:
-        """An integer (JSON number without a fraction or an integer string), at least ``lo``."""
-        value = self.raw(key)
-        if value is None:
-            if default is None:
-                raise self.error(key, "is required")
-            return default
-        number: int | None = None
-        if isinstance(value, int) and not isinstance(value, bool):
-            number = value
-        elif isinstance(value, float) and value.is_integer():
-            number = int(value)
-        elif isinstance(value, str):
-            try:
-                as_float = float(value)
-            except ValueError:
-                as_float = math.nan
-            if as_float.is_integer():
-                number = int(as_float)
-        if number is None:
-            raise self.error(key, f"must be an integer, not {value!r}")
-        if lo is not None and number < lo:
-            raise self.error(key, f"must be at least {lo}, not {number}")
-        return number
+        """An integer (a JSON number without a fraction or an integer string), at least ``lo``."""
+        number = self.get_float(key, None if default is None else float(default), lo=lo)
+        if not number.is_integer():
+            raise self.error(key, f"must be an integer, not {self.raw(key)!r}")
+        return int(number)
 
     def get_choice(self, key: str, choices: Sequence[str], default: str) -> str:
         value = self.get_str(key, default)
@@ -195,7 +162,6 @@ class Params:
             raise self.error(key, "must name at least one gate")
         return [self._one_config(f"{key}[{i}]", item) for i, item in enumerate(value)]
 
-    # -- helpers ---------------------------------------------------------------------------
     def _json(self, key: str, value: Any) -> Any:
         if isinstance(value, str):
             try:

@@ -1,62 +1,6 @@
-"""``redis-quota``: a limit per value of a request attribute (e.g. per user), in Redis.
-
-Params: ``address`` (optional Redis URL, ``host:port`` or a ``sentinel://`` list with
-``master_name``; default: the pipeline's client),
-``attribute`` (``userid``; read from ``ctx.metadata``, ``metadata.userid`` also accepted),
-``mode`` (``rate-limit`` default, ``concurrency`` or ``tokens``), ``limit`` (int > 0,
-required: requests, or tokens in tokens mode), ``window`` (``1m``; seconds or
-``"30s"``/``"500ms"``/``"1h"``; rate-limit and tokens only, required in tokens mode), ``prefix``
-(``quota:``), ``gating_mode`` (``blocking`` default, or ``classifying``), and in tokens mode
-only ``default_max_tokens`` (int >= 0, 256: the completion budget of a body without
-``max_tokens``, see :mod:`.tokens`). Each mode is its own class (:func:`redis_quota`).
-
-The quota key is ``<prefix><attribute>:<value>`` as in the reference, so every gate with the
-same prefix shares one quota per value (e.g. one per-user limit across queues). Its Redis keys
-sit under the pipeline prefix: the concurrency holders are ``Keys.gate_holders(<quota key>)``
-and the rate-limit logs ``Keys.gate_rate(<prefix without ':'>, "<attribute>:<value>",
-window)``.
-
-- A request without the attribute passes (Continue, no labels, nothing held).
-- **concurrency** (:class:`ConcurrencyQuota`): one lease per holder in a sorted set per value,
-  scored by lease expiry; only unexpired leases count, acquire is one Lua step. A per-gate hash
-  (``Keys.gate_info(<gate name>)``) maps each holder to its key so release, renew and reap
-  find it; reap frees this gate's expired holders and returns them. Release always refunds.
-- **rate-limit** (:class:`RateQuota`): a sliding-window log per (quota key, window); one entry
-  per admitted holder (never refunded: release is a no-op); entries older than the window drop
-  out.
-- **tokens** (:class:`TokenQuota`): at most ``limit`` tokens per sliding ``window`` per key.
-  Admission charges the request's estimate (:func:`.tokens.estimate_tokens`: prompt characters
-  / 4 + its ``max_tokens``) in a log per (quota key, window) (``Keys.gate_tokens``;
-  ``lua/gate_tokens_acquire.lua``); when the attempt ends it settles the charge
-  (:meth:`TokenQuota.settle`, ``lua/gate_tokens_settle.lua``) to the response's ``usage``
-  (prompt + completion) after a 2xx, to 0 when nothing was served (no request sent, or a
-  non-2xx answer), and to the estimate when the request went out and no answer came (a
-  time-out: the server may have generated it). A charge counts from its admission until a
-  whole ``window`` after its settlement (it is re-stamped then): every token the server
-  received before the answer lies within the windows it is counted in, however late the
-  request reached the server after its admission. (An attempt that ends without settling — a
-  killed worker — keeps its estimate for a window from its admission; so does one in flight
-  longer than the window.) Over the budget → Refuse with ``retry_after`` = the time until
-  enough of the window's charges expire (server clock), or at most ``SETTLE_POLL_S`` when
-  charges still in flight could settle lower and make room sooner. An estimate above
-  ``limit`` can never fit: Drop (``GATE_DROPPED``, saying so). Nothing is held: release,
-  renew and reap are no-ops.
-- **blocking**: admitted → Continue ``classification=reserved``; over the limit → Refuse
-  (``quota_exhausted``, ``classification=overflow``). **classifying** never refuses: over the
-  limit is Continue ``classification=overflow`` and holds nothing.
-
-Redis errors propagate from ``acquire`` (the worker turns them into a Refuse with reason
-``error``). ``capacity()`` is None: a quota has no overall capacity.
-
-**Quota-aware dispatch** (concurrency, blocking): :meth:`ConcurrencyQuota.quota_specs` tells
-the dispatcher the key and limit, so the dispatch script counts each key's dispatched and
-running requests and holds a tenant at its limit back (``lua/sched.lua``) instead of sending
-attempts this gate must refuse. A few attempts past the limit (look-ahead) are sent when the
-pool has room: their refusal is ``wake_on_release`` with ``wake_key`` = the quota key, so they
-park at the worker and take the key's next released slot (a request of the key leaving the
-active state publishes the key on the release bell's channel; a holder of the worker's own
-process hands its slot over).
-"""
+"""``redis-quota``: a limit per value of a request attribute (a tenant), one class per ``mode``
+(rate-limit, concurrency, tokens). Params and keys: docs/gates.md; token budgets:
+docs/scheduling.md."""
 
 from __future__ import annotations
 
@@ -140,8 +84,7 @@ class Quota(OnRedis):
         return self.env.keys
 
     def _over(self, wake: str | None = None) -> Decision:
-        """Over the limit: a blocking quota's refusal (``wake``: the key's bell it parks on,
-        concurrency mode), a classifying one's Continue ``overflow``."""
+        """Over the limit: refuse (blocking; ``wake``: the key's bell), else Continue overflow."""
         if self.gating_mode == "classifying":
             return OVERFLOW
         return Decision(
@@ -334,7 +277,6 @@ class ConcurrencyQuota(Quota, Batched, HandsOver):
         call = self._slots(key).acquire(ctx.holder, ctx.lease_s, self.limit, info, giver)
         return self._calls(call, lambda r: bool(int(r)))
 
-    # -- reservations ----------------------------------------------------------------------
     def release(self, holder: str) -> bool:
         """One round trip: the index entry names the holder's key (``gate_quota_release``)."""
         return False if self.client is None else self.release_calls(holder).run()

@@ -1,14 +1,5 @@
-"""``redis``: the budget is a number another system writes into a Redis key.
-
-Params: ``address`` (optional Redis URL or ``host:port``, or a Sentinel list
-``sentinel://h1:26379;sentinel://h2:26379/0`` with ``master_name``; default: the pipeline's own
-client), ``budget_key`` (default ``dispatch-gate-budget``, used verbatim, without the
-pipeline's key prefix, so an external controller can write it).
-
-Budget: ``GET budget_key`` → missing 1.0, a number → clamped to [0, 1], unparsable → 0.0 and
-a warning (the reference fails open here; we fail closed), Redis error → 0.0. Acquire refuses
-(``gate_closed``) iff the budget is ≤ 0 and holds no reservation.
-"""
+"""``redis``: the budget is a number another system writes into a Redis key; and
+:class:`OnRedis`, the client of a gate that may name its own Redis."""
 
 from __future__ import annotations
 
@@ -24,7 +15,7 @@ from ..config import is_sentinel, parse_sentinel_url
 from ..errors import ConfigError
 from ..redact import redact_url
 from ..store import connect as store_connect
-from .base import Budgeted, Gate, GateEnv
+from .base import Budgeted, Gate, GateEnv, note_problem
 from .params import Params
 
 log = logging.getLogger(__name__)
@@ -41,8 +32,7 @@ class RedisAddress:
 
 
 def redis_url(p: Params, key: str = "address") -> RedisAddress | None:
-    """The ``address`` param as a Redis URL (``host:port`` gets ``redis://``), or None. A
-    Sentinel list (``sentinel://...;sentinel://...``) needs the ``master_name`` param."""
+    """The ``address`` param as a Redis URL (``host:port`` gets ``redis://``), or None."""
     address = p.opt_str(key)
     if address is None:
         return None
@@ -67,14 +57,12 @@ def redis_url(p: Params, key: str = "address") -> RedisAddress | None:
 
 
 def connect(address: RedisAddress) -> redis.Redis:
-    """A client of its own for a gate that names another Redis (decoded responses, 5 s
-    timeouts), through the one function that connects to Redis."""
+    """A client of its own for a gate that names another Redis (5 s timeouts)."""
     return store_connect(address.url, sentinel_master=address.master_name, timeout=5)
 
 
 class OnRedis(Gate):
-    """A gate that reads Redis: the one its ``address`` param names (a client of its own,
-    closed with the gate), else the pipeline's (``client`` is None while only validating)."""
+    """A gate on the Redis its ``address`` names (a client of its own), else the pipeline's."""
 
     url: RedisAddress | None
     client: redis.Redis | None
@@ -107,11 +95,8 @@ class RedisBudgetGate(Budgeted, OnRedis):
             raw = self.client.get(self.budget_key)
         except Exception as exc:  # noqa: BLE001 - budget() never raises; fail closed
             return self._problem(f"cannot read {self.budget_key!r}: {exc}")
-        if raw is None:
-            self._problem(None)
-            return 1.0
         try:
-            value = float(raw)
+            value = 1.0 if raw is None else float(raw)
         except (TypeError, ValueError):
             value = math.nan
         if math.isnan(value):
@@ -120,14 +105,8 @@ class RedisBudgetGate(Budgeted, OnRedis):
         return min(1.0, max(0.0, value))
 
     def _problem(self, problem: str | None) -> float:
-        """Log a problem once when it starts (and once when it ends); returns 0.0."""
-        if problem != self._last_problem:
-            where = redact_url(self.url.url) if self.url else "the pipeline's Redis"
-            if problem is None:
-                log.info("redis gate %s: budget readable again (%s)", self.name, where)
-            else:
-                log.warning("redis gate %s: %s (%s); budget 0", self.name, problem, where)
-            self._last_problem = problem
+        where = redact_url(self.url.url) if self.url else "the pipeline's Redis"
+        self._last_problem = note_problem(self, self._last_problem, problem, f"budget 0 ({where})")
         return 0.0
 
     def describe(self) -> dict[str, Any]:

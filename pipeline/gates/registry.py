@@ -1,9 +1,5 @@
-"""Building gates from the configuration: the catalogue (``gate_type`` → class,
-:data:`GATE_TYPES`) and :func:`build_gate`; the gates an attempt of a queue passes — the
-queue's own gate, then its worker pool's gate (``PIPELINE_POOLS``), acquired all-or-nothing as
-one chain just before the HTTP call (:func:`attempt_gate`); and the check of a whole
-configuration's gates (:func:`check_gates`): the settings are plain data, so a bad
-``gate_type`` or ``gate_params`` is found here, by the gates themselves."""
+"""The gate catalogue (:data:`GATE_TYPES`), :func:`build_gate`, the chain an attempt passes (its
+queue's gate, then its pool's) and the check of a whole configuration's gates."""
 
 from __future__ import annotations
 
@@ -54,11 +50,8 @@ GATE_TYPES[Quota.type_name] = redis_quota  # a class per mode
 def build_gate(
     gate_type: str | None, params: dict[str, Any] | None, *, name: str, env: GateEnv | None = None
 ) -> Gate:
-    """Construct a gate from its config. Unknown types and bad params raise ConfigError.
-
-    ``params`` may also be a JSON string holding an object. With ``env`` None the config is
-    only validated: no Redis or network is touched.
-    """
+    """A gate from its config (``params`` may be a JSON string); ConfigError for an unknown
+    type or bad params. With ``env`` None it is only validated: nothing is connected to."""
     gate_type = gate_type or "constant"
     make = GATE_TYPES.get(gate_type)
     if make is None:
@@ -90,8 +83,7 @@ def pool_gate(settings: Settings, pool: str, env: GateEnv | None) -> Gate | None
 def attempt_gate(
     settings: Settings, queue: str, env: GateEnv | None, pools: dict[str, Gate | None] | None = None
 ) -> Gate:
-    """The queue's gate, chained with its pool's gate when the pool has one. ``pools`` caches
-    pool gates so every queue of a pool shares one instance."""
+    """The queue's gate, chained with its pool's (``pools``: one instance per pool)."""
     gate = queue_gate(settings, queue, env)
     pool = settings.queues[queue].worker_pool_id
     if pools is not None and pool in pools:
@@ -106,8 +98,7 @@ def attempt_gate(
 
 
 def same_attempt_gate(old: Settings, new: Settings, queue: str) -> bool:
-    """Whether ``queue``'s attempt gate (its own and its pool's) is configured the same in
-    both: a reload keeps that gate (and its reservations' keys) as it is."""
+    """Whether ``queue``'s attempt gate is configured the same in both (a reload keeps it)."""
     a, b = old.queues.get(queue), new.queues.get(queue)
     if a is None or b is None:
         return False
@@ -119,8 +110,7 @@ def same_attempt_gate(old: Settings, new: Settings, queue: str) -> bool:
 
 
 def check_gates(settings: Settings) -> Settings:
-    """Validate every queue's and pool's gate (type and params; nothing is connected to):
-    ConfigError naming the queue or pool. Returns ``settings``."""
+    """Validate every queue's and pool's gate (ConfigError naming it); returns ``settings``."""
     for q in settings.queues.values():
         try:
             queue_gate(settings, q.queue_name, None)

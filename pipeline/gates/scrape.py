@@ -1,101 +1,33 @@
-"""``endpoint-scrape``: the budget from a model server's own ``/metrics`` (text exposition).
-
-Params: ``url`` and ``metric`` (required; e.g. a vLLM ``/metrics`` and
-``vllm:num_requests_waiting``), ``labels`` (label filter: object or JSON string; the first
-sample whose labels include all of them is used), ``max_count_per_pod`` (≥ 0; 0 means the
-value already is a saturation in [0, 1]), ``baseline`` (0, in [0, 1)), ``fallback`` (the
-*saturation* assumed when the scrape fails; default 1.0, i.e. closed), ``pods_url`` +
-``pods_metric`` + ``pods_labels`` (a dynamic ready-pod count, e.g. from the EPP; without
-them one pod), plus ``cache_ttl_s`` / ``timeout_s`` (see :mod:`.metric`).
-
-saturation = value / (pods × max_count_per_pod), clamped to [0, 1]; D = 1 − saturation;
-budget = max(0, D − baseline). A missing sample, a pod count ≤ 0, an HTTP error or a NaN all
-read as unavailable → budget ``max(0, 1 − fallback − baseline)``.
-
-``absent_value`` (optional number): when the page was read but has no matching sample (a
-gauge that vanishes while idle), this is the reading instead of an error. Not applied to the
-pods metric.
-
-``admission`` — ``budget`` (default: the above) or ``counted`` (needs ``max_count_per_pod``
-> 0; ``baseline`` must be 0 and ``fallback`` unset): each reading gives a *headroom*
-max(0, pods × max_count_per_pod − value), and the gate admits at most floor(headroom)
-attempts per reading, then refuses until the next reading (at most one per ``cache_ttl_s``).
-A failed reading admits nothing. Budget is 1 while an admission of the current reading is
-left, else 0. The count is per gate instance (per worker process), like the reference's per
-replica; admissions are not refunded (a release is a no-op). ``last_value`` is the headroom
-and ``threshold`` 0.
-"""
+"""``endpoint-scrape``: the budget from a model server's own ``/metrics`` text; with
+``admission: counted``, at most floor(headroom) admissions per reading (docs/gates.md)."""
 
 from __future__ import annotations
 
 import math
-import re
 import threading
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families as text_to_families
 
 from ..redact import redact_url
 from .base import CONTINUE, AcquireContext, Decision, GateEnv, Verdict
 from .metric import MetricGate, MetricUnavailable, finite
 from .params import Params
 
-_LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
-_ESCAPE = re.compile(r'\\[\\"n]')
-
-
-def parse_labels(text: str) -> dict[str, str]:
-    """``a="x",b="y\\"z"`` → {"a": "x", "b": 'y"z'}. Raises ValueError when malformed."""
-    labels: dict[str, str] = {}
-    pos = 0
-    while pos < len(text):
-        if text[pos:].strip() == "":
-            break
-        m = _LABEL.match(text, pos)
-        if m is None:
-            raise ValueError(f"bad label set {text!r}")
-        labels[m.group(1)] = _ESCAPE.sub(lambda e: _UNESCAPE[e.group(0)], m.group(2))
-        pos = m.end()
-    return labels
-
-
-def _split_sample(line: str) -> tuple[str, dict[str, str], str] | None:
-    """(name, labels, value text) of one sample line, or None when it is not one."""
-    brace = line.find("{")
-    if brace >= 0:
-        close = line.rfind("}")
-        if close < brace:
-            return None
-        name, labels = line[:brace].strip(), parse_labels(line[brace + 1 : close])
-        rest = line[close + 1 :].split()
-    else:
-        parts = line.split()
-        if len(parts) < 2:
-            return None
-        name, labels, rest = parts[0], {}, parts[1:]
-    if not rest:
-        return None
-    return name, labels, rest[0]
-
 
 def first_sample(text: str, metric: str, labels: dict[str, str]) -> float | None:
-    """The value of the first sample of ``metric`` whose labels include ``labels``; None
-    when there is none. NaN and ±Inf are returned as they are (the caller decides)."""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#") or not line.startswith(metric):
+    """The value of the first sample of ``metric`` whose labels include ``labels`` (None: no
+    such sample; a line prometheus_client cannot parse is skipped)."""
+    for line in text.splitlines():
+        if not line.strip().startswith(metric):  # a comment starts with '#'
             continue
         try:
-            sample = _split_sample(line)
+            samples = [s for family in text_to_families(line) for s in family.samples]
         except ValueError:
             continue
-        if sample is None or sample[0] != metric:
-            continue
-        name, found, value = sample
-        if all(found.get(k) == v for k, v in labels.items()):
-            try:
-                return float(value)
-            except ValueError:
-                return math.nan
+        for sample in samples:
+            if sample.name == metric and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
     return None
 
 
@@ -169,11 +101,9 @@ class EndpointScrapeGate(MetricGate):
             return 0.0
         return max(0.0, 1.0 - self.fallback - self.baseline)
 
-    # -- admission "counted" ----------------------------------------------------------------
     def _claim(self, take: bool) -> bool:
-        """Whether the current reading (a new one at most every ``cache_ttl_s``) allows one
-        more admission; with ``take``, count it. A new reading starts the count again; a
-        failed one allows nothing. Sets the gauges (value = headroom, threshold 0)."""
+        """Whether the current reading allows one more admission (``take``: count it); a new
+        reading starts the count again. Sets the gauges (value = headroom, threshold 0)."""
         reading = self.reading()
         self.threshold = 0.0
         self.last_value = reading.value

@@ -1,21 +1,4 @@
-"""``tier-priority-admission``: what a saturated pool does with each tier of request.
-
-Params: ``saturation_gate`` (required gate type), ``saturation_gate_params`` (object or JSON
-string), ``tier_label`` (``tier``). The inner gate is named like this one.
-
-Acquire asks the inner gate. Anything but Refuse is returned as is (a Continue keeps its
-reservation). On Refuse (saturated), with the classification from the labels (those an
-earlier gate set — e.g. a ``redis-quota`` in a composite — or the inner decision's) and the
-tier from ``labels[tier_label]``, else ``metadata[tier_label]``:
-
-| classification | tier          | verdict                                       |
-|----------------|---------------|-----------------------------------------------|
-| reserved       | any           | Wait (it holds quota: park until capacity)   |
-| overflow       | interactive   | Drop: 429 ``{"error": "Too Many Requests", "code": 429}`` |
-| anything else  | anything else | Refuse (back to the queue)                    |
-
-Budget, capacity and reservations are the inner gate's.
-"""
+"""``tier-priority-admission``: what a saturated pool does with each tier (docs/gates.md)."""
 
 from __future__ import annotations
 
@@ -44,8 +27,7 @@ class TierPriorityAdmissionGate(Wrapper):
         self._wrap(build_inner(p, "saturation_gate", gate_type, inner, name, env))
 
     def quota_specs(self) -> list[QuotaSpec]:
-        """None: a refusal of the inner gate is an outcome here (Wait, Drop, Refuse by tier),
-        so the dispatcher must not hold requests back from it."""
+        """None: an inner refusal is an outcome here, the dispatcher must not hold back for it."""
         return []
 
     def acquire(self, ctx: AcquireContext) -> Decision:

@@ -1,24 +1,6 @@
-"""The token estimate a token budget charges at admission (``redis-quota``, ``mode: "tokens"``).
-
-**The rule** (:func:`estimate_tokens`), from the request body alone, before it is sent:
-
-    estimate = prompt estimate + completion budget
-
-- *completion budget*: the body's ``max_completion_tokens`` or ``max_tokens`` (the larger when
-  both are there; a non-negative integer, anything else is ignored), else the gate's
-  ``default_max_tokens`` (:data:`DEFAULT_MAX_TOKENS`); times ``n`` (choices, an integer ≥ 1).
-- *prompt estimate*: ``ceil(characters / 4)`` of the text the model reads — a ``prompt``
-  string (or list of strings), and for chat every message's ``content`` (a string, or the
-  ``text`` of its parts) — plus :data:`MESSAGE_OVERHEAD` tokens per chat message (the chat
-  template's role markers); a prompt given as token ids counts one per id.
-- a body that is not a JSON object (it cannot be read): the completion budget alone.
-
-It is an estimate: the response's ``usage`` settles the charge to what was served (see
-``pipeline.gates.quota``). Characters / 4 is the usual average for English text under BPE
-tokenizers; code, numbers and other languages tokenize denser (the settlement then raises the
-charge), and the completion budget is an upper bound that generation often stops short of (the
-settlement then lowers it).
-"""
+"""The token estimate a ``redis-quota`` in tokens mode charges at admission: prompt
+characters / 4 plus the completion budget (the rule: docs/scheduling.md#token-budgets). The
+response's ``usage`` settles it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""One attempt of one request, independent of Celery (the task in ``tasks`` is a thin
-wrapper): gate acquisition (parking for a release), the HTTP call, and exactly one of finish /
-retry / requeue — with the gate reservation released *before* the request leaves the attempt.
-The process's :class:`~pipeline.worker.process.Runtime` starts it (fenced by its token)."""
+"""One attempt of one request: gate acquisition (parking for a release), the HTTP call, and
+exactly one of finish / retry / requeue, its reservation released before the request leaves."""
 
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ from ..store.keys import ref_cancel_key
 from . import observe
 from .bell import Ticket
 from .endpoints import authorization, queue_send
-from .report import Mirrors, Report, Status, failure_message, result_dict
+from .report import Mirrors, Report, Status, failure_message
 from .reservation import Host, Reservation
 
 log = logging.getLogger("pipeline.worker")
@@ -44,9 +42,7 @@ class Attempt:
         reservation: Reservation | None = None,
     ) -> None:
         self.rt = runtime
-        # the Redis server's clock minus this machine's, read at the fenced start: deadlines
-        # (set by the server's clock) are measured by it, so a node whose clock is off by
-        # minutes neither sends after a deadline nor gives up before it
+        # the Redis server's clock minus this machine's: deadlines are measured by the server's
         self.clock_offset = clock_offset
         self.record = record
         self.id = record["id"]
@@ -59,8 +55,6 @@ class Attempt:
         self.extra_headers: dict[str, str] = _json_map(record.get("headers"), "headers")
         if "payload" not in record:
             raise KeyError("payload")
-        # the gate reservation, made by the runtime at the start (with the gate's decision when
-        # its acquire went in the start's round trip), released on every exit path
         name = self.queue.queue_name
         self.reservation = reservation or Reservation(
             runtime, name, self.holder, runtime.gate(name)
@@ -70,20 +64,12 @@ class Attempt:
         self.mirrors: Mirrors | None = None  # set by the task layer
         self.send_event: Callable[..., Any] | None = None  # Celery's, set by the task layer
         self.mirrored: str | None = None  # the state of the mirror written, if any
-        # what a token budget's charge settles to when the attempt ends (Gate.settle): 0 until
-        # the request is sent (nothing served), then the response's usage, or None to keep the
-        # estimate (sent, and no answer says what was served)
-        self.served_tokens: int | None = 0
-        # gate decisions for the request's decision log, sent with the outcome (or at once by
-        # an attempt parked longer than PARK_POLL_S)
-        self.journal = Journal()
-        # set when the request (or its batch) was cancelled while this attempt was parked:
-        # the reason ('cancelled', 'batch cancelled'); it then ends unsent
-        self.cancelled: str | None = None
+        self.served_tokens: int | None = 0  # what a token charge settles to (served_tokens())
+        self.journal = Journal()  # the request's decision log entries, sent with the outcome
+        self.cancelled: str | None = None  # why, when cancelled while parked: it ends unsent
 
     @property
     def decision(self) -> Decision | None:
-        """The gate's last decision for this attempt (None: not asked yet)."""
         return self.reservation.decision
 
     @property
@@ -95,12 +81,10 @@ class Attempt:
         return make_holder(self.id, self.token)
 
     def now(self) -> float:
-        """The Redis server's clock (Unix s), as read at the start and carried on by this
-        machine's."""
+        """The Redis server's clock (Unix s)."""
         return time.time() + self.clock_offset
 
     def time_left(self) -> float:
-        """Seconds until the request's deadline, by the server's clock."""
         return self.deadline - self.now()
 
     def _ctx(self) -> AcquireContext:
@@ -117,10 +101,8 @@ class Attempt:
         )
 
     def acquire(self) -> Decision:
-        """Ask the gate (called from the task's ``before_start`` when the start did not, and
-        again while parked). Holding nothing yet, the attempt asks the queue's gate under the
-        current config (a reload may have changed it since the attempt began); once admitted
-        it keeps that gate until it releases."""
+        """Ask the gate; holding nothing yet, the queue's gate under the current config (a
+        reload may have replaced it); once admitted it keeps that gate until it releases."""
         res = self.reservation
         gate = None if res.admitted else self.rt.current_gate(self.queue.queue_name)
         if gate is not None and gate is not res.gate:
@@ -130,7 +112,6 @@ class Attempt:
         self.labels.update(decision.labels)
         return decision
 
-    # -- outcomes (each releases first: Reservation.release_with) ------------------------
     def _finish(
         self,
         *,
@@ -140,8 +121,7 @@ class Attempt:
         error_code: str | None = None,
         error_message: str | None = None,
     ) -> Report:
-        """The terminal result, written in the round trip that releases the gate reservation
-        (first: :meth:`Reservation.release_with`)."""
+        """The terminal result, in the round trip that first releases the reservation."""
         ok = error_code is None and status_code is not None and status_code < 300
         failure = "" if ok else failure_message(status_code, payload, error_code, error_message)
         mirror = None
@@ -169,7 +149,7 @@ class Attempt:
             return Report(Status.STALE, "fenced off at finish")
         self.mirrored = mirror.state if mirror is not None else None
         status = Status.SUCCESS if ok else Status.FAILED
-        return Report(status, failure, result=result_dict(res))
+        return Report(status, failure, result=json.loads(res) if res else None)
 
     def _error(self, code: str, message: str, attempted: bool = False) -> Report:
         return self._finish(
@@ -191,9 +171,8 @@ class Attempt:
         status: Status = Status.REQUEUED,
         note: dict[str, Any] | None = None,
     ) -> Report:
-        """Back to the queue — a retry after ``delay`` s, a refusal, a wait timed out — in the
-        round trip that releases the gate reservation (first: :meth:`Reservation.release_with`):
-        a retried request never holds two."""
+        """Back to the queue (a retry, a refusal, a wait timed out) in the round trip that first
+        releases the reservation: a retried request never holds two."""
         mirror = self.mirrors.retry(reason) if self.mirrors is not None else None
 
         def requeue(handed_over: bool, nowake: bool) -> ScriptCall:
@@ -242,7 +221,6 @@ class Attempt:
             msg = f"deadline exceeded (last error: {error})"
         return self._error("DEADLINE_EXCEEDED", msg, attempted)
 
-    # -- the attempt ---------------------------------------------------------------------
     def run(self) -> Report:
         if self.time_left() <= 0:
             return self._expired(False)
@@ -251,9 +229,7 @@ class Attempt:
         decision, parked = self._gate()
         if parked and self.cancelled is None:
             self._cancelled_while_parked(None)  # a notice that came while it asked its gate
-        if self.cancelled is not None:
-            # cancelled (the request or its batch) while it waited for a slot: nothing was
-            # sent, so it ends CANCELLED now, giving back (or on) any slot it got
+        if self.cancelled is not None:  # while it waited for a slot: nothing was sent
             self.journal.add("cancelled", reason=self.cancelled)
             return self._error("CANCELLED", self.cancelled)
         if decision.verdict is Verdict.REFUSE:
@@ -282,8 +258,7 @@ class Attempt:
         return self._call()
 
     def _gate(self) -> tuple[Decision, bool]:
-        """Ask the gate, parking for a slot when it says so: its decision, and whether the
-        attempt parked."""
+        """Ask the gate, parking when it says so: its decision, and whether it parked."""
         decision = self.decision or self.acquire()
         if decision.admitted:
             self.journal.add("admitted", worker=self.worker)
@@ -298,16 +273,14 @@ class Attempt:
         return decision, False
 
     def _cancelled_by_producer(self) -> bool:
-        """A request a reference producer wrote: did it cancel this generation since (its
-        ``request-cancel:<id>`` holds the generation's token)?"""
+        """Did the reference producer that wrote it cancel this generation since?"""
         token = self.record.get("ref_token") or ""
         if not token:
             return False
         return bool(self.rt.store.client.get(ref_cancel_key(self.id)) == token)
 
     def parks_on(self, decision: Decision) -> bool:
-        """A full slot gate's Refuse: the attempt parks for a release (``PIPELINE_PARK_S``)
-        instead of going back to the queue at once."""
+        """A full slot gate's Refuse: park for a release (``PIPELINE_PARK_S``)."""
         return (
             decision.verdict is Verdict.REFUSE
             and decision.wake_on_release
@@ -315,20 +288,14 @@ class Attempt:
         )
 
     def _gate_entry(self, event: str, decision: Decision, **fields: Any) -> dict[str, Any]:
-        """A decision-log entry naming the gate that decided (and the quota key, if any)."""
         return entry(
             event, gate=decision.gate or self.gate.type_name, key=decision.wake_key, **fields
         )
 
     def _park(self, first: Decision, limit_s: float) -> Decision:
-        """Wait for a slot: until the gate admits (or stops saying Wait / full), the deadline,
-        or ``limit_s``. Woken by the release bell the moment a holder of this queue releases;
-        re-asks the gate at least every ``PARK_POLL_S`` in case a wake-up was lost. On a gate
-        that hands over (``HandsOver``) a holder of this process that is done hands its slot
-        straight to the longest-parked attempt, admitted without asking the gate. The decision
-        log gets a ``parked`` entry (sent at once when the park outlasts ``PARK_POLL_S``, so
-        ``explain`` sees it) and, when it is admitted, an ``admitted`` one with the time it
-        waited."""
+        """Wait for a slot (a ring or a hand-over of the release bell, or a re-ask every
+        ``PARK_POLL_S``) until admitted, no longer full, the deadline or ``limit_s``. A park
+        that outlasts ``PARK_POLL_S`` sends its ``parked`` log entry at once (for ``explain``)."""
         began = time.monotonic()
         end = began + min(self.time_left(), limit_s)
         wait = "wait" if first.verdict is Verdict.WAIT else "refuse"
@@ -361,9 +328,8 @@ class Attempt:
         return decision
 
     def _cancelled_while_parked(self, ticket: Ticket | None) -> bool:
-        """Was the request cancelled while parked? Asked of Redis (``Store.cancel_asked``)
-        only when a cancel notice named it (the release bell) or the park timed out without
-        a ring (a notice may have been lost): never on the hot path of a ring or hand-over."""
+        """Cancelled while parked? Asked of Redis only after a cancel notice or a park that
+        timed out without a ring (a lost notice), never on a ring's or hand-over's path."""
         timed_out = ticket is not None and not (ticket.rang or ticket.cancelled)
         if not (timed_out or self.rt.bell.cancelled(self.id)):
             return False
@@ -371,30 +337,27 @@ class Attempt:
         return self.cancelled is not None
 
     def _note_now(self) -> None:
-        """Send the journal to the decision log now (a long park); never fails the attempt."""
         try:
             self.rt.store.note(self.id, self.token, self.journal)
         except Exception as exc:  # noqa: BLE001 - the log is for people; the attempt goes on
             log.warning("decision log note for %s failed: %s", self.id, exc)
 
     def note_span(self, traceparent: str) -> None:
-        """Record this attempt's span context in its request (see ``Store.note_span``)."""
-        self.rt.store.note_span(self.id, self.token, traceparent)
+        try:
+            self.rt.store.note_span(self.id, self.token, traceparent)
+        except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
+            log.warning("could not note the span of %s: %s", self.id, exc)
 
     def headers(self) -> dict[str, str]:
-        """Outgoing headers: defaults, then the request's own (they override), then the
-        merge policy's lane headers (tier-priority: ``priority_header``, the lane's objective),
-        then the fairness identity (``metadata[fairness_attribute]``), which replaces any caller
-        variant of that header in any letter case, then the queue's API key
-        (``api_key_env``) as ``Authorization: Bearer …``, which likewise replaces a caller's
-        ``Authorization``: the queue's credentials decide what the gateway sees."""
+        """Defaults, the request's own, the lane's, the fairness identity, then the queue's
+        API key: each later one replaces any letter-case variant of a caller's."""
         headers = {"Content-Type": "application/json", "x-request-id": self.id}
         objective = self.rt.settings.objective_header
         if self.queue.inference_objective and objective:
             headers[objective] = self.queue.inference_objective
         headers.update(self.extra_headers)
         for key, value in self.rt.settings.merge_policy.headers(self.queue.labels).items():
-            _replace(headers, key, value)  # the lane's (tier-priority), over the caller's
+            _replace(headers, key, value)
         name = self.rt.settings.fairness_header
         tenant = self.metadata.get(self.rt.settings.fairness_attribute, "")
         if name and tenant and len(tenant) <= 256 and tenant.isprintable():
@@ -474,11 +437,8 @@ class Attempt:
 
 
 def served_tokens(outcome: Outcome) -> int | None:
-    """What a token budget's charge settles to after this outcome: the usage of a 2xx answer
-    (prompt + completion); 0 for any other answer (an error: nothing generated) and for a
-    request that could not be sent (a bad URL, a failed TLS handshake); None (keep the
-    estimate) for a 2xx without a readable usage, and when the request may have gone out but
-    no answer came (a time-out, a lost connection: the server may have generated it all)."""
+    """What a token charge settles to: a 2xx's usage; 0 for another answer or a request never
+    sent; None (keep the estimate) when no usage says what the server may have generated."""
     if outcome.responded:
         if not outcome.ok_2xx:
             return 0
@@ -488,7 +448,6 @@ def served_tokens(outcome: Outcome) -> int | None:
 
 
 def _replace(headers: dict[str, str], name: str, value: str) -> None:
-    """Set ``name`` to ``value``, dropping every variant of it in any letter case."""
     for key in [k for k in headers if k.lower() == name.lower()]:
         del headers[key]
     headers[name] = value
@@ -500,7 +459,6 @@ def _note(outcome: Outcome) -> str | None:
 
 
 def _json_map(text: str | None, field: str) -> dict[str, str]:
-    """A record field holding a JSON object of str → str."""
     value = json.loads(text or "{}")
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in value.items()

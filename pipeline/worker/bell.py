@@ -1,42 +1,6 @@
-"""Release bell: wakes attempts parked for a gate slot the moment a slot may have freed.
-
-A parked attempt (a full slot gate, or a blocking gate's Wait) must not sleep-poll: every
-millisecond between a release and the next admission is a millisecond the model server idles.
-Two sources ring the bell for a queue:
-
-- this process, right after it released a reservation (:meth:`ReleaseBell.ring`), so a waiter
-  in the same process wakes with no Redis round trip;
-- every other process, through Redis Pub/Sub: the scripts that end an attempt or give it back
-  (``finish``, ``requeue``) publish the queue's name on ``Keys.freed_channel()``. One listener
-  thread per process, started by the first park, turns those messages into rings.
-
-A release in this process rings twice: directly, and again when its own Pub/Sub message comes
-back. The echo is swallowed (each direct ring expects one echo of its queue within
-``ECHO_S``), so one release wakes one waiter here, not two that race for one slot.
-
-A holder of a slot gate that hands its slot over (``HandsOver``) does not ring at all:
-:meth:`ReleaseBell.hand_over` grants the longest-parked waiter the slot outright (its ticket
-says ``granted``), and the giver's finish / requeue publishes nothing (no slot was freed).
-
-A waiter reads the queue's generation *before* it asks the gate and then waits for the
-generation to move, so a release between the refusal and the wait is never missed. Waits are
-bounded (the caller re-asks its gate on time-out), so a lost message — the listener
-reconnecting after a Redis restart, a lease freed by a reaper — costs latency, never liveness.
-
-Besides queues, a bell rings for each per-key quota key (``quota:userid:alice``): the scripts
-publish the key with the queue when a request of it leaves the active state (one message,
-``<queue>\n<key>...``), and an attempt refused by that key parks on it (``Decision.wake_key``).
-There may be any number of keys, so the bell keeps generations only for names someone read
-(at most ``MAX_NAMES``, least recently read first out; a waiter whose name was dropped just
-asks its gate again) and no empty waiter lines.
-
-A cancel of a running request (``cancel.lua``, ``batch_cancel_lines.lua``) publishes
-``!cancel\n<id>...`` on the same channel (no queue name starts with ``!``): the listener
-remembers the ids (:meth:`ReleaseBell.cancelled`, the last ``MAX_CANCELLED``) and wakes the
-waiters parked for those requests (``ticket.cancelled``), which then end unsent instead of
-waiting for a slot. A lost notice is caught by the attempt's own check when its park times
-out (``PARK_POLL_S``).
-"""
+"""Release bell: wakes attempts parked for a gate slot the moment a slot may have freed (a
+release in this process, or one published on ``Keys.freed_channel()``), and tells parked
+attempts of a cancel. How and why: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -58,9 +22,8 @@ CANCEL_NOTICE = "!cancel"  # first line of a cancel notice on the freed channel
 
 
 class Ticket:
-    """One parked wait: woken by a ring (ask the gate again) or granted a slot handed over by
-    a holder of this process (``granted``: go to the server; the giver is recording the
-    transfer in Redis and sets ``transferred`` when done, ``held`` telling whether it took)."""
+    """One parked wait: rung (ask again), ``granted`` a slot handed over (the giver sets
+    ``held`` and ``transferred`` once recorded), ``cancelled``, or timed out."""
 
     __slots__ = (
         "ctx", "gate", "rid", "_wake", "done", "rang", "granted", "cancelled", "held",
@@ -68,34 +31,29 @@ class Ticket:
     )  # fmt: skip
 
     def __init__(self, ctx: Any = None, gate: Any = None, rid: str | None = None) -> None:
-        self.ctx = ctx  # what a giver needs to transfer a slot to this waiter; None: no hand-over
-        self.gate = gate  # the gate the waiter asks: only a holder of that gate hands it a slot
-        self.rid = rid  # the request the waiter's attempt is for (a cancel notice wakes it)
+        self.ctx = ctx  # what a giver transfers a slot to; None: no hand-over
+        self.gate = gate  # only a holder of this gate hands it a slot
+        self.rid = rid  # its request (a cancel notice wakes it)
         self._wake = threading.Lock()
         self._wake.acquire()
         self.done = False  # woken, granted or timed out (under the bell's lock)
         self.rang = False
         self.granted = False
-        self.cancelled = False  # woken by a cancel notice for its request
+        self.cancelled = False
         self.held = False
         self.transferred = threading.Event()
 
     def fire(self) -> None:
-        """Wake the waiter (under the bell's lock)."""
         self.done = True
         self._wake.release()
 
     def sleep(self, timeout: float) -> None:
-        """Block until fired, at most ``timeout`` s."""
         self._wake.acquire(timeout=max(0.0, timeout))
 
 
 class ReleaseBell:
-    """Per-process generation counters, one per queue, and the tickets of parked waiters.
-
-    A ring wakes *one* waiter of the queue (the longest waiting: parked attempts are admitted
-    in the order they parked, which is the dispatch order), not a herd that would all ask the
-    gate for one slot. :meth:`hand_over` grants the longest waiting a slot outright."""
+    """Per-process generations, one per bell name, and the lines of parked waiters; a ring
+    wakes the longest waiting one, not a herd."""
 
     def __init__(self, client: redis.Redis, channel: str) -> None:
         self.client = client
@@ -123,15 +81,10 @@ class ReleaseBell:
             return gen
 
     def _forget(self) -> None:
-        """Drop the least recently read generations of names nobody waits on (under the
-        lock)."""
+        """Drop the least recently read generations nobody waits on (under the lock)."""
         for name in list(self._gen)[: len(self._gen) - MAX_NAMES]:
             if not self._waiters.get(name):
                 del self._gen[name]
-
-    def _bump(self, queue: str) -> None:
-        if queue in self._gen:
-            self._gen[queue] += 1
 
     def _pop_waiter(self, queue: str) -> Ticket | None:
         waiters = self._waiters.get(queue)
@@ -143,7 +96,6 @@ class ReleaseBell:
         return ticket
 
     def waiting(self, queue: str) -> int:
-        """Waiters parked on ``queue`` now."""
         with self._lock:
             return len(self._waiters.get(queue, ()))
 
@@ -152,18 +104,17 @@ class ReleaseBell:
             self._echoes[queue].append(time.monotonic())
 
     def expect_echo(self, queue: str) -> None:
-        """A release of ``queue`` is about to be published by this process, and
-        :meth:`ring` will follow it (without ``echo``): the listener swallows that message
-        even when it arrives before the ring."""
+        """This process is about to publish a release of ``queue`` and ring it: swallow the
+        echo even if it arrives first."""
         with self._lock:
             self._expect_echo(queue)
 
     def ring(self, queue: str, *, echo: bool = False) -> None:
-        """A reservation of ``queue``'s gate may have been freed: wake one of its waiters.
-        ``echo``: this release will also be published (finish / requeue), so the listener
-        swallows that message instead of waking a second waiter for the same slot."""
+        """A slot of ``queue`` may have freed: wake one waiter. ``echo``: the release will be
+        published too, so swallow its message instead of waking a second waiter."""
         with self._lock:
-            self._bump(queue)
+            if queue in self._gen:
+                self._gen[queue] += 1
             ticket = self._pop_waiter(queue)
             if ticket is not None:
                 ticket.rang = True
@@ -172,11 +123,8 @@ class ReleaseBell:
                 self._expect_echo(queue)
 
     def hand_over(self, queue: str, gate: Any = None) -> Ticket | None:
-        """Grant the longest-waiting hand-over ticket of ``queue`` a slot of ``gate`` and wake
-        it; None when nobody waits for one of that gate (release the slot instead: right after
-        a config reload, a waiter may still ask the gate it was dispatched under). The caller must
-        then record the transfer and set ``ticket.held`` / ``ticket.transferred``, and not
-        publish a release (the finish / requeue that follows is told ``handed_over``)."""
+        """Grant the longest waiter of ``queue`` a slot of ``gate`` (None: nobody waits for one
+        of that gate); the caller records the transfer and publishes no release."""
         with self._lock:
             if self.closed:
                 return None
@@ -190,8 +138,7 @@ class ReleaseBell:
             return ticket
 
     def cancel_notice(self, ids: list[str]) -> None:
-        """Running requests were cancelled: remember their ids and wake the waiters parked
-        for them (``ticket.cancelled``)."""
+        """Remember cancelled requests' ids and wake their waiters (``ticket.cancelled``)."""
         with self._lock:
             for rid in ids:
                 self._cancelled[rid] = None
@@ -209,12 +156,11 @@ class ReleaseBell:
                     del self._waiters[queue]
 
     def cancelled(self, rid: str) -> bool:
-        """A cancel notice named ``rid`` lately (the attempt then asks Redis to be sure)."""
+        """A cancel notice named ``rid`` lately (the attempt then asks Redis)."""
         with self._lock:
             return rid in self._cancelled
 
     def _is_echo(self, queue: str) -> bool:
-        """A Pub/Sub message of ``queue`` that a direct ring of this process already rang."""
         with self._lock:
             pending = self._echoes.get(queue)
             if not pending:
@@ -228,8 +174,7 @@ class ReleaseBell:
             return True
 
     def wait(self, queue: str, generation: int, timeout: float) -> bool:
-        """Block until ``queue`` rang after ``generation`` was read, ``timeout`` s passed or
-        the bell was closed. True when it rang (or closed)."""
+        """Block until ``queue`` rang after ``generation``, or ``timeout``; True if it rang."""
         ticket = self.park(queue, generation, timeout)
         return ticket is None or ticket.rang or ticket.granted
 
@@ -242,10 +187,8 @@ class ReleaseBell:
         gate: Any = None,
         rid: str | None = None,
     ) -> Ticket | None:
-        """Wait as :meth:`wait` does; with ``ctx`` the waiter may be granted a slot of ``gate``
-        by :meth:`hand_over`; with ``rid`` a cancel notice for that request wakes it. None when
-        it returned at once (it rang before, or closed), else the ticket: ``granted``,
-        ``rang``, ``cancelled``, or none of them (timed out)."""
+        """Wait as :meth:`wait` does, the ticket offered a hand-over with ``ctx`` (of ``gate``)
+        and a cancel notice of ``rid``; None when it returned at once."""
         if self.closed:
             return None
         self._listen()
@@ -265,13 +208,11 @@ class ReleaseBell:
         return ticket
 
     def close(self) -> None:
-        """Wake every waiter for good (a warm shutdown: parked attempts go back to their
-        queue instead of holding the node up)."""
+        """Wake every waiter for good (a warm shutdown: they go back to their queue)."""
         self.closed = True
         self._wake_all()
 
     def _wake_all(self) -> None:
-        """Move every queue's generation and wake all its waiters, to ask their gates again."""
         with self._lock:
             for queue in list(self._gen):
                 self._gen[queue] += 1
@@ -286,8 +227,7 @@ class ReleaseBell:
         self._stopping.set()
 
     def listener_address(self) -> str | None:
-        """``host:port`` of the listener's Redis connection as the server sees it (CLIENT
-        LIST's ``addr``), None while it is not connected."""
+        """``host:port`` of the listener's connection (CLIENT LIST's ``addr``), or None."""
         conn = self._pubsub.connection if self._pubsub is not None else None
         sock = getattr(conn, "_sock", None)
         if sock is None:
@@ -295,7 +235,6 @@ class ReleaseBell:
         host, port = sock.getsockname()[:2]
         return f"{host}:{port}"
 
-    # -- the Pub/Sub listener -----------------------------------------------------------
     def _listen(self) -> None:
         if self._listener is not None and self._listener.is_alive():
             return
@@ -306,8 +245,7 @@ class ReleaseBell:
                 target=self._run, name="pipeline-release-bell", daemon=True
             )
             self._listener.start()
-        # the first waiter returns once subscribed (or after a short bound): a release
-        # published before the subscription would otherwise be missed until its time-out
+        # the first waiter waits for the subscription: a release before it would be missed
         self._subscribed.wait(1.0)
 
     def _run(self) -> None:
@@ -333,7 +271,7 @@ class ReleaseBell:
                             self.ring(name)
             except Exception as exc:  # noqa: BLE001 - keep listening; waits are bounded
                 log.warning("release bell lost its subscription (%s); reconnecting", exc)
-                # everything published while away is lost: wake every waiter to re-ask
+                # what was published while away is lost: every waiter re-asks
                 self._wake_all()
                 self._stopping.wait(delay)
                 delay = min(RECONNECT_S[1], delay * 2)

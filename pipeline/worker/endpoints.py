@@ -1,12 +1,5 @@
-"""A queue's endpoint credentials as the worker uses them: the API key read from the
-environment variable the queue names (``api_key_env``) and its TLS settings (``tls_*``).
-
-The key lives only in the worker's environment and in the outgoing ``Authorization`` header:
-never in the queue file, Redis, a result, a log line, a metric or Flower. :func:`check_endpoints`
-runs where the key and the files are needed — at worker start and on a config reload, not in a
-client, which submits without them — and turns a missing variable or an unloadable file into
-a ``ConfigError`` naming the queue and the field.
-"""
+"""A queue's endpoint credentials: the API key from the variable ``api_key_env`` names (only
+ever in the outgoing header) and its TLS settings, checked at start and on reload."""
 
 from __future__ import annotations
 
@@ -24,7 +17,7 @@ log = logging.getLogger("pipeline.worker")
 
 
 def queue_tls(q: QueueConfig) -> TLS | None:
-    """The queue's TLS settings; None for the defaults (the system's CAs, no client cert)."""
+    """The queue's TLS settings; None for the system's CAs and no client certificate."""
     if not (q.tls_ca_file or q.tls_cert_file or q.tls_insecure_skip_verify):
         return None
     return TLS(q.tls_ca_file, q.tls_cert_file, q.tls_key_file, q.tls_insecure_skip_verify)
@@ -48,9 +41,8 @@ def authorization(q: QueueConfig, environ: Mapping[str, str] = os.environ) -> st
 
 
 def check_endpoints(settings: Settings, environ: Mapping[str, str] = os.environ) -> list[str]:
-    """Check every queue's credentials: its ``api_key_env`` variable is set and not empty, its
-    TLS files load. Raises ``ConfigError`` naming the queue and field; returns warnings to log
-    (a queue that skips certificate verification)."""
+    """``ConfigError`` unless every queue's key variable is set and its TLS files load;
+    returns warnings to log (a queue that skips certificate verification)."""
     warnings: list[str] = []
     for q in settings.queues.values():
         if q.api_key_env and not environ.get(q.api_key_env):

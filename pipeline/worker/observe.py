@@ -1,7 +1,4 @@
-"""The attempt path's metrics and traces: counts (first attempts, outcomes, gate decisions,
-429s), the HTTP call's latency and in-flight gauge, the ``process-request`` and
-``http-request`` spans, and Flower's gate events. Observability never breaks an attempt: its
-errors are logged."""
+"""The attempt path's metrics, traces and Flower gate events; their errors are only logged."""
 
 from __future__ import annotations
 
@@ -9,7 +6,6 @@ import contextvars
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import QueueConfig
@@ -41,21 +37,15 @@ class Attempt(Protocol):
     def run(self) -> Report: ...
 
 
-@dataclass
-class _AttemptObs:
-    outcome: Outcome | None = None
-    http_calls: int = 0
-
-
-_current: contextvars.ContextVar[_AttemptObs | None] = contextvars.ContextVar(
-    "pipeline_attempt_obs", default=None
+# the outcomes of the HTTP calls of the attempt running in this context
+_outcomes: contextvars.ContextVar[list[Outcome] | None] = contextvars.ContextVar(
+    "pipeline_attempt_outcomes", default=None
 )
 
 
 def attempt_started(attempt: Attempt, send_event: Callable[..., Any] | None = None) -> None:
-    """After the gate was asked in ``before_start``: count a request's first attempt (and its
-    queue residence), count a refusal / wait / drop by reason and tell Flower about it as a
-    ``task-gate-refused`` / ``task-gate-waiting`` / ``task-gate-dropped`` task event."""
+    """After ``before_start`` asked the gate: count a first attempt and its queue residence,
+    and a refusal / wait / drop (with Flower's ``task-gate-*`` event)."""
     q = attempt.queue
     s = metrics.series()
     try:
@@ -74,16 +64,12 @@ def attempt_started(attempt: Attempt, send_event: Callable[..., Any] | None = No
         log.warning("metrics for %s failed: %s", attempt.id, exc)
 
 
-def gate_reason(decision: Decision) -> str:
-    if decision.verdict.value == "drop":
-        return "dropped"
-    return decision.reason if decision.reason in metrics.GATE_REASONS else "gate_closed"
-
-
 def gate_decision(
     attempt: Attempt, decision: Decision, send_event: Callable[..., Any] | None = None
 ) -> None:
-    reason = gate_reason(decision)
+    reason = decision.reason if decision.reason in metrics.GATE_REASONS else "gate_closed"
+    if decision.verdict.value == "drop":
+        reason = "dropped"
     metrics.count(metrics.series().gate_decisions, attempt.queue, reason)
     event = metrics.GATE_EVENTS.get(decision.verdict.value)
     if send_event is None or event is None:
@@ -103,8 +89,8 @@ def gate_decision(
 
 def observed_run(attempt: Attempt) -> Report:
     """``attempt.run()`` inside its ``process-request`` span, then count its outcome."""
-    obs = _AttemptObs()
-    token = _current.set(obs)
+    outcomes: list[Outcome] = []
+    token = _outcomes.set(outcomes)
     q = attempt.queue
     try:
         with tracing.attempt_span(
@@ -117,12 +103,12 @@ def observed_run(attempt: Attempt) -> Report:
             holder=f"{attempt.id}:{attempt.token}",
         ) as span:
             traceparent = span.traceparent()
-            if traceparent is not None:
-                _note_span(attempt, traceparent)
+            if traceparent is not None:  # for the reaper's re-enqueue link
+                attempt.note_span(traceparent)
             report = attempt.run()
-            _annotate(span, attempt, report, obs)
+            _annotate(span, attempt, report, outcomes[-1] if outcomes else None)
     finally:
-        _current.reset(token)
+        _outcomes.reset(token)
     try:
         record_report(attempt, report)
     except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
@@ -130,18 +116,8 @@ def observed_run(attempt: Attempt) -> Report:
     return report
 
 
-def _note_span(attempt: Attempt, traceparent: str) -> None:
-    """Leave the attempt span's context in Redis, for the reaper's ``re-enqueue`` link should
-    this process die (tracing on only)."""
-    try:
-        attempt.note_span(traceparent)
-    except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
-        log.warning("could not note the span of %s: %s", attempt.id, exc)
-
-
 def _is_deadline(result: dict[str, Any]) -> bool:
-    """A terminal result reached through the deadline: DEADLINE_EXCEEDED, or the last 429/5xx
-    answer kept when no retry fitted (those codes are otherwise always retried)."""
+    """Ended by the deadline: DEADLINE_EXCEEDED, or a kept 429/5xx no retry fitted after."""
     if result.get("error_code") == "DEADLINE_EXCEEDED":
         return True
     code = result.get("status_code")
@@ -149,7 +125,6 @@ def _is_deadline(result: dict[str, Any]) -> bool:
 
 
 def record_report(attempt: Attempt, report: Report) -> None:
-    """Count one attempt's outcome (success / failure / deadline / retry)."""
     s = metrics.series()
     q = attempt.queue
     if report.status is Status.SUCCESS:
@@ -165,14 +140,14 @@ def record_report(attempt: Attempt, report: Report) -> None:
 
 
 def _annotate(
-    span: tracing.AttemptSpan, attempt: Attempt, report: Report, obs: _AttemptObs
+    span: tracing.AttemptSpan, attempt: Attempt, report: Report, outcome: Outcome | None
 ) -> None:
     if span.span is None:
         return
     result = report.result or {}
     category = ""
-    if obs.outcome is not None and obs.outcome.kind.value != "success":
-        category = obs.outcome.category
+    if outcome is not None and outcome.kind.value != "success":
+        category = outcome.category
     elif result.get("error_code"):
         category = str(result["error_code"])
     elif report.status is Status.REQUEUED and attempt.decision is not None:
@@ -194,8 +169,7 @@ def observed_send(
     headers: dict[str, str],
     timeout_s: float,
 ) -> Outcome:
-    """``send(url, body, headers, timeout_s)`` counted (in flight, latency in ms, 429s) and
-    traced (an ``http-request`` span whose context goes out in ``traceparent``)."""
+    """``send(...)`` counted (in flight, latency, 429s) and traced (``http-request``)."""
     labels = metrics.queue_labels(attempt.queue)
     s = metrics.series()
     s.init_queue(labels)
@@ -217,17 +191,14 @@ def observed_send(
     if outcome.dropped_reason:  # the gateway's flow control shed it: count its reason
         s.gate_decisions.labels(*labels, outcome.dropped_reason).inc()
     count_tokens(labels, url, outcome)
-    obs = _current.get()
-    if obs is not None:
-        obs.outcome = outcome
-        obs.http_calls += 1
+    outcomes = _outcomes.get()
+    if outcomes is not None:
+        outcomes.append(outcome)
     return outcome
 
 
 def count_tokens(labels: tuple[str, str, str], url: str, outcome: Outcome) -> None:
-    """``pipeline_tokens_total{direction}`` from the usage of a 2xx answer (the reference's
-    rule: a completions or chat completions URL, a JSON body with a ``usage`` object; both
-    directions together). Never raises."""
+    """``pipeline_tokens_total{direction}`` from a 2xx answer's usage (the reference's rule)."""
     try:
         usage = outcome.usage
         if usage is None or not counted_path(url):

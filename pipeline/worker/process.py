@@ -1,16 +1,5 @@
-"""Per-process worker state: one :class:`Runtime` per process (a store, the gates bound to
-Redis, the release bell, a heartbeat thread renewing the leases of live attempts), created
-lazily and again after a fork. It starts attempts (fenced by their token, with the gate's
-acquire in the same round trip when it can) and ends those that cannot end themselves
-(:meth:`Runtime.abandon`). An attempt's gate reservation and its release:
-:mod:`.reservation`.
-
-Config reloads: the node's main process applies a reload to its runtime
-(:meth:`Runtime.apply`) and writes the accepted queues and pools to a snapshot file
-(``PIPELINE_CONFIG_SNAPSHOT``, set before the pool forks); a prefork child compares the file
-with the one it last read (one ``stat``) when an attempt begins, and applies it when it moved.
-An attempt keeps the gate it acquired until it releases; one not yet admitted asks the
-current gate."""
+"""Per-process worker state (:class:`Runtime`): the store, the gates, the release bell, the
+heartbeat renewing live leases, and the node's config snapshot a prefork child follows."""
 
 from __future__ import annotations
 
@@ -45,22 +34,21 @@ class Runtime:
     def __init__(
         self, settings: Settings | None = None, snapshot: tuple[int, int, int] | None = None
     ) -> None:
-        """``snapshot``: the stamp of the node's config snapshot ``settings`` came from."""
         self.settings = check_gates(settings or load_settings())
         check_endpoints(self.settings)  # a queue's API key variable is set, its TLS files load
         self.store = Store(self.settings)
-        self.env = GateEnv(self.store.client, self.store.keys, node=_node_name())
+        node = os.environ.get("PIPELINE_NODE") or f"{os.uname().nodename}.{os.getpid()}"
+        self.env = GateEnv(self.store.client, self.store.keys, node=node)
         self._gates: dict[str, Gate] = {}
         self._pool_gates: dict[str, Gate | None] = {}
         self._live: dict[str, Attempt] = {}  # holder -> its attempt (renewed on its gate)
         self._lock = threading.RLock()
-        self._snapshot = snapshot  # the node's config snapshot applied, if any
+        self._snapshot = snapshot  # the stamp of the node's config snapshot applied, if any
         self._heartbeat: threading.Thread | None = None
         self._stopping = threading.Event()
         self.rng = random.Random()
         self.bell = ReleaseBell(self.store.client, self.store.keys.freed_channel())
 
-    # -- gates ---------------------------------------------------------------------------
     def gate(self, queue: str) -> Gate:
         with self._lock:
             gate = self._gates.get(queue)
@@ -74,8 +62,7 @@ class Runtime:
         return self.gate(queue) if queue in self.settings.queues else None
 
     def apply(self, settings: Settings) -> None:
-        """Switch to reloaded settings (validated by the caller). Gates configured as before
-        stay; a changed one is built anew on first use. Attempts keep the gate they hold."""
+        """Switch to reloaded settings; a changed gate is built anew on first use."""
         with self._lock:
             old, self.settings = self.settings, settings
             for name in list(self._gates):
@@ -87,8 +74,7 @@ class Runtime:
         reset_tls()  # new connections load the TLS files again (a rotated certificate)
 
     def follow_snapshot(self) -> bool:
-        """Apply the node's config snapshot if it moved since this process last read it (a
-        prefork child learning of a reload); True when it applied one."""
+        """Apply the node's config snapshot if it moved (a prefork child after a reload)."""
         stamp = _snapshot_stamp()
         if stamp is None or stamp == self._snapshot:
             return False
@@ -106,8 +92,7 @@ class Runtime:
         return True
 
     def publish_snapshot(self) -> None:
-        """Write this runtime's queues and pools for the node's other processes (the main
-        process, after a reload it accepted)."""
+        """Write this runtime's queues and pools for the node's prefork children."""
         path = os.environ.get(SNAPSHOT_ENV)
         if not path:
             return
@@ -117,7 +102,6 @@ class Runtime:
         os.replace(tmp, path)
         self._snapshot = _snapshot_stamp()
 
-    # -- heartbeat -----------------------------------------------------------------------
     def _track(self, attempt: Attempt) -> None:
         with self._lock:
             self._live[attempt.holder] = attempt
@@ -145,7 +129,6 @@ class Runtime:
                 log.warning("lease renewal failed: %s", exc)
 
     def untrack(self, holder: str) -> None:
-        """``holder`` released its reservation: its leases are no longer renewed."""
         with self._lock:
             self._live.pop(holder, None)
 
@@ -153,7 +136,6 @@ class Runtime:
         with self._lock:
             return [(a.id, a.token, a.queue.queue_name) for a in self._live.values()]
 
-    # -- attempts ------------------------------------------------------------------------
     def begin(
         self,
         request_id: str,
@@ -162,10 +144,8 @@ class Runtime:
         queue: str | None = None,
         tenant: Mapping[str, str] | None = None,
     ) -> Attempt | None:
-        """Start an attempt (fenced by ``token``); None for a stale message. When the queue's
-        gate can (``Reservation.start_calls``; a per-key quota when the dispatcher named the
-        request's ``tenant`` in its message), its acquire goes to Redis in the same round trip
-        as the start, and the attempt begins with that decision."""
+        """Start an attempt (fenced by ``token``), with the gate's acquire in the same round trip
+        when it can (``Reservation.start_calls``); None for a stale message."""
         self.follow_snapshot()
         queue = queue if queue in self.settings.queues else self._queue_of(request_id)
         gate = self.current_gate(queue)
@@ -195,18 +175,10 @@ class Runtime:
             log.error("request %s: %s", request_id, message)
             if res is not None and (took or res.admitted):
                 res.release()
-            self.store.finish(
-                request_id,
-                token,
-                attempted=False,
-                status_code=None,
-                payload=json.dumps({"error": message}),
-                error_code="INVALID_REQUEST",
-                error_message=message,
-            )
+            self._fail(request_id, token, "INVALID_REQUEST", message, message)
             return None
         if tenant and any(attempt.metadata.get(k) != v for k, v in tenant.items()):
-            # the dispatcher's tenant is not the record's (it never is): ask the gate anew
+            # the dispatcher's tenant is not the record's: ask the gate anew
             attempt.reservation.discard()
         self._track(attempt)
         return attempt
@@ -219,23 +191,14 @@ class Runtime:
         self, request_id: str, token: str, queue: str | None, *, cancel: bool, reason: str
     ) -> None:
         """An attempt ended without reporting (hard time limit, killed child, revoke,
-        shutdown): release its reservation and requeue or cancel its request. Fenced and
-        idempotent: a no-op when the attempt already finished."""
+        shutdown): release, then requeue or cancel it. Fenced: a no-op once it finished."""
         queue = queue or self._queue_of(request_id)
         gate = self.current_gate(queue)
         if gate is not None:
             Reservation(self, queue, make_holder(request_id, token), gate).release()
         done: object
         if cancel:
-            done = None is not self.store.finish(
-                request_id,
-                token,
-                attempted=False,
-                status_code=None,
-                payload=json.dumps({"error": "cancelled"}),
-                error_code="CANCELLED",
-                error_message=reason,
-            )
+            done = self._fail(request_id, token, "CANCELLED", reason, "cancelled")
         else:
             done = self.store.requeue(
                 request_id, token, delay=0.0, attempted=False, note=entry("requeued", reason=reason)
@@ -249,8 +212,6 @@ class Runtime:
                 "cancelled" if cancel else "requeued",
             )
             if not cancel and tracing.enabled():
-                # the span's context: this process's, or (a pool child's, after a hard time
-                # limit or a lost child) the one the attempt left in its record
                 tracing.reenqueue_span(
                     request_id,
                     token,
@@ -259,13 +220,27 @@ class Runtime:
                     traceparent=self.store.attempt_span(request_id, token),
                 )
 
+    def _fail(self, request_id: str, token: str, code: str, message: str, error: str) -> bool:
+        """End a request unsent with error ``code``; False when fenced off."""
+        payload = json.dumps({"error": error})
+        done = self.store.finish(
+            request_id,
+            token,
+            attempted=False,
+            status_code=None,
+            payload=payload,
+            error_code=code,
+            error_message=message,
+        )
+        return done is not None
+
     def stop(self) -> None:
         self._stopping.set()
         self.bell.stop()
 
 
 def _snapshot_stamp() -> tuple[int, int, int] | None:
-    """(inode, mtime ns, size) of the node's config snapshot; None when there is none."""
+    """(inode, mtime ns, size) of the node's config snapshot, or None."""
     path = os.environ.get(SNAPSHOT_ENV)
     if not path:
         return None
@@ -277,7 +252,6 @@ def _snapshot_stamp() -> tuple[int, int, int] | None:
 
 
 def read_snapshot(base: Settings) -> Settings:
-    """``base`` with the queues and pools of the node's config snapshot."""
     path = os.environ[SNAPSHOT_ENV]
     with open(path, encoding="utf-8") as fh:
         data: Any = json.load(fh)
@@ -285,9 +259,8 @@ def read_snapshot(base: Settings) -> Settings:
 
 
 def node_settings() -> Settings:
-    """A new process's settings: the node's accepted config when a reload wrote one (so a
-    child forked after a reload — or after a rejected edit of the files — runs what the node
-    runs), else the environment and the files."""
+    """A new process's settings: the node's accepted config snapshot when there is one (so a
+    child forked after a reload runs what the node runs), else the environment and files."""
     if _snapshot_stamp() is None:
         return load_settings()
     base = {k: v for k, v in os.environ.items() if k not in ("PIPELINE_QUEUES", "PIPELINE_POOLS")}
@@ -298,23 +271,8 @@ def node_settings() -> Settings:
         return load_settings()
 
 
-def _node_name() -> str:
-    return os.environ.get("PIPELINE_NODE") or f"{os.uname().nodename}.{os.getpid()}"
-
-
 _runtimes: dict[int, Runtime] = {}
 _runtime_lock = threading.Lock()
-_settings_override: Settings | None = None
-
-
-def use_settings(settings: Settings | None) -> None:
-    """Make new runtimes use ``settings`` instead of the environment (tests, embedding)."""
-    global _settings_override
-    with _runtime_lock:
-        _settings_override = settings
-        for rt in _runtimes.values():
-            rt.stop()
-        _runtimes.clear()
 
 
 def runtime() -> Runtime:
@@ -324,10 +282,6 @@ def runtime() -> Runtime:
         rt = _runtimes.get(pid)
         if rt is None:
             _runtimes.clear()
-            if _settings_override is not None:
-                rt = Runtime(_settings_override)
-            else:
-                stamp = _snapshot_stamp()  # before reading: a newer file is followed later
-                rt = Runtime(node_settings(), stamp)
-            _runtimes[pid] = rt
+            stamp = _snapshot_stamp()  # before reading: a newer file is followed later
+            rt = _runtimes[pid] = Runtime(node_settings(), stamp)
         return rt

@@ -1,29 +1,9 @@
-"""Hot reload of a worker node's queue and pool files.
-
-A node reloads on ``SIGHUP`` (:meth:`Reloader.request`) or when ``pipeline reload`` moves the
-config generation in Redis (``Keys.config_reload``, read once a second by the node's reloader
-thread), so one command reaches every node. A reload:
-
-1. reads ``PIPELINE_QUEUES`` / ``PIPELINE_POOLS`` again; an unchanged config does nothing;
-2. validates it as at start — fields, gates (``check_gates``), credentials
-   (``check_endpoints``) — and refuses to remove a queue that still has requests waiting,
-   retrying or running (drain it first);
-3. on any failure logs the reason and keeps the old config (``result: error``); otherwise
-   applies it to the node's runtime and dispatcher, then writes the snapshot its prefork
-   children follow (``Runtime.follow_snapshot``);
-4. counts ``pipeline_queue_config_reloads_total{result}``, sets
-   ``pipeline_queue_config_last_success_timestamp_seconds`` and records its outcome for
-   ``pipeline reload`` under ``Keys.config_reloads`` (node → JSON).
-
-Queues may be added and changed (URL, timeouts, credentials, gate type and params: a gate
-configured as before keeps its reservations' keys and a new limit applies at the next
-acquire; attempts that hold a reservation release it on the gate they acquired). The pools a
-node serves are its Celery queues, fixed at start: a queue added to another pool is served by
-that pool's nodes.
-"""
+"""Hot reload of a worker node's queue and pool files, on ``SIGHUP`` or when ``pipeline reload``
+moves the config generation (docs/configuration.md#changing-queues-without-a-restart)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -45,9 +25,7 @@ POLL_S = 1.0  # how often a node reads the config generation that `pipeline relo
 OUTCOME_TTL_S = 7 * 24 * 3600  # the outcome hash outlives a node by this much at most
 
 
-class Reloadable(Protocol):
-    """Something of the node that holds settings and swaps them (the dispatcher)."""
-
+class Reloadable(Protocol):  # the dispatcher
     def apply(self, settings: Settings) -> None: ...
 
 
@@ -60,20 +38,11 @@ class ReloadOutcome:
     change: dict[str, list[str]] = field(default_factory=dict)
 
     def as_json(self) -> str:
-        return json.dumps(
-            {
-                "result": self.result,
-                "reason": self.reason,
-                "generation": self.generation,
-                "at": self.at,
-                **self.change,
-            }
-        )
+        data = dataclasses.asdict(self)
+        return json.dumps({**data, **data.pop("change")})
 
 
 class Reloader:
-    """The node's reload: on request, or when the config generation in Redis moves."""
-
     def __init__(
         self,
         runtime: Runtime,
@@ -129,7 +98,6 @@ class Reloader:
             if asked or moved:
                 self.reload(self._seen or 0, "SIGHUP" if asked and not moved else "pipeline reload")
 
-    # -- one reload ------------------------------------------------------------------------
     def reload(self, generation: int = 0, source: str = "reload") -> ReloadOutcome:
         with self._lock:
             outcome = self._reload(generation, source)
@@ -166,8 +134,7 @@ class Reloader:
         return ReloadOutcome("success", change.describe(), generation, now, change.as_dict())
 
     def _refuse_removals(self, change: ConfigChange) -> None:
-        """A queue may leave the config only once nothing of it waits or runs: its requests
-        would have no node to dispatch, expire or run them."""
+        """A queue leaves only once nothing of it waits or runs (nothing would serve it)."""
         if not change.removed:
             return
         k = self.keys

@@ -1,10 +1,8 @@
-"""What an attempt reports (:class:`Report`, :class:`Status`), and the copies of its outcome
-that its finish / requeue script writes in the same step (:class:`Mirrors`)."""
+"""What an attempt reports, and the copies of its outcome its finish / requeue writes."""
 
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -13,8 +11,7 @@ from ..store import Mirror
 
 
 class Mirrors(Protocol):
-    """Copies of an attempt's outcome that its finish / requeue script writes in the same step
-    (the Celery result of the attempt's task, built by ``tasks``); None: not mirrored."""
+    """The Celery result of the attempt's task (built by ``tasks``); None: not mirrored."""
 
     def success(self) -> Mirror | None: ...
 
@@ -26,10 +23,8 @@ class Mirrors(Protocol):
 def failure_message(
     status_code: int | None, payload: str, error_code: str | None, error_message: str | None
 ) -> str:
-    """What a request that ended without success reports (the Celery exception Flower and the
-    worker's log show): its status or error code first, then the pipeline's own message — but
-    not a response body, which is user data, unless ``PIPELINE_LOG_BODIES=1`` (the body stays
-    in the request's result, ``Result.payload``)."""
+    """What a failed request reports to Flower and the log: its code and the pipeline's
+    message, never a response body (user data) unless ``PIPELINE_LOG_BODIES=1``."""
     if error_code:
         return f"{error_code}: {error_message or ''}"[:500]
     if log_bodies():
@@ -52,7 +47,3 @@ class Report:
     reason: str = ""  # RETRY/REQUEUED: why; FAILED: the failure message
     due: float | None = None  # Unix s, for RETRY/REQUEUED
     result: dict[str, Any] | None = None  # the terminal result, for SUCCESS/FAILED
-
-
-def result_dict(result_json: str | None) -> dict[str, Any] | None:
-    return json.loads(result_json) if result_json else None

@@ -1,25 +1,6 @@
-"""A gate reservation, from the attempt's first ask to its one release.
-
-Every attempt owns one :class:`Reservation`, made when the attempt begins (with the gate's
-decision when the acquire went in the start's round trip, see ``Runtime.begin``). It knows the
-gate the attempt asks — and, once admitted, keeps it until it releases, even when a config
-reload replaced it — the holder, the bells it rings when it releases, and whether its slot came
-by hand-over. **Every exit path releases it through one of two methods**:
-
-- :meth:`Reservation.release_with`: the attempt's finish, retry, refusal or wait time-out
-  (``Attempt._finish`` / ``Attempt._requeue``). The release goes to Redis in the same round
-  trip as the finish / requeue script, before it (or, when the gate's release is not script
-  calls, just before that round trip). When an attempt of this process is parked for the
-  slot (:class:`~pipeline.gates.HandsOver`), the slot goes straight to it instead: it is
-  woken at once and heads for the server, while this thread records the transfer.
-- :meth:`Reservation.release`: an attempt that ends without its own finish / requeue —
-  abandoned (hard time limit, revoke, shutdown, a lost child: ``Runtime.abandon``) — or
-  whose start failed after its acquire took a slot.
-
-A release is idempotent (keyed by holder). One whose Redis call fails is retried
-``RELEASE_TRIES`` times, then left to its lease: it is no longer renewed, so it lapses and the
-reaper frees it. A token budget's charge is settled just before the release.
-"""
+"""A gate reservation, from the attempt's first ask to its one release: every exit path releases
+through :meth:`Reservation.release_with` (the finish / requeue's round trip) or
+:meth:`Reservation.release` (docs/architecture.md#where-a-reservation-is-released)."""
 
 from __future__ import annotations
 
@@ -68,7 +49,7 @@ class Host(Protocol):
 
 
 class Reservation:
-    """One attempt's claim on its gate (see the module)."""
+    """One attempt's claim on its gate; once admitted it keeps that gate until it releases."""
 
     def __init__(self, host: Host, queue: str, holder: str, gate: Gate) -> None:
         self.host = host
@@ -79,29 +60,21 @@ class Reservation:
         self.bells: list[str] = []  # quota keys it may park on and rings when it releases
         self.decision: Decision | None = None  # the gate's last answer
         self.ticket: Ticket | None = None  # the slot came by hand-over from this process
-        # bell generations read before the last ask (a ring after it is never missed)
-        self.generations: dict[str, int] = {}
-        # attempts of this process parked on its bell when it started, which it parked behind
-        # without asking the gate for their slot; 0: it asked
-        self.behind = 0
+        self.generations: dict[str, int] = {}  # bells' generations, read before the last ask
+        self.behind = 0  # attempts it parked behind at the start without asking; 0: it asked
         self._start_bell: str | None = None  # the bell others were parked on at the start
         self._released = False
 
     def bind(self, ctx: AcquireContext) -> None:
-        """The request this reservation is for (read from its record)."""
         self.ctx = ctx
         self.bells = wake_keys(self.gate, ctx.metadata)
 
-    # -- asking the gate -------------------------------------------------------------------
     def start_calls(self, worker: str, tenant: Mapping[str, str]) -> Calls[Admission] | None:
-        """The acquire to send in the round trip of the attempt's start, when the gate is
-        :class:`~pipeline.gates.Batched` (a per-key quota: when the dispatcher named the
-        request's ``tenant``). When attempts of this process are parked on the bell this one
-        would park on (the gate's hand-over bell), it parks behind them without asking for the
-        slot they wait for. The bells' generations are read first."""
+        """The acquire to send with the attempt's start, when the gate is ``Batched``; behind
+        attempts of this process parked on its hand-over bell, a refusal without asking."""
         gate, bell = self.gate, self.host.bell
         self.generations = {self.queue: bell.generation(self.queue)}
-        name = gate.handover_bell(self.queue, tenant) if isinstance(gate, HandsOver) else None
+        name = self._handover_bell(tenant)
         waiting = 0
         if name is not None:
             self.generations.setdefault(name, bell.generation(name))
@@ -119,9 +92,8 @@ class Reservation:
         return calls
 
     def started(self, calls: Calls[Admission], replies: Sequence[Any]) -> bool:
-        """Take the replies of the start's acquire calls (none failed: the decision; one
-        failed: none, the attempt asks again). Whether they took a new reservation (one to
-        give back if the start was fenced off)."""
+        """Take the start's acquire replies (one failed: no decision, it asks again); whether
+        they took a reservation (to give back if the start was fenced off)."""
         error = _first_error(replies)
         if error is not None:
             log.warning("gate %s failed for %s: %s", self.queue, self.holder, error)
@@ -146,29 +118,26 @@ class Reservation:
         return self.decision
 
     def wait(self, decision: Decision, timeout: float) -> Ticket | None:
-        """Park once on ``decision``'s bell, at most ``timeout`` s: the ticket (None: it rang
-        before the wait began, or the bell closed). Parked on the gate's hand-over bell, a
-        holder of this process may hand it its slot: then it is admitted (``ticket.granted``)."""
+        """Park once on ``decision``'s bell (None: it rang already, or closed); on the hand-over
+        bell a holder of this process may hand it its slot (``ticket.granted``)."""
         assert self.ctx is not None
-        gate, name = self.gate, decision.bell(self.queue)
-        handover = (
-            gate.handover_bell(self.queue, self.ctx.metadata)
-            if isinstance(gate, HandsOver)
-            else None
-        )
+        name = decision.bell(self.queue)
         generation = self.generations.get(name, self.generations.get(self.queue, 0))
-        offer = self.ctx if name == handover else None
+        offer = self.ctx if name == self._handover_bell(self.ctx.metadata) else None
         ticket = self.host.bell.park(
-            name, generation, timeout, offer, gate, rid=self.ctx.request_id
+            name, generation, timeout, offer, self.gate, rid=self.ctx.request_id
         )
         if ticket is not None and ticket.granted:
             self.ticket, self.decision, self._released = ticket, CONTINUE, False
         return ticket
 
+    def _handover_bell(self, metadata: Mapping[str, str]) -> str | None:
+        gate = self.gate
+        return gate.handover_bell(self.queue, metadata) if isinstance(gate, HandsOver) else None
+
     def follow(self, gate: Gate) -> None:
-        """Ask ``gate`` from now on (a config reload replaced the queue's), holding nothing
-        yet — except a parked attempt's own quota slots, given back here (idempotent; on
-        failure the lease lapses, no longer renewed)."""
+        """Ask ``gate`` from now on (a reload replaced the queue's); a parked attempt's own
+        quota slots on the old one are given back."""
         try:
             self.gate.release(self.holder)
         except Exception as exc:  # noqa: BLE001 - the lease is the safety net
@@ -181,7 +150,6 @@ class Reservation:
     def admitted(self) -> bool:
         return self.ticket is not None or (self.decision is not None and self.decision.admitted)
 
-    # -- the release -----------------------------------------------------------------------
     def release(self) -> None:
         """Release now, retried (an attempt that ends without its finish / requeue)."""
         self.host.untrack(self.holder)
@@ -190,19 +158,17 @@ class Reservation:
         self._ring(rings, echo=False)
 
     def discard(self) -> None:
-        """Give back what the start's acquire took and forget its decision: the attempt asks
-        its gate again (the dispatcher's tenant hint was not the request's)."""
+        """Give back what the start's acquire took (the dispatcher's tenant was not the
+        request's) and forget its decision."""
         self._retried(None)
         self.decision, self._released = None, False
 
     def release_with(
         self, build: Callable[[bool, bool], ScriptCall], served: int | None = 0
     ) -> Any:
-        """Release, or hand the slot to an attempt of this process parked for one; then run
-        the attempt's finish / requeue, ``build(handed_over, nowake)``, in the same round trip
-        (each atomic, the gate's first): the reservation is gone before the request leaves
-        the attempt. A token charge is settled to ``served`` first. Returns the finish /
-        requeue's reply (raises its error)."""
+        """Settle a token charge to ``served``, release (or hand the slot to an attempt of this
+        process parked for one), then the finish / requeue ``build(handed_over, nowake)``
+        returns, in one round trip, the gate's step first. Returns (or raises) its reply."""
         self.host.untrack(self.holder)
         held = self._held()
         if held:
@@ -230,9 +196,8 @@ class Reservation:
         return reply
 
     def _held(self) -> bool:
-        """Whether it holds a slot (then marked released: a second release frees nothing and
-        hands nothing over). A taker waits for its giver to record the transfer first:
-        releasing before it would leave a lease behind that nobody renews."""
+        """Whether it holds a slot, marking it released. A taker waits for its giver's
+        transfer record: releasing before it would leave a lease nobody renews."""
         if self._released:
             return False
         self._released = True
@@ -242,8 +207,7 @@ class Reservation:
         return self.decision is not None and self.decision.admitted
 
     def _settle(self, served: int | None) -> None:
-        """Settle a token charge (a failure leaves the estimate charged until the window moves
-        past it, and is only logged)."""
+        """Settle a token charge (a failure leaves the estimate, only logged)."""
         try:
             assert self.ctx is not None
             settle(self.gate, self.ctx, served)
@@ -251,10 +215,8 @@ class Reservation:
             log.warning("settling the token charge of %s failed: %s", self.holder, exc)
 
     def _taker(self) -> tuple[str | None, Ticket | None]:
-        """The hand-over bell and the ticket of an attempt of this process parked there, now
-        granted the slot; (None, None) when nobody waits. Only on the queue's current gate,
-        never one a reload replaced: its stale limit could refuse the transfer of a slot the
-        taker already left with."""
+        """The hand-over bell and the granted ticket of an attempt parked there, or (None, None).
+        Never on a gate a reload replaced: its stale limit could refuse the transfer."""
         gate = self.gate
         if not isinstance(gate, HandsOver) or gate is not self.host.current_gate(self.queue):
             return None, None
@@ -264,7 +226,6 @@ class Reservation:
         return (name, ticket) if ticket is not None else (None, None)
 
     def _step(self, ticket: Ticket | None) -> Calls[bool] | None:
-        """The gate's transfer to ``ticket`` (or its release) as calls; None: done directly."""
         gate = self.gate
         try:
             if ticket is not None and isinstance(gate, HandsOver):
@@ -277,8 +238,7 @@ class Reservation:
     def _complete(
         self, step: Calls[bool] | None, ticket: Ticket | None, replies: list[Any] | Exception
     ) -> None:
-        """Take the gate step's replies (or the error that lost them): record a hand-over's
-        outcome; a step that failed or did not go is done directly, retried."""
+        """Take the gate step's replies; one that failed or did not go is done directly."""
         try:
             if step is not None:
                 error = replies if isinstance(replies, Exception) else _first_error(replies)
@@ -324,7 +284,6 @@ class Reservation:
         )
 
     def _record(self, ticket: Ticket | None, done: bool) -> None:
-        """A transfer's outcome, for its taker (``ticket.held``)."""
         if ticket is None:
             return
         ticket.held = done
@@ -337,26 +296,18 @@ class Reservation:
             )
 
     def _rings(self, held: bool, handed: str | None) -> list[str]:
-        """The bells its release rings: the queue's and the quota keys it held a slot of; after
-        a hand-over (on bell ``handed``, nothing freed there) the other quota keys only."""
+        """The bells its release rings; after a hand-over on ``handed``, the other keys only."""
         if handed is not None:
             return [n for n in self.bells if n != handed]
         return [self.queue, *self.bells] if held else [self.queue]
 
     def _ring(self, names: Sequence[str], *, echo: bool) -> None:
-        """Wake attempts of this process parked on ``names``; ``echo``: the finish / requeue
-        that follows publishes them (the listener swallows that echo)."""
         for name in names:
             self.host.bell.ring(name, echo=echo)
 
     def _parked_ahead(self, name: str | None) -> bool:
-        """Whether this process still has at least half the dispatcher's look-ahead past the
-        slots behind bell ``name`` parked there (``Settings.lookahead_for``: a slot gate's
-        capacity on the queue's bell, a per-key quota's limit on its key's): then a finish that
-        handed its slot over there does not ring the pool's doorbell (the dispatcher is rung
-        when the parked attempts run low, and tops them up in one tick, instead of one tick per
-        finish; a quota key's held tenants are woken at the same point, see
-        ``Keys.quota_blocked``)."""
+        """At least half the dispatcher's look-ahead still parked on bell ``name``: a finish
+        that handed over there need not ring the doorbell (docs/internals.md)."""
         if name is None:
             return False
         gate, keyed = self.gate, name != self.queue

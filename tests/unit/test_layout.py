@@ -20,8 +20,8 @@ ALLOWED: dict[str, set[str]] = {
     "redact": set(),
     "config": {"errors"},
     "store": {"config", "errors"},
-    "gates": {"store", "config", "errors", "redact"},
     "http": set(),
+    "gates": {"store", "config", "errors", "redact", "http"},  # metric gates GET with http.call
     "client": {"gates", "store", "config", "errors"},
     "observability": {"client", "gates", "store", "config", "errors", "redact"},
     "worker": {"observability", "http", "gates", "store", "config", "errors"},

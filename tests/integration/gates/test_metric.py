@@ -36,13 +36,22 @@ class Stub:
         self.status = 200
         self.texts: dict[str, str] = {}
         self.queries: list[str] = []
+        self.auth: list[str | None] = []
+        self.redirect_to: str | None = None  # set: every GET answers 307 to this base
         self.hits = 0
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 stub.hits += 1
+                stub.auth.append(self.headers.get("Authorization"))
                 parts = urlsplit(self.path)
+                if stub.redirect_to:
+                    self.send_response(307)
+                    self.send_header("Location", stub.redirect_to + self.path)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if parts.path == "/api/v1/query":
                     query = parse_qs(parts.query)["query"][0]
                     stub.queries.append(query)
@@ -176,6 +185,23 @@ def test_connection_refused_fails_closed(
         assert scrape.budget() == 0.0
     assert caplog.records
     assert all("pw-secret" not in r.getMessage() for r in caplog.records)
+
+
+def test_redirects_are_followed_only_when_configured_and_keep_no_credentials(
+    stub: Stub, gates: Callable[..., Gate]
+) -> None:
+    moved = Stub()
+    try:
+        moved.redirect_to = stub.url
+        url = moved.url.replace("//", "//user:pw@")
+        gate = gates("prometheus-query", {"url": url, "query": "q"})
+        assert gate.budget() == 0.0 and stub.hits == 0  # a 307 is not followed by default
+        assert moved.auth == ["Basic dXNlcjpwdw=="]  # user:pw@ is basic auth
+        follows = gates("prometheus-query", {"url": url, "query": "q", "follow_redirects": True})
+        assert follows.budget() == pytest.approx(0.3)
+        assert stub.auth == [None]  # not to another origin
+    finally:
+        moved.close()
 
 
 def test_cache_ttl_is_honoured_for_values_and_errors(
