@@ -1,12 +1,6 @@
-"""From an input file to queued requests: the whole input is checked first (:func:`scan`:
-line by line, unique custom_ids, size limits), its rows spooled to a temporary file so that
-memory stays flat whatever the input's size; then the rows are stored chunk by chunk
-(:func:`enqueue`), each chunk fenced by line numbers in submit.lua so that no line is stored
-twice — by a second enqueuer, or by one resuming after a crash.
-
-Every line's request id is ``<batch id>-<line number>``; its deadline is the batch's
-``expires_at`` (the server's clock at creation + the completion window), or earlier when a
-``pipeline run`` line asks for a shorter ``timeout`` / ``deadline`` of its own.
+"""From an input file to queued requests: check the whole input first (:func:`scan`), spooling
+rows to a temporary file (flat memory), then store them chunk by chunk (:func:`enqueue`),
+fenced by line numbers in submit.lua (docs/batches.md, "Nothing is lost on a restart").
 """
 
 from __future__ import annotations
@@ -47,8 +41,8 @@ class RowContext:
 
 @dataclass
 class Scan:
-    """The result of checking an input: ``total`` request lines (valid or not), the last
-    ``lines`` number, the ``invalid`` ones, and the valid rows spooled for :func:`enqueue`."""
+    """A checked input: ``total`` request lines, the last line number, the invalid ones, and
+    the valid rows spooled for :func:`enqueue`."""
 
     total: int = 0
     lines: int = 0
@@ -83,7 +77,6 @@ class Scan:
 
 
 def input_lines(source: IO[bytes] | Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
-    """(line number from 1, line without its end) of a binary input."""
     for number, raw in enumerate(source, 1):
         yield number, raw.rstrip(b"\r\n")
 
@@ -94,10 +87,7 @@ class RowBuilder:
     def __init__(self, pipeline: Pipeline, ctx: RowContext) -> None:
         self.pipeline = pipeline
         self.ctx = ctx
-        settings = pipeline.settings
-        if ctx.queue not in settings.queues:
-            raise InvalidRequest("queue", f"unknown queue {ctx.queue!r}")
-        q = settings.queues[ctx.queue]
+        q = pipeline.queue_config(ctx.queue)
         self.deadline = repr(ctx.deadline)
         labels = orjson.dumps(q.labels).decode() if q.labels else "{}"
         self.head = [q.queue_name, q.worker_pool_id, str(ctx.priority)]
@@ -152,11 +142,10 @@ def scan(
     max_body_bytes: int,
     max_lines: int,
     enqueue_after: int = 0,
-    renew: Callable[[], None] | None = None,
+    renew: Callable[[], object] | None = None,
 ) -> Scan:
-    """Check every line; with a ``builder``, spool the rows of valid lines after line
-    ``enqueue_after`` (a resumed batch has stored the lines up to it). Without one, only
-    check (``pipeline run`` does before it starts anything)."""
+    """Check every line; with a ``builder``, spool the valid rows after line ``enqueue_after``
+    (stored before the batch resumed); without one, only check."""
     s = _Scanner(builder, max_body_bytes, enqueue_after, renew)
     for number, raw in source:
         s.out.lines = number
@@ -179,7 +168,7 @@ class _Scanner:
         builder: RowBuilder | None,
         max_body_bytes: int,
         enqueue_after: int,
-        renew: Callable[[], None] | None,
+        renew: Callable[[], object] | None,
     ) -> None:
         self.builder = builder
         ctx = builder.ctx if builder is not None else None
@@ -248,7 +237,7 @@ def _spool(out: Scan, after: int, upto: int, rows: list[list[str]]) -> None:
 
 
 def invalid_record(err: LineError) -> bytes:
-    """An invalid line as kept for the error file (``<prefix>batch:<id>:invalid``)."""
+    """An invalid line as kept for the error file."""
     return orjson.dumps(
         {"line": err.number, "custom_id": err.custom_id, "code": err.code, "message": err.message}
     )
@@ -258,7 +247,7 @@ def enqueue(
     records: BatchRecords,
     batch_id: str,
     result: Scan,
-    renew: Callable[[], None] | None = None,
+    renew: Callable[[], object] | None = None,
 ) -> str:
     """Store the spooled chunks in order. Returns ``done``, ``stopped:<status>`` (cancelled
     or lapsed: it takes no more lines) or ``fenced`` (another enqueuer is ahead)."""

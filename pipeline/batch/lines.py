@@ -1,13 +1,6 @@
-"""Input lines of a batch: OpenAI's Batch API format, checked one line at a time.
-
-An OpenAI line is ``{"custom_id": str, "method": "POST", "url": str, "body": {...}}``. Lines
-of ``pipeline run`` files may also be objects of :func:`pipeline.submit` arguments with a
-``payload`` (their ``id`` is the custom_id), and both kinds may carry the run extensions
-``priority``, ``deadline``, ``timeout``, ``metadata``, ``headers`` and ``queue``.
-
-:func:`parse_line` returns a :class:`Line` or a :class:`LineError` whose ``code`` and
-``message`` are what the batch's ``errors`` (or its error file) show, with the line number.
-"""
+"""Input lines of a batch, checked one at a time: OpenAI Batch API lines, or with
+``extensions`` the ``pipeline run`` forms (docs/batches.md). A :class:`LineError`'s code and
+message are what the batch's ``errors`` or error file show."""
 
 from __future__ import annotations
 
@@ -15,6 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+from ..client.api import check_endpoint
+from ..errors import InvalidRequest
 
 # the endpoints OpenAI's Batch API accepts, which an OpenAI-compatible server may serve
 KNOWN_URLS = frozenset(
@@ -33,8 +29,7 @@ OPENAI_KEYS = frozenset({"custom_id", "method", "url", "body"})
 
 @dataclass(frozen=True)
 class Line:
-    """A valid line: ``body`` is its JSON body as compact text; ``extra`` the run extensions
-    it carries (None for a plain OpenAI line)."""
+    """A valid line: ``body`` as compact JSON text; ``extra`` its run extensions, if any."""
 
     number: int
     custom_id: str
@@ -46,8 +41,7 @@ class Line:
 
 @dataclass(frozen=True)
 class LineError:
-    """Why line ``number`` is not a request: an OpenAI batch error (``code``, ``message``,
-    ``param``), with the line's custom_id when it could be read."""
+    """Why line ``number`` is not a request (with its custom_id when it could be read)."""
 
     number: int
     code: str
@@ -73,10 +67,7 @@ def parse_line(
     max_body_bytes: int,
     extensions: bool,
 ) -> Line | LineError:
-    """Check one input line (without its end of line). ``endpoint``: every line's ``url``
-    must be this one (a batch created through the API names its endpoint); None: any known
-    url. ``extensions``: accept ``pipeline run`` lines (``payload`` lines and the run
-    extensions)."""
+    """Check one input line. ``endpoint``: the only ``url`` allowed (None: any known url)."""
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -115,8 +106,7 @@ def parse_line(
 
 
 def _run_line(number: int, obj: dict[str, Any], max_body_bytes: int) -> Line | LineError:
-    """A ``pipeline run`` line of submit arguments: ``payload``, ``id`` (its custom_id;
-    absent: ``line-<n>``), ``endpoint`` and the run extensions."""
+    """A line of submit arguments: ``payload``, ``id`` (the custom_id; absent: ``line-<n>``)."""
     rid = obj.get("id", f"line-{number}")
     problem = _check_custom_id(rid)
     if problem is not None:
@@ -128,13 +118,10 @@ def _run_line(number: int, obj: dict[str, Any], max_body_bytes: int) -> Line | L
         return LineError(
             number, "invalid_request", f"line {number}: unknown field {name!r}", name, rid
         )
-    endpoint = obj.get("endpoint")
-    if endpoint is not None and (
-        not isinstance(endpoint, str) or not endpoint.startswith("/") or "://" in endpoint
-    ):
-        return LineError(
-            number, "invalid_url", f"line {number}: endpoint must be a URL path", "endpoint", rid
-        )
+    try:
+        endpoint = check_endpoint(obj.get("endpoint")) or None
+    except InvalidRequest as exc:
+        return LineError(number, "invalid_url", f"line {number}: {exc}", "endpoint", rid)
     body = _body_text(obj["payload"], max_body_bytes)
     if isinstance(body, tuple):
         message, code = body

@@ -1,20 +1,5 @@
-"""A batch's results, line by line, in input order: OpenAI's output and error file lines, or
-``pipeline run``'s result lines (the pipeline's own :class:`~pipeline.client.Result` shape).
-
-OpenAI's shapes: an output line (a 2xx/3xx answer) is
-``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}``; an
-error line has ``"error": {"code", "message"}`` and the ``response`` when the model server
-answered (an HTTP error after retries), else ``null``. Error codes:
-
-============================== =====================================================
-``http_error``                 the server answered 4xx, or 429/5xx until the deadline
-``batch_expired``              the completion window passed before it ran
-``batch_cancelled``            the batch was cancelled before it started
-``deadline_exceeded``          a line's own, shorter deadline passed (``pipeline run``)
-``invalid_request`` and others a bad line (its validation code), or the pipeline's own
-                               error code in lower case (``gate_dropped``, ...)
-============================== =====================================================
-"""
+"""A batch's results, line by line in input order: OpenAI's output and error file lines (their
+shapes and error codes: docs/batches.md, "Errors and output lines") or ``pipeline run``'s."""
 
 from __future__ import annotations
 
@@ -37,9 +22,8 @@ MESSAGES = {
 
 @dataclass
 class LineResult:
-    """One input line's outcome: ``data`` (its result as stored, see :class:`Result`) when it
-    ran, the validation ``invalid`` record of an invalid line, or ``missing`` (never stored:
-    cancelled or expired before it was enqueued; the error code)."""
+    """One input line's outcome: ``data`` (its stored :class:`Result`), the ``invalid`` record
+    of an invalid line, or ``missing``: the error code of a line never stored."""
 
     number: int
     request_id: str
@@ -69,17 +53,13 @@ def line_results(
     batch: Batch,
     custom_ids: Callable[[int], dict[int, str]] | None = None,
 ) -> Iterator[LineResult]:
-    """Every request line of ``batch`` in input order. Lines after the last one stored
-    (cancelled or lapsed before they were enqueued) are known only from the input:
-    ``custom_ids(after)`` maps their line numbers to custom_ids (None: the input is gone, as
-    the lines given to ``submit_batch`` in a list are: such lines come without a custom_id;
-    one the input does not name is left out: not a request line). The next range of results
-    is read while this one is handed out."""
+    """Every request line of ``batch`` in input order; the next range is read while this one
+    is handed out. Lines never stored are known only from the input: ``custom_ids(after)``
+    maps their numbers to custom_ids (None: the input is gone; they come without one)."""
     invalid = {int(r["line"]): r for r in records.invalid(batch.id)}
     last = batch.submitted
-    missing_code = (
-        "batch_cancelled" if batch.status in ("cancelled", "cancelling") else ("batch_expired")
-    )
+    cancelled = batch.status in ("cancelled", "cancelling")
+    missing_code = "batch_cancelled" if cancelled else "batch_expired"
     step = READ_CHUNK
     ranges = [(lo, min(last, lo + step - 1)) for lo in range(1, last + 1, step)]
     with ThreadPoolExecutor(1, thread_name_prefix="batch-read") as pool:

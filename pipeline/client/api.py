@@ -81,6 +81,21 @@ def _check_id(rid: Any) -> str:
     return rid
 
 
+def check_priority(priority: Any) -> int:
+    if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 9:
+        raise InvalidRequest("priority", "must be an int from 0 to 9")
+    return priority
+
+
+def check_endpoint(endpoint: Any) -> str:
+    """A request's own URL path ("" for its queue's ``request_path_url``)."""
+    if endpoint is not None and (
+        not isinstance(endpoint, str) or not endpoint.startswith("/") or "://" in endpoint
+    ):
+        raise InvalidRequest("endpoint", "must be a URL path starting with '/'")
+    return endpoint or ""
+
+
 def _check_deadline(deadline: Any, timeout: Any, default_timeout_s: float) -> tuple[str, str]:
     """``(deadline, timeout)`` for submit.lua from ``deadline`` or ``timeout`` (at most one):
     an absolute deadline (Unix s) stays as given; a relative timeout (or the queue's default)
@@ -119,30 +134,27 @@ class Pipeline:
         self._lock = threading.Lock()
 
     # -- validation ----------------------------------------------------------------------
-    def _row(self, payload: Any, **kw: Any) -> tuple[str, list[str]]:
-        """Validate one submission; returns its id and the row for submit.lua."""
+    def queue_config(self, name: Any) -> QueueConfig:
+        if not isinstance(name, str) or name not in self.settings.queues:
+            raise InvalidRequest("queue", f"unknown queue {name!r}")
+        return self.settings.queues[name]
+
+    def prepare(self, payload: Any, **kw: Any) -> tuple[str, list[str]]:
+        """Check one submission without storing it: its id and its row for submit.lua (also
+        how ``pipeline.batch`` checks batch lines). Raises InvalidRequest naming the field."""
         unknown = set(kw) - SUBMIT_KEYS
         if unknown:
             raise InvalidRequest(sorted(unknown)[0], "unknown argument")
-        queue_name = kw.get("queue", "default")
-        if not isinstance(queue_name, str) or queue_name not in self.settings.queues:
-            raise InvalidRequest("queue", f"unknown queue {queue_name!r}")
-        q: QueueConfig = self.settings.queues[queue_name]
+        q = self.queue_config(kw.get("queue", "default"))
         body = _check_payload(payload, self.settings.max_payload_bytes)
         rid = _check_id(kw.get("id"))
-        priority = kw.get("priority", 0)
-        if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 9:
-            raise InvalidRequest("priority", "must be an int from 0 to 9")
+        priority = check_priority(kw.get("priority", 0))
         deadline, timeout = _check_deadline(
             kw.get("deadline"), kw.get("timeout"), q.default_timeout_s
         )
         metadata = _str_map(kw.get("metadata"), "metadata")
         headers = _str_map(kw.get("headers"), "headers", header=True)
-        endpoint = kw.get("endpoint")
-        if endpoint is not None and (
-            not isinstance(endpoint, str) or not endpoint.startswith("/") or "://" in endpoint
-        ):
-            raise InvalidRequest("endpoint", "must be a URL path starting with '/'")
+        endpoint = check_endpoint(kw.get("endpoint"))
         row = [
             rid,
             q.queue_name,
@@ -153,22 +165,16 @@ class Pipeline:
             body,
             _json_map(metadata),
             _json_map(headers),
-            endpoint or "",
+            endpoint,
             *self._result_list[q.queue_name],
             _json_map(q.labels),
         ]
         return rid, row
 
-    def prepare(self, payload: Any, **kw: Any) -> tuple[str, list[str]]:
-        """Check one submission as :meth:`submit` does, without storing it: its id and its
-        row for submit.lua (``pipeline.batch`` stores batch lines itself). Raises
-        InvalidRequest naming the field."""
-        return self._row(payload, **kw)
-
     # -- submit --------------------------------------------------------------------------
     def submit(self, payload: dict[str, Any], **kw: Any) -> Request:
         """Submit one request. See :func:`pipeline.submit`."""
-        rid, row = self._row(payload, **kw)
+        rid, row = self.prepare(payload, **kw)
         created = self._store([rid], [row])[0]
         return Request(self, rid, created == 1)
 
@@ -183,7 +189,7 @@ class Pipeline:
             kw = dict(item)
             payload = kw.pop("payload")
             try:
-                rid, row = self._row(payload, **kw)
+                rid, row = self.prepare(payload, **kw)
             except InvalidRequest as exc:
                 raise InvalidRequest(exc.field, f"item {i}: {exc.args[0]}") from None
             rows.append(row)

@@ -1,12 +1,6 @@
-"""What ``pipeline serve`` does besides answering: it checks and stores the lines of new
-batches, cancels the lines of cancelled ones, assembles the files of finished ones, closes
-batches whose window passed with nobody storing their lines, and removes expired files.
-
-Each of these steps holds the batch's lease, so several service processes share the work;
-after a restart (or a ``kill -9``) the loop finds, in Redis, every batch left half-way and
-takes it up again: a batch left validating or half-enqueued is read again from its input
-file and resumes after its last stored line (fenced: no line is stored twice), an
-interrupted cancel goes on, a finalizing batch is finalized."""
+"""What ``pipeline serve`` does besides answering: store new batches' lines, cancel cancelled
+ones', assemble finished ones' files, close lapsed batches, remove expired files. Each step
+holds the batch's lease, so a restart takes up every batch left half-way (docs/batches.md)."""
 
 from __future__ import annotations
 
