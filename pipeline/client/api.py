@@ -1,4 +1,5 @@
-"""The client API: submit requests, read their state and results, cancel, inspect."""
+"""The client API: submit requests (checked here, the one boundary validator), read their
+state and results, cancel, inspect."""
 
 from __future__ import annotations
 
@@ -9,20 +10,19 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import QueueConfig, Settings, load_settings, with_overrides
 from ..errors import InvalidRequest, ReplicationError, UnknownRequest
 from ..gates import Gate, GateEnv, attempt_gate, check_gates, queue_gate
 from ..store import QuotaSpec, Store
-from ..store.state import ordering_score
 from .explain import Explanation, build
-from .models import Request, Result
+from .models import Result
 
 MAX_ID_LENGTH = 256
 FULL_RESCAN_S = 30.0  # iter_results re-reads every waiting id this often (recent keeps 300 s)
 MAX_DEADLINE_AHEAD_S = 10 * 365 * 24 * 3600.0
-__all__ = ["Pipeline", "configure", "default_pipeline", "ordering_score"]
 SUBMIT_KEYS = frozenset(
     {"queue", "id", "priority", "deadline", "timeout", "metadata", "headers", "endpoint"}
 )
@@ -97,11 +97,9 @@ def check_endpoint(endpoint: Any) -> str:
 
 
 def _check_deadline(deadline: Any, timeout: Any, default_timeout_s: float) -> tuple[str, str]:
-    """``(deadline, timeout)`` for submit.lua from ``deadline`` or ``timeout`` (at most one):
-    an absolute deadline (Unix s) stays as given; a relative timeout (or the queue's default)
-    becomes a deadline by the Redis server's clock when the request is stored, so a client
-    whose clock is off still gets the time it asked for. The "in the past" check of an absolute
-    deadline is a sanity check by this machine's clock; the server's clock decides expiry."""
+    """``(deadline, timeout)`` for submit.lua: a timeout becomes a deadline by the Redis
+    server's clock when stored (a client with a wrong clock still gets its time); "in the
+    past" is a sanity check by this machine's clock."""
     if deadline is not None and timeout is not None:
         raise InvalidRequest("deadline", "give deadline or timeout, not both")
     if deadline is not None:
@@ -228,9 +226,8 @@ class Pipeline:
         return _done(request_id, state, result)
 
     def wait(self, request_id: str, timeout: float | None = None) -> Result:
-        """Block until the request's terminal result exists (woken by its notify list, which
-        the result is pushed on only for a request a client waits for: the first check marks
-        the record, in one atomic step with reading it — see wait.lua)."""
+        """Block until the request's terminal result exists, woken by its notify list (only
+        kept for a request a client waits for: see wait.lua)."""
         end = None if timeout is None else time.monotonic() + timeout
         notify = self.store.keys.notify(request_id)
         state, raw = self.store.scripts.wait(keys=[self.store.keys.request(request_id)])
@@ -239,11 +236,8 @@ class Pipeline:
             left = 1.0 if end is None else min(1.0, end - time.monotonic())
             if left <= 0:
                 raise TimeoutError(f"request {request_id} not done after {timeout} s")
-            # wait for the bell without taking it: BLMOVE of the list onto itself returns as
-            # soon as it holds an element and leaves it there (for other waiters), and the
-            # key keeps the expiry the finishing script gave it (a pop then a push would
-            # re-create it without one: a key left for ever per waited request)
-            # (a float timeout: redis-py's blmove() types it int)
+            # the bell stays for other waiters, and with its expiry (a pop then a push would
+            # re-create it without one); a float timeout: redis-py's blmove() types it int
             self.store.client.execute_command(
                 "BLMOVE", notify, notify, "RIGHT", "LEFT", max(left, 0.01)
             )
@@ -292,9 +286,7 @@ class Pipeline:
         return self.store.cancel(request_id)
 
     def explain(self, request_id: str) -> Explanation:
-        """Where the request is and why: state, place in its queue, its tenant's quota use and
-        holders, its queue's gate, deadline slack and decision log (see
-        :class:`~pipeline.client.explain.Explanation`). Raises :class:`UnknownRequest`."""
+        """Where the request is and why (:class:`Explanation`); raises UnknownRequest."""
         raw = self.store.explain(request_id, self.quota_specs())
         if raw is None:
             raise UnknownRequest(request_id)
@@ -303,8 +295,7 @@ class Pipeline:
         return build(request_id, raw, gate)
 
     def quota_specs(self) -> dict[str, list[QuotaSpec]]:
-        """Per queue, the blocking concurrency quotas of its gates and its pool's (what the
-        dispatcher counts per tenant)."""
+        """Per queue, the blocking concurrency quotas the dispatcher counts per tenant."""
         with self._lock:
             if self._quota_specs is None:
                 self._quota_specs = {
@@ -324,11 +315,8 @@ class Pipeline:
             return gate
 
     def inspect(self) -> dict[str, Any]:
-        """Per queue: ``pending``, ``retry_wait``, ``running`` (dispatched or running), the
-        gate (``type``, ``limit``, ``in_flight``, ``holders``), and for a queue indexed by
-        tenant (fair share, per-key quotas) ``tenants``: ``ready`` (tenants with requests that
-        may be dispatched) and ``held_back`` (tenants at a quota key's limit, out of turn until
-        one of its requests leaves: ``HGETALL Keys.blocked(queue)`` says which); else None."""
+        """Per queue: ``pending``, ``retry_wait``, ``running``, the gate, and for a queue indexed
+        by tenant ``tenants``: ``ready`` and ``held_back`` (at a quota key's limit) tenants."""
         k = self.store.keys
         names = list(self.settings.queues)
         with self.store.client.pipeline(transaction=False) as p:
@@ -356,6 +344,36 @@ class Pipeline:
                 "tenants": {"ready": ready, "held_back": blocked} if indexed else None,
             }
         return out
+
+
+@dataclass(frozen=True)
+class Request:
+    """A handle on a submitted request. Cheap: it holds only the id and the pipeline."""
+
+    _pipeline: Pipeline = field(repr=False, compare=False)
+    id: str
+    created: bool = field(default=True, compare=False)  # False: submit() found it live
+
+    def state(self) -> str:
+        """One of ``queued``, ``retry_wait``, ``dispatched``, ``running``, ``done``."""
+        return self._pipeline.state(self.id)
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Block until the terminal result arrives; raises TimeoutError after ``timeout`` s."""
+        return self._pipeline.wait(self.id, timeout)
+
+    def cancel(self) -> bool:
+        """Cancel unless an attempt already started; True when this call cancelled it."""
+        return self._pipeline.cancel(self.id)
+
+    def explain(self) -> Explanation:
+        """Where the request is and why (docs/observability.md, "Explain"): ``.to_text()`` for
+        people, ``.to_dict()`` for JSON. Raises ``UnknownRequest`` once the record is gone."""
+        return self._pipeline.explain(self.id)
+
+    def info(self) -> dict[str, Any]:
+        """The raw request record (for debugging)."""
+        return self._pipeline.record(self.id)
 
 
 # -- the default pipeline, configured from the environment -------------------------------
