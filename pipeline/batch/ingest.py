@@ -146,86 +146,54 @@ def scan(
 ) -> Scan:
     """Check every line; with a ``builder``, spool the valid rows after line ``enqueue_after``
     (stored before the batch resumed); without one, only check."""
-    s = _Scanner(builder, max_body_bytes, enqueue_after, renew)
+    out = Scan(spool=tempfile.TemporaryFile(prefix="pipeline-batch-") if builder else None)
+    endpoint = builder.ctx.endpoint if builder else None
+    extensions = builder.ctx.extensions if builder else True
+    seen: dict[str, int] = {}
+    rows: list[list[str]] = []
+    after, size = enqueue_after, FIRST_CHUNK
     for number, raw in source:
-        s.out.lines = number
+        out.lines = number
         if not raw.strip():
             continue
-        s.out.total += 1
-        if s.out.total > max_lines:
-            s.out.invalid.append(
-                LineError(number, "too_many_lines", f"more than {max_lines} lines", None)
-            )
+        out.total += 1
+        if out.total > max_lines:
+            out.invalid.append(LineError(number, "too_many_lines", f"more than {max_lines} lines"))
             break
-        s.line(number, raw)
-    s.flush()
-    return s.out
-
-
-class _Scanner:
-    def __init__(
-        self,
-        builder: RowBuilder | None,
-        max_body_bytes: int,
-        enqueue_after: int,
-        renew: Callable[[], object] | None,
-    ) -> None:
-        self.builder = builder
-        ctx = builder.ctx if builder is not None else None
-        self.endpoint = ctx.endpoint if ctx else None
-        self.extensions = ctx.extensions if ctx else True
-        self.max_body_bytes = max_body_bytes
-        self.enqueue_after = enqueue_after
-        self.renew = renew
-        self.out = Scan()
-        if builder is not None:
-            self.out.spool = tempfile.TemporaryFile(prefix="pipeline-batch-")  # noqa: SIM115 - Scan.close
-        self.seen: dict[str, int] = {}
-        self.rows: list[list[str]] = []
-        self.after, self.size = enqueue_after, FIRST_CHUNK
-
-    def line(self, number: int, raw: bytes) -> None:
-        parsed = parse_line(
-            number,
-            raw,
-            endpoint=self.endpoint,
-            max_body_bytes=self.max_body_bytes,
-            extensions=self.extensions,
+        checked: Line | LineError | list[str] = parse_line(
+            number, raw, endpoint=endpoint, max_body_bytes=max_body_bytes, extensions=extensions
         )
-        if isinstance(parsed, Line):
-            parsed = self._unique(parsed)
-        if isinstance(parsed, LineError):
-            self.out.invalid.append(parsed)
-            return
-        if self.out.model is None:
-            self.out.model = parsed.model
-        if self.builder is None or number <= self.enqueue_after:
-            return
-        row = self.builder.row(parsed)
-        if isinstance(row, LineError):
-            self.out.invalid.append(row)
-            return
-        self.rows.append(row)
-        if len(self.rows) >= self.size:
-            _spool(self.out, self.after, number, self.rows)
-            self.after, self.rows, self.size = number, [], min(MAX_CHUNK, self.size * 2)
-            if self.renew is not None and self.out.chunks % 20 == 0:
-                self.renew()
+        if isinstance(checked, Line):
+            checked = _unique(checked, seen, out.duplicates)
+        if isinstance(checked, Line):
+            out.model = out.model or checked.model
+            if builder is not None and number > enqueue_after:
+                checked = builder.row(checked)
+        if isinstance(checked, LineError):
+            out.invalid.append(checked)
+        elif isinstance(checked, list):
+            rows.append(checked)
+            if len(rows) >= size:
+                _spool(out, after, number, rows)
+                after, rows, size = number, [], min(MAX_CHUNK, size * 2)
+                if renew is not None and out.chunks % 20 == 0:
+                    renew()
+    if builder is not None and out.lines > after:
+        _spool(out, after, out.lines, rows)
+    return out
 
-    def _unique(self, line: Line) -> Line | LineError:
-        first = self.seen.setdefault(line.custom_id, line.number)
-        if first == line.number:
-            return line
-        self.out.duplicates.setdefault(line.custom_id, [first]).append(line.number)
-        return LineError(
-            line.number, "duplicate_custom_id",
-            f"line {line.number}: custom_id {line.custom_id!r} already used on line {first}",
-            "custom_id", line.custom_id,
-        )  # fmt: skip
 
-    def flush(self) -> None:
-        if self.builder is not None and self.out.lines > self.after:
-            _spool(self.out, self.after, self.out.lines, self.rows)
+def _unique(line: Line, seen: dict[str, int], duplicates: dict[str, list[int]]) -> Line | LineError:
+    """The line, or an error when its custom_id was used on an earlier line."""
+    first = seen.setdefault(line.custom_id, line.number)
+    if first == line.number:
+        return line
+    duplicates.setdefault(line.custom_id, [first]).append(line.number)
+    return LineError(
+        line.number, "duplicate_custom_id",
+        f"line {line.number}: custom_id {line.custom_id!r} already used on line {first}",
+        "custom_id", line.custom_id,
+    )  # fmt: skip
 
 
 def _spool(out: Scan, after: int, upto: int, rows: list[list[str]]) -> None:
