@@ -128,7 +128,6 @@ class Files:
             p.execute()
 
     def add(self, file_id: str, filename: str, purpose: str, owner: str = "") -> FileInfo:
-        """Record a file whose bytes are in the store; it expires ``file_ttl_s`` from now."""
         now = self._now()
         ttl = self.settings.file_ttl_s
         info = FileInfo(file_id, self.blobs.size(file_id), now, filename, purpose, now + ttl, owner)
@@ -199,7 +198,7 @@ class Files:
         self._forget(file_id)
 
     def sweep(self) -> int:
-        """Remove the bytes and index entries of expired files; returns how many."""
+        """Remove expired files; returns how many."""
         expired: list[str] = self.client.zrangebyscore(  # type: ignore[assignment]
             self.keys.files_expiry(), "-inf", self._now()
         )

@@ -134,7 +134,6 @@ def _check_method_url(obj: dict[str, Any], endpoint: str | None, extensions: boo
 
 
 def _body_text(body: Any, max_bytes: int, key: str) -> str:
-    """The body as compact JSON text."""
     if not isinstance(body, dict):
         raise _Bad(f"{key} must be a JSON object", "invalid_body", key)
     try:

@@ -47,6 +47,14 @@ class LineResult:
         status = d.get("status_code")
         return isinstance(status, int) and status < 300
 
+    def error(self) -> tuple[str, str]:
+        """A line that did not run: the pipeline's error code and message."""
+        if self.invalid is not None:
+            return "INVALID_REQUEST", str(self.invalid["message"])
+        if self.missing == "batch_expired":
+            return "DEADLINE_EXCEEDED", MESSAGES["batch_expired"]
+        return "CANCELLED", MESSAGES["batch_cancelled"]
+
 
 def line_results(
     records: BatchRecords,
@@ -142,12 +150,7 @@ def result_line(line: LineResult) -> bytes:
     if line.result is not None:
         row = line.result.to_dict()
     else:
-        if line.invalid is not None:
-            code, message = "INVALID_REQUEST", str(line.invalid["message"])
-        elif line.missing == "batch_expired":
-            code, message = "DEADLINE_EXCEEDED", MESSAGES["batch_expired"]
-        else:
-            code, message = "CANCELLED", MESSAGES["batch_cancelled"]
+        code, message = line.error()
         row = {
             "payload": orjson.dumps({"error": message}).decode(),
             "error_code": code,

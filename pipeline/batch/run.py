@@ -42,11 +42,7 @@ class Summary:
         self.total += 1
         r = line.result
         if r is None:
-            key = (
-                "INVALID_REQUEST"
-                if line.invalid is not None
-                else ("DEADLINE_EXCEEDED" if line.missing == "batch_expired" else "CANCELLED")
-            )
+            key = line.error()[0]
         elif r.ok:
             key = f"ok ({r.status_code})"
         elif r.error_code:
@@ -68,10 +64,8 @@ class Summary:
         t.add_section()
         t.add_row("total", str(self.total))
         t.add_row("HTTP attempts", str(self.attempts))
-        if self.latencies:
-            lat = sorted(self.latencies)
-            t.add_row("latency p50", f"{_pct(lat, 50):.2f} s")
-            t.add_row("latency p95", f"{_pct(lat, 95):.2f} s")
+        for p in (50, 95) if self.latencies else ():
+            t.add_row(f"latency p{p}", f"{_pct(sorted(self.latencies), p):.2f} s")
         t.add_row("wall time", f"{self.wall_s:.2f} s")
         if self.wall_s > 0:
             t.add_row("throughput", f"{self.total / self.wall_s:.1f} req/s")

@@ -35,10 +35,6 @@ MAX_METADATA = 16
 Opener = Callable[[], IO[bytes] | Generator[bytes, None, None]]  # opens a batch's input
 
 
-def new_batch_id() -> str:
-    return "batch_" + secrets.token_hex(12)
-
-
 def content_batch_id(path: str | Path) -> str:
     """The id ``pipeline run`` gives a file's batch: the same content, the same batch."""
     with open(path, "rb") as fh:
@@ -86,7 +82,7 @@ class Batches:
     ) -> tuple[Batch, bool]:
         """Store a new batch (``validating``), or find the one with ``batch_id``; returns it
         and whether it was created. Its lines are stored by :meth:`ingest`."""
-        bid = batch_id or new_batch_id()
+        bid = batch_id or "batch_" + secrets.token_hex(12)
         if not BATCH_ID.match(bid):
             raise InvalidRequest("batch_id", "must be 1-128 characters of [A-Za-z0-9_.-]")
         window = window_seconds(completion_window)

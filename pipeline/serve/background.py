@@ -55,7 +55,10 @@ class Background:
                 opener = b.opener(batch)
                 if opener is None:
                     log.error("batch %s: its input file is gone; it cannot be read", batch_id)
-                    b.records.fail(batch_id, [_gone(batch.input_file_id)])
+                    fid = batch.input_file_id
+                    message = f"the input file {fid} was deleted before the batch was read"
+                    error = dict(code="input_file_missing", line=None, param="input_file_id")
+                    b.records.fail(batch_id, [{**error, "message": message}])
                 else:
                     b.ingest(batch, opener)
             elif kind == "cancel":
@@ -110,12 +113,3 @@ class Background:
             n = self.batches.files.sweep()
             if n:
                 log.info("removed %d expired file(s)", n)
-
-
-def _gone(file_id: str | None) -> dict[str, object]:
-    return {
-        "code": "input_file_missing",
-        "line": None,
-        "param": "input_file_id",
-        "message": f"the input file {file_id} was deleted before the batch was read",
-    }

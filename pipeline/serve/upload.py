@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import IO, Any
 
 from python_multipart.multipart import MultipartParser, parse_options_header
@@ -16,22 +15,17 @@ from .errors import ApiError, bad_request, too_large
 MAX_FIELD_BYTES = 4096  # a form field that is not the file (purpose, expires_after[...])
 
 
-@dataclass
-class _Part:
-    headers: dict[bytes, bytes] = field(default_factory=dict)
-    name: str = ""
-    filename: str | None = None
-    value: bytearray = field(default_factory=bytearray)
-
-
 class _Receiver:
     """The parser's callbacks: the file part goes to ``out``, other fields to memory."""
 
     def __init__(self, out: IO[bytes], limit: int) -> None:
         self.out, self.limit = out, limit
-        self.part = _Part()
         self.header_field = bytearray()
         self.header_value = bytearray()
+        self.disposition = b""  # the current part's Content-Disposition
+        self.name = ""  # the current part's field name
+        self.value = bytearray()  # the current part's value (not the file)
+        self.in_file = False  # the current part is the file
         self.fields: dict[str, str] = {}
         self.filename: str | None = None
         self.size = 0
@@ -48,38 +42,39 @@ class _Receiver:
         }
 
     def part_begin(self) -> None:
-        self.part = _Part()
+        self.disposition, self.name, self.value, self.in_file = b"", "", bytearray(), False
 
     def header_end(self) -> None:
-        self.part.headers[bytes(self.header_field).lower()] = bytes(self.header_value)
+        if bytes(self.header_field).lower() == b"content-disposition":
+            self.disposition = bytes(self.header_value)
         self.header_field.clear()
         self.header_value.clear()
 
     def headers_finished(self) -> None:
-        _, params = parse_options_header(self.part.headers.get(b"content-disposition", b""))
-        self.part.name = params.get(b"name", b"").decode("utf-8", "replace")
+        _, params = parse_options_header(self.disposition)
+        self.name = params.get(b"name", b"").decode("utf-8", "replace")
         filename = params.get(b"filename")
-        if filename is not None and self.part.name == "file":
+        if filename is not None and self.name == "file":
             if self.filename is not None:
                 raise bad_request("more than one file in the upload", "file")
-            self.part.filename = filename.decode("utf-8", "replace")
-            self.filename = self.part.filename
+            self.filename = filename.decode("utf-8", "replace")
+            self.in_file = True
 
     def part_data(self, data: bytes, start: int, end: int) -> None:
         n = end - start
-        if self.part.filename is not None:
+        if self.in_file:
             self.size += n
             if self.size > self.limit:
                 raise too_large(self.limit)
             self.out.write(data[start:end])
-        elif len(self.part.value) + n <= MAX_FIELD_BYTES:
-            self.part.value.extend(data[start:end])
+        elif len(self.value) + n <= MAX_FIELD_BYTES:
+            self.value.extend(data[start:end])
         else:
-            raise bad_request(f"form field {self.part.name!r} is too long", self.part.name)
+            raise bad_request(f"form field {self.name!r} is too long", self.name)
 
     def part_end(self) -> None:
-        if self.part.filename is None and self.part.name:
-            self.fields[self.part.name] = self.part.value.decode("utf-8", "replace")
+        if not self.in_file and self.name:
+            self.fields[self.name] = self.value.decode("utf-8", "replace")
 
 
 async def receive(request: Request, files: Files, limit: int, owner: str) -> FileInfo:
