@@ -19,7 +19,7 @@ from .lines import Line, LineError, parse_line
 from .records import BatchRecords
 
 FIRST_CHUNK = 32  # rows in the first submit call: the dispatcher starts on the head at once
-MAX_CHUNK = 500  # ... doubling up to this many (one call holds single-threaded Redis ~10 ms)
+MAX_CHUNK = 500  # ... doubling up to this many: one call must not stall Redis (bench/batch.py)
 MAX_ERRORS = 1000  # errors listed in a failed batch's ``errors`` (then one summary entry)
 _HEAD = struct.Struct("<QQQ")  # a spooled chunk: after, upto, length of its items
 
