@@ -163,7 +163,7 @@ class Pipeline:
             body,
             _json_map(metadata),
             _json_map(headers),
-            endpoint,
+            endpoint or "",
             *self._result_list[q.queue_name],
             _json_map(q.labels),
         ]
@@ -236,8 +236,9 @@ class Pipeline:
             left = 1.0 if end is None else min(1.0, end - time.monotonic())
             if left <= 0:
                 raise TimeoutError(f"request {request_id} not done after {timeout} s")
-            # the bell stays for other waiters, and with its expiry (a pop then a push would
-            # re-create it without one); a float timeout: redis-py's blmove() types it int
+            # BLMOVE of the list onto itself wakes on the bell and leaves it, for other waiters
+            # and with its expiry (a pop then a push would re-create it without one); a float
+            # timeout: redis-py's blmove() types it int
             self.store.client.execute_command(
                 "BLMOVE", notify, notify, "RIGHT", "LEFT", max(left, 0.01)
             )
