@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..client.api import MAX_DEADLINE_AHEAD_S
 from ..errors import InvalidRequest, PipelineError
 
 STATUSES = (
@@ -22,7 +23,6 @@ STATUSES = (
 FINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 STATUS_TIMES = tuple(f"{status}_at" for status in STATUSES[1:])  # when it took each status
 TIMES = ("created_at", "expires_at", *STATUS_TIMES)
-MAX_WINDOW_S = 10 * 365 * 24 * 3600.0
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNIT = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -46,7 +46,7 @@ def window_seconds(window: str | float | int) -> float:
         raise InvalidRequest(
             "completion_window", f"must be like '24h', '90m' or seconds, not {window!r}"
         )
-    if not 0 < seconds <= MAX_WINDOW_S:
+    if not 0 < seconds <= MAX_DEADLINE_AHEAD_S:
         raise InvalidRequest("completion_window", "must be a positive duration up to 10 years")
     return seconds
 
