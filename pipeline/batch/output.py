@@ -3,16 +3,12 @@ shapes and error codes: docs/batches.md, "Errors and output lines") or ``pipelin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from ..client import Result
-from .model import Batch
-from .records import READ_CHUNK, BatchRecords
 
 MESSAGES = {
     "batch_expired": "This request could not be executed before the completion window expired.",
@@ -54,45 +50,6 @@ class LineResult:
         if self.missing == "batch_expired":
             return "DEADLINE_EXCEEDED", MESSAGES["batch_expired"]
         return "CANCELLED", MESSAGES["batch_cancelled"]
-
-
-def line_results(
-    records: BatchRecords,
-    batch: Batch,
-    custom_ids: Callable[[int], dict[int, str]] | None = None,
-) -> Iterator[LineResult]:
-    """Every request line of ``batch`` in input order; the next range is read while this one
-    is handed out. Lines never stored are known only from the input: ``custom_ids(after)``
-    maps their numbers to custom_ids (None: the input is gone; they come without one)."""
-    invalid = {int(r["line"]): r for r in records.invalid(batch.id)}
-    last = batch.submitted
-    cancelled = batch.status in ("cancelled", "cancelling")
-    missing_code = "batch_cancelled" if cancelled else "batch_expired"
-    step = READ_CHUNK
-    ranges = [(lo, min(last, lo + step - 1)) for lo in range(1, last + 1, step)]
-    with ThreadPoolExecutor(1, thread_name_prefix="batch-read") as pool:
-        ahead = pool.submit(records.results, batch.id, *ranges[0]) if ranges else None
-        for i, (lo, _) in enumerate(ranges):
-            assert ahead is not None
-            chunk = ahead.result()
-            if i + 1 < len(ranges):
-                ahead = pool.submit(records.results, batch.id, *ranges[i + 1])
-            for offset, (res, cid) in enumerate(chunk):
-                n = lo + offset
-                if res is not None:
-                    yield LineResult(n, f"{batch.id}-{n}", cid, orjson.loads(res))
-                elif n in invalid:
-                    yield LineResult(n, f"{batch.id}-{n}", invalid[n].get("custom_id"),
-                                     invalid=invalid[n])  # fmt: skip
-    if batch.lines > last:
-        rest = custom_ids(last) if custom_ids is not None else None
-        for n in range(last + 1, batch.lines + 1):
-            if n in invalid:
-                yield LineResult(n, batch.request_id(n), invalid[n].get("custom_id"),
-                                 invalid=invalid[n])  # fmt: skip
-            elif rest is None or n in rest:
-                cid = rest[n] if rest is not None else None
-                yield LineResult(n, batch.request_id(n), cid, missing=missing_code)
 
 
 def _body(payload: str) -> Any:

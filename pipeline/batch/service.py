@@ -12,6 +12,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from functools import partial
 from pathlib import Path
@@ -27,8 +28,8 @@ from .files import Files
 from .ingest import RowBuilder, RowContext, Scan, enqueue, input_lines, invalid_record, scan
 from .lines import KNOWN_URLS
 from .model import FINAL, Batch, UnknownBatch, window_seconds
-from .output import LineResult, line_results, openai_line
-from .records import BatchRecords
+from .output import LineResult, openai_line
+from .records import READ_CHUNK, BatchRecords
 
 BATCH_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 MAX_METADATA = 16
@@ -316,8 +317,36 @@ class Batches:
     def lines(
         self, batch: Batch, custom_ids: Callable[[int], dict[int, str]] | None = None
     ) -> Iterator[LineResult]:
-        """Every request line's outcome, in input order (see :func:`line_results`)."""
-        return line_results(self.records, batch, custom_ids)
+        """Every request line's outcome, in input order. Lines never stored are known only
+        from the input: ``custom_ids(after)`` maps their numbers to custom_ids (None: the
+        input is gone; they come without one)."""
+        invalid = {int(r["line"]): r for r in self.records.invalid(batch.id)}
+        last = batch.submitted
+        cancelled = batch.status in ("cancelled", "cancelling")
+        rest = custom_ids(last) if custom_ids is not None and batch.lines > last else None
+        stored = self._stored(batch.id, last)
+        for n in range(1, max(batch.lines, last) + 1):
+            res, cid = next(stored) if n <= last else (None, None)
+            if res is not None:
+                yield LineResult(n, batch.request_id(n), cid, orjson.loads(res))
+            elif n in invalid:
+                cid = invalid[n].get("custom_id")
+                yield LineResult(n, batch.request_id(n), cid, invalid=invalid[n])
+            elif n > last and (rest is None or n in rest):
+                cid = rest[n] if rest is not None else None
+                missing = "batch_cancelled" if cancelled else "batch_expired"
+                yield LineResult(n, batch.request_id(n), cid, missing=missing)
+
+    def _stored(self, batch_id: str, last: int) -> Iterator[tuple[str | None, str | None]]:
+        """(result JSON, custom_id) of lines 1..``last``; the next range is read meanwhile."""
+        ranges = [(lo, min(last, lo + READ_CHUNK - 1)) for lo in range(1, last + 1, READ_CHUNK)]
+        with ThreadPoolExecutor(1, thread_name_prefix="batch-read") as pool:
+            ahead = [pool.submit(self.records.results, batch_id, *r) for r in ranges[:1]]
+            for i in range(len(ranges)):
+                chunk = ahead.pop().result()
+                if i + 1 < len(ranges):
+                    ahead.append(pool.submit(self.records.results, batch_id, *ranges[i + 1]))
+                yield from chunk
 
     def finalize(self, batch_id: str) -> Batch:
         """Write a ``finalizing`` batch's output and error files and close it. Idempotent: file
