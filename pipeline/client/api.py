@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import threading
 import time
 import uuid
@@ -17,10 +16,10 @@ from ..config import QueueConfig, Settings, load_settings, with_overrides
 from ..errors import InvalidRequest, ReplicationError, UnknownRequest
 from ..gates import Gate, GateEnv, attempt_gate, check_gates, queue_gate
 from ..store import QuotaSpec, Store
+from ..store.wire import _CONTROL, _PAYLOAD_JSON, MAX_ID_LENGTH  # the same rules as the wire
 from .explain import Explanation, build
 from .models import Result
 
-MAX_ID_LENGTH = 256
 FULL_RESCAN_S = 30.0  # iter_results re-reads every waiting id this often (recent keeps 300 s)
 MAX_DEADLINE_AHEAD_S = 10 * 365 * 24 * 3600.0
 SUBMIT_KEYS = frozenset(
@@ -43,11 +42,6 @@ def _str_map(value: Any, field: str, *, header: bool = False) -> dict[str, str]:
         if header and (not k or any(c in k for c in " \t\r\n:") or "\r" in v or "\n" in v):
             raise InvalidRequest(field, f"invalid HTTP header {k!r}")
     return dict(value)
-
-
-# one encoder for every payload: json.dumps with non-default options builds a new one per call
-_PAYLOAD_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _json_map(value: dict[str, str]) -> str:
