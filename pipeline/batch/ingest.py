@@ -146,7 +146,8 @@ def scan(
 ) -> Scan:
     """Check every line; with a ``builder``, spool the valid rows after line ``enqueue_after``
     (stored before the batch resumed); without one, only check."""
-    out = Scan(spool=tempfile.TemporaryFile(prefix="pipeline-batch-") if builder else None)
+    spool = tempfile.TemporaryFile(prefix="pipeline-batch-") if builder else None  # noqa: SIM115 - Scan.close
+    out = Scan(spool=spool)
     endpoint = builder.ctx.endpoint if builder else None
     extensions = builder.ctx.extensions if builder else True
     seen: dict[str, int] = {}
