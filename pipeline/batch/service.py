@@ -114,7 +114,7 @@ class Batches:
             "result_ttl": str(int(self.pipeline.settings.result_ttl_s)),
         }
         created = self.records.create(bid, window, self.settings.retention_s, fields)
-        return self.get(bid), created.created
+        return self.get(bid), created
 
     def ingest(self, batch: Batch, opener: Opener) -> Batch:
         """Check the batch's whole input and store its lines: a ``validating`` batch fails or
