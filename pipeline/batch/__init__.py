@@ -1,22 +1,15 @@
-"""Batches as first-class objects: OpenAI's Batch object and file formats, stored in Redis
-(:mod:`.records`, the ``batch_*.lua`` scripts), fed from an input (:mod:`.ingest`, checked by
-:mod:`.lines`), read back in OpenAI's output format or ``pipeline run``'s (:mod:`.output`),
-with files (:mod:`.files`) and the ``pipeline run`` client (:mod:`.run`). :class:`Batches`
-(:mod:`.service`) is the entry point. Imports ``client``, ``store``, ``config`` and
-``errors`` of the pipeline."""
+"""Batches as first-class objects (OpenAI's Batch object and file formats) stored in Redis;
+:class:`Batches` is the entry point. How they work: docs/batches.md."""
 
 from .config import BatchSettings
-from .files import FileInfo, Files, FileStore, LocalFileStore
-from .model import FINAL, STATUSES, Batch, RequestCounts, UnknownBatch, UnknownFile
-from .service import Batches, content_batch_id, new_batch_id
+from .files import Files, FileStore, LocalFileStore
+from .model import Batch, RequestCounts, UnknownBatch, UnknownFile
+from .service import Batches, content_batch_id
 
 __all__ = [
-    "FINAL",
-    "STATUSES",
     "Batch",
     "BatchSettings",
     "Batches",
-    "FileInfo",
     "FileStore",
     "Files",
     "LocalFileStore",
@@ -24,5 +17,4 @@ __all__ = [
     "UnknownBatch",
     "UnknownFile",
     "content_batch_id",
-    "new_batch_id",
 ]

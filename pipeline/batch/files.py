@@ -1,12 +1,5 @@
-"""Files: OpenAI's ``File`` objects. The bytes live in a :class:`FileStore` (a directory on
-local disk, ``PIPELINE_FILES_DIR``); the record (name, size, purpose, owner, times) lives in
-Redis and expires with the file. A file whose record has expired loses its bytes at the next
-:meth:`Files.sweep` (``pipeline serve`` sweeps every minute).
-
-Another store (S3 or any object store) plugs in by implementing :class:`FileStore`'s five
-methods: ``writer`` (stream to a temporary object, then publish it under its id), ``open``,
-``size``, ``delete`` and ``exists``.
-"""
+"""OpenAI's ``File`` objects: bytes in a :class:`FileStore`, the record in Redis (expiring with
+the file). Another store plugs in through :class:`FileStore` (docs/batches.md)."""
 
 from __future__ import annotations
 
@@ -24,7 +17,6 @@ from .config import BatchSettings
 from .model import UnknownFile
 
 FILE_ID = re.compile(r"^file-[A-Za-z0-9_.\-]{1,200}$")
-PURPOSES = ("batch", "batch_output")
 
 
 def new_file_id() -> str:
@@ -47,8 +39,7 @@ class FileStore(Protocol):
 
 
 class LocalFileStore:
-    """Files in one directory, written to a temporary name and renamed into place (a reader
-    never sees a partial file; a crash leaves only a ``.tmp-*`` file, removed at start)."""
+    """Files in one directory, written to a temporary name then renamed (never seen partial)."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -128,8 +119,15 @@ class Files:
         sec, usec = self.client.time()
         return float(sec) + float(usec) / 1e6
 
+    def _forget(self, file_id: str) -> None:
+        self.blobs.delete(file_id)  # bytes first: a crash leaves the record, swept again
+        with self.client.pipeline(transaction=True) as p:
+            p.delete(self.keys.file(file_id))
+            p.zrem(self.keys.files(), file_id)
+            p.zrem(self.keys.files_expiry(), file_id)
+            p.execute()
+
     def add(self, file_id: str, filename: str, purpose: str, owner: str = "") -> FileInfo:
-        """Record a file whose bytes are in the store; it expires ``file_ttl_s`` from now."""
         now = self._now()
         ttl = self.settings.file_ttl_s
         info = FileInfo(file_id, self.blobs.size(file_id), now, filename, purpose, now + ttl, owner)
@@ -183,38 +181,27 @@ class Files:
         if after:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
         out: list[FileInfo] = []
-        for i in range(0, len(ids), 500):
-            for fid in ids[i : i + 500]:
-                try:
-                    info = self.get(fid, owner)
-                except UnknownFile:
-                    continue
-                if purpose and info.purpose != purpose:
-                    continue
-                out.append(info)
-                if len(out) > limit:
-                    return out[:limit], True
+        for fid in ids:
+            try:
+                info = self.get(fid, owner)
+            except UnknownFile:
+                continue
+            if purpose and info.purpose != purpose:
+                continue
+            out.append(info)
+            if len(out) > limit:
+                return out[:limit], True
         return out, False
 
     def delete(self, file_id: str, owner: str | None = None) -> None:
         self.get(file_id, owner)  # raises UnknownFile
-        with self.client.pipeline(transaction=True) as p:
-            p.delete(self.keys.file(file_id))
-            p.zrem(self.keys.files(), file_id)
-            p.zrem(self.keys.files_expiry(), file_id)
-            p.execute()
-        self.blobs.delete(file_id)
+        self._forget(file_id)
 
     def sweep(self) -> int:
-        """Remove the bytes and index entries of expired files; returns how many."""
+        """Remove expired files; returns how many."""
         expired: list[str] = self.client.zrangebyscore(  # type: ignore[assignment]
             self.keys.files_expiry(), "-inf", self._now()
         )
         for fid in expired:
-            self.blobs.delete(fid)
-            with self.client.pipeline(transaction=True) as p:
-                p.delete(self.keys.file(fid))
-                p.zrem(self.keys.files(), fid)
-                p.zrem(self.keys.files_expiry(), fid)
-                p.execute()
+            self._forget(fid)
         return len(expired)

@@ -1,12 +1,6 @@
-"""From an input file to queued requests: the whole input is checked first (:func:`scan`:
-line by line, unique custom_ids, size limits), its rows spooled to a temporary file so that
-memory stays flat whatever the input's size; then the rows are stored chunk by chunk
-(:func:`enqueue`), each chunk fenced by line numbers in submit.lua so that no line is stored
-twice — by a second enqueuer, or by one resuming after a crash.
-
-Every line's request id is ``<batch id>-<line number>``; its deadline is the batch's
-``expires_at`` (the server's clock at creation + the completion window), or earlier when a
-``pipeline run`` line asks for a shorter ``timeout`` / ``deadline`` of its own.
+"""From an input file to queued requests: check the whole input first (:func:`scan`), spooling
+rows to a temporary file (flat memory), then store them chunk by chunk (:func:`enqueue`),
+fenced by line numbers in submit.lua (docs/batches.md, "Nothing is lost on a restart").
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ from .lines import Line, LineError, parse_line
 from .records import BatchRecords
 
 FIRST_CHUNK = 32  # rows in the first submit call: the dispatcher starts on the head at once
-MAX_CHUNK = 500  # ... doubling up to this many (one call holds single-threaded Redis ~10 ms)
+MAX_CHUNK = 500  # ... doubling up to this many: one call must not stall Redis (bench/batch.py)
 MAX_ERRORS = 1000  # errors listed in a failed batch's ``errors`` (then one summary entry)
 _HEAD = struct.Struct("<QQQ")  # a spooled chunk: after, upto, length of its items
 
@@ -47,8 +41,8 @@ class RowContext:
 
 @dataclass
 class Scan:
-    """The result of checking an input: ``total`` request lines (valid or not), the last
-    ``lines`` number, the ``invalid`` ones, and the valid rows spooled for :func:`enqueue`."""
+    """A checked input: ``total`` request lines, the last line number, the invalid ones, and
+    the valid rows spooled for :func:`enqueue`."""
 
     total: int = 0
     lines: int = 0
@@ -83,7 +77,6 @@ class Scan:
 
 
 def input_lines(source: IO[bytes] | Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
-    """(line number from 1, line without its end) of a binary input."""
     for number, raw in enumerate(source, 1):
         yield number, raw.rstrip(b"\r\n")
 
@@ -94,10 +87,7 @@ class RowBuilder:
     def __init__(self, pipeline: Pipeline, ctx: RowContext) -> None:
         self.pipeline = pipeline
         self.ctx = ctx
-        settings = pipeline.settings
-        if ctx.queue not in settings.queues:
-            raise InvalidRequest("queue", f"unknown queue {ctx.queue!r}")
-        q = settings.queues[ctx.queue]
+        q = pipeline.queue_config(ctx.queue)
         self.deadline = repr(ctx.deadline)
         labels = orjson.dumps(q.labels).decode() if q.labels else "{}"
         self.head = [q.queue_name, q.worker_pool_id, str(ctx.priority)]
@@ -152,91 +142,59 @@ def scan(
     max_body_bytes: int,
     max_lines: int,
     enqueue_after: int = 0,
-    renew: Callable[[], None] | None = None,
+    renew: Callable[[], object] | None = None,
 ) -> Scan:
-    """Check every line; with a ``builder``, spool the rows of valid lines after line
-    ``enqueue_after`` (a resumed batch has stored the lines up to it). Without one, only
-    check (``pipeline run`` does before it starts anything)."""
-    s = _Scanner(builder, max_body_bytes, enqueue_after, renew)
+    """Check every line; with a ``builder``, spool the valid rows after line ``enqueue_after``
+    (stored before the batch resumed); without one, only check."""
+    spool = tempfile.TemporaryFile(prefix="pipeline-batch-") if builder else None  # noqa: SIM115 - Scan.close
+    out = Scan(spool=spool)
+    endpoint = builder.ctx.endpoint if builder else None
+    extensions = builder.ctx.extensions if builder else True
+    seen: dict[str, int] = {}
+    rows: list[list[str]] = []
+    after, size = enqueue_after, FIRST_CHUNK
     for number, raw in source:
-        s.out.lines = number
+        out.lines = number
         if not raw.strip():
             continue
-        s.out.total += 1
-        if s.out.total > max_lines:
-            s.out.invalid.append(
-                LineError(number, "too_many_lines", f"more than {max_lines} lines", None)
-            )
+        out.total += 1
+        if out.total > max_lines:
+            out.invalid.append(LineError(number, "too_many_lines", f"more than {max_lines} lines"))
             break
-        s.line(number, raw)
-    s.flush()
-    return s.out
-
-
-class _Scanner:
-    def __init__(
-        self,
-        builder: RowBuilder | None,
-        max_body_bytes: int,
-        enqueue_after: int,
-        renew: Callable[[], None] | None,
-    ) -> None:
-        self.builder = builder
-        ctx = builder.ctx if builder is not None else None
-        self.endpoint = ctx.endpoint if ctx else None
-        self.extensions = ctx.extensions if ctx else True
-        self.max_body_bytes = max_body_bytes
-        self.enqueue_after = enqueue_after
-        self.renew = renew
-        self.out = Scan()
-        if builder is not None:
-            self.out.spool = tempfile.TemporaryFile(prefix="pipeline-batch-")  # noqa: SIM115 - Scan.close
-        self.seen: dict[str, int] = {}
-        self.rows: list[list[str]] = []
-        self.after, self.size = enqueue_after, FIRST_CHUNK
-
-    def line(self, number: int, raw: bytes) -> None:
-        parsed = parse_line(
-            number,
-            raw,
-            endpoint=self.endpoint,
-            max_body_bytes=self.max_body_bytes,
-            extensions=self.extensions,
+        checked: Line | LineError | list[str] = parse_line(
+            number, raw, endpoint=endpoint, max_body_bytes=max_body_bytes, extensions=extensions
         )
-        if isinstance(parsed, Line):
-            parsed = self._unique(parsed)
-        if isinstance(parsed, LineError):
-            self.out.invalid.append(parsed)
-            return
-        if self.out.model is None:
-            self.out.model = parsed.model
-        if self.builder is None or number <= self.enqueue_after:
-            return
-        row = self.builder.row(parsed)
-        if isinstance(row, LineError):
-            self.out.invalid.append(row)
-            return
-        self.rows.append(row)
-        if len(self.rows) >= self.size:
-            _spool(self.out, self.after, number, self.rows)
-            self.after, self.rows, self.size = number, [], min(MAX_CHUNK, self.size * 2)
-            if self.renew is not None and self.out.chunks % 20 == 0:
-                self.renew()
+        if isinstance(checked, Line):
+            checked = _unique(checked, seen, out.duplicates)
+        if isinstance(checked, Line):
+            out.model = out.model or checked.model
+            if builder is not None and number > enqueue_after:
+                checked = builder.row(checked)
+        if isinstance(checked, LineError):
+            out.invalid.append(checked)
+        elif isinstance(checked, list):
+            rows.append(checked)
+            if len(rows) >= size:
+                _spool(out, after, number, rows)
+                after, rows, size = number, [], min(MAX_CHUNK, size * 2)
+                if renew is not None and out.chunks % 20 == 0:
+                    renew()
+    if builder is not None and out.lines > after:
+        _spool(out, after, out.lines, rows)
+    return out
 
-    def _unique(self, line: Line) -> Line | LineError:
-        first = self.seen.setdefault(line.custom_id, line.number)
-        if first == line.number:
-            return line
-        self.out.duplicates.setdefault(line.custom_id, [first]).append(line.number)
-        return LineError(
-            line.number, "duplicate_custom_id",
-            f"line {line.number}: custom_id {line.custom_id!r} already used on line {first}",
-            "custom_id", line.custom_id,
-        )  # fmt: skip
 
-    def flush(self) -> None:
-        if self.builder is not None and self.out.lines > self.after:
-            _spool(self.out, self.after, self.out.lines, self.rows)
+def _unique(line: Line, seen: dict[str, int], duplicates: dict[str, list[int]]) -> Line | LineError:
+    """The line, or an error when its custom_id was used on an earlier line."""
+    first = seen.setdefault(line.custom_id, line.number)
+    if first == line.number:
+        return line
+    duplicates.setdefault(line.custom_id, [first]).append(line.number)
+    return LineError(
+        line.number, "duplicate_custom_id",
+        f"line {line.number}: custom_id {line.custom_id!r} already used on line {first}",
+        "custom_id", line.custom_id,
+    )  # fmt: skip
 
 
 def _spool(out: Scan, after: int, upto: int, rows: list[list[str]]) -> None:
@@ -248,7 +206,7 @@ def _spool(out: Scan, after: int, upto: int, rows: list[list[str]]) -> None:
 
 
 def invalid_record(err: LineError) -> bytes:
-    """An invalid line as kept for the error file (``<prefix>batch:<id>:invalid``)."""
+    """An invalid line as kept for the error file."""
     return orjson.dumps(
         {"line": err.number, "custom_id": err.custom_id, "code": err.code, "message": err.message}
     )
@@ -258,7 +216,7 @@ def enqueue(
     records: BatchRecords,
     batch_id: str,
     result: Scan,
-    renew: Callable[[], None] | None = None,
+    renew: Callable[[], object] | None = None,
 ) -> str:
     """Store the spooled chunks in order. Returns ``done``, ``stopped:<status>`` (cancelled
     or lapsed: it takes no more lines) or ``fenced`` (another enqueuer is ahead)."""

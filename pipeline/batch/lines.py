@@ -1,13 +1,6 @@
-"""Input lines of a batch: OpenAI's Batch API format, checked one line at a time.
-
-An OpenAI line is ``{"custom_id": str, "method": "POST", "url": str, "body": {...}}``. Lines
-of ``pipeline run`` files may also be objects of :func:`pipeline.submit` arguments with a
-``payload`` (their ``id`` is the custom_id), and both kinds may carry the run extensions
-``priority``, ``deadline``, ``timeout``, ``metadata``, ``headers`` and ``queue``.
-
-:func:`parse_line` returns a :class:`Line` or a :class:`LineError` whose ``code`` and
-``message`` are what the batch's ``errors`` (or its error file) show, with the line number.
-"""
+"""Input lines of a batch, checked one at a time: OpenAI Batch API lines, or with
+``extensions`` the ``pipeline run`` forms (docs/batches.md). A :class:`LineError`'s code and
+message are what the batch's ``errors`` or error file show."""
 
 from __future__ import annotations
 
@@ -15,6 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+from ..client.api import check_endpoint
+from ..errors import InvalidRequest
 
 # the endpoints OpenAI's Batch API accepts, which an OpenAI-compatible server may serve
 KNOWN_URLS = frozenset(
@@ -29,12 +25,12 @@ KNOWN_URLS = frozenset(
 MAX_CUSTOM_ID = 512
 EXTENSIONS = frozenset({"priority", "deadline", "timeout", "metadata", "headers", "queue"})
 OPENAI_KEYS = frozenset({"custom_id", "method", "url", "body"})
+RUN_KEYS = frozenset({"id", "payload", "endpoint"})
 
 
 @dataclass(frozen=True)
 class Line:
-    """A valid line: ``body`` is its JSON body as compact text; ``extra`` the run extensions
-    it carries (None for a plain OpenAI line)."""
+    """A valid line: ``body`` as compact JSON text; ``extra`` its run extensions, if any."""
 
     number: int
     custom_id: str
@@ -46,8 +42,7 @@ class Line:
 
 @dataclass(frozen=True)
 class LineError:
-    """Why line ``number`` is not a request: an OpenAI batch error (``code``, ``message``,
-    ``param``), with the line's custom_id when it could be read."""
+    """Why line ``number`` is not a request (with its custom_id when it could be read)."""
 
     number: int
     code: str
@@ -73,116 +68,78 @@ def parse_line(
     max_body_bytes: int,
     extensions: bool,
 ) -> Line | LineError:
-    """Check one input line (without its end of line). ``endpoint``: every line's ``url``
-    must be this one (a batch created through the API names its endpoint); None: any known
-    url. ``extensions``: accept ``pipeline run`` lines (``payload`` lines and the run
-    extensions)."""
+    """Check one input line. ``endpoint``: the only ``url`` allowed (None: any known url)."""
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         return LineError(number, "invalid_json_line", f"line {number}: not JSON: {exc}")
     if not isinstance(obj, dict):
         return LineError(number, "invalid_json_line", f"line {number}: not a JSON object")
-    if extensions and "payload" in obj and "body" not in obj:
-        return _run_line(number, obj, max_body_bytes)
-    custom_id = obj.get("custom_id")
+    run = extensions and "payload" in obj and "body" not in obj  # a line of submit arguments
+    id_key, body_key = ("id", "payload") if run else ("custom_id", "body")
+    custom_id = obj.get("id", f"line-{number}") if run else obj.get("custom_id")
     cid = custom_id if isinstance(custom_id, str) else None
-    extra = {k: obj[k] for k in EXTENSIONS if k in obj} if extensions else None
-    unknown = set(obj) - OPENAI_KEYS - (EXTENSIONS if extensions else set())
-    problem = _check_custom_id(custom_id)
-    if problem is None and unknown:
-        name = sorted(unknown)[0]
-        problem = (f"unknown field {name!r}", "invalid_request", name)
-    if problem is None:
-        problem = _check_method_url(obj, endpoint, extensions)
-    if problem is not None:
-        message, code, param = problem
-        return LineError(number, code, f"line {number}: {message}", param, cid)
-    body = _body_text(obj.get("body"), max_body_bytes)
-    if isinstance(body, tuple):
-        message, code = body
-        return LineError(number, code, f"line {number}: {message}", "body", cid)
+    known = (RUN_KEYS if run else OPENAI_KEYS) | (EXTENSIONS if extensions else frozenset())
+    try:
+        _check_custom_id(custom_id, id_key)
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise _Bad(f"unknown field {unknown[0]!r}", "invalid_request", unknown[0])
+        url = _run_endpoint(obj) if run else _check_method_url(obj, endpoint, extensions)
+        body = _body_text(obj[body_key], max_body_bytes, body_key)
+    except _Bad as bad:
+        if run and bad.param == "id":
+            cid = None
+        return LineError(number, bad.code, f"line {number}: {bad.message}", bad.param, cid)
     assert cid is not None
-    model = obj["body"].get("model")
-    return Line(
-        number,
-        cid,
-        obj.get("url"),
-        body,
-        model if isinstance(model, str) else None,
-        extra or None,
-    )
-
-
-def _run_line(number: int, obj: dict[str, Any], max_body_bytes: int) -> Line | LineError:
-    """A ``pipeline run`` line of submit arguments: ``payload``, ``id`` (its custom_id;
-    absent: ``line-<n>``), ``endpoint`` and the run extensions."""
-    rid = obj.get("id", f"line-{number}")
-    problem = _check_custom_id(rid)
-    if problem is not None:
-        message, code, _ = problem
-        return LineError(number, code, f"line {number}: {message.replace('custom_id', 'id')}", "id")
-    unknown = set(obj) - EXTENSIONS - {"payload", "id", "endpoint"}
-    if unknown:
-        name = sorted(unknown)[0]
-        return LineError(
-            number, "invalid_request", f"line {number}: unknown field {name!r}", name, rid
-        )
-    endpoint = obj.get("endpoint")
-    if endpoint is not None and (
-        not isinstance(endpoint, str) or not endpoint.startswith("/") or "://" in endpoint
-    ):
-        return LineError(
-            number, "invalid_url", f"line {number}: endpoint must be a URL path", "endpoint", rid
-        )
-    body = _body_text(obj["payload"], max_body_bytes)
-    if isinstance(body, tuple):
-        message, code = body
-        return LineError(
-            number, code, f"line {number}: {message.replace('body', 'payload')}", "payload", rid
-        )
+    model = obj[body_key].get("model")
     extra = {k: obj[k] for k in EXTENSIONS if k in obj}
-    model = obj["payload"].get("model")
-    return Line(
-        number, rid, endpoint, body, model if isinstance(model, str) else None, extra or None
-    )
+    return Line(number, cid, url, body, model if isinstance(model, str) else None, extra or None)
 
 
-def _check_custom_id(custom_id: Any) -> tuple[str, str, str] | None:
+class _Bad(Exception):
+    def __init__(self, message: str, code: str, param: str) -> None:
+        super().__init__(message)
+        self.message, self.code, self.param = message, code, param
+
+
+def _check_custom_id(custom_id: Any, key: str) -> None:
     if custom_id is None:
-        return "missing custom_id", "missing_required_parameter", "custom_id"
+        raise _Bad(f"missing {key}", "missing_required_parameter", key)
     if not isinstance(custom_id, str) or not custom_id:
-        return "custom_id must be a non-empty string", "invalid_custom_id", "custom_id"
+        raise _Bad(f"{key} must be a non-empty string", "invalid_custom_id", key)
     if len(custom_id) > MAX_CUSTOM_ID:
-        return f"custom_id longer than {MAX_CUSTOM_ID} characters", "invalid_custom_id", "custom_id"
-    return None
+        raise _Bad(f"{key} longer than {MAX_CUSTOM_ID} characters", "invalid_custom_id", key)
 
 
-def _check_method_url(
-    obj: dict[str, Any], endpoint: str | None, extensions: bool
-) -> tuple[str, str, str] | None:
-    method = obj.get("method", "POST" if extensions else None)
-    if method != "POST":
-        return "method must be POST", "invalid_method", "method"
+def _run_endpoint(obj: dict[str, Any]) -> str | None:
+    try:
+        return check_endpoint(obj.get("endpoint")) or None
+    except InvalidRequest as exc:
+        raise _Bad(str(exc), "invalid_url", "endpoint") from None
+
+
+def _check_method_url(obj: dict[str, Any], endpoint: str | None, extensions: bool) -> str | None:
+    if obj.get("method", "POST" if extensions else None) != "POST":
+        raise _Bad("method must be POST", "invalid_method", "method")
     url = obj.get("url")
     if url is None and extensions:
         return None  # a run line without a url goes to its queue's request_path_url
     if not isinstance(url, str) or url not in KNOWN_URLS:
-        known = ", ".join(sorted(KNOWN_URLS))
-        return f"url must be one of {known}", "invalid_url", "url"
+        raise _Bad(f"url must be one of {', '.join(sorted(KNOWN_URLS))}", "invalid_url", "url")
     if endpoint is not None and url != endpoint:
-        return f"url {url} is not the batch's endpoint {endpoint}", "mismatched_endpoint", "url"
-    return None
+        message = f"url {url} is not the batch's endpoint {endpoint}"
+        raise _Bad(message, "mismatched_endpoint", "url")
+    return url
 
 
-def _body_text(body: Any, max_bytes: int) -> str | tuple[str, str]:
-    """The body as compact JSON text, or (message, code)."""
+def _body_text(body: Any, max_bytes: int, key: str) -> str:
     if not isinstance(body, dict):
-        return "body must be a JSON object", "invalid_body"
+        raise _Bad(f"{key} must be a JSON object", "invalid_body", key)
     try:
         text = orjson.dumps(body)
     except (TypeError, orjson.JSONEncodeError) as exc:
-        return f"body is not JSON-serialisable: {exc}", "invalid_body"
+        raise _Bad(f"{key} is not JSON-serialisable: {exc}", "invalid_body", key) from None
     if len(text) > max_bytes:
-        return f"body larger than {max_bytes} bytes", "line_too_large"
+        raise _Bad(f"{key} larger than {max_bytes} bytes", "line_too_large", key)
     return text.decode("utf-8")

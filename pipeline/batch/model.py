@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..client.api import MAX_DEADLINE_AHEAD_S
 from ..errors import InvalidRequest, PipelineError
 
 STATUSES = (
@@ -20,18 +21,8 @@ STATUSES = (
     "cancelled",
 )
 FINAL = frozenset({"failed", "completed", "expired", "cancelled"})
-TIMES = (
-    "created_at",
-    "in_progress_at",
-    "expires_at",
-    "finalizing_at",
-    "completed_at",
-    "failed_at",
-    "expired_at",
-    "cancelling_at",
-    "cancelled_at",
-)
-MAX_WINDOW_S = 10 * 365 * 24 * 3600.0
+STATUS_TIMES = tuple(f"{status}_at" for status in STATUSES[1:])  # when it took each status
+TIMES = ("created_at", "expires_at", *STATUS_TIMES)
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNIT = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -55,7 +46,7 @@ def window_seconds(window: str | float | int) -> float:
         raise InvalidRequest(
             "completion_window", f"must be like '24h', '90m' or seconds, not {window!r}"
         )
-    if not 0 < seconds <= MAX_WINDOW_S:
+    if not 0 < seconds <= MAX_DEADLINE_AHEAD_S:
         raise InvalidRequest("completion_window", "must be a positive duration up to 10 years")
     return seconds
 
@@ -83,8 +74,8 @@ class BatchSource(Protocol):
 
 @dataclass(frozen=True)
 class Batch:
-    """A batch as it was when read. Times are Unix seconds by the Redis server's clock (None
-    until they happen); ``expires_at`` is every line's deadline."""
+    """A batch as it was when read. Times are Unix s by the Redis server's clock (None until
+    they happen); ``expires_at`` is every line's deadline."""
 
     id: str
     status: str
@@ -142,10 +133,7 @@ class Batch:
     # -- wire forms -----------------------------------------------------------------------
     @classmethod
     def from_record(cls, rec: dict[str, str], client: BatchSource | None = None) -> Batch:
-        def t(name: str) -> float | None:
-            v = rec.get(name)
-            return float(v) if v else None
-
+        times: dict[str, Any] = {t: float(rec[t]) if rec.get(t) else None for t in STATUS_TIMES}
         counts = RequestCounts(
             int(rec.get("total") or 0), int(rec.get("completed") or 0), int(rec.get("failed") or 0)
         )
@@ -158,13 +146,7 @@ class Batch:
             request_counts=counts,
             created_at=float(rec.get("created_at") or 0),
             expires_at=float(rec.get("expires_at") or 0),
-            in_progress_at=t("in_progress_at"),
-            finalizing_at=t("finalizing_at"),
-            completed_at=t("completed_at"),
-            failed_at=t("failed_at"),
-            expired_at=t("expired_at"),
-            cancelling_at=t("cancelling_at"),
-            cancelled_at=t("cancelled_at"),
+            **times,
             output_file_id=rec.get("output_file_id") or None,
             error_file_id=rec.get("error_file_id") or None,
             errors=json.loads(rec["errors"]) if rec.get("errors") else None,

@@ -1,33 +1,14 @@
-"""A batch's results, line by line, in input order: OpenAI's output and error file lines, or
-``pipeline run``'s result lines (the pipeline's own :class:`~pipeline.client.Result` shape).
-
-OpenAI's shapes: an output line (a 2xx/3xx answer) is
-``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}``; an
-error line has ``"error": {"code", "message"}`` and the ``response`` when the model server
-answered (an HTTP error after retries), else ``null``. Error codes:
-
-============================== =====================================================
-``http_error``                 the server answered 4xx, or 429/5xx until the deadline
-``batch_expired``              the completion window passed before it ran
-``batch_cancelled``            the batch was cancelled before it started
-``deadline_exceeded``          a line's own, shorter deadline passed (``pipeline run``)
-``invalid_request`` and others a bad line (its validation code), or the pipeline's own
-                               error code in lower case (``gate_dropped``, ...)
-============================== =====================================================
-"""
+"""A batch's results, line by line in input order: OpenAI's output and error file lines (their
+shapes and error codes: docs/batches.md, "Errors and output lines") or ``pipeline run``'s."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from ..client import Result
-from .model import Batch
-from .records import READ_CHUNK, BatchRecords
 
 MESSAGES = {
     "batch_expired": "This request could not be executed before the completion window expired.",
@@ -37,9 +18,8 @@ MESSAGES = {
 
 @dataclass
 class LineResult:
-    """One input line's outcome: ``data`` (its result as stored, see :class:`Result`) when it
-    ran, the validation ``invalid`` record of an invalid line, or ``missing`` (never stored:
-    cancelled or expired before it was enqueued; the error code)."""
+    """One input line's outcome: ``data`` (its stored :class:`Result`), the ``invalid`` record
+    of an invalid line, or ``missing``: the error code of a line never stored."""
 
     number: int
     request_id: str
@@ -63,48 +43,13 @@ class LineResult:
         status = d.get("status_code")
         return isinstance(status, int) and status < 300
 
-
-def line_results(
-    records: BatchRecords,
-    batch: Batch,
-    custom_ids: Callable[[int], dict[int, str]] | None = None,
-) -> Iterator[LineResult]:
-    """Every request line of ``batch`` in input order. Lines after the last one stored
-    (cancelled or lapsed before they were enqueued) are known only from the input:
-    ``custom_ids(after)`` maps their line numbers to custom_ids (None: the input is gone, as
-    the lines given to ``submit_batch`` in a list are: such lines come without a custom_id;
-    one the input does not name is left out: not a request line). The next range of results
-    is read while this one is handed out."""
-    invalid = {int(r["line"]): r for r in records.invalid(batch.id)}
-    last = batch.submitted
-    missing_code = (
-        "batch_cancelled" if batch.status in ("cancelled", "cancelling") else ("batch_expired")
-    )
-    step = READ_CHUNK
-    ranges = [(lo, min(last, lo + step - 1)) for lo in range(1, last + 1, step)]
-    with ThreadPoolExecutor(1, thread_name_prefix="batch-read") as pool:
-        ahead = pool.submit(records.results, batch.id, *ranges[0]) if ranges else None
-        for i, (lo, _) in enumerate(ranges):
-            assert ahead is not None
-            chunk = ahead.result()
-            if i + 1 < len(ranges):
-                ahead = pool.submit(records.results, batch.id, *ranges[i + 1])
-            for offset, (res, cid) in enumerate(chunk):
-                n = lo + offset
-                if res is not None:
-                    yield LineResult(n, f"{batch.id}-{n}", cid, orjson.loads(res))
-                elif n in invalid:
-                    yield LineResult(n, f"{batch.id}-{n}", invalid[n].get("custom_id"),
-                                     invalid=invalid[n])  # fmt: skip
-    if batch.lines > last:
-        rest = custom_ids(last) if custom_ids is not None else None
-        for n in range(last + 1, batch.lines + 1):
-            if n in invalid:
-                yield LineResult(n, batch.request_id(n), invalid[n].get("custom_id"),
-                                 invalid=invalid[n])  # fmt: skip
-            elif rest is None or n in rest:
-                cid = rest[n] if rest is not None else None
-                yield LineResult(n, batch.request_id(n), cid, missing=missing_code)
+    def error(self) -> tuple[str, str]:
+        """A line that did not run: the pipeline's error code and message."""
+        if self.invalid is not None:
+            return "INVALID_REQUEST", str(self.invalid["message"])
+        if self.missing == "batch_expired":
+            return "DEADLINE_EXCEEDED", MESSAGES["batch_expired"]
+        return "CANCELLED", MESSAGES["batch_cancelled"]
 
 
 def _body(payload: str) -> Any:
@@ -162,12 +107,7 @@ def result_line(line: LineResult) -> bytes:
     if line.result is not None:
         row = line.result.to_dict()
     else:
-        if line.invalid is not None:
-            code, message = "INVALID_REQUEST", str(line.invalid["message"])
-        elif line.missing == "batch_expired":
-            code, message = "DEADLINE_EXCEEDED", MESSAGES["batch_expired"]
-        else:
-            code, message = "CANCELLED", MESSAGES["batch_cancelled"]
+        code, message = line.error()
         row = {
             "payload": orjson.dumps({"error": message}).decode(),
             "error_code": code,

@@ -28,14 +28,6 @@ READ_CHUNK = 1000  # request records per round trip when reading results
 
 
 @dataclass(frozen=True)
-class Created:
-    created: bool  # False: a batch with that id existed
-    created_at: float
-    expires_at: float
-    status: str
-
-
-@dataclass(frozen=True)
 class ChunkReply:
     """What submit.lua answered for one chunk of a batch's lines: ``stored`` (True: the lines
     are in), else ``stopped`` (the batch takes no more lines: ``status``) or ``fenced``
@@ -77,13 +69,14 @@ class BatchRecords:
     # -- life cycle -----------------------------------------------------------------------
     def create(
         self, batch_id: str, window_s: float, retention_s: float, fields: dict[str, str]
-    ) -> Created:
+    ) -> bool:
+        """Store a new batch; False when a batch with that id existed."""
         k = self.keys
-        created, at, expires, status = self._scripts["batch_create"](
+        created, _at, _expires, _status = self._scripts["batch_create"](
             keys=[k.batch(batch_id), k.batches(), k.batches_expiry(), k.batches_active()],
             args=[batch_id, repr(window_s), repr(retention_s), json.dumps(fields)],
         )
-        return Created(int(created) == 1, float(at), float(expires), str(status))
+        return int(created) == 1
 
     def start(
         self, batch_id: str, *, total: int, invalid: int, lines: int, model: str | None
@@ -199,13 +192,9 @@ class BatchRecords:
         return float(sec) + float(usec) / 1e6
 
     def results(self, batch_id: str, first: int, last: int) -> list[tuple[str | None, str | None]]:
-        """(result JSON, custom_id) of lines ``first``..``last`` (None where no record), read
-        :data:`READ_CHUNK` lines per call (batch_results.lua)."""
-        out: list[tuple[str | None, str | None]] = []
-        for lo in range(first, last + 1, READ_CHUNK):
-            hi = min(last, lo + READ_CHUNK - 1)
-            flat = self._scripts["batch_results"](
-                keys=[self.keys.request_prefix()], args=[batch_id, lo, hi]
-            )
-            out.extend(zip(flat[0::2], flat[1::2], strict=True))
-        return out
+        """(result JSON, custom_id) of lines ``first``..``last`` (None where no record), in one
+        call: read at most :data:`READ_CHUNK` lines at a time."""
+        flat = self._scripts["batch_results"](
+            keys=[self.keys.request_prefix()], args=[batch_id, first, last]
+        )
+        return list(zip(flat[0::2], flat[1::2], strict=True))

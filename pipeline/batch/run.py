@@ -1,16 +1,5 @@
-"""``pipeline run FILE.jsonl``: a client of batch objects. The batch's id follows from the
-file's content (or ``--batch-id``), so running the same command again attaches to the same
-batch: lines already stored are not sent again, finished results are reused, and a batch
-whose lines were not all stored (the command was killed half-way) resumes after the last
-stored line. The output is written whole, then renamed into place, with exactly one line
-per input line (per custom_id). Ctrl-C leaves the batch running (``--cancel-on-exit``
-cancels it).
-
-Input lines are OpenAI Batch API lines (``custom_id``, ``method``, ``url``, ``body``) or
-objects of :func:`pipeline.submit` arguments with a ``payload`` (``id`` is their custom_id),
-either carrying ``priority``, ``timeout``, ``deadline``, ``headers``, ``metadata`` or
-``queue`` of their own. An invalid line gets an error line of its own; the others run.
-"""
+"""``pipeline run FILE.jsonl``: a client of batch objects. The batch id follows from the file's
+content, so running it again attaches to the same batch and resumes (docs/batches.md)."""
 
 from __future__ import annotations
 
@@ -20,9 +9,11 @@ import statistics
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -51,11 +42,7 @@ class Summary:
         self.total += 1
         r = line.result
         if r is None:
-            key = (
-                "INVALID_REQUEST"
-                if line.invalid is not None
-                else ("DEADLINE_EXCEEDED" if line.missing == "batch_expired" else "CANCELLED")
-            )
+            key = line.error()[0]
         elif r.ok:
             key = f"ok ({r.status_code})"
         elif r.error_code:
@@ -77,10 +64,8 @@ class Summary:
         t.add_section()
         t.add_row("total", str(self.total))
         t.add_row("HTTP attempts", str(self.attempts))
-        if self.latencies:
-            lat = sorted(self.latencies)
-            t.add_row("latency p50", f"{_pct(lat, 50):.2f} s")
-            t.add_row("latency p95", f"{_pct(lat, 95):.2f} s")
+        for p in (50, 95) if self.latencies else ():
+            t.add_row(f"latency p{p}", f"{_pct(sorted(self.latencies), p):.2f} s")
         t.add_row("wall time", f"{self.wall_s:.2f} s")
         if self.wall_s > 0:
             t.add_row("throughput", f"{self.total / self.wall_s:.1f} req/s")
@@ -129,14 +114,6 @@ def check_file(path: str, max_body_bytes: int, max_lines: int) -> Scan:
     return result
 
 
-def file_digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 @dataclass
 class RunOptions:
     path: str
@@ -164,7 +141,8 @@ class Run:
     def start(self) -> Batch:
         """Create the file's batch (or find it) and store its lines (or the rest of them)."""
         path = os.path.abspath(self.opts.path)
-        digest = file_digest(path)
+        with open(path, "rb") as fh:
+            digest = hashlib.file_digest(fh, "sha256").hexdigest()
         bid = self.opts.batch_id or content_batch_id(path)
         queues = self.pipeline.settings.queues
         queue = self.opts.queue or ("default" if "default" in queues else next(iter(queues)))
@@ -188,9 +166,7 @@ class Run:
         return self.batch
 
     def _store_lines(self, batch: Batch) -> Batch:
-        """Check and store the batch's lines, or the rest of them, unless that is done or
-        another live process holds the batch (then it does it; a dead one's lease lapses and
-        the next poll takes over)."""
+        """Store the batch's lines, or the rest (unless a live holder of its lease does)."""
         if batch.status == "validating" or (
             batch.status == "in_progress" and batch.submitted < batch.lines
         ):
@@ -246,7 +222,8 @@ class Run:
         final = self.batch.status
         openai = self.opts.out_format == "openai"
         out_path = Path(self.opts.output)
-        err_path = Path(self.opts.error_output or _errors_path(out_path))
+        default_err = out_path.with_name(out_path.stem + ".errors" + (out_path.suffix or ".jsonl"))
+        err_path = Path(self.opts.error_output or default_err)
         ids = self.batches._input_custom_ids(self.batch)
         with _atomic(out_path) as out, _atomic(err_path if openai else None) as err:
             for line in self.batches.lines(self.batch, ids):
@@ -269,38 +246,19 @@ class Run:
         )
 
 
-def _errors_path(out: Path) -> Path:
-    return out.with_name(out.stem + ".errors" + (out.suffix or ".jsonl"))
-
-
-class _atomic:  # noqa: N801 - used like a function: ``with _atomic(path)``
-    """A file written under a temporary name in the same directory, renamed into place when
-    the block ends without an error (``None``: a sink that writes nothing)."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self.fh: Any = None
-        self.tmp = ""
-
-    def __enter__(self) -> Any:
-        if self.path is None:
-            return _Null()
-        fd, self.tmp = tempfile.mkstemp(
-            prefix=f".{self.path.name}.", dir=str(self.path.parent.resolve() or ".")
-        )
-        self.fh = os.fdopen(fd, "wb")
-        return self.fh
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        if self.path is None:
-            return
-        self.fh.close()
-        if exc_type is None:
-            os.replace(self.tmp, self.path)
-        else:
-            os.unlink(self.tmp)
-
-
-class _Null:
-    def write(self, data: bytes) -> int:
-        return len(data)
+@contextmanager
+def _atomic(path: Path | None) -> Iterator[IO[bytes]]:
+    """A file written under a temporary name and renamed into place if the block ends without
+    an error (``None``: a sink that keeps nothing)."""
+    if path is None:
+        with open(os.devnull, "wb") as null:
+            yield null
+        return
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent.resolve()))
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            yield fh
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

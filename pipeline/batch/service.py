@@ -1,14 +1,6 @@
 """Batches: create one from an input, validate and enqueue it, read, list, cancel and wait for
-it, and write its output. Used by ``pipeline.submit_batch`` (Python), ``pipeline serve``
-(the HTTP API) and ``pipeline run`` (the command-line client).
-
-Who does what: the creator checks the whole input and stores its lines (:meth:`ingest`); the
-scripts that finish requests count them and end the batch (``lib.lua``); a batch whose
-output files are assembled by ``pipeline serve`` (``files``) waits in ``finalizing`` for it
-(:meth:`finalize`). A creator that stops half-way is taken over from its input by whoever
-holds the batch's lease next (``pipeline serve`` for uploaded files, ``pipeline run`` for
-its file on re-attach): the lines are fenced, so none is stored twice.
-"""
+it, and write its output — for ``pipeline.submit_batch``, ``pipeline serve`` and ``pipeline
+run``. Who does what, and how a stopped creator is taken over: docs/batches.md."""
 
 from __future__ import annotations
 
@@ -19,38 +11,35 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
 import orjson
 
 from ..client import Pipeline
+from ..client.api import check_priority
 from ..errors import InvalidRequest
 from .config import BatchSettings
 from .files import Files
 from .ingest import RowBuilder, RowContext, Scan, enqueue, input_lines, invalid_record, scan
 from .lines import KNOWN_URLS
 from .model import FINAL, Batch, UnknownBatch, window_seconds
-from .output import LineResult, line_results, openai_line
-from .records import BatchRecords
+from .output import LineResult, openai_line
+from .records import READ_CHUNK, BatchRecords
 
 BATCH_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 MAX_METADATA = 16
-
-
-def new_batch_id() -> str:
-    return "batch_" + secrets.token_hex(12)
+Opener = Callable[[], IO[bytes] | Generator[bytes, None, None]]  # opens a batch's input
 
 
 def content_batch_id(path: str | Path) -> str:
-    """The id ``pipeline run`` gives a file's batch: from its content, so running the same
-    file again attaches to the same batch."""
-    h = hashlib.sha256()
+    """The id ``pipeline run`` gives a file's batch: the same content, the same batch."""
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return "batch_" + h.hexdigest()[:32]
+        return "batch_" + hashlib.file_digest(fh, "sha256").hexdigest()[:32]
 
 
 def _check_metadata(metadata: Any) -> dict[str, str]:
@@ -64,10 +53,6 @@ def _check_metadata(metadata: Any) -> dict[str, str]:
     return dict(metadata)
 
 
-def _holder() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-
-
 class Batches:
     """Batches of one :class:`Pipeline` (its Redis, queues and settings)."""
 
@@ -78,7 +63,7 @@ class Batches:
         self.settings = settings or BatchSettings.from_env(pipeline.settings)
         self.records = BatchRecords(pipeline.store)
         self.files = files
-        self.holder = _holder()
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
     # -- creating ---------------------------------------------------------------------------
     def create(
@@ -98,17 +83,15 @@ class Batches:
     ) -> tuple[Batch, bool]:
         """Store a new batch (``validating``), or find the one with ``batch_id``; returns it
         and whether it was created. Its lines are stored by :meth:`ingest`."""
-        bid = batch_id or new_batch_id()
+        bid = batch_id or "batch_" + secrets.token_hex(12)
         if not BATCH_ID.match(bid):
             raise InvalidRequest("batch_id", "must be 1-128 characters of [A-Za-z0-9_.-]")
         window = window_seconds(completion_window)
         meta = _check_metadata(metadata)
         if endpoint is not None and endpoint not in KNOWN_URLS:
             raise InvalidRequest("endpoint", f"must be one of {', '.join(sorted(KNOWN_URLS))}")
-        if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 9:
-            raise InvalidRequest("priority", "must be an int from 0 to 9")
-        if queue not in self.pipeline.settings.queues:
-            raise InvalidRequest("queue", f"unknown queue {queue!r}")
+        check_priority(priority)
+        self.pipeline.queue_config(queue)
         invalid_lines = meta.get("invalid_lines", "fail")
         if invalid_lines not in ("fail", "error_file"):
             raise InvalidRequest("metadata", "invalid_lines must be 'fail' or 'error_file'")
@@ -131,17 +114,12 @@ class Batches:
             "result_ttl": str(int(self.pipeline.settings.result_ttl_s)),
         }
         created = self.records.create(bid, window, self.settings.retention_s, fields)
-        return self.get(bid), created.created
+        return self.get(bid), created
 
-    def ingest(
-        self,
-        batch: Batch,
-        opener: Callable[[], IO[bytes] | Iterable[bytes]],
-    ) -> Batch:
-        """Check the batch's whole input (``opener()`` opens it) and store its lines: a
-        ``validating`` batch fails (bad lines in ``errors``) or starts; an ``in_progress`` one
-        whose lines were not all stored resumes after the last stored line. Holds the batch's
-        lease meanwhile; does nothing when another holder has it. Returns the batch after."""
+    def ingest(self, batch: Batch, opener: Opener) -> Batch:
+        """Check the batch's whole input and store its lines: a ``validating`` batch fails or
+        starts; an ``in_progress`` one resumes after its last stored line. Under the batch's
+        lease (another holder: nothing done). Returns the batch after."""
         if not self.records.take_lease(batch.id, self.holder, self.settings.lease_s):
             return self.get(batch.id)
         try:
@@ -149,7 +127,7 @@ class Batches:
         finally:
             self.records.drop_lease(batch.id, self.holder)
 
-    def _ingest(self, batch: Batch, opener: Callable[[], IO[bytes] | Iterable[bytes]]) -> Batch:
+    def _ingest(self, batch: Batch, opener: Opener) -> Batch:
         rec = self.records.record(batch.id)
         status = rec.get("status")
         if status not in ("validating", "in_progress"):
@@ -168,8 +146,7 @@ class Batches:
             extensions=rec.get("extensions") == "1",
             error_file=rec.get("invalid_lines") == "error_file",
         )
-        source = opener()
-        try:
+        with closing(opener()) as source:
             result = scan(
                 input_lines(source),
                 RowBuilder(self.pipeline, ctx),
@@ -178,10 +155,6 @@ class Batches:
                 enqueue_after=resume_after,
                 renew=self._renewer(batch.id),
             )
-        finally:
-            close = getattr(source, "close", None)
-            if close is not None:
-                close()
         try:
             if status == "validating" and not self._start(batch.id, ctx, result):
                 return self.get(batch.id)
@@ -214,11 +187,8 @@ class Batches:
         )
         return status == "in_progress"
 
-    def _renewer(self, batch_id: str) -> Callable[[], None]:
-        def renew() -> None:
-            self.records.take_lease(batch_id, self.holder, self.settings.lease_s)
-
-        return renew
+    def _renewer(self, batch_id: str) -> Callable[[], object]:
+        return partial(self.records.take_lease, batch_id, self.holder, self.settings.lease_s)
 
     def submit_batch(
         self,
@@ -236,21 +206,20 @@ class Batches:
         dicts or JSON text), check them all and store them; returns the batch (``failed``
         with ``errors`` when lines are bad, unless ``metadata["invalid_lines"]`` is
         ``"error_file"``). ``batch_id``: an idempotency key (an existing batch is resumed)."""
+        opener: Opener
         if isinstance(lines_or_path, str | Path):
             path = os.path.abspath(lines_or_path)
             if not os.path.isfile(path):
                 raise InvalidRequest("lines_or_path", f"no such file: {lines_or_path}")
             source: dict[str, Any] = {"kind": "path", "path": path}
 
-            def opener() -> IO[bytes] | Iterable[bytes]:
+            def opener() -> IO[bytes]:
                 return open(path, "rb")
 
         else:
             items = [_line_bytes(x) for x in lines_or_path]
             source = {"kind": "inline"}
-
-            def opener() -> IO[bytes] | Iterable[bytes]:
-                return iter(items)
+            opener = partial(_each, items)
 
         batch, _ = self.create(
             batch_id=batch_id,
@@ -296,10 +265,8 @@ class Batches:
 
     # -- cancelling, waiting ------------------------------------------------------------------
     def cancel(self, batch_id: str, owner: str | None = None, *, lines: bool = True) -> Batch:
-        """Cancel: no line is stored any more, the lines not yet started are cancelled
-        (attempts in flight finish); ``cancelling`` until the last result, then
-        ``cancelled``. A closed batch is returned unchanged. ``lines=False``: only mark it;
-        the caller runs :meth:`cancel_lines` (``pipeline serve`` does, in the background)."""
+        """Cancel (see :meth:`Batch.cancel`); a closed batch is returned unchanged.
+        ``lines=False``: only mark it; the caller runs :meth:`cancel_lines` later."""
         self.get(batch_id, owner)
         _, _, todo = self.records.cancel(batch_id)
         if todo and lines:
@@ -307,8 +274,8 @@ class Batches:
         return self.get(batch_id)
 
     def cancel_lines(self, batch_id: str) -> int:
-        """Cancel the not-started lines of a ``cancelling`` batch (under its lease; again
-        after a canceller died half-way: cancelling is idempotent). Returns how many."""
+        """Cancel the not-started lines of a ``cancelling`` batch, under its lease (idempotent:
+        again after a canceller died half-way). Returns how many."""
         # an enqueuer holding the lease stops at its next chunk (the batch takes no more lines)
         end = time.monotonic() + self.settings.lease_s
         while not self.records.take_lease(batch_id, self.holder, self.settings.lease_s):
@@ -350,13 +317,40 @@ class Batches:
     def lines(
         self, batch: Batch, custom_ids: Callable[[int], dict[int, str]] | None = None
     ) -> Iterator[LineResult]:
-        """Every request line's outcome, in input order (see :func:`line_results`)."""
-        return line_results(self.records, batch, custom_ids)
+        """Every request line's outcome, in input order. Lines never stored are known only
+        from the input: ``custom_ids(after)`` maps their numbers to custom_ids (None: the
+        input is gone; they come without one)."""
+        invalid = {int(r["line"]): r for r in self.records.invalid(batch.id)}
+        last = batch.submitted
+        cancelled = batch.status in ("cancelled", "cancelling")
+        rest = custom_ids(last) if custom_ids is not None and batch.lines > last else None
+        stored = self._stored(batch.id, last)
+        for n in range(1, max(batch.lines, last) + 1):
+            res, cid = next(stored) if n <= last else (None, None)
+            if res is not None:
+                yield LineResult(n, batch.request_id(n), cid, orjson.loads(res))
+            elif n in invalid:
+                cid = invalid[n].get("custom_id")
+                yield LineResult(n, batch.request_id(n), cid, invalid=invalid[n])
+            elif n > last and (rest is None or n in rest):
+                cid = rest[n] if rest is not None else None
+                missing = "batch_cancelled" if cancelled else "batch_expired"
+                yield LineResult(n, batch.request_id(n), cid, missing=missing)
+
+    def _stored(self, batch_id: str, last: int) -> Iterator[tuple[str | None, str | None]]:
+        """(result JSON, custom_id) of lines 1..``last``; the next range is read meanwhile."""
+        ranges = [(lo, min(last, lo + READ_CHUNK - 1)) for lo in range(1, last + 1, READ_CHUNK)]
+        with ThreadPoolExecutor(1, thread_name_prefix="batch-read") as pool:
+            ahead = [pool.submit(self.records.results, batch_id, *r) for r in ranges[:1]]
+            for i in range(len(ranges)):
+                chunk = ahead.pop().result()
+                if i + 1 < len(ranges):
+                    ahead.append(pool.submit(self.records.results, batch_id, *ranges[i + 1]))
+                yield from chunk
 
     def finalize(self, batch_id: str) -> Batch:
-        """Write a ``finalizing`` batch's output and error files (OpenAI's format) and close
-        it. Idempotent: file ids follow from the batch id, files are written whole then
-        renamed. Needs :attr:`files`."""
+        """Write a ``finalizing`` batch's output and error files and close it. Idempotent: file
+        ids follow from the batch id, files are written whole then renamed."""
         assert self.files is not None, "finalize needs a file store"
         batch = self.get(batch_id)
         if batch.status != "finalizing" or not self.records.take_lease(
@@ -405,8 +399,7 @@ class Batches:
 
         def read(after: int) -> dict[int, str]:
             out: dict[int, str] = {}
-            src = opener()
-            try:
+            with closing(opener()) as src:
                 for n, raw in input_lines(src):
                     if n <= after or not raw.strip():
                         continue
@@ -418,10 +411,6 @@ class Batches:
                         cid = obj.get("custom_id", obj.get("id", f"line-{n}"))
                         if isinstance(cid, str):
                             out[n] = cid
-            finally:
-                close = getattr(src, "close", None)
-                if close is not None:
-                    close()
             return out
 
         return read
@@ -438,6 +427,10 @@ class Batches:
             path = batch.source["path"]
             return lambda: open(path, "rb")
         return None
+
+
+def _each(items: list[bytes]) -> Generator[bytes, None, None]:
+    yield from items
 
 
 def _line_bytes(item: dict[str, Any] | str | bytes) -> bytes:

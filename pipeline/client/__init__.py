@@ -1,10 +1,9 @@
-"""The client API: submit requests, read their state and results, cancel, inspect
-(:mod:`.api`) and the public value types (:mod:`.models`). Imports ``config``, ``store``,
-``gates`` and ``errors`` of the pipeline."""
+"""The client API: submit requests, read their state and results, cancel, inspect."""
 
-from .api import Pipeline, configure, default_pipeline, ordering_score
+from ..store.state import ordering_score
+from .api import Pipeline, Request, configure, default_pipeline
 from .explain import Explanation
-from .models import Request, Result
+from .models import Result
 
 __all__ = [
     "Explanation",

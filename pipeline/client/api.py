@@ -1,28 +1,27 @@
-"""The client API: submit requests, read their state and results, cancel, inspect."""
+"""The client API: submit requests (checked here, the one boundary validator), read their
+state and results, cancel, inspect."""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import QueueConfig, Settings, load_settings, with_overrides
 from ..errors import InvalidRequest, ReplicationError, UnknownRequest
 from ..gates import Gate, GateEnv, attempt_gate, check_gates, queue_gate
 from ..store import QuotaSpec, Store
-from ..store.state import ordering_score
+from ..store.wire import _CONTROL, _PAYLOAD_JSON, MAX_ID_LENGTH  # the same rules as the wire
 from .explain import Explanation, build
-from .models import Request, Result
+from .models import Result
 
-MAX_ID_LENGTH = 256
 FULL_RESCAN_S = 30.0  # iter_results re-reads every waiting id this often (recent keeps 300 s)
 MAX_DEADLINE_AHEAD_S = 10 * 365 * 24 * 3600.0
-__all__ = ["Pipeline", "configure", "default_pipeline", "ordering_score"]
 SUBMIT_KEYS = frozenset(
     {"queue", "id", "priority", "deadline", "timeout", "metadata", "headers", "endpoint"}
 )
@@ -43,11 +42,6 @@ def _str_map(value: Any, field: str, *, header: bool = False) -> dict[str, str]:
         if header and (not k or any(c in k for c in " \t\r\n:") or "\r" in v or "\n" in v):
             raise InvalidRequest(field, f"invalid HTTP header {k!r}")
     return dict(value)
-
-
-# one encoder for every payload: json.dumps with non-default options builds a new one per call
-_PAYLOAD_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _json_map(value: dict[str, str]) -> str:
@@ -81,12 +75,25 @@ def _check_id(rid: Any) -> str:
     return rid
 
 
+def check_priority(priority: Any) -> int:
+    if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 9:
+        raise InvalidRequest("priority", "must be an int from 0 to 9")
+    return priority
+
+
+def check_endpoint(endpoint: Any) -> str:
+    """A request's own URL path ("" for its queue's ``request_path_url``)."""
+    if endpoint is not None and (
+        not isinstance(endpoint, str) or not endpoint.startswith("/") or "://" in endpoint
+    ):
+        raise InvalidRequest("endpoint", "must be a URL path starting with '/'")
+    return endpoint or ""
+
+
 def _check_deadline(deadline: Any, timeout: Any, default_timeout_s: float) -> tuple[str, str]:
-    """``(deadline, timeout)`` for submit.lua from ``deadline`` or ``timeout`` (at most one):
-    an absolute deadline (Unix s) stays as given; a relative timeout (or the queue's default)
-    becomes a deadline by the Redis server's clock when the request is stored, so a client
-    whose clock is off still gets the time it asked for. The "in the past" check of an absolute
-    deadline is a sanity check by this machine's clock; the server's clock decides expiry."""
+    """``(deadline, timeout)`` for submit.lua: a timeout becomes a deadline by the Redis
+    server's clock when stored (a client with a wrong clock still gets its time); "in the
+    past" is a sanity check by this machine's clock."""
     if deadline is not None and timeout is not None:
         raise InvalidRequest("deadline", "give deadline or timeout, not both")
     if deadline is not None:
@@ -119,30 +126,27 @@ class Pipeline:
         self._lock = threading.Lock()
 
     # -- validation ----------------------------------------------------------------------
-    def _row(self, payload: Any, **kw: Any) -> tuple[str, list[str]]:
-        """Validate one submission; returns its id and the row for submit.lua."""
+    def queue_config(self, name: Any) -> QueueConfig:
+        if not isinstance(name, str) or name not in self.settings.queues:
+            raise InvalidRequest("queue", f"unknown queue {name!r}")
+        return self.settings.queues[name]
+
+    def prepare(self, payload: Any, **kw: Any) -> tuple[str, list[str]]:
+        """Check one submission without storing it: its id and its row for submit.lua (also
+        how ``pipeline.batch`` checks batch lines). Raises InvalidRequest naming the field."""
         unknown = set(kw) - SUBMIT_KEYS
         if unknown:
             raise InvalidRequest(sorted(unknown)[0], "unknown argument")
-        queue_name = kw.get("queue", "default")
-        if not isinstance(queue_name, str) or queue_name not in self.settings.queues:
-            raise InvalidRequest("queue", f"unknown queue {queue_name!r}")
-        q: QueueConfig = self.settings.queues[queue_name]
+        q = self.queue_config(kw.get("queue", "default"))
         body = _check_payload(payload, self.settings.max_payload_bytes)
         rid = _check_id(kw.get("id"))
-        priority = kw.get("priority", 0)
-        if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 9:
-            raise InvalidRequest("priority", "must be an int from 0 to 9")
+        priority = check_priority(kw.get("priority", 0))
         deadline, timeout = _check_deadline(
             kw.get("deadline"), kw.get("timeout"), q.default_timeout_s
         )
         metadata = _str_map(kw.get("metadata"), "metadata")
         headers = _str_map(kw.get("headers"), "headers", header=True)
-        endpoint = kw.get("endpoint")
-        if endpoint is not None and (
-            not isinstance(endpoint, str) or not endpoint.startswith("/") or "://" in endpoint
-        ):
-            raise InvalidRequest("endpoint", "must be a URL path starting with '/'")
+        endpoint = check_endpoint(kw.get("endpoint"))
         row = [
             rid,
             q.queue_name,
@@ -159,16 +163,10 @@ class Pipeline:
         ]
         return rid, row
 
-    def prepare(self, payload: Any, **kw: Any) -> tuple[str, list[str]]:
-        """Check one submission as :meth:`submit` does, without storing it: its id and its
-        row for submit.lua (``pipeline.batch`` stores batch lines itself). Raises
-        InvalidRequest naming the field."""
-        return self._row(payload, **kw)
-
     # -- submit --------------------------------------------------------------------------
     def submit(self, payload: dict[str, Any], **kw: Any) -> Request:
         """Submit one request. See :func:`pipeline.submit`."""
-        rid, row = self._row(payload, **kw)
+        rid, row = self.prepare(payload, **kw)
         created = self._store([rid], [row])[0]
         return Request(self, rid, created == 1)
 
@@ -183,7 +181,7 @@ class Pipeline:
             kw = dict(item)
             payload = kw.pop("payload")
             try:
-                rid, row = self._row(payload, **kw)
+                rid, row = self.prepare(payload, **kw)
             except InvalidRequest as exc:
                 raise InvalidRequest(exc.field, f"item {i}: {exc.args[0]}") from None
             rows.append(row)
@@ -222,9 +220,8 @@ class Pipeline:
         return _done(request_id, state, result)
 
     def wait(self, request_id: str, timeout: float | None = None) -> Result:
-        """Block until the request's terminal result exists (woken by its notify list, which
-        the result is pushed on only for a request a client waits for: the first check marks
-        the record, in one atomic step with reading it — see wait.lua)."""
+        """Block until the request's terminal result exists, woken by its notify list (only
+        kept for a request a client waits for: see wait.lua)."""
         end = None if timeout is None else time.monotonic() + timeout
         notify = self.store.keys.notify(request_id)
         state, raw = self.store.scripts.wait(keys=[self.store.keys.request(request_id)])
@@ -233,11 +230,9 @@ class Pipeline:
             left = 1.0 if end is None else min(1.0, end - time.monotonic())
             if left <= 0:
                 raise TimeoutError(f"request {request_id} not done after {timeout} s")
-            # wait for the bell without taking it: BLMOVE of the list onto itself returns as
-            # soon as it holds an element and leaves it there (for other waiters), and the
-            # key keeps the expiry the finishing script gave it (a pop then a push would
-            # re-create it without one: a key left for ever per waited request)
-            # (a float timeout: redis-py's blmove() types it int)
+            # BLMOVE of the list onto itself wakes on the bell and leaves it, for other waiters
+            # and with its expiry (a pop then a push would re-create it without one); a float
+            # timeout: redis-py's blmove() types it int
             self.store.client.execute_command(
                 "BLMOVE", notify, notify, "RIGHT", "LEFT", max(left, 0.01)
             )
@@ -286,9 +281,7 @@ class Pipeline:
         return self.store.cancel(request_id)
 
     def explain(self, request_id: str) -> Explanation:
-        """Where the request is and why: state, place in its queue, its tenant's quota use and
-        holders, its queue's gate, deadline slack and decision log (see
-        :class:`~pipeline.client.explain.Explanation`). Raises :class:`UnknownRequest`."""
+        """Where the request is and why (:class:`Explanation`); raises UnknownRequest."""
         raw = self.store.explain(request_id, self.quota_specs())
         if raw is None:
             raise UnknownRequest(request_id)
@@ -297,8 +290,7 @@ class Pipeline:
         return build(request_id, raw, gate)
 
     def quota_specs(self) -> dict[str, list[QuotaSpec]]:
-        """Per queue, the blocking concurrency quotas of its gates and its pool's (what the
-        dispatcher counts per tenant)."""
+        """Per queue, the blocking concurrency quotas the dispatcher counts per tenant."""
         with self._lock:
             if self._quota_specs is None:
                 self._quota_specs = {
@@ -318,11 +310,8 @@ class Pipeline:
             return gate
 
     def inspect(self) -> dict[str, Any]:
-        """Per queue: ``pending``, ``retry_wait``, ``running`` (dispatched or running), the
-        gate (``type``, ``limit``, ``in_flight``, ``holders``), and for a queue indexed by
-        tenant (fair share, per-key quotas) ``tenants``: ``ready`` (tenants with requests that
-        may be dispatched) and ``held_back`` (tenants at a quota key's limit, out of turn until
-        one of its requests leaves: ``HGETALL Keys.blocked(queue)`` says which); else None."""
+        """Per queue: ``pending``, ``retry_wait``, ``running``, the gate, and for a queue indexed
+        by tenant ``tenants``: ``ready`` and ``held_back`` (at a quota key's limit) tenants."""
         k = self.store.keys
         names = list(self.settings.queues)
         with self.store.client.pipeline(transaction=False) as p:
@@ -350,6 +339,36 @@ class Pipeline:
                 "tenants": {"ready": ready, "held_back": blocked} if indexed else None,
             }
         return out
+
+
+@dataclass(frozen=True)
+class Request:
+    """A handle on a submitted request. Cheap: it holds only the id and the pipeline."""
+
+    _pipeline: Pipeline = field(repr=False, compare=False)
+    id: str
+    created: bool = field(default=True, compare=False)  # False: submit() found it live
+
+    def state(self) -> str:
+        """One of ``queued``, ``retry_wait``, ``dispatched``, ``running``, ``done``."""
+        return self._pipeline.state(self.id)
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Block until the terminal result arrives; raises TimeoutError after ``timeout`` s."""
+        return self._pipeline.wait(self.id, timeout)
+
+    def cancel(self) -> bool:
+        """Cancel unless an attempt already started; True when this call cancelled it."""
+        return self._pipeline.cancel(self.id)
+
+    def explain(self) -> Explanation:
+        """Where the request is and why (docs/observability.md, "Explain"): ``.to_text()`` for
+        people, ``.to_dict()`` for JSON. Raises ``UnknownRequest`` once the record is gone."""
+        return self._pipeline.explain(self.id)
+
+    def info(self) -> dict[str, Any]:
+        """The raw request record (for debugging)."""
+        return self._pipeline.record(self.id)
 
 
 # -- the default pipeline, configured from the environment -------------------------------

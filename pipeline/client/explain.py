@@ -1,10 +1,6 @@
-"""Where a request is and why (``Request.explain()``, ``pipeline explain``): its state, its place
-in its queue, its tenant's quota use, its deadline slack and its decision log, read in one
-atomic step (``Store.explain``: ``lua/explain.lua``) and shaped into :class:`Explanation`.
-
-Every time is the Redis server's clock: ``server_now`` is read in the same step, and the
-relative figures (slack, lease, due in, ages) are measured against it, never this machine's.
-"""
+"""Where a request is and why (``Request.explain()``, ``pipeline explain``): read in one atomic
+step (``lua/explain.lua``), every time by the Redis server's clock (``server_now``), shaped
+into :class:`Explanation`. What it shows: docs/observability.md."""
 
 from __future__ import annotations
 
@@ -16,19 +12,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class LogEntry:
-    """One decision-log event: its time (Unix s, server clock), its name and its fields.
-
-    Events: ``dispatched`` (``n``: the dispatch number; ``ahead``: the quota key it was sent
-    past, to park at the worker), ``held`` (its tenant was held back at quota key ``key``),
-    ``parked`` (at ``gate`` for ``reason``, ``verdict`` ``wait`` or ``refuse``, ``key`` of a
-    per-key quota; ``behind``: attempts of its worker already parked for the gate, which it
-    parked behind without asking it), ``admitted`` (by its gate, on ``worker``; ``waited`` s
-    parked, ``handed_over``: a finishing holder's slot), ``refused`` (by ``gate`` for
-    ``reason``, back to the queue after ``delay`` s), ``retry`` (HTTP ``status`` or transport
-    ``error`` of attempt ``attempt``, backoff ``delay`` s, ``retry_after``, ``dropped``: a
-    gateway's drop reason), ``requeued`` (``reason``), ``reaped`` (its lease lapsed: ``state``,
-    ``worker``), ``dropped`` (by ``gate``), ``done`` (``outcome``: ``ok``, ``http_<code>`` or an
-    error code; ``status``)."""
+    """One decision-log event: its time (server clock), name and fields (the events:
+    docs/observability.md, "Explain"; in words: :func:`describe_entry`)."""
 
     t: float
     event: str
@@ -47,13 +32,9 @@ class LogEntry:
 
 @dataclass(frozen=True)
 class Position:
-    """A queued request's place. ``ahead``: requests before it in its queue's pending set
-    (every priority; the dispatch order of a queue without fair share or quotas);
-    ``higher``: priority → requests of that higher priority waiting. In a queue indexed by
-    tenant (fair share, per-key quotas) the dispatcher picks tenants, so also: ``tenant``,
-    ``tenant_ahead`` (its tenant's own requests before it), ``tenant_waiting``, and either
-    ``held_back_by`` (the quota key its tenant is at) or ``tenants_ahead`` (tenants before its
-    tenant in the ready set: with fair share, their turns come first) of ``tenants_ready``."""
+    """A queued request's place: ``ahead`` of it in the pending set, ``higher``: priority →
+    requests waiting at it. In a queue indexed by tenant (fair share, per-key quotas) the
+    dispatcher picks tenants, so also its tenant's place (the ``tenant*`` fields)."""
 
     ahead: int | None
     higher: dict[int, int]
@@ -74,8 +55,7 @@ class Position:
 
 @dataclass(frozen=True)
 class Holder:
-    """A live lease on a quota key: request id, attempt token, worker (when known), seconds
-    until its lease expires."""
+    """A live lease on a quota key."""
 
     request_id: str
     attempt: str
@@ -85,11 +65,8 @@ class Holder:
 
 @dataclass(frozen=True)
 class QuotaUse:
-    """A quota key of the request's tenant (a blocking ``redis-quota`` in concurrency mode):
-    ``in_use`` against ``limit`` = the larger of ``dispatched`` (its requests dispatched or
-    running, what the dispatcher counts) and ``leases`` (live leases, None when the key's
-    leases are in another Redis); ``holders`` the leases, ``requests`` the dispatched ids (at
-    most 20 listed each), ``tenants_held_back`` the tenants waiting for it."""
+    """A quota key of the request's tenant: ``in_use`` is the larger of ``dispatched`` (what the
+    dispatcher counts) and ``leases`` (None when they are in another Redis)."""
 
     key: str
     limit: int
@@ -103,12 +80,8 @@ class QuotaUse:
 
 @dataclass(frozen=True)
 class Explanation:
-    """Where a request is and why. Times are Unix s by the Redis server's clock
-    (``server_now``, read with everything else); ``deadline_slack_s`` is ``deadline -
-    server_now`` (negative once it passed). ``gate``: the queue's gate (``type``,
-    ``in_flight``, ``limit``, ``holds_slot``: this attempt holds one of its reservations).
-    ``result``: a done request's ``status_code``, ``error_code`` and ``error_message``.
-    ``log``: the decision log, oldest first (the last 50 events)."""
+    """Where a request is and why. Times are Unix s by the Redis server's clock; ``gate``'s
+    ``holds_slot``: this attempt holds one of its reservations; ``log``: oldest first."""
 
     id: str
     state: str
@@ -212,8 +185,8 @@ def _quota(raw: dict[str, Any], now: float, workers: dict[tuple[str, str], str])
 
 
 def build(request_id: str, raw: dict[str, Any], gate: dict[str, Any] | None) -> Explanation:
-    """An :class:`Explanation` from ``Store.explain``'s reply and the queue's gate as
-    ``Gate.describe()`` gives it (None when the queue is not configured here)."""
+    """An :class:`Explanation` from ``Store.explain``'s reply and the queue's
+    ``Gate.describe()`` (None when the queue is not configured here)."""
     now = float(raw["now"])
     r: dict[str, Any] = raw.get("record") or {}
     state = str(r.get("state", ""))

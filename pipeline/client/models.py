@@ -1,35 +1,16 @@
-"""Public value types: :class:`Result` and the :class:`Request` handle."""
+"""The terminal result of a request, as stored and as handed out."""
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from .explain import Explanation
-
-ERROR_CODES = (
-    "DEADLINE_EXCEEDED",
-    "CANCELLED",
-    "GATE_DROPPED",
-    "GATE_ERROR",
-    "INFERENCE_ERROR",
-    "INVALID_REQUEST",
-    "PAYLOAD_UNAVAILABLE",
-)
-STATES = ("queued", "retry_wait", "dispatched", "running", "done")
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Result:
-    """The terminal result of a request.
-
-    ``status_code`` is the HTTP status when a response arrived (the body is in ``payload``),
-    else None with ``error_code``/``error_message`` set and ``payload`` = ``{"error": ...}``.
-    Times are Unix seconds.
-    """
+    """The terminal result of a request: ``status_code`` and the body in ``payload`` when a
+    response arrived, else ``error_code``/``error_message`` and ``payload`` ``{"error": ...}``."""
 
     id: str
     status_code: int | None
@@ -94,64 +75,3 @@ class Result:
     @classmethod
     def from_json(cls, text: str | bytes) -> Result:
         return cls.from_dict(json.loads(text))
-
-
-class RequestSource(Protocol):
-    """What a :class:`Request` handle asks of its client (``pipeline.client.Pipeline``)."""
-
-    def state(self, request_id: str) -> str: ...
-
-    def wait(self, request_id: str, timeout: float | None = None) -> Result: ...
-
-    def cancel(self, request_id: str) -> bool: ...
-
-    def record(self, request_id: str) -> dict[str, Any]: ...
-
-    def explain(self, request_id: str) -> Explanation: ...
-
-
-class Request:
-    """A handle on a submitted request. Cheap: it holds only the id and the pipeline."""
-
-    def __init__(self, pipeline: RequestSource, id: str, created: bool = True) -> None:
-        self._pipeline = pipeline
-        self.id = id
-        self.created = created  # False when submit() returned an already live request
-
-    def __repr__(self) -> str:
-        return f"Request(id={self.id!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Request) and other.id == self.id
-
-    def __hash__(self) -> int:
-        return hash(self.id)
-
-    def state(self) -> str:
-        """One of ``queued``, ``retry_wait``, ``dispatched``, ``running``, ``done``."""
-        return self._pipeline.state(self.id)
-
-    def result(self, timeout: float | None = None) -> Result:
-        """Block until the terminal result arrives; raises TimeoutError after ``timeout`` s."""
-        return self._pipeline.wait(self.id, timeout)
-
-    def cancel(self) -> bool:
-        """Cancel unless an attempt already started; True when this call cancelled it."""
-        return self._pipeline.cancel(self.id)
-
-    def explain(self) -> Explanation:
-        """Where the request is and why: its state, its place in its queue (how many ahead, at
-        which priorities; in a queue indexed by tenant, its tenant's turn or the quota key
-        holding it back), its tenant's quota use and holders, its deadline slack and its
-        decision log (gate decisions, retries with status and backoff, requeues), all read
-        in one step by the Redis server's clock. ``.to_text()`` for people, ``.to_dict()``
-        for JSON. Raises ``UnknownRequest`` once the record is gone."""
-        return self._pipeline.explain(self.id)
-
-    def info(self) -> dict[str, Any]:
-        """The raw request record (for debugging)."""
-        return self._pipeline.record(self.id)
-
-
-def now() -> float:
-    return time.time()

@@ -1,8 +1,5 @@
-"""API keys: ``PIPELINE_API_KEYS`` names a file of ``key tenant`` lines (``#`` comments and
-blank lines allowed). A request's key (``Authorization: Bearer <key>``, or HTTP basic auth
-with the key as password, which a browser asks for on the batch page) names its tenant: the
-owner of the files and batches it creates and the fairness / quota attribute of their
-requests. Keys are kept only as SHA-256 digests and never logged."""
+"""API keys: ``PIPELINE_API_KEYS`` names a file of ``key tenant`` lines; a request's key names
+its tenant (docs/batches.md, "Keys and tenants"). Keys are kept only as SHA-256 digests."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""What ``pipeline serve`` does besides answering: it checks and stores the lines of new
-batches, cancels the lines of cancelled ones, assembles the files of finished ones, closes
-batches whose window passed with nobody storing their lines, and removes expired files.
-
-Each of these steps holds the batch's lease, so several service processes share the work;
-after a restart (or a ``kill -9``) the loop finds, in Redis, every batch left half-way and
-takes it up again: a batch left validating or half-enqueued is read again from its input
-file and resumes after its last stored line (fenced: no line is stored twice), an
-interrupted cancel goes on, a finalizing batch is finalized."""
+"""What ``pipeline serve`` does besides answering: store new batches' lines, cancel cancelled
+ones', assemble finished ones' files, close lapsed batches, remove expired files. Each step
+holds the batch's lease, so a restart takes up every batch left half-way (docs/batches.md)."""
 
 from __future__ import annotations
 
@@ -61,7 +55,10 @@ class Background:
                 opener = b.opener(batch)
                 if opener is None:
                     log.error("batch %s: its input file is gone; it cannot be read", batch_id)
-                    b.records.fail(batch_id, [_gone(batch.input_file_id)])
+                    fid = batch.input_file_id
+                    message = f"the input file {fid} was deleted before the batch was read"
+                    error = dict(code="input_file_missing", line=None, param="input_file_id")
+                    b.records.fail(batch_id, [{**error, "message": message}])
                 else:
                     b.ingest(batch, opener)
             elif kind == "cancel":
@@ -116,12 +113,3 @@ class Background:
             n = self.batches.files.sweep()
             if n:
                 log.info("removed %d expired file(s)", n)
-
-
-def _gone(file_id: str | None) -> dict[str, object]:
-    return {
-        "code": "input_file_missing",
-        "line": None,
-        "param": "input_file_id",
-        "message": f"the input file {file_id} was deleted before the batch was read",
-    }

@@ -19,44 +19,19 @@ class ApiError(Exception):
         code: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type,
-            param,
-            code,
-        )
+        self.status = status
+        self.error = {"message": message, "type": type, "param": param, "code": code}
 
     def response(self) -> JSONResponse:
-        body = {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
         headers = {"WWW-Authenticate": 'Basic realm="pipeline"'} if self.status == 401 else None
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse({"error": self.error}, status_code=self.status, headers=headers)
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-def not_found(kind: str, ident: str) -> ApiError:
-    return ApiError(404, f"No such {kind}: {ident}", param="id")
-
-
-def unauthorized(message: str) -> ApiError:
-    return ApiError(401, message, code="invalid_api_key")
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
 
 
 def too_large(limit: int) -> ApiError:
     return ApiError(
         413, f"File too large: at most {limit} bytes", param="file", code="file_too_large"
     )
-
-
-def too_many(message: str) -> ApiError:
-    return ApiError(429, message, type="requests", code="rate_limit_exceeded")

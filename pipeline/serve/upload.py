@@ -1,36 +1,18 @@
 """``POST /v1/files``: a multipart/form-data upload streamed to the file store as it arrives
-(python-multipart's streaming parser; never the whole file in memory), stopped with 413 as
-soon as it passes the size limit."""
+(never whole in memory), stopped with 413 as soon as it passes the size limit."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import IO, Any
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
-from ..batch import FileStore
-from ..batch.files import new_file_id
+from ..batch import Files
+from ..batch.files import FileInfo, new_file_id
 from .errors import ApiError, bad_request, too_large
 
 MAX_FIELD_BYTES = 4096  # a form field that is not the file (purpose, expires_after[...])
-
-
-@dataclass
-class Upload:
-    file_id: str
-    filename: str
-    purpose: str
-    size: int
-
-
-@dataclass
-class _Part:
-    headers: dict[bytes, bytes] = field(default_factory=dict)
-    name: str = ""
-    filename: str | None = None
-    value: bytearray = field(default_factory=bytearray)
 
 
 class _Receiver:
@@ -38,13 +20,15 @@ class _Receiver:
 
     def __init__(self, out: IO[bytes], limit: int) -> None:
         self.out, self.limit = out, limit
-        self.part = _Part()
         self.header_field = bytearray()
         self.header_value = bytearray()
+        self.disposition = b""  # the current part's Content-Disposition
+        self.name = ""  # the current part's field name
+        self.value = bytearray()  # the current part's value (not the file)
+        self.in_file = False  # the current part is the file
         self.fields: dict[str, str] = {}
         self.filename: str | None = None
         self.size = 0
-        self.files = 0
 
     def callbacks(self) -> Any:
         return {
@@ -58,43 +42,43 @@ class _Receiver:
         }
 
     def part_begin(self) -> None:
-        self.part = _Part()
+        self.disposition, self.name, self.value, self.in_file = b"", "", bytearray(), False
 
     def header_end(self) -> None:
-        self.part.headers[bytes(self.header_field).lower()] = bytes(self.header_value)
+        if bytes(self.header_field).lower() == b"content-disposition":
+            self.disposition = bytes(self.header_value)
         self.header_field.clear()
         self.header_value.clear()
 
     def headers_finished(self) -> None:
-        _, params = parse_options_header(self.part.headers.get(b"content-disposition", b""))
-        self.part.name = params.get(b"name", b"").decode("utf-8", "replace")
+        _, params = parse_options_header(self.disposition)
+        self.name = params.get(b"name", b"").decode("utf-8", "replace")
         filename = params.get(b"filename")
-        if filename is not None and self.part.name == "file":
-            self.files += 1
-            if self.files > 1:
+        if filename is not None and self.name == "file":
+            if self.filename is not None:
                 raise bad_request("more than one file in the upload", "file")
-            self.part.filename = filename.decode("utf-8", "replace")
-            self.filename = self.part.filename
+            self.filename = filename.decode("utf-8", "replace")
+            self.in_file = True
 
     def part_data(self, data: bytes, start: int, end: int) -> None:
         n = end - start
-        if self.part.filename is not None:
+        if self.in_file:
             self.size += n
             if self.size > self.limit:
                 raise too_large(self.limit)
             self.out.write(data[start:end])
-        elif len(self.part.value) + n <= MAX_FIELD_BYTES:
-            self.part.value.extend(data[start:end])
+        elif len(self.value) + n <= MAX_FIELD_BYTES:
+            self.value.extend(data[start:end])
         else:
-            raise bad_request(f"form field {self.part.name!r} is too long", self.part.name)
+            raise bad_request(f"form field {self.name!r} is too long", self.name)
 
     def part_end(self) -> None:
-        if self.part.filename is None and self.part.name:
-            self.fields[self.part.name] = self.part.value.decode("utf-8", "replace")
+        if not self.in_file and self.name:
+            self.fields[self.name] = self.value.decode("utf-8", "replace")
 
 
-async def receive(request: Request, blobs: FileStore, limit: int) -> Upload:
-    """Stream the upload's ``file`` part into ``blobs`` under a new file id; check ``purpose``.
+async def receive(request: Request, files: Files, limit: int, owner: str) -> FileInfo:
+    """Stream the upload's ``file`` part into the store under a new file id and record it.
     Raises :class:`ApiError` (400, 413); a failed upload leaves no file behind."""
     ctype, params = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or b"boundary" not in params:
@@ -103,30 +87,24 @@ async def receive(request: Request, blobs: FileStore, limit: int) -> Upload:
     if length and length.isdigit() and int(length) > limit + 64 * 1024:
         raise too_large(limit)
     file_id = new_file_id()
-    receiver: _Receiver | None = None
     try:
-        with blobs.writer(file_id) as out:
+        with files.blobs.writer(file_id) as out:
             receiver = _Receiver(out, limit)
             parser = MultipartParser(params[b"boundary"], receiver.callbacks())
             async for chunk in request.stream():
                 parser.write(chunk)
             parser.finalize()
-            _check(receiver)
+            purpose = receiver.fields.get("purpose")
+            if receiver.filename is None:
+                raise bad_request("missing the 'file' part", "file")
+            if purpose is None:
+                raise bad_request("missing 'purpose'", "purpose")
+            if purpose != "batch":
+                raise bad_request(f"purpose must be 'batch' here, not {purpose!r}", "purpose")
     except ApiError:
-        blobs.delete(file_id)
+        files.blobs.delete(file_id)
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed body (python-multipart's own errors)
-        blobs.delete(file_id)
+        files.blobs.delete(file_id)
         raise bad_request(f"malformed multipart upload: {exc}") from None
-    assert receiver is not None and receiver.filename is not None
-    return Upload(file_id, receiver.filename, receiver.fields["purpose"], receiver.size)
-
-
-def _check(r: _Receiver) -> None:
-    if r.filename is None:
-        raise bad_request("missing the 'file' part", "file")
-    purpose = r.fields.get("purpose")
-    if purpose is None:
-        raise bad_request("missing 'purpose'", "purpose")
-    if purpose != "batch":
-        raise bad_request(f"purpose must be 'batch' here, not {purpose!r}", "purpose")
+    return files.add(file_id, receiver.filename, purpose, owner)
