@@ -15,6 +15,7 @@ import orjson
 
 from ..client import Pipeline
 from ..errors import InvalidRequest
+from ..store import RequestRow
 from .lines import Line, LineError, parse_line
 from .records import BatchRecords
 
@@ -82,27 +83,40 @@ def input_lines(source: IO[bytes] | Iterable[bytes]) -> Iterator[tuple[int, byte
 
 
 class RowBuilder:
-    """Rows for submit.lua (14 fields and the custom_id) from valid lines."""
+    """Rows for submit.lua from valid lines: a line with no fields of its own fills in the
+    batch's template row."""
 
     def __init__(self, pipeline: Pipeline, ctx: RowContext) -> None:
         self.pipeline = pipeline
         self.ctx = ctx
         q = pipeline.queue_config(ctx.queue)
-        self.deadline = repr(ctx.deadline)
-        labels = orjson.dumps(q.labels).decode() if q.labels else "{}"
-        self.head = [q.queue_name, q.worker_pool_id, str(ctx.priority)]
-        self.tail = [*pipeline.store.result_list_args(q), labels]
+        result_list, result_list_max, result_list_ttl = pipeline.store.result_list_args(q)
+        self.template = RequestRow(
+            id="",
+            queue=q.queue_name,
+            pool=q.worker_pool_id,
+            priority=str(ctx.priority),
+            deadline=repr(ctx.deadline),
+            timeout="",
+            payload="",
+            metadata=ctx.metadata,
+            headers="{}",
+            endpoint="",
+            result_list=result_list,
+            result_list_max=result_list_max,
+            result_list_ttl=result_list_ttl,
+            labels=orjson.dumps(q.labels).decode() if q.labels else "{}",
+        )
 
-    def row(self, line: Line) -> list[str] | LineError:
+    def row(self, line: Line) -> RequestRow | LineError:
         rid = f"{self.ctx.batch_id}-{line.number}"
         if line.extra is None:
-            return [
-                rid, *self.head, self.deadline, "", line.body, self.ctx.metadata, "{}",
-                line.url or "", *self.tail, line.custom_id,
-            ]  # fmt: skip
+            return self.template._replace(
+                id=rid, payload=line.body, endpoint=line.url or "", custom_id=line.custom_id
+            )
         return self._extended(rid, line)
 
-    def _extended(self, rid: str, line: Line) -> list[str] | LineError:
+    def _extended(self, rid: str, line: Line) -> RequestRow | LineError:
         """A run line with its own priority, deadline, timeout, metadata, headers or queue:
         checked by :meth:`Pipeline.prepare`, as ``submit`` checks its arguments."""
         extra = dict(line.extra or {})
@@ -111,7 +125,7 @@ class RowBuilder:
         extra.setdefault("queue", self.ctx.queue)
         extra.setdefault("priority", self.ctx.priority)
         try:
-            _, row = self.pipeline.prepare(
+            row = self.pipeline.prepare(
                 orjson.loads(line.body),
                 id=rid,
                 endpoint=line.url,
@@ -129,10 +143,12 @@ class RowBuilder:
             deadline = min(deadline, float(own_deadline))
         elif own_timeout is not None:
             deadline = min(deadline, self.ctx.created_at + float(own_timeout))
-        row[4], row[5] = repr(deadline), ""
-        if self.ctx.metadata != "{}" and row[7] == "{}":
-            row[7] = self.ctx.metadata
-        return [*row, line.custom_id]
+        metadata = row.metadata
+        if self.ctx.metadata != "{}" and metadata == "{}":
+            metadata = self.ctx.metadata
+        return row._replace(
+            deadline=repr(deadline), timeout="", metadata=metadata, custom_id=line.custom_id
+        )
 
 
 def scan(
@@ -151,7 +167,7 @@ def scan(
     endpoint = builder.ctx.endpoint if builder else None
     extensions = builder.ctx.extensions if builder else True
     seen: dict[str, int] = {}
-    rows: list[list[str]] = []
+    rows: list[RequestRow] = []
     after, size = enqueue_after, FIRST_CHUNK
     for number, raw in source:
         out.lines = number
@@ -161,7 +177,7 @@ def scan(
         if out.total > max_lines:
             out.invalid.append(LineError(number, "too_many_lines", f"more than {max_lines} lines"))
             break
-        checked: Line | LineError | list[str] = parse_line(
+        checked: Line | LineError | RequestRow = parse_line(
             number, raw, endpoint=endpoint, max_body_bytes=max_body_bytes, extensions=extensions
         )
         if isinstance(checked, Line):
@@ -172,7 +188,7 @@ def scan(
                 checked = builder.row(checked)
         if isinstance(checked, LineError):
             out.invalid.append(checked)
-        elif isinstance(checked, list):
+        elif isinstance(checked, RequestRow):
             rows.append(checked)
             if len(rows) >= size:
                 _spool(out, after, number, rows)
@@ -197,9 +213,9 @@ def _unique(line: Line, seen: dict[str, int], duplicates: dict[str, list[int]]) 
     )  # fmt: skip
 
 
-def _spool(out: Scan, after: int, upto: int, rows: list[list[str]]) -> None:
+def _spool(out: Scan, after: int, upto: int, rows: list[RequestRow]) -> None:
     assert out.spool is not None
-    items = orjson.dumps(rows)
+    items = orjson.dumps(rows, default=list)  # orjson writes no NamedTuple by itself
     out.spool.write(_HEAD.pack(after, upto, len(items)))
     out.spool.write(items)
     out.chunks += 1

@@ -15,7 +15,7 @@ from typing import Any
 from ..config import QueueConfig, Settings, load_settings, with_overrides
 from ..errors import InvalidRequest, ReplicationError, UnknownRequest
 from ..gates import Gate, GateEnv, attempt_gate, check_gates, queue_gate
-from ..store import QuotaSpec, Store
+from ..store import QuotaSpec, RequestRow, Store
 from ..store.wire import _CONTROL, _PAYLOAD_JSON, MAX_ID_LENGTH  # the same rules as the wire
 from .explain import Explanation, build
 from .models import Result
@@ -131,8 +131,8 @@ class Pipeline:
             raise InvalidRequest("queue", f"unknown queue {name!r}")
         return self.settings.queues[name]
 
-    def prepare(self, payload: Any, **kw: Any) -> tuple[str, list[str]]:
-        """Check one submission without storing it: its id and its row for submit.lua (also
+    def prepare(self, payload: Any, **kw: Any) -> RequestRow:
+        """Check one submission without storing it: its row for submit.lua (also
         how ``pipeline.batch`` checks batch lines). Raises InvalidRequest naming the field."""
         unknown = set(kw) - SUBMIT_KEYS
         if unknown:
@@ -147,55 +147,54 @@ class Pipeline:
         metadata = _str_map(kw.get("metadata"), "metadata")
         headers = _str_map(kw.get("headers"), "headers", header=True)
         endpoint = check_endpoint(kw.get("endpoint"))
-        row = [
-            rid,
-            q.queue_name,
-            q.worker_pool_id,
-            str(priority),
-            deadline,
-            timeout,
-            body,
-            _json_map(metadata),
-            _json_map(headers),
-            endpoint or "",
-            *self._result_list[q.queue_name],
-            _json_map(q.labels),
-        ]
-        return rid, row
+        result_list, result_list_max, result_list_ttl = self._result_list[q.queue_name]
+        return RequestRow(
+            id=rid,
+            queue=q.queue_name,
+            pool=q.worker_pool_id,
+            priority=str(priority),
+            deadline=deadline,
+            timeout=timeout,
+            payload=body,
+            metadata=_json_map(metadata),
+            headers=_json_map(headers),
+            endpoint=endpoint or "",
+            result_list=result_list,
+            result_list_max=result_list_max,
+            result_list_ttl=result_list_ttl,
+            labels=_json_map(q.labels),
+        )
 
     # -- submit --------------------------------------------------------------------------
     def submit(self, payload: dict[str, Any], **kw: Any) -> Request:
         """Submit one request. See :func:`pipeline.submit`."""
-        rid, row = self.prepare(payload, **kw)
-        created = self._store([rid], [row])[0]
-        return Request(self, rid, created == 1)
+        row = self.prepare(payload, **kw)
+        created = self._store([row])[0]
+        return Request(self, row.id, created == 1)
 
     def submit_many(self, items: Iterable[dict[str, Any]]) -> list[Request]:
         """Submit many requests in one round trip per 500. All are validated first: one bad
         item raises InvalidRequest (its index in the message) and nothing is submitted."""
-        rows: list[list[str]] = []
-        ids: list[str] = []
+        rows: list[RequestRow] = []
         for i, item in enumerate(items):
             if not isinstance(item, dict) or "payload" not in item:
                 raise InvalidRequest("payload", f"item {i}: must be a dict with a 'payload'")
             kw = dict(item)
             payload = kw.pop("payload")
             try:
-                rid, row = self.prepare(payload, **kw)
+                rows.append(self.prepare(payload, **kw))
             except InvalidRequest as exc:
                 raise InvalidRequest(exc.field, f"item {i}: {exc.args[0]}") from None
-            rows.append(row)
-            ids.append(rid)
-        created = self._store(ids, rows) if rows else []
-        return [Request(self, rid, c == 1) for rid, c in zip(ids, created, strict=True)]
+        created = self._store(rows) if rows else []
+        return [Request(self, r.id, c == 1) for r, c in zip(rows, created, strict=True)]
 
-    def _store(self, ids: list[str], rows: list[list[str]]) -> list[Any]:
+    def _store(self, rows: list[RequestRow]) -> list[Any]:
         """Store the rows; a :class:`ReplicationError` (too few replicas confirmed them in
         time: ``PIPELINE_REDIS_MIN_REPLICAS``) carries their ids, to submit them again."""
         try:
             return self.store.submit(rows)
         except ReplicationError as exc:
-            exc.ids = list(ids)
+            exc.ids = [r.id for r in rows]
             raise
 
     # -- reading -------------------------------------------------------------------------

@@ -5,6 +5,7 @@ they keep (:mod:`.state`). Imports only ``config`` and ``errors`` of the pipelin
 from . import sched
 from .connect import connect
 from .keys import Keys, celery_queue, holder
+from .rows import RequestRow
 from .sched import MergeArgs, PoolTickResult, QueueTick, QuotaSpec
 from .scripts import ScriptCall, Scripts, run_batch
 from .server import ServerFacts, check_eviction, server_facts
@@ -19,6 +20,7 @@ __all__ = [
     "PoolTickResult",
     "QueueTick",
     "QuotaSpec",
+    "RequestRow",
     "ScriptCall",
     "Scripts",
     "ServerFacts",

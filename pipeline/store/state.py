@@ -12,6 +12,7 @@ import json
 import math
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from . import sched, wire
 from .connect import connect
 from .journal import Journal, entry
 from .keys import Keys
+from .rows import RequestRow
 from .sched import MergeArgs, PoolTickResult, QueueTick, QuotaSpec
 from .scripts import ScriptCall, Scripts, ThreadConnection
 
@@ -131,8 +133,8 @@ class Store:
         return self.keys.result_list(queue), str(queue.result_list_max_len), str(int(ttl))
 
     # -- submit --------------------------------------------------------------------------
-    def submit(self, rows: list[list[str]]) -> list[Any]:
-        """Store a batch of rows (see submit.lua for the 14 string fields) in chunks, each sent
+    def submit(self, rows: Sequence[RequestRow]) -> list[Any]:
+        """Store a batch of rows (:class:`RequestRow`) in chunks, each sent
         as one JSON argument in one round trip. Returns 1 per created request, or the state of
         the live duplicate. The first chunk is small and each next one twice as large, up to
         500 rows: the dispatcher starts on the head of a large batch within a millisecond of

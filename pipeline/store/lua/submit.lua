@@ -2,16 +2,16 @@
 -- KEYS: the key families (lib.lua key_families): each item's keys are derived from its id,
 --   queue and pool (its record, its queue's pending and expiry sets, for a queue indexed by
 --   tenant its scheduling keys (sched.lua), its pool's doorbell), a batch's from ARGV[2].
--- ARGV[1] the items: a JSON array with one array of 14 strings per item:
---   id, queue, pool, priority (0-9), deadline (Unix s, the server's clock) or '',
---   timeout (s from now by the server's clock, when deadline is ''), payload (JSON text),
---   metadata (JSON), headers (JSON), endpoint, result_list (key, '' for none),
---   result_list_max, result_list_ttl (see lib.lua), labels (JSON). (One argument instead of 14
---   per item: the client encodes it in one call.)
+-- ARGV[1] the items: a JSON array with one array of 15 strings per item, a RequestRow
+--   (pipeline/store/rows.py) in its order: id, queue, pool, priority, deadline, timeout,
+--   payload, metadata, headers, endpoint, result_list, result_list_max, result_list_ttl,
+--   labels, custom_id. The deadline is Unix s by the server's clock, or '' (then the timeout
+--   counts from now); result_list '' for none (see lib.lua); custom_id '' outside a batch.
+--   (One argument instead of 15 per item: the client encodes it in one call.)
 -- The ordering key (score) is (9 - priority) x 1e13 + the deadline in ms: higher priority
 -- first, then earliest deadline; the member's sequence number breaks ties (submission order).
--- With ARGV[2] a batch id, the items are that batch's lines (pipeline/batch/): each item has a
--- 15th field, its custom_id, stored with the batch id in the record; the call covers the
+-- With ARGV[2] a batch id, the items are that batch's lines (pipeline/batch/): each item's
+-- custom_id is stored with the batch id in the record; the call covers the
 -- batch's input lines after ARGV[3] up to ARGV[4] (line numbers) and is fenced: it stores
 -- nothing and returns {'stopped', status} unless the batch is validating or in progress and
 -- not stopped, or {'fenced', lines covered so far} unless the batch has covered exactly ARGV[3]
