@@ -192,7 +192,10 @@ class ClusterCollector:
             "1 when the metric gate's last reading succeeded (0: fallback used).",
             labels=[*LABELS, "inference_pool"],
         )
-        for q, gate in list(metrics.budgets.values()):
+        gates: dict[str, Gate] = getattr(self.dispatcher, "gates", {})  # this node dispatches
+        for name, gate in list(gates.items()):
+            if (q := self.settings.queues.get(name)) is None:
+                continue  # a reload is binding the dispatcher's new settings
             labels = list(queue_labels(q))
             budget.add_metric(labels, gate.budget())
             for mg in _nested(gate):

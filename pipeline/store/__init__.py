@@ -5,7 +5,7 @@ they keep (:mod:`.state`). Imports only ``config`` and ``errors`` of the pipelin
 from . import sched
 from .connect import connect
 from .keys import Keys, celery_queue, holder
-from .sched import MergeArgs, PoolTickResult, QueueTick, QuotaSpec
+from .sched import MergeArgs, QueueTick, QuotaSpec
 from .scripts import ScriptCall, Scripts, run_batch
 from .server import ServerFacts, check_eviction, server_facts
 from .state import DirectPublish, Dispatched, Mirror, Store, TickResult, new_token
@@ -16,7 +16,6 @@ __all__ = [
     "Keys",
     "MergeArgs",
     "Mirror",
-    "PoolTickResult",
     "QueueTick",
     "QuotaSpec",
     "ScriptCall",

@@ -12,7 +12,7 @@ dispatch tick itself, a chunk at a time). :func:`teardown` turns indexing off ag
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -87,14 +87,6 @@ class MergeArgs:
     policy: str = "random-robin"
     max_wait: int = 15
     lookahead: int = 0  # most quota look-ahead attempts per tick
-
-
-@dataclass(frozen=True)
-class PoolTickResult:
-    moved: list[Any]  # Dispatched
-    expired: dict[str, int]
-    next_event: float | None
-    rejected: dict[str, list[str]] = field(default_factory=dict)
 
 
 def index_attribute(attribute: str) -> str:

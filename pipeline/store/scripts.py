@@ -201,19 +201,15 @@ class ScriptCall:
 
 def run_batch(client: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     """Script calls in one round trip, run in order (each atomic, not all together): their
-    replies, or in a failed call's place the error it raised. A call whose script the server
-    lost (NOSCRIPT) did not run; it is run again on its own, which loads the script. A call
-    that waits for replicas runs after the others, with its WAIT."""
+    replies, or in a failed call's place the error it raised. A call that did not run in the
+    batch (the connection failed, or the server lost its script) is run again on its own,
+    which reconnects and loads the script. A call that waits for replicas runs after the
+    others, with its WAIT."""
     batched = [c for c in calls if c.script.replication is None]
     replies = ThreadConnection.of(client).execute(
         [c.script.command(c.keys, c.args) for c in batched]
     )
-    if replies is None:  # the connection failed: redis-py's path (reconnects, retries)
-        with client.pipeline(transaction=False) as pipe:
-            for c in batched:
-                pipe.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
-            replies = pipe.execute(raise_on_error=False)
-    got = iter(replies)
+    got = iter(replies if replies is not None else [NoScriptError()] * len(batched))
     out: list[Any] = []
     for call in calls:
         reply = next(got) if call.script.replication is None else NoScriptError()
