@@ -1,13 +1,8 @@
 """Scheduling data for a pool's dispatch tick (``lua/dispatch.lua``) and the set-up of indexed
-queues (``lua/sched.lua``: tenant sub-queues for fair share and quota-aware dispatch).
-
-A queue is *indexed* while its ``Keys.sched`` hash exists. The dispatchers serving a queue's
-pool write it at start (:func:`setup`) when the queue has ``fair_share`` or a blocking per-key
-concurrency quota in its gates, and every script that adds or removes a waiting request keeps
-the sub-queues in step from then on (submit, requeue, reap, cancel, expiry, dispatch). Requests
-already waiting are indexed by :func:`setup` (and, should a writer ever skip the index, by the
-dispatch tick itself, a chunk at a time). :func:`teardown` turns indexing off again.
-"""
+queues (``lua/sched.lua``: tenant sub-queues for fair share and quota-aware dispatch; see
+docs/scheduling.md). A queue is indexed while its ``Keys.sched`` hash exists: its dispatchers
+write it at start (:func:`setup`), and every script that adds or removes a waiting request
+keeps the sub-queues in step from then on."""
 
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
-"""The Lua scripts (``lua/*.lua``) and how they are called.
-
-Every script runs with ``EVALSHA`` (the same code on every Redis the pipeline supports, 6.2
-and later), its text from :func:`~.luatext.source`. :func:`run_batch` sends several calls in
-one round trip.
-
-A call goes over a connection of the calling thread's own, as one packed write and one read:
-redis-py's per-command path cost the worker CPU and the pipeline throughput
-(``bench/overhead.py``; docs/internals.md, "Script calls"). When that connection fails, or the
-server lost the script (NOSCRIPT), the call takes redis-py's own path, which reconnects with
-the client's retries and loads the script.
-
-With ``PIPELINE_REDIS_MIN_REPLICAS``, a script whose writes must survive a failover is
-followed by ``WAIT`` in the same write, on the same connection (WAIT counts the replicas that
-have everything its connection wrote): see :func:`replication`.
-"""
+"""The Lua scripts (``lua/*.lua``, text from :func:`~.luatext.source`) and how they are called:
+``EVALSHA`` over a connection of the calling thread's own, one packed write and one read
+(``bench/overhead.py``; docs/internals.md, "Script calls"), else redis-py's own path (it
+reconnects and loads the script); ``WAIT`` for replicas in the same write (docs/production.md,
+"Waiting for replicas")."""
 
 from __future__ import annotations
 
@@ -51,11 +40,8 @@ class Replication:
 
 def replication(name: str, replicas: int, timeout_ms: int) -> Replication | None:
     """How script ``name`` waits for replicas: ``submit`` raises when they do not confirm in
-    time (the caller must know an acknowledged request may be lost); the scripts that write
-    terminal results — ``finish``, ``cancel`` and a dispatch tick (it expires and rejects
-    waiting requests) — wait and log a warning (the result stands on the master). Requeues
-    and starts are not waited for: lost in a failover, the request's lease lapses and it runs
-    again, fenced by its token."""
+    time; the terminal writes (``finish``, ``cancel``, a dispatch tick) log a warning; the
+    rest does not wait (a lost requeue or start comes back when its lease lapses)."""
     if replicas <= 0:
         return None
     if name == "submit":

@@ -149,11 +149,9 @@ class Store:
 
     # -- submit --------------------------------------------------------------------------
     def submit(self, rows: list[list[str]]) -> list[Any]:
-        """Store a batch of rows (see submit.lua for the 14 string fields) in chunks, each sent
-        as one JSON argument in one round trip. Returns 1 per created request, or the state of
-        the live duplicate. The first chunk is small and each next one twice as large, up to
-        500 rows: the dispatcher starts on the head of a large batch within a millisecond of
-        Redis time, and no chunk holds Redis (single-threaded) for long while it does."""
+        """Store a batch of rows (see submit.lua for the fields) in growing chunks, one round
+        trip each (docs/internals.md, "submit_many in growing chunks"). Returns 1 per created
+        request, or the state of the live duplicate."""
         out: list[Any] = []
         i, size = 0, SUBMIT_FIRST_CHUNK
         while i < len(rows):
@@ -220,13 +218,11 @@ class Store:
         block: float | None = None,
     ) -> TickResult:
         """One dispatch tick of a worker pool (``dispatch.lua``, one atomic step): sweep each
-        queue (due retries back, expired waiting requests resulted), then dispatch while the
-        pool has a free slot, the merge policy choosing among the queues with room and
-        something to send. With ``publish`` the script also pushes the moved requests' Celery
-        messages; with ``doorbell`` it first empties that list (the rings this tick answers).
-        ``block`` (s, with ``doorbell``): the tick runs once the doorbell rings or ``block``
-        passed, sent with its wait in one round trip (``BLPOP`` then the script, on the calling
-        thread's connection: the server runs the script as soon as the wait ends)."""
+        queue, then dispatch while the pool has a free slot, the merge policy choosing among
+        the queues. ``publish``: the script also pushes the Celery messages; ``doorbell``: it
+        first empties that list; ``block`` (s, with ``doorbell``): the tick waits for a ring
+        (``BLPOP``) sent in the same write (docs/internals.md, "Wait and tick in one round
+        trip")."""
         keys, args = sched.tick_args(
             self.keys,
             pool,
@@ -501,11 +497,9 @@ class Store:
         return bool(res)
 
     def cancel_asked(self, request_id: str, token: str) -> str | None:
-        """Was the request cancelled (itself, or its batch) while this attempt was parked at
-        its worker for a gate slot? The reason (``cancelled``, ``batch cancelled``), else None
-        (also when the attempt was fenced off: its finish finds that out). One round trip,
-        asked only by a parked attempt that a cancel notice named or whose park timed out
-        (``cancel_asked.lua``)."""
+        """Was the request (or its batch) cancelled while this attempt was parked at its
+        worker? The reason (``cancelled``, ``batch cancelled``), else None (also when fenced
+        off: its finish finds that out)."""
         res = self.scripts.cancel_asked(
             keys=[self.keys.request(request_id), *self.keys.families], args=[token]
         )
