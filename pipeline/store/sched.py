@@ -84,10 +84,6 @@ class MergeArgs:
     lookahead: int = 0  # most quota look-ahead attempts per tick
 
 
-def index_attribute(attribute: str) -> str:
-    return attribute.removeprefix("metadata.")
-
-
 def setup(
     client: redis.Redis,
     scripts: Scripts,
@@ -102,7 +98,7 @@ def setup(
     queue indexed with another attribute is re-indexed from scratch."""
     conf = keys.sched(queue)
     current = client.hmget(conf, "attr", "fair")
-    attr = index_attribute(attribute)
+    attr = attribute.removeprefix("metadata.")
     if current[0] is not None and (_text(current[0]) != attr or _text(current[1]) != _flag(fair)):
         teardown(client, keys, queue)
     client.hset(conf, mapping={"attr": attr, "fair": _flag(fair), "pool": pool})
