@@ -23,6 +23,7 @@ import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from threading import current_thread
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -177,10 +178,8 @@ def _on_loop(fn: _Method[_P, _T]) -> _Method[_P, _T]:
     @functools.wraps(fn)
     def method(self: SimServer, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         loop, thread = self._loop, self._thread
-        if loop is None or thread is None or not thread.is_alive():
-            return fn(self, *args, **kwargs)
-        if thread is threading.current_thread():
-            return fn(self, *args, **kwargs)
+        if loop is None or thread is None or not thread.is_alive() or thread is current_thread():
+            return fn(self, *args, **kwargs)  # not serving, or already on the loop
 
         async def run() -> _T:
             return fn(self, *args, **kwargs)
