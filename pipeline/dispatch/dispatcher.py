@@ -100,12 +100,10 @@ class Dispatcher:
                     gates[name] = kept
                 else:
                     gates[name] = attempt_gate(settings, name, self._env, pool_gates)
-                metrics.dispatch_budget(q, gates[name])
         for name, gate in self.gates.items():
             if gates.get(name) is not gate:
                 self.retired.append(gate)
             if name not in gates:
-                metrics.forget_queue(name)
                 self.full_since.pop(name, None)
         self.settings, self.pools, self.gates = settings, pools, gates
         self.specs = {
@@ -242,7 +240,7 @@ class Dispatcher:
                 due = now + MAX_IDLE_S
                 for q in self.foreign:
                     res = self.store.tick(q, [q], 0.0, 0, 0)
-                    metrics.deadline_expired(q, res.expired)
+                    metrics.deadline_expired(q, res.expired[q.queue_name])
                     if res.next_event is not None:
                         due = min(due, now + res.next_event)
                 self._foreign_due = due

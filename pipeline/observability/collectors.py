@@ -13,6 +13,7 @@ from prometheus_client.utils import floatToGoString
 
 from ..config import Settings
 from ..gates import Gate, GateEnv, pool_gate, queue_gate
+from ..gates.base import walk
 from ..gates.leased_rate import RedisLeasedRateGate
 from ..gates.metric import MetricGate
 from ..store import Store
@@ -21,12 +22,6 @@ from . import metrics
 from .metrics import LABELS, PREFIX, PROXIMITY_BUCKETS_MS, queue_labels
 
 log = logging.getLogger("pipeline.metrics")
-
-
-def _nested(gate: Gate) -> Iterator[Gate]:
-    yield gate
-    for part in gate.parts():
-        yield from _nested(part)
 
 
 class ClusterCollector:
@@ -65,7 +60,7 @@ class ClusterCollector:
         """The planner's lease of every ``redis-leased-rate`` gate, read from Redis now."""
         by_pool: dict[str, RedisLeasedRateGate] = {}
         for _, gate in self.gates:
-            for g in _nested(gate):
+            for g in walk(gate):
                 if isinstance(g, RedisLeasedRateGate):
                     by_pool.setdefault(g.pool_id, g)
         if not by_pool:
@@ -192,10 +187,13 @@ class ClusterCollector:
             "1 when the metric gate's last reading succeeded (0: fallback used).",
             labels=[*LABELS, "inference_pool"],
         )
-        for q, gate in list(metrics.budgets.values()):
+        gates: dict[str, Gate] = getattr(self.dispatcher, "gates", {})  # this node dispatches
+        for name, gate in list(gates.items()):
+            if (q := self.settings.queues.get(name)) is None:
+                continue  # a reload is binding the dispatcher's new settings
             labels = list(queue_labels(q))
             budget.add_metric(labels, gate.budget())
-            for mg in _nested(gate):
+            for mg in walk(gate):
                 if not isinstance(mg, MetricGate) or mg.threshold is None:
                     continue
                 pool = str(mg.params.get("pool", "") or "")

@@ -13,7 +13,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import redis
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from ..config import Settings
@@ -36,11 +36,10 @@ class NodeServer:
         host: str,
         port: int,
         *,
-        registry: CollectorRegistry | None = None,
+        dispatcher: Any = None,
         checks: list[ReadyCheck] | None = None,
     ) -> None:
         self.settings = settings
-        self.registry = registry or scrape_registry(settings)
         self.checks = list(checks or [])
         self.stopping = threading.Event()
         self._redis = connect(
@@ -49,7 +48,7 @@ class NodeServer:
             timeout=PING_TIMEOUT_S,
             decode_responses=False,
         )
-        self._metrics = make_wsgi_app(self.registry)
+        self._metrics = make_wsgi_app(scrape_registry(settings, dispatcher))
         self.httpd = make_server(host, port, self._app, ThreadingWSGIServer, _LogHandler)
         self._thread: threading.Thread | None = None
 
@@ -150,7 +149,7 @@ def start_node(worker: Any, dispatcher: Any, settings: Settings) -> NodeServer |
             settings,
             host,
             port,
-            registry=scrape_registry(settings, dispatcher),
+            dispatcher=dispatcher,
             checks=[lambda: _dispatching(dispatcher), lambda: _consuming(worker)],
         ).start()
     except OSError as exc:

@@ -18,7 +18,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mult
 from prometheus_client import values as prom_values
 
 from ..config import QueueConfig
-from ..gates import Gate
 from . import tracing
 
 log = logging.getLogger("pipeline.metrics")
@@ -228,14 +227,6 @@ def prune_dead(path: str) -> None:
 
 
 # -- hooks in the dispatcher (worker main process) -------------------------------------------
-budgets: dict[str, tuple[QueueConfig, Gate]] = {}  # queue name -> (queue, gate) dispatched here
-
-
-def dispatch_budget(q: QueueConfig, gate: Gate) -> None:
-    """This node dispatches ``q`` through ``gate`` (whose budget a scrape reads)."""
-    budgets[q.queue_name] = (q, gate)
-
-
 def deadline_expired(q: QueueConfig, n: int) -> None:
     """``n`` waiting requests of ``q`` reached their deadline (DEADLINE_EXCEEDED results)."""
     if n > 0:
@@ -256,11 +247,6 @@ def config_applied(at: float, reload: bool) -> None:
 def config_rejected() -> None:
     """A reload was rejected (the old config stays)."""
     series().config_reloads.labels("error").inc()
-
-
-def forget_queue(name: str) -> None:
-    """A queue left this node's config: stop reporting its dispatch budget."""
-    budgets.pop(name, None)
 
 
 def lease_reclaimed(q: QueueConfig, kind: str, n: int = 1) -> None:

@@ -23,6 +23,7 @@ import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from threading import current_thread
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -91,6 +92,13 @@ class _Fault:
     mode: str = "status"
     dropped_reason: str | None = None
 
+    def __post_init__(self) -> None:
+        """One check for faults set by header, API and ``POST /sim/faults``: ValueError."""
+        if self.mode not in FAULT_MODES:
+            raise ValueError(f"mode must be one of {FAULT_MODES}, not {self.mode!r}")
+        if self.dropped_reason is not None and any(c in self.dropped_reason for c in "\r\n\0"):
+            raise ValueError("a header value must not contain CR, LF or NUL")
+
 
 @dataclass(slots=True)
 class _Call:
@@ -152,13 +160,6 @@ def _fake_text(prompt: str, n: int) -> str:
     return "".join(" " + _VOCAB[(h + i * 7919) % len(_VOCAB)] for i in range(n))
 
 
-def _header_value(value: str) -> str:
-    """A value safe to echo in a response header (no CR, LF or NUL)."""
-    if any(c in value for c in "\r\n\0"):
-        raise ValueError("a header value must not contain CR, LF or NUL")
-    return value
-
-
 def _peer(addr: Any) -> _Peer:
     return (str(addr[0]), int(addr[1])) if addr else None
 
@@ -177,10 +178,8 @@ def _on_loop(fn: _Method[_P, _T]) -> _Method[_P, _T]:
     @functools.wraps(fn)
     def method(self: SimServer, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         loop, thread = self._loop, self._thread
-        if loop is None or thread is None or not thread.is_alive():
-            return fn(self, *args, **kwargs)
-        if thread is threading.current_thread():
-            return fn(self, *args, **kwargs)
+        if loop is None or thread is None or not thread.is_alive() or thread is current_thread():
+            return fn(self, *args, **kwargs)  # not serving, or already on the loop
 
         async def run() -> _T:
             return fn(self, *args, **kwargs)
@@ -345,11 +344,8 @@ class SimServer:
         dropped_reason: str | None = None,
     ) -> None:
         """Make the first ``fail_first`` attempts of ``request_id`` fail (``POST /sim/faults``)."""
-        if mode not in FAULT_MODES:
-            raise ValueError(f"mode must be one of {FAULT_MODES}, not {mode!r}")
-        dropped = None if dropped_reason is None else _header_value(dropped_reason)
         retry = None if retry_after is None else f"{retry_after:g}"
-        self._faults[request_id] = _Fault(fail_first, status, retry, mode, dropped)
+        self._faults[request_id] = _Fault(fail_first, status, retry, mode, dropped_reason)
 
     @_on_loop
     def release(self, name: str) -> int:
@@ -577,16 +573,13 @@ class SimServer:
             if "x-sim-latency-ms" in h:
                 call.latency_ms = float(h["x-sim-latency-ms"])
             if "x-sim-fail-first" in h:
-                dropped = h.get("x-sim-dropped-reason")
                 call.fault = _Fault(
                     int(h["x-sim-fail-first"]), int(h.get("x-sim-fail-status", "503")),
                     h.get("x-sim-retry-after"), h.get("x-sim-fail-mode", "status"),
-                    None if dropped is None else _header_value(dropped),
+                    h.get("x-sim-dropped-reason"),
                 )  # fmt: skip
         except ValueError as exc:
             raise _BadRequest(f"bad x-sim-* header: {exc}") from None
-        if call.fault is not None and call.fault.mode not in FAULT_MODES:
-            raise _BadRequest(f"x-sim-fail-mode must be one of {FAULT_MODES}")
 
     def _completion(self, call: _Call, completion: int) -> Response:
         """A 200 with ``completion`` tokens, counted; a prompt token is a word."""

@@ -6,7 +6,7 @@ from . import sched
 from .connect import connect
 from .keys import Keys, celery_queue, holder
 from .rows import RequestRow
-from .sched import MergeArgs, PoolTickResult, QueueTick, QuotaSpec
+from .sched import MergeArgs, QueueTick, QuotaSpec
 from .scripts import ScriptCall, Scripts, run_batch
 from .server import ServerFacts, check_eviction, server_facts
 from .state import DirectPublish, Dispatched, Mirror, Store, TickResult, new_token
@@ -17,7 +17,6 @@ __all__ = [
     "Keys",
     "MergeArgs",
     "Mirror",
-    "PoolTickResult",
     "QueueTick",
     "QuotaSpec",
     "RequestRow",

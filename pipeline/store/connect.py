@@ -1,14 +1,7 @@
-"""Connections to Redis: the one function everything that talks to Redis goes through (the
-store, the release bell's Pub/Sub, gates naming their own Redis, the health check, the CLI's
-reachability check).
-
-A ``redis://``, ``rediss://`` or ``unix://`` URL is one server. A ``sentinel://h1:26379;
-sentinel://h2:26379/0`` list (Celery's syntax, see :mod:`pipeline.config.redis_url`) is the
-master a group of sentinels monitors under ``sentinel_master``: each connection asks the
-sentinels for the current master when it connects, so after a failover a broken connection
-reconnects to the new master by itself (redis-py's ``SentinelConnectionPool``; a connection
-still open to a master that was demoted gets READONLY, drops and reconnects the same way).
-"""
+"""Connections to Redis: the one function everything that talks to Redis goes through. A
+``sentinel://`` list (Celery's syntax, :mod:`pipeline.config.redis_url`) is the master its
+sentinels monitor, asked for on every connect (redis-py's ``SentinelConnectionPool``), so a
+connection re-finds the master after a failover (docs/production.md, "Sentinel")."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""The events an attempt notes for its request's decision log (the record's field ``log``, what
-``pipeline explain`` shows), sent with the script call that ends the attempt (``finish.lua`` /
-``requeue.lua``) instead of a round trip of their own.
-
-An attempt knows no server time of its own, so each event carries its age (s, measured with
-this process's monotonic clock) and the script stamps it ``now - age`` by the Redis server's
-clock (lib.lua ``log_journal``). Text format: one event per line, ``<age>\\t<JSON object>``
-(JSON escapes tabs and newlines inside strings, so neither appears raw in an object).
+"""The events an attempt notes for its request's decision log, sent with the script call that
+ends the attempt (docs/internals.md, "The decision log"). Text format: one event per line,
+``<age in s>\\t<JSON object>``; the script stamps it ``now - age`` (lib.lua ``log_journal``).
 """
 
 from __future__ import annotations

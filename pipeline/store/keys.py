@@ -1,13 +1,8 @@
 """Every Redis key the pipeline uses, in one place (each structure is described in
-docs/internals.md, "Redis keys").
-
-All keys share one prefix (``PIPELINE_KEY_PREFIX``, default ``pl:``) so a deployment can share a
-Redis database with other software, and so tests can isolate themselves. The exceptions are
-named verbatim, as in the reference, so its producers and consumers keep working: a queue's
-*result list* when the queue config names one (``result_queue_name``), and for a queue that
-ingests the reference's wire format (``"ingest": "llm-d-async"``) its sorted set (the queue's
-name), the result lists its messages name, and the producer's ``request-active:<id>`` /
-``request-cancel:<id>`` (:func:`ref_active_key`, :func:`ref_cancel_key`) and payload keys.
+docs/internals.md, "Redis keys"). All share one prefix (``PIPELINE_KEY_PREFIX``, default
+``pl:``) but those the llm-d-async reference names verbatim (docs/llm-d-async.md): a queue's
+configured ``result_queue_name``, an ingesting queue's sorted set and result lists, and the
+producer's keys (:func:`ref_active_key`, :func:`ref_cancel_key`, payload keys).
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Scheduling data for a pool's dispatch tick (``lua/dispatch.lua``) and the set-up of indexed
-queues (``lua/sched.lua``: tenant sub-queues for fair share and quota-aware dispatch).
-
-A queue is *indexed* while its ``Keys.sched`` hash exists. The dispatchers serving a queue's
-pool write it at start (:func:`setup`) when the queue has ``fair_share`` or a blocking per-key
-concurrency quota in its gates, and every script that adds or removes a waiting request keeps
-the sub-queues in step from then on (submit, requeue, reap, cancel, expiry, dispatch). Requests
-already waiting are indexed by :func:`setup` (and, should a writer ever skip the index, by the
-dispatch tick itself, a chunk at a time). :func:`teardown` turns indexing off again.
-"""
+queues (``lua/sched.lua``: tenant sub-queues for fair share and quota-aware dispatch; see
+docs/scheduling.md). A queue is indexed while its ``Keys.sched`` hash exists: its dispatchers
+write it at start (:func:`setup`), and every script that adds or removes a waiting request
+keeps the sub-queues in step from then on."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -89,18 +84,6 @@ class MergeArgs:
     lookahead: int = 0  # most quota look-ahead attempts per tick
 
 
-@dataclass(frozen=True)
-class PoolTickResult:
-    moved: list[Any]  # Dispatched
-    expired: dict[str, int]
-    next_event: float | None
-    rejected: dict[str, list[str]] = field(default_factory=dict)
-
-
-def index_attribute(attribute: str) -> str:
-    return attribute.removeprefix("metadata.")
-
-
 def setup(
     client: redis.Redis,
     scripts: Scripts,
@@ -115,7 +98,7 @@ def setup(
     queue indexed with another attribute is re-indexed from scratch."""
     conf = keys.sched(queue)
     current = client.hmget(conf, "attr", "fair")
-    attr = index_attribute(attribute)
+    attr = attribute.removeprefix("metadata.")
     if current[0] is not None and (_text(current[0]) != attr or _text(current[1]) != _flag(fair)):
         teardown(client, keys, queue)
     client.hset(conf, mapping={"attr": attr, "fair": _flag(fair), "pool": pool})

@@ -1,19 +1,8 @@
-"""The Lua scripts (``lua/*.lua``) and how they are called.
-
-Every script runs with ``EVALSHA`` (the same code on every Redis the pipeline supports, 6.2
-and later), its text from :func:`~.luatext.source`. :func:`run_batch` sends several calls in
-one round trip.
-
-A call goes over a connection of the calling thread's own, as one packed write and one read:
-redis-py's per-command path cost the worker CPU and the pipeline throughput
-(``bench/overhead.py``; docs/internals.md, "Script calls"). When that connection fails, or the
-server lost the script (NOSCRIPT), the call takes redis-py's own path, which reconnects with
-the client's retries and loads the script.
-
-With ``PIPELINE_REDIS_MIN_REPLICAS``, a script whose writes must survive a failover is
-followed by ``WAIT`` in the same write, on the same connection (WAIT counts the replicas that
-have everything its connection wrote): see :func:`replication`.
-"""
+"""The Lua scripts (``lua/*.lua``, text from :func:`~.luatext.source`) and how they are called:
+``EVALSHA`` over a connection of the calling thread's own, one packed write and one read
+(``bench/overhead.py``; docs/internals.md, "Script calls"), else redis-py's own path (it
+reconnects and loads the script); ``WAIT`` for replicas in the same write (docs/production.md,
+"Waiting for replicas")."""
 
 from __future__ import annotations
 
@@ -51,11 +40,8 @@ class Replication:
 
 def replication(name: str, replicas: int, timeout_ms: int) -> Replication | None:
     """How script ``name`` waits for replicas: ``submit`` raises when they do not confirm in
-    time (the caller must know an acknowledged request may be lost); the scripts that write
-    terminal results — ``finish``, ``cancel`` and a dispatch tick (it expires and rejects
-    waiting requests) — wait and log a warning (the result stands on the master). Requeues
-    and starts are not waited for: lost in a failover, the request's lease lapses and it runs
-    again, fenced by its token."""
+    time; the terminal writes (``finish``, ``cancel``, a dispatch tick) log a warning; the
+    rest does not wait (a lost requeue or start comes back when its lease lapses)."""
     if replicas <= 0:
         return None
     if name == "submit":
@@ -201,19 +187,15 @@ class ScriptCall:
 
 def run_batch(client: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     """Script calls in one round trip, run in order (each atomic, not all together): their
-    replies, or in a failed call's place the error it raised. A call whose script the server
-    lost (NOSCRIPT) did not run; it is run again on its own, which loads the script. A call
-    that waits for replicas runs after the others, with its WAIT."""
+    replies, or in a failed call's place the error it raised. A call that did not run in the
+    batch (the connection failed, or the server lost its script) is run again on its own,
+    which reconnects and loads the script. A call that waits for replicas runs after the
+    others, with its WAIT."""
     batched = [c for c in calls if c.script.replication is None]
     replies = ThreadConnection.of(client).execute(
         [c.script.command(c.keys, c.args) for c in batched]
     )
-    if replies is None:  # the connection failed: redis-py's path (reconnects, retries)
-        with client.pipeline(transaction=False) as pipe:
-            for c in batched:
-                pipe.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
-            replies = pipe.execute(raise_on_error=False)
-    got = iter(replies)
+    got = iter(replies if replies is not None else [NoScriptError()] * len(batched))
     out: list[Any] = []
     for call in calls:
         reply = next(got) if call.script.replication is None else NoScriptError()

@@ -1,9 +1,6 @@
-"""What the pipeline needs to know of its Redis server's own settings: memory, the eviction
-policy and persistence (for ``pipeline status``), and whether it may evict keys (a worker
-refuses to start on such a Redis: an evicted lease, record or queue entry breaks a guarantee
-without any error; docs/production.md). ``INFO`` is read first — managed services that rename
-or disable ``CONFIG`` allow it — and ``CONFIG GET`` only for what ``INFO`` does not say.
-"""
+"""The Redis server's memory, eviction policy and persistence (``pipeline status``), and the
+worker's refusal of a Redis that may evict keys (docs/production.md, "No eviction"); ``INFO``
+first (managed services allow it), ``CONFIG GET`` only for what it does not say."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ import json
 import math
 import secrets
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
 
 import redis
 from redis.exceptions import NoScriptError
@@ -25,7 +25,7 @@ from .connect import connect
 from .journal import Journal, entry
 from .keys import Keys
 from .rows import RequestRow
-from .sched import MergeArgs, PoolTickResult, QueueTick, QuotaSpec
+from .sched import MergeArgs, QueueTick, QuotaSpec
 from .scripts import ScriptCall, Scripts, ThreadConnection
 
 SWEEP_LIMIT = 500
@@ -105,10 +105,26 @@ class Started:
 
 @dataclass(frozen=True)
 class TickResult:
+    """What a dispatch tick did, per queue by name (a queue without rejected members is not
+    in ``rejected``)."""
+
     moved: list[Dispatched]
-    expired: int
+    expired: dict[str, int]
     next_event: float | None  # s from now: the earliest due retry or waiting deadline
-    rejected: list[str]
+    rejected: dict[str, list[str]] = field(default_factory=dict)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _sent(make: Callable[_P, ScriptCall], read: Callable[[Any], _R]) -> Callable[_P, _R]:
+    """A method that sends the call ``make`` builds, now, and returns ``read(reply)``."""
+
+    def now(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return read(make(*args, **kwargs)())
+
+    return now
 
 
 class Store:
@@ -134,11 +150,9 @@ class Store:
 
     # -- submit --------------------------------------------------------------------------
     def submit(self, rows: Sequence[RequestRow]) -> list[Any]:
-        """Store a batch of rows (:class:`RequestRow`) in chunks, each sent
-        as one JSON argument in one round trip. Returns 1 per created request, or the state of
-        the live duplicate. The first chunk is small and each next one twice as large, up to
-        500 rows: the dispatcher starts on the head of a large batch within a millisecond of
-        Redis time, and no chunk holds Redis (single-threaded) for long while it does."""
+        """Store a batch of rows (:class:`RequestRow`) in growing chunks, one round trip each
+        (docs/internals.md, "submit_many in growing chunks"). Returns 1 per created request,
+        or the state of the live duplicate."""
         out: list[Any] = []
         i, size = 0, SUBMIT_FIRST_CHUNK
         while i < len(rows):
@@ -203,15 +217,13 @@ class Store:
         publish: DirectPublish | None = None,
         doorbell: str | None = None,
         block: float | None = None,
-    ) -> PoolTickResult:
+    ) -> TickResult:
         """One dispatch tick of a worker pool (``dispatch.lua``, one atomic step): sweep each
-        queue (due retries back, expired waiting requests resulted), then dispatch while the
-        pool has a free slot, the merge policy choosing among the queues with room and
-        something to send. With ``publish`` the script also pushes the moved requests' Celery
-        messages; with ``doorbell`` it first empties that list (the rings this tick answers).
-        ``block`` (s, with ``doorbell``): the tick runs once the doorbell rings or ``block``
-        passed, sent with its wait in one round trip (``BLPOP`` then the script, on the calling
-        thread's connection: the server runs the script as soon as the wait ends)."""
+        queue, then dispatch while the pool has a free slot, the merge policy choosing among
+        the queues. ``publish``: the script also pushes the Celery messages; ``doorbell``: it
+        first empties that list; ``block`` (s, with ``doorbell``): the tick waits for a ring
+        (``BLPOP``) sent in the same write (docs/internals.md, "Wait and tick in one round
+        trip")."""
         keys, args = sched.tick_args(
             self.keys,
             pool,
@@ -239,7 +251,7 @@ class Store:
             for i in range(0, len(moved_raw), 6)
         ]
         ne = float(next_event)
-        return PoolTickResult(
+        return TickResult(
             moved,
             {q.name: int(n) for q, n in zip(queues, expired, strict=True)},
             ne if ne >= 0 else None,
@@ -289,11 +301,9 @@ class Store:
             for q in pool_queues
             if q.queue_name != queue.queue_name
         ]
-        res = self.tick_pool(
+        return self.tick_pool(
             queue.worker_pool_id, entries, pool_cap, publish=publish, doorbell=doorbell
         )
-        name = queue.queue_name
-        return TickResult(res.moved, res.expired[name], res.next_event, res.rejected.get(name, []))
 
     def node_beat(
         self, node: str, slots: int, pools: list[str], ttl_s: float
@@ -310,12 +320,8 @@ class Store:
         return [(raw[i], raw[i + 1]) for i in range(0, len(raw), 2)]
 
     # -- attempts ------------------------------------------------------------------------
-    def start(self, request_id: str, token: str, queue: str, worker: str) -> Started | None:
-        """Begin an attempt; None when the message is stale (fenced off by its token)."""
-        return self.started(self.start_call(request_id, token, queue, worker)())
-
     def start_call(self, request_id: str, token: str, queue: str, worker: str) -> ScriptCall:
-        """:meth:`start` as a call to send in a batch; :meth:`started` reads its reply."""
+        """Begin an attempt, as a call to send in a batch; :meth:`started` reads its reply."""
         return ScriptCall(
             self.scripts.start,
             [self.keys.request(request_id), self.keys.active(queue)],
@@ -324,15 +330,11 @@ class Store:
 
     @staticmethod
     def started(reply: Any) -> Started | None:
+        """The started attempt, None when the message is stale (fenced off by its token)."""
         if int(reply[0]) != 1:
             return None
         it = iter(reply[2:])
         return Started(dict(zip(it, it, strict=True)), float(reply[1]), time.time())
-
-    def finish(self, request_id: str, token: str, **kw: Any) -> str | None:
-        """Write the terminal result of an attempt (:meth:`finish_call` sent now); None when
-        fenced off."""
-        return self.finished(self.finish_call(request_id, token, **kw)())
 
     def finish_call(
         self,
@@ -381,11 +383,6 @@ class Store:
         """The result JSON a finish call wrote, None when it was fenced off."""
         return reply or None
 
-    def requeue(self, request_id: str, token: str, **kw: Any) -> float | None:
-        """Give the request back to its queue (:meth:`requeue_call` sent now): the due time
-        (Unix s, server clock), None when fenced off."""
-        return self.requeued(self.requeue_call(request_id, token, **kw)())
-
     def requeue_call(
         self,
         request_id: str,
@@ -431,8 +428,13 @@ class Store:
 
     @staticmethod
     def requeued(reply: Any) -> float | None:
-        """The due time a requeue call set, None when it was fenced off."""
+        """The due time a requeue call set (Unix s, server clock), None when fenced off."""
         return float(reply) if reply else None
+
+    # each call sent now, alone, its reply read (typed as the ``*_call`` it sends)
+    start = _sent(start_call, started)
+    finish = _sent(finish_call, finished)
+    requeue = _sent(requeue_call, requeued)
 
     def note(self, request_id: str, token: str, journal: Journal) -> bool:
         """Send a running attempt's journaled events to its request's decision log now (one
@@ -496,11 +498,9 @@ class Store:
         return bool(res)
 
     def cancel_asked(self, request_id: str, token: str) -> str | None:
-        """Was the request cancelled (itself, or its batch) while this attempt was parked at
-        its worker for a gate slot? The reason (``cancelled``, ``batch cancelled``), else None
-        (also when the attempt was fenced off: its finish finds that out). One round trip,
-        asked only by a parked attempt that a cancel notice named or whose park timed out
-        (``cancel_asked.lua``)."""
+        """Was the request (or its batch) cancelled while this attempt was parked at its
+        worker? The reason (``cancelled``, ``batch cancelled``), else None (also when fenced
+        off: its finish finds that out)."""
         res = self.scripts.cancel_asked(
             keys=[self.keys.request(request_id), *self.keys.families], args=[token]
         )

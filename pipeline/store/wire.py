@@ -15,11 +15,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..config.merge import HEADER_NAME
+
 KINDS = ("plain", "redis", "pubsub")
 DEFAULT_RESULT_LIST = "result-list"  # the reference's transport default
 MAX_ID_LENGTH = 256
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _PAYLOAD_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -61,7 +62,7 @@ def _str_map(value: Any, field: str, *, header: bool = False) -> dict[str, str]:
     for k, v in value.items():
         if not isinstance(v, str):
             raise _Bad(f"data.{field}[{k!r}] must be a string")
-        if header and (not _TOKEN.match(k) or any(c in v for c in "\r\n\0")):
+        if header and (not HEADER_NAME.match(k) or any(c in v for c in "\r\n\0")):
             raise _Bad(f"data.headers: {k!r} is not a valid HTTP header")
     return dict(value)
 

@@ -145,7 +145,9 @@ def test_a_batch_answers_in_order_with_errors_in_place(client: redis.Redis, key:
     assert int(client.get(key) or 0) == 4
 
 
-def test_a_batch_on_a_killed_connection_takes_redis_pys_path(client: redis.Redis, key: str) -> None:
+def test_a_batch_on_a_killed_connection_still_runs_each_call_in_order(
+    client: redis.Redis, key: str
+) -> None:
     echo = Script(client, ECHO)
     echo(keys=[key], args=["x"])
     client.client_kill_filter(_id=connection_id(client))

@@ -230,7 +230,7 @@ def test_a_dispatch_tick_waits_for_the_replicas(group: SentinelGroup, tmp_path: 
     p.store.tick(q, [q], 1.0, -1, 10)  # loads the script on this server
     before = wait_count(master)
     p.store.client.zadd(p.store.keys.pending("default"), {"garbage": 0})
-    assert p.store.tick(q, [q], 1.0, -1, 10).rejected == ["garbage"]
+    assert p.store.tick(q, [q], 1.0, -1, 10).rejected == {"default": ["garbage"]}
     assert wait_count(master) == before + 1
 
 
