@@ -24,7 +24,6 @@ def _setup_logging(level: str = "INFO") -> None:
     if logs.log_format() == "json":
         logs.use_json(logging.getLogger())
         logging.captureWarnings(True)  # a warning too is a JSON line, not raw stderr text
-    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
