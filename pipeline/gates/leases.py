@@ -25,16 +25,18 @@ def split_holder(holder: str) -> tuple[str, str]:
     return (request_id, token) if request_id else (holder, "")
 
 
+def parse_info(info: str | None) -> dict[str, Any]:
+    """A holder's info entry (JSON), or {} when absent or corrupt."""
+    try:
+        data = json.loads(info) if info else {}
+    except json.JSONDecodeError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def holder_entry(holder: str, info: str | None, expiry: float, now: float) -> dict[str, Any]:
     """The public description of one reservation (see :meth:`Gate.holders`)."""
-    data: dict[str, Any] = {}
-    if info:
-        try:
-            parsed = json.loads(info)
-            if isinstance(parsed, dict):
-                data = parsed
-        except json.JSONDecodeError:
-            pass
+    data = parse_info(info)
     request_id, token = split_holder(holder)
     acquired = data.get("acquired_at")
     age = max(0.0, now - float(acquired)) if isinstance(acquired, int | float) else None

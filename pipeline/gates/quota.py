@@ -4,7 +4,6 @@ docs/scheduling.md."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -14,7 +13,7 @@ from ..store.keys import Keys
 from ..store.sched import QuotaSpec
 from ..store.scripts import ScriptCall
 from .base import CONTINUE, AcquireContext, Calls, Decision, Gate, GateEnv, Settles, Verdict
-from .leases import LeaseScripts, LeaseSet, SlotGate, holder_entry, register
+from .leases import LeaseScripts, LeaseSet, SlotGate, holder_entry, parse_info, register
 from .params import Params
 from .redis_budget import OnRedis
 from .tokens import DEFAULT_MAX_TOKENS, estimate_tokens
@@ -299,11 +298,5 @@ def _by_key(infos: Mapping[str, str]) -> dict[str, list[str]]:
 
 def _key_of(info: str | None) -> str | None:
     """The holders key recorded in a holder's index entry, or None when absent/corrupt."""
-    if not info:
-        return None
-    try:
-        data = json.loads(info)
-    except json.JSONDecodeError:
-        return None
-    key = data.get("key") if isinstance(data, dict) else None
+    key = parse_info(info).get("key")
     return key if isinstance(key, str) and key else None
