@@ -124,18 +124,22 @@ class MetricGate(Budgeted):
 
     def budget(self) -> float:
         """Free share in [0, 1] from the metric; the fallback when it cannot be read."""
-        threshold = self.threshold = self.closing_threshold()
-        cached = self.reading()
-        self.last_value = cached.value
-        self.source_available = cached.value is not None
-        self._transition(None if cached.value is not None else cached.error or "no value")
+        threshold = self.closing_threshold()
+        cached = self.observed(threshold)
         if cached.value is None:
             return min(1.0, max(0.0, self.fallback_budget()))
         return max(0.0, budget_above(cached.value, threshold))
 
-    def _transition(self, error: str | None) -> None:
+    def observed(self, threshold: float) -> _Reading:
+        """The cached reading, its value and ``threshold`` set as the gauges; a failure that
+        starts or ends is logged once."""
+        cached = self.reading()
+        self.threshold, self.last_value = threshold, cached.value
+        self.source_available = cached.value is not None
+        error = None if cached.value is not None else cached.error or "no value"
         effect = f"using fallback budget {self.fallback_budget():.3g}"
         self._last_error = note_problem(self, self._last_error, error, effect)
+        return cached
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -70,8 +70,9 @@ class Quota(OnRedis):
             raise RuntimeError(f"gate {self.name!r} is not bound to Redis (env is None)")
         return self.env.keys
 
-    def _over(self, wake: str | None = None) -> Decision:
-        """Over the limit: refuse (blocking; ``wake``: the key's bell), else Continue overflow."""
+    def _over(self, wake: str | None = None, retry_after: float | None = None) -> Decision:
+        """Over the limit: refuse (blocking; ``wake``: the key's bell; ask again after
+        ``retry_after``), else Continue overflow."""
         if self.gating_mode == "classifying":
             return OVERFLOW
         return Decision(
@@ -80,6 +81,7 @@ class Quota(OnRedis):
             labels=dict(OVERFLOW.labels),
             wake_on_release=wake is not None,
             wake_key=wake,
+            retry_after=retry_after,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -143,19 +145,12 @@ class TokenQuota(Quota, Settles):
         code, delay_ms, open_ = (int(x) for x in reply)
         if code in (1, 2):
             return RESERVED
-        if self.gating_mode == "classifying":
-            return OVERFLOW
-        if code == 3:
+        if code == 3 and self.gating_mode != "classifying":
             return self._too_big(estimate)
         delay = delay_ms / 1000.0
         if open_:  # charges in flight may settle lower and make room sooner: ask again then
             delay = min(delay, SETTLE_POLL_S)
-        return Decision(
-            Verdict.REFUSE,
-            reason="quota_exhausted",
-            labels=dict(OVERFLOW.labels),
-            retry_after=delay,
-        )
+        return self._over(retry_after=delay)
 
     def _too_big(self, estimate: int) -> Decision:
         return Decision(
