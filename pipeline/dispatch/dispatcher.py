@@ -11,6 +11,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 from redis.connection import AbstractConnection
 
@@ -369,7 +370,13 @@ class Dispatcher:
                 "reaped request %s attempt %s on %s (lease expired)", rid, token, q.queue_name
             )
             metrics.lease_reclaimed(q, "attempt")
-            self._trace_reenqueue(q, rid, token)
+            tracing.reenqueue_span(
+                rid,
+                token,
+                "lease expired",
+                queue_name=q.queue_name,
+                noted=partial(self.store.attempt_span, rid, token),
+            )
         for h in gate.reap():
             log.warning("gate %s freed expired reservation %s", q.queue_name, h)
             metrics.lease_reclaimed(q, "gate")
@@ -378,22 +385,6 @@ class Dispatcher:
             sched.recheck(self.store.scripts, self.keys, q.queue_name)
         self.check_wedge(q.queue_name, gate)
         return len(reaped)
-
-    def _trace_reenqueue(self, q: QueueConfig, request_id: str, token: str) -> None:
-        """A ``re-enqueue`` span for a reaped attempt, linked to its ``process-request`` span."""
-        if not tracing.enabled():
-            return
-        try:
-            traceparent = self.store.attempt_span(request_id, token)
-            tracing.reenqueue_span(
-                request_id,
-                token,
-                "lease expired",
-                queue_name=q.queue_name,
-                traceparent=traceparent,
-            )
-        except Exception as exc:  # noqa: BLE001 - observability never stops the reaper
-            log.warning("re-enqueue span of %s failed: %s", request_id, exc)
 
     def check_wedge(self, queue: str, gate: Gate) -> bool:
         """Wedged: requests wait, the gate is full and nothing finished for ``wedge_after_s``

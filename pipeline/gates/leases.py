@@ -1,16 +1,17 @@
-"""Lease-counted slot pools in Redis (``gate_lease_*.lua``), shared by the slot gates and the
-concurrency quota. Every expiry is judged by the Redis server's clock: a caller gives a lease
-as a duration, never as a time of its own clock."""
+"""Lease-counted slot pools in Redis (``gate_lease_*.lua``), and :class:`SlotGate`, what the slot
+gates and the concurrency quota share. Every expiry is judged by the Redis server's clock: a
+caller gives a lease as a duration, never as a time of its own clock."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import redis
 
 from ..store.scripts import ScriptCall, register
+from .base import CONTINUE, AcquireContext, Admission, Batched, Calls, Decision, HandsOver
 
 # A lease that expired this long ago (s) is purged by the next acquire (its holder is gone and
 # no reaper freed it), and a slot pool's keys expire this long after its latest lease.
@@ -24,16 +25,18 @@ def split_holder(holder: str) -> tuple[str, str]:
     return (request_id, token) if request_id else (holder, "")
 
 
+def parse_info(info: str | None) -> dict[str, Any]:
+    """A holder's info entry (JSON), or {} when absent or corrupt."""
+    try:
+        data = json.loads(info) if info else {}
+    except json.JSONDecodeError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def holder_entry(holder: str, info: str | None, expiry: float, now: float) -> dict[str, Any]:
     """The public description of one reservation (see :meth:`Gate.holders`)."""
-    data: dict[str, Any] = {}
-    if info:
-        try:
-            parsed = json.loads(info)
-            if isinstance(parsed, dict):
-                data = parsed
-        except json.JSONDecodeError:
-            pass
+    data = parse_info(info)
     request_id, token = split_holder(holder)
     acquired = data.get("acquired_at")
     age = max(0.0, now - float(acquired)) if isinstance(acquired, int | float) else None
@@ -130,3 +133,72 @@ class LeaseSet:
             holder_entry(str(reply[i]), reply[i + 2] or None, float(reply[i + 1]), now)
             for i in range(1, len(reply), 3)
         ]
+
+
+class SlotGate(Batched, HandsOver):
+    """A slot per holder in a lease-counted pool: the acquire, the start's acquire and the
+    hand-over, for the pool :meth:`_pool` picks for a request's metadata."""
+
+    limit: int
+    taken: Decision = CONTINUE  # the decision when a slot is taken
+    own_redis = False  # the pool is on a Redis of its own: its calls go alone, not batched
+
+    def _pool(self, metadata: Mapping[str, str]) -> tuple[LeaseSet, dict[str, Any]] | None:
+        """The pool a request with ``metadata`` takes its slot in, and the entry's fields
+        besides the worker; None: no slot to take (admitted)."""
+        raise NotImplementedError
+
+    def _refusal(self, metadata: Mapping[str, str]) -> Decision:
+        """The decision when the pool is full."""
+        raise NotImplementedError
+
+    def _prepares(self, tenant: Mapping[str, str]) -> bool:
+        """Whether the start's acquire takes the slot for the dispatcher's ``tenant``."""
+        return True
+
+    def _take(
+        self, holder: str, lease_s: float, metadata: Mapping[str, str], worker: str, giver: str = ""
+    ) -> ScriptCall | None:
+        got = self._pool(metadata)
+        if got is None:
+            return None
+        pool, info = got
+        info = {**info, "worker": worker, **({"handed_over_by": giver} if giver else {})}
+        return pool.acquire(holder, lease_s, self.limit, info, giver)
+
+    def _calls(self, call: ScriptCall, then: Callable[[Any], bool]) -> Calls[bool]:
+        """One call's step; run by ``then`` when the pool is on a Redis of its own."""
+        if self.own_redis:
+            return Calls((), lambda _: then(call()))
+        return Calls((call,), lambda replies: then(replies[0]))
+
+    def acquire(self, ctx: AcquireContext) -> Decision:
+        call = self._take(ctx.holder, ctx.lease_s, ctx.metadata, ctx.worker)
+        if call is None:
+            return CONTINUE
+        return self.taken if int(call()) else self._refusal(ctx.metadata)
+
+    def acquire_calls(
+        self,
+        holder: str,
+        worker: str,
+        lease_s: float,
+        tenant: Mapping[str, str],
+        behind: bool = False,
+    ) -> Calls[Admission] | None:
+        """The slot for the dispatcher's ``tenant``; with ``behind`` the pool is full."""
+        call = self._take(holder, lease_s, tenant, worker) if self._prepares(tenant) else None
+        if call is None:
+            return None
+        refused = self._refusal(tenant)
+        if behind:
+            return Calls((), lambda _: (refused, False))
+        if self.own_redis:
+            return None
+        return Calls((call,), lambda r: (self.taken if int(r[0]) else refused, int(r[0]) == 1))
+
+    def transfer_calls(self, giver: str, ctx: AcquireContext) -> Calls[bool]:
+        call = self._take(ctx.holder, ctx.lease_s, ctx.metadata, ctx.worker, giver)
+        if call is None:
+            return Calls((), lambda _: False)
+        return self._calls(call, lambda r: bool(int(r)))

@@ -1,5 +1,6 @@
 """``local-max-concurrency``: at most ``limit`` reservations at once per worker node, held in
-Redis so the limit spans a node's processes."""
+Redis so the limit spans a node's processes; ``global-max-concurrency``: the same slot pool, one
+for the whole cluster instead of one per node."""
 
 from __future__ import annotations
 
@@ -7,24 +8,14 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .base import (
-    CONTINUE,
-    AcquireContext,
-    Admission,
-    Batched,
-    Calls,
-    Decision,
-    GateEnv,
-    HandsOver,
-    Verdict,
-)
-from .leases import LeaseScripts, LeaseSet
+from .base import Calls, Decision, GateEnv, Verdict
+from .leases import LeaseScripts, LeaseSet, SlotGate
 from .params import Params
 
 log = logging.getLogger(__name__)
 
 
-class LocalMaxConcurrencyGate(Batched, HandsOver):
+class LocalMaxConcurrencyGate(SlotGate):
     type_name = "local-max-concurrency"
     per_node = True
 
@@ -84,23 +75,11 @@ class LocalMaxConcurrencyGate(Batched, HandsOver):
     def capacity(self) -> int:
         return self.limit
 
-    def acquire(self, ctx: AcquireContext) -> Decision:
-        calls = self.acquire_calls(ctx.holder, ctx.worker, ctx.lease_s, {})
-        assert calls is not None
-        return calls.run()[0]
+    def _pool(self, metadata: Mapping[str, str]) -> tuple[LeaseSet, dict[str, Any]]:
+        return self.slots, {}
 
-    def acquire_calls(
-        self,
-        holder: str,
-        worker: str,
-        lease_s: float,
-        tenant: Mapping[str, str],
-        behind: bool = False,
-    ) -> Calls[Admission] | None:
-        if behind:
-            return Calls((), lambda _: (self._full, False))
-        call = self.slots.acquire(holder, lease_s, self.limit, {"worker": worker})
-        return Calls((call,), lambda r: (CONTINUE if int(r[0]) else self._full, int(r[0]) == 1))
+    def _refusal(self, metadata: Mapping[str, str]) -> Decision:
+        return self._full
 
     def release(self, holder: str) -> bool:
         """Release wherever the holder is: normally this node's pool, but a reaper on another
@@ -115,11 +94,6 @@ class LocalMaxConcurrencyGate(Batched, HandsOver):
 
     def handover_bell(self, queue: str, metadata: Mapping[str, str]) -> str:
         return queue
-
-    def transfer_calls(self, giver: str, ctx: AcquireContext) -> Calls[bool]:
-        info = {"worker": ctx.worker, "handed_over_by": giver}
-        call = self.slots.acquire(ctx.holder, ctx.lease_s, self.limit, info, giver)
-        return Calls((call,), lambda r: bool(int(r[0])))
 
     def renew(self, holders: Iterable[str], lease_s: float) -> None:
         self.slots.renew(list(holders), lease_s)
@@ -142,3 +116,19 @@ class LocalMaxConcurrencyGate(Batched, HandsOver):
     def describe(self) -> dict[str, Any]:
         node = self.env.node if self.env is not None else None
         return {**super().describe(), "gating_mode": self.gating_mode, "node": node}
+
+
+class GlobalMaxConcurrencyGate(LocalMaxConcurrencyGate):
+    type_name = "global-max-concurrency"
+    per_node = False
+
+    def _node_slots(self, node: str) -> LeaseSet:
+        assert self.env is not None and self._scripts is not None
+        keys = self.env.keys
+        return LeaseSet(self._scripts, keys.gate_holders(self.name), keys.gate_info(self.name))
+
+    def _all_slots(self) -> list[LeaseSet]:
+        return [self.slots] if self.env is not None else []
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "node": None}

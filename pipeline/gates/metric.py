@@ -10,6 +10,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlencode, urlsplit
@@ -123,18 +124,22 @@ class MetricGate(Budgeted):
 
     def budget(self) -> float:
         """Free share in [0, 1] from the metric; the fallback when it cannot be read."""
-        threshold = self.threshold = self.closing_threshold()
-        cached = self.reading()
-        self.last_value = cached.value
-        self.source_available = cached.value is not None
-        self._transition(None if cached.value is not None else cached.error or "no value")
+        threshold = self.closing_threshold()
+        cached = self.observed(threshold)
         if cached.value is None:
             return min(1.0, max(0.0, self.fallback_budget()))
         return max(0.0, budget_above(cached.value, threshold))
 
-    def _transition(self, error: str | None) -> None:
+    def observed(self, threshold: float) -> _Reading:
+        """The cached reading, its value and ``threshold`` set as the gauges; a failure that
+        starts or ends is logged once."""
+        cached = self.reading()
+        self.threshold, self.last_value = threshold, cached.value
+        self.source_available = cached.value is not None
+        error = None if cached.value is not None else cached.error or "no value"
         effect = f"using fallback budget {self.fallback_budget():.3g}"
         self._last_error = note_problem(self, self._last_error, error, effect)
+        return cached
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -191,6 +196,20 @@ class PrometheusGate(MetricGate):
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise MetricUnavailable(f"{where}: malformed response ({exc!r})") from None
 
+    def first_sample(self, queries: Sequence[str]) -> tuple[int, float]:
+        """The first of ``queries`` with a sample: its index and value."""
+        problems = []
+        for i, promql in enumerate(queries):
+            try:
+                value = self.query(promql)
+            except MetricUnavailable as exc:
+                problems.append(f"[{i}] {exc}")
+                continue
+            if value is not None:
+                return i, value
+            problems.append(f"[{i}] no sample for {promql}")
+        raise MetricUnavailable("; ".join(problems))
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "url": redact_url(self.url)}
 
@@ -203,10 +222,7 @@ class PrometheusQueryGate(PrometheusGate):
         self.promql = self.p.get_str("query", required=True)
 
     def read(self) -> float:
-        value = self.query(self.promql)
-        if value is None:
-            raise MetricUnavailable(f"no sample for {self.promql}")
-        return value
+        return self.first_sample([self.promql])[1]
 
     def closing_threshold(self) -> float:
         return 0.0
@@ -236,13 +252,10 @@ class PrometheusSaturationGate(PrometheusGate):
 
     def read(self) -> float:
         """The current metric's value, else the old name's (an EPP of an older release)."""
-        for name, promql in zip(SATURATION_METRICS, self.queries, strict=True):
-            value = self.query(promql)
-            if value is not None:
-                self.source_metric = name
-                return value
         self.source_metric = None
-        raise MetricUnavailable(f"no sample for {' nor '.join(self.queries)}")
+        i, value = self.first_sample(self.queries)
+        self.source_metric = SATURATION_METRICS[i]
+        return value
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "source_metric": self.source_metric}
@@ -272,20 +285,9 @@ class PrometheusBudgetGate(PrometheusGate):
         )
 
     def read(self) -> float:
-        problems = []
-        for i, promql in enumerate(self.queries):
-            try:
-                value = self.query(promql)
-            except MetricUnavailable as exc:
-                problems.append(f"[{i}] {exc}")
-                continue
-            if value is None:
-                problems.append(f"[{i}] no sample")
-                continue
-            self.source_index = i
-            return value
         self.source_index = None
-        raise MetricUnavailable("; ".join(problems))
+        self.source_index, value = self.first_sample(self.queries)
+        return value
 
     def closing_threshold(self) -> float:
         return self.baseline

@@ -128,21 +128,15 @@ class Params:
 
     def get_str_map(self, key: str) -> dict[str, str]:
         """A label map: a JSON object, or a string holding one. Values become strings."""
-        value = self._json(key, self.raw(key))
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise self.error(key, "must be an object of label names to values")
+        value = self.get_object(key, "must be an object of label names to values")
         return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in value.items()}
 
-    def get_object(self, key: str) -> dict[str, Any]:
+    def get_object(self, key: str, problem: str = "must be an object") -> dict[str, Any]:
         """A JSON object, or a string holding one (``{}`` when absent)."""
         value = self._json(key, self.raw(key))
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise self.error(key, "must be an object")
-        return value
+        if value is not None and not isinstance(value, dict):
+            raise self.error(key, problem)
+        return value or {}
 
     def gate_config(self, key: str) -> tuple[str, dict[str, Any]]:
         """One nested ``{"gate_type": ..., "gate_params": {...}}`` (object or JSON string)."""

@@ -4,29 +4,16 @@ docs/scheduling.md."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, cast
 
 from ..store.keys import Keys
 from ..store.sched import QuotaSpec
 from ..store.scripts import ScriptCall
-from .base import (
-    CONTINUE,
-    AcquireContext,
-    Admission,
-    Batched,
-    Calls,
-    Decision,
-    Gate,
-    GateEnv,
-    HandsOver,
-    Settles,
-    Verdict,
-)
-from .leases import LeaseScripts, LeaseSet, holder_entry, register
+from .base import CONTINUE, AcquireContext, Calls, Decision, Gate, GateEnv, Settles, Verdict
+from .leases import LeaseScripts, LeaseSet, SlotGate, holder_entry, parse_info, register
 from .params import Params
 from .redis_budget import OnRedis
 from .tokens import DEFAULT_MAX_TOKENS, estimate_tokens
@@ -83,8 +70,9 @@ class Quota(OnRedis):
             raise RuntimeError(f"gate {self.name!r} is not bound to Redis (env is None)")
         return self.env.keys
 
-    def _over(self, wake: str | None = None) -> Decision:
-        """Over the limit: refuse (blocking; ``wake``: the key's bell), else Continue overflow."""
+    def _over(self, wake: str | None = None, retry_after: float | None = None) -> Decision:
+        """Over the limit: refuse (blocking; ``wake``: the key's bell; ask again after
+        ``retry_after``), else Continue overflow."""
         if self.gating_mode == "classifying":
             return OVERFLOW
         return Decision(
@@ -93,6 +81,7 @@ class Quota(OnRedis):
             labels=dict(OVERFLOW.labels),
             wake_on_release=wake is not None,
             wake_key=wake,
+            retry_after=retry_after,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -156,19 +145,12 @@ class TokenQuota(Quota, Settles):
         code, delay_ms, open_ = (int(x) for x in reply)
         if code in (1, 2):
             return RESERVED
-        if self.gating_mode == "classifying":
-            return OVERFLOW
-        if code == 3:
+        if code == 3 and self.gating_mode != "classifying":
             return self._too_big(estimate)
         delay = delay_ms / 1000.0
         if open_:  # charges in flight may settle lower and make room sooner: ask again then
             delay = min(delay, SETTLE_POLL_S)
-        return Decision(
-            Verdict.REFUSE,
-            reason="quota_exhausted",
-            labels=dict(OVERFLOW.labels),
-            retry_after=delay,
-        )
+        return self._over(retry_after=delay)
 
     def _too_big(self, estimate: int) -> Decision:
         return Decision(
@@ -197,15 +179,17 @@ class TokenQuota(Quota, Settles):
         return {**super().describe(), "default_max_tokens": self.default_max_tokens}
 
 
-class ConcurrencyQuota(Quota, Batched, HandsOver):
+class ConcurrencyQuota(Quota, SlotGate):
     """A slot per holder of a key. Blocking: one interchangeable slot of the key, handed over
     on the key's bell, counted by the dispatcher (:meth:`quota_specs`)."""
 
     mode = "concurrency"
+    taken = RESERVED
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
         self.blocking = self.gating_mode == "blocking"
+        self.own_redis = self.url is not None  # its calls cannot go with the pipeline's
         if self.client is not None:
             self._leases = LeaseScripts(self.client)
             self._release = register(self.client, "gate_quota_release")
@@ -219,63 +203,28 @@ class ConcurrencyQuota(Quota, Batched, HandsOver):
     def holders_key(self, value: str) -> str:
         return self._keys().gate_holders(self.quota_key(value))
 
-    def _calls(self, call: ScriptCall, then: Callable[[Any], bool]) -> Calls[bool]:
-        """One call's step; run by ``then`` when the quota has a Redis of its own (the call
-        cannot go with the pipeline's)."""
-        if self.url is not None:
-            return Calls((), lambda _: then(call()))
-        return Calls((call,), lambda replies: then(replies[0]))
+    def _pool(self, metadata: Mapping[str, str]) -> tuple[LeaseSet, dict[str, Any]] | None:
+        value = metadata.get(self.attribute)
+        if not value:
+            return None
+        key = self.holders_key(value)
+        return self._slots(key), {"key": key}
+
+    def _refusal(self, metadata: Mapping[str, str]) -> Decision:
+        return self._over(self.quota_key(metadata[self.attribute]))
+
+    def _prepares(self, tenant: Mapping[str, str]) -> bool:
+        return self.blocking
 
     def quota_specs(self) -> list[QuotaSpec]:
         if not self.blocking:
             return []
         return [QuotaSpec(self.quota_key(""), self.attribute, self.limit, local=self.url is None)]
 
-    def acquire(self, ctx: AcquireContext) -> Decision:
-        value = ctx.metadata.get(self.attribute)
-        if not value:
-            return CONTINUE
-        key = self.holders_key(value)
-        info = {"key": key, "worker": ctx.worker}
-        slot = self._slots(key).acquire(ctx.holder, ctx.lease_s, self.limit, info)
-        return RESERVED if int(slot()) else self._over(self.quota_key(value))
-
-    def acquire_calls(
-        self,
-        holder: str,
-        worker: str,
-        lease_s: float,
-        tenant: Mapping[str, str],
-        behind: bool = False,
-    ) -> Calls[Admission] | None:
-        """The key's slot, when the dispatcher named the tenant (``tenant``); with
-        ``behind`` the key's quota exhausted."""
-        value = tenant.get(self.attribute) if self.blocking else None
-        if not value:
-            return None
-        refused = self._over(self.quota_key(value))
-        if behind:
-            return Calls((), lambda _: (refused, False))
-        if self.url is not None:
-            return None
-        key = self.holders_key(value)
-        info = {"key": key, "worker": worker}
-        call = self._slots(key).acquire(holder, lease_s, self.limit, info)
-        return Calls((call,), lambda r: (RESERVED if int(r[0]) else refused, int(r[0]) == 1))
-
     def handover_bell(self, queue: str, metadata: Mapping[str, str]) -> str | None:
         """The holder's key: its slot goes to an attempt parked for the same key."""
         value = metadata.get(self.attribute) if self.blocking else None
         return self.quota_key(value) if value else None
-
-    def transfer_calls(self, giver: str, ctx: AcquireContext) -> Calls[bool]:
-        value = ctx.metadata.get(self.attribute)
-        if not value:
-            return Calls((), lambda _: False)
-        key = self.holders_key(value)
-        info = {"key": key, "worker": ctx.worker, "handed_over_by": giver}
-        call = self._slots(key).acquire(ctx.holder, ctx.lease_s, self.limit, info, giver)
-        return self._calls(call, lambda r: bool(int(r)))
 
     def release(self, holder: str) -> bool:
         """One round trip: the index entry names the holder's key (``gate_quota_release``)."""
@@ -344,11 +293,5 @@ def _by_key(infos: Mapping[str, str]) -> dict[str, list[str]]:
 
 def _key_of(info: str | None) -> str | None:
     """The holders key recorded in a holder's index entry, or None when absent/corrupt."""
-    if not info:
-        return None
-    try:
-        data = json.loads(info)
-    except json.JSONDecodeError:
-        return None
-    key = data.get("key") if isinstance(data, dict) else None
+    key = parse_info(info).get("key")
     return key if isinstance(key, str) and key else None

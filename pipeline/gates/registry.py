@@ -11,9 +11,8 @@ from ..config import Settings
 from ..errors import ConfigError
 from .base import Gate, GateEnv
 from .composite import CompositeGate, WaitOnRefuseGate
-from .global_ import GlobalMaxConcurrencyGate
 from .leased_rate import RedisLeasedRateGate
-from .local import LocalMaxConcurrencyGate
+from .local import GlobalMaxConcurrencyGate, LocalMaxConcurrencyGate
 from .metric import PrometheusBudgetGate, PrometheusQueryGate, PrometheusSaturationGate
 from .quota import Quota, redis_quota
 from .redis_budget import RedisBudgetGate

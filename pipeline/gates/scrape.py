@@ -104,11 +104,7 @@ class EndpointScrapeGate(MetricGate):
     def _claim(self, take: bool) -> bool:
         """Whether the current reading allows one more admission (``take``: count it); a new
         reading starts the count again. Sets the gauges (value = headroom, threshold 0)."""
-        reading = self.reading()
-        self.threshold = 0.0
-        self.last_value = reading.value
-        self.source_available = reading.value is not None
-        self._transition(reading.error)
+        reading = self.observed(0.0)
         if reading.value is None:
             return False
         with self._counted_lock:

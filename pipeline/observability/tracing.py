@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from importlib import import_module
 from typing import Any
@@ -229,10 +229,10 @@ def reenqueue_span(
     reason: str,
     *,
     queue_name: str = "",
-    traceparent: str | None = None,
+    noted: Callable[[], str | None] = lambda: None,
 ) -> None:
     """A ``re-enqueue`` span (a new trace): an attempt put back without finishing, linked to
-    its ``process-request`` span, remembered here or given as the ``traceparent`` in Redis."""
+    its ``process-request`` span, remembered here or ``noted()`` (its traceparent in Redis)."""
     t = tracer()
     if t is None:
         return
@@ -242,7 +242,12 @@ def reenqueue_span(
 
     with _lock:
         linked = _attempts.pop(f"{request_id}:{token}", None)
-    if linked is None and traceparent:
+    try:
+        traceparent = noted() if linked is None else None
+    except Exception as exc:  # noqa: BLE001 - observability never stops a requeue
+        log.warning("re-enqueue span of %s: its traceparent is unknown (%s)", request_id, exc)
+        traceparent = None
+    if traceparent:
         ctx = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
         found = trace.get_current_span(ctx).get_span_context()
         linked = found if found.is_valid else None

@@ -86,11 +86,15 @@ class ReleaseBell:
             if not self._waiters.get(name):
                 del self._gen[name]
 
-    def _pop_waiter(self, queue: str) -> Ticket | None:
+    def _pop_waiter(self, queue: str, ticket: Ticket | None = None) -> Ticket | None:
+        """Take ``ticket`` (None: the longest waiting one) out of ``queue``'s line."""
         waiters = self._waiters.get(queue)
         if not waiters:
             return None
-        ticket = waiters.popleft()
+        if ticket is None:
+            ticket = waiters.popleft()
+        else:
+            waiters.remove(ticket)
         if not waiters:
             del self._waiters[queue]
         return ticket
@@ -146,14 +150,11 @@ class ReleaseBell:
             while len(self._cancelled) > MAX_CANCELLED:
                 self._cancelled.popitem(last=False)
             wanted = set(ids)
-            for queue in list(self._waiters):
-                waiters = self._waiters[queue]
+            for queue, waiters in list(self._waiters.items()):
                 for ticket in [t for t in waiters if t.rid in wanted]:
-                    waiters.remove(ticket)
+                    self._pop_waiter(queue, ticket)
                     ticket.cancelled = True
                     ticket.fire()
-                if not waiters:
-                    del self._waiters[queue]
 
     def cancelled(self, rid: str) -> bool:
         """A cancel notice named ``rid`` lately (the attempt then asks Redis)."""
@@ -173,11 +174,6 @@ class ReleaseBell:
             pending.popleft()
             return True
 
-    def wait(self, queue: str, generation: int, timeout: float) -> bool:
-        """Block until ``queue`` rang after ``generation``, or ``timeout``; True if it rang."""
-        ticket = self.park(queue, generation, timeout)
-        return ticket is None or ticket.rang or ticket.granted
-
     def park(
         self,
         queue: str,
@@ -187,8 +183,9 @@ class ReleaseBell:
         gate: Any = None,
         rid: str | None = None,
     ) -> Ticket | None:
-        """Wait as :meth:`wait` does, the ticket offered a hand-over with ``ctx`` (of ``gate``)
-        and a cancel notice of ``rid``; None when it returned at once."""
+        """Block until ``queue`` rang after ``generation``, or ``timeout``; the ticket offered a
+        hand-over with ``ctx`` (of ``gate``) and a cancel notice of ``rid``. None: ``queue`` rang
+        already (or the bell closed), it returned at once."""
         if self.closed:
             return None
         self._listen()
@@ -201,10 +198,7 @@ class ReleaseBell:
         with self._lock:
             if not ticket.done:  # timed out, still in line
                 ticket.done = True
-                waiters = self._waiters[queue]
-                waiters.remove(ticket)
-                if not waiters:
-                    del self._waiters[queue]
+                self._pop_waiter(queue, ticket)
         return ticket
 
     def close(self) -> None:

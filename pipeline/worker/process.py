@@ -211,13 +211,13 @@ class Runtime:
                 reason,
                 "cancelled" if cancel else "requeued",
             )
-            if not cancel and tracing.enabled():
+            if not cancel:
                 tracing.reenqueue_span(
                     request_id,
                     token,
                     reason,
                     queue_name=queue,
-                    traceparent=self.store.attempt_span(request_id, token),
+                    noted=lambda: self.store.attempt_span(request_id, token),
                 )
 
     def _fail(self, request_id: str, token: str, code: str, message: str, error: str) -> bool:

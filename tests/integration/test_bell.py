@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from pipeline.cli.services import wait_until
-from pipeline.worker.bell import ReleaseBell
+from pipeline.worker.bell import ReleaseBell, Ticket
 
 
 @pytest.fixture
@@ -24,8 +24,13 @@ def bell(redis_url: str) -> Iterator[ReleaseBell]:
     b.stop()
 
 
+def rang(ticket: Ticket | None) -> bool:
+    """Whether a park ended by a ring (None: it returned at once, the bell had rung)."""
+    return ticket is None or ticket.rang or ticket.granted
+
+
 def waiter(bell: ReleaseBell, queue: str, gen: int, out: list[bool]) -> threading.Thread:
-    t = threading.Thread(target=lambda: out.append(bell.wait(queue, gen, 10.0)), daemon=True)
+    t = threading.Thread(target=lambda: out.append(rang(bell.park(queue, gen, 10.0))), daemon=True)
     t.start()
     return t
 
@@ -33,11 +38,11 @@ def waiter(bell: ReleaseBell, queue: str, gen: int, out: list[bool]) -> threadin
 def test_a_ring_before_the_wait_is_not_lost(bell: ReleaseBell) -> None:
     gen = bell.generation("q")  # read before asking the gate
     bell.ring("q")  # a release between the refusal and the wait
-    assert bell.wait("q", gen, 10.0) is True
+    assert rang(bell.park("q", gen, 10.0)) is True
 
 
 def test_a_wait_with_no_ring_times_out(bell: ReleaseBell) -> None:
-    assert bell.wait("q", bell.generation("q"), 0.05) is False
+    assert rang(bell.park("q", bell.generation("q"), 0.05)) is False
 
 
 def test_each_ring_wakes_one_waiter_of_its_queue(bell: ReleaseBell) -> None:
@@ -108,7 +113,7 @@ def test_closing_the_bell_wakes_every_waiter_for_good(bell: ReleaseBell) -> None
     wait_until(lambda: len(woke) == 3, 5, "every waiter woken")
     for t in threads:
         t.join(5)
-    assert bell.wait("a", bell.generation("a"), 10.0) is True  # returns at once from now on
+    assert rang(bell.park("a", bell.generation("a"), 10.0)) is True  # returns at once from now on
 
 
 def test_a_release_here_wakes_one_waiter_not_two_when_its_echo_arrives(
