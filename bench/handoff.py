@@ -1,5 +1,5 @@
 """Target 3, hand-off: the time from a gate slot's release to the next request's arrival at the
-simulator must be p50 <= 5 ms and p99 <= 50 ms (the reference polls every second).
+simulator must be p99 <= 5 ms (the reference polls every second).
 
 A queue with a ``local-max-concurrency`` gate (limit 1 by default) on one worker node, a
 backlog of requests, the simulator recording ``(arrival, finish)`` per answered request. With
@@ -103,7 +103,7 @@ def main() -> int:
     args = ap.parse_args()
     with bench_session(args.redis_url) as (rh, workdir):
         r = run(rh.url, workdir, args.limit, args.latency_ms, args.n)
-    ok = r["p50"] <= 5.0 and r["p99"] <= 50.0
+    ok = r["p99"] <= 5.0
     print(
         f"\nHand-off: limit {r['limit']}, simulator latency {r['latency_ms']:g} ms, {r['n']} "
         f"requests, one worker node (threads, 64 slots)"
@@ -136,7 +136,7 @@ def main() -> int:
             ],
         )
     )
-    print("target: p50 <= 5 ms and p99 <= 50 ms")
+    print("target: p99 <= 5 ms")
     return 0
 
 

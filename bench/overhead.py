@@ -1,5 +1,5 @@
 """Target 2, overhead: with a 0 ms simulator, 5,000 requests through the full pipeline
-(``submit_many``, sorted set, dispatcher, gate, fenced start, result) must reach >= 0.8 of plain
+(``submit_many``, sorted set, dispatcher, gate, fenced start, result) must reach >= 1.5x plain
 Celery's throughput with the same pool and slots, measured in the same run; Redis commands per
 request reported beside plain Celery's.
 
@@ -279,7 +279,7 @@ def main() -> int:
     )
     print(
         f"ratio pipeline / plain Celery (neither sends task events) = {ratio:.3f}  "
-        f"target >= 0.8  {verdict(ratio >= 0.8)}"
+        f"target >= 1.5  {verdict(ratio >= 1.5)}"
     )
     with_events = events_rate / plain_rate
     print(f"ratio with the pipeline's task events on (Flower watching) = {with_events:.3f}")
