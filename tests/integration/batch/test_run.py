@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pipeline.batch import Batches
 from pipeline.batch.ingest import RowBuilder, RowContext, input_lines, scan
 from pipeline.cli.services import wait_until
@@ -171,7 +173,8 @@ def test_ctrl_c_leaves_the_batch_running_and_says_how_to_reattach(
         args = ["run", str(path), "-o", str(tmp_path / "o.jsonl"), "--no-progress"]
         proc = subprocess.Popen(
             [sys.executable, "-m", "pipeline", *args, *(["--cancel-on-exit"] if cancel else [])],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**env, "PYTHONFAULTHANDLER": "1"}, cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
 
         def two_done(bid: str = bid) -> bool:
@@ -179,7 +182,12 @@ def test_ctrl_c_leaves_the_batch_running_and_says_how_to_reattach(
 
         wait_until(two_done, 30, "two lines done, one held")
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"pipeline run did not stop within 60 s of SIGINT:\n{err}")
         assert proc.returncode == 130, err
         if cancel:
             assert f"batch {bid} cancelled" in err
