@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import email.utils
 import random
+import re
 import time
+
+# delay-seconds, with the decimal fraction real proxies send (LiteLLM: 34.249831)
+_SECONDS = re.compile(r"[0-9]+(?:\.[0-9]+)?")
 
 
 def backoff_delay(
@@ -28,12 +32,12 @@ def backoff_delay(
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """Retry-After as seconds: an integer ≥ 0 or an HTTP date (a past date gives 0).
-    Returns None for a missing or invalid value."""
+    """Retry-After as seconds: a number ≥ 0 (a decimal fraction too, as the official OpenAI
+    client accepts) or an HTTP date (a past date gives 0). None when missing or invalid."""
     value = (value or "").strip()
     if not value:
         return None
-    if value.isdigit():
+    if _SECONDS.fullmatch(value):
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)

@@ -62,5 +62,13 @@ def test_parse_retry_after() -> None:
     now = 1_700_000_000.0
     assert parse_retry_after(email.utils.formatdate(now + 120, usegmt=True), now) == 120.0
     assert parse_retry_after(email.utils.formatdate(now - 120, usegmt=True), now) == 0.0
-    for bad in (None, "", "-1", "soon", "1.5"):
+    assert parse_retry_after("34.249831") == 34.249831  # as LiteLLM's proxy sends it
+    assert parse_retry_after(" 0.5 ") == 0.5
+    for bad in (None, "", "-1", "soon", "-0.5", ".5", "1.", "1e3", "inf", "nan", "1,5", "٣"):
         assert parse_retry_after(bad) is None
+
+
+@given(st.decimals(min_value=0, max_value=10**6, places=6, allow_nan=False, allow_infinity=False))
+def test_every_non_negative_decimal_is_read_as_its_seconds(value: object) -> None:
+    text = format(value, "f")
+    assert parse_retry_after(text) == float(text)
