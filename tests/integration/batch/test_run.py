@@ -149,6 +149,15 @@ def test_an_enqueue_cut_short_resumes_after_its_last_stored_line(
     assert [attempts[done.request_id(n)] for n in range(1, 301)] == [1] * 300
 
 
+# ``python -m pipeline`` with Ctrl-C's default handler: a test run started in the background
+# (``make test &``) ignores SIGINT, and a child inherits that, so Python would install no
+# KeyboardInterrupt handler and the command would never see the test's Ctrl-C.
+WITH_CTRL_C = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('pipeline', run_name='__main__', alter_sys=True)"
+)
+
+
 def test_ctrl_c_leaves_the_batch_running_and_says_how_to_reattach(
     tmp_path: Path, env: dict[str, str], served: Pipeline, sim: SimServer
 ) -> None:
@@ -172,7 +181,7 @@ def test_ctrl_c_leaves_the_batch_running_and_says_how_to_reattach(
         bid = content_batch_id(path)
         args = ["run", str(path), "-o", str(tmp_path / "o.jsonl"), "--no-progress"]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", *args, *(["--cancel-on-exit"] if cancel else [])],
+            [sys.executable, "-c", WITH_CTRL_C, *args, *(["--cancel-on-exit"] if cancel else [])],
             env={**env, "PYTHONFAULTHANDLER": "1"}, cwd=ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
