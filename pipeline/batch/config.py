@@ -8,14 +8,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..config import Settings
-from ..config.load import _float_env
+from ..config.load import float_env
 from ..errors import ConfigError
 
 DAY = 86400.0
 
 
 def _positive(env: Mapping[str, str], name: str, default: float) -> float:
-    value = _float_env(env, name, default)
+    value = float_env(env, name, default)
     if not value > 0:
         raise ConfigError(f"{name} must be > 0, not {env.get(name)!r}")
     return value

@@ -16,7 +16,7 @@ from ..config import QueueConfig, Settings, load_settings, with_overrides
 from ..errors import InvalidRequest, ReplicationError, UnknownRequest
 from ..gates import Gate, GateEnv, attempt_gate, check_gates, queue_gate
 from ..store import QuotaSpec, RequestRow, Store
-from ..store.wire import _CONTROL, _PAYLOAD_JSON, MAX_ID_LENGTH  # the same rules as the wire
+from ..store.wire import CONTROL_CHARS, MAX_ID_LENGTH, PAYLOAD_JSON  # the same rules as the wire
 from .explain import Explanation, build
 from .models import Result
 
@@ -53,7 +53,7 @@ def _check_payload(payload: Any, max_bytes: int) -> str:
     if not isinstance(payload, dict):
         raise InvalidRequest("payload", "must be a dict (the JSON body to send)")
     try:
-        body = _PAYLOAD_JSON.encode(payload)
+        body = PAYLOAD_JSON.encode(payload)
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidRequest("payload", f"not JSON-serialisable: {exc}") from None
     try:
@@ -70,7 +70,7 @@ def _check_id(rid: Any) -> str:
         return uuid.uuid4().hex
     if not isinstance(rid, str) or not rid or len(rid) > MAX_ID_LENGTH:
         raise InvalidRequest("id", f"must be a non-empty str of at most {MAX_ID_LENGTH} chars")
-    if _CONTROL.search(rid):
+    if CONTROL_CHARS.search(rid):
         raise InvalidRequest("id", "must not contain control characters")
     return rid
 

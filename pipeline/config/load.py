@@ -80,7 +80,8 @@ def read_queue_files(
     return queues, pools
 
 
-def _float_env(env: Mapping[str, str], name: str, default: float) -> float:
+def float_env(env: Mapping[str, str], name: str, default: float) -> float:
+    """``env[name]`` as a number (``default`` when unset or empty); a ConfigError names it."""
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -120,17 +121,17 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         key_prefix=env.get("PIPELINE_KEY_PREFIX") or "pl:",
         queues=queues,
         pool_configs=pools,
-        lease_s=_float_env(env, "PIPELINE_LEASE_S", 30.0),
-        dispatch_lease_s=_float_env(env, "PIPELINE_DISPATCH_LEASE_S", 120.0),
-        reaper_period_s=_float_env(env, "PIPELINE_REAPER_PERIOD_S", 5.0),
-        result_ttl_s=_float_env(env, "PIPELINE_RESULT_TTL_S", 7 * 24 * 3600.0),
-        max_payload_bytes=int(_float_env(env, "PIPELINE_MAX_PAYLOAD_BYTES", 1024 * 1024)),
-        gate_wait_timeout_s=_float_env(env, "PIPELINE_GATE_WAIT_TIMEOUT_S", 300.0),
+        lease_s=float_env(env, "PIPELINE_LEASE_S", 30.0),
+        dispatch_lease_s=float_env(env, "PIPELINE_DISPATCH_LEASE_S", 120.0),
+        reaper_period_s=float_env(env, "PIPELINE_REAPER_PERIOD_S", 5.0),
+        result_ttl_s=float_env(env, "PIPELINE_RESULT_TTL_S", 7 * 24 * 3600.0),
+        max_payload_bytes=int(float_env(env, "PIPELINE_MAX_PAYLOAD_BYTES", 1024 * 1024)),
+        gate_wait_timeout_s=float_env(env, "PIPELINE_GATE_WAIT_TIMEOUT_S", 300.0),
         fairness_attribute=attribute.removeprefix("metadata."),
         fairness_header=fairness_header,
         objective_header=objective_header,
-        wedge_after_s=_float_env(env, "PIPELINE_WEDGE_AFTER_S", 300.0),
-        park_s=_float_env(env, "PIPELINE_PARK_S", 10.0),
+        wedge_after_s=float_env(env, "PIPELINE_WEDGE_AFTER_S", 300.0),
+        park_s=float_env(env, "PIPELINE_PARK_S", 10.0),
         lookahead=_lookahead_env(env),
         direct_publish=bool_env(env, "PIPELINE_DIRECT_PUBLISH", True),
         broker_acks=bool_env(env, "PIPELINE_BROKER_ACKS", False),

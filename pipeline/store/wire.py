@@ -20,8 +20,8 @@ from ..config.merge import HEADER_NAME
 KINDS = ("plain", "redis", "pubsub")
 DEFAULT_RESULT_LIST = "result-list"  # the reference's transport default
 MAX_ID_LENGTH = 256
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_PAYLOAD_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+PAYLOAD_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -94,14 +94,14 @@ def _envelope(doc: Any, max_payload_bytes: int) -> Envelope:
     if payload is None and payload_ref:
         body = ""
     elif isinstance(payload, dict):
-        body = _PAYLOAD_JSON.encode(payload)
+        body = PAYLOAD_JSON.encode(payload)
         if len(body.encode("utf-8")) > max_payload_bytes:
             raise _Bad(f"data.payload is larger than max_payload_bytes ({max_payload_bytes})")
     else:
         raise _Bad("data.payload must be a JSON object")
     endpoint = _text(data.get("endpoint"), "data.endpoint")
     if endpoint and (
-        not endpoint.startswith("/") or "://" in endpoint or _CONTROL.search(endpoint)
+        not endpoint.startswith("/") or "://" in endpoint or CONTROL_CHARS.search(endpoint)
     ):
         raise _Bad("data.endpoint must be a URL path starting with '/'")
     result_list = _text(internal.get("result_queue_name"), "internal.result_queue_name")
@@ -123,7 +123,7 @@ def _envelope(doc: Any, max_payload_bytes: int) -> Envelope:
 def _id(value: Any) -> str:
     if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
         raise _Bad(f"data.id must be a non-empty string of at most {MAX_ID_LENGTH} characters")
-    if _CONTROL.search(value):
+    if CONTROL_CHARS.search(value):
         raise _Bad("data.id must not contain control characters")
     return value
 
