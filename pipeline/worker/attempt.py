@@ -410,6 +410,9 @@ class Attempt:
             self.rt.rng,
         )
         if delay is None:
+            if timeout < self.queue.request_timeout_s and outcome.category == "TIMEOUT":
+                # the deadline cut this attempt short: an earlier attempt's error says more
+                return self._expired(True, None if self.record.get("last_error") else outcome)
             return self._expired(True, outcome)
         last: dict[str, Any] | None = None
         if outcome.responded:

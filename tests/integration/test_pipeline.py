@@ -133,6 +133,20 @@ def test_transport_errors_retry_then_deadline_exceeded(served: Pipeline) -> None
     assert "timed out" in (res.error_message or "")
 
 
+def test_an_attempt_cut_short_by_the_deadline_keeps_the_error_before_it(
+    served: Pipeline, sim: SimServer
+) -> None:
+    """The first attempt's connection is dropped; the retry is held at the simulator until the
+    deadline cuts it off. The result names the dropped connection, not a time-out of 0.0 s."""
+    rid = uid()
+    sim.script_fault(rid, fail_first=1, mode="drop")
+    res = served.submit({"prompt": "x"}, id=rid, timeout=1.5, headers=held(rid)).result(15)
+    sim.release(rid)
+    assert res.error_code == "DEADLINE_EXCEEDED" and res.attempts == 2, res
+    assert (res.error_message or "").startswith("deadline exceeded (last error: "), res
+    assert "timed out" not in (res.error_message or ""), res
+
+
 def test_expiry_while_queued(pl: Pipeline, worker: Any, sim: SimServer) -> None:
     # nobody serves the "solo" pool: the request waits until its deadline passes
     req = pl.submit({"prompt": "x"}, id=uid(), queue="solo", timeout=0.5)
