@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,6 @@ from tests.observability import (
     isolated,
     scrape,
     series,
-    start_node,
     total,
     wait_ready,
 )
@@ -65,25 +64,6 @@ def wait_done(iso: Isolated, ids: list[str], timeout: float = 20.0) -> None:
 
 def scrape_all(ports: list[int]) -> Samples:
     return [s for p in ports for s in scrape(p)]
-
-
-@pytest.fixture
-def nodes(
-    start_worker: Callable[..., WorkerProc],
-) -> Iterator[Callable[..., tuple[WorkerProc, int]]]:
-    """Start worker nodes of an isolated pipeline (see ``start_node``); stopped at the end."""
-    started: list[WorkerProc] = []
-
-    def start(iso: Isolated, **kw: Any) -> tuple[WorkerProc, int]:
-        w, port = start_node(start_worker, iso, **kw)
-        started.append(w)
-        return w, port
-
-    yield start
-    for w in started:
-        w.proc.terminate()
-    for w in started:
-        w.stop()
 
 
 @pytest.fixture

@@ -38,8 +38,8 @@ from pipeline.gates import AcquireContext, same_attempt_gate
 from pipeline.sim import SimConfig, SimServer
 from pipeline.worker import Runtime
 from pipeline.worker.reservation import Reservation
-from tests.conftest import ROOT, WorkerProc, assert_idle, held, local_limit
-from tests.observability import FAST, Isolated, isolated, scrape, start_node, total
+from tests.conftest import ROOT, assert_idle, held, local_limit
+from tests.observability import FAST, Isolated, isolated, scrape, total
 
 
 def write_queues(iso: Isolated, entries: list[dict[str, Any]]) -> Pipeline:
@@ -68,22 +68,6 @@ def reload(iso: Isolated) -> subprocess.CompletedProcess[str]:
 
 def reloads(port: int, result: str) -> float:
     return total(scrape(port), "pipeline_queue_config_reloads_total", result=result)
-
-
-@pytest.fixture
-def nodes(
-    start_worker: Callable[..., WorkerProc],
-) -> Iterator[Callable[..., tuple[WorkerProc, int]]]:
-    started: list[WorkerProc] = []
-
-    def start(iso: Isolated, **kw: Any) -> tuple[WorkerProc, int]:
-        w, port = start_node(start_worker, iso, **kw)
-        started.append(w)
-        return w, port
-
-    yield start
-    for w in started:
-        w.stop()
 
 
 @pytest.fixture
