@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.batch.records import BatchRecords
 from pipeline.config import Settings
-from pipeline.store import Store, connect, sched
+from pipeline.store import RequestRow, Store, connect, sched
 from pipeline.store.journal import Journal
 from pipeline.store.keys import (
     REF_ACTIVE_PREFIX,
@@ -165,19 +165,33 @@ def store(redis_url: str) -> Iterator[Store]:
     client.close()
 
 
-def test_every_call_passes_the_keys_its_script_names(
-    store: Store, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    calls: list[tuple[str, int]] = []
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Every script call from here on: (script name, how many KEYS it was given)."""
+    seen: list[tuple[str, int]] = []
     command = Script.command
 
     def recording(self: Script, keys: Any, args: Any) -> tuple[Any, ...]:
-        calls.append((self.name, len(keys)))
+        seen.append((self.name, len(keys)))
         return command(self, keys, args)
 
     monkeypatch.setattr(Script, "command", recording)
-    row = ["r1", "q", "default", "5", "", "60", "{}", "{}", "{}", "", "", "0", "0", "{}"]
-    store.submit([row, ["r2", *row[1:]]])
+    return seen
+
+
+def assert_keys_as_headers_say(calls: list[tuple[str, int]], store: Store) -> None:
+    n = len(store.keys.families)
+    for name, passed in calls:
+        want = expected_keys(name, n)
+        if want is not None:
+            assert want[0] <= passed <= want[1], (name, passed, want)
+
+
+def test_every_call_passes_the_keys_its_script_names(
+    store: Store, calls: list[tuple[str, int]]
+) -> None:
+    row = RequestRow("r1", "q", "default", "5", "", "60", "{}", "{}", "{}", "", "", "0", "0", "{}")
+    store.submit([row, row._replace(id="r2")])
     store.renew([("r1", "tok", "q")])
     store.note("r1", "tok", _journal())
     store.start("r1", "tok", "q", "w")
@@ -191,11 +205,7 @@ def test_every_call_passes_the_keys_its_script_names(
     sched.recheck(store.scripts, store.keys, "q")
     assert {n for n, _ in calls} >= {"submit", "renew", "note", "start", "requeue", "finish"}
     assert {n for n, _ in calls} >= {"cancel", "cancel_asked", "explain", "reap", "sched_index"}
-    n = len(store.keys.families)
-    for name, passed in calls:
-        want = expected_keys(name, n)
-        if want is not None:
-            assert want[0] <= passed <= want[1], (name, passed, want)
+    assert_keys_as_headers_say(calls, store)
 
 
 def _journal() -> Journal:
@@ -205,16 +215,8 @@ def _journal() -> Journal:
 
 
 def test_every_batch_call_passes_the_keys_its_script_names(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+    store: Store, calls: list[tuple[str, int]]
 ) -> None:
-    calls: list[tuple[str, int]] = []
-    command = Script.command
-
-    def recording(self: Script, keys: Any, args: Any) -> tuple[Any, ...]:
-        calls.append((self.name, len(keys)))
-        return command(self, keys, args)
-
-    monkeypatch.setattr(Script, "command", recording)
     b = BatchRecords(store)
     b.create("b1", 60.0, 60.0, {"queue": "q"})
     b.start("b1", total=1, invalid=0, lines=1, model=None)
@@ -226,11 +228,7 @@ def test_every_batch_call_passes_the_keys_its_script_names(
     names = {n for n, _ in calls}
     assert names >= {"batch_create", "batch_start", "batch_results", "batch_cancel"}
     assert names >= {"batch_cancel_lines", "batch_lapse", "batch_finalized"}
-    n = len(store.keys.families)
-    for name, passed in calls:
-        want = expected_keys(name, n)
-        if want is not None:
-            assert want[0] <= passed <= want[1], (name, passed, want)
+    assert_keys_as_headers_say(calls, store)
 
 
 def test_headers_name_their_keys() -> None:
