@@ -44,10 +44,6 @@ def _str_map(value: Any, field: str, *, header: bool = False) -> dict[str, str]:
     return dict(value)
 
 
-def _json_map(value: dict[str, str]) -> str:
-    return json.dumps(value) if value else "{}"
-
-
 def _check_payload(payload: Any, max_bytes: int) -> str:
     """The payload as compact UTF-8 JSON text, or InvalidRequest("payload")."""
     if not isinstance(payload, dict):
@@ -156,13 +152,13 @@ class Pipeline:
             deadline=deadline,
             timeout=timeout,
             payload=body,
-            metadata=_json_map(metadata),
-            headers=_json_map(headers),
-            endpoint=endpoint or "",
+            metadata=json.dumps(metadata),
+            headers=json.dumps(headers),
+            endpoint=endpoint,
             result_list=result_list,
             result_list_max=result_list_max,
             result_list_ttl=result_list_ttl,
-            labels=_json_map(q.labels),
+            labels=json.dumps(q.labels),
         )
 
     # -- submit --------------------------------------------------------------------------
@@ -212,20 +208,16 @@ class Pipeline:
     def record(self, request_id: str) -> dict[str, Any]:
         return dict(self.store.record(request_id))
 
-    def result_if_done(self, request_id: str) -> Result | None:
-        state, result = self.store.client.hmget(
-            self.store.keys.request(request_id), ["state", "result"]
-        )
-        return _done(request_id, state, result)
-
     def wait(self, request_id: str, timeout: float | None = None) -> Result:
         """Block until the request's terminal result exists, woken by its notify list (only
         kept for a request a client waits for: see wait.lua)."""
         end = None if timeout is None else time.monotonic() + timeout
         notify = self.store.keys.notify(request_id)
-        state, raw = self.store.scripts.wait(keys=[self.store.keys.request(request_id)])
-        result = _done(request_id, state, raw)
-        while result is None:
+        key = self.store.keys.request(request_id)
+        state, raw = self.store.scripts.wait(keys=[key])
+        while state != "done" or not raw:
+            if state is None:
+                raise UnknownRequest(request_id)
             left = 1.0 if end is None else min(1.0, end - time.monotonic())
             if left <= 0:
                 raise TimeoutError(f"request {request_id} not done after {timeout} s")
@@ -235,8 +227,8 @@ class Pipeline:
             self.store.client.execute_command(
                 "BLMOVE", notify, notify, "RIGHT", "LEFT", max(left, 0.01)
             )
-            result = self.result_if_done(request_id)
-        return result
+            state, raw = self.store.client.hmget(key, ["state", "result"])
+        return Result.from_json(raw)
 
     def iter_results(
         self, ids: Iterable[str], poll_s: float = 0.05, on_poll: Callable[[], None] | None = None
@@ -393,11 +385,3 @@ def configure(settings: Settings | None = None, **overrides: Any) -> Pipeline:
     with _default_lock:
         _default = Pipeline(base)
         return _default
-
-
-def _done(request_id: str, state: Any, raw: Any) -> Result | None:
-    """The result of a request whose record read ``state`` / ``result`` (None while it is not
-    done); :class:`UnknownRequest` when there is no record."""
-    if state is None:
-        raise UnknownRequest(request_id)
-    return Result.from_json(raw) if state == "done" and raw else None
