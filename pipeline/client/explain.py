@@ -194,13 +194,11 @@ def build(request_id: str, raw: dict[str, Any], gate: dict[str, Any] | None) -> 
     workers: dict[tuple[str, str], str] = {}
     gate_info = None
     if gate is not None:
+        holds = False
         for h in gate.get("holders", []):
             if h.get("worker"):
                 workers[(str(h.get("request_id")), str(h.get("attempt")))] = str(h["worker"])
-        holds = any(
-            h.get("request_id") == request_id and h.get("attempt") == token
-            for h in gate.get("holders", [])
-        )
+            holds = holds or (h.get("request_id") == request_id and h.get("attempt") == token)
         gate_info = {
             "type": gate.get("type"),
             "in_flight": gate.get("in_flight"),
