@@ -24,7 +24,6 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from threading import current_thread
-from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import orjson
@@ -242,7 +241,7 @@ class SimServer:
     def __init__(self, config: SimConfig | None = None, host: str = "127.0.0.1", port: int = 0):
         self.config = config = config if config is not None else SimConfig()
         self.host = host
-        self._port = port
+        self.port = port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._clock: _Clock | None = None
@@ -284,12 +283,8 @@ class SimServer:
         self.reset()
 
     @property
-    def port(self) -> int:
-        return self._port
-
-    @property
     def url(self) -> str:
-        return f"{'https' if self.config.tls_cert_file else 'http'}://{self.host}:{self._port}"
+        return f"{'https' if self.config.tls_cert_file else 'http'}://{self.host}:{self.port}"
 
     # -- the control API (also over HTTP) ---------------------------------------------------
 
@@ -611,7 +606,7 @@ class SimServer:
         if self._thread is None:
             started = concurrent.futures.Future[None]()
             self._thread = threading.Thread(
-                target=self._main, args=(started,), name=f"sim-{self._port}", daemon=True
+                target=self._main, args=(started,), name=f"sim-{self.port}", daemon=True
             )
             self._thread.start()
             started.result(timeout=timeout_s)
@@ -626,9 +621,7 @@ class SimServer:
     def __enter__(self) -> SimServer:
         return self.start_in_thread()
 
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def _main(self, started: concurrent.futures.Future[None]) -> None:
@@ -646,7 +639,7 @@ class SimServer:
             loop.close()
             started.set_exception(exc)
             return
-        self._port = server.sockets[0].getsockname()[1]
+        self.port = server.sockets[0].getsockname()[1]
         started.set_result(None)
         try:
             loop.run_forever()
@@ -693,7 +686,7 @@ class SimServer:
         self._tasks = state.tasks
         return await asyncio.get_running_loop().create_server(
             lambda: Protocol(config=config, server_state=state, app_state={}),
-            self.host, self._port, ssl=config.ssl, backlog=1024,
+            self.host, self.port, ssl=config.ssl, backlog=1024,
         )  # fmt: skip
 
 
