@@ -55,12 +55,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from ..client import Pipeline
+    from ..client.api import SUBMIT_KEYS
 
-    kw: dict[str, Any] = {"queue": args.queue, "priority": args.priority}
-    for key in ("id", "deadline", "timeout", "endpoint", "metadata", "headers"):
-        if getattr(args, key) is not None:
-            kw[key] = getattr(args, key)
-    req = Pipeline().submit(args.payload, **kw)
+    # every submit argument is an option; one not given is None, which submit reads as absent
+    req = Pipeline().submit(args.payload, **{key: getattr(args, key) for key in SUBMIT_KEYS})
     print(req.id)
     if args.wait is not None:
         result = req.result(timeout=args.wait or None)

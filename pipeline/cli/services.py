@@ -34,11 +34,8 @@ def free_port() -> int:
 def redis_reachable(url: str, timeout: float = 1.0, sentinel_master: str | None = None) -> bool:
     """Whether the Redis at ``url`` (the master, for a ``sentinel://`` list) answers a PING."""
     try:
-        client = connect(url, sentinel_master=sentinel_master, timeout=timeout)
-        try:
+        with connect(url, sentinel_master=sentinel_master, timeout=timeout) as client:
             return bool(client.ping())
-        finally:
-            client.close()
     except (redis.RedisError, OSError, ValueError, PipelineError):
         return False
 
