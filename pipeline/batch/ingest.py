@@ -229,21 +229,15 @@ def invalid_record(err: LineError) -> bytes:
 
 
 def enqueue(
-    records: BatchRecords,
-    batch_id: str,
-    result: Scan,
-    renew: Callable[[], object] | None = None,
-) -> str:
-    """Store the spooled chunks in order. Returns ``done``, ``stopped:<status>`` (cancelled
-    or lapsed: it takes no more lines) or ``fenced`` (another enqueuer is ahead)."""
+    records: BatchRecords, batch_id: str, result: Scan, renew: Callable[[], object]
+) -> None:
+    """Store the spooled chunks in order; stop when the batch takes no more lines (cancelled
+    or lapsed) or another enqueuer is ahead (fenced: see submit.lua)."""
     for i, (after, upto, items) in enumerate(result.chunks_iter()):
         reply = records.submit_chunk(batch_id, after, upto, items)
-        if reply.stopped:
-            return f"stopped:{reply.status}"
-        if not reply.stored:
-            if reply.submitted >= upto:
-                continue  # this chunk was stored before (a resumed enqueue)
-            return "fenced"
-        if renew is not None and i % 20 == 19:
+        if reply and reply[0] == "fenced" and int(reply[1] or 0) >= upto:
+            continue  # this chunk was stored before (a resumed enqueue)
+        if reply and reply[0] in ("stopped", "fenced"):
+            return
+        if i % 20 == 19:
             renew()
-    return "done"

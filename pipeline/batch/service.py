@@ -268,8 +268,7 @@ class Batches:
         """Cancel (see :meth:`Batch.cancel`); a closed batch is returned unchanged.
         ``lines=False``: only mark it; the caller runs :meth:`cancel_lines` later."""
         self.get(batch_id, owner)
-        _, _, todo = self.records.cancel(batch_id)
-        if todo and lines:
+        if self.records.cancel(batch_id) and lines:
             self.cancel_lines(batch_id)
         return self.get(batch_id)
 

@@ -220,7 +220,7 @@ class Service:
 
     def ui_batches(self, request: Request) -> Response:
         data, _ = self.batches.list(limit=500, owner=self.owner(request))
-        now = self.batches.records.server_time()
+        now = self.files.now()
         return JSONResponse({"now": now, "data": [x.to_openai() for x in data]})
 
     def healthz(self, request: Request) -> Response:
