@@ -64,8 +64,7 @@ class Scan:
 
     def chunks_iter(self) -> Iterator[tuple[int, int, bytes]]:
         """The spooled chunks in order: (after line, up to line, submit.lua items)."""
-        if self.spool is None:
-            return
+        assert self.spool is not None, "a Scan without rows"
         self.spool.seek(0)
         for _ in range(self.chunks):
             after, upto, n = _HEAD.unpack(self.spool.read(_HEAD.size))

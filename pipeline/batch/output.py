@@ -3,7 +3,9 @@ shapes and error codes: docs/batches.md, "Errors and output lines") or ``pipelin
 
 from __future__ import annotations
 
+from contextlib import suppress
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import orjson
@@ -27,13 +29,10 @@ class LineResult:
     data: dict[str, Any] | None = None
     invalid: dict[str, Any] | None = None
     missing: str | None = None
-    _result: Result | None = None
 
-    @property
+    @cached_property
     def result(self) -> Result | None:
-        if self._result is None and self.data is not None:
-            self._result = Result.from_dict(self.data)
-        return self._result
+        return None if self.data is None else Result.from_dict(self.data)
 
     @property
     def ok(self) -> bool:
@@ -50,13 +49,6 @@ class LineResult:
         if self.missing == "batch_expired":
             return "DEADLINE_EXCEEDED", MESSAGES["batch_expired"]
         return "CANCELLED", MESSAGES["batch_cancelled"]
-
-
-def _body(payload: str) -> Any:
-    try:
-        return orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return payload  # not JSON: the text as it came
 
 
 def error_code(data: dict[str, Any], batch_status: str) -> str:
@@ -76,11 +68,10 @@ def openai_line(line: LineResult, batch_status: str) -> bytes:
     d = line.data
     status = d.get("status_code") if d is not None else None
     if d is not None and status:
-        out["response"] = {
-            "status_code": status,
-            "request_id": line.request_id,
-            "body": _body(d.get("payload", "")),
-        }
+        body = d.get("payload", "")  # the text as it came when it is not JSON
+        with suppress(orjson.JSONDecodeError):
+            body = orjson.loads(body)
+        out["response"] = {"status_code": status, "request_id": line.request_id, "body": body}
     else:
         out["response"] = None
     if line.ok:

@@ -113,10 +113,8 @@ class BatchRecords:
         n = 0
         ttl = int(self.store.settings.result_ttl_s)
         for first in range(1, submitted + 1, CANCEL_CHUNK):
-            ids = [
-                f"{batch_id}-{i}"
-                for i in range(first, min(submitted, first + CANCEL_CHUNK - 1) + 1)
-            ]
+            last = min(submitted, first + CANCEL_CHUNK - 1)
+            ids = [f"{batch_id}-{i}" for i in range(first, last + 1)]
             n += int(self._scripts["batch_cancel_lines"](keys=self.keys.families, args=[ttl, *ids]))
         self.client.hset(self.keys.batch(batch_id), "cancel_done", "1")
         return n

@@ -10,7 +10,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -225,15 +225,14 @@ class Run:
         default_err = out_path.with_name(out_path.stem + ".errors" + (out_path.suffix or ".jsonl"))
         err_path = Path(self.opts.error_output or default_err)
         ids = self.batches._input_custom_ids(self.batch)
-        with _atomic(out_path) as out, _atomic(err_path if openai else None) as err:
+        # without --format openai, every line goes to the output (no error file)
+        with _atomic(out_path) as out, _atomic(err_path) if openai else nullcontext(out) as err:
             for line in self.batches.lines(self.batch, ids):
                 summary.add(line)
-                if not openai:
-                    out.write(result_line(line))
-                elif line.ok:
-                    out.write(openai_line(line, final))
+                if openai:
+                    (out if line.ok else err).write(openai_line(line, final))
                 else:
-                    err.write(openai_line(line, final))
+                    out.write(result_line(line))
         summary.wall_s = time.time() - started
         return summary
 
@@ -247,13 +246,9 @@ class Run:
 
 
 @contextmanager
-def _atomic(path: Path | None) -> Iterator[IO[bytes]]:
+def _atomic(path: Path) -> Iterator[IO[bytes]]:
     """A file written under a temporary name and renamed into place if the block ends without
-    an error (``None``: a sink that keeps nothing)."""
-    if path is None:
-        with open(os.devnull, "wb") as null:
-            yield null
-        return
+    an error."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent.resolve()))
     try:
         with os.fdopen(fd, "wb") as fh:

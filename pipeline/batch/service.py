@@ -120,23 +120,23 @@ class Batches:
         """Check the batch's whole input and store its lines: a ``validating`` batch fails or
         starts; an ``in_progress`` one resumes after its last stored line. Under the batch's
         lease (another holder: nothing done). Returns the batch after."""
-        if not self.records.take_lease(batch.id, self.holder, self.settings.lease_s):
-            return self.get(batch.id)
-        try:
-            return self._ingest(batch, opener)
-        finally:
-            self.records.drop_lease(batch.id, self.holder)
+        if self.records.take_lease(batch.id, self.holder, self.settings.lease_s):
+            try:
+                self._ingest(batch.id, opener)
+            finally:
+                self.records.drop_lease(batch.id, self.holder)
+        return self.get(batch.id)
 
-    def _ingest(self, batch: Batch, opener: Opener) -> Batch:
-        rec = self.records.record(batch.id)
+    def _ingest(self, batch_id: str, opener: Opener) -> None:
+        rec = self.records.record(batch_id)
         status = rec.get("status")
         if status not in ("validating", "in_progress"):
-            return self.get(batch.id)
+            return
         resume_after = int(rec.get("submitted") or 0) if status == "in_progress" else 0
         if status == "in_progress" and resume_after >= int(rec.get("lines") or 0):
-            return self.get(batch.id)  # every line is stored
+            return  # every line is stored
         ctx = RowContext(
-            batch_id=batch.id,
+            batch_id=batch_id,
             queue=rec.get("queue", "default"),
             priority=int(rec.get("priority") or 0),
             deadline=float(rec["expires_at"]),
@@ -153,15 +153,13 @@ class Batches:
                 max_body_bytes=self.pipeline.settings.max_payload_bytes,
                 max_lines=self.settings.max_lines,
                 enqueue_after=resume_after,
-                renew=self._renewer(batch.id),
+                renew=self._renewer(batch_id),
             )
         try:
-            if status == "validating" and not self._start(batch.id, ctx, result):
-                return self.get(batch.id)
-            enqueue(self.records, batch.id, result, self._renewer(batch.id))
+            if status == "in_progress" or self._start(batch_id, ctx, result):
+                enqueue(self.records, batch_id, result, self._renewer(batch_id))
         finally:
             result.close()
-        return self.get(batch.id)
 
     def _start(self, batch_id: str, ctx: RowContext, result: Scan) -> bool:
         """Fail or start a validated batch; True when its lines are to be stored."""
@@ -369,19 +367,12 @@ class Batches:
         blobs = self.files.blobs
         out_id, err_id = f"file-{batch.id}-output", f"file-{batch.id}-errors"
         final = self.records.record(batch.id).get("final_status", batch.status)
-        n_out = n_err = 0
-        custom_ids = self._input_custom_ids(batch)
         with blobs.writer(out_id) as out, blobs.writer(err_id) as err:
-            for line in self.lines(batch, custom_ids):
-                if line.ok:
-                    out.write(openai_line(line, final))
-                    n_out += 1
-                else:
-                    err.write(openai_line(line, final))
-                    n_err += 1
+            for line in self.lines(batch, self._input_custom_ids(batch)):
+                (out if line.ok else err).write(openai_line(line, final))
         ids: list[str | None] = []
-        for fid, n, name in ((out_id, n_out, "output"), (err_id, n_err, "errors")):
-            if n:
+        for fid, name in ((out_id, "output"), (err_id, "errors")):
+            if blobs.size(fid):  # an empty file is not kept
                 self.files.add(fid, f"{batch.id}_{name}.jsonl", "batch_output", batch.owner)
                 ids.append(fid)
             else:

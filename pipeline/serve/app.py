@@ -7,7 +7,6 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -28,12 +27,8 @@ from .upload import receive
 log = logging.getLogger("pipeline.serve")
 JSON_LIMIT = 1024 * 1024  # largest JSON request body (batch create)
 UNKNOWN = {UnknownBatch: "batch", UnknownFile: "file", UnknownRequest: "request"}
-
-
-@cache
-def page() -> str:
-    """The batch page at ``/``: it refreshes itself from ``/ui/batches``."""
-    return (resources.files("pipeline.serve") / "page.html").read_text(encoding="utf-8")
+# the batch page at ``/``: it refreshes itself from ``/ui/batches``
+PAGE = (resources.files("pipeline.serve") / "page.html").read_text(encoding="utf-8")
 
 
 @dataclass
@@ -216,7 +211,7 @@ class Service:
 
     def page(self, request: Request) -> Response:
         self.owner(request)
-        return HTMLResponse(page())
+        return HTMLResponse(PAGE)
 
     def ui_batches(self, request: Request) -> Response:
         data, _ = self.batches.list(limit=500, owner=self.owner(request))
