@@ -64,7 +64,7 @@ class Scan:
 
     def chunks_iter(self) -> Iterator[tuple[int, int, bytes]]:
         """The spooled chunks in order: (after line, up to line, submit.lua items)."""
-        assert self.spool is not None, "a Scan without rows"
+        assert self.spool is not None, "a Scan that only checked"
         self.spool.seek(0)
         for _ in range(self.chunks):
             after, upto, n = _HEAD.unpack(self.spool.read(_HEAD.size))
@@ -113,12 +113,9 @@ class RowBuilder:
             return self.template._replace(
                 id=rid, payload=line.body, endpoint=line.url or "", custom_id=line.custom_id
             )
-        return self._extended(rid, line)
-
-    def _extended(self, rid: str, line: Line) -> RequestRow | LineError:
-        """A run line with its own priority, deadline, timeout, metadata, headers or queue:
-        checked by :meth:`Pipeline.prepare`, as ``submit`` checks its arguments."""
-        extra = dict(line.extra or {})
+        # a run line with its own priority, deadline, timeout, metadata, headers or queue:
+        # checked by Pipeline.prepare, as ``submit`` checks its arguments
+        extra = dict(line.extra)
         own_deadline = extra.pop("deadline", None)
         own_timeout = extra.pop("timeout", None)
         extra.setdefault("queue", self.ctx.queue)

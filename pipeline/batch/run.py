@@ -136,7 +136,6 @@ class Run:
         self.opts = opts
         self.console = console
         self.batch: Batch | None = None
-        self.attached = False
 
     def start(self) -> Batch:
         """Create the file's batch (or find it) and store its lines (or the rest of them)."""
@@ -156,8 +155,7 @@ class Run:
         )
         if not created and batch.source.get("sha256") not in (None, digest):
             raise RunError(f"batch {bid} was created from other content than {self.opts.path}")
-        self.attached = not created
-        if self.attached:
+        if not created:
             c = batch.request_counts
             self.console.print(
                 f"[dim]attached to batch {bid} ({batch.status}: {c.done}/{c.total} done)"
@@ -188,7 +186,6 @@ class Run:
             TimeElapsedColumn(),
             console=self.console,
             disable=not self.opts.show_progress,
-            transient=False,
         )
         fields: dict[str, Any] = {"ok": 0, "failed": 0, "retrying": 0, "running": 0}
         last_inspect = [0.0]

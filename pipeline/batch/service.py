@@ -96,11 +96,10 @@ class Batches:
         if invalid_lines not in ("fail", "error_file"):
             raise InvalidRequest("metadata", "invalid_lines must be 'fail' or 'error_file'")
         req_meta = {self.pipeline.settings.fairness_attribute: tenant} if tenant else {}
+        window_text = completion_window if isinstance(completion_window, str) else f"{window:g}s"
         fields = {
             "endpoint": endpoint or "",
-            "completion_window": completion_window
-            if isinstance(completion_window, str)
-            else f"{window:g}s",
+            "completion_window": window_text,
             "input_file_id": input_file_id or "",
             "metadata": json.dumps(meta) if meta else "",
             "files": "1" if files else "0",
@@ -110,7 +109,7 @@ class Batches:
             "source": json.dumps(source or {}),
             "invalid_lines": invalid_lines,
             "extensions": "1" if extensions else "0",
-            "req_metadata": json.dumps(req_meta) if req_meta else "{}",
+            "req_metadata": json.dumps(req_meta),
             "result_ttl": str(int(self.pipeline.settings.result_ttl_s)),
         }
         created = self.records.create(bid, window, self.settings.retention_s, fields)
@@ -348,22 +347,20 @@ class Batches:
     def finalize(self, batch_id: str) -> Batch:
         """Write a ``finalizing`` batch's output and error files and close it. Idempotent: file
         ids follow from the batch id, files are written whole then renamed."""
-        assert self.files is not None, "finalize needs a file store"
         batch = self.get(batch_id)
         if batch.status != "finalizing" or not self.records.take_lease(
             batch_id, self.holder, self.settings.lease_s
         ):
             return batch
         try:
-            ids = self.write_files(batch)
-            self.records.finalized(batch_id, *ids)
+            self.records.finalized(batch_id, *self.write_files(batch))
         finally:
             self.records.drop_lease(batch_id, self.holder)
         return self.get(batch_id)
 
     def write_files(self, batch: Batch) -> tuple[str | None, str | None]:
         """Write the batch's output and error files; returns their ids (None when empty)."""
-        assert self.files is not None
+        assert self.files is not None, "finalize needs a file store"
         blobs = self.files.blobs
         out_id, err_id = f"file-{batch.id}-output", f"file-{batch.id}-errors"
         final = self.records.record(batch.id).get("final_status", batch.status)
