@@ -51,17 +51,6 @@ class LineResult:
         return "CANCELLED", MESSAGES["batch_cancelled"]
 
 
-def error_code(data: dict[str, Any], batch_status: str) -> str:
-    code = data.get("error_code")
-    if not code:
-        return "http_error"
-    if code == "DEADLINE_EXCEEDED":
-        return "batch_expired" if batch_status == "expired" else "deadline_exceeded"
-    if code == "CANCELLED":
-        return "batch_cancelled"
-    return str(code).lower()
-
-
 def openai_line(line: LineResult, batch_status: str) -> bytes:
     """OpenAI's output (ok) or error file line."""
     out: dict[str, Any] = {"id": line.request_id, "custom_id": line.custom_id}
@@ -76,12 +65,16 @@ def openai_line(line: LineResult, batch_status: str) -> bytes:
         out["response"] = None
     if line.ok:
         out["error"] = None
+    elif d is not None and not d.get("error_code"):
+        message = f"HTTP {status} after {d.get('attempts', 0)} attempt(s)"
+        out["error"] = {"code": "http_error", "message": message}
     elif d is not None:
-        code = error_code(d, batch_status)
-        if not d.get("error_code"):
-            message = f"HTTP {status} after {d.get('attempts', 0)} attempt(s)"
-        else:
-            message = MESSAGES.get(code) or d.get("error_message") or code
+        code = str(d["error_code"]).lower()
+        if d["error_code"] == "DEADLINE_EXCEEDED" and batch_status == "expired":
+            code = "batch_expired"
+        elif d["error_code"] == "CANCELLED":
+            code = "batch_cancelled"
+        message = MESSAGES.get(code) or d.get("error_message") or code
         out["error"] = {"code": code, "message": message}
     elif line.invalid is not None:
         out["error"] = {"code": line.invalid["code"], "message": line.invalid["message"]}

@@ -26,7 +26,7 @@ from .upload import receive
 
 log = logging.getLogger("pipeline.serve")
 JSON_LIMIT = 1024 * 1024  # largest JSON request body (batch create)
-UNKNOWN = {UnknownBatch: "batch", UnknownFile: "file", UnknownRequest: "request"}
+UNKNOWN: dict[type, str] = {UnknownBatch: "batch", UnknownFile: "file", UnknownRequest: "request"}
 # the batch page at ``/``: it refreshes itself from ``/ui/batches``
 PAGE = (resources.files("pipeline.serve") / "page.html").read_text(encoding="utf-8")
 
@@ -246,10 +246,9 @@ async def _error(request: Request, exc: Exception) -> Response:
     """Every error in OpenAI's shape."""
     if isinstance(exc, ApiError):
         return exc.response()
-    if isinstance(exc, UnknownBatch | UnknownFile | UnknownRequest):
-        ident = str(exc.args[0]) if exc.args else ""
-        kind = UNKNOWN.get(type(exc), "request")
-        return ApiError(404, f"No such {kind}: {ident}", param="id").response()
+    kind = UNKNOWN.get(type(exc))
+    if kind is not None:
+        return ApiError(404, f"No such {kind}: {exc.args[0]}", param="id").response()
     if isinstance(exc, InvalidRequest):
         return bad_request(str(exc), exc.field).response()
     log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
