@@ -47,7 +47,6 @@ def serve(host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") ->
         f"{len(keys.tenants)} API key(s)" if keys else "no API keys: loopback only",
     )
     background = Background(batches)
-    background.start()
     try:
         uvicorn.run(
             create_app(Service(batches, files, keys, background)),
