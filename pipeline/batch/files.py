@@ -8,7 +8,7 @@ import re
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -86,10 +86,10 @@ class FileInfo:
     id: str
     bytes: int
     created_at: float
+    expires_at: float
     filename: str
     purpose: str
-    expires_at: float
-    owner: str = ""
+    owner: str
 
     def to_openai(self) -> dict[str, Any]:
         return {
@@ -115,7 +115,8 @@ class Files:
         self.settings = settings
         self.blobs: FileStore = blobs or LocalFileStore(settings.files_dir)
 
-    def _now(self) -> float:
+    def now(self) -> float:
+        """The Redis server's clock (Unix s)."""
         sec, usec = self.client.time()
         return float(sec) + float(usec) / 1e6
 
@@ -127,23 +128,13 @@ class Files:
             p.zrem(self.keys.files_expiry(), file_id)
             p.execute()
 
-    def add(self, file_id: str, filename: str, purpose: str, owner: str = "") -> FileInfo:
-        now = self._now()
+    def add(self, file_id: str, filename: str, purpose: str, owner: str) -> FileInfo:
+        now = self.now()
         ttl = self.settings.file_ttl_s
-        info = FileInfo(file_id, self.blobs.size(file_id), now, filename, purpose, now + ttl, owner)
+        info = FileInfo(file_id, self.blobs.size(file_id), now, now + ttl, filename, purpose, owner)
         with self.client.pipeline(transaction=True) as p:
-            p.hset(
-                self.keys.file(file_id),
-                mapping={
-                    "id": file_id,
-                    "bytes": info.bytes,
-                    "created_at": repr(now),
-                    "expires_at": repr(info.expires_at),
-                    "filename": filename,
-                    "purpose": purpose,
-                    "owner": owner,
-                },
-            )
+            # the times as repr(float): redis-py's encoding of a float
+            p.hset(self.keys.file(file_id), mapping=asdict(info))  # type: ignore[arg-type]
             p.expire(self.keys.file(file_id), int(ttl) + 1)
             p.zadd(self.keys.files(), {file_id: now})
             p.zadd(self.keys.files_expiry(), {file_id: info.expires_at})
@@ -158,9 +149,9 @@ class Files:
             rec["id"],
             int(rec["bytes"]),
             float(rec["created_at"]),
+            float(rec["expires_at"]),
             rec.get("filename", ""),
             rec.get("purpose", "batch"),
-            float(rec["expires_at"]),
             rec.get("owner", ""),
         )
 
@@ -200,7 +191,7 @@ class Files:
     def sweep(self) -> int:
         """Remove expired files; returns how many."""
         expired: list[str] = self.client.zrangebyscore(  # type: ignore[assignment]
-            self.keys.files_expiry(), "-inf", self._now()
+            self.keys.files_expiry(), "-inf", self.now()
         )
         for fid in expired:
             self._forget(fid)

@@ -64,8 +64,7 @@ class Scan:
 
     def chunks_iter(self) -> Iterator[tuple[int, int, bytes]]:
         """The spooled chunks in order: (after line, up to line, submit.lua items)."""
-        if self.spool is None:
-            return
+        assert self.spool is not None, "a Scan that only checked"
         self.spool.seek(0)
         for _ in range(self.chunks):
             after, upto, n = _HEAD.unpack(self.spool.read(_HEAD.size))
@@ -114,12 +113,9 @@ class RowBuilder:
             return self.template._replace(
                 id=rid, payload=line.body, endpoint=line.url or "", custom_id=line.custom_id
             )
-        return self._extended(rid, line)
-
-    def _extended(self, rid: str, line: Line) -> RequestRow | LineError:
-        """A run line with its own priority, deadline, timeout, metadata, headers or queue:
-        checked by :meth:`Pipeline.prepare`, as ``submit`` checks its arguments."""
-        extra = dict(line.extra or {})
+        # a run line with its own priority, deadline, timeout, metadata, headers or queue:
+        # checked by Pipeline.prepare, as ``submit`` checks its arguments
+        extra = dict(line.extra)
         own_deadline = extra.pop("deadline", None)
         own_timeout = extra.pop("timeout", None)
         extra.setdefault("queue", self.ctx.queue)
@@ -229,21 +225,15 @@ def invalid_record(err: LineError) -> bytes:
 
 
 def enqueue(
-    records: BatchRecords,
-    batch_id: str,
-    result: Scan,
-    renew: Callable[[], object] | None = None,
-) -> str:
-    """Store the spooled chunks in order. Returns ``done``, ``stopped:<status>`` (cancelled
-    or lapsed: it takes no more lines) or ``fenced`` (another enqueuer is ahead)."""
+    records: BatchRecords, batch_id: str, result: Scan, renew: Callable[[], object]
+) -> None:
+    """Store the spooled chunks in order; stop when the batch takes no more lines (cancelled
+    or lapsed) or another enqueuer is ahead (fenced: see submit.lua)."""
     for i, (after, upto, items) in enumerate(result.chunks_iter()):
         reply = records.submit_chunk(batch_id, after, upto, items)
-        if reply.stopped:
-            return f"stopped:{reply.status}"
-        if not reply.stored:
-            if reply.submitted >= upto:
-                continue  # this chunk was stored before (a resumed enqueue)
-            return "fenced"
-        if renew is not None and i % 20 == 19:
+        if reply and reply[0] == "fenced" and int(reply[1] or 0) >= upto:
+            continue  # this chunk was stored before (a resumed enqueue)
+        if reply and reply[0] in ("stopped", "fenced"):
+            return
+        if i % 20 == 19:
             renew()
-    return "done"

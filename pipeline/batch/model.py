@@ -103,7 +103,7 @@ class Batch:
     submitted: int = 0  # input lines enqueued so far (line numbers 1..submitted)
     source: dict[str, Any] = field(default_factory=dict)
     files: bool = False  # its output and error files are assembled by `pipeline serve`
-    _client: BatchSource | None = field(default=None, repr=False, compare=False)
+    _client: BatchSource = field(kw_only=True, repr=False, compare=False)
 
     @property
     def done(self) -> bool:
@@ -116,23 +116,20 @@ class Batch:
 
     # -- the handle -----------------------------------------------------------------------
     def refresh(self) -> Batch:
-        assert self._client is not None, "a Batch read without a client"
         return self._client.get(self.id)
 
     def cancel(self) -> Batch:
         """Cancel every line that has not started an attempt (attempts in flight finish); the
         batch is ``cancelling`` until they have, then ``cancelled``. Returns it afterwards."""
-        assert self._client is not None, "a Batch read without a client"
         return self._client.cancel(self.id)
 
     def wait(self, timeout: float | None = None) -> Batch:
         """Block until the batch is closed; raises TimeoutError after ``timeout`` s."""
-        assert self._client is not None, "a Batch read without a client"
         return self._client.wait(self.id, timeout)
 
     # -- wire forms -----------------------------------------------------------------------
     @classmethod
-    def from_record(cls, rec: dict[str, str], client: BatchSource | None = None) -> Batch:
+    def from_record(cls, rec: dict[str, str], client: BatchSource) -> Batch:
         times: dict[str, Any] = {t: float(rec[t]) if rec.get(t) else None for t in STATUS_TIMES}
         counts = RequestCounts(
             int(rec.get("total") or 0), int(rec.get("completed") or 0), int(rec.get("failed") or 0)
@@ -163,10 +160,6 @@ class Batch:
 
     def to_openai(self) -> dict[str, Any]:
         """OpenAI's ``Batch`` object (times as integer Unix seconds)."""
-
-        def t(v: float | None) -> int | None:
-            return None if v is None else int(v)
-
         c = self.request_counts
         out: dict[str, Any] = {
             "id": self.id,
@@ -181,7 +174,8 @@ class Batch:
             "error_file_id": self.error_file_id,
         }
         for name in TIMES:
-            out[name] = t(getattr(self, name))
+            value = getattr(self, name)
+            out[name] = None if value is None else int(value)
         out["request_counts"] = {"total": c.total, "completed": c.completed, "failed": c.failed}
         out["metadata"] = self.metadata
         return out

@@ -3,7 +3,9 @@ shapes and error codes: docs/batches.md, "Errors and output lines") or ``pipelin
 
 from __future__ import annotations
 
+from contextlib import suppress
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import orjson
@@ -27,13 +29,10 @@ class LineResult:
     data: dict[str, Any] | None = None
     invalid: dict[str, Any] | None = None
     missing: str | None = None
-    _result: Result | None = None
 
-    @property
+    @cached_property
     def result(self) -> Result | None:
-        if self._result is None and self.data is not None:
-            self._result = Result.from_dict(self.data)
-        return self._result
+        return None if self.data is None else Result.from_dict(self.data)
 
     @property
     def ok(self) -> bool:
@@ -52,45 +51,30 @@ class LineResult:
         return "CANCELLED", MESSAGES["batch_cancelled"]
 
 
-def _body(payload: str) -> Any:
-    try:
-        return orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return payload  # not JSON: the text as it came
-
-
-def error_code(data: dict[str, Any], batch_status: str) -> str:
-    code = data.get("error_code")
-    if not code:
-        return "http_error"
-    if code == "DEADLINE_EXCEEDED":
-        return "batch_expired" if batch_status == "expired" else "deadline_exceeded"
-    if code == "CANCELLED":
-        return "batch_cancelled"
-    return str(code).lower()
-
-
 def openai_line(line: LineResult, batch_status: str) -> bytes:
     """OpenAI's output (ok) or error file line."""
     out: dict[str, Any] = {"id": line.request_id, "custom_id": line.custom_id}
     d = line.data
     status = d.get("status_code") if d is not None else None
     if d is not None and status:
-        out["response"] = {
-            "status_code": status,
-            "request_id": line.request_id,
-            "body": _body(d.get("payload", "")),
-        }
+        body = d.get("payload", "")  # the text as it came when it is not JSON
+        with suppress(orjson.JSONDecodeError):
+            body = orjson.loads(body)
+        out["response"] = {"status_code": status, "request_id": line.request_id, "body": body}
     else:
         out["response"] = None
     if line.ok:
         out["error"] = None
+    elif d is not None and not d.get("error_code"):
+        message = f"HTTP {status} after {d.get('attempts', 0)} attempt(s)"
+        out["error"] = {"code": "http_error", "message": message}
     elif d is not None:
-        code = error_code(d, batch_status)
-        if not d.get("error_code"):
-            message = f"HTTP {status} after {d.get('attempts', 0)} attempt(s)"
-        else:
-            message = MESSAGES.get(code) or d.get("error_message") or code
+        code = str(d["error_code"]).lower()
+        if d["error_code"] == "DEADLINE_EXCEEDED" and batch_status == "expired":
+            code = "batch_expired"
+        elif d["error_code"] == "CANCELLED":
+            code = "batch_cancelled"
+        message = MESSAGES.get(code) or d.get("error_message") or code
         out["error"] = {"code": code, "message": message}
     elif line.invalid is not None:
         out["error"] = {"code": line.invalid["code"], "message": line.invalid["message"]}

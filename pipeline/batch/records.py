@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -25,18 +24,6 @@ BATCH_SCRIPTS = (
 )
 CANCEL_CHUNK = 500  # request ids per batch_cancel_lines call
 READ_CHUNK = 1000  # request records per round trip when reading results
-
-
-@dataclass(frozen=True)
-class ChunkReply:
-    """What submit.lua answered for one chunk of a batch's lines: ``stored`` (True: the lines
-    are in), else ``stopped`` (the batch takes no more lines: ``status``) or ``fenced``
-    (another enqueuer covered lines up to ``submitted`` already)."""
-
-    stored: bool
-    stopped: bool = False
-    status: str = ""
-    submitted: int = 0
 
 
 class BatchRecords:
@@ -107,33 +94,27 @@ class BatchRecords:
         raw = self.client.lrange(self.keys.batch_invalid(batch_id), 0, -1)
         return [orjson.loads(r) for r in raw]
 
-    def submit_chunk(self, batch_id: str, after: int, upto: int, items: bytes) -> ChunkReply:
+    def submit_chunk(self, batch_id: str, after: int, upto: int, items: bytes) -> Any:
         """Store the batch's lines after line ``after`` up to line ``upto`` (``items``: the
-        JSON array of submit.lua rows of the valid ones), fenced (see submit.lua)."""
-        reply = self.store.scripts.submit(
+        JSON array of submit.lua rows of the valid ones), fenced: submit.lua's reply, one entry
+        per item, or ``["stopped", status]`` (the batch takes no more lines) or ``["fenced",
+        lines covered so far]`` (another enqueuer is ahead)."""
+        return self.store.scripts.submit(
             keys=self.keys.families, args=[items, batch_id, after, upto]
         )
-        if reply and reply[0] == "stopped":
-            return ChunkReply(False, stopped=True, status=str(reply[1]))
-        if reply and reply[0] == "fenced":
-            return ChunkReply(False, submitted=int(reply[1] or 0))
-        return ChunkReply(True, submitted=upto)
 
-    def cancel(self, batch_id: str) -> tuple[str, int, bool]:
-        """(status afterwards, lines submitted, whether the caller should now cancel the
-        submitted lines that have not started)."""
-        status, submitted, todo = self._run("batch_cancel", batch_id)
-        return str(status), int(submitted), todo == "1"
+    def cancel(self, batch_id: str) -> bool:
+        """Cancel the batch (see batch_cancel.lua); True when the caller should now cancel the
+        submitted lines that have not started."""
+        return self._run("batch_cancel", batch_id)[2] == "1"
 
     def cancel_lines(self, batch_id: str, submitted: int) -> int:
         """Cancel the not-started requests of lines 1..``submitted``; returns how many."""
         n = 0
         ttl = int(self.store.settings.result_ttl_s)
         for first in range(1, submitted + 1, CANCEL_CHUNK):
-            ids = [
-                f"{batch_id}-{i}"
-                for i in range(first, min(submitted, first + CANCEL_CHUNK - 1) + 1)
-            ]
+            last = min(submitted, first + CANCEL_CHUNK - 1)
+            ids = [f"{batch_id}-{i}" for i in range(first, last + 1)]
             n += int(self._scripts["batch_cancel_lines"](keys=self.keys.families, args=[ttl, *ids]))
         self.client.hset(self.keys.batch(batch_id), "cancel_done", "1")
         return n
@@ -186,10 +167,6 @@ class BatchRecords:
 
     def active(self) -> list[str]:
         return sorted(self.client.smembers(self.keys.batches_active()))  # type: ignore[arg-type]
-
-    def server_time(self) -> float:
-        sec, usec = self.client.time()
-        return float(sec) + float(usec) / 1e6
 
     def results(self, batch_id: str, first: int, last: int) -> list[tuple[str | None, str | None]]:
         """(result JSON, custom_id) of lines ``first``..``last`` (None where no record), in one

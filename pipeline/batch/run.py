@@ -10,7 +10,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -136,7 +136,6 @@ class Run:
         self.opts = opts
         self.console = console
         self.batch: Batch | None = None
-        self.attached = False
 
     def start(self) -> Batch:
         """Create the file's batch (or find it) and store its lines (or the rest of them)."""
@@ -156,8 +155,7 @@ class Run:
         )
         if not created and batch.source.get("sha256") not in (None, digest):
             raise RunError(f"batch {bid} was created from other content than {self.opts.path}")
-        self.attached = not created
-        if self.attached:
+        if not created:
             c = batch.request_counts
             self.console.print(
                 f"[dim]attached to batch {bid} ({batch.status}: {c.done}/{c.total} done)"
@@ -188,7 +186,6 @@ class Run:
             TimeElapsedColumn(),
             console=self.console,
             disable=not self.opts.show_progress,
-            transient=False,
         )
         fields: dict[str, Any] = {"ok": 0, "failed": 0, "retrying": 0, "running": 0}
         last_inspect = [0.0]
@@ -225,15 +222,14 @@ class Run:
         default_err = out_path.with_name(out_path.stem + ".errors" + (out_path.suffix or ".jsonl"))
         err_path = Path(self.opts.error_output or default_err)
         ids = self.batches._input_custom_ids(self.batch)
-        with _atomic(out_path) as out, _atomic(err_path if openai else None) as err:
+        # without --format openai, every line goes to the output (no error file)
+        with _atomic(out_path) as out, _atomic(err_path) if openai else nullcontext(out) as err:
             for line in self.batches.lines(self.batch, ids):
                 summary.add(line)
-                if not openai:
-                    out.write(result_line(line))
-                elif line.ok:
-                    out.write(openai_line(line, final))
+                if openai:
+                    (out if line.ok else err).write(openai_line(line, final))
                 else:
-                    err.write(openai_line(line, final))
+                    out.write(result_line(line))
         summary.wall_s = time.time() - started
         return summary
 
@@ -247,13 +243,9 @@ class Run:
 
 
 @contextmanager
-def _atomic(path: Path | None) -> Iterator[IO[bytes]]:
+def _atomic(path: Path) -> Iterator[IO[bytes]]:
     """A file written under a temporary name and renamed into place if the block ends without
-    an error (``None``: a sink that keeps nothing)."""
-    if path is None:
-        with open(os.devnull, "wb") as null:
-            yield null
-        return
+    an error."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent.resolve()))
     try:
         with os.fdopen(fd, "wb") as fh:

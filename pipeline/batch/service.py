@@ -96,11 +96,10 @@ class Batches:
         if invalid_lines not in ("fail", "error_file"):
             raise InvalidRequest("metadata", "invalid_lines must be 'fail' or 'error_file'")
         req_meta = {self.pipeline.settings.fairness_attribute: tenant} if tenant else {}
+        window_text = completion_window if isinstance(completion_window, str) else f"{window:g}s"
         fields = {
             "endpoint": endpoint or "",
-            "completion_window": completion_window
-            if isinstance(completion_window, str)
-            else f"{window:g}s",
+            "completion_window": window_text,
             "input_file_id": input_file_id or "",
             "metadata": json.dumps(meta) if meta else "",
             "files": "1" if files else "0",
@@ -110,7 +109,7 @@ class Batches:
             "source": json.dumps(source or {}),
             "invalid_lines": invalid_lines,
             "extensions": "1" if extensions else "0",
-            "req_metadata": json.dumps(req_meta) if req_meta else "{}",
+            "req_metadata": json.dumps(req_meta),
             "result_ttl": str(int(self.pipeline.settings.result_ttl_s)),
         }
         created = self.records.create(bid, window, self.settings.retention_s, fields)
@@ -120,23 +119,23 @@ class Batches:
         """Check the batch's whole input and store its lines: a ``validating`` batch fails or
         starts; an ``in_progress`` one resumes after its last stored line. Under the batch's
         lease (another holder: nothing done). Returns the batch after."""
-        if not self.records.take_lease(batch.id, self.holder, self.settings.lease_s):
-            return self.get(batch.id)
-        try:
-            return self._ingest(batch, opener)
-        finally:
-            self.records.drop_lease(batch.id, self.holder)
+        if self.records.take_lease(batch.id, self.holder, self.settings.lease_s):
+            try:
+                self._ingest(batch.id, opener)
+            finally:
+                self.records.drop_lease(batch.id, self.holder)
+        return self.get(batch.id)
 
-    def _ingest(self, batch: Batch, opener: Opener) -> Batch:
-        rec = self.records.record(batch.id)
+    def _ingest(self, batch_id: str, opener: Opener) -> None:
+        rec = self.records.record(batch_id)
         status = rec.get("status")
         if status not in ("validating", "in_progress"):
-            return self.get(batch.id)
+            return
         resume_after = int(rec.get("submitted") or 0) if status == "in_progress" else 0
         if status == "in_progress" and resume_after >= int(rec.get("lines") or 0):
-            return self.get(batch.id)  # every line is stored
+            return  # every line is stored
         ctx = RowContext(
-            batch_id=batch.id,
+            batch_id=batch_id,
             queue=rec.get("queue", "default"),
             priority=int(rec.get("priority") or 0),
             deadline=float(rec["expires_at"]),
@@ -153,15 +152,13 @@ class Batches:
                 max_body_bytes=self.pipeline.settings.max_payload_bytes,
                 max_lines=self.settings.max_lines,
                 enqueue_after=resume_after,
-                renew=self._renewer(batch.id),
+                renew=self._renewer(batch_id),
             )
         try:
-            if status == "validating" and not self._start(batch.id, ctx, result):
-                return self.get(batch.id)
-            enqueue(self.records, batch.id, result, self._renewer(batch.id))
+            if status == "in_progress" or self._start(batch_id, ctx, result):
+                enqueue(self.records, batch_id, result, self._renewer(batch_id))
         finally:
             result.close()
-        return self.get(batch.id)
 
     def _start(self, batch_id: str, ctx: RowContext, result: Scan) -> bool:
         """Fail or start a validated batch; True when its lines are to be stored."""
@@ -268,8 +265,7 @@ class Batches:
         """Cancel (see :meth:`Batch.cancel`); a closed batch is returned unchanged.
         ``lines=False``: only mark it; the caller runs :meth:`cancel_lines` later."""
         self.get(batch_id, owner)
-        _, _, todo = self.records.cancel(batch_id)
-        if todo and lines:
+        if self.records.cancel(batch_id) and lines:
             self.cancel_lines(batch_id)
         return self.get(batch_id)
 
@@ -351,38 +347,29 @@ class Batches:
     def finalize(self, batch_id: str) -> Batch:
         """Write a ``finalizing`` batch's output and error files and close it. Idempotent: file
         ids follow from the batch id, files are written whole then renamed."""
-        assert self.files is not None, "finalize needs a file store"
         batch = self.get(batch_id)
         if batch.status != "finalizing" or not self.records.take_lease(
             batch_id, self.holder, self.settings.lease_s
         ):
             return batch
         try:
-            ids = self.write_files(batch)
-            self.records.finalized(batch_id, *ids)
+            self.records.finalized(batch_id, *self.write_files(batch))
         finally:
             self.records.drop_lease(batch_id, self.holder)
         return self.get(batch_id)
 
     def write_files(self, batch: Batch) -> tuple[str | None, str | None]:
         """Write the batch's output and error files; returns their ids (None when empty)."""
-        assert self.files is not None
+        assert self.files is not None, "finalize needs a file store"
         blobs = self.files.blobs
         out_id, err_id = f"file-{batch.id}-output", f"file-{batch.id}-errors"
         final = self.records.record(batch.id).get("final_status", batch.status)
-        n_out = n_err = 0
-        custom_ids = self._input_custom_ids(batch)
         with blobs.writer(out_id) as out, blobs.writer(err_id) as err:
-            for line in self.lines(batch, custom_ids):
-                if line.ok:
-                    out.write(openai_line(line, final))
-                    n_out += 1
-                else:
-                    err.write(openai_line(line, final))
-                    n_err += 1
+            for line in self.lines(batch, self._input_custom_ids(batch)):
+                (out if line.ok else err).write(openai_line(line, final))
         ids: list[str | None] = []
-        for fid, n, name in ((out_id, n_out, "output"), (err_id, n_err, "errors")):
-            if n:
+        for fid, name in ((out_id, "output"), (err_id, "errors")):
+            if blobs.size(fid):  # an empty file is not kept
                 self.files.add(fid, f"{batch.id}_{name}.jsonl", "batch_output", batch.owner)
                 ids.append(fid)
             else:

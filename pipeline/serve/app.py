@@ -7,7 +7,6 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -27,13 +26,9 @@ from .upload import receive
 
 log = logging.getLogger("pipeline.serve")
 JSON_LIMIT = 1024 * 1024  # largest JSON request body (batch create)
-UNKNOWN = {UnknownBatch: "batch", UnknownFile: "file", UnknownRequest: "request"}
-
-
-@cache
-def page() -> str:
-    """The batch page at ``/``: it refreshes itself from ``/ui/batches``."""
-    return (resources.files("pipeline.serve") / "page.html").read_text(encoding="utf-8")
+UNKNOWN: dict[type, str] = {UnknownBatch: "batch", UnknownFile: "file", UnknownRequest: "request"}
+# the batch page at ``/``: it refreshes itself from ``/ui/batches``
+PAGE = (resources.files("pipeline.serve") / "page.html").read_text(encoding="utf-8")
 
 
 @dataclass
@@ -180,11 +175,8 @@ class Service:
     def _may_see(self, rec: dict[str, Any], owner: str | None) -> bool:
         if owner is None:
             return True
-        if rec.get("batch"):
-            try:
-                return self.batches.get(rec["batch"]).owner == owner
-            except UnknownBatch:
-                return False
+        if rec.get("batch"):  # a batch's line: the batch's owner (a batch gone: nobody)
+            return self.batches.records.record(rec["batch"]).get("owner") == owner
         try:
             meta = json.loads(rec.get("metadata") or "{}")
         except ValueError:
@@ -216,11 +208,11 @@ class Service:
 
     def page(self, request: Request) -> Response:
         self.owner(request)
-        return HTMLResponse(page())
+        return HTMLResponse(PAGE)
 
     def ui_batches(self, request: Request) -> Response:
         data, _ = self.batches.list(limit=500, owner=self.owner(request))
-        now = self.batches.records.server_time()
+        now = self.files.now()
         return JSONResponse({"now": now, "data": [x.to_openai() for x in data]})
 
     def healthz(self, request: Request) -> Response:
@@ -254,10 +246,9 @@ async def _error(request: Request, exc: Exception) -> Response:
     """Every error in OpenAI's shape."""
     if isinstance(exc, ApiError):
         return exc.response()
-    if isinstance(exc, UnknownBatch | UnknownFile | UnknownRequest):
-        ident = str(exc.args[0]) if exc.args else ""
-        kind = UNKNOWN.get(type(exc), "request")
-        return ApiError(404, f"No such {kind}: {ident}", param="id").response()
+    kind = UNKNOWN.get(type(exc))
+    if kind is not None:
+        return ApiError(404, f"No such {kind}: {exc.args[0]}", param="id").response()
     if isinstance(exc, InvalidRequest):
         return bad_request(str(exc), exc.field).response()
     log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)

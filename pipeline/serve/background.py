@@ -18,7 +18,8 @@ SWEEP_EVERY_S = 60.0
 
 
 class Background:
-    """The service's background work: a small thread pool and one loop thread."""
+    """The service's background work: a small thread pool and one loop thread (running from
+    the start)."""
 
     def __init__(self, batches: Batches, workers: int = 2, poll_s: float = 1.0) -> None:
         self.batches = batches
@@ -29,8 +30,6 @@ class Background:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="batch-loop", daemon=True)
         self._since_sweep = SWEEP_EVERY_S
-
-    def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:

@@ -79,7 +79,8 @@ class _Receiver:
 
 async def receive(request: Request, files: Files, limit: int, owner: str) -> FileInfo:
     """Stream the upload's ``file`` part into the store under a new file id and record it.
-    Raises :class:`ApiError` (400, 413); a failed upload leaves no file behind."""
+    Raises :class:`ApiError` (400, 413); a failed upload leaves no file behind (the writer
+    publishes the file only when its block ends without an error)."""
     ctype, params = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or b"boundary" not in params:
         raise bad_request("expected a multipart/form-data upload with 'file' and 'purpose'")
@@ -102,9 +103,7 @@ async def receive(request: Request, files: Files, limit: int, owner: str) -> Fil
             if purpose != "batch":
                 raise bad_request(f"purpose must be 'batch' here, not {purpose!r}", "purpose")
     except ApiError:
-        files.blobs.delete(file_id)
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed body (python-multipart's own errors)
-        files.blobs.delete(file_id)
         raise bad_request(f"malformed multipart upload: {exc}") from None
     return files.add(file_id, receiver.filename, purpose, owner)

@@ -134,7 +134,7 @@ def test_an_enqueue_cut_short_resumes_after_its_last_stored_line(
     chunks = list(result.chunks_iter())
     assert len(chunks) > 3
     for after, upto, items in chunks[:2]:  # the first enqueuer stores two chunks, then dies
-        assert b.records.submit_chunk(batch.id, after, upto, items).stored
+        assert b.records.submit_chunk(batch.id, after, upto, items) == [1] * (upto - after)
     stale = chunks[1]
     result.close()
     assert b.get(batch.id).submitted == chunks[1][1]
@@ -142,7 +142,7 @@ def test_an_enqueue_cut_short_resumes_after_its_last_stored_line(
     assert resumed.submitted == 300
     assert b.ingest(resumed, lambda: open(path, "rb")).submitted == 300  # nothing left
     late = b.records.submit_chunk(batch.id, *stale)  # the dead one's next call, fenced off
-    assert not late.stored and late.submitted == 300
+    assert late == ["fenced", "300"]
     done = b.wait(batch.id, timeout=60)
     assert done.status == "completed" and done.request_counts.completed == 300
     attempts = sim.stats()["attempts_by_request_id"]
