@@ -35,6 +35,8 @@ class LocalMaxConcurrencyGate(SlotGate):
     def _node_slots(self, node: str) -> LeaseSet:
         assert self.env is not None and self._scripts is not None
         keys = self.env.keys
+        if not self.per_node:
+            return LeaseSet(self._scripts, keys.gate_holders(self.name), keys.gate_info(self.name))
         return LeaseSet(
             self._scripts,
             keys.gate_node_holders(self.name, node),
@@ -46,17 +48,11 @@ class LocalMaxConcurrencyGate(SlotGate):
         """This node's slot pool first, then every other node's that holds one."""
         if self.env is None:
             return []
+        if not self.per_node:
+            return [self.slots]
         nodes = self.env.client.smembers(self.env.keys.gate_nodes(self.name))
         names = sorted(n.decode() if isinstance(n, bytes) else n for n in nodes)
         return [self.slots] + [self._node_slots(n) for n in names if n != self.env.node]
-
-    def _prune_nodes(self) -> None:
-        """Forget nodes whose slot pool expired (see ``gate_nodes_prune.lua``)."""
-        assert self.env is not None and self._scripts is not None
-        keys = self.env.keys
-        self._scripts.prune_nodes(
-            keys=[keys.gate_nodes(self.name), keys.gate_node_prefix(self.name)]
-        )
 
     @property
     def slots(self) -> LeaseSet:
@@ -102,8 +98,11 @@ class LocalMaxConcurrencyGate(SlotGate):
         """Free expired leases on every node (a dead node cannot reap its own), and forget
         nodes whose pool is gone."""
         freed = [h for s in self._all_slots() for h in s.reap()]
-        if self.env is not None and self.per_node:
-            self._prune_nodes()
+        if self.env is not None and self._scripts is not None and self.per_node:
+            keys = self.env.keys  # forget them: see gate_nodes_prune.lua
+            self._scripts.prune_nodes(
+                keys=[keys.gate_nodes(self.name), keys.gate_node_prefix(self.name)]
+            )
         return freed
 
     def in_flight(self) -> int:
@@ -114,21 +113,10 @@ class LocalMaxConcurrencyGate(SlotGate):
         return [h for s in self._all_slots() for h in s.live()]
 
     def describe(self) -> dict[str, Any]:
-        node = self.env.node if self.env is not None else None
+        node = self.env.node if self.env is not None and self.per_node else None
         return {**super().describe(), "gating_mode": self.gating_mode, "node": node}
 
 
 class GlobalMaxConcurrencyGate(LocalMaxConcurrencyGate):
     type_name = "global-max-concurrency"
     per_node = False
-
-    def _node_slots(self, node: str) -> LeaseSet:
-        assert self.env is not None and self._scripts is not None
-        keys = self.env.keys
-        return LeaseSet(self._scripts, keys.gate_holders(self.name), keys.gate_info(self.name))
-
-    def _all_slots(self) -> list[LeaseSet]:
-        return [self.slots] if self.env is not None else []
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "node": None}
