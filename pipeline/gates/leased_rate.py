@@ -38,7 +38,9 @@ class RedisLeasedRateGate(Budgeted, OnRedis):
             raise p.error("pool_id", "is required (it defaults to the pool of a pool gate)")
         self.pool_id = pool
         self.burst_s = p.get_float("burst_seconds", 1.0, lo=0.0, lo_open=True)
-        self._state_param = p.opt_str("state_key")
+        self.state_key = p.opt_str("state_key") or ""
+        if not self.state_key and env is not None:
+            self.state_key = env.keys.leased_rate_state(self.control_key)
         # the lease as last read, for the pipeline_drain_limit_* gauges (0 when invalid)
         self.limit_rps = 0.0
         self.lease_valid = 0  # 1 also while paused
@@ -47,14 +49,6 @@ class RedisLeasedRateGate(Budgeted, OnRedis):
         self._problem: str | None = None
         if self.client is not None:
             self._script = register(self.client, "gate_leased_rate")
-
-    @property
-    def state_key(self) -> str:
-        if self._state_param:
-            return self._state_param
-        if self.env is None:
-            raise RuntimeError(f"gate {self.name!r} is not bound to Redis (env is None)")
-        return self.env.keys.leased_rate_state(self.control_key)
 
     def _call(self, mode: str) -> int:
         """Run the script (``peek`` or ``take``); record the lease; returns the verdict."""
@@ -67,18 +61,18 @@ class RedisLeasedRateGate(Budgeted, OnRedis):
         if int(verdict) == INVALID:
             self._note(problem=f"no valid lease ({reason})")
         else:
-            self._note(float(rate), 1, int(until) / 1000.0, str(decision))
+            self._note(float(rate), int(until) / 1000.0, str(decision))
         return int(verdict)
 
     def _note(
         self,
         rate: float = 0.0,
-        valid: int = 0,
         until_s: float = 0.0,
         decision: str = "",
         problem: str | None = None,
     ) -> None:
-        self.limit_rps, self.lease_valid, self.valid_until_s = rate, valid, until_s
+        self.limit_rps, self.valid_until_s = rate, until_s
+        self.lease_valid = int(problem is None)
         if decision and decision != self.decision_id:
             log.info(
                 "redis-leased-rate gate %s: pool %s decision %s, %g req/s until %.3f",

@@ -111,13 +111,7 @@ class LeaseSet:
 
     def reap(self, only: Iterable[str] | None = None) -> list[str]:
         """Free expired leases: all of them, or only the listed holders (see the script)."""
-        if only is None:
-            args: list[Any] = ["all", REAP_BATCH]
-        else:
-            listed = list(only)
-            if not listed:
-                return []
-            args = ["listed", *listed]
+        args = ["all", REAP_BATCH] if only is None else ["listed", *only]
         return [str(h) for h in self.scripts.reap(keys=self._keys, args=args)]
 
     def count(self) -> int:
@@ -165,6 +159,10 @@ class SlotGate(Batched, HandsOver):
         pool, info = got
         info = {**info, "worker": worker, **({"handed_over_by": giver} if giver else {})}
         return pool.acquire(holder, lease_s, self.limit, info, giver)
+
+    def release(self, holder: str) -> bool:
+        calls = None if self.env is None else self.release_calls(holder)
+        return False if calls is None else calls.run()
 
     def _calls(self, call: ScriptCall, then: Callable[[Any], bool]) -> Calls[bool]:
         """One call's step; run by ``then`` when the pool is on a Redis of its own."""

@@ -77,12 +77,10 @@ class LocalMaxConcurrencyGate(SlotGate):
     def _refusal(self, metadata: Mapping[str, str]) -> Decision:
         return self._full
 
-    def release(self, holder: str) -> bool:
+    def release_calls(self, holder: str) -> Calls[bool]:
         """Release wherever the holder is: normally this node's pool, but a reaper on another
         node frees a dead node's holders too."""
-        return False if self._slots is None else self.release_calls(holder).run()
 
-    def release_calls(self, holder: str) -> Calls[bool]:
         def done(replies: Any) -> bool:
             return bool(int(replies[0])) or any(s.release(holder)() for s in self._all_slots()[1:])
 

@@ -22,7 +22,6 @@ log = logging.getLogger(__name__)
 
 RESERVED = Decision(Verdict.CONTINUE, labels={"classification": "reserved"})
 OVERFLOW = Decision(Verdict.CONTINUE, labels={"classification": "overflow"})
-MODES = ("rate-limit", "concurrency", "tokens")
 # tokens mode: a refusal while charges in flight could settle lower asks again after at most
 # this long (s), instead of waiting for the window to expire
 SETTLE_POLL_S = 1.0
@@ -30,9 +29,9 @@ SETTLE_POLL_S = 1.0
 
 def redis_quota(name: str, params: dict[str, Any], env: GateEnv | None) -> Gate:
     """The ``redis-quota`` gate of the ``mode`` param."""
-    mode = Params(Quota.type_name, name, params).get_choice("mode", MODES, "rate-limit")
-    cls = {"rate-limit": RateQuota, "concurrency": ConcurrencyQuota, "tokens": TokenQuota}[mode]
-    return cls(name, params, env)
+    modes = {"rate-limit": RateQuota, "concurrency": ConcurrencyQuota, "tokens": TokenQuota}
+    mode = Params(Quota.type_name, name, params).get_choice("mode", tuple(modes), "rate-limit")
+    return modes[mode](name, params, env)
 
 
 class Quota(OnRedis):
@@ -226,11 +225,8 @@ class ConcurrencyQuota(Quota, SlotGate):
         value = metadata.get(self.attribute) if self.blocking else None
         return self.quota_key(value) if value else None
 
-    def release(self, holder: str) -> bool:
-        """One round trip: the index entry names the holder's key (``gate_quota_release``)."""
-        return False if self.client is None else self.release_calls(holder).run()
-
     def release_calls(self, holder: str) -> Calls[bool]:
+        """One round trip: the index entry names the holder's key (``gate_quota_release``)."""
         call = ScriptCall(self._release, [self._index_key()], [holder])
         return self._calls(call, lambda r: bool(int(r)))
 
