@@ -53,11 +53,6 @@ def finite(value: Any, what: str) -> float:
 EPSILON = 1e-9  # a value this close to the threshold counts as at it (1 - 0.8 != 0.2 in floats)
 
 
-def budget_above(value: float, threshold: float) -> float:
-    """``min(1, value − threshold)`` when ``value > threshold``, else 0."""
-    return min(1.0, value - threshold) if value > threshold + EPSILON else 0.0
-
-
 class MetricGate(Budgeted):
     """Base of the metric gates: caching, fail-closed fallback, gauges, binary acquire."""
 
@@ -118,11 +113,12 @@ class MetricGate(Budgeted):
         return cached
 
     def budget(self) -> float:
-        """Free share in [0, 1] from the metric; the fallback when it cannot be read."""
-        cached = self.observed()
-        if cached.value is None:
+        """min(1, D − threshold) when D is above the threshold, else 0; the fallback when D
+        cannot be read."""
+        value, threshold = self.observed().value, self.closing_threshold
+        if value is None:
             return min(1.0, max(0.0, self.fallback_budget))
-        return max(0.0, budget_above(cached.value, self.closing_threshold))
+        return min(1.0, value - threshold) if value > threshold + EPSILON else 0.0
 
     def observed(self) -> _Reading:
         """The cached reading, its value and the closing threshold set as the gauges; a failure

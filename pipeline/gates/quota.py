@@ -28,7 +28,6 @@ SETTLE_POLL_S = 1.0
 
 
 def redis_quota(name: str, params: dict[str, Any], env: GateEnv | None) -> Gate:
-    """The ``redis-quota`` gate of the ``mode`` param."""
     modes = {"rate-limit": RateQuota, "concurrency": ConcurrencyQuota, "tokens": TokenQuota}
     mode = Params(Quota.type_name, name, params).get_choice("mode", tuple(modes), "rate-limit")
     return modes[mode](name, params, env)
