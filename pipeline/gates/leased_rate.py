@@ -31,7 +31,6 @@ class RedisLeasedRateGate(Budgeted, OnRedis):
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
         p = Params(self.type_name, name, params)
-        self._connect(p)
         self.control_key = p.get_str("control_key", required=True)
         pool = p.opt_str("pool_id") or owning_pool(name)
         if not pool:

@@ -136,6 +136,7 @@ class SlotGate(Batched, HandsOver):
     limit: int
     taken: Decision = CONTINUE  # the decision when a slot is taken
     own_redis = False  # the pool is on a Redis of its own: its calls go alone, not batched
+    prepares = True  # the start's acquire takes the slot for the dispatcher's tenant
 
     def _pool(self, metadata: Mapping[str, str]) -> tuple[LeaseSet, dict[str, Any]] | None:
         """The pool a request with ``metadata`` takes its slot in, and the entry's fields
@@ -145,10 +146,6 @@ class SlotGate(Batched, HandsOver):
     def _refusal(self, metadata: Mapping[str, str]) -> Decision:
         """The decision when the pool is full."""
         raise NotImplementedError
-
-    def _prepares(self, tenant: Mapping[str, str]) -> bool:
-        """Whether the start's acquire takes the slot for the dispatcher's ``tenant``."""
-        return True
 
     def _take(
         self, holder: str, lease_s: float, metadata: Mapping[str, str], worker: str, giver: str = ""
@@ -185,7 +182,7 @@ class SlotGate(Batched, HandsOver):
         behind: bool = False,
     ) -> Calls[Admission] | None:
         """The slot for the dispatcher's ``tenant``; with ``behind`` the pool is full."""
-        call = self._take(holder, lease_s, tenant, worker) if self._prepares(tenant) else None
+        call = self._take(holder, lease_s, tenant, worker) if self.prepares else None
         if call is None:
             return None
         refused = self._refusal(tenant)

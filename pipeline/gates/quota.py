@@ -42,7 +42,6 @@ class Quota(OnRedis):
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
         p = Params(self.type_name, name, params)
-        self._connect(p)
         self.attribute = p.get_str("attribute", "userid").removeprefix("metadata.")
         if not self.attribute:
             raise p.error("attribute", "must name a metadata attribute")
@@ -187,6 +186,7 @@ class ConcurrencyQuota(Quota, SlotGate):
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
         self.blocking = self.gating_mode == "blocking"
+        self.prepares = self.blocking  # a classifying quota's slot is not taken at the start
         self.own_redis = self.url is not None  # its calls cannot go with the pipeline's
         if self.client is not None:
             self._leases = LeaseScripts(self.client)
@@ -210,9 +210,6 @@ class ConcurrencyQuota(Quota, SlotGate):
 
     def _refusal(self, metadata: Mapping[str, str]) -> Decision:
         return self._over(self.quota_key(metadata[self.attribute]))
-
-    def _prepares(self, tenant: Mapping[str, str]) -> bool:
-        return self.blocking
 
     def quota_specs(self) -> list[QuotaSpec]:
         if not self.blocking:
