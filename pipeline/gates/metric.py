@@ -100,18 +100,6 @@ class MetricGate(Budgeted):
             raise MetricUnavailable(f"GET {where}: HTTP {resp.status}")
         return resp
 
-    def reading(self) -> _Reading:
-        """The cached reading (a value or an error), or a new one when it is too old."""
-        with self._lock:
-            cached = self._reading
-            if cached is None or time.monotonic() - cached.at >= self.cache_ttl_s:
-                try:
-                    cached = _Reading(time.monotonic(), self.read(), None)
-                except Exception as exc:  # noqa: BLE001 - every failure is "unavailable"
-                    cached = _Reading(time.monotonic(), None, str(exc) or type(exc).__name__)
-                self._reading = cached
-        return cached
-
     def budget(self) -> float:
         """min(1, D − threshold) when D is above the threshold, else 0; the fallback when D
         cannot be read."""
@@ -121,9 +109,17 @@ class MetricGate(Budgeted):
         return min(1.0, value - threshold) if value > threshold + EPSILON else 0.0
 
     def observed(self) -> _Reading:
-        """The cached reading, its value and the closing threshold set as the gauges; a failure
-        that starts or ends is logged once."""
-        cached = self.reading()
+        """The cached reading (a value or an error), or a new one when it is too old; its value
+        and the closing threshold set as the gauges; a failure that starts or ends is logged
+        once."""
+        with self._lock:
+            cached = self._reading
+            if cached is None or time.monotonic() - cached.at >= self.cache_ttl_s:
+                try:
+                    cached = _Reading(time.monotonic(), self.read(), None)
+                except Exception as exc:  # noqa: BLE001 - every failure is "unavailable"
+                    cached = _Reading(time.monotonic(), None, str(exc) or type(exc).__name__)
+                self._reading = cached
         self.threshold, self.last_value = self.closing_threshold, cached.value
         self.source_available = cached.value is not None
         error = None if cached.value is not None else cached.error or "no value"

@@ -63,9 +63,8 @@ class EndpointScrapeGate(MetricGate):
             if p.has("fallback"):
                 raise p.error("fallback", "is not used with admission 'counted' (a failed "
                               "reading admits nothing)")  # fmt: skip
-        counted = self.admission == "counted"
-        self.closing_threshold = 0.0 if counted else self.baseline
-        self.fallback_budget = 0.0 if counted else max(0.0, 1.0 - fallback - self.baseline)
+        self.closing_threshold = self.baseline  # 0 when counted
+        self.fallback_budget = max(0.0, 1.0 - fallback - self.baseline)  # 0 when counted
         self._counted_lock = threading.Lock()
         self._counted_reading: object = None  # the reading the count below belongs to
         self._counted_admitted = 0
