@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
@@ -64,22 +65,16 @@ class LeaseScripts:
         self.prune_nodes = register(client, "gate_nodes_prune")
 
 
+@dataclass(frozen=True)
 class LeaseSet:
     """One slot pool: ``holders_key`` (sorted set) with its ``info_key`` (hash). With a
     ``registry`` (set key, member), taking a slot also lists the member there, in the same
     atomic step (a per-node gate's node list)."""
 
-    def __init__(
-        self,
-        scripts: LeaseScripts,
-        holders_key: str,
-        info_key: str,
-        registry: tuple[str, str] | None = None,
-    ) -> None:
-        self.scripts = scripts
-        self.holders_key = holders_key
-        self.info_key = info_key
-        self.registry = registry
+    scripts: LeaseScripts
+    holders_key: str
+    info_key: str
+    registry: tuple[str, str] | None = None
 
     @property
     def _keys(self) -> list[str]:

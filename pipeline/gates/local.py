@@ -27,18 +27,16 @@ class LocalMaxConcurrencyGate(SlotGate):
         verdict = Verdict.WAIT if self.gating_mode == "blocking" else Verdict.REFUSE
         self._full = Decision(verdict, reason="gate_closed", wake_on_release=True)
         self._slots: LeaseSet | None = None
-        self._scripts: LeaseScripts | None = None
         if env is not None:
-            self._scripts = LeaseScripts(env.client)
-            self._slots = self._node_slots(env.node)
+            self._slots = self._node_slots(LeaseScripts(env.client), env.node)
 
-    def _node_slots(self, node: str) -> LeaseSet:
-        assert self.env is not None and self._scripts is not None
+    def _node_slots(self, scripts: LeaseScripts, node: str) -> LeaseSet:
+        assert self.env is not None
         keys = self.env.keys
         if not self.per_node:
-            return LeaseSet(self._scripts, keys.gate_holders(self.name), keys.gate_info(self.name))
+            return LeaseSet(scripts, keys.gate_holders(self.name), keys.gate_info(self.name))
         return LeaseSet(
-            self._scripts,
+            scripts,
             keys.gate_node_holders(self.name, node),
             keys.gate_node_info(self.name, node),
             registry=(keys.gate_nodes(self.name), node),
@@ -52,7 +50,8 @@ class LocalMaxConcurrencyGate(SlotGate):
             return [self.slots]
         nodes = self.env.client.smembers(self.env.keys.gate_nodes(self.name))
         names = sorted(n.decode() if isinstance(n, bytes) else n for n in nodes)
-        return [self.slots] + [self._node_slots(n) for n in names if n != self.env.node]
+        others = [self._node_slots(self.slots.scripts, n) for n in names if n != self.env.node]
+        return [self.slots, *others]
 
     @property
     def slots(self) -> LeaseSet:
@@ -96,9 +95,9 @@ class LocalMaxConcurrencyGate(SlotGate):
         """Free expired leases on every node (a dead node cannot reap its own), and forget
         nodes whose pool is gone."""
         freed = [h for s in self._all_slots() for h in s.reap()]
-        if self.env is not None and self._scripts is not None and self.per_node:
+        if self.env is not None and self.per_node:
             keys = self.env.keys  # forget them: see gate_nodes_prune.lua
-            self._scripts.prune_nodes(
+            self.slots.scripts.prune_nodes(
                 keys=[keys.gate_nodes(self.name), keys.gate_node_prefix(self.name)]
             )
         return freed
