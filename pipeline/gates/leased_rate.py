@@ -49,19 +49,24 @@ class RedisLeasedRateGate(Budgeted, OnRedis):
         if self.client is not None:
             self._script = register(self.client, "gate_leased_rate")
 
-    def _call(self, mode: str) -> int:
-        """Run the script (``peek`` or ``take``); record the lease; returns the verdict."""
-        if self.client is None:
-            raise RuntimeError(f"gate {self.name!r} is not bound to Redis (env is None)")
-        verdict, rate, until, decision, reason = self._script(
-            keys=[self.control_key, self.state_key],
-            args=[API_VERSION, self.pool_id, repr(self.burst_s), mode],
-        )
-        if int(verdict) == INVALID:
-            self._note(problem=f"no valid lease ({reason})")
-        else:
-            self._note(float(rate), int(until) / 1000.0, str(decision))
-        return int(verdict)
+    def _call(self, mode: str) -> int | None:
+        """Run the script (``peek`` or ``take``) and record the lease: the verdict, or None
+        when the lease cannot be read."""
+        try:
+            if self.client is None:
+                raise RuntimeError(f"gate {self.name!r} is not bound to Redis (env is None)")
+            verdict, rate, until, decision, reason = self._script(
+                keys=[self.control_key, self.state_key],
+                args=[API_VERSION, self.pool_id, repr(self.burst_s), mode],
+            )
+            if int(verdict) == INVALID:
+                self._note(problem=f"no valid lease ({reason})")
+            else:
+                self._note(float(rate), int(until) / 1000.0, str(decision))
+            return int(verdict)
+        except Exception as exc:  # noqa: BLE001 - budget() never raises; both fail closed
+            self._note(problem=f"cannot read the lease: {exc}")
+            return None
 
     def _note(
         self,
@@ -83,17 +88,11 @@ class RedisLeasedRateGate(Budgeted, OnRedis):
 
     def budget(self) -> float:
         """1 for a valid lease with a rate > 0, else 0 (never touches the bucket)."""
-        try:
-            return 1.0 if self._call("peek") == ADMITTED else 0.0
-        except Exception as exc:  # noqa: BLE001 - budget() never raises; fail closed
-            self._note(problem=f"cannot read the lease: {exc}")
-            return 0.0
+        return 1.0 if self._call("peek") == ADMITTED else 0.0
 
     def acquire(self, ctx: AcquireContext) -> Decision:
-        try:
-            verdict = self._call("take")
-        except Exception as exc:  # noqa: BLE001 - a Redis error refuses (fails closed)
-            self._note(problem=f"cannot read the lease: {exc}")
+        verdict = self._call("take")
+        if verdict is None:  # a Redis error refuses (fails closed)
             return Decision(Verdict.REFUSE, reason="error")
         if verdict == ADMITTED:
             return CONTINUE

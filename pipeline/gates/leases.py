@@ -176,7 +176,6 @@ class SlotGate(Batched, HandsOver):
         tenant: Mapping[str, str],
         behind: bool = False,
     ) -> Calls[Admission] | None:
-        """The slot for the dispatcher's ``tenant``; with ``behind`` the pool is full."""
         call = self._take(holder, lease_s, tenant, worker) if self.prepares else None
         if call is None:
             return None

@@ -177,8 +177,6 @@ class PrometheusGate(MetricGate):
             if not result:
                 return None
             return finite(result[0]["value"][1], promql)
-        except MetricUnavailable:
-            raise
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise MetricUnavailable(f"{where}: malformed response ({exc!r})") from None
 

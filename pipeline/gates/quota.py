@@ -161,8 +161,7 @@ class TokenQuota(Quota, Settles):
         )
 
     def settle(self, ctx: AcquireContext, tokens: int | None) -> None:
-        """Settle ``ctx``'s charge: to ``tokens`` (0 refunds it), or to its estimate (None);
-        a charge that stays counts for a window from now."""
+        """See :meth:`Settles.settle`; a charge that stays counts for a window from now."""
         value = ctx.metadata.get(self.attribute)
         if self.client is None or not value:
             return
