@@ -182,7 +182,7 @@ class CompositeGate(Batched, HandsOver):
 
 
 class Wrapper(Gate):
-    """A gate around one inner gate: everything is the inner gate's but what it overrides."""
+    """A gate around one inner gate, its one part: what it does not override fans out to it."""
 
     inner: Gate
 
@@ -192,9 +192,6 @@ class Wrapper(Gate):
 
     def parts(self) -> Sequence[Gate]:
         return (self.inner,)
-
-    def acquire(self, ctx: AcquireContext) -> Decision:
-        return self.inner.acquire(ctx)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "gate": self.inner.describe()}

@@ -31,14 +31,15 @@ class RedisLeasedRateGate(Budgeted, OnRedis):
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
         p = Params(self.type_name, name, params)
-        self._connect(p)
         self.control_key = p.get_str("control_key", required=True)
         pool = p.opt_str("pool_id") or owning_pool(name)
         if not pool:
             raise p.error("pool_id", "is required (it defaults to the pool of a pool gate)")
         self.pool_id = pool
         self.burst_s = p.get_float("burst_seconds", 1.0, lo=0.0, lo_open=True)
-        self._state_param = p.opt_str("state_key")
+        self.state_key = p.opt_str("state_key") or ""
+        if not self.state_key and env is not None:
+            self.state_key = env.keys.leased_rate_state(self.control_key)
         # the lease as last read, for the pipeline_drain_limit_* gauges (0 when invalid)
         self.limit_rps = 0.0
         self.lease_valid = 0  # 1 also while paused
@@ -48,37 +49,34 @@ class RedisLeasedRateGate(Budgeted, OnRedis):
         if self.client is not None:
             self._script = register(self.client, "gate_leased_rate")
 
-    @property
-    def state_key(self) -> str:
-        if self._state_param:
-            return self._state_param
-        if self.env is None:
-            raise RuntimeError(f"gate {self.name!r} is not bound to Redis (env is None)")
-        return self.env.keys.leased_rate_state(self.control_key)
-
-    def _call(self, mode: str) -> int:
-        """Run the script (``peek`` or ``take``); record the lease; returns the verdict."""
-        if self.client is None:
-            raise RuntimeError(f"gate {self.name!r} is not bound to Redis (env is None)")
-        verdict, rate, until, decision, reason = self._script(
-            keys=[self.control_key, self.state_key],
-            args=[API_VERSION, self.pool_id, repr(self.burst_s), mode],
-        )
-        if int(verdict) == INVALID:
-            self._note(problem=f"no valid lease ({reason})")
-        else:
-            self._note(float(rate), 1, int(until) / 1000.0, str(decision))
-        return int(verdict)
+    def _call(self, mode: str) -> int | None:
+        """Run the script (``peek`` or ``take``) and record the lease: the verdict, or None
+        when the lease cannot be read."""
+        try:
+            if self.client is None:
+                raise RuntimeError(f"gate {self.name!r} is not bound to Redis (env is None)")
+            verdict, rate, until, decision, reason = self._script(
+                keys=[self.control_key, self.state_key],
+                args=[API_VERSION, self.pool_id, repr(self.burst_s), mode],
+            )
+            if int(verdict) == INVALID:
+                self._note(problem=f"no valid lease ({reason})")
+            else:
+                self._note(float(rate), int(until) / 1000.0, str(decision))
+            return int(verdict)
+        except Exception as exc:  # noqa: BLE001 - budget() never raises; both fail closed
+            self._note(problem=f"cannot read the lease: {exc}")
+            return None
 
     def _note(
         self,
         rate: float = 0.0,
-        valid: int = 0,
         until_s: float = 0.0,
         decision: str = "",
         problem: str | None = None,
     ) -> None:
-        self.limit_rps, self.lease_valid, self.valid_until_s = rate, valid, until_s
+        self.limit_rps, self.valid_until_s = rate, until_s
+        self.lease_valid = int(problem is None)
         if decision and decision != self.decision_id:
             log.info(
                 "redis-leased-rate gate %s: pool %s decision %s, %g req/s until %.3f",
@@ -90,17 +88,11 @@ class RedisLeasedRateGate(Budgeted, OnRedis):
 
     def budget(self) -> float:
         """1 for a valid lease with a rate > 0, else 0 (never touches the bucket)."""
-        try:
-            return 1.0 if self._call("peek") == ADMITTED else 0.0
-        except Exception as exc:  # noqa: BLE001 - budget() never raises; fail closed
-            self._note(problem=f"cannot read the lease: {exc}")
-            return 0.0
+        return 1.0 if self._call("peek") == ADMITTED else 0.0
 
     def acquire(self, ctx: AcquireContext) -> Decision:
-        try:
-            verdict = self._call("take")
-        except Exception as exc:  # noqa: BLE001 - a Redis error refuses (fails closed)
-            self._note(problem=f"cannot read the lease: {exc}")
+        verdict = self._call("take")
+        if verdict is None:  # a Redis error refuses (fails closed)
             return Decision(Verdict.REFUSE, reason="error")
         if verdict == ADMITTED:
             return CONTINUE

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
@@ -64,22 +65,16 @@ class LeaseScripts:
         self.prune_nodes = register(client, "gate_nodes_prune")
 
 
+@dataclass(frozen=True)
 class LeaseSet:
     """One slot pool: ``holders_key`` (sorted set) with its ``info_key`` (hash). With a
     ``registry`` (set key, member), taking a slot also lists the member there, in the same
     atomic step (a per-node gate's node list)."""
 
-    def __init__(
-        self,
-        scripts: LeaseScripts,
-        holders_key: str,
-        info_key: str,
-        registry: tuple[str, str] | None = None,
-    ) -> None:
-        self.scripts = scripts
-        self.holders_key = holders_key
-        self.info_key = info_key
-        self.registry = registry
+    scripts: LeaseScripts
+    holders_key: str
+    info_key: str
+    registry: tuple[str, str] | None = None
 
     @property
     def _keys(self) -> list[str]:
@@ -111,13 +106,7 @@ class LeaseSet:
 
     def reap(self, only: Iterable[str] | None = None) -> list[str]:
         """Free expired leases: all of them, or only the listed holders (see the script)."""
-        if only is None:
-            args: list[Any] = ["all", REAP_BATCH]
-        else:
-            listed = list(only)
-            if not listed:
-                return []
-            args = ["listed", *listed]
+        args = ["all", REAP_BATCH] if only is None else ["listed", *only]
         return [str(h) for h in self.scripts.reap(keys=self._keys, args=args)]
 
     def count(self) -> int:
@@ -142,6 +131,7 @@ class SlotGate(Batched, HandsOver):
     limit: int
     taken: Decision = CONTINUE  # the decision when a slot is taken
     own_redis = False  # the pool is on a Redis of its own: its calls go alone, not batched
+    prepares = True  # the start's acquire takes the slot for the dispatcher's tenant
 
     def _pool(self, metadata: Mapping[str, str]) -> tuple[LeaseSet, dict[str, Any]] | None:
         """The pool a request with ``metadata`` takes its slot in, and the entry's fields
@@ -152,10 +142,6 @@ class SlotGate(Batched, HandsOver):
         """The decision when the pool is full."""
         raise NotImplementedError
 
-    def _prepares(self, tenant: Mapping[str, str]) -> bool:
-        """Whether the start's acquire takes the slot for the dispatcher's ``tenant``."""
-        return True
-
     def _take(
         self, holder: str, lease_s: float, metadata: Mapping[str, str], worker: str, giver: str = ""
     ) -> ScriptCall | None:
@@ -165,6 +151,10 @@ class SlotGate(Batched, HandsOver):
         pool, info = got
         info = {**info, "worker": worker, **({"handed_over_by": giver} if giver else {})}
         return pool.acquire(holder, lease_s, self.limit, info, giver)
+
+    def release(self, holder: str) -> bool:
+        calls = None if self.env is None else self.release_calls(holder)
+        return False if calls is None else calls.run()
 
     def _calls(self, call: ScriptCall, then: Callable[[Any], bool]) -> Calls[bool]:
         """One call's step; run by ``then`` when the pool is on a Redis of its own."""
@@ -186,8 +176,7 @@ class SlotGate(Batched, HandsOver):
         tenant: Mapping[str, str],
         behind: bool = False,
     ) -> Calls[Admission] | None:
-        """The slot for the dispatcher's ``tenant``; with ``behind`` the pool is full."""
-        call = self._take(holder, lease_s, tenant, worker) if self._prepares(tenant) else None
+        call = self._take(holder, lease_s, tenant, worker) if self.prepares else None
         if call is None:
             return None
         refused = self._refusal(tenant)

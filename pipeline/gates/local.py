@@ -27,16 +27,16 @@ class LocalMaxConcurrencyGate(SlotGate):
         verdict = Verdict.WAIT if self.gating_mode == "blocking" else Verdict.REFUSE
         self._full = Decision(verdict, reason="gate_closed", wake_on_release=True)
         self._slots: LeaseSet | None = None
-        self._scripts: LeaseScripts | None = None
         if env is not None:
-            self._scripts = LeaseScripts(env.client)
-            self._slots = self._node_slots(env.node)
+            self._slots = self._node_slots(LeaseScripts(env.client), env.node)
 
-    def _node_slots(self, node: str) -> LeaseSet:
-        assert self.env is not None and self._scripts is not None
+    def _node_slots(self, scripts: LeaseScripts, node: str) -> LeaseSet:
+        assert self.env is not None
         keys = self.env.keys
+        if not self.per_node:
+            return LeaseSet(scripts, keys.gate_holders(self.name), keys.gate_info(self.name))
         return LeaseSet(
-            self._scripts,
+            scripts,
             keys.gate_node_holders(self.name, node),
             keys.gate_node_info(self.name, node),
             registry=(keys.gate_nodes(self.name), node),
@@ -46,17 +46,12 @@ class LocalMaxConcurrencyGate(SlotGate):
         """This node's slot pool first, then every other node's that holds one."""
         if self.env is None:
             return []
+        if not self.per_node:
+            return [self.slots]
         nodes = self.env.client.smembers(self.env.keys.gate_nodes(self.name))
         names = sorted(n.decode() if isinstance(n, bytes) else n for n in nodes)
-        return [self.slots] + [self._node_slots(n) for n in names if n != self.env.node]
-
-    def _prune_nodes(self) -> None:
-        """Forget nodes whose slot pool expired (see ``gate_nodes_prune.lua``)."""
-        assert self.env is not None and self._scripts is not None
-        keys = self.env.keys
-        self._scripts.prune_nodes(
-            keys=[keys.gate_nodes(self.name), keys.gate_node_prefix(self.name)]
-        )
+        others = [self._node_slots(self.slots.scripts, n) for n in names if n != self.env.node]
+        return [self.slots, *others]
 
     @property
     def slots(self) -> LeaseSet:
@@ -81,12 +76,10 @@ class LocalMaxConcurrencyGate(SlotGate):
     def _refusal(self, metadata: Mapping[str, str]) -> Decision:
         return self._full
 
-    def release(self, holder: str) -> bool:
+    def release_calls(self, holder: str) -> Calls[bool]:
         """Release wherever the holder is: normally this node's pool, but a reaper on another
         node frees a dead node's holders too."""
-        return False if self._slots is None else self.release_calls(holder).run()
 
-    def release_calls(self, holder: str) -> Calls[bool]:
         def done(replies: Any) -> bool:
             return bool(int(replies[0])) or any(s.release(holder)() for s in self._all_slots()[1:])
 
@@ -103,7 +96,10 @@ class LocalMaxConcurrencyGate(SlotGate):
         nodes whose pool is gone."""
         freed = [h for s in self._all_slots() for h in s.reap()]
         if self.env is not None and self.per_node:
-            self._prune_nodes()
+            keys = self.env.keys  # forget them: see gate_nodes_prune.lua
+            self.slots.scripts.prune_nodes(
+                keys=[keys.gate_nodes(self.name), keys.gate_node_prefix(self.name)]
+            )
         return freed
 
     def in_flight(self) -> int:
@@ -114,21 +110,10 @@ class LocalMaxConcurrencyGate(SlotGate):
         return [h for s in self._all_slots() for h in s.live()]
 
     def describe(self) -> dict[str, Any]:
-        node = self.env.node if self.env is not None else None
+        node = self.env.node if self.env is not None and self.per_node else None
         return {**super().describe(), "gating_mode": self.gating_mode, "node": node}
 
 
 class GlobalMaxConcurrencyGate(LocalMaxConcurrencyGate):
     type_name = "global-max-concurrency"
     per_node = False
-
-    def _node_slots(self, node: str) -> LeaseSet:
-        assert self.env is not None and self._scripts is not None
-        keys = self.env.keys
-        return LeaseSet(self._scripts, keys.gate_holders(self.name), keys.gate_info(self.name))
-
-    def _all_slots(self) -> list[LeaseSet]:
-        return [self.slots] if self.env is not None else []
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "node": None}

@@ -10,7 +10,6 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlencode, urlsplit
@@ -54,13 +53,11 @@ def finite(value: Any, what: str) -> float:
 EPSILON = 1e-9  # a value this close to the threshold counts as at it (1 - 0.8 != 0.2 in floats)
 
 
-def budget_above(value: float, threshold: float) -> float:
-    """``min(1, value − threshold)`` when ``value > threshold``, else 0."""
-    return min(1.0, value - threshold) if value > threshold + EPSILON else 0.0
-
-
 class MetricGate(Budgeted):
     """Base of the metric gates: caching, fail-closed fallback, gauges, binary acquire."""
+
+    closing_threshold: float  # D at or below which the gate is closed
+    fallback_budget: float  # the budget while the metric cannot be read
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
@@ -83,13 +80,6 @@ class MetricGate(Budgeted):
         """One fresh reading of D (budget space). Raises on any failure."""
         raise NotImplementedError
 
-    def closing_threshold(self) -> float:
-        """D at or below which the gate is closed."""
-        raise NotImplementedError
-
-    def fallback_budget(self) -> float:
-        raise NotImplementedError
-
     def get(self, url: str, **params: str) -> Response:
         """``GET url`` with query ``params``: a 200 response, else MetricUnavailable."""
         where = redact_url(url)
@@ -110,8 +100,18 @@ class MetricGate(Budgeted):
             raise MetricUnavailable(f"GET {where}: HTTP {resp.status}")
         return resp
 
-    def reading(self) -> _Reading:
-        """The cached reading (a value or an error), or a new one when it is too old."""
+    def budget(self) -> float:
+        """min(1, D − threshold) when D is above the threshold, else 0; the fallback when D
+        cannot be read."""
+        value, threshold = self.observed().value, self.closing_threshold
+        if value is None:
+            return min(1.0, max(0.0, self.fallback_budget))
+        return min(1.0, value - threshold) if value > threshold + EPSILON else 0.0
+
+    def observed(self) -> _Reading:
+        """The cached reading (a value or an error), or a new one when it is too old; its value
+        and the closing threshold set as the gauges; a failure that starts or ends is logged
+        once."""
         with self._lock:
             cached = self._reading
             if cached is None or time.monotonic() - cached.at >= self.cache_ttl_s:
@@ -120,24 +120,10 @@ class MetricGate(Budgeted):
                 except Exception as exc:  # noqa: BLE001 - every failure is "unavailable"
                     cached = _Reading(time.monotonic(), None, str(exc) or type(exc).__name__)
                 self._reading = cached
-        return cached
-
-    def budget(self) -> float:
-        """Free share in [0, 1] from the metric; the fallback when it cannot be read."""
-        threshold = self.closing_threshold()
-        cached = self.observed(threshold)
-        if cached.value is None:
-            return min(1.0, max(0.0, self.fallback_budget()))
-        return max(0.0, budget_above(cached.value, threshold))
-
-    def observed(self, threshold: float) -> _Reading:
-        """The cached reading, its value and ``threshold`` set as the gauges; a failure that
-        starts or ends is logged once."""
-        cached = self.reading()
-        self.threshold, self.last_value = threshold, cached.value
+        self.threshold, self.last_value = self.closing_threshold, cached.value
         self.source_available = cached.value is not None
         error = None if cached.value is not None else cached.error or "no value"
-        effect = f"using fallback budget {self.fallback_budget():.3g}"
+        effect = f"using fallback budget {self.fallback_budget:.3g}"
         self._last_error = note_problem(self, self._last_error, error, effect)
         return cached
 
@@ -159,7 +145,9 @@ def promql_selector(metric: str, labels: dict[str, str]) -> str:
 
 
 class PrometheusGate(MetricGate):
-    """A metric gate that asks a Prometheus-compatible HTTP API (an instant query)."""
+    """A metric gate that asks a Prometheus-compatible HTTP API (instant queries)."""
+
+    queries: list[str]  # the sources of D, in order: the first with a sample is read
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
@@ -169,10 +157,8 @@ class PrometheusGate(MetricGate):
                 "url", "must be the http(s) base of a Prometheus API (or set PROMETHEUS_URL)"
             )
         self.url = url.rstrip("/")
-        self.fallback = self.p.get_float("fallback", 0.0, lo=0.0, hi=1.0)
-
-    def fallback_budget(self) -> float:
-        return self.fallback
+        self.fallback_budget = self.p.get_float("fallback", 0.0, lo=0.0, hi=1.0)
+        self.source_index: int | None = None  # the query read last
 
     def query(self, promql: str) -> float | None:
         """The first sample of an instant query, or None when the result is empty."""
@@ -191,22 +177,22 @@ class PrometheusGate(MetricGate):
             if not result:
                 return None
             return finite(result[0]["value"][1], promql)
-        except MetricUnavailable:
-            raise
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise MetricUnavailable(f"{where}: malformed response ({exc!r})") from None
 
-    def first_sample(self, queries: Sequence[str]) -> tuple[int, float]:
-        """The first of ``queries`` with a sample: its index and value."""
+    def read(self) -> float:
+        """The first of :attr:`queries` with a sample (its index: ``source_index``)."""
+        self.source_index = None
         problems = []
-        for i, promql in enumerate(queries):
+        for i, promql in enumerate(self.queries):
             try:
                 value = self.query(promql)
             except MetricUnavailable as exc:
                 problems.append(f"[{i}] {exc}")
                 continue
             if value is not None:
-                return i, value
+                self.source_index = i
+                return value
             problems.append(f"[{i}] no sample for {promql}")
         raise MetricUnavailable("; ".join(problems))
 
@@ -219,13 +205,8 @@ class PrometheusQueryGate(PrometheusGate):
 
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
-        self.promql = self.p.get_str("query", required=True)
-
-    def read(self) -> float:
-        return self.first_sample([self.promql])[1]
-
-    def closing_threshold(self) -> float:
-        return 0.0
+        self.queries = [self.p.get_str("query", required=True)]
+        self.closing_threshold = 0.0
 
 
 # the EPP's pool saturation gauge: the name current llm-d routers export, then the older one
@@ -242,26 +223,17 @@ class PrometheusSaturationGate(PrometheusGate):
         super().__init__(name, params, env)
         pool = self.p.get_str("pool", required=True)
         namespace = self.p.opt_str("namespace")
-        self.saturation_threshold = self.p.get_float("threshold", 0.8, lo=0.0, lo_open=True, hi=1.0)
+        saturation_threshold = self.p.get_float("threshold", 0.8, lo=0.0, lo_open=True, hi=1.0)
+        self.closing_threshold = 1.0 - saturation_threshold
         labels = {"inference_pool": pool}
         if namespace:
             labels["namespace"] = namespace
+        # the current metric's value, else the old name's (an EPP of an older release)
         self.queries = ["1 - " + promql_selector(name, labels) for name in SATURATION_METRICS]
-        self.promql = self.queries[0]
-        self.source_metric: str | None = None
-
-    def read(self) -> float:
-        """The current metric's value, else the old name's (an EPP of an older release)."""
-        self.source_metric = None
-        i, value = self.first_sample(self.queries)
-        self.source_metric = SATURATION_METRICS[i]
-        return value
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "source_metric": self.source_metric}
-
-    def closing_threshold(self) -> float:
-        return 1.0 - self.saturation_threshold
+        i = self.source_index
+        return {**super().describe(), "source_metric": None if i is None else SATURATION_METRICS[i]}
 
 
 class PrometheusBudgetGate(PrometheusGate):
@@ -275,7 +247,7 @@ class PrometheusBudgetGate(PrometheusGate):
         self.baseline = self.p.get_float("baseline", 0.05, lo=0.0, hi=1.0, hi_open=True)
         self.aggregation = self.p.get_choice("ready_pods_aggregation", ("max", "sum"), "max")
         self.queries = budget_queries(pool, namespace, self.max_concurrency, self.aggregation)
-        self.source_index: int | None = None
+        self.closing_threshold = self.baseline
         log.info(
             "prometheus-budget gate %s: pool %s closes at %.4g load per ready pod; sources: %s",
             name,
@@ -283,14 +255,6 @@ class PrometheusBudgetGate(PrometheusGate):
             self.max_concurrency * (1 - self.baseline),
             " | ".join(self.queries),
         )
-
-    def read(self) -> float:
-        self.source_index = None
-        self.source_index, value = self.first_sample(self.queries)
-        return value
-
-    def closing_threshold(self) -> float:
-        return self.baseline
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "source_index": self.source_index}

@@ -100,7 +100,14 @@ class Params:
             raise self.error(key, f"must be a number, not {value!r}") from None
         if not math.isfinite(number):
             raise self.error(key, f"must be a finite number, not {value!r}")
-        self._check_range(key, number, lo, hi, lo_open, hi_open)
+        low_bad = lo is not None and (number <= lo if lo_open else number < lo)
+        high_bad = hi is not None and (number >= hi if hi_open else number > hi)
+        if low_bad or high_bad:
+            left = "(" if lo_open else "["
+            right = ")" if hi_open else "]"
+            lo_s = "-inf" if lo is None else f"{lo:g}"
+            hi_s = "inf" if hi is None else f"{hi:g}"
+            raise self.error(key, f"must be in {left}{lo_s}, {hi_s}{right}, not {number:g}")
         return number
 
     def get_int(self, key: str, default: int | None = None, *, lo: int | None = None) -> int:
@@ -177,21 +184,3 @@ class Params:
         if not isinstance(inner, dict):
             raise self.error(f"{key}.gate_params", "must be an object")
         return gate_type, inner
-
-    def _check_range(
-        self,
-        key: str,
-        number: float,
-        lo: float | None,
-        hi: float | None,
-        lo_open: bool,
-        hi_open: bool,
-    ) -> None:
-        low_bad = lo is not None and (number <= lo if lo_open else number < lo)
-        high_bad = hi is not None and (number >= hi if hi_open else number > hi)
-        if low_bad or high_bad:
-            left = "(" if lo_open else "["
-            right = ")" if hi_open else "]"
-            lo_s = "-inf" if lo is None else f"{lo:g}"
-            hi_s = "inf" if hi is None else f"{hi:g}"
-            raise self.error(key, f"must be in {left}{lo_s}, {hi_s}{right}, not {number:g}")

@@ -22,17 +22,15 @@ log = logging.getLogger(__name__)
 
 RESERVED = Decision(Verdict.CONTINUE, labels={"classification": "reserved"})
 OVERFLOW = Decision(Verdict.CONTINUE, labels={"classification": "overflow"})
-MODES = ("rate-limit", "concurrency", "tokens")
 # tokens mode: a refusal while charges in flight could settle lower asks again after at most
 # this long (s), instead of waiting for the window to expire
 SETTLE_POLL_S = 1.0
 
 
 def redis_quota(name: str, params: dict[str, Any], env: GateEnv | None) -> Gate:
-    """The ``redis-quota`` gate of the ``mode`` param."""
-    mode = Params(Quota.type_name, name, params).get_choice("mode", MODES, "rate-limit")
-    cls = {"rate-limit": RateQuota, "concurrency": ConcurrencyQuota, "tokens": TokenQuota}[mode]
-    return cls(name, params, env)
+    modes = {"rate-limit": RateQuota, "concurrency": ConcurrencyQuota, "tokens": TokenQuota}
+    mode = Params(Quota.type_name, name, params).get_choice("mode", tuple(modes), "rate-limit")
+    return modes[mode](name, params, env)
 
 
 class Quota(OnRedis):
@@ -44,7 +42,6 @@ class Quota(OnRedis):
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
         p = Params(self.type_name, name, params)
-        self._connect(p)
         self.attribute = p.get_str("attribute", "userid").removeprefix("metadata.")
         if not self.attribute:
             raise p.error("attribute", "must name a metadata attribute")
@@ -164,8 +161,7 @@ class TokenQuota(Quota, Settles):
         )
 
     def settle(self, ctx: AcquireContext, tokens: int | None) -> None:
-        """Settle ``ctx``'s charge: to ``tokens`` (0 refunds it), or to its estimate (None);
-        a charge that stays counts for a window from now."""
+        """See :meth:`Settles.settle`; a charge that stays counts for a window from now."""
         value = ctx.metadata.get(self.attribute)
         if self.client is None or not value:
             return
@@ -189,6 +185,7 @@ class ConcurrencyQuota(Quota, SlotGate):
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
         self.blocking = self.gating_mode == "blocking"
+        self.prepares = self.blocking  # a classifying quota's slot is not taken at the start
         self.own_redis = self.url is not None  # its calls cannot go with the pipeline's
         if self.client is not None:
             self._leases = LeaseScripts(self.client)
@@ -213,9 +210,6 @@ class ConcurrencyQuota(Quota, SlotGate):
     def _refusal(self, metadata: Mapping[str, str]) -> Decision:
         return self._over(self.quota_key(metadata[self.attribute]))
 
-    def _prepares(self, tenant: Mapping[str, str]) -> bool:
-        return self.blocking
-
     def quota_specs(self) -> list[QuotaSpec]:
         if not self.blocking:
             return []
@@ -226,11 +220,8 @@ class ConcurrencyQuota(Quota, SlotGate):
         value = metadata.get(self.attribute) if self.blocking else None
         return self.quota_key(value) if value else None
 
-    def release(self, holder: str) -> bool:
-        """One round trip: the index entry names the holder's key (``gate_quota_release``)."""
-        return False if self.client is None else self.release_calls(holder).run()
-
     def release_calls(self, holder: str) -> Calls[bool]:
+        """One round trip: the index entry names the holder's key (``gate_quota_release``)."""
         call = ScriptCall(self._release, [self._index_key()], [holder])
         return self._calls(call, lambda r: bool(int(r)))
 

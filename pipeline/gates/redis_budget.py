@@ -56,21 +56,19 @@ def redis_url(p: Params, key: str = "address") -> RedisAddress | None:
     return RedisAddress(url)
 
 
-def connect(address: RedisAddress) -> redis.Redis:
-    """A client of its own for a gate that names another Redis (5 s timeouts)."""
-    return store_connect(address.url, sentinel_master=address.master_name, timeout=5)
-
-
 class OnRedis(Gate):
-    """A gate on the Redis its ``address`` names (a client of its own), else the pipeline's."""
+    """A gate on the Redis its ``address`` names (a client of its own, 5 s timeouts), else the
+    pipeline's."""
 
-    url: RedisAddress | None
     client: redis.Redis | None
 
-    def _connect(self, p: Params) -> None:
-        self.url = redis_url(p)
-        env = self.env
-        self.client = None if env is None else connect(self.url) if self.url else env.client
+    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+        super().__init__(name, params, env)
+        url = self.url = redis_url(Params(self.type_name, name, params))
+        if env is None or url is None:
+            self.client = None if env is None else env.client
+        else:
+            self.client = store_connect(url.url, sentinel_master=url.master_name, timeout=5)
 
     def close(self) -> None:
         if self.url is not None and self.client is not None:
@@ -83,7 +81,6 @@ class RedisBudgetGate(Budgeted, OnRedis):
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
         p = Params(self.type_name, name, params)
-        self._connect(p)
         self.budget_key = p.get_str("budget_key", "dispatch-gate-budget")
         self._last_problem: str | None = None
 

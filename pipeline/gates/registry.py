@@ -85,12 +85,11 @@ def attempt_gate(
     """The queue's gate, chained with its pool's (``pools``: one instance per pool)."""
     gate = queue_gate(settings, queue, env)
     pool = settings.queues[queue].worker_pool_id
-    if pools is not None and pool in pools:
-        pg = pools[pool]
-    else:
-        pg = pool_gate(settings, pool, env)
-        if pools is not None:
-            pools[pool] = pg
+    if pools is None:
+        pools = {}
+    if pool not in pools:
+        pools[pool] = pool_gate(settings, pool, env)
+    pg = pools[pool]
     if pg is None:
         return gate
     return CompositeGate.of(f"{queue}+pool.{pool}", [gate, pg], env)

@@ -42,7 +42,7 @@ class EndpointScrapeGate(MetricGate):
         self.labels = p.get_str_map("labels")
         self.max_count_per_pod = p.get_float("max_count_per_pod", 0.0, lo=0.0)
         self.baseline = p.get_float("baseline", 0.0, lo=0.0, hi=1.0, hi_open=True)
-        self.fallback = p.get_float("fallback", 1.0, lo=0.0, hi=1.0)
+        fallback = p.get_float("fallback", 1.0, lo=0.0, hi=1.0)
         pods_url, pods_metric = p.opt_str("pods_url"), p.opt_str("pods_metric")
         if (pods_url is None) != (pods_metric is None):
             missing = "pods_metric" if pods_metric is None else "pods_url"
@@ -63,6 +63,8 @@ class EndpointScrapeGate(MetricGate):
             if p.has("fallback"):
                 raise p.error("fallback", "is not used with admission 'counted' (a failed "
                               "reading admits nothing)")  # fmt: skip
+        self.closing_threshold = self.baseline  # 0 when counted
+        self.fallback_budget = max(0.0, 1.0 - fallback - self.baseline)  # 0 when counted
         self._counted_lock = threading.Lock()
         self._counted_reading: object = None  # the reading the count below belongs to
         self._counted_admitted = 0
@@ -93,18 +95,10 @@ class EndpointScrapeGate(MetricGate):
         saturation = value / max_count if max_count > 0 else value
         return 1.0 - min(1.0, max(0.0, saturation))
 
-    def closing_threshold(self) -> float:
-        return 0.0 if self.admission == "counted" else self.baseline
-
-    def fallback_budget(self) -> float:
-        if self.admission == "counted":
-            return 0.0
-        return max(0.0, 1.0 - self.fallback - self.baseline)
-
     def _claim(self, take: bool) -> bool:
         """Whether the current reading allows one more admission (``take``: count it); a new
         reading starts the count again. Sets the gauges (value = headroom, threshold 0)."""
-        reading = self.observed(0.0)
+        reading = self.observed()
         if reading.value is None:
             return False
         with self._counted_lock:

@@ -15,7 +15,6 @@ MESSAGE_OVERHEAD = 4  # tokens per chat message (role markers of the chat templa
 
 
 def _count(value: Any) -> int | None:
-    """A non-negative integer (not a bool), else None."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         return None
     return value
