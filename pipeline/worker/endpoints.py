@@ -3,7 +3,6 @@ ever in the outgoing header) and its TLS settings, checked at start and on reloa
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -12,8 +11,6 @@ from ..config import QueueConfig, Settings
 from ..errors import ConfigError
 from ..http.call import TLS
 from ..http.classify import Outcome, send
-
-log = logging.getLogger("pipeline.worker")
 
 
 def queue_tls(q: QueueConfig) -> TLS | None:
