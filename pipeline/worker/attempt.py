@@ -30,8 +30,6 @@ PARK_POLL_S = 0.5  # a parked attempt re-asks its gate at least this often (a lo
 
 
 class Attempt:
-    """One attempt of one request, from a fenced start to exactly one outcome."""
-
     def __init__(
         self,
         runtime: Host,
@@ -53,13 +51,24 @@ class Attempt:
         self.metadata: dict[str, str] = _json_map(record.get("metadata"), "metadata")
         self.labels: dict[str, str] = _json_map(record.get("labels"), "labels")
         self.extra_headers: dict[str, str] = _json_map(record.get("headers"), "headers")
-        if "payload" not in record:
-            raise KeyError("payload")
+        self.holder = make_holder(self.id, token)
         name = self.queue.queue_name
         self.reservation = reservation or Reservation(
             runtime, name, self.holder, runtime.gate(name)
         )
-        self.reservation.bind(self._ctx())
+        self.reservation.bind(
+            AcquireContext(
+                request_id=self.id,
+                token=token,
+                queue=name,
+                worker=worker,
+                lease_s=runtime.settings.lease_s,
+                deadline=self.deadline,
+                metadata=self.metadata,
+                labels=self.labels,
+                payload=record["payload"],
+            )
+        )
         self.closed = False
         self.mirrors: Mirrors | None = None  # set by the task layer
         self.send_event: Callable[..., Any] | None = None  # Celery's, set by the task layer
@@ -67,6 +76,7 @@ class Attempt:
         self.served_tokens: int | None = 0  # what a token charge settles to (served_tokens())
         self.journal = Journal()  # the request's decision log entries, sent with the outcome
         self.cancelled: str | None = None  # why, when cancelled while parked: it ends unsent
+        self.outcome: Outcome | None = None  # of its HTTP call (observe.observed_send)
 
     @property
     def decision(self) -> Decision | None:
@@ -76,29 +86,8 @@ class Attempt:
     def gate(self) -> Gate:
         return self.reservation.gate
 
-    @property
-    def holder(self) -> str:
-        return make_holder(self.id, self.token)
-
-    def now(self) -> float:
-        """The Redis server's clock (Unix s)."""
-        return time.time() + self.clock_offset
-
     def time_left(self) -> float:
-        return self.deadline - self.now()
-
-    def _ctx(self) -> AcquireContext:
-        return AcquireContext(
-            request_id=self.id,
-            token=self.token,
-            queue=self.queue.queue_name,
-            worker=self.worker,
-            lease_s=self.rt.settings.lease_s,
-            deadline=self.deadline,
-            metadata=self.metadata,
-            labels=self.labels,
-            payload=self.record["payload"],
-        )
+        return self.deadline - (time.time() + self.clock_offset)
 
     def acquire(self) -> Decision:
         """Ask the gate; holding nothing yet, the queue's gate under the current config (a
@@ -320,7 +309,10 @@ class Attempt:
             decision = self.acquire()
             if not noted and not decision.admitted and time.monotonic() - began >= PARK_POLL_S:
                 noted = True
-                self._note_now()
+                try:
+                    self.rt.store.note(self.id, self.token, self.journal)
+                except Exception as exc:  # noqa: BLE001 - the log is for people; it goes on
+                    log.warning("decision log note for %s failed: %s", self.id, exc)
         if decision.admitted:
             waited = round(time.monotonic() - began, 3)
             handed = True if self.reservation.ticket is not None else None
@@ -335,12 +327,6 @@ class Attempt:
             return False
         self.cancelled = self.rt.store.cancel_asked(self.id, self.token)
         return self.cancelled is not None
-
-    def _note_now(self) -> None:
-        try:
-            self.rt.store.note(self.id, self.token, self.journal)
-        except Exception as exc:  # noqa: BLE001 - the log is for people; the attempt goes on
-            log.warning("decision log note for %s failed: %s", self.id, exc)
 
     def note_span(self, traceparent: str) -> None:
         try:
@@ -367,11 +353,6 @@ class Attempt:
             _replace(headers, "Authorization", bearer)
         return headers
 
-    def url(self) -> str:
-        return join_url(
-            self.queue.igw_base_url, self.record.get("endpoint") or self.queue.request_path_url
-        )
-
     def _call(self) -> Report:
         left = self.time_left()
         if left <= 0:
@@ -381,7 +362,10 @@ class Attempt:
             outcome = observe.observed_send(
                 self,
                 queue_send(self.queue),
-                self.url(),
+                join_url(
+                    self.queue.igw_base_url,
+                    self.record.get("endpoint") or self.queue.request_path_url,
+                ),
                 self.record["payload"],
                 self.headers(),
                 timeout,

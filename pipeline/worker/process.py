@@ -29,12 +29,8 @@ SNAPSHOT_ENV = "PIPELINE_CONFIG_SNAPSHOT"  # the node's accepted queue config, f
 
 
 class Runtime:
-    """Per-process worker state."""
-
-    def __init__(
-        self, settings: Settings | None = None, snapshot: tuple[int, int, int] | None = None
-    ) -> None:
-        self.settings = check_gates(settings or load_settings())
+    def __init__(self, settings: Settings, snapshot: tuple[int, int, int] | None = None) -> None:
+        self.settings = check_gates(settings)
         check_endpoints(self.settings)  # a queue's API key variable is set, its TLS files load
         self.store = Store(self.settings)
         node = os.environ.get("PIPELINE_NODE") or f"{os.uname().nodename}.{os.getpid()}"
@@ -240,7 +236,6 @@ class Runtime:
 
 
 def _snapshot_stamp() -> tuple[int, int, int] | None:
-    """(inode, mtime ns, size) of the node's config snapshot, or None."""
     path = os.environ.get(SNAPSHOT_ENV)
     if not path:
         return None
