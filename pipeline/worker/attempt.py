@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import QueueConfig
-from ..gates import CONTINUE, AcquireContext, Decision, Gate, Verdict
+from ..gates import CONTINUE, AcquireContext, Decision, Verdict
 from ..http.backoff import retry_delay
 from ..http.classify import Kind, Outcome, join_url
 from ..store import ScriptCall
@@ -81,10 +81,6 @@ class Attempt:
     @property
     def decision(self) -> Decision | None:
         return self.reservation.decision
-
-    @property
-    def gate(self) -> Gate:
-        return self.reservation.gate
 
     def time_left(self) -> float:
         return self.deadline - (time.time() + self.clock_offset)
@@ -185,14 +181,18 @@ class Attempt:
         self.mirrored = mirror.state if mirror is not None else None
         return Report(status, reason, due=due)
 
+    def _answered(self, outcome: Outcome, attempted: bool) -> Report:
+        """The answer ``outcome`` got as the result (a gateway's drop reason: ``error_message``)."""
+        return self._finish(
+            attempted=attempted,
+            status_code=outcome.status_code,
+            payload=outcome.body,
+            error_message=outcome.described if outcome.dropped_reason else None,
+        )
+
     def _expired(self, attempted: bool, last: Outcome | None = None) -> Report:
         if last is not None and last.responded:
-            return self._finish(
-                attempted=attempted,
-                status_code=last.status_code,
-                payload=last.body,
-                error_message=_note(last),
-            )
+            return self._answered(last, attempted)
         prev = self.record.get("last_response")
         if prev:
             data = json.loads(prev)
@@ -236,7 +236,7 @@ class Attempt:
             note = self._gate_entry("requeued", decision, reason="gate wait timed out")
             return self._requeue(0.0, "gate wait timed out", attempted=False, note=note)
         if decision.verdict is Verdict.DROP:
-            self.journal.add("dropped", gate=decision.gate or self.gate.type_name)
+            self.journal.add("dropped", gate=decision.gate or self.reservation.gate.type_name)
             if decision.status_code is not None or decision.payload is not None:
                 return self._finish(
                     attempted=False,
@@ -277,9 +277,8 @@ class Attempt:
         )
 
     def _gate_entry(self, event: str, decision: Decision, **fields: Any) -> dict[str, Any]:
-        return entry(
-            event, gate=decision.gate or self.gate.type_name, key=decision.wake_key, **fields
-        )
+        gate = decision.gate or self.reservation.gate.type_name
+        return entry(event, gate=gate, key=decision.wake_key, **fields)
 
     def _park(self, first: Decision, limit_s: float) -> Decision:
         """Wait for a slot (a ring or a hand-over of the release bell, or a re-ask every
@@ -376,12 +375,7 @@ class Attempt:
             )
         self.served_tokens = served_tokens(outcome)
         if outcome.kind is Kind.SUCCESS or (outcome.kind is Kind.FATAL and outcome.responded):
-            return self._finish(
-                attempted=True,
-                status_code=outcome.status_code,
-                payload=outcome.body,
-                error_message=_note(outcome),
-            )
+            return self._answered(outcome, True)
         if outcome.kind is Kind.FATAL:
             return self._error("INFERENCE_ERROR", outcome.error or "request failed", True)
         retries = int(self.record.get("attempts") or 0)
@@ -438,11 +432,6 @@ def _replace(headers: dict[str, str], name: str, value: str) -> None:
     for key in [k for k in headers if k.lower() == name.lower()]:
         del headers[key]
     headers[name] = value
-
-
-def _note(outcome: Outcome) -> str | None:
-    """What a result keeps of the gateway's drop reason (its ``error_message``)."""
-    return outcome.described if outcome.dropped_reason else None
 
 
 def _json_map(text: str | None, field: str) -> dict[str, str]:

@@ -21,7 +21,6 @@ def queue_tls(q: QueueConfig) -> TLS | None:
 
 
 def queue_send(q: QueueConfig) -> Callable[[str, str, dict[str, str], float], Outcome]:
-    """``send`` with the queue's TLS, redirect and response-size settings."""
     return partial(
         send,
         tls=queue_tls(q),
@@ -31,7 +30,6 @@ def queue_send(q: QueueConfig) -> Callable[[str, str, dict[str, str], float], Ou
 
 
 def authorization(q: QueueConfig, environ: Mapping[str, str] = os.environ) -> str | None:
-    """``Bearer <key>`` for a queue with ``api_key_env``, else None."""
     if not q.api_key_env:
         return None
     return f"Bearer {environ.get(q.api_key_env, '')}"

@@ -118,7 +118,8 @@ class Runtime:
                 self.store.renew([(a.id, a.token, a.queue.queue_name) for a in live])
                 by_gate: dict[int, tuple[Gate, list[str]]] = {}
                 for a in live:  # each on the gate it holds (or asks)
-                    by_gate.setdefault(id(a.gate), (a.gate, []))[1].append(a.holder)
+                    gate = a.reservation.gate
+                    by_gate.setdefault(id(gate), (gate, []))[1].append(a.holder)
                 for gate, holders in by_gate.values():
                     gate.renew(holders, self.settings.lease_s)
             except Exception as exc:  # noqa: BLE001 - keep beating; leases tolerate a miss
