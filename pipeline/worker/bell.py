@@ -74,17 +74,13 @@ class ReleaseBell:
             gen = self._gen.get(queue)
             if gen is None:
                 gen = self._gen[queue] = 0
-                if len(self._gen) > MAX_NAMES:
-                    self._forget()
+                if len(self._gen) > MAX_NAMES:  # forget the least recently read nobody waits on
+                    for name in list(self._gen)[: len(self._gen) - MAX_NAMES]:
+                        if not self._waiters.get(name):
+                            del self._gen[name]
             else:
                 self._gen.move_to_end(queue)
             return gen
-
-    def _forget(self) -> None:
-        """Drop the least recently read generations nobody waits on (under the lock)."""
-        for name in list(self._gen)[: len(self._gen) - MAX_NAMES]:
-            if not self._waiters.get(name):
-                del self._gen[name]
 
     def _pop_waiter(self, queue: str, ticket: Ticket | None = None) -> Ticket | None:
         """Take ``ticket`` (None: the longest waiting one) out of ``queue``'s line."""
