@@ -41,8 +41,6 @@ Sender = Callable[[list[Dispatched]], None]
 
 
 class Dispatcher:
-    """Dispatch loop for the pools one worker node serves."""
-
     def __init__(
         self,
         settings: Settings,
@@ -84,7 +82,6 @@ class Dispatcher:
         # the connection a fused wait blocks on (the loop thread's own): stop() drops it, so
         # the server drops the tick queued behind the wait instead of running it after the stop
         self._waiting: AbstractConnection | None = None
-        self.dispatched = 0
 
     def _bind(self, settings: Settings, old: Settings | None = None) -> None:
         """Take ``settings``' queues of the served pools; a gate configured as in ``old`` stays
@@ -120,7 +117,11 @@ class Dispatcher:
 
     def apply(self, settings: Settings) -> None:
         """Switch to reloaded settings between two ticks (a waiting tick is rung first)."""
-        self._ring()
+        try:
+            for pool in self.pools:
+                self.store.client.rpush(self.keys.wake(pool), "1")
+        except Exception as exc:  # noqa: BLE001 - the wait ends by itself within a second
+            log.warning("could not ring the doorbell: %s", exc)
         with self._lock:
             self._bind(settings, self.settings)
             self._foreign_due = 0.0
@@ -154,13 +155,6 @@ class Dispatcher:
         self._thread = threading.Thread(target=self._loop, name="pipeline-dispatcher", daemon=True)
         self._thread.start()
         return self
-
-    def _ring(self) -> None:
-        try:
-            for pool in self.pools:
-                self.store.client.rpush(self.keys.wake(pool), "1")
-        except Exception as exc:  # noqa: BLE001 - the wait ends by itself within a second
-            log.warning("could not ring the doorbell: %s", exc)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -229,12 +223,7 @@ class Dispatcher:
         """Dispatch every pool once; returns when the earliest known event is due (monotonic).
         ``block`` (s): first wait that long for the doorbell, in the same round trip."""
         with self._lock:
-            next_event: float | None = None
-            for pool, queues in self.pools.items():
-                # the tick empties the doorbell: the rings so far wake no redundant tick
-                ne = self._tick_pool(pool, queues, self.keys.wake(pool), block)
-                if ne is not None and (next_event is None or ne < next_event):
-                    next_event = ne
+            events = [self._tick_pool(pool, queues, block) for pool, queues in self.pools.items()]
             now = time.monotonic()
             if self.foreign and now >= self._foreign_due:
                 # other pools' queues when one of their events is due, not at every ring
@@ -245,9 +234,9 @@ class Dispatcher:
                     if res.next_event is not None:
                         due = min(due, now + res.next_event)
                 self._foreign_due = due
-            if self.foreign and (next_event is None or self._foreign_due < next_event):
-                next_event = self._foreign_due
-            return next_event
+            if self.foreign:
+                events.append(self._foreign_due)
+            return min((e for e in events if e is not None), default=None)
 
     def _queue_tick(self, pool: str, q: QueueConfig) -> QueueTick:
         gate = self.gates[q.queue_name]
@@ -274,9 +263,7 @@ class Dispatcher:
             rand=self.rng.random(),
         )
 
-    def _tick_pool(
-        self, pool: str, queues: list[QueueConfig], doorbell: str, block: float | None
-    ) -> float | None:
+    def _tick_pool(self, pool: str, queues: list[QueueConfig], block: float | None) -> float | None:
         for q in queues:
             if q.ingest:
                 self._ingest(q)
@@ -293,7 +280,7 @@ class Dispatcher:
                 self.settings.lookahead_for(self.pool_cap[pool]),
             ),
             publish=direct,
-            doorbell=doorbell,
+            doorbell=self.keys.wake(pool),  # emptied: the rings so far wake no redundant tick
             block=block,
         )
         for q in queues:
@@ -304,8 +291,6 @@ class Dispatcher:
         if res.moved:
             if direct is None:
                 self._send(res.moved)
-            else:
-                self.dispatched += len(res.moved)
             if any(e.budget < 1.0 for e in entries):
                 # a fractional budget moved a share of the free room: more may fit now
                 return time.monotonic()
@@ -331,7 +316,6 @@ class Dispatcher:
     def _send(self, moved: list[Dispatched]) -> None:
         try:
             self.send(moved)
-            self.dispatched += len(moved)
         except Exception as exc:  # noqa: BLE001 - put them back; the lease would also do it
             log.error("could not send %d request(s) to Celery: %s", len(moved), exc)
             for d in moved:

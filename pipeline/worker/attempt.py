@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import QueueConfig
-from ..gates import CONTINUE, AcquireContext, Decision, Gate, Verdict
+from ..gates import CONTINUE, AcquireContext, Decision, Verdict
 from ..http.backoff import retry_delay
 from ..http.classify import Kind, Outcome, join_url
 from ..store import ScriptCall
@@ -30,8 +30,6 @@ PARK_POLL_S = 0.5  # a parked attempt re-asks its gate at least this often (a lo
 
 
 class Attempt:
-    """One attempt of one request, from a fenced start to exactly one outcome."""
-
     def __init__(
         self,
         runtime: Host,
@@ -53,13 +51,24 @@ class Attempt:
         self.metadata: dict[str, str] = _json_map(record.get("metadata"), "metadata")
         self.labels: dict[str, str] = _json_map(record.get("labels"), "labels")
         self.extra_headers: dict[str, str] = _json_map(record.get("headers"), "headers")
-        if "payload" not in record:
-            raise KeyError("payload")
+        self.holder = make_holder(self.id, token)
         name = self.queue.queue_name
         self.reservation = reservation or Reservation(
             runtime, name, self.holder, runtime.gate(name)
         )
-        self.reservation.bind(self._ctx())
+        self.reservation.bind(
+            AcquireContext(
+                request_id=self.id,
+                token=token,
+                queue=name,
+                worker=worker,
+                lease_s=runtime.settings.lease_s,
+                deadline=self.deadline,
+                metadata=self.metadata,
+                labels=self.labels,
+                payload=record["payload"],
+            )
+        )
         self.closed = False
         self.mirrors: Mirrors | None = None  # set by the task layer
         self.send_event: Callable[..., Any] | None = None  # Celery's, set by the task layer
@@ -67,38 +76,14 @@ class Attempt:
         self.served_tokens: int | None = 0  # what a token charge settles to (served_tokens())
         self.journal = Journal()  # the request's decision log entries, sent with the outcome
         self.cancelled: str | None = None  # why, when cancelled while parked: it ends unsent
+        self.outcome: Outcome | None = None  # of its HTTP call (observe.observed_send)
 
     @property
     def decision(self) -> Decision | None:
         return self.reservation.decision
 
-    @property
-    def gate(self) -> Gate:
-        return self.reservation.gate
-
-    @property
-    def holder(self) -> str:
-        return make_holder(self.id, self.token)
-
-    def now(self) -> float:
-        """The Redis server's clock (Unix s)."""
-        return time.time() + self.clock_offset
-
     def time_left(self) -> float:
-        return self.deadline - self.now()
-
-    def _ctx(self) -> AcquireContext:
-        return AcquireContext(
-            request_id=self.id,
-            token=self.token,
-            queue=self.queue.queue_name,
-            worker=self.worker,
-            lease_s=self.rt.settings.lease_s,
-            deadline=self.deadline,
-            metadata=self.metadata,
-            labels=self.labels,
-            payload=self.record["payload"],
-        )
+        return self.deadline - (time.time() + self.clock_offset)
 
     def acquire(self) -> Decision:
         """Ask the gate; holding nothing yet, the queue's gate under the current config (a
@@ -196,14 +181,18 @@ class Attempt:
         self.mirrored = mirror.state if mirror is not None else None
         return Report(status, reason, due=due)
 
+    def _answered(self, outcome: Outcome, attempted: bool) -> Report:
+        """The answer ``outcome`` got as the result (a gateway's drop reason: ``error_message``)."""
+        return self._finish(
+            attempted=attempted,
+            status_code=outcome.status_code,
+            payload=outcome.body,
+            error_message=outcome.described if outcome.dropped_reason else None,
+        )
+
     def _expired(self, attempted: bool, last: Outcome | None = None) -> Report:
         if last is not None and last.responded:
-            return self._finish(
-                attempted=attempted,
-                status_code=last.status_code,
-                payload=last.body,
-                error_message=_note(last),
-            )
+            return self._answered(last, attempted)
         prev = self.record.get("last_response")
         if prev:
             data = json.loads(prev)
@@ -247,7 +236,7 @@ class Attempt:
             note = self._gate_entry("requeued", decision, reason="gate wait timed out")
             return self._requeue(0.0, "gate wait timed out", attempted=False, note=note)
         if decision.verdict is Verdict.DROP:
-            self.journal.add("dropped", gate=decision.gate or self.gate.type_name)
+            self.journal.add("dropped", gate=decision.gate or self.reservation.gate.type_name)
             if decision.status_code is not None or decision.payload is not None:
                 return self._finish(
                     attempted=False,
@@ -288,9 +277,8 @@ class Attempt:
         )
 
     def _gate_entry(self, event: str, decision: Decision, **fields: Any) -> dict[str, Any]:
-        return entry(
-            event, gate=decision.gate or self.gate.type_name, key=decision.wake_key, **fields
-        )
+        gate = decision.gate or self.reservation.gate.type_name
+        return entry(event, gate=gate, key=decision.wake_key, **fields)
 
     def _park(self, first: Decision, limit_s: float) -> Decision:
         """Wait for a slot (a ring or a hand-over of the release bell, or a re-ask every
@@ -320,7 +308,10 @@ class Attempt:
             decision = self.acquire()
             if not noted and not decision.admitted and time.monotonic() - began >= PARK_POLL_S:
                 noted = True
-                self._note_now()
+                try:
+                    self.rt.store.note(self.id, self.token, self.journal)
+                except Exception as exc:  # noqa: BLE001 - the log is for people; it goes on
+                    log.warning("decision log note for %s failed: %s", self.id, exc)
         if decision.admitted:
             waited = round(time.monotonic() - began, 3)
             handed = True if self.reservation.ticket is not None else None
@@ -335,12 +326,6 @@ class Attempt:
             return False
         self.cancelled = self.rt.store.cancel_asked(self.id, self.token)
         return self.cancelled is not None
-
-    def _note_now(self) -> None:
-        try:
-            self.rt.store.note(self.id, self.token, self.journal)
-        except Exception as exc:  # noqa: BLE001 - the log is for people; the attempt goes on
-            log.warning("decision log note for %s failed: %s", self.id, exc)
 
     def note_span(self, traceparent: str) -> None:
         try:
@@ -367,11 +352,6 @@ class Attempt:
             _replace(headers, "Authorization", bearer)
         return headers
 
-    def url(self) -> str:
-        return join_url(
-            self.queue.igw_base_url, self.record.get("endpoint") or self.queue.request_path_url
-        )
-
     def _call(self) -> Report:
         left = self.time_left()
         if left <= 0:
@@ -381,7 +361,10 @@ class Attempt:
             outcome = observe.observed_send(
                 self,
                 queue_send(self.queue),
-                self.url(),
+                join_url(
+                    self.queue.igw_base_url,
+                    self.record.get("endpoint") or self.queue.request_path_url,
+                ),
                 self.record["payload"],
                 self.headers(),
                 timeout,
@@ -392,12 +375,7 @@ class Attempt:
             )
         self.served_tokens = served_tokens(outcome)
         if outcome.kind is Kind.SUCCESS or (outcome.kind is Kind.FATAL and outcome.responded):
-            return self._finish(
-                attempted=True,
-                status_code=outcome.status_code,
-                payload=outcome.body,
-                error_message=_note(outcome),
-            )
+            return self._answered(outcome, True)
         if outcome.kind is Kind.FATAL:
             return self._error("INFERENCE_ERROR", outcome.error or "request failed", True)
         retries = int(self.record.get("attempts") or 0)
@@ -454,11 +432,6 @@ def _replace(headers: dict[str, str], name: str, value: str) -> None:
     for key in [k for k in headers if k.lower() == name.lower()]:
         del headers[key]
     headers[name] = value
-
-
-def _note(outcome: Outcome) -> str | None:
-    """What a result keeps of the gateway's drop reason (its ``error_message``)."""
-    return outcome.described if outcome.dropped_reason else None
 
 
 def _json_map(text: str | None, field: str) -> dict[str, str]:

@@ -74,17 +74,13 @@ class ReleaseBell:
             gen = self._gen.get(queue)
             if gen is None:
                 gen = self._gen[queue] = 0
-                if len(self._gen) > MAX_NAMES:
-                    self._forget()
+                if len(self._gen) > MAX_NAMES:  # forget the least recently read nobody waits on
+                    for name in list(self._gen)[: len(self._gen) - MAX_NAMES]:
+                        if not self._waiters.get(name):
+                            del self._gen[name]
             else:
                 self._gen.move_to_end(queue)
             return gen
-
-    def _forget(self) -> None:
-        """Drop the least recently read generations nobody waits on (under the lock)."""
-        for name in list(self._gen)[: len(self._gen) - MAX_NAMES]:
-            if not self._waiters.get(name):
-                del self._gen[name]
 
     def _pop_waiter(self, queue: str, ticket: Ticket | None = None) -> Ticket | None:
         """Take ``ticket`` (None: the longest waiting one) out of ``queue``'s line."""
@@ -103,15 +99,12 @@ class ReleaseBell:
         with self._lock:
             return len(self._waiters.get(queue, ()))
 
-    def _expect_echo(self, queue: str) -> None:
-        if self._listener is not None:
-            self._echoes[queue].append(time.monotonic())
-
     def expect_echo(self, queue: str) -> None:
         """This process is about to publish a release of ``queue`` and ring it: swallow the
         echo even if it arrives first."""
         with self._lock:
-            self._expect_echo(queue)
+            if self._listener is not None:
+                self._echoes[queue].append(time.monotonic())
 
     def ring(self, queue: str, *, echo: bool = False) -> None:
         """A slot of ``queue`` may have freed: wake one waiter. ``echo``: the release will be
@@ -123,8 +116,8 @@ class ReleaseBell:
             if ticket is not None:
                 ticket.rang = True
                 ticket.fire()
-            if echo:
-                self._expect_echo(queue)
+            if echo and self._listener is not None:
+                self._echoes[queue].append(time.monotonic())
 
     def hand_over(self, queue: str, gate: Any = None) -> Ticket | None:
         """Grant the longest waiter of ``queue`` a slot of ``gate`` (None: nobody waits for one
@@ -164,8 +157,6 @@ class ReleaseBell:
     def _is_echo(self, queue: str) -> bool:
         with self._lock:
             pending = self._echoes.get(queue)
-            if not pending:
-                return False
             now = time.monotonic()
             while pending and now - pending[0] > ECHO_S:
                 pending.popleft()

@@ -3,7 +3,6 @@ ever in the outgoing header) and its TLS settings, checked at start and on reloa
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -12,8 +11,6 @@ from ..config import QueueConfig, Settings
 from ..errors import ConfigError
 from ..http.call import TLS
 from ..http.classify import Outcome, send
-
-log = logging.getLogger("pipeline.worker")
 
 
 def queue_tls(q: QueueConfig) -> TLS | None:
@@ -24,7 +21,6 @@ def queue_tls(q: QueueConfig) -> TLS | None:
 
 
 def queue_send(q: QueueConfig) -> Callable[[str, str, dict[str, str], float], Outcome]:
-    """``send`` with the queue's TLS, redirect and response-size settings."""
     return partial(
         send,
         tls=queue_tls(q),
@@ -34,7 +30,6 @@ def queue_send(q: QueueConfig) -> Callable[[str, str, dict[str, str], float], Ou
 
 
 def authorization(q: QueueConfig, environ: Mapping[str, str] = os.environ) -> str | None:
-    """``Bearer <key>`` for a queue with ``api_key_env``, else None."""
     if not q.api_key_env:
         return None
     return f"Bearer {environ.get(q.api_key_env, '')}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ class Attempt(Protocol):
     queue: QueueConfig
     record: dict[str, str]
     metadata: dict[str, str]
+    outcome: Outcome | None  # of its HTTP call, once sent
 
     @property
     def decision(self) -> Decision | None: ...
@@ -35,12 +35,6 @@ class Attempt(Protocol):
     def note_span(self, traceparent: str) -> None: ...
 
     def run(self) -> Report: ...
-
-
-# the outcomes of the HTTP calls of the attempt running in this context
-_outcomes: contextvars.ContextVar[list[Outcome] | None] = contextvars.ContextVar(
-    "pipeline_attempt_outcomes", default=None
-)
 
 
 def attempt_started(attempt: Attempt, send_event: Callable[..., Any] | None = None) -> None:
@@ -89,28 +83,33 @@ def gate_decision(
 
 def observed_run(attempt: Attempt) -> Report:
     """``attempt.run()`` inside its ``process-request`` span, then count its outcome."""
-    outcomes: list[Outcome] = []
-    token = _outcomes.set(outcomes)
     q = attempt.queue
+    with tracing.attempt_span(
+        attempt.id,
+        q.queue_id,
+        q.queue_name,
+        int(attempt.record.get("attempts") or 0),
+        attempt.metadata,
+        payload=attempt.record.get("payload"),
+        holder=f"{attempt.id}:{attempt.token}",
+    ) as span:
+        traceparent = span.traceparent()
+        if traceparent is not None:  # for the reaper's re-enqueue link
+            attempt.note_span(traceparent)
+        report = attempt.run()
+        _annotate(span, attempt, report)
     try:
-        with tracing.attempt_span(
-            attempt.id,
-            q.queue_id,
-            q.queue_name,
-            int(attempt.record.get("attempts") or 0),
-            attempt.metadata,
-            payload=attempt.record.get("payload"),
-            holder=f"{attempt.id}:{attempt.token}",
-        ) as span:
-            traceparent = span.traceparent()
-            if traceparent is not None:  # for the reaper's re-enqueue link
-                attempt.note_span(traceparent)
-            report = attempt.run()
-            _annotate(span, attempt, report, outcomes[-1] if outcomes else None)
-    finally:
-        _outcomes.reset(token)
-    try:
-        record_report(attempt, report)
+        s = metrics.series()
+        if report.status is Status.SUCCESS:
+            metrics.count(s.successes, q)
+        elif report.status is Status.FAILED:
+            dropped = attempt.decision is not None and attempt.decision.verdict.value == "drop"
+            if not dropped and _is_deadline(report.result or {}):
+                metrics.count(s.deadlines, q)
+            else:
+                metrics.count(s.failures, q)
+        elif report.status is Status.RETRY:
+            metrics.count(s.retries, q)
     except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
         log.warning("metrics for %s failed: %s", attempt.id, exc)
     return report
@@ -124,27 +123,11 @@ def _is_deadline(result: dict[str, Any]) -> bool:
     return not result.get("error_code") and isinstance(code, int) and (code == 429 or code >= 500)
 
 
-def record_report(attempt: Attempt, report: Report) -> None:
-    s = metrics.series()
-    q = attempt.queue
-    if report.status is Status.SUCCESS:
-        metrics.count(s.successes, q)
-    elif report.status is Status.FAILED:
-        dropped = attempt.decision is not None and attempt.decision.verdict.value == "drop"
-        if not dropped and _is_deadline(report.result or {}):
-            metrics.count(s.deadlines, q)
-        else:
-            metrics.count(s.failures, q)
-    elif report.status is Status.RETRY:
-        metrics.count(s.retries, q)
-
-
-def _annotate(
-    span: tracing.AttemptSpan, attempt: Attempt, report: Report, outcome: Outcome | None
-) -> None:
+def _annotate(span: tracing.AttemptSpan, attempt: Attempt, report: Report) -> None:
     if span.span is None:
         return
     result = report.result or {}
+    outcome = attempt.outcome
     category = ""
     if outcome is not None and outcome.kind.value != "success":
         category = outcome.category
@@ -169,7 +152,7 @@ def observed_send(
     headers: dict[str, str],
     timeout_s: float,
 ) -> Outcome:
-    """``send(...)`` counted (in flight, latency, 429s) and traced (``http-request``)."""
+    """``send(...)`` counted (in flight, latency, 429s, tokens) and traced (``http-request``)."""
     labels = metrics.queue_labels(attempt.queue)
     s = metrics.series()
     s.init_queue(labels)
@@ -190,21 +173,12 @@ def observed_send(
         s.shed.labels(*labels).inc()
     if outcome.dropped_reason:  # the gateway's flow control shed it: count its reason
         s.gate_decisions.labels(*labels, outcome.dropped_reason).inc()
-    count_tokens(labels, url, outcome)
-    outcomes = _outcomes.get()
-    if outcomes is not None:
-        outcomes.append(outcome)
-    return outcome
-
-
-def count_tokens(labels: tuple[str, str, str], url: str, outcome: Outcome) -> None:
-    """``pipeline_tokens_total{direction}`` from a 2xx answer's usage (the reference's rule)."""
-    try:
+    try:  # pipeline_tokens_total{direction} from a 2xx answer's usage (the reference's rule)
         usage = outcome.usage
-        if usage is None or not counted_path(url):
-            return
-        s = metrics.series()
-        s.tokens.labels(*labels, "input").inc(usage.prompt)
-        s.tokens.labels(*labels, "output").inc(usage.completion)
+        if usage is not None and counted_path(url):
+            s.tokens.labels(*labels, "input").inc(usage.prompt)
+            s.tokens.labels(*labels, "output").inc(usage.completion)
     except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
         log.warning("counting tokens failed: %s", exc)
+    attempt.outcome = outcome
+    return outcome

@@ -29,12 +29,8 @@ SNAPSHOT_ENV = "PIPELINE_CONFIG_SNAPSHOT"  # the node's accepted queue config, f
 
 
 class Runtime:
-    """Per-process worker state."""
-
-    def __init__(
-        self, settings: Settings | None = None, snapshot: tuple[int, int, int] | None = None
-    ) -> None:
-        self.settings = check_gates(settings or load_settings())
+    def __init__(self, settings: Settings, snapshot: tuple[int, int, int] | None = None) -> None:
+        self.settings = check_gates(settings)
         check_endpoints(self.settings)  # a queue's API key variable is set, its TLS files load
         self.store = Store(self.settings)
         node = os.environ.get("PIPELINE_NODE") or f"{os.uname().nodename}.{os.getpid()}"
@@ -122,7 +118,8 @@ class Runtime:
                 self.store.renew([(a.id, a.token, a.queue.queue_name) for a in live])
                 by_gate: dict[int, tuple[Gate, list[str]]] = {}
                 for a in live:  # each on the gate it holds (or asks)
-                    by_gate.setdefault(id(a.gate), (a.gate, []))[1].append(a.holder)
+                    gate = a.reservation.gate
+                    by_gate.setdefault(id(gate), (gate, []))[1].append(a.holder)
                 for gate, holders in by_gate.values():
                     gate.renew(holders, self.settings.lease_s)
             except Exception as exc:  # noqa: BLE001 - keep beating; leases tolerate a miss
@@ -240,7 +237,6 @@ class Runtime:
 
 
 def _snapshot_stamp() -> tuple[int, int, int] | None:
-    """(inode, mtime ns, size) of the node's config snapshot, or None."""
     path = os.environ.get(SNAPSHOT_ENV)
     if not path:
         return None

@@ -8,7 +8,6 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,22 +42,14 @@ class ReloadOutcome:
 
 
 class Reloader:
-    def __init__(
-        self,
-        runtime: Runtime,
-        node: str,
-        targets: list[Reloadable],
-        load: Callable[[Settings], Settings] = reload_queue_files,
-    ) -> None:
+    def __init__(self, runtime: Runtime, node: str, targets: list[Reloadable]) -> None:
         self.rt = runtime
         self.node = node
         self.targets = targets
-        self.load = load
         self.keys = runtime.store.keys
         self.client = runtime.store.client
         self._requested = threading.Event()
         self._stop = threading.Event()
-        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._seen = self._generation()  # a `pipeline reload` older than this node is done
 
@@ -96,19 +87,14 @@ class Reloader:
             if moved:
                 self._seen = generation
             if asked or moved:
-                self.reload(self._seen or 0, "SIGHUP" if asked and not moved else "pipeline reload")
-
-    def reload(self, generation: int = 0, source: str = "reload") -> ReloadOutcome:
-        with self._lock:
-            outcome = self._reload(generation, source)
-        self._record(outcome)
-        return outcome
+                source = "SIGHUP" if asked and not moved else "pipeline reload"
+                self._record(self._reload(self._seen or 0, source))
 
     def _reload(self, generation: int, source: str) -> ReloadOutcome:
         old = self.rt.settings
         now = time.time()
         try:
-            new = self.load(old)
+            new = reload_queue_files(old)
             change = diff_config(old, new)
             if not change:
                 log.info("config reload (%s): no change", source)

@@ -105,7 +105,6 @@ class Reservation:
         return took
 
     def ask(self) -> Decision:
-        """Ask the gate (the bells' generations read first). A gate error refuses."""
         bell = self.host.bell
         self.generations = {name: bell.generation(name) for name in (self.queue, *self.bells)}
         assert self.ctx is not None
