@@ -5,7 +5,7 @@ first (managed services allow it), ``CONFIG GET`` only for what it does not say.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -32,9 +32,6 @@ class ServerFacts:
     rdb_save: str | None = None  # the `save` setting ('' = RDB snapshots off), CONFIG GET
     problem: str | None = None  # why some facts are missing
     server_time: float | None = None  # the server's clock (Unix s) when they were read
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _int(info: dict[str, Any], key: str) -> int | None:
