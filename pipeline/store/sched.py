@@ -6,7 +6,6 @@ keeps the sub-queues in step from then on."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,52 +131,6 @@ def recheck(scripts: Scripts, keys: Keys, queue: str) -> int:
     tick holds back those still at their limit): a safety net against a wake-up that was lost
     (a lease freed by a reaper, a limit raised); returns how many."""
     return int(scripts.sched_recheck(keys=keys.families, args=[queue]))
-
-
-def tick_args(
-    keys: Keys,
-    pool: str,
-    queues: list[QueueTick],
-    *,
-    pool_cap: int,
-    lease_s: float,
-    ttl_s: int,
-    sweep: int,
-    nonce: str,
-    merge: MergeArgs,
-    doorbell: str | None,
-    publish: tuple[str, str, str] | None,
-) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of one ``dispatch.lua`` call."""
-    ks: list[str] = []
-    for q in queues:
-        ks += [
-            keys.pending(q.name),
-            keys.delayed(q.name),
-            keys.expiry(q.name),
-            keys.active(q.name),
-            q.result_list[0],
-        ]
-    list_key, task, origin = publish or ("", "", "")
-    ks += [keys.merge(pool), list_key]
-    if doorbell:
-        ks.append(doorbell)
-    ks += keys.families
-    cfg = {
-        "cap": pool_cap,
-        "lease": lease_s,
-        "ttl": ttl_s,
-        "sweep": sweep,
-        "nonce": nonce,
-        "task": task,
-        "origin": origin,
-        "doorbell": bool(doorbell),
-        "policy": merge.policy,
-        "max_wait": merge.max_wait,
-        "lookahead": merge.lookahead,
-        "queues": [q.arg() for q in queues],
-    }
-    return ks, [json.dumps(cfg, separators=(",", ":"))]
 
 
 def _flag(value: bool) -> str:

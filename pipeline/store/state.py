@@ -20,7 +20,7 @@ import redis
 from redis.exceptions import NoScriptError
 
 from ..config import QueueConfig, Settings
-from . import sched, wire
+from . import wire
 from .connect import connect
 from .journal import Journal, entry
 from .keys import Keys
@@ -132,7 +132,7 @@ class Store:
 
     def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
         self.settings = settings
-        self.keys = Keys.of(settings)
+        self.keys = Keys(settings.key_prefix)
         self.client = client or connect(
             settings.redis_url, sentinel_master=settings.redis_sentinel_master
         )
@@ -224,21 +224,33 @@ class Store:
         first empties that list; ``block`` (s, with ``doorbell``): the tick waits for a ring
         (``BLPOP``) sent in the same write (docs/internals.md, "Wait and tick in one round
         trip")."""
-        keys, args = sched.tick_args(
-            self.keys,
-            pool,
-            queues,
-            pool_cap=pool_cap,
-            lease_s=self.settings.dispatch_lease_s,
-            ttl_s=int(self.settings.result_ttl_s),
-            sweep=SWEEP_LIMIT,
-            nonce=new_token(),
-            merge=merge or MergeArgs(),
-            doorbell=doorbell,
-            publish=(publish.list_key, publish.task, publish.origin) if publish else None,
-        )
-        reply = self._dispatch(keys, args, doorbell, block)
-        moved_raw, expired, next_event, rejected = reply
+        k = self.keys
+        merge = merge or MergeArgs()
+        publish = publish or DirectPublish("", "", "")  # none: the script pushes no message
+        keys: list[str] = []
+        for q in queues:
+            keys += [k.pending(q.name), k.delayed(q.name), k.expiry(q.name), k.active(q.name)]
+            keys.append(q.result_list[0])
+        keys += [k.merge(pool), publish.list_key]
+        if doorbell:
+            keys.append(doorbell)
+        keys += k.families
+        cfg = {
+            "cap": pool_cap,
+            "lease": self.settings.dispatch_lease_s,
+            "ttl": int(self.settings.result_ttl_s),
+            "sweep": SWEEP_LIMIT,
+            "nonce": new_token(),
+            "task": publish.task,
+            "origin": publish.origin,
+            "doorbell": bool(doorbell),
+            "policy": merge.policy,
+            "max_wait": merge.max_wait,
+            "lookahead": merge.lookahead,
+            "queues": [q.arg() for q in queues],
+        }
+        args = [json.dumps(cfg, separators=(",", ":"))]
+        moved_raw, expired, next_event, rejected = self._dispatch(keys, args, doorbell, block)
         moved = [
             Dispatched(
                 moved_raw[i],
