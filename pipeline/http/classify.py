@@ -114,7 +114,8 @@ def send(
     refused and a body over ``max_response_bytes`` end the request (``REDIRECT``,
     ``TOO_LARGE``): the same call would meet them again."""
     try:
-        resp = httpcall.post(
+        resp = httpcall.request(
+            "POST",
             url,
             body.encode(),
             headers,
