@@ -45,9 +45,6 @@ class Journal:
         with self._lock:
             self._events.append((time.monotonic(), obj))
 
-    def __len__(self) -> int:
-        return len(self._events)
-
     def take(self, last: dict[str, Any] | None = None) -> str:
         """The events not yet sent, plus ``last`` (now), as the scripts take them; they count
         as sent from now on."""
