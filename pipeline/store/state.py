@@ -89,18 +89,12 @@ class DirectPublish:
 @dataclass(frozen=True)
 class Started:
     """A started attempt: its request ``record`` (the fields an attempt reads: see
-    ``start.lua``), and the Redis server's clock when it started
-    (``server_now``) against this process's (``local_now``): the attempt measures its deadline
-    by ``server_now + (time.time() - local_now)``, never by this machine's clock alone."""
+    ``start.lua``), and the seconds to add to this machine's ``time.time()`` to read the Redis
+    server's clock (``clock_offset``, taken as it started): the attempt measures its deadline by
+    the server's clock, never by this machine's alone."""
 
     record: dict[str, str]
-    server_now: float
-    local_now: float
-
-    @property
-    def clock_offset(self) -> float:
-        """Seconds to add to this machine's ``time.time()`` to read the server's clock."""
-        return self.server_now - self.local_now
+    clock_offset: float
 
 
 @dataclass(frozen=True)
@@ -346,7 +340,7 @@ class Store:
         if int(reply[0]) != 1:
             return None
         it = iter(reply[2:])
-        return Started(dict(zip(it, it, strict=True)), float(reply[1]), time.time())
+        return Started(dict(zip(it, it, strict=True)), float(reply[1]) - time.time())
 
     def finish_call(
         self,
@@ -454,8 +448,7 @@ class Store:
         text = journal.take()
         if not text:
             return False
-        res = self.scripts.note(keys=[self.keys.request(request_id)], args=[token, text])
-        return bool(res)
+        return bool(self.scripts.note(keys=[self.keys.request(request_id)], args=[token, text]))
 
     def explain(
         self,
@@ -471,12 +464,9 @@ class Store:
         specs = {q: [s.arg() for s in specs] for q, specs in (quotas or {}).items() if specs}
         raw = self.scripts.explain(
             keys=[self.keys.request(request_id), *self.keys.families],
-            args=[request_id, json.dumps(specs or {}), int(listed)],
+            args=[request_id, json.dumps(specs), int(listed)],
         )
-        if not raw:
-            return None
-        data: dict[str, Any] = json.loads(raw)
-        return data
+        return json.loads(raw) if raw else None
 
     def renew(self, attempts: list[tuple[str, str, str]]) -> int:
         """Extend the leases of live attempts given as (id, token, queue)."""
@@ -516,9 +506,7 @@ class Store:
         res = self.scripts.cancel_asked(
             keys=[self.keys.request(request_id), *self.keys.families], args=[token]
         )
-        if not res:
-            return None
-        return res.decode() if isinstance(res, bytes) else str(res)
+        return str(res) if res else None  # the client decodes replies (as record() relies on)
 
     def record(self, request_id: str) -> dict[str, str]:
         return self.client.hgetall(self.keys.request(request_id))  # type: ignore[return-value]
