@@ -37,7 +37,6 @@ class Journal:
         self._lock = threading.Lock()
 
     def add(self, event: str, **fields: Any) -> None:
-        """Note ``entry(event, **fields)`` now."""
         self.append(entry(event, **fields))
 
     def append(self, obj: dict[str, Any]) -> None:

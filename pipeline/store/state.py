@@ -279,7 +279,6 @@ class Store:
         return script(keys=keys, args=args)
 
     def queue_tick(self, queue: QueueConfig, **kw: object) -> QueueTick:
-        """A :class:`QueueTick` for ``queue`` with its result list filled in."""
         return QueueTick(
             queue.queue_name,
             weight=queue.weight,
@@ -451,20 +450,18 @@ class Store:
         return bool(self.scripts.note(keys=[self.keys.request(request_id)], args=[token, text]))
 
     def explain(
-        self,
-        request_id: str,
-        quotas: dict[str, list[QuotaSpec]] | None = None,
-        listed: int = EXPLAIN_LISTED,
+        self, request_id: str, quotas: dict[str, list[QuotaSpec]] | None = None
     ) -> dict[str, Any] | None:
         """Where a request stands, read in one atomic step (``explain.lua``): its record
         (without payload, metadata or headers), the server's clock, its place in its queue,
         its retry due time or lease, the use of each of its quota keys (``quotas``: the
         blocking concurrency quotas of each queue, see :class:`QuotaSpec`; at most
-        ``listed`` holders and requests each) and its decision log. None for an unknown id."""
+        :data:`EXPLAIN_LISTED` holders and requests each) and its decision log. None for an
+        unknown id."""
         specs = {q: [s.arg() for s in specs] for q, specs in (quotas or {}).items() if specs}
         raw = self.scripts.explain(
             keys=[self.keys.request(request_id), *self.keys.families],
-            args=[request_id, json.dumps(specs), int(listed)],
+            args=[request_id, json.dumps(specs), EXPLAIN_LISTED],
         )
         return json.loads(raw) if raw else None
 
