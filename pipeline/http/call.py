@@ -122,9 +122,8 @@ class _Local(threading.local):
 _local = _Local()
 
 
-@functools.cache  # one context per settings value; a race builds two, one is kept
-def tls_context(tls: TLS) -> ssl.SSLContext:
-    return tls.context()
+# one context per settings value; a race builds two, one is kept
+tls_context = functools.cache(TLS.context)
 
 
 def reset_tls() -> None:
