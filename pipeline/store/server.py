@@ -43,9 +43,7 @@ def _int(info: dict[str, Any], key: str) -> int | None:
 
 def _config_get(client: redis.Redis, name: str) -> str | None:
     reply = client.config_get(name)
-    value = reply.get(name) if isinstance(reply, dict) else None
-    if isinstance(value, bytes):
-        value = value.decode()
+    value = reply.get(name) if isinstance(reply, dict) else None  # decoded (the Store's client)
     return None if value is None else str(value)
 
 
