@@ -142,7 +142,6 @@ class Store:
         ttl = queue.result_ttl_seconds or self.settings.result_ttl_s
         return self.keys.result_list(queue), str(queue.result_list_max_len), str(int(ttl))
 
-    # -- submit --------------------------------------------------------------------------
     def submit(self, rows: Sequence[RequestRow]) -> list[Any]:
         """Store a batch of rows (:class:`RequestRow`) in growing chunks, one round trip each
         (docs/internals.md, "submit_many in growing chunks"). Returns 1 per created request,
