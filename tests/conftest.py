@@ -353,7 +353,7 @@ def start_worker(
         w = WorkerProc(proc, log, name)
         started.append(w)
         if wait:
-            key = Keys.of(settings).pool_nodes(pools.split(",")[0])
+            key = Keys(settings.key_prefix).pool_nodes(pools.split(",")[0])
 
             def registered() -> bool:
                 if proc.poll() is not None:

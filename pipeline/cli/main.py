@@ -127,7 +127,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
     # validate (a node checks its own)
     env = {k: v for k, v in os.environ.items() if k not in ("PIPELINE_QUEUES", "PIPELINE_POOLS")}
     settings = load_settings(env)
-    keys = Keys.of(settings)
+    keys = Keys(settings.key_prefix)
     client = connect(settings.redis_url)
     sec, usec = client.time()  # liveness is scored by the server's clock
     nodes = sorted(

@@ -36,7 +36,6 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import SplitResult, urljoin, urlsplit
 
 import httptools
@@ -109,7 +108,6 @@ class TLS:
         return ctx
 
 
-SYSTEM_TLS = TLS()
 _ConnKey = tuple[str, str, int, TLS]
 
 
@@ -124,9 +122,8 @@ class _Local(threading.local):
 _local = _Local()
 
 
-@functools.cache  # one context per settings value; a race builds two, one is kept
-def tls_context(tls: TLS) -> ssl.SSLContext:
-    return tls.context()
+# one context per settings value; a race builds two, one is kept
+tls_context = functools.cache(TLS.context)
 
 
 def reset_tls() -> None:
@@ -281,12 +278,6 @@ def foreign_headers(headers: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if not _CREDENTIAL.search(k.lower())}
 
 
-def _for_origin(headers: dict[str, str]) -> dict[str, str]:
-    """What goes to another origin: no credential (:func:`foreign_headers`), and no ``Host``
-    of the caller's (the new origin's own is sent)."""
-    return {k: v for k, v in foreign_headers(headers).items() if k.lower() != "host"}
-
-
 def _origin(parts: SplitResult) -> tuple[str, str, int]:
     scheme = parts.scheme
     return scheme, parts.hostname or "", parts.port or (443 if scheme == "https" else 80)
@@ -311,7 +302,7 @@ def request(
     ``httptools.HttpParserError`` for transport failures. A 3xx is returned as it came unless
     ``follow_redirects`` (see the module's notes)."""
     deadline = time.monotonic() + timeout_s
-    tls = tls or SYSTEM_TLS
+    tls = tls or TLS()
     first = urlsplit(url)
     for _ in range(MAX_REDIRECTS + 1):
         parts = urlsplit(url)
@@ -334,18 +325,7 @@ def request(
             where = f"{to.hostname}:{to.port or 80}"
             raise RedirectRefused(f"redirect from https to plain http ({where}) refused")
         if _origin(to) != _origin(first):
-            headers = _for_origin(headers)
+            # no credential, and no ``Host`` of the caller's (the new origin's own is sent)
+            headers = {k: v for k, v in foreign_headers(headers).items() if k.lower() != "host"}
             tls = TLS(tls.ca_file)  # no client certificate, and the new server is verified
     raise RedirectRefused(f"more than {MAX_REDIRECTS} redirects")
-
-
-def post(
-    url: str,
-    body: bytes,
-    headers: dict[str, str],
-    timeout_s: float,
-    tls: TLS | None = None,
-    **options: Any,
-) -> Response:
-    """:func:`request` with POST (an attempt's call)."""
-    return request("POST", url, body, headers, timeout_s, tls, **options)

@@ -59,15 +59,6 @@ DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 _REASON = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
-def dropped_reason(value: str | None) -> str | None:
-    """The gateway's drop reason as sent (e.g. ``rejected-saturated``), or ``other`` when it
-    is not a short token (it becomes a metric label and goes into results)."""
-    if not value:
-        return None
-    value = value.strip()
-    return value if _REASON.match(value) else "other"
-
-
 def join_url(base: str, path: str) -> str:
     """``base`` + ``path`` with exactly one slash between them."""
     return base.rstrip("/") + "/" + path.lstrip("/")
@@ -81,7 +72,11 @@ def classify(
     if status < 400:  # a redirect not followed (the queue's follow_redirects is off)
         return Outcome(Kind.FATAL, status, body, category="REDIRECT")
     ra = parse_retry_after(retry_after)
-    reason = dropped_reason(dropped)
+    # the gateway's drop reason as sent (e.g. ``rejected-saturated``), or ``other`` when it is
+    # not a short token (it becomes a metric label and goes into results)
+    reason = dropped.strip() if dropped else None
+    if reason is not None and not _REASON.match(reason):
+        reason = "other"
     if status == 429:
         return Outcome(Kind.RETRY, status, body, ra, category="RATE_LIMIT", dropped_reason=reason)
     if status >= 500:
@@ -114,7 +109,8 @@ def send(
     refused and a body over ``max_response_bytes`` end the request (``REDIRECT``,
     ``TOO_LARGE``): the same call would meet them again."""
     try:
-        resp = httpcall.post(
+        resp = httpcall.request(
+            "POST",
             url,
             body.encode(),
             headers,

@@ -4,12 +4,12 @@ they keep (:mod:`.state`). Imports only ``config`` and ``errors`` of the pipelin
 
 from . import sched
 from .connect import connect
-from .keys import Keys, celery_queue, holder
+from .keys import Keys, holder
 from .rows import RequestRow
 from .sched import MergeArgs, QueueTick, QuotaSpec
-from .scripts import ScriptCall, Scripts, run_batch
+from .scripts import ScriptCall, run_batch
 from .server import ServerFacts, check_eviction, server_facts
-from .state import DirectPublish, Dispatched, Mirror, Store, TickResult, new_token
+from .state import DirectPublish, Dispatched, Mirror, Store
 
 __all__ = [
     "DirectPublish",
@@ -21,15 +21,11 @@ __all__ = [
     "QuotaSpec",
     "RequestRow",
     "ScriptCall",
-    "Scripts",
     "ServerFacts",
     "Store",
-    "TickResult",
-    "celery_queue",
     "check_eviction",
     "connect",
     "holder",
-    "new_token",
     "run_batch",
     "sched",
     "server_facts",

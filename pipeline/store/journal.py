@@ -37,16 +37,12 @@ class Journal:
         self._lock = threading.Lock()
 
     def add(self, event: str, **fields: Any) -> None:
-        """Note ``entry(event, **fields)`` now."""
         self.append(entry(event, **fields))
 
     def append(self, obj: dict[str, Any]) -> None:
         """Note an entry made with :func:`entry` now."""
         with self._lock:
             self._events.append((time.monotonic(), obj))
-
-    def __len__(self) -> int:
-        return len(self._events)
 
     def take(self, last: dict[str, Any] | None = None) -> str:
         """The events not yet sent, plus ``last`` (now), as the scripts take them; they count

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..config import QueueConfig, Settings
+from ..config import QueueConfig
 
 #: The fixed ends of the key families whose variable part is not last (a queue's, a quota
 #: key's, a pool's, a batch's keys). A Lua script gets them as the constants ``TAIL_<NAME>``
@@ -39,11 +39,6 @@ class Keys:
     key is the root, the variable part, and for some a :data:`TAILS` end."""
 
     prefix: str = "pl:"
-
-    @classmethod
-    def of(cls, settings: Settings) -> Keys:
-        """The keys of ``settings``'s prefix (``PIPELINE_KEY_PREFIX``)."""
-        return cls(settings.key_prefix)
 
     # -- per request ---------------------------------------------------------------------
     def request_prefix(self) -> str:

@@ -77,24 +77,18 @@ def _library() -> tuple[_Chunk, ...]:
     chunks = list(_tails())
     for text in (lua_source("sched"), lua_source("lib")):
         lines = text.splitlines()
-        starts = [i for i, line in enumerate(lines) if _DEFINES.match(line)]
-        for n, i in enumerate(starts):
-            begin = i
-            while (
-                begin > 0
-                and lines[begin - 1].startswith("--")
-                and (n == 0 or begin - 1 > starts[n - 1])
-            ):
-                begin -= 1
-            end = starts[n + 1] if n + 1 < len(starts) else len(lines)
-            while end > i + 1 and lines[end - 1].startswith("--"):
-                end -= 1  # the next definition's comment
-            m = _DEFINES.match(lines[i])
-            assert m is not None
-            names = m.group(1) or m.group(2)
-            defines = frozenset(x.strip() for x in names.split(","))
+        begins: list[tuple[int, re.Match[str]]] = []
+        for i, line in enumerate(lines):
+            if m := _DEFINES.match(line):
+                begin = i
+                while begin > 0 and lines[begin - 1].startswith("--"):
+                    begin -= 1
+                begins.append((begin, m))
+        ends = [b for b, _ in begins[1:]] + [len(lines)]
+        for (begin, m), end in zip(begins, ends, strict=True):
             body = "\n".join(lines[begin:end]).rstrip()
-            chunks.append(_Chunk(body + "\n", defines, _uses("\n".join(lines[i:end]))))
+            defines = frozenset(x.strip() for x in (m.group(1) or m.group(2)).split(","))
+            chunks.append(_Chunk(body + "\n", defines, _uses(body)))
     return tuple(chunks)
 
 

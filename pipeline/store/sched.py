@@ -6,7 +6,6 @@ keeps the sub-queues in step from then on."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,11 +96,12 @@ def setup(
     the requests already waiting in it; returns how many were indexed now. Idempotent; a
     queue indexed with another attribute is re-indexed from scratch."""
     conf = keys.sched(queue)
-    current = client.hmget(conf, "attr", "fair")
+    current = client.hmget(conf, "attr", "fair")  # the client decodes replies (Store's does)
     attr = attribute.removeprefix("metadata.")
-    if current[0] is not None and (_text(current[0]) != attr or _text(current[1]) != _flag(fair)):
+    flag = "1" if fair else "0"
+    if current[0] is not None and current != [attr, flag]:
         teardown(client, keys, queue)
-    client.hset(conf, mapping={"attr": attr, "fair": _flag(fair), "pool": pool})
+    client.hset(conf, mapping={"attr": attr, "fair": flag, "pool": pool})
     done = 0
     while True:
         res = scripts.sched_index(keys=[keys.pending(queue), *keys.families], args=[queue, CHUNK])
@@ -113,11 +113,11 @@ def setup(
 def teardown(client: redis.Redis, keys: Keys, queue: str) -> None:
     """Stop indexing ``queue``: its sched hash, ready set, blocked tenants and sub-queues go
     (pending keeps every waiting request; dispatch goes back to the pending order)."""
-    blocked = client.hgetall(keys.blocked(queue))
+    blocked: dict[str, str] = client.hgetall(keys.blocked(queue))  # type: ignore[assignment]
     with client.pipeline(transaction=False) as pipe:
         pipe.delete(keys.sched(queue), keys.ready(queue), keys.blocked(queue))
         for tk, qk in blocked.items():
-            pipe.srem(keys.quota_blocked(_text(qk)), f"{queue}\n{_text(tk)}")
+            pipe.srem(keys.quota_blocked(qk), f"{queue}\n{tk}")
         pipe.execute()
     for key in client.scan_iter(keys.tenant_queue(queue, "*"), count=1000):
         client.delete(key)
@@ -132,57 +132,3 @@ def recheck(scripts: Scripts, keys: Keys, queue: str) -> int:
     tick holds back those still at their limit): a safety net against a wake-up that was lost
     (a lease freed by a reaper, a limit raised); returns how many."""
     return int(scripts.sched_recheck(keys=keys.families, args=[queue]))
-
-
-def tick_args(
-    keys: Keys,
-    pool: str,
-    queues: list[QueueTick],
-    *,
-    pool_cap: int,
-    lease_s: float,
-    ttl_s: int,
-    sweep: int,
-    nonce: str,
-    merge: MergeArgs,
-    doorbell: str | None,
-    publish: tuple[str, str, str] | None,
-) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of one ``dispatch.lua`` call."""
-    ks: list[str] = []
-    for q in queues:
-        ks += [
-            keys.pending(q.name),
-            keys.delayed(q.name),
-            keys.expiry(q.name),
-            keys.active(q.name),
-            q.result_list[0],
-        ]
-    list_key, task, origin = publish or ("", "", "")
-    ks += [keys.merge(pool), list_key]
-    if doorbell:
-        ks.append(doorbell)
-    ks += keys.families
-    cfg = {
-        "cap": pool_cap,
-        "lease": lease_s,
-        "ttl": ttl_s,
-        "sweep": sweep,
-        "nonce": nonce,
-        "task": task,
-        "origin": origin,
-        "doorbell": bool(doorbell),
-        "policy": merge.policy,
-        "max_wait": merge.max_wait,
-        "lookahead": merge.lookahead,
-        "queues": [q.arg() for q in queues],
-    }
-    return ks, [json.dumps(cfg, separators=(",", ":"))]
-
-
-def _flag(value: bool) -> str:
-    return "1" if value else "0"
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -42,13 +42,9 @@ def replication(name: str, replicas: int, timeout_ms: int) -> Replication | None
     """How script ``name`` waits for replicas: ``submit`` raises when they do not confirm in
     time; the terminal writes (``finish``, ``cancel``, a dispatch tick) log a warning; the
     rest does not wait (a lost requeue or start comes back when its lease lapses)."""
-    if replicas <= 0:
+    if replicas <= 0 or name not in ("submit", "finish", "cancel", "dispatch"):
         return None
-    if name == "submit":
-        return Replication(replicas, timeout_ms, strict=True)
-    if name in ("finish", "cancel", "dispatch"):
-        return Replication(replicas, timeout_ms)
-    return None
+    return Replication(replicas, timeout_ms, strict=name == "submit")
 
 
 class ThreadConnection:

@@ -5,7 +5,7 @@ first (managed services allow it), ``CONFIG GET`` only for what it does not say.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -33,9 +33,6 @@ class ServerFacts:
     problem: str | None = None  # why some facts are missing
     server_time: float | None = None  # the server's clock (Unix s) when they were read
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def _int(info: dict[str, Any], key: str) -> int | None:
     try:
@@ -46,9 +43,7 @@ def _int(info: dict[str, Any], key: str) -> int | None:
 
 def _config_get(client: redis.Redis, name: str) -> str | None:
     reply = client.config_get(name)
-    value = reply.get(name) if isinstance(reply, dict) else None
-    if isinstance(value, bytes):
-        value = value.decode()
+    value = reply.get(name) if isinstance(reply, dict) else None  # decoded (the Store's client)
     return None if value is None else str(value)
 
 

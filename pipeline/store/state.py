@@ -20,7 +20,7 @@ import redis
 from redis.exceptions import NoScriptError
 
 from ..config import QueueConfig, Settings
-from . import sched, wire
+from . import wire
 from .connect import connect
 from .journal import Journal, entry
 from .keys import Keys
@@ -89,18 +89,12 @@ class DirectPublish:
 @dataclass(frozen=True)
 class Started:
     """A started attempt: its request ``record`` (the fields an attempt reads: see
-    ``start.lua``), and the Redis server's clock when it started
-    (``server_now``) against this process's (``local_now``): the attempt measures its deadline
-    by ``server_now + (time.time() - local_now)``, never by this machine's clock alone."""
+    ``start.lua``), and the seconds to add to this machine's ``time.time()`` to read the Redis
+    server's clock (``clock_offset``, taken as it started): the attempt measures its deadline by
+    the server's clock, never by this machine's alone."""
 
     record: dict[str, str]
-    server_now: float
-    local_now: float
-
-    @property
-    def clock_offset(self) -> float:
-        """Seconds to add to this machine's ``time.time()`` to read the server's clock."""
-        return self.server_now - self.local_now
+    clock_offset: float
 
 
 @dataclass(frozen=True)
@@ -132,7 +126,7 @@ class Store:
 
     def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
         self.settings = settings
-        self.keys = Keys.of(settings)
+        self.keys = Keys(settings.key_prefix)
         self.client = client or connect(
             settings.redis_url, sentinel_master=settings.redis_sentinel_master
         )
@@ -148,7 +142,6 @@ class Store:
         ttl = queue.result_ttl_seconds or self.settings.result_ttl_s
         return self.keys.result_list(queue), str(queue.result_list_max_len), str(int(ttl))
 
-    # -- submit --------------------------------------------------------------------------
     def submit(self, rows: Sequence[RequestRow]) -> list[Any]:
         """Store a batch of rows (:class:`RequestRow`) in growing chunks, one round trip each
         (docs/internals.md, "submit_many in growing chunks"). Returns 1 per created request,
@@ -224,21 +217,33 @@ class Store:
         first empties that list; ``block`` (s, with ``doorbell``): the tick waits for a ring
         (``BLPOP``) sent in the same write (docs/internals.md, "Wait and tick in one round
         trip")."""
-        keys, args = sched.tick_args(
-            self.keys,
-            pool,
-            queues,
-            pool_cap=pool_cap,
-            lease_s=self.settings.dispatch_lease_s,
-            ttl_s=int(self.settings.result_ttl_s),
-            sweep=SWEEP_LIMIT,
-            nonce=new_token(),
-            merge=merge or MergeArgs(),
-            doorbell=doorbell,
-            publish=(publish.list_key, publish.task, publish.origin) if publish else None,
-        )
-        reply = self._dispatch(keys, args, doorbell, block)
-        moved_raw, expired, next_event, rejected = reply
+        k = self.keys
+        merge = merge or MergeArgs()
+        publish = publish or DirectPublish("", "", "")  # none: the script pushes no message
+        keys: list[str] = []
+        for q in queues:
+            keys += [k.pending(q.name), k.delayed(q.name), k.expiry(q.name), k.active(q.name)]
+            keys.append(q.result_list[0])
+        keys += [k.merge(pool), publish.list_key]
+        if doorbell:
+            keys.append(doorbell)
+        keys += k.families
+        cfg = {
+            "cap": pool_cap,
+            "lease": self.settings.dispatch_lease_s,
+            "ttl": int(self.settings.result_ttl_s),
+            "sweep": SWEEP_LIMIT,
+            "nonce": new_token(),
+            "task": publish.task,
+            "origin": publish.origin,
+            "doorbell": bool(doorbell),
+            "policy": merge.policy,
+            "max_wait": merge.max_wait,
+            "lookahead": merge.lookahead,
+            "queues": [q.arg() for q in queues],
+        }
+        args = [json.dumps(cfg, separators=(",", ":"))]
+        moved_raw, expired, next_event, rejected = self._dispatch(keys, args, doorbell, block)
         moved = [
             Dispatched(
                 moved_raw[i],
@@ -273,7 +278,6 @@ class Store:
         return script(keys=keys, args=args)
 
     def queue_tick(self, queue: QueueConfig, **kw: object) -> QueueTick:
-        """A :class:`QueueTick` for ``queue`` with its result list filled in."""
         return QueueTick(
             queue.queue_name,
             weight=queue.weight,
@@ -334,7 +338,7 @@ class Store:
         if int(reply[0]) != 1:
             return None
         it = iter(reply[2:])
-        return Started(dict(zip(it, it, strict=True)), float(reply[1]), time.time())
+        return Started(dict(zip(it, it, strict=True)), float(reply[1]) - time.time())
 
     def finish_call(
         self,
@@ -442,29 +446,23 @@ class Store:
         text = journal.take()
         if not text:
             return False
-        res = self.scripts.note(keys=[self.keys.request(request_id)], args=[token, text])
-        return bool(res)
+        return bool(self.scripts.note(keys=[self.keys.request(request_id)], args=[token, text]))
 
     def explain(
-        self,
-        request_id: str,
-        quotas: dict[str, list[QuotaSpec]] | None = None,
-        listed: int = EXPLAIN_LISTED,
+        self, request_id: str, quotas: dict[str, list[QuotaSpec]] | None = None
     ) -> dict[str, Any] | None:
         """Where a request stands, read in one atomic step (``explain.lua``): its record
         (without payload, metadata or headers), the server's clock, its place in its queue,
         its retry due time or lease, the use of each of its quota keys (``quotas``: the
         blocking concurrency quotas of each queue, see :class:`QuotaSpec`; at most
-        ``listed`` holders and requests each) and its decision log. None for an unknown id."""
+        :data:`EXPLAIN_LISTED` holders and requests each) and its decision log. None for an
+        unknown id."""
         specs = {q: [s.arg() for s in specs] for q, specs in (quotas or {}).items() if specs}
         raw = self.scripts.explain(
             keys=[self.keys.request(request_id), *self.keys.families],
-            args=[request_id, json.dumps(specs or {}), int(listed)],
+            args=[request_id, json.dumps(specs), EXPLAIN_LISTED],
         )
-        if not raw:
-            return None
-        data: dict[str, Any] = json.loads(raw)
-        return data
+        return json.loads(raw) if raw else None
 
     def renew(self, attempts: list[tuple[str, str, str]]) -> int:
         """Extend the leases of live attempts given as (id, token, queue)."""
@@ -504,9 +502,7 @@ class Store:
         res = self.scripts.cancel_asked(
             keys=[self.keys.request(request_id), *self.keys.families], args=[token]
         )
-        if not res:
-            return None
-        return res.decode() if isinstance(res, bytes) else str(res)
+        return str(res) if res else None  # the client decodes replies (as record() relies on)
 
     def record(self, request_id: str) -> dict[str, str]:
         return self.client.hgetall(self.keys.request(request_id))  # type: ignore[return-value]

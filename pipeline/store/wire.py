@@ -50,20 +50,16 @@ class Malformed:
     result_list: str = ""
 
 
-class _Bad(ValueError):
-    pass
-
-
 def _str_map(value: Any, field: str, *, header: bool = False) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise _Bad(f"data.{field} must be an object of strings")
+        raise ValueError(f"data.{field} must be an object of strings")
     for k, v in value.items():
         if not isinstance(v, str):
-            raise _Bad(f"data.{field}[{k!r}] must be a string")
+            raise ValueError(f"data.{field}[{k!r}] must be a string")
         if header and (not HEADER_NAME.match(k) or any(c in v for c in "\r\n\0")):
-            raise _Bad(f"data.headers: {k!r} is not a valid HTTP header")
+            raise ValueError(f"data.headers: {k!r} is not a valid HTTP header")
     return dict(value)
 
 
@@ -71,24 +67,24 @@ def _text(value: Any, field: str) -> str:
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise _Bad(f"{field} must be a string")
+        raise ValueError(f"{field} must be a string")
     return value
 
 
 def _envelope(doc: Any, max_payload_bytes: int) -> Envelope:
     if not isinstance(doc, dict):
-        raise _Bad("not a JSON object")
+        raise ValueError("not a JSON object")
     if doc.get("request_kind") not in KINDS:
-        raise _Bad(f"request_kind must be one of {', '.join(KINDS)}")
+        raise ValueError(f"request_kind must be one of {', '.join(KINDS)}")
     internal = doc.get("internal") or {}
     data = doc.get("data")
     if not isinstance(internal, dict) or not isinstance(data, dict):
-        raise _Bad("internal and data must be objects")
+        raise ValueError("internal and data must be objects")
     deadline = data.get("deadline")
     if isinstance(deadline, bool) or not isinstance(deadline, int | float):
-        raise _Bad("data.deadline must be a Unix time in seconds")
+        raise ValueError("data.deadline must be a Unix time in seconds")
     if not math.isfinite(deadline) or deadline <= 0:
-        raise _Bad("data.deadline must be a positive Unix time")
+        raise ValueError("data.deadline must be a positive Unix time")
     payload_ref = _text(internal.get("payload_ref"), "internal.payload_ref")
     payload = data.get("payload")
     if payload is None and payload_ref:
@@ -96,14 +92,14 @@ def _envelope(doc: Any, max_payload_bytes: int) -> Envelope:
     elif isinstance(payload, dict):
         body = PAYLOAD_JSON.encode(payload)
         if len(body.encode("utf-8")) > max_payload_bytes:
-            raise _Bad(f"data.payload is larger than max_payload_bytes ({max_payload_bytes})")
+            raise ValueError(f"data.payload is larger than max_payload_bytes ({max_payload_bytes})")
     else:
-        raise _Bad("data.payload must be a JSON object")
+        raise ValueError("data.payload must be a JSON object")
     endpoint = _text(data.get("endpoint"), "data.endpoint")
     if endpoint and (
         not endpoint.startswith("/") or "://" in endpoint or CONTROL_CHARS.search(endpoint)
     ):
-        raise _Bad("data.endpoint must be a URL path starting with '/'")
+        raise ValueError("data.endpoint must be a URL path starting with '/'")
     result_list = _text(internal.get("result_queue_name"), "internal.result_queue_name")
     if not result_list and doc.get("request_kind") == "redis":
         result_list = _text(data.get("result_queue_name"), "data.result_queue_name")
@@ -122,9 +118,11 @@ def _envelope(doc: Any, max_payload_bytes: int) -> Envelope:
 
 def _id(value: Any) -> str:
     if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
-        raise _Bad(f"data.id must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+        raise ValueError(
+            f"data.id must be a non-empty string of at most {MAX_ID_LENGTH} characters"
+        )
     if CONTROL_CHARS.search(value):
-        raise _Bad("data.id must not contain control characters")
+        raise ValueError("data.id must not contain control characters")
     return value
 
 
@@ -136,7 +134,7 @@ def parse(member: str, max_payload_bytes: int) -> Envelope | Malformed:
         return Malformed(member[:MAX_ID_LENGTH], f"malformed queue entry: not JSON ({exc})")
     try:
         return _envelope(doc, max_payload_bytes)
-    except (_Bad, ValueError, TypeError, RecursionError) as exc:
+    except (ValueError, TypeError, RecursionError) as exc:
         return _salvage(doc, f"malformed queue entry: {exc}", member)
 
 

@@ -45,27 +45,27 @@ def _fresh_connections() -> Iterator[None]:
 
 
 def test_keep_alive_reuses_one_connection(sim: SimServer) -> None:
-    first = httpcall.post(completions(sim), BODY, JSON, 5)
+    first = httpcall.request("POST", completions(sim), BODY, JSON, 5)
     port = local_port()
-    second = httpcall.post(completions(sim), BODY, JSON, 5)
+    second = httpcall.request("POST", completions(sim), BODY, JSON, 5)
     assert first.status == second.status == 200
     assert json.loads(second.text)["object"] == "text_completion"
     assert local_port() == port
 
 
 def _post_and_port(url: str) -> int:
-    assert httpcall.post(url, BODY, JSON, 5).status == 200
+    assert httpcall.request("POST", url, BODY, JSON, 5).status == 200
     return local_port()
 
 
 def test_a_forked_child_opens_its_own_connection(sim: SimServer) -> None:
     """A child forked with the parent's kept connection in memory (a prefork pool) must not
     write into that socket: both would read each other's responses."""
-    assert httpcall.post(completions(sim), BODY, JSON, 5).status == 200
+    assert httpcall.request("POST", completions(sim), BODY, JSON, 5).status == 200
     port = local_port()
     with multiprocessing.get_context("fork").Pool(1) as pool:
         assert pool.apply(_post_and_port, (completions(sim),)) != port
-    assert httpcall.post(completions(sim), BODY, JSON, 5).status == 200
+    assert httpcall.request("POST", completions(sim), BODY, JSON, 5).status == 200
     assert local_port() == port  # the parent's connection, untouched
 
 
@@ -79,12 +79,14 @@ def test_reset_tls_makes_new_connections_load_the_files_again(tmp_path: Path) ->
     tls = httpcall.TLS(str(ca))
     with SimServer(SimConfig(tls_cert_file=certs.server)) as server:
         url = completions(server)
-        assert httpcall.post(url, BODY, JSON, 5, tls).status == 200
+        assert httpcall.request("POST", url, BODY, JSON, 5, tls).status == 200
         shutil.copy(certs.other_ca, ca)  # a CA that did not sign the server's certificate
         httpcall.close_all()
-        assert httpcall.post(url, BODY, JSON, 5, tls).status == 200  # the built context
+        assert httpcall.request("POST", url, BODY, JSON, 5, tls).status == 200  # the built context
         httpcall.reset_tls()
-        assert httpcall.post(url, BODY, JSON, 5, tls).status == 200  # the open connection
+        assert (
+            httpcall.request("POST", url, BODY, JSON, 5, tls).status == 200
+        )  # the open connection
         httpcall.close_all()
         out = send(url, BODY.decode(), JSON, 5, tls)
         assert (out.kind, out.category) == (Kind.RETRY, "TLS")
@@ -126,11 +128,11 @@ class OneShotServer:
 
 def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
     server = OneShotServer()
-    assert httpcall.post(server.url, BODY, {}, 5).text == "ok"
+    assert httpcall.request("POST", server.url, BODY, {}, 5).text == "ok"
     assert server.closed.wait(5)
     server.closed.clear()
     # the idle connection reads EOF: a new one is opened before the request is written
-    assert httpcall.post(server.url, BODY, {}, 5).text == "ok"
+    assert httpcall.request("POST", server.url, BODY, {}, 5).text == "ok"
     assert server.requests == 2  # each request sent exactly once
     server.sock.close()
 
@@ -138,9 +140,9 @@ def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
 def test_the_deadline_bounds_the_whole_call(sim: SimServer) -> None:
     stall = {**JSON, "x-sim-fail-first": "1", "x-sim-fail-mode": "stall"}
     with pytest.raises(httpcall.CallTimeout):
-        httpcall.post(completions(sim), BODY, stall, 0.3)
+        httpcall.request("POST", completions(sim), BODY, stall, 0.3)
     # the timed-out connection is dropped, the next call works
-    assert httpcall.post(completions(sim), BODY, JSON, 5).status == 200
+    assert httpcall.request("POST", completions(sim), BODY, JSON, 5).status == 200
 
 
 def test_a_trickling_response_ends_at_the_deadline() -> None:
@@ -162,7 +164,7 @@ def test_a_trickling_response_ends_at_the_deadline() -> None:
     url = f"http://127.0.0.1:{listener.getsockname()[1]}/x"
     try:
         with pytest.raises(httpcall.CallTimeout):
-            httpcall.post(url, BODY, {}, 0.5)
+            httpcall.request("POST", url, BODY, {}, 0.5)
     finally:
         done.set()
         listener.close()
@@ -171,7 +173,7 @@ def test_a_trickling_response_ends_at_the_deadline() -> None:
 @pytest.mark.parametrize("url", ["ftp://example.com/x", "http:///nohost", "not a url"])
 def test_urls_it_cannot_send_to(url: str) -> None:
     with pytest.raises(ValueError, match="unsupported URL"):
-        httpcall.post(url, BODY, {}, 1)
+        httpcall.request("POST", url, BODY, {}, 1)
 
 
 class ScriptedServer:
@@ -236,7 +238,7 @@ class ScriptedServer:
 )
 def test_every_way_a_body_is_framed(raw: bytes, body: bytes) -> None:
     server = ScriptedServer(raw)
-    resp = httpcall.post(server.url, BODY, {"X-Mine": "1"}, 5)
+    resp = httpcall.request("POST", server.url, BODY, {"X-Mine": "1"}, 5)
     assert resp.body == body
     assert resp.status in (200, 201, 204)
     head = server.requests[0]
@@ -250,8 +252,8 @@ def test_two_responses_on_one_connection_are_read_apart() -> None:
         b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nX-N: 1\r\n\r\none",
         b"HTTP/1.1 503 Busy\r\nTransfer-Encoding: chunked\r\nX-N: 2\r\n\r\n3\r\ntwo\r\n0\r\n\r\n",
     )
-    first = httpcall.post(server.url, BODY, {}, 5)
-    second = httpcall.post(server.url, BODY, {}, 5)
+    first = httpcall.request("POST", server.url, BODY, {}, 5)
+    second = httpcall.request("POST", server.url, BODY, {}, 5)
     assert (first.status, first.body, first.headers["x-n"]) == (200, b"one", "1")
     assert (second.status, second.body, second.headers["x-n"]) == (503, b"two", "2")
     assert len(server.requests) == 2
@@ -264,7 +266,7 @@ def test_two_responses_on_one_connection_are_read_apart() -> None:
 )
 def test_a_broken_response_is_a_transport_error(raw: bytes) -> None:
     with pytest.raises((OSError, httptools.HttpParserError)):
-        httpcall.post(ScriptedServer(raw).url, BODY, {}, 5)
+        httpcall.request("POST", ScriptedServer(raw).url, BODY, {}, 5)
     out = send(ScriptedServer(raw).url, BODY.decode(), {}, 5)
     assert (out.kind, out.category, out.status_code) == (Kind.RETRY, "TRANSPORT", None)
 
@@ -283,6 +285,6 @@ def test_headers_that_would_split_the_request_are_refused(headers: dict[str, str
     """Refused before connecting (port 9 listens to nobody), naming the header, never quoting
     its value (a key)."""
     with pytest.raises(ValueError, match="header") as refused:
-        httpcall.post("http://127.0.0.1:9/x", BODY, {"X-Ok": "1", **headers}, 1)
+        httpcall.request("POST", "http://127.0.0.1:9/x", BODY, {"X-Ok": "1", **headers}, 1)
     (name,) = headers
     assert repr(name) in str(refused.value) and "sk-1" not in str(refused.value)

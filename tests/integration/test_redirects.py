@@ -158,7 +158,7 @@ def to(location: str, status: int = 307) -> Callable[[str], Answer]:
 def test_a_redirect_is_returned_not_followed_by_default(serve: Callable[..., Server]) -> None:
     target = serve()
     origin = serve(to(target.url + "/v1/completions"))
-    resp = httpcall.post(origin.url + "/v1/completions", BODY, {**SECRETS, **PLAIN}, 5)
+    resp = httpcall.request("POST", origin.url + "/v1/completions", BODY, {**SECRETS, **PLAIN}, 5)
     assert (resp.status, resp.headers["location"]) == (307, target.url + "/v1/completions")
     assert target.calls == []
     out = send(origin.url + "/v1/completions", BODY.decode(), dict(SECRETS), 5)
@@ -171,7 +171,7 @@ def test_only_307_and_308_are_followed(serve: Callable[..., Server], status: int
     """301/302/303 would turn the POST into a GET (or lose its body): never followed."""
     target = serve()
     origin = serve(to(target.url + "/x", status))
-    resp = httpcall.post(origin.url + "/x", BODY, PLAIN, 5, follow_redirects=True)
+    resp = httpcall.request("POST", origin.url + "/x", BODY, PLAIN, 5, follow_redirects=True)
     assert resp.status == status and target.calls == []
 
 
@@ -184,7 +184,9 @@ def test_a_same_origin_redirect_keeps_headers_and_body(
         return (status, {"Location": "/v2/completions"}, b"") if path == "/v1" else (200, {}, OK)
 
     s = serve(answer)
-    resp = httpcall.post(s.url + "/v1", BODY, {**SECRETS, **PLAIN}, 5, follow_redirects=True)
+    resp = httpcall.request(
+        "POST", s.url + "/v1", BODY, {**SECRETS, **PLAIN}, 5, follow_redirects=True
+    )
     assert resp.status == 200 and resp.body == OK
     first, second = s.calls
     assert second.path == "/v2/completions" and second.body == BODY
@@ -202,7 +204,9 @@ def assert_no_credentials(call: Call) -> None:
 def test_another_port_gets_no_credential_header(serve: Callable[..., Server]) -> None:
     target = serve()
     origin = serve(to(target.url + "/v1/completions"))
-    resp = httpcall.post(origin.url + "/v1", BODY, {**SECRETS, **PLAIN}, 5, follow_redirects=True)
+    resp = httpcall.request(
+        "POST", origin.url + "/v1", BODY, {**SECRETS, **PLAIN}, 5, follow_redirects=True
+    )
     assert resp.status == 200
     assert origin.calls[0].headers["authorization"] == "Bearer sk-secret"
     (call,) = target.calls
@@ -213,7 +217,9 @@ def test_another_host_name_gets_no_credential_header(serve: Callable[..., Server
     """127.0.0.1 and localhost are the same socket but not the same origin."""
     target = serve(host="localhost")
     origin = serve(to(target.url + "/x"))
-    resp = httpcall.post(origin.url + "/x", BODY, {**SECRETS, **PLAIN}, 5, follow_redirects=True)
+    resp = httpcall.request(
+        "POST", origin.url + "/x", BODY, {**SECRETS, **PLAIN}, 5, follow_redirects=True
+    )
     assert resp.status == 200
     (call,) = target.calls
     assert_no_credentials(call)
@@ -224,7 +230,10 @@ def test_another_origin_gets_its_own_host_header(serve: Callable[..., Server]) -
     target = serve(host="localhost")
     origin = serve(to(target.url + "/x"))
     headers = {**PLAIN, "Host": "gateway.internal"}
-    assert httpcall.post(origin.url + "/x", BODY, headers, 5, follow_redirects=True).status == 200
+    assert (
+        httpcall.request("POST", origin.url + "/x", BODY, headers, 5, follow_redirects=True).status
+        == 200
+    )
     assert origin.calls[0].headers["host"] == "gateway.internal"
     (call,) = target.calls
     assert call.headers["host"] == target.url.removeprefix("http://")
@@ -241,7 +250,7 @@ def test_another_https_origin_sees_no_client_certificate(
     target = serve(certs=certs, host="localhost")
     origin = serve(to(target.url + "/x"), certs=certs)
     tls = httpcall.TLS(certs.ca, certs.client_cert, certs.client_key)
-    resp = httpcall.post(origin.url + "/x", BODY, SECRETS, 5, tls, follow_redirects=True)
+    resp = httpcall.request("POST", origin.url + "/x", BODY, SECRETS, 5, tls, follow_redirects=True)
     assert resp.status == 200
     assert origin.calls[0].client_cert  # mTLS to the queue's own server
     (call,) = target.calls
@@ -253,7 +262,7 @@ def test_https_to_plain_http_is_refused(serve: Callable[..., Server], certs: Cer
     origin = serve(to(target.url + "/x"), certs=certs)
     tls = httpcall.TLS(certs.ca)
     with pytest.raises(httpcall.RedirectRefused, match="from https to plain http"):
-        httpcall.post(origin.url + "/x", BODY, SECRETS, 5, tls, follow_redirects=True)
+        httpcall.request("POST", origin.url + "/x", BODY, SECRETS, 5, tls, follow_redirects=True)
     out = send(origin.url + "/x", BODY.decode(), SECRETS, 5, tls, follow_redirects=True)
     assert (out.kind, out.category, out.status_code) == (Kind.FATAL, "REDIRECT", None)
     assert "plain http" in (out.error or "")
@@ -263,13 +272,13 @@ def test_https_to_plain_http_is_refused(serve: Callable[..., Server], certs: Cer
 def test_a_redirect_to_another_scheme_is_refused(serve: Callable[..., Server]) -> None:
     s = serve(to("ftp://127.0.0.1/x"))
     with pytest.raises(httpcall.RedirectRefused, match="ftp"):
-        httpcall.post(s.url + "/x", BODY, PLAIN, 5, follow_redirects=True)
+        httpcall.request("POST", s.url + "/x", BODY, PLAIN, 5, follow_redirects=True)
 
 
 def test_a_redirect_loop_ends(serve: Callable[..., Server]) -> None:
     s = serve(lambda path: (307, {"Location": path + "x"}, b""))
     with pytest.raises(httpcall.RedirectRefused, match=f"more than {httpcall.MAX_REDIRECTS}"):
-        httpcall.post(s.url + "/x", BODY, PLAIN, 5, follow_redirects=True)
+        httpcall.request("POST", s.url + "/x", BODY, PLAIN, 5, follow_redirects=True)
     assert len(s.calls) == httpcall.MAX_REDIRECTS + 1
 
 
@@ -286,13 +295,15 @@ def test_a_body_over_the_limit_ends_the_call(serve: Callable[..., Server], frami
     size = 1000
     s = serve(lambda _: (200, FRAMINGS[framing], b"y" * size))
     url = s.url + "/x"
-    assert httpcall.post(url, BODY, PLAIN, 5, max_response_bytes=size).body == b"y" * size
+    assert (
+        httpcall.request("POST", url, BODY, PLAIN, 5, max_response_bytes=size).body == b"y" * size
+    )
     with pytest.raises(httpcall.ResponseTooLarge, match=f"max_response_bytes \\({size - 1} "):
-        httpcall.post(url, BODY, PLAIN, 5, max_response_bytes=size - 1)
+        httpcall.request("POST", url, BODY, PLAIN, 5, max_response_bytes=size - 1)
     out = send(url, BODY.decode(), PLAIN, 5, max_response_bytes=size - 1)
     assert (out.kind, out.category) == (Kind.FATAL, "TOO_LARGE")
     # the connection that held the cut-off body is gone; the next call opens a new one
-    assert httpcall.post(url, BODY, PLAIN, 5, max_response_bytes=size).status == 200
+    assert httpcall.request("POST", url, BODY, PLAIN, 5, max_response_bytes=size).status == 200
 
 
 @pytest.mark.parametrize("framing", ["chunked", "close"])
@@ -303,7 +314,7 @@ def test_an_endless_body_is_cut_off_at_the_limit(
     deadline (60 s here)."""
     s = serve(lambda _: (200, FRAMINGS[framing], None))
     with pytest.raises(httpcall.ResponseTooLarge):
-        httpcall.post(s.url + "/x", BODY, PLAIN, 60, max_response_bytes=1 << 20)
+        httpcall.request("POST", s.url + "/x", BODY, PLAIN, 60, max_response_bytes=1 << 20)
 
 
 def test_a_declared_length_over_the_limit_is_refused_before_reading(
@@ -313,7 +324,7 @@ def test_a_declared_length_over_the_limit_is_refused_before_reading(
     after waiting out the deadline for bytes that never come."""
     s = serve(lambda _: (200, {"Content-Length": str(10**12)}, None))
     with pytest.raises(httpcall.ResponseTooLarge):
-        httpcall.post(s.url + "/x", BODY, PLAIN, 60, max_response_bytes=1 << 20)
+        httpcall.request("POST", s.url + "/x", BODY, PLAIN, 60, max_response_bytes=1 << 20)
 
 
 @pytest.mark.parametrize(
