@@ -98,14 +98,11 @@ def _counts(q: dict[str, Any]) -> list[str]:
     ]
 
 
-_COUNT_COLUMNS = ("pending", "retry_wait", "running", "done/min", "oldest", "slack")
-
-
 def wide_table(info: dict[str, Any]) -> Table:
     t = Table(title="pipeline status")
     t.add_column("queue", overflow="fold")
     t.add_column("pool", overflow="fold")
-    for col in _COUNT_COLUMNS:
+    for col in ("pending", "retry_wait", "running", "done/min", "oldest", "slack"):
         t.add_column(col, justify="right", no_wrap=True)
     t.add_column("gate", overflow="fold")
     t.add_column("in flight / limit", justify="right", no_wrap=True)
