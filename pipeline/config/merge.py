@@ -96,7 +96,10 @@ def _params(params: dict[str, Any], where: str) -> dict[str, Any]:
             out[name] = value
     for name in ("priority_header", "objective_header", "fairness_header"):
         if name in params:
-            out[name] = _header(params[name], where + name)
+            value = params[name]
+            if not isinstance(value, str) or (value and not HEADER_NAME.match(value)):
+                raise ConfigError(f"{where}{name}: {value!r} is not a legal HTTP header name")
+            out[name] = value
     if "lane_objectives" in params:
         out["lane_objectives"] = _lane_objectives(params["lane_objectives"], where)
     if "max_lane_wait" in params:
@@ -105,12 +108,6 @@ def _params(params: dict[str, Any], where: str) -> dict[str, Any]:
             raise ConfigError(f"{where}max_lane_wait must be an int >= 0")
         out["max_lane_wait"] = value
     return out
-
-
-def _header(value: Any, where: str) -> str:
-    if not isinstance(value, str) or (value and not HEADER_NAME.match(value)):
-        raise ConfigError(f"{where}: {value!r} is not a legal HTTP header name")
-    return value
 
 
 def _lane_objectives(value: Any, where: str) -> dict[str, str]:

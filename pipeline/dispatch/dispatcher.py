@@ -353,7 +353,7 @@ class Dispatcher:
             log.warning(
                 "reaped request %s attempt %s on %s (lease expired)", rid, token, q.queue_name
             )
-            metrics.lease_reclaimed(q, "attempt")
+            metrics.count(metrics.series().reclaims, q, "attempt")
             tracing.reenqueue_span(
                 rid,
                 token,
@@ -363,7 +363,7 @@ class Dispatcher:
             )
         for h in gate.reap():
             log.warning("gate %s freed expired reservation %s", q.queue_name, h)
-            metrics.lease_reclaimed(q, "gate")
+            metrics.count(metrics.series().reclaims, q, "gate")
         if self.specs[q.queue_name]:
             # tenants held back by a quota key whose wake-up was lost get another look
             sched.recheck(self.store.scripts, self.keys, q.queue_name)

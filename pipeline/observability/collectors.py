@@ -36,16 +36,14 @@ class ClusterCollector:
     def _bind(self, settings: Settings) -> None:
         """Report ``settings``' queues and gates (again after a config reload)."""
         env = GateEnv(self.store.client, self.store.keys, node="metrics")
-        gates: list[tuple[tuple[str, str, str], Gate]] = [
-            (queue_labels(q), queue_gate(settings, q.queue_name, env))
-            for q in settings.queues.values()
-        ]
+        gates: list[tuple[tuple[str, str, str], Gate]] = []
+        for q in settings.queues.values():
+            metrics.series().init_queue(queue_labels(q))
+            gates.append((queue_labels(q), queue_gate(settings, q.queue_name, env)))
         for pool in sorted(settings.pools()):
             pg = pool_gate(settings, pool, env)
             if pg is not None:
                 gates.append((("", "", pool), pg))
-        for q in settings.queues.values():
-            metrics.series().init_queue(queue_labels(q))
         self.settings, self.gates = settings, gates
 
     def collect(self) -> Iterable[Metric]:

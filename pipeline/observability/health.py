@@ -39,7 +39,6 @@ class NodeServer:
         dispatcher: Any = None,
         checks: list[ReadyCheck] | None = None,
     ) -> None:
-        self.settings = settings
         self.checks = list(checks or [])
         self.stopping = threading.Event()
         self._redis = connect(
@@ -50,7 +49,6 @@ class NodeServer:
         )
         self._metrics = make_wsgi_app(scrape_registry(settings, dispatcher))
         self.httpd = make_server(host, port, self._app, ThreadingWSGIServer, _LogHandler)
-        self._thread: threading.Thread | None = None
 
     @property
     def address(self) -> tuple[str, int]:
@@ -58,10 +56,9 @@ class NodeServer:
         return str(host), int(port)
 
     def start(self) -> NodeServer:
-        self._thread = threading.Thread(
+        threading.Thread(
             target=self.httpd.serve_forever, name="pipeline-metrics", daemon=True
-        )
-        self._thread.start()
+        ).start()
         return self
 
     def stop(self) -> None:

@@ -242,14 +242,3 @@ def config_applied(at: float, reload: bool) -> None:
     if reload:
         s.config_reloads.labels("success").inc()
     s.config_success.set(at)
-
-
-def config_rejected() -> None:
-    """A reload was rejected (the old config stays)."""
-    series().config_reloads.labels("error").inc()
-
-
-def lease_reclaimed(q: QueueConfig, kind: str, n: int = 1) -> None:
-    """The reaper reclaimed ``n`` expired leases of ``kind`` ``attempt`` or ``gate``."""
-    if n > 0:
-        count(series().reclaims, q, kind, n=n)

@@ -20,41 +20,27 @@ from ..store.server import SAFE_POLICY
 OLDEST_SCAN = 100_000  # pending members examined (in queue order) for the oldest one
 
 
-def _oldest_pending(p: Pipeline, names: list[str], now: float) -> dict[str, float | None]:
-    """Age (s) of each queue's oldest pending request (submission to now), None if empty."""
-    client = p.store.client
-    k = p.store.keys
-    script = register(client, "pending_oldest")  # lua/pending_oldest.lua
-    members = [script(keys=[k.pending(name)], args=[OLDEST_SCAN]) for name in names]
-    ids = [m.partition("|")[2] if m else None for m in members]
-    with client.pipeline(transaction=False) as pipe:
-        for rid in ids:
-            pipe.hget(k.request(rid or ""), "submitted_at")
-        submitted = pipe.execute()
-    return {
-        name: round(max(0.0, now - float(at)), 3) if rid and at else None
-        for name, rid, at in zip(names, ids, submitted, strict=True)
-    }
-
-
 def status_snapshot(p: Pipeline) -> dict[str, Any]:
     """``pipeline.inspect()`` plus, per queue, ``done_last_minute``, ``oldest_pending_age_s``
-    and ``min_deadline_slack_s`` (s left to the earliest deadline of a waiting request)."""
+    (submission to now of the oldest pending request) and ``min_deadline_slack_s`` (s left to
+    the earliest deadline of a waiting request)."""
     info = p.inspect()
     k = p.store.keys
     client = p.store.client
     sec, usec = client.time()  # ages and slack by the server's clock, which set the times
     now = sec + usec / 1e6
+    oldest = register(client, "pending_oldest")  # lua/pending_oldest.lua
+    members = [oldest(keys=[k.pending(name)], args=[OLDEST_SCAN]) for name in info]
+    ids = [m.partition("|")[2] if m else None for m in members]
     with client.pipeline(transaction=False) as pipe:
-        for name in info:
+        for name, rid in zip(info, ids, strict=True):
             pipe.zcount(k.recent(name), now - 60, "+inf")
             pipe.zrange(k.expiry(name), 0, 0, withscores=True)
+            pipe.hget(k.request(rid or ""), "submitted_at")
         res = pipe.execute()
-    oldest = _oldest_pending(p, list(info), now)
-    for i, (name, q) in enumerate(info.items()):
-        q["done_last_minute"] = res[2 * i]
-        q["oldest_pending_age_s"] = oldest[name]
-        soonest = res[2 * i + 1]
+    for i, q in enumerate(info.values()):
+        q["done_last_minute"], soonest, at = res[3 * i : 3 * i + 3]
+        q["oldest_pending_age_s"] = round(max(0.0, now - float(at)), 3) if ids[i] and at else None
         q["min_deadline_slack_s"] = round(soonest[0][1] - now, 3) if soonest else None
     return info
 
@@ -98,14 +84,11 @@ def _counts(q: dict[str, Any]) -> list[str]:
     ]
 
 
-_COUNT_COLUMNS = ("pending", "retry_wait", "running", "done/min", "oldest", "slack")
-
-
 def wide_table(info: dict[str, Any]) -> Table:
     t = Table(title="pipeline status")
     t.add_column("queue", overflow="fold")
     t.add_column("pool", overflow="fold")
-    for col in _COUNT_COLUMNS:
+    for col in ("pending", "retry_wait", "running", "done/min", "oldest", "slack"):
         t.add_column(col, justify="right", no_wrap=True)
     t.add_column("gate", overflow="fold")
     t.add_column("in flight / limit", justify="right", no_wrap=True)

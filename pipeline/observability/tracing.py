@@ -192,8 +192,8 @@ def attempt_span(
     retry_count: int,
     metadata: Mapping[str, str],
     *,
-    payload: str | None = None,
-    holder: str | None = None,
+    payload: str | None,
+    holder: str,
 ) -> Iterator[AttemptSpan]:
     """The ``process-request`` span of one attempt, child of the trace context in the
     request's ``metadata`` (if any), current for the block. ``holder`` (``id:token``): the
@@ -215,11 +215,10 @@ def attempt_span(
         }
     )
     with t.start_as_current_span("process-request", context=parent, attributes=attributes) as s:
-        if holder is not None:
-            with _lock:
-                _attempts[holder] = s.get_span_context()
-                while len(_attempts) > _REMEMBERED:
-                    _attempts.popitem(last=False)
+        with _lock:
+            _attempts[holder] = s.get_span_context()
+            while len(_attempts) > _REMEMBERED:
+                _attempts.popitem(last=False)
         yield AttemptSpan(s)
 
 

@@ -104,7 +104,7 @@ class Reloader:
             self._refuse_removals(change)
         except ConfigError as exc:
             log.error("config reload (%s) rejected, the old config stays: %s", source, exc)
-            metrics.config_rejected()
+            metrics.series().config_reloads.labels("error").inc()
             return ReloadOutcome("error", str(exc), generation, now)
         self.rt.apply(new)
         for target in self.targets:
