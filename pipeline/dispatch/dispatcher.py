@@ -74,7 +74,6 @@ class Dispatcher:
         self.pool_cap: dict[str, int] = {p: slots for p in pools}
         self.pool_nodes: dict[str, int] = {p: 1 for p in pools}
         self._foreign_due = 0.0
-        self.ingesting = any(q.ingest for qs in self.pools.values() for q in qs)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_beat = 0.0
@@ -104,6 +103,7 @@ class Dispatcher:
             if name not in gates:
                 self.full_since.pop(name, None)
         self.settings, self.pools, self.gates = settings, pools, gates
+        self.ingesting = any(q.ingest for qs in pools.values() for q in qs)
         self.specs = {
             name: tuple(
                 dataclasses.replace(s, lookahead=settings.lookahead_for(s.limit, quota_key=True))

@@ -278,3 +278,27 @@ def test_a_reload_indexes_a_queue_that_needs_it_and_stops_for_one_that_does_not(
         assert [m.id for m in d.store.tick(fair, [fair], 1.0, -1, 4).moved] == [ids[1], ids[3]]
         for gate in d.gates.values():
             gate.close()
+
+
+def test_a_reload_that_adds_an_ingest_queue_polls_it(redis_url: str) -> None:
+    """A queue a reload turns into an ingest queue is looked at every INGEST_POLL_S (a
+    reference producer rings no doorbell): the dispatcher stops fusing its doorbell wait with
+    the tick, and fuses it again when no queue ingests."""
+    from dataclasses import replace
+
+    from pipeline.dispatch.dispatcher import Dispatcher
+
+    with bench(redis_url, QUEUES) as b:
+        settings = b.pl.settings
+        d = Dispatcher(settings, ["p"], node="n1", slots=4, send=lambda moved: None)
+        try:
+            assert not d.ingesting
+            fused = d.fused()
+            ingest = replace(settings.queues["q"], ingest="llm-d-async")
+            d.apply(replace(settings, queues={**settings.queues, "q": ingest}))
+            assert d.ingesting and not d.fused()
+            d.apply(settings)
+            assert not d.ingesting and d.fused() == fused
+        finally:
+            for gate in [*d.gates.values(), *d.retired]:
+                gate.close()
