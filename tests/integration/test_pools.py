@@ -21,7 +21,7 @@ from pipeline.sim import SimServer
 from tests.conftest import NODE_START_S, ROOT, assert_idle, held
 
 
-def write_config(tmp_path: Path, sim_url: str) -> dict[str, str]:
+def write_config(tmp_path: Path, sim_url: str, redis_url: str) -> dict[str, str]:
     queues = [
         {
             "queue_name": "pooled",
@@ -42,7 +42,7 @@ def write_config(tmp_path: Path, sim_url: str) -> dict[str, str]:
     (tmp_path / "p.json").write_text(json.dumps(pools))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "CELERY_"))}
     env.update(
-        PIPELINE_REDIS_URL=os.environ["PIPELINE_REDIS_URL"],
+        PIPELINE_REDIS_URL=redis_url,
         PIPELINE_KEY_PREFIX=f"pools{uuid.uuid4().hex[:6]}:",
         PIPELINE_QUEUES=str(tmp_path / "q.json"),
         PIPELINE_POOLS=str(tmp_path / "p.json"),
@@ -51,7 +51,7 @@ def write_config(tmp_path: Path, sim_url: str) -> dict[str, str]:
 
 
 def test_pool_gate_and_worker_cap(tmp_path: Path, env: dict[str, str], sim: SimServer) -> None:
-    penv = write_config(tmp_path, sim.url)
+    penv = write_config(tmp_path, sim.url, env["PIPELINE_REDIS_URL"])
     settings = load_settings(penv)
     assert settings.pool_configs["gp"].workers == 3
     pl = Pipeline(settings)
@@ -105,8 +105,10 @@ def test_pool_gate_and_worker_cap(tmp_path: Path, env: dict[str, str], sim: SimS
     assert "Traceback" not in log.read_text(errors="replace")
 
 
-def test_pools_file_must_name_every_queue_pool(tmp_path: Path, sim: SimServer) -> None:
-    penv = write_config(tmp_path, sim.url)
+def test_pools_file_must_name_every_queue_pool(
+    tmp_path: Path, sim: SimServer, redis_url: str
+) -> None:
+    penv = write_config(tmp_path, sim.url, redis_url)
     (tmp_path / "p.json").write_text(json.dumps([{"id": "other", "workers": 2}]))
     with pytest.raises(ConfigError, match="worker_pool_id 'gp'"):
         load_settings(penv)
