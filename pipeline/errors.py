@@ -41,4 +41,5 @@ class ReplicationError(PipelineError):
 
 class UnsafeRedis(ConfigError):
     """The pipeline's Redis is configured in a way that breaks its guarantees (a
-    ``maxmemory-policy`` that evicts keys); the message names the setting and the fix."""
+    ``maxmemory-policy`` that evicts keys, a Redis Cluster node); the message names the
+    setting and the fix."""

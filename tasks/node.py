@@ -33,7 +33,7 @@ from pipeline.dispatch import Dispatcher
 from pipeline.errors import UnsafeRedis
 from pipeline.observability import health, logs, metrics, tracing
 from pipeline.redact import redact_url
-from pipeline.store import DirectPublish, Dispatched, check_eviction
+from pipeline.store import DirectPublish, Dispatched, check_redis
 from pipeline.worker import check_endpoints, runtime
 from pipeline.worker.process import SNAPSHOT_ENV
 from pipeline.worker.reload import Reloader
@@ -205,12 +205,13 @@ def _snapshot_path() -> None:
 
 def refuse_unsafe_redis() -> None:
     """Stop the node before it starts (exit 2, one log line naming the setting and the fix)
-    when the pipeline's Redis may evict keys (``maxmemory-policy`` other than ``noeviction``),
-    unless ``PIPELINE_ALLOW_EVICTION=1`` (then a warning, at every start)."""
+    when the pipeline's Redis is a Redis Cluster node, or may evict keys (``maxmemory-policy``
+    other than ``noeviction``) unless ``PIPELINE_ALLOW_EVICTION=1`` (then a warning, at every
+    start)."""
     rt = runtime()
     where = redact_url(rt.settings.redis_url)
     try:
-        check_eviction(rt.store.client, where, allow=rt.settings.allow_eviction)
+        check_redis(rt.store.client, where, allow=rt.settings.allow_eviction)
     except UnsafeRedis as exc:
         log.critical("refusing to start: %s", exc)
         raise SystemExit(EXIT_UNSAFE_REDIS) from None

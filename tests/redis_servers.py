@@ -187,3 +187,42 @@ def sentinel_group(
     finally:
         for s in reversed(started):
             s.stop()
+
+
+@contextmanager
+def redis_cluster(tmp: Path, primaries: int = 3, replicas: int = 1) -> Iterator[list[Server]]:
+    """A real Redis Cluster on loopback ports (``--cluster-enabled yes``, then ``redis-cli
+    --cluster create``): ``primaries`` primaries with ``replicas`` replicas each, the primaries
+    first; every node reports ``cluster_state:ok`` when this yields."""
+    cli = shutil.which("redis-cli")
+    if not cli:  # never skip: these tests need a real cluster
+        pytest.fail("redis-cli is required on PATH (apt-get install redis-tools)")
+    nodes: list[Server] = []
+    try:
+        for i in range(primaries * (1 + replicas)):
+            conf = f"nodes-{free_port()}.conf"
+            nodes.append(
+                start_server(
+                    tmp,
+                    f"cluster{i}",
+                    *("--cluster-enabled", "yes", "--cluster-config-file", conf),
+                    *("--cluster-node-timeout", "2000"),
+                    # its bus port, else port + 10000 (past 65535 for a high free port)
+                    *("--cluster-port", str(free_port())),
+                )
+            )
+        addresses = [f"127.0.0.1:{n.port}" for n in nodes]
+        create = [cli, "--cluster", "create", *addresses, "--cluster-replicas", str(replicas)]
+        done = subprocess.run(
+            [*create, "--cluster-yes"], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        wait_until(
+            lambda: all(n.client().cluster("info")["cluster_state"] == "ok" for n in nodes),
+            30,
+            "every cluster node to report cluster_state:ok",
+        )
+        yield nodes
+    finally:
+        for n in reversed(nodes):
+            n.stop()

@@ -8,7 +8,7 @@ from .keys import Keys, holder
 from .rows import RequestRow
 from .sched import MergeArgs, QueueTick, QuotaSpec
 from .scripts import ScriptCall, run_batch
-from .server import ServerFacts, check_eviction, server_facts
+from .server import ServerFacts, check_redis, server_facts
 from .state import DirectPublish, Dispatched, Mirror, Store
 
 __all__ = [
@@ -23,7 +23,7 @@ __all__ = [
     "ScriptCall",
     "ServerFacts",
     "Store",
-    "check_eviction",
+    "check_redis",
     "connect",
     "holder",
     "run_batch",

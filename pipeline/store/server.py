@@ -1,6 +1,7 @@
 """The Redis server's memory, eviction policy and persistence (``pipeline status``), and the
-worker's refusal of a Redis that may evict keys (docs/production.md, "No eviction"); ``INFO``
-first (managed services allow it), ``CONFIG GET`` only for what it does not say."""
+worker's refusal of a Redis that may evict keys (docs/production.md, "No eviction") or is a
+Redis Cluster node; ``INFO`` first (managed services allow it), ``CONFIG GET`` only for what it
+does not say."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class ServerFacts:
     rdb_save: str | None = None  # the `save` setting ('' = RDB snapshots off), CONFIG GET
     problem: str | None = None  # why some facts are missing
     server_time: float | None = None  # the server's clock (Unix s) when they were read
+    cluster_enabled: bool | None = None  # a Redis Cluster node (INFO cluster)
 
 
 def _int(info: dict[str, Any], key: str) -> int | None:
@@ -58,8 +60,9 @@ def server_facts(client: redis.Redis) -> ServerFacts:
         pipe.time()
         pipe.info("memory")
         pipe.info("persistence")
-        clock, memory, persistence = pipe.execute(raise_on_error=False)
-    for reply in (clock, memory, persistence):
+        pipe.info("cluster")
+        clock, memory, persistence, cluster = pipe.execute(raise_on_error=False)
+    for reply in (clock, memory, persistence, cluster):
         if isinstance(reply, Exception) and not isinstance(reply, redis.ResponseError):
             raise reply  # the server does not answer
     for section in (memory, persistence):
@@ -81,6 +84,7 @@ def server_facts(client: redis.Redis) -> ServerFacts:
     except redis.ResponseError as exc:  # CONFIG renamed or denied (managed Redis)
         problems.append(f"CONFIG GET refused ({exc})")
     aof = _int(info, "aof_enabled")
+    on_cluster = None if isinstance(cluster, Exception) else _int(cluster, "cluster_enabled")
     return ServerFacts(
         server_time=now,
         used_memory=_int(info, "used_memory"),
@@ -91,15 +95,18 @@ def server_facts(client: redis.Redis) -> ServerFacts:
         rdb_changes_since_save=_int(info, "rdb_changes_since_last_save"),
         rdb_save=save,
         problem="; ".join(problems) or None,
+        cluster_enabled=None if on_cluster is None else on_cluster == 1,
     )
 
 
-def check_eviction(client: redis.Redis, where: str, *, allow: bool) -> ServerFacts | None:
-    """Refuse a Redis that may evict keys: :class:`UnsafeRedis` naming ``maxmemory-policy``,
-    the value found and the fix, unless ``allow`` (``PIPELINE_ALLOW_EVICTION=1``: a warning
-    instead). A policy nobody would tell (INFO and CONFIG refused) is a warning too, and so is
-    a server that does not answer (the node starts and reconnects as usual): the facts read,
-    or None then. ``where`` names the server (a redacted URL) in the messages."""
+def check_redis(client: redis.Redis, where: str, *, allow: bool) -> ServerFacts | None:
+    """Refuse a Redis Cluster node (:class:`UnsafeRedis`: every script of the pipeline touches
+    keys of several hash slots) and a Redis that may evict keys (:class:`UnsafeRedis` naming
+    ``maxmemory-policy``, the value found and the fix), unless ``allow``
+    (``PIPELINE_ALLOW_EVICTION=1``: a warning instead). A policy nobody would tell (INFO and
+    CONFIG refused) is a warning too, and so is a server that does not answer (the node starts
+    and reconnects as usual): the facts read, or None then. ``where`` names the server (a
+    redacted URL) in the messages."""
     try:
         facts = server_facts(client)
     except (redis.RedisError, OSError) as exc:
@@ -110,6 +117,12 @@ def check_eviction(client: redis.Redis, where: str, *, allow: bool) -> ServerFac
             SAFE_POLICY,
         )
         return None
+    if facts.cluster_enabled:
+        raise UnsafeRedis(
+            f"the Redis at {where} is a Redis Cluster node (cluster_enabled:1): the pipeline's "
+            "scripts need all of its keys on one server. Point PIPELINE_REDIS_URL at a "
+            'standalone Redis or a Sentinel group (docs/production.md, "Redis Cluster")'
+        )
     policy = facts.maxmemory_policy
     if policy is None:
         log.warning(

@@ -1,7 +1,7 @@
 """Safe Redis settings, against real ``redis-server`` processes the tests start: a worker refuses
 a Redis that may evict keys (``maxmemory-policy`` other than ``noeviction``) unless told to run
-anyway; the policy is read from INFO when CONFIG is disabled; ``pipeline status`` shows memory,
-``maxmemory``, the policy and persistence."""
+anyway, and a Redis Cluster node; the policy is read from INFO when CONFIG is disabled;
+``pipeline status`` shows memory, ``maxmemory``, the policy and persistence."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from rich.console import Console
 from pipeline.cli.services import wait_until
 from pipeline.errors import UnsafeRedis
 from pipeline.observability.status import render_redis
-from pipeline.store import check_eviction, server_facts
+from pipeline.store import check_redis, server_facts
 from tests.conftest import ROOT
-from tests.redis_servers import lone_server
+from tests.redis_servers import lone_server, redis_cluster
 
 
 def worker_env(tmp: Path, url: str, **extra: str) -> dict[str, str]:
@@ -64,6 +64,31 @@ def test_a_worker_refuses_a_redis_that_evicts(tmp_path: Path, argv: list[str]) -
         assert not server.client().keys("plsafe*")
 
 
+def test_a_worker_refuses_a_redis_cluster_node(tmp_path: Path) -> None:
+    """Every script of the pipeline touches keys of several hash slots: on a cluster node the
+    worker stops at once (exit 2, one line naming the node and the fix), before it registers
+    or consumes anything, instead of failing tick after tick with CROSSSLOT or MOVED."""
+    with redis_cluster(tmp_path, primaries=3, replicas=0) as nodes:
+        node = nodes[0]
+        assert server_facts(node.client()).cluster_enabled is True
+        proc = subprocess.run(
+            WORKER,
+            env=worker_env(tmp_path, node.url),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2, out
+        lines = [line for line in out.splitlines() if "Redis Cluster" in line]
+        assert len(lines) == 1 and "Traceback" not in out, out
+        assert f"127.0.0.1:{node.port}" in lines[0] and "Sentinel" in lines[0], lines[0]
+        assert not any(n.client().keys("plsafe*") for n in nodes)
+    with lone_server(tmp_path) as server:
+        assert server_facts(server.client()).cluster_enabled is False
+
+
 def test_allow_eviction_starts_the_worker_with_a_warning(tmp_path: Path) -> None:
     with lone_server(tmp_path, "--maxmemory-policy", "volatile-lru") as server:
         env = worker_env(tmp_path, server.url, PIPELINE_ALLOW_EVICTION="1")
@@ -96,7 +121,7 @@ def test_the_policy_is_read_from_info_when_config_is_disabled(
         with pytest.raises(redis.ResponseError):
             client.config_get("maxmemory-policy")
         with pytest.raises(UnsafeRedis, match="maxmemory-policy allkeys-random"):
-            check_eviction(client, server.url, allow=False)
+            check_redis(client, server.url, allow=False)
         facts = server_facts(client)
         assert facts.maxmemory_policy == "allkeys-random" and facts.rdb_save is None
         assert facts.problem and "CONFIG GET refused" in facts.problem
@@ -104,7 +129,7 @@ def test_the_policy_is_read_from_info_when_config_is_disabled(
         tmp_path, "--rename-command", "CONFIG", "", "--rename-command", "INFO", ""
     ) as server:
         with caplog.at_level(logging.WARNING, logger="pipeline.store"):
-            facts_or_none = check_eviction(server.client(), server.url, allow=False)
+            facts_or_none = check_redis(server.client(), server.url, allow=False)
         assert facts_or_none is not None and facts_or_none.maxmemory_policy is None
         assert any("could not read maxmemory-policy" in r.message for r in caplog.records)
 
