@@ -43,23 +43,23 @@ WORKER = [sys.executable, "-m", "pipeline", "worker", "-c", "2", "--loglevel", "
 CELERY = [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-P", "threads", "-c", "2"]
 
 
+def refusal(argv: list[str], env: dict[str, str], word: str) -> str:
+    """Run a worker that must refuse to start: exit 2 and one clear line (the one with
+    ``word``), no traceback; returns that line."""
+    proc = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    lines = [line for line in out.splitlines() if word in line]
+    assert len(lines) == 1 and "Traceback" not in out, out
+    return lines[0]
+
+
 @pytest.mark.parametrize("argv", [WORKER, CELERY], ids=["pipeline-worker", "celery-worker"])
 def test_a_worker_refuses_a_redis_that_evicts(tmp_path: Path, argv: list[str]) -> None:
     with lone_server(tmp_path, "--maxmemory-policy", "allkeys-lru") as server:
-        proc = subprocess.run(
-            argv,
-            env=worker_env(tmp_path, server.url),
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 2, out
-        lines = [line for line in out.splitlines() if "maxmemory-policy" in line]
-        assert len(lines) == 1, out  # one clear line, no traceback
-        assert "allkeys-lru" in lines[0] and "noeviction" in lines[0], lines[0]
-        assert "PIPELINE_ALLOW_EVICTION=1" in lines[0] and "Traceback" not in out
+        line = refusal(argv, worker_env(tmp_path, server.url), "maxmemory-policy")
+        assert "allkeys-lru" in line and "noeviction" in line, line
+        assert "PIPELINE_ALLOW_EVICTION=1" in line
         # it stopped before it registered or consumed anything
         assert not server.client().keys("plsafe*")
 
@@ -71,19 +71,8 @@ def test_a_worker_refuses_a_redis_cluster_node(tmp_path: Path) -> None:
     with redis_cluster(tmp_path, primaries=3, replicas=0) as nodes:
         node = nodes[0]
         assert server_facts(node.client()).cluster_enabled is True
-        proc = subprocess.run(
-            WORKER,
-            env=worker_env(tmp_path, node.url),
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 2, out
-        lines = [line for line in out.splitlines() if "Redis Cluster" in line]
-        assert len(lines) == 1 and "Traceback" not in out, out
-        assert f"127.0.0.1:{node.port}" in lines[0] and "Sentinel" in lines[0], lines[0]
+        line = refusal(WORKER, worker_env(tmp_path, node.url), "Redis Cluster")
+        assert f"127.0.0.1:{node.port}" in line and "Sentinel" in line, line
         assert not any(n.client().keys("plsafe*") for n in nodes)
     with lone_server(tmp_path) as server:
         assert server_facts(server.client()).cluster_enabled is False
