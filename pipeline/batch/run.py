@@ -142,7 +142,7 @@ class Run:
         path = os.path.abspath(self.opts.path)
         with open(path, "rb") as fh:
             digest = hashlib.file_digest(fh, "sha256").hexdigest()
-        bid = self.opts.batch_id or content_batch_id(path)
+        bid = self.opts.batch_id or content_batch_id(path, digest)
         queues = self.pipeline.settings.queues
         queue = self.opts.queue or ("default" if "default" in queues else next(iter(queues)))
         batch, created = self.batches.create(

@@ -36,10 +36,13 @@ MAX_METADATA = 16
 Opener = Callable[[], IO[bytes] | Generator[bytes, None, None]]  # opens a batch's input
 
 
-def content_batch_id(path: str | Path) -> str:
-    """The id ``pipeline run`` gives a file's batch: the same content, the same batch."""
-    with open(path, "rb") as fh:
-        return "batch_" + hashlib.file_digest(fh, "sha256").hexdigest()[:32]
+def content_batch_id(path: str | Path, sha256: str | None = None) -> str:
+    """The id ``pipeline run`` gives a file's batch: the same content, the same batch
+    (``sha256``: the file's digest, hex, when the caller has read it already)."""
+    if sha256 is None:
+        with open(path, "rb") as fh:
+            sha256 = hashlib.file_digest(fh, "sha256").hexdigest()
+    return "batch_" + sha256[:32]
 
 
 def _check_metadata(metadata: Any) -> dict[str, str]:
