@@ -275,8 +275,13 @@ def unlink_matching(client: redis.Redis, pattern: str) -> None:
 
 
 def drop_keys(client: redis.Redis, prefix: str) -> None:
-    """Every key of a pipeline with key prefix ``prefix``: its own keys, and its Celery queues
+    """Every key of a pipeline with key prefix ``prefix``: its own keys, the Celery results of
+    its batches' requests (named ``<batch id>-<line>``, with no prefix: left behind, thousands
+    a batch test would slow every later SCAN of the database for a day), and its Celery queues
     and kombu's bindings of them (named after the prefix: ``celery_queue_prefix``)."""
+    for batch_id in client.zrange(Keys(prefix).batches(), 0, -1):
+        name = batch_id.decode() if isinstance(batch_id, bytes) else batch_id
+        unlink_matching(client, f"celery-task-meta-{name}-*")
     unlink_matching(client, prefix + "*")
     unlink_matching(client, "*" + celery_queue_prefix(prefix) + "*")
 
