@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import redis
 
 from ..store.keys import Keys
+from ..store.keys import holder as make_holder
 from ..store.sched import QuotaSpec
 from ..store.scripts import ScriptCall
 
@@ -68,7 +69,7 @@ class AcquireContext:
 
     @property
     def holder(self) -> str:
-        return f"{self.request_id}:{self.token}"
+        return make_holder(self.request_id, self.token)
 
 
 @dataclass(frozen=True)

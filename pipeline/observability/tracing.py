@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from importlib import import_module
 from typing import Any
 
+from ..store.keys import holder as make_holder
+
 log = logging.getLogger("pipeline.tracing")
 
 SERVICE_NAME = "celery-llm-pipeline"
@@ -240,7 +242,7 @@ def reenqueue_span(
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     with _lock:
-        linked = _attempts.pop(f"{request_id}:{token}", None)
+        linked = _attempts.pop(make_holder(request_id, token), None)
     try:
         traceparent = noted() if linked is None else None
     except Exception as exc:  # noqa: BLE001 - observability never stops a requeue

@@ -25,6 +25,7 @@ class Attempt(Protocol):
     queue: QueueConfig
     record: dict[str, str]
     metadata: dict[str, str]
+    holder: str
     outcome: Outcome | None  # of its HTTP call, once sent
 
     @property
@@ -91,7 +92,7 @@ def observed_run(attempt: Attempt) -> Report:
         int(attempt.record.get("attempts") or 0),
         attempt.metadata,
         payload=attempt.record.get("payload"),
-        holder=f"{attempt.id}:{attempt.token}",
+        holder=attempt.holder,
     ) as span:
         traceparent = span.traceparent()
         if traceparent is not None:  # for the reaper's re-enqueue link
