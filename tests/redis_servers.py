@@ -200,7 +200,7 @@ def redis_cluster(tmp: Path, primaries: int = 3, replicas: int = 1) -> Iterator[
     nodes: list[Server] = []
     try:
         for i in range(primaries * (1 + replicas)):
-            conf = f"nodes-{free_port()}.conf"
+            conf = f"cluster{i}-nodes.conf"  # in tmp, beside its log
             nodes.append(
                 start_server(
                     tmp,
@@ -213,9 +213,8 @@ def redis_cluster(tmp: Path, primaries: int = 3, replicas: int = 1) -> Iterator[
             )
         addresses = [f"127.0.0.1:{n.port}" for n in nodes]
         create = [cli, "--cluster", "create", *addresses, "--cluster-replicas", str(replicas)]
-        done = subprocess.run(
-            [*create, "--cluster-yes"], capture_output=True, text=True, timeout=60
-        )
+        create.append("--cluster-yes")  # no prompt
+        done = subprocess.run(create, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
         wait_until(
             lambda: all(n.client().cluster("info")["cluster_state"] == "ok" for n in nodes),
