@@ -3,7 +3,14 @@ but ``errors``."""
 
 from .load import bool_env, load_settings, parse_pools, parse_queues, with_overrides
 from .merge import MergePolicy, parse_merge_policy
-from .redis_url import MASTER_VAR, celery_transport_options, is_sentinel, parse_sentinel_url
+from .redis_url import (
+    MASTER_VAR,
+    celery_transport_options,
+    is_cluster,
+    is_sentinel,
+    parse_cluster_url,
+    parse_sentinel_url,
+)
 from .reload import ConfigChange, diff_config, from_snapshot, reload_queue_files, to_snapshot
 from .settings import PoolConfig, QueueConfig, Settings
 
@@ -18,8 +25,10 @@ __all__ = [
     "celery_transport_options",
     "diff_config",
     "from_snapshot",
+    "is_cluster",
     "is_sentinel",
     "load_settings",
+    "parse_cluster_url",
     "parse_merge_policy",
     "parse_pools",
     "parse_queues",

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .merge import HEADER_NAME, MergePolicy, parse_merge_policy
-from .redis_url import MASTER_VAR, check_sentinel
+from .redis_url import MASTER_VAR, check_sentinel, is_cluster, parse_cluster_url
 from .settings import DEFAULT_ENDPOINT, DEFAULT_REDIS_URL, PoolConfig, QueueConfig, Settings
 
 
@@ -99,6 +99,13 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     master = env.get(MASTER_VAR) or None
     for var in ("PIPELINE_REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
         check_sentinel(env.get(var) or "", var, master)
+    if is_cluster(redis_url):
+        parse_cluster_url(redis_url)
+        if not env.get("CELERY_BROKER_URL") or is_cluster(env["CELERY_BROKER_URL"]):
+            raise ConfigError(
+                "PIPELINE_REDIS_URL names a Redis Cluster, which Celery cannot use as its "
+                "broker: set CELERY_BROKER_URL to RabbitMQ (amqp://...) or a standalone Redis"
+            )
     fairness_header = env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id")
     objective_header = env.get("PIPELINE_OBJECTIVE_HEADER", "x-llm-d-inference-objective")
     for var, header in (

@@ -74,3 +74,47 @@ def celery_transport_options(master: str | None) -> dict[str, str]:
     """What Celery's Redis Sentinel broker transport and result backend need beyond the URL:
     ``{"master_name": ...}`` (empty without a master name)."""
     return {"master_name": master} if master else {}
+
+
+CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
+
+
+def is_cluster(url: str) -> bool:
+    return url.strip().lower().split("://", 1)[0] in CLUSTER_SCHEMES
+
+
+@dataclass(frozen=True)
+class ClusterURL:
+    """The seed nodes of a Redis Cluster URL (``redis+cluster://[user:pw@]h:p,h:p``), and the
+    credentials and TLS every node shares."""
+
+    nodes: tuple[tuple[str, int], ...]
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_cluster_url(url: str, where: str = "PIPELINE_REDIS_URL") -> ClusterURL:
+    """Parse a cluster URL; ConfigError naming ``where`` when it has no node, a node has no
+    port, or it names a database (a cluster has only database 0)."""
+    scheme, _, rest = url.strip().partition("://")
+    tls = CLUSTER_SCHEMES.get(scheme.lower())
+    if tls is None:
+        raise ConfigError(f"{where}: a cluster URL starts redis+cluster:// or rediss+cluster://")
+    userinfo, _, hosts = rest.rpartition("@")
+    hosts, _, path = hosts.partition("/")
+    if path.strip("/") not in ("", "0"):
+        raise ConfigError(f"{where}: a Redis Cluster has only database 0, not {path!r}")
+    nodes: list[tuple[str, int]] = []
+    for i, entry in enumerate(e.strip() for e in hosts.split(",")):
+        host, _, port = entry.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"{where}: cluster node #{i + 1} must be host:port, not {entry!r}")
+        nodes.append((host.strip("[]"), int(port)))
+    user, _, password = userinfo.partition(":")
+    return ClusterURL(
+        tuple(nodes),
+        tls,
+        unquote(user) if user else None,
+        unquote(password) if password else None,
+    )

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 from ..errors import ConfigError
 from .merge import MergePolicy
+from .redis_url import is_cluster
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000"
@@ -203,6 +204,11 @@ class Settings:
             return self.lookahead
         share = 4 if behind_quota and not quota_key else 2
         return min(8, max(1, -(-capacity // share)))
+
+    @property
+    def redis_cluster(self) -> bool:
+        """Whether the pipeline's state is on a Redis Cluster (each pool in a hash slot)."""
+        return is_cluster(self.redis_url)
 
     def pools(self) -> dict[str, list[QueueConfig]]:
         """Worker pool id → the queues it serves."""

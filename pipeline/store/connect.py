@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
-from ..config import MASTER_VAR, is_sentinel, parse_sentinel_url
+from ..config import MASTER_VAR, is_cluster, is_sentinel, parse_cluster_url, parse_sentinel_url
 from ..errors import ConfigError
 
 CONNECT_TIMEOUT_S = 5.0
@@ -26,7 +27,8 @@ def connect(
     """A Redis client (decoded responses unless told otherwise) with keep-alive, a health
     check of idle connections and redis-py's retries. ``timeout`` (s) bounds connecting and
     every reply (default: connecting only, 5 s). ``sentinel_master``: the master's name, needed
-    for a ``sentinel://`` URL (``PIPELINE_REDIS_SENTINEL_MASTER``)."""
+    for a ``sentinel://`` URL (``PIPELINE_REDIS_SENTINEL_MASTER``). A ``redis+cluster://``
+    URL gives redis-py's cluster client (it follows MOVED and ASK itself)."""
     options: dict[str, Any] = {
         "decode_responses": decode_responses,
         "socket_keepalive": True,
@@ -35,6 +37,16 @@ def connect(
     }
     if timeout is not None:
         options["socket_timeout"] = timeout
+    if is_cluster(url):
+        seeds = parse_cluster_url(url)
+        cluster = RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in seeds.nodes],
+            username=seeds.username,
+            password=seeds.password,
+            ssl=seeds.tls,
+            **options,
+        )
+        return cluster  # type: ignore[return-value]  # the commands the pipeline sends
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **options)
     target = parse_sentinel_url(url)

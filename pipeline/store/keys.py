@@ -273,6 +273,12 @@ class Keys:
         )
 
 
+def pool_keys(prefix: str, pool: str) -> Keys:
+    """A pool's keys on a Redis Cluster: the prefix and then the pool's hash tag
+    (``pl:{p:<pool>}:``), so everything a script of the pool touches is in one slot."""
+    return Keys(f"{prefix}{{p:{pool}}}:")
+
+
 def celery_queue(pool: str, prefix: str = "pl:") -> str:
     """The Celery queue carrying a worker pool's attempts: ``pipeline.<pool>`` for the default
     key prefix; with another prefix the queue is namespaced too (``pipeline.<ns>.<pool>``), so

@@ -16,8 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 from redis.connection import AbstractConnection
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
 
 from ..errors import ReplicationError
 from .luatext import SCRIPT_NAMES, source
@@ -98,8 +105,25 @@ class ThreadConnection:
             raise
 
 
+# a reply that says the key's slot is elsewhere or the script unknown: ask redis-py's path
+REROUTE = (NoScriptError, AskError, TryAgainError, ClusterDownError)
+
+
+def node_client(client: redis.Redis, key: str) -> redis.Redis:
+    """The client of the server holding ``key``: ``client`` itself, or on a Redis Cluster the
+    primary of the key's slot (as redis-py last mapped it; a MOVED reply remaps it)."""
+    if not isinstance(client, RedisCluster):
+        return client
+    node = client.get_node_from_key(key)
+    if node.redis_connection is None:  # not connected yet: redis-py connects it
+        client.nodes_manager.initialize()
+        node = client.get_node_from_key(key)
+    return node.redis_connection
+
+
 class Script:
-    """A Lua script registered on ``client``, called as ``script(keys=[...], args=[...])``."""
+    """A Lua script registered on ``client``, called as ``script(keys=[...], args=[...])``.
+    On a Redis Cluster every key of a call is in one slot, and the call goes to its primary."""
 
     def __init__(
         self,
@@ -114,7 +138,8 @@ class Script:
         self.replication = replication
         self._script = client.register_script(text)
         self.sha: str = self._script.sha
-        self._lanes = ThreadConnection.of(client)
+        self.cluster = isinstance(client, RedisCluster)
+        self._lanes = None if self.cluster else ThreadConnection.of(client)
         self._warned = 0.0
 
     def command(self, keys: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...]:
@@ -124,8 +149,11 @@ class Script:
         rep = self.replication
         command = self.command(keys, args)
         wait = ("WAIT", rep.replicas, rep.timeout_ms) if rep else None
-        replies = self._lanes.execute([command, wait] if wait else [command])
-        if replies is None or isinstance(replies[0], NoScriptError):
+        lane = self._lanes or ThreadConnection.of(
+            node_client(self.client, keys[0] if keys else None)
+        )
+        replies = lane.execute([command, wait] if wait else [command])
+        if replies is None or isinstance(replies[0], REROUTE):
             replies = self._slow(keys, args, wait)
         reply = replies[0]
         if isinstance(reply, Exception):
@@ -140,6 +168,14 @@ class Script:
         """redis-py's path: it reconnects with the client's retries and loads the script."""
         if wait is None:
             return [self._script(keys=keys, args=args)]
+        if isinstance(self.client, RedisCluster):  # WAIT where the script wrote: its primary
+            self.client.script_load(self._script.script)  # on every primary
+            self.client.nodes_manager.initialize()  # the slot map again (MOVED, a failover)
+            client = node_client(self.client, str(keys[0]))
+            replies = ThreadConnection.of(client).execute([self.command(keys, args), wait])
+            if replies is None or isinstance(replies[0], REROUTE):
+                raise redis.ConnectionError(f"{self.name}: the key's slot is moving; retry")
+            return replies
         with self.client.pipeline(transaction=False) as pipe:
             self._script(keys=keys, args=args, client=pipe)
             pipe.execute_command(*wait)
@@ -188,14 +224,13 @@ def run_batch(client: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     which reconnects and loads the script. A call that waits for replicas runs after the
     others, with its WAIT."""
     batched = [c for c in calls if c.script.replication is None]
-    replies = ThreadConnection.of(client).execute(
-        [c.script.command(c.keys, c.args) for c in batched]
-    )
+    lane = ThreadConnection.of(node_client(client, calls[0].keys[0]) if calls else client)
+    replies = lane.execute([c.script.command(c.keys, c.args) for c in batched])
     got = iter(replies if replies is not None else [NoScriptError()] * len(batched))
     out: list[Any] = []
     for call in calls:
         reply = next(got) if call.script.replication is None else NoScriptError()
-        if isinstance(reply, NoScriptError):
+        if isinstance(reply, REROUTE):
             try:
                 reply = call()
             except redis.RedisError as exc:

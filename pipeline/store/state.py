@@ -12,7 +12,7 @@ import json
 import math
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
@@ -23,7 +23,7 @@ from ..config import QueueConfig, Settings
 from . import wire
 from .connect import connect
 from .journal import Journal, entry
-from .keys import Keys
+from .keys import Keys, pool_keys
 from .rows import RequestRow
 from .sched import MergeArgs, QueueTick, QuotaSpec
 from .scripts import ScriptCall, Scripts, ThreadConnection
@@ -124,15 +124,42 @@ def _sent(make: Callable[_P, ScriptCall], read: Callable[[Any], _R]) -> Callable
 class Store:
     """Request state in Redis for one :class:`Settings`."""
 
-    def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        client: redis.Redis | None = None,
+        *,
+        pool: str | None = None,
+        shared: Store | None = None,
+    ) -> None:
         self.settings = settings
-        self.keys = Keys(settings.key_prefix)
+        self.pool = pool
+        self.keys = (
+            Keys(settings.key_prefix) if pool is None else pool_keys(settings.key_prefix, pool)
+        )
         self.client = client or connect(
             settings.redis_url, sentinel_master=settings.redis_sentinel_master
         )
-        self.scripts = Scripts(
-            self.client, settings.redis_min_replicas, settings.redis_wait_timeout_ms
+        self.scripts: Scripts = (
+            shared.scripts
+            if shared
+            else Scripts(self.client, settings.redis_min_replicas, settings.redis_wait_timeout_ms)
         )
+        self._pools: dict[str, Store] = shared._pools if shared else {}
+
+    def for_pool(self, pool: str) -> Store:
+        """The store of ``pool``'s keys: this one on a standalone Redis; on a Redis Cluster,
+        one whose keys all carry the pool's hash tag (docs/production.md, "Redis Cluster")."""
+        if not self.settings.redis_cluster or pool == self.pool:
+            return self
+        store = self._pools.get(pool)
+        if store is None:
+            store = self._pools[pool] = Store(self.settings, self.client, pool=pool, shared=self)
+        return store
+
+    def every_pool(self, pools: Iterable[str]) -> list[Store]:
+        """Where a request of any of ``pools`` may be: this store, or each pool's on a cluster."""
+        return [self.for_pool(p) for p in pools] if self.settings.redis_cluster else [self]
 
     def result_list_args(self, queue: QueueConfig) -> tuple[str, str, str]:
         """(list key or '' for none, max length, TTL in s) of a queue's result list, as the
