@@ -149,9 +149,7 @@ class Script:
         rep = self.replication
         command = self.command(keys, args)
         wait = ("WAIT", rep.replicas, rep.timeout_ms) if rep else None
-        lane = self._lanes or ThreadConnection.of(
-            node_client(self.client, keys[0] if keys else None)
-        )
+        lane = self._lanes or ThreadConnection.of(node_client(self.client, str(keys[0])))
         replies = lane.execute([command, wait] if wait else [command])
         if replies is None or isinstance(replies[0], REROUTE):
             replies = self._slow(keys, args, wait)
