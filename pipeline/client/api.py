@@ -115,7 +115,8 @@ class Pipeline:
         self.settings = check_gates(settings or load_settings())
         self.store = Store(self.settings)
         self._result_list = {
-            name: self.store.result_list_args(q) for name, q in self.settings.queues.items()
+            name: self.store.for_pool(q.worker_pool_id).result_list_args(q)
+            for name, q in self.settings.queues.items()
         }
         self._gates: dict[str, Gate] = {}
         self._quota_specs: dict[str, list[QuotaSpec]] | None = None
@@ -188,33 +189,60 @@ class Pipeline:
         """Store the rows; a :class:`ReplicationError` (too few replicas confirmed them in
         time: ``PIPELINE_REDIS_MIN_REPLICAS``) carries their ids, to submit them again."""
         try:
-            return self.store.submit(rows)
+            # one atomic submit per pool's store (on a Redis Cluster each pool is one slot)
+            groups: dict[Store, list[int]] = {}
+            for i, row in enumerate(rows):
+                groups.setdefault(self.store.for_pool(row.pool), []).append(i)
+            out: list[Any] = [None] * len(rows)
+            for store, index in groups.items():
+                for i, reply in zip(index, store.submit([rows[i] for i in index]), strict=True):
+                    out[i] = reply
+            return out
         except ReplicationError as exc:
             exc.ids = [r.id for r in rows]
             raise
 
     # -- reading -------------------------------------------------------------------------
+    def _stores(self) -> list[Store]:
+        return self.store.every_pool(self.settings.pools())
+
+    def where(self, request_id: str) -> Store:
+        """The store of the request's pool: this pipeline's on a standalone Redis; on a Redis
+        Cluster the pool whose slot holds its record (each asked, in one round trip), or the
+        first pool's when none does (the request is unknown there too)."""
+        stores = self._stores()
+        if len(stores) == 1:
+            return stores[0]
+        with self.store.client.pipeline(transaction=False) as p:
+            for store in stores:
+                p.exists(store.keys.request(request_id))
+            found = p.execute()
+        return next((s for s, n in zip(stores, found, strict=True) if n), stores[0])
+
     def get(self, request_id: str) -> Request:
-        if not self.store.client.exists(self.store.keys.request(request_id)):
+        store = self.where(request_id)
+        if not store.client.exists(store.keys.request(request_id)):
             raise UnknownRequest(request_id)
         return Request(self, request_id, created=False)
 
     def state(self, request_id: str) -> str:
-        state = self.store.client.hget(self.store.keys.request(request_id), "state")
+        store = self.where(request_id)
+        state = store.client.hget(store.keys.request(request_id), "state")
         if state is None:
             raise UnknownRequest(request_id)
         return str(state)
 
     def record(self, request_id: str) -> dict[str, Any]:
-        return dict(self.store.record(request_id))
+        return dict(self.where(request_id).record(request_id))
 
     def wait(self, request_id: str, timeout: float | None = None) -> Result:
         """Block until the request's terminal result exists, woken by its notify list (only
         kept for a request a client waits for: see wait.lua)."""
         end = None if timeout is None else time.monotonic() + timeout
-        notify = self.store.keys.notify(request_id)
-        key = self.store.keys.request(request_id)
-        state, raw = self.store.scripts.wait(keys=[key])
+        store = self.where(request_id)
+        notify = store.keys.notify(request_id)
+        key = store.keys.request(request_id)
+        state, raw = store.scripts.wait(keys=[key])
         while state != "done" or not raw:
             if state is None:
                 raise UnknownRequest(request_id)
@@ -224,10 +252,8 @@ class Pipeline:
             # BLMOVE of the list onto itself wakes on the bell and leaves it, for other waiters
             # and with its expiry (a pop then a push would re-create it without one); a float
             # timeout: redis-py's blmove() types it int
-            self.store.client.execute_command(
-                "BLMOVE", notify, notify, "RIGHT", "LEFT", max(left, 0.01)
-            )
-            state, raw = self.store.client.hmget(key, ["state", "result"])
+            store.client.execute_command("BLMOVE", notify, notify, "RIGHT", "LEFT", max(left, 0.01))
+            state, raw = store.client.hmget(key, ["state", "result"])
         return Result.from_json(raw)
 
     def iter_results(
@@ -237,16 +263,19 @@ class Pipeline:
         after every polling round (it may raise to stop waiting)."""
         remaining = set(ids)
         client = self.store.client
-        keys = self.store.keys
-        queues = list(self.settings.queues)
+        queues = [
+            (self.store.for_pool(q.worker_pool_id).keys, q.queue_name)
+            for q in self.settings.queues.values()
+        ]
+        records = [s.keys for s in self._stores()]  # where a request's record may be
         since = "-inf"  # the recent set is scored by the server's clock: so is `since`
         last_full = float("-inf")  # the first round reads every id
         while remaining:
+            sec, usec = client.time()  # first (a cluster pipeline sends no TIME)
             with client.pipeline(transaction=False) as p:
-                p.time()
-                for q in queues:
+                for keys, q in queues:
                     p.zrangebyscore(keys.recent(q), since, "+inf")
-                (sec, usec), *recent = p.execute()
+                recent = p.execute()
             if time.monotonic() - last_full > FULL_RESCAN_S:  # a safety net
                 candidates = list(remaining)
                 last_full = time.monotonic()
@@ -258,8 +287,11 @@ class Pipeline:
                 chunk = candidates[i : i + 1000]
                 with client.pipeline(transaction=False) as p:
                     for rid in chunk:
-                        p.hget(keys.request(rid), "result")
-                    for rid, res in zip(chunk, p.execute(), strict=True):
+                        for keys in records:
+                            p.hget(keys.request(rid), "result")
+                    replies = iter(p.execute())
+                    for rid in chunk:
+                        res = next(filter(None, [next(replies) for _ in records]), None)
                         if res:
                             remaining.discard(rid)
                             yield Result.from_json(res)
@@ -269,11 +301,11 @@ class Pipeline:
                 time.sleep(poll_s)
 
     def cancel(self, request_id: str) -> bool:
-        return self.store.cancel(request_id)
+        return self.where(request_id).cancel(request_id)
 
     def explain(self, request_id: str) -> Explanation:
         """Where the request is and why (:class:`Explanation`); raises UnknownRequest."""
-        raw = self.store.explain(request_id, self.quota_specs())
+        raw = self.where(request_id).explain(request_id, self.quota_specs())
         if raw is None:
             raise UnknownRequest(request_id)
         queue = str((raw.get("record") or {}).get("queue", ""))
@@ -295,25 +327,25 @@ class Pipeline:
         with self._lock:
             gate = self._gates.get(queue)
             if gate is None:
-                env = GateEnv(self.store.client, self.store.keys)
-                gate = queue_gate(self.settings, queue, env)
+                store = self.store.for_pool(self.settings.queues[queue].worker_pool_id)
+                gate = queue_gate(self.settings, queue, GateEnv(store.client, store.keys))
                 self._gates[queue] = gate
             return gate
 
     def inspect(self) -> dict[str, Any]:
         """Per queue: ``pending``, ``retry_wait``, ``running``, the gate, and for a queue indexed
         by tenant ``tenants``: ``ready`` and ``held_back`` (at a quota key's limit) tenants."""
-        k = self.store.keys
         names = list(self.settings.queues)
         with self.store.client.pipeline(transaction=False) as p:
             for name in names:
+                k = self.store.for_pool(self.settings.queues[name].worker_pool_id).keys
                 p.zcard(k.pending(name))
                 p.zcard(k.delayed(name))
                 p.zcard(k.active(name))
                 p.exists(k.sched(name))
                 p.zcard(k.ready(name))
                 p.hlen(k.blocked(name))
-            p.hgetall(k.wedged())
+            p.hgetall(self.store.keys.wedged())
             *counts, wedged = p.execute()
         out: dict[str, Any] = {}
         for i, name in enumerate(names):

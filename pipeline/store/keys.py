@@ -39,6 +39,9 @@ class Keys:
     key is the root, the variable part, and for some a :data:`TAILS` end."""
 
     prefix: str = "pl:"
+    # before the reference's own key families in :attr:`families`: "" (verbatim), or on a
+    # Redis Cluster the pool's tagged prefix (no reference producer writes there: no ingest)
+    ref_prefix: str = ""
 
     # -- per request ---------------------------------------------------------------------
     def request_prefix(self) -> str:
@@ -263,8 +266,8 @@ class Keys:
             self.gate_prefix(),
             self.pool_prefix(),
             self.batch_prefix(),
-            REF_ACTIVE_PREFIX,
-            REF_CANCEL_PREFIX,
+            self.ref_prefix + REF_ACTIVE_PREFIX,
+            self.ref_prefix + REF_CANCEL_PREFIX,
             self.seq(),
             self.freed_channel(),
             self.batches_active(),
@@ -276,7 +279,8 @@ class Keys:
 def pool_keys(prefix: str, pool: str) -> Keys:
     """A pool's keys on a Redis Cluster: the prefix and then the pool's hash tag
     (``pl:{p:<pool>}:``), so everything a script of the pool touches is in one slot."""
-    return Keys(f"{prefix}{{p:{pool}}}:")
+    tagged = f"{prefix}{{p:{pool}}}:"
+    return Keys(tagged, ref_prefix=tagged)
 
 
 def celery_queue(pool: str, prefix: str = "pl:") -> str:

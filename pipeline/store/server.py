@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 
 from ..errors import UnsafeRedis
 
@@ -107,6 +108,11 @@ def check_redis(client: redis.Redis, where: str, *, allow: bool) -> ServerFacts 
     CONFIG refused) is a warning too, and so is a server that does not answer (the node starts
     and reconnects as usual): the facts read, or None then. ``where`` names the server (a
     redacted URL) in the messages."""
+    if isinstance(client, RedisCluster):
+        raise UnsafeRedis(
+            f"PIPELINE_REDIS_URL names a Redis Cluster ({where}): the worker does not run on "
+            'one yet, only the client does (docs/production.md, "Redis Cluster")'
+        )
     try:
         facts = server_facts(client)
     except (redis.RedisError, OSError) as exc:

@@ -74,6 +74,10 @@ def test_a_worker_refuses_a_redis_cluster_node(tmp_path: Path) -> None:
         line = refusal(WORKER, worker_env(tmp_path, node.url), "Redis Cluster")
         assert f"127.0.0.1:{node.port}" in line and "Sentinel" in line, line
         assert not any(n.client().keys("plsafe*") for n in nodes)
+        seeds = f"redis+cluster://127.0.0.1:{node.port}"
+        env = worker_env(tmp_path, seeds, CELERY_BROKER_URL="amqp://guest:guest@127.0.0.1//")
+        line = refusal(WORKER, env, "Redis Cluster")
+        assert seeds in line and "does not run on one yet" in line, line
     with lone_server(tmp_path) as server:
         assert server_facts(server.client()).cluster_enabled is False
 

@@ -1,0 +1,104 @@
+"""The pipeline's state on a real Redis Cluster (3 primaries, 1 replica each): each pool's
+keys carry its hash tag, so every script call stays in one slot, on that slot's primary, and a
+client finds a request by id in whichever pool holds it (docs/production.md, "Redis
+Cluster")."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from redis.crc import key_slot
+
+from pipeline.cli.services import wait_until
+from pipeline.client.api import Pipeline
+from pipeline.config import QueueConfig, Settings
+from pipeline.store import connect
+from pipeline.store.scripts import node_client
+from tests.redis_servers import Server, redis_cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    with redis_cluster(tmp_path_factory.mktemp("cluster"), primaries=3, replicas=1) as nodes:
+
+        def replicas_online() -> bool:
+            links = [n.client().info("replication") for n in nodes[:3]]
+            return all(i.get("slave0", {}).get("state") == "online" for i in links)
+
+        wait_until(replicas_online, 30, "every primary's replica to be in sync")
+        yield nodes
+
+
+def url(nodes: list[Server]) -> str:
+    return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes[:2])
+
+
+def pools_on_two_primaries(nodes: list[Server]) -> tuple[str, str]:
+    """Two pool names whose hash tags map to different primaries."""
+    client = connect(url(nodes))
+    first = "alpha"
+    owner = node_client(client, "{p:alpha}")
+    for i in range(100):
+        other = f"beta{i}"
+        if node_client(client, f"{{p:{other}}}") is not owner:
+            return first, other
+    raise AssertionError("every pool name hashed to one primary")
+
+
+def settings(nodes: list[Server], pools: tuple[str, str], **kw: object) -> Settings:
+    queues = {
+        name: QueueConfig(queue_name=name, igw_base_url="http://127.0.0.1:9", worker_pool_id=p)
+        for name, p in (("qa", pools[0]), ("qb", pools[1]))
+    }
+    prefix = f"t{uuid.uuid4().hex[:6]}:"
+    return Settings(
+        redis_url=url(nodes), broker_url="amqp://", key_prefix=prefix, queues=queues, **kw
+    )  # type: ignore[arg-type]
+
+
+def test_each_pools_requests_live_in_its_slot_and_are_found_by_id(cluster: list[Server]) -> None:
+    pools = pools_on_two_primaries(cluster)
+    p = Pipeline(settings(cluster, pools))
+    reqs = p.submit_many(
+        [{"payload": {"prompt": f"p{i}"}, "queue": "qa" if i % 2 else "qb"} for i in range(20)]
+    )
+    assert all(r.created for r in reqs)
+    client = p.store.client
+    for r in reqs:
+        pool = pools[0] if p.record(r.id)["queue"] == "qa" else pools[1]
+        key = p.store.for_pool(pool).keys.request(r.id)
+        assert key_slot(key.encode()) == key_slot(f"{{p:{pool}}}".encode())
+        assert client.exists(key) == 1
+        assert p.state(r.id) == "queued"
+    # the same id again is the live request, in its pool
+    again = p.submit({"prompt": "p0"}, queue="qb", id=reqs[0].id)
+    assert not again.created
+    # cancel and wait, by id alone, wherever the request lives
+    for r in reqs[:4]:
+        assert p.cancel(r.id)
+        assert p.wait(r.id, timeout=10).error_code == "CANCELLED"
+    explained = p.explain(reqs[5].id)
+    assert explained.state == "queued"
+    done = {res.id for res in p.iter_results([r.id for r in reqs[:4]])}
+    assert done == {r.id for r in reqs[:4]}
+
+
+def test_scripts_reload_on_a_primary_that_lost_them(cluster: list[Server]) -> None:
+    pools = pools_on_two_primaries(cluster)
+    p = Pipeline(settings(cluster, pools))
+    first = p.submit({"prompt": "x"}, queue="qa")
+    for node in cluster:
+        node.client().script_flush()
+    second = p.submit({"prompt": "y"}, queue="qb")
+    assert first.created and second.created
+    assert p.cancel(first.id) and p.cancel(second.id)
+
+
+def test_a_submit_waits_for_the_slots_replica(cluster: list[Server]) -> None:
+    """With PIPELINE_REDIS_MIN_REPLICAS=1 the WAIT goes to the primary that took the write."""
+    pools = pools_on_two_primaries(cluster)
+    p = Pipeline(settings(cluster, pools, redis_min_replicas=1))
+    reqs = p.submit_many([{"payload": {"prompt": "z"}, "queue": q} for q in ("qa", "qb")])
+    assert all(r.created for r in reqs)
