@@ -9,13 +9,15 @@ pipeline's Redis.
 
 import os
 
-from pipeline.config import bool_env, celery_transport_options
+from pipeline.config import bool_env, celery_transport_options, is_cluster
 from pipeline.store.keys import celery_queue
 
 _redis = os.environ.get("PIPELINE_REDIS_URL") or "redis://localhost:6379/0"
 
 broker_url = os.environ.get("CELERY_BROKER_URL") or _redis
-result_backend = os.environ.get("CELERY_RESULT_BACKEND") or _redis
+# On a Redis Cluster (which Celery cannot use) no result backend unless one is named: the
+# pipeline's request record is the result (docs/production.md, "Redis Cluster")
+result_backend = os.environ.get("CELERY_RESULT_BACKEND") or (None if is_cluster(_redis) else _redis)
 broker_connection_retry_on_startup = True
 
 task_serializer = "json"

@@ -102,7 +102,7 @@ class DispatcherStep(bootsteps.StartStopStep):
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
-        self.dispatcher: Dispatcher | None = None
+        self.dispatchers: list[Dispatcher] = []
         self.reloader: Reloader | None = None
 
     def start(self, worker: Any) -> None:
@@ -111,20 +111,26 @@ class DispatcherStep(bootsteps.StartStopStep):
         for warning in check_endpoints(rt.settings):
             log.warning("%s", warning)
         pools = served_pools(worker)
-        self.dispatcher = Dispatcher(
-            rt.settings,
-            pools,
-            node=worker.hostname,
-            slots=int(worker.concurrency or 1),
-            send=send_to_celery,
-            store=rt.store,
-            direct=direct_publish(rt.settings, pools, f"{os.getpid()}@{worker.hostname}"),
-        )
-        self.reloader = Reloader(rt, worker.hostname, [self.dispatcher])
+        direct = direct_publish(rt.settings, pools, f"{os.getpid()}@{worker.hostname}")
+        # on a Redis Cluster a dispatcher per pool: each ticks and waits in its pool's slot
+        groups = [[p] for p in pools] if rt.settings.redis_cluster else [pools]
+        self.dispatchers = [
+            Dispatcher(
+                rt.settings,
+                group,
+                node=worker.hostname,
+                slots=int(worker.concurrency or 1),
+                send=send_to_celery,
+                store=rt.store.for_pool(group[0]),
+                direct=direct,
+            )
+            for group in groups
+        ]
+        self.reloader = Reloader(rt, worker.hostname, self.dispatchers)
         metrics.config_applied(time.time(), reload=False)
         # started by worker_ready: a node offers its slots only once it consumes, so nothing
         # is dispatched into a queue nobody reads yet
-        _ready_to_start.append((worker, self.dispatcher, self.reloader))
+        _ready_to_start.append((worker, self.dispatchers, self.reloader))
 
     def stop(self, worker: Any) -> None:
         _shutting_down.set()
@@ -132,13 +138,13 @@ class DispatcherStep(bootsteps.StartStopStep):
         if self.reloader is not None:
             self.reloader.stop()
             self.reloader = None
-        if self.dispatcher is not None:
-            self.dispatcher.stop()
-            self.dispatcher = None
+        for dispatcher in self.dispatchers:
+            dispatcher.stop()
+        self.dispatchers = []
 
 
 app.steps["worker"].add(DispatcherStep)
-_ready_to_start: list[tuple[Any, Dispatcher, Reloader]] = []
+_ready_to_start: list[tuple[Any, list[Dispatcher], Reloader]] = []
 
 
 def freeze_startup_heap(collect: bool = True) -> None:
@@ -171,15 +177,16 @@ def _reload_on_sighup(reloader: Reloader) -> None:
 @worker_ready.connect
 def _on_ready(**_: Any) -> None:
     while _ready_to_start:
-        worker, dispatcher, reloader = _ready_to_start.pop()
-        dispatcher.start()
+        worker, dispatchers, reloader = _ready_to_start.pop()
+        for dispatcher in dispatchers:
+            dispatcher.start()
         reloader.start()
         _reload_on_sighup(reloader)
-        health.start_node(worker, dispatcher, dispatcher.settings)
+        health.start_node(worker, dispatchers, dispatchers[0].settings)
         log.info(
             "pipeline dispatcher started on %s for pools %s (%s slots)",
             worker.hostname,
-            ", ".join(dispatcher.pools),
+            ", ".join(p for d in dispatchers for p in d.pools),
             worker.concurrency,
         )
     freeze_startup_heap()

@@ -207,17 +207,8 @@ class Pipeline:
         return self.store.every_pool(self.settings.pools())
 
     def where(self, request_id: str) -> Store:
-        """The store of the request's pool: this pipeline's on a standalone Redis; on a Redis
-        Cluster the pool whose slot holds its record (each asked, in one round trip), or the
-        first pool's when none does (the request is unknown there too)."""
-        stores = self._stores()
-        if len(stores) == 1:
-            return stores[0]
-        with self.store.client.pipeline(transaction=False) as p:
-            for store in stores:
-                p.exists(store.keys.request(request_id))
-            found = p.execute()
-        return next((s for s, n in zip(stores, found, strict=True) if n), stores[0])
+        """The store of the request's pool (:meth:`Store.find`)."""
+        return self.store.find(request_id, self.settings.pools())
 
     def get(self, request_id: str) -> Request:
         store = self.where(request_id)

@@ -29,7 +29,7 @@ from ..store import (
 )
 from ..store import holder as make_holder
 from ..store.journal import entry
-from ..store.scripts import ThreadConnection
+from ..store.scripts import ThreadConnection, node_client
 
 log = logging.getLogger("pipeline.dispatcher")
 
@@ -184,7 +184,7 @@ class Dispatcher:
     def _loop(self) -> None:
         wake_keys = [self.keys.wake(p) for p in self.pools]
         block: float | None = None
-        self._waiting = ThreadConnection.of(self.store.client).get()
+        self._waiting = ThreadConnection.of(node_client(self.store.client, wake_keys[0])).get()
         while not self._stop.is_set():
             try:
                 next_event = self.tick(block)
@@ -229,7 +229,7 @@ class Dispatcher:
                 # other pools' queues when one of their events is due, not at every ring
                 due = now + MAX_IDLE_S
                 for q in self.foreign:
-                    res = self.store.tick(q, [q], 0.0, 0, 0)
+                    res = self.store.for_pool(q.worker_pool_id).tick(q, [q], 0.0, 0, 0)
                     metrics.deadline_expired(q, res.expired[q.queue_name])
                     if res.next_event is not None:
                         due = min(due, now + res.next_event)

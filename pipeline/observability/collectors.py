@@ -27,27 +27,32 @@ log = logging.getLogger("pipeline.metrics")
 class ClusterCollector:
     """Series read from Redis (and this node's dispatcher) when ``/metrics`` is scraped."""
 
-    def __init__(self, settings: Settings, dispatcher: Any = None) -> None:
-        self.dispatcher = dispatcher
+    def __init__(self, settings: Settings, dispatchers: list[Any] | None = None) -> None:
+        self.dispatchers = dispatchers or []
         self.store = Store(settings)
         self._proximity = register(self.store.client, "deadline_proximity")
         self._bind(settings)
 
     def _bind(self, settings: Settings) -> None:
         """Report ``settings``' queues and gates (again after a config reload)."""
-        env = GateEnv(self.store.client, self.store.keys, node="metrics")
+
+        def env(pool: str) -> GateEnv:
+            store = self.store.for_pool(pool)
+            return GateEnv(store.client, store.keys, node="metrics")
+
         gates: list[tuple[tuple[str, str, str], Gate]] = []
         for q in settings.queues.values():
             metrics.series().init_queue(queue_labels(q))
-            gates.append((queue_labels(q), queue_gate(settings, q.queue_name, env)))
+            gate = queue_gate(settings, q.queue_name, env(q.worker_pool_id))
+            gates.append((queue_labels(q), gate))
         for pool in sorted(settings.pools()):
-            pg = pool_gate(settings, pool, env)
+            pg = pool_gate(settings, pool, env(pool))
             if pg is not None:
                 gates.append((("", "", pool), pg))
         self.settings, self.gates = settings, gates
 
     def collect(self) -> Iterable[Metric]:
-        current = getattr(self.dispatcher, "settings", None)
+        current = getattr(next(iter(self.dispatchers), None), "settings", None)
         if isinstance(current, Settings) and current is not self.settings:
             self._bind(current)  # the node reloaded its config
         yield from self._redis()
@@ -87,19 +92,28 @@ class ClusterCollector:
 
     def _redis(self) -> Iterator[Metric]:
         up = GaugeMetricFamily(PREFIX + "redis_up", "1 when Redis answered this scrape.")
-        k = self.store.keys
         names = list(self.settings.queues)
+        by_pool: dict[str, list[str]] = {}  # one proximity call per pool's slot on a cluster
+        for name in names:
+            by_pool.setdefault(self.settings.queues[name].worker_pool_id, []).append(name)
+        keys = {n: self.store.for_pool(p).keys for p, ns in by_pool.items() for n in ns}
         try:
             with self.store.client.pipeline(transaction=False) as p:
                 for name in names:
-                    p.zcard(k.pending(name))
-                    p.zcard(k.delayed(name))
-                    p.zcard(k.active(name))
-                p.hgetall(k.wedged())
-                *counts, wedged = p.execute()
-            proximity = self._proximity(
-                keys=[k.expiry(name) for name in names], args=list(PROXIMITY_BUCKETS_MS)
-            )
+                    p.zcard(keys[name].pending(name))
+                    p.zcard(keys[name].delayed(name))
+                    p.zcard(keys[name].active(name))
+                for name in names:
+                    p.hexists(keys[name].wedged(), name)
+                replies = p.execute()
+            counts, wedged = replies[: 3 * len(names)], replies[3 * len(names) :]
+            proximity = [
+                count
+                for ns in by_pool.values()
+                for count in self._proximity(
+                    keys=[keys[n].expiry(n) for n in ns], args=list(PROXIMITY_BUCKETS_MS)
+                )
+            ]
             gates = [(labels, g, g.in_flight(), g.capacity()) for labels, g in self.gates]
         except Exception as exc:  # noqa: BLE001 - a scrape reports Redis down, it never fails
             log.warning("metrics: cannot read Redis: %s", exc)
@@ -120,7 +134,7 @@ class ClusterCollector:
             labels = list(queue_labels(self.settings.queues[name]))
             for j, state in enumerate(("pending", "retry_wait", "running")):
                 depth.add_metric([*labels, state], counts[3 * i + j])
-            wedge.add_metric(labels, 1 if name in wedged else 0)
+            wedge.add_metric(labels, 1 if wedged[i] else 0)
         inflight = GaugeMetricFamily(
             PREFIX + "gate_in_flight",
             "Reservations a gate holds now, cluster-wide.",
@@ -137,7 +151,8 @@ class ClusterCollector:
             if cap is not None:
                 limit.add_metric(labels, cap)
         yield from (depth, wedge, inflight, limit)
-        yield self._proximity_histogram(names, [int(c) for c in proximity])
+        ordered = [n for ns in by_pool.values() for n in ns]  # as proximity reads them
+        yield self._proximity_histogram(ordered, [int(c) for c in proximity])
 
     def _proximity_histogram(self, names: list[str], counts: list[int]) -> Metric:
         """A snapshot per queue (docs/observability.md); ``_sum`` from bucket midpoints, those
@@ -185,7 +200,8 @@ class ClusterCollector:
             "1 when the metric gate's last reading succeeded (0: fallback used).",
             labels=[*LABELS, "inference_pool"],
         )
-        gates: dict[str, Gate] = getattr(self.dispatcher, "gates", {})  # this node dispatches
+        # the gates this node dispatches through
+        gates: dict[str, Gate] = {n: g for d in self.dispatchers for n, g in d.gates.items()}
         for name, gate in list(gates.items()):
             if (q := self.settings.queues.get(name)) is None:
                 continue  # a reload is binding the dispatcher's new settings
@@ -200,8 +216,8 @@ class ClusterCollector:
                 threshold.add_metric([*labels, pool], mg.threshold)
                 available.add_metric([*labels, pool], 1 if mg.source_available else 0)
         yield from (budget, value, threshold, available)
-        caps = getattr(self.dispatcher, "pool_cap", None)
-        if isinstance(caps, dict):
+        caps = {p: c for d in self.dispatchers for p, c in d.pool_cap.items()}
+        if self.dispatchers:
             limit = GaugeMetricFamily(
                 PREFIX + "pool_worker_limit",
                 "Worker slots the dispatcher fills for a pool, across its live nodes.",
@@ -224,11 +240,11 @@ class _MultiProcessCollector(multiprocess.MultiProcessCollector):
         return super().collect()
 
 
-def scrape_registry(settings: Settings, dispatcher: Any = None) -> CollectorRegistry:
+def scrape_registry(settings: Settings, dispatchers: list[Any] | None = None) -> CollectorRegistry:
     """This node's series (the multiprocess files, or this process's memory) and the
     scrape-time collector."""
     reg = CollectorRegistry(auto_describe=False)
     path = metrics.multiproc_dir
     reg.register(metrics.registry if path is None else _MultiProcessCollector(path))
-    reg.register(ClusterCollector(settings, dispatcher))
+    reg.register(ClusterCollector(settings, dispatchers))
     return reg

@@ -36,7 +36,7 @@ class NodeServer:
         host: str,
         port: int,
         *,
-        dispatcher: Any = None,
+        dispatchers: list[Any] | None = None,
         checks: list[ReadyCheck] | None = None,
     ) -> None:
         self.checks = list(checks or [])
@@ -47,7 +47,7 @@ class NodeServer:
             timeout=PING_TIMEOUT_S,
             decode_responses=False,
         )
-        self._metrics = make_wsgi_app(scrape_registry(settings, dispatcher))
+        self._metrics = make_wsgi_app(scrape_registry(settings, dispatchers))
         self.httpd = make_server(host, port, self._app, ThreadingWSGIServer, _LogHandler)
 
     @property
@@ -127,15 +127,17 @@ def _consuming(worker: Any) -> str | None:
     return None
 
 
-def _dispatching(dispatcher: Any) -> str | None:
-    thread = getattr(dispatcher, "_thread", None)
-    if thread is None or not thread.is_alive():
-        return "dispatcher not running"
+def _dispatching(dispatchers: list[Any]) -> str | None:
+    for dispatcher in dispatchers:
+        thread = getattr(dispatcher, "_thread", None)
+        if thread is None or not thread.is_alive():
+            return "dispatcher not running"
     return None
 
 
-def start_node(worker: Any, dispatcher: Any, settings: Settings) -> NodeServer | None:
-    """Start the node's endpoint for a Celery worker and its dispatcher (main process)."""
+def start_node(worker: Any, dispatchers: list[Any], settings: Settings) -> NodeServer | None:
+    """Start the node's endpoint for a Celery worker and its dispatchers (main process; one
+    per pool on a Redis Cluster)."""
     global _node_server
     port = metrics.port_from_env()
     if port == 0:
@@ -146,8 +148,8 @@ def start_node(worker: Any, dispatcher: Any, settings: Settings) -> NodeServer |
             settings,
             host,
             port,
-            dispatcher=dispatcher,
-            checks=[lambda: _dispatching(dispatcher), lambda: _consuming(worker)],
+            dispatchers=dispatchers,
+            checks=[lambda: _dispatching(dispatchers), lambda: _consuming(worker)],
         ).start()
     except OSError as exc:
         log.warning("metrics endpoint not started on %s:%d: %s", host, port, exc)

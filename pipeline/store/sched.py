@@ -68,6 +68,7 @@ class QueueTick:
             "weight": self.weight,
             "lane": self.lane,
             "rand": round(self.rand, 6),  # (17 digits make the script's JSON decode slower)
+            "rl": bool(self.result_list[0]),  # else its results key in KEYS only holds the place
             "rl_max": self.result_list[1],
             "rl_ttl": self.result_list[2],
             "specs": [s.arg() for s in self.specs],

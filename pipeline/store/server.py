@@ -100,19 +100,24 @@ def server_facts(client: redis.Redis) -> ServerFacts:
     )
 
 
-def check_redis(client: redis.Redis, where: str, *, allow: bool) -> ServerFacts | None:
-    """Refuse a Redis Cluster node (:class:`UnsafeRedis`: every script of the pipeline touches
-    keys of several hash slots) and a Redis that may evict keys (:class:`UnsafeRedis` naming
-    ``maxmemory-policy``, the value found and the fix), unless ``allow``
+def check_redis(
+    client: redis.Redis, where: str, *, allow: bool, in_cluster: bool = False
+) -> ServerFacts | None:
+    """Refuse a Redis Cluster node named as a standalone Redis (:class:`UnsafeRedis`: its keys
+    would lack their pool's hash tag) and a Redis that may evict keys (:class:`UnsafeRedis`
+    naming ``maxmemory-policy``, the value found and the fix), unless ``allow``
     (``PIPELINE_ALLOW_EVICTION=1``: a warning instead). A policy nobody would tell (INFO and
     CONFIG refused) is a warning too, and so is a server that does not answer (the node starts
     and reconnects as usual): the facts read, or None then. ``where`` names the server (a
-    redacted URL) in the messages."""
-    if isinstance(client, RedisCluster):
-        raise UnsafeRedis(
-            f"PIPELINE_REDIS_URL names a Redis Cluster ({where}): the worker does not run on "
-            'one yet, only the client does (docs/production.md, "Redis Cluster")'
-        )
+    redacted URL) in the messages. On a cluster (``redis+cluster://``) each primary is checked."""
+    if isinstance(client, RedisCluster):  # each primary holds some pools' keys
+        checked = [
+            check_redis(
+                node.redis_connection, f"{where} ({node.name})", allow=allow, in_cluster=True
+            )
+            for node in client.get_primaries()
+        ]
+        return next(iter(checked), None)
     try:
         facts = server_facts(client)
     except (redis.RedisError, OSError) as exc:
@@ -123,11 +128,11 @@ def check_redis(client: redis.Redis, where: str, *, allow: bool) -> ServerFacts 
             SAFE_POLICY,
         )
         return None
-    if facts.cluster_enabled:
+    if facts.cluster_enabled and not in_cluster:
         raise UnsafeRedis(
-            f"the Redis at {where} is a Redis Cluster node (cluster_enabled:1): the pipeline's "
-            "scripts need all of its keys on one server. Point PIPELINE_REDIS_URL at a "
-            'standalone Redis or a Sentinel group (docs/production.md, "Redis Cluster")'
+            f"the Redis at {where} is a Redis Cluster node (cluster_enabled:1) named as a "
+            "standalone Redis: name the cluster instead, PIPELINE_REDIS_URL="
+            'redis+cluster://host:port[,host:port...] (docs/production.md, "Redis Cluster")'
         )
     policy = facts.maxmemory_policy
     if policy is None:

@@ -26,7 +26,7 @@ from .journal import Journal, entry
 from .keys import Keys, pool_keys
 from .rows import RequestRow
 from .sched import MergeArgs, QueueTick, QuotaSpec
-from .scripts import ScriptCall, Scripts, ThreadConnection
+from .scripts import ScriptCall, Scripts, ThreadConnection, node_client
 
 SWEEP_LIMIT = 500
 SUBMIT_FIRST_CHUNK = 32  # rows in the first submit.lua call of a batch; each next one doubles
@@ -161,6 +161,19 @@ class Store:
         """Where a request of any of ``pools`` may be: this store, or each pool's on a cluster."""
         return [self.for_pool(p) for p in pools] if self.settings.redis_cluster else [self]
 
+    def find(self, request_id: str, pools: Iterable[str]) -> Store:
+        """The store holding the request's record: this one on a standalone Redis; on a
+        cluster, the pool of ``pools`` whose slot has it (each asked, in one round trip), or
+        the first when none does (the request is unknown there too)."""
+        stores = self.every_pool(pools)
+        if len(stores) == 1:
+            return stores[0]
+        with self.client.pipeline(transaction=False) as p:
+            for store in stores:
+                p.exists(store.keys.request(request_id))
+            found = p.execute()
+        return next((s for s, n in zip(stores, found, strict=True) if n), stores[0])
+
     def result_list_args(self, queue: QueueConfig) -> tuple[str, str, str]:
         """(list key or '' for none, max length, TTL in s) of a queue's result list, as the
         scripts take them (request records carry them: see lib.lua's push_result)."""
@@ -248,10 +261,12 @@ class Store:
         merge = merge or MergeArgs()
         publish = publish or DirectPublish("", "", "")  # none: the script pushes no message
         keys: list[str] = []
+        # a key of the pool's slot holds the place of a list there is none of (on a Redis
+        # Cluster every key of a call must be in one slot, and '' is in slot 0)
         for q in queues:
             keys += [k.pending(q.name), k.delayed(q.name), k.expiry(q.name), k.active(q.name)]
-            keys.append(q.result_list[0])
-        keys += [k.merge(pool), publish.list_key]
+            keys.append(q.result_list[0] or k.pending(q.name))
+        keys += [k.merge(pool), publish.list_key or k.merge(pool)]
         if doorbell:
             keys.append(doorbell)
         keys += k.families
@@ -296,7 +311,8 @@ class Store:
         script = self.scripts.dispatch
         if doorbell and block and block > 0 and script.replication is None:
             wait = ("BLPOP", doorbell, f"{max(block, 0.001):.3f}")
-            replies = ThreadConnection.of(self.client).execute([wait, script.command(keys, args)])
+            lane = ThreadConnection.of(node_client(self.client, doorbell))
+            replies = lane.execute([wait, script.command(keys, args)])
             if replies is not None and not isinstance(replies[1], NoScriptError):
                 if isinstance(replies[1], Exception):
                     raise replies[1]

@@ -47,6 +47,7 @@ class Attempt:
         self.token = token
         self.worker = worker
         self.queue: QueueConfig = runtime.settings.queues[record["queue"]]
+        self.store = runtime.store.for_pool(self.queue.worker_pool_id)  # its slot on a cluster
         self.deadline = float(record["deadline"])
         self.metadata: dict[str, str] = _json_map(record.get("metadata"), "metadata")
         self.labels: dict[str, str] = _json_map(record.get("labels"), "labels")
@@ -114,7 +115,7 @@ class Attempt:
             mirror = self.mirrors.success() if ok else self.mirrors.failure(failure)
 
         def finish(handed_over: bool, nowake: bool) -> ScriptCall:
-            return self.rt.store.finish_call(
+            return self.store.finish_call(
                 self.id,
                 self.token,
                 attempted=attempted,
@@ -128,7 +129,7 @@ class Attempt:
                 journal=self.journal,
             )
 
-        res = self.rt.store.finished(self.reservation.release_with(finish, self.served_tokens))
+        res = self.store.finished(self.reservation.release_with(finish, self.served_tokens))
         self.closed = True
         if res is None:
             return Report(Status.STALE, "fenced off at finish")
@@ -161,7 +162,7 @@ class Attempt:
         mirror = self.mirrors.retry(reason) if self.mirrors is not None else None
 
         def requeue(handed_over: bool, nowake: bool) -> ScriptCall:
-            return self.rt.store.requeue_call(
+            return self.store.requeue_call(
                 self.id,
                 self.token,
                 delay=delay,
@@ -174,7 +175,7 @@ class Attempt:
                 note=note or entry("requeued", reason=reason),
             )
 
-        due = self.rt.store.requeued(self.reservation.release_with(requeue, self.served_tokens))
+        due = self.store.requeued(self.reservation.release_with(requeue, self.served_tokens))
         self.closed = True
         if due is None:
             return Report(Status.STALE, "fenced off at requeue")
@@ -266,7 +267,7 @@ class Attempt:
         token = self.record.get("ref_token") or ""
         if not token:
             return False
-        return bool(self.rt.store.client.get(ref_cancel_key(self.id)) == token)
+        return bool(self.store.client.get(ref_cancel_key(self.id)) == token)
 
     def parks_on(self, decision: Decision) -> bool:
         """A full slot gate's Refuse: park for a release (``PIPELINE_PARK_S``)."""
@@ -309,7 +310,7 @@ class Attempt:
             if not noted and not decision.admitted and time.monotonic() - began >= PARK_POLL_S:
                 noted = True
                 try:
-                    self.rt.store.note(self.id, self.token, self.journal)
+                    self.store.note(self.id, self.token, self.journal)
                 except Exception as exc:  # noqa: BLE001 - the log is for people; it goes on
                     log.warning("decision log note for %s failed: %s", self.id, exc)
         if decision.admitted:
@@ -324,12 +325,12 @@ class Attempt:
         timed_out = ticket is not None and not (ticket.rang or ticket.cancelled)
         if not (timed_out or self.rt.bell.cancelled(self.id)):
             return False
-        self.cancelled = self.rt.store.cancel_asked(self.id, self.token)
+        self.cancelled = self.store.cancel_asked(self.id, self.token)
         return self.cancelled is not None
 
     def note_span(self, traceparent: str) -> None:
         try:
-            self.rt.store.note_span(self.id, self.token, traceparent)
+            self.store.note_span(self.id, self.token, traceparent)
         except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
             log.warning("could not note the span of %s: %s", self.id, exc)
 

@@ -55,9 +55,9 @@ class ReleaseBell:
     """Per-process generations, one per bell name, and the lines of parked waiters; a ring
     wakes the longest waiting one, not a herd."""
 
-    def __init__(self, client: redis.Redis, channel: str) -> None:
+    def __init__(self, client: redis.Redis, channels: list[str]) -> None:
         self.client = client
-        self.channel = channel
+        self.channels = channels  # one per pool on a Redis Cluster
         self._lock = threading.Lock()
         self._waiters: dict[str, deque[Ticket]] = defaultdict(deque)
         self._gen: OrderedDict[str, int] = OrderedDict()
@@ -238,7 +238,7 @@ class ReleaseBell:
         while not self._stopping.is_set():
             pubsub = self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
             try:
-                pubsub.subscribe(self.channel)
+                pubsub.subscribe(*self.channels)
                 self._subscribed.set()
                 delay = RECONNECT_S[0]
                 while not self._stopping.is_set():

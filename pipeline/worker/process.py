@@ -11,7 +11,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import Settings, from_snapshot, load_settings, to_snapshot
+from ..config import QueueConfig, Settings, from_snapshot, load_settings, to_snapshot
 from ..gates import Gate, GateEnv, attempt_gate, check_gates, same_attempt_gate
 from ..http.call import reset_tls
 from ..observability import tracing
@@ -33,8 +33,8 @@ class Runtime:
         self.settings = check_gates(settings)
         check_endpoints(self.settings)  # a queue's API key variable is set, its TLS files load
         self.store = Store(self.settings)
-        node = os.environ.get("PIPELINE_NODE") or f"{os.uname().nodename}.{os.getpid()}"
-        self.env = GateEnv(self.store.client, self.store.keys, node=node)
+        self.node = os.environ.get("PIPELINE_NODE") or f"{os.uname().nodename}.{os.getpid()}"
+        self._envs: dict[str, GateEnv] = {}
         self._gates: dict[str, Gate] = {}
         self._pool_gates: dict[str, Gate | None] = {}
         self._live: dict[str, Attempt] = {}  # holder -> its attempt (renewed on its gate)
@@ -43,13 +43,27 @@ class Runtime:
         self._heartbeat: threading.Thread | None = None
         self._stopping = threading.Event()
         self.rng = random.Random()
-        self.bell = ReleaseBell(self.store.client, self.store.keys.freed_channel())
+        channels = {s.keys.freed_channel() for s in self.store.every_pool(settings.pools())}
+        self.bell = ReleaseBell(self.store.client, sorted(channels))
+
+    def store_of(self, queue: QueueConfig) -> Store:
+        """The store of the queue's pool (its own slot on a Redis Cluster)."""
+        return self.store.for_pool(queue.worker_pool_id)
+
+    def env(self, pool: str) -> GateEnv:
+        """What the gates of ``pool``'s queues bind to (its keys)."""
+        env = self._envs.get(pool)
+        if env is None:
+            store = self.store.for_pool(pool)
+            env = self._envs[pool] = GateEnv(store.client, store.keys, node=self.node)
+        return env
 
     def gate(self, queue: str) -> Gate:
         with self._lock:
             gate = self._gates.get(queue)
             if gate is None:
-                gate = attempt_gate(self.settings, queue, self.env, self._pool_gates)
+                env = self.env(self.settings.queues[queue].worker_pool_id)
+                gate = attempt_gate(self.settings, queue, env, self._pool_gates)
                 self._gates[queue] = gate
             return gate
 
@@ -115,7 +129,13 @@ class Runtime:
             if not live:
                 continue
             try:
-                self.store.renew([(a.id, a.token, a.queue.queue_name) for a in live])
+                by_pool: dict[str, list[Attempt]] = {}
+                for a in live:  # one call per pool's slot
+                    by_pool.setdefault(a.queue.worker_pool_id, []).append(a)
+                for pool, attempts in by_pool.items():
+                    self.store.for_pool(pool).renew(
+                        [(a.id, a.token, a.queue.queue_name) for a in attempts]
+                    )
                 by_gate: dict[int, tuple[Gate, list[str]]] = {}
                 for a in live:  # each on the gate it holds (or asks)
                     gate = a.reservation.gate
@@ -146,18 +166,19 @@ class Runtime:
         self.follow_snapshot()
         queue = queue if queue in self.settings.queues else self._queue_of(request_id)
         gate = self.current_gate(queue)
+        store = self._store_of(queue, request_id)
         res = (
             None if gate is None else Reservation(self, queue, make_holder(request_id, token), gate)
         )
         calls = None if res is None else res.start_calls(worker, tenant or {})
-        start = self.store.start_call(request_id, token, queue, worker)
+        start = store.start_call(request_id, token, queue, worker)
         took = False
         if res is None or calls is None:
             reply: Any = start()
         else:
-            reply, *acquired = run_batch(self.store.client, [start, *calls.calls])
+            reply, *acquired = run_batch(store.client, [start, *calls.calls])
             took = res.started(calls, acquired)
-        started = None if isinstance(reply, Exception) else self.store.started(reply)
+        started = None if isinstance(reply, Exception) else store.started(reply)
         if started is None:
             if took and res is not None:  # the start failed or was fenced off: give it back
                 res.release()
@@ -172,7 +193,7 @@ class Runtime:
             log.error("request %s: %s", request_id, message)
             if res is not None and (took or res.admitted):
                 res.release()
-            self._fail(request_id, token, "INVALID_REQUEST", message, message)
+            self._fail(store, request_id, token, "INVALID_REQUEST", message, message)
             return None
         if tenant and any(attempt.metadata.get(k) != v for k, v in tenant.items()):
             # the dispatcher's tenant is not the record's: ask the gate anew
@@ -181,8 +202,12 @@ class Runtime:
         return attempt
 
     def _queue_of(self, request_id: str) -> str:
-        queue = self.store.client.hget(self.store.keys.request(request_id), "queue")
-        return str(queue or "")
+        store = self.store.find(request_id, self.settings.pools())
+        return str(store.client.hget(store.keys.request(request_id), "queue") or "")
+
+    def _store_of(self, queue: str, request_id: str) -> Store:
+        q = self.settings.queues.get(queue)
+        return self.store_of(q) if q else self.store.find(request_id, self.settings.pools())
 
     def abandon(
         self, request_id: str, token: str, queue: str | None, *, cancel: bool, reason: str
@@ -193,11 +218,12 @@ class Runtime:
         gate = self.current_gate(queue)
         if gate is not None:
             Reservation(self, queue, make_holder(request_id, token), gate).release()
+        store = self._store_of(queue, request_id)
         done: object
         if cancel:
-            done = self._fail(request_id, token, "CANCELLED", reason, "cancelled")
+            done = self._fail(store, request_id, token, "CANCELLED", reason, "cancelled")
         else:
-            done = self.store.requeue(
+            done = store.requeue(
                 request_id, token, delay=0.0, attempted=False, note=entry("requeued", reason=reason)
             )
         if done:
@@ -214,13 +240,15 @@ class Runtime:
                     token,
                     reason,
                     queue_name=queue,
-                    noted=lambda: self.store.attempt_span(request_id, token),
+                    noted=lambda: store.attempt_span(request_id, token),
                 )
 
-    def _fail(self, request_id: str, token: str, code: str, message: str, error: str) -> bool:
+    def _fail(
+        self, store: Store, request_id: str, token: str, code: str, message: str, error: str
+    ) -> bool:
         """End a request unsent with error ``code``; False when fenced off."""
         payload = json.dumps({"error": error})
-        done = self.store.finish(
+        done = store.finish(
             request_id,
             token,
             attempted=False,

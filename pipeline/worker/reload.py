@@ -8,6 +8,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,7 +43,7 @@ class ReloadOutcome:
 
 
 class Reloader:
-    def __init__(self, runtime: Runtime, node: str, targets: list[Reloadable]) -> None:
+    def __init__(self, runtime: Runtime, node: str, targets: Sequence[Reloadable]) -> None:
         self.rt = runtime
         self.node = node
         self.targets = targets

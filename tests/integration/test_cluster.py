@@ -5,18 +5,27 @@ Cluster")."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.crc import key_slot
 
 from pipeline.cli.services import wait_until
 from pipeline.client.api import Pipeline
-from pipeline.config import QueueConfig, Settings
+from pipeline.config import QueueConfig, Settings, load_settings
+from pipeline.sim import SimConfig, SimServer
 from pipeline.store import connect
 from pipeline.store.scripts import node_client
 from tests.redis_servers import Server, redis_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +111,74 @@ def test_a_submit_waits_for_the_slots_replica(cluster: list[Server]) -> None:
     p = Pipeline(settings(cluster, pools, redis_min_replicas=1))
     reqs = p.submit_many([{"payload": {"prompt": "z"}, "queue": q} for q in ("qa", "qb")])
     assert all(r.created for r in reqs)
+
+
+def worker_env(
+    nodes: list[Server], broker: str, tmp: Path, queues: list[dict[str, Any]]
+) -> dict[str, str]:
+    qfile = tmp / "queues.json"
+    qfile.write_text(json.dumps(queues))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "CELERY_"))}
+    env.update(
+        PIPELINE_REDIS_URL=url(nodes),
+        CELERY_BROKER_URL=broker,
+        PIPELINE_QUEUES=str(qfile),
+        PIPELINE_KEY_PREFIX=f"tc{uuid.uuid4().hex[:6]}:",
+        PIPELINE_LEASE_S="3",
+        PIPELINE_REAPER_PERIOD_S="0.5",
+        PIPELINE_METRICS_PORT="0",
+    )
+    return env
+
+
+def test_a_worker_serves_two_pools_on_the_cluster_and_releases_every_slot(
+    cluster: list[Server], redis_url: str, tmp_path: Path
+) -> None:
+    """End to end on the cluster, a standalone Redis the broker: one worker node serves two
+    pools whose slots are on different primaries, each queue behind its gate; every request
+    ends once, never more than the gates allow at the server, no gate holds a reservation."""
+    pools = pools_on_two_primaries(cluster)
+    limits = {"qa": 3, "qb": 2}
+    with SimServer(SimConfig(latency_ms=20)).start_in_thread() as sim:
+        queues = [
+            {"queue_name": "qa", "igw_base_url": sim.url, "worker_pool_id": pools[0],
+             "gate_type": "global-max-concurrency", "gate_params": {"limit": limits["qa"]}},
+            {"queue_name": "qb", "igw_base_url": sim.url, "worker_pool_id": pools[1],
+             "gate_type": "local-max-concurrency", "gate_params": {"limit": limits["qb"]}},
+        ]  # fmt: skip
+        env = worker_env(cluster, redis_url, tmp_path, queues)
+        log = tmp_path / "worker.log"
+        argv = [sys.executable, "-m", "pipeline", "worker", "--pools", ",".join(pools)]
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(
+                [*argv, "-c", "8", "--loglevel", "INFO"],
+                env=env,
+                cwd=ROOT,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            p = Pipeline(load_settings(env))
+            reqs = p.submit_many(
+                [{"payload": {"prompt": f"{i}"}, "queue": "qa" if i % 2 else "qb"}
+                 for i in range(60)]
+            )  # fmt: skip
+            results = {}
+            for r in reqs:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                results[r.id] = r.result(timeout=60)
+            assert all(res.status_code == 200 for res in results.values()), results
+            assert sim.stats()["max_concurrency_observed"] <= sum(limits.values())
+            assert max(sim.stats()["attempts_by_request_id"].values()) == 1
+            wait_until(lambda: all(q["running"] == 0 for q in p.inspect().values()), 20, "idle")
+            prefix = env["PIPELINE_KEY_PREFIX"]
+            holders = [
+                k
+                for n in cluster[:3]
+                for k in n.client().scan_iter(f"{prefix}*gate*:holders", count=10_000)
+                if n.client().zcard(k)
+            ]
+            assert not holders, f"gates still hold slots: {holders}"
+        finally:
+            proc.terminate()
+            proc.wait(30)

@@ -23,16 +23,19 @@
 -- "ahead", the quota key it was sent past), and the head request of a tenant held back a
 -- "held" entry (the key).
 -- KEYS: per queue of ARGV[1]'s list, in order: pending, delayed, expiry, active, result list
--- ('' when it keeps none); then the pool's merge hash; the pool's Celery queue list when the
--- broker is this Redis, else ''; the pool's doorbell when cfg.doorbell (emptied first: every
+-- (when it keeps none, a key of the slot holding the place: see rl); then the pool's merge
+-- hash; the pool's Celery queue list when the broker is this Redis (else a key holding the
+-- place: see task); the pool's doorbell when cfg.doorbell (emptied first: every
 -- ring pushed so far is answered by this tick); then the key families (lib.lua key_families:
 -- records, tenants' and quota keys' sets).
 -- ARGV[1] JSON: {cap (the pool's worker slots), lease (s: a dispatched request's lease),
 -- ttl (result TTL, s), sweep (limit per sweep), nonce (attempt tokens are <nonce>.<n>),
--- task, origin (Celery message fields), doorbell (bool), policy ('random-robin' or
--- 'tier-priority'), max_wait, lookahead (most quota look-ahead attempts this tick), queues:
+-- task, origin (Celery message fields; task '' when the script pushes none), doorbell
+-- (bool), policy ('random-robin' or 'tier-priority'), max_wait, lookahead (most quota
+-- look-ahead attempts this tick), queues:
 -- [{name, dispatch (bool: may dispatch), sweep (bool), budget (0..1), cap (-1: none), weight,
--- lane (0..5), rand (0..1: a new round-robin counter's start), rl_max, rl_ttl (result list),
+-- lane (0..5), rand (0..1: a new round-robin counter's start), rl (bool: it keeps a result
+-- list), rl_max, rl_ttl (result list),
 -- specs: [{k (the quota key up to its value: <the gate's prefix param><attribute>:), attr,
 -- limit, la (look-ahead), h (bool: the key's leases are in this Redis)}]}]}.
 -- With a Celery queue list, each moved request is also pushed there as a Celery message (protocol 2,
@@ -51,7 +54,7 @@ local limit = cfg.sweep
 local limit_text = string.format('%d', limit)
 local lease_until = lease_score(now + cfg.lease)
 local Q = cfg.queues
-local celery_list = KEYS[#Q * 5 + 2]
+local celery_list = cfg.task ~= '' and KEYS[#Q * 5 + 2] or '' -- else it holds the place
 if cfg.doorbell then redis.call('DEL', KEYS[#Q * 5 + 3]) end
 
 for i, q in ipairs(Q) do
@@ -59,6 +62,7 @@ for i, q in ipairs(Q) do
   q.idx, q.pending, q.delayed, q.expiry, q.active, q.results =
     i, KEYS[b + 1], KEYS[b + 2], KEYS[b + 3], KEYS[b + 4], KEYS[b + 5]
   q.expired, q.rejected, q.allowed = 0, {}, 0
+  if not q.rl then q.results = '' end -- its key only holds the place
 end
 
 -- A member that is not a dispatchable request of this queue: report it, never drop silently.
