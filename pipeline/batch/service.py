@@ -22,7 +22,7 @@ import orjson
 
 from ..client import Pipeline
 from ..client.api import check_priority
-from ..errors import InvalidRequest
+from ..errors import ConfigError, InvalidRequest
 from .config import BatchSettings
 from .files import Files
 from .ingest import RowBuilder, RowContext, Scan, enqueue, input_lines, invalid_record, scan
@@ -62,6 +62,11 @@ class Batches:
     def __init__(
         self, pipeline: Pipeline, settings: BatchSettings | None = None, files: Files | None = None
     ) -> None:
+        if pipeline.settings.redis_cluster:
+            raise ConfigError(
+                "batches do not run on a Redis Cluster yet (a batch's lines would span pools' "
+                'slots): use a standalone Redis or Sentinel (docs/production.md, "Redis Cluster")'
+            )
         self.pipeline = pipeline
         self.settings = settings or BatchSettings.from_env(pipeline.settings)
         self.records = BatchRecords(pipeline.store)

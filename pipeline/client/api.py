@@ -208,7 +208,7 @@ class Pipeline:
 
     def where(self, request_id: str) -> Store:
         """The store of the request's pool (:meth:`Store.find`)."""
-        return self.store.find(request_id, self.settings.pools())
+        return self.store.find(request_id, self.settings.queues.values())
 
     def get(self, request_id: str) -> Request:
         store = self.where(request_id)
@@ -327,17 +327,22 @@ class Pipeline:
         """Per queue: ``pending``, ``retry_wait``, ``running``, the gate, and for a queue indexed
         by tenant ``tenants``: ``ready`` and ``held_back`` (at a quota key's limit) tenants."""
         names = list(self.settings.queues)
+        keys = {
+            n: self.store.for_pool(q.worker_pool_id).keys for n, q in self.settings.queues.items()
+        }
         with self.store.client.pipeline(transaction=False) as p:
             for name in names:
-                k = self.store.for_pool(self.settings.queues[name].worker_pool_id).keys
+                k = keys[name]
                 p.zcard(k.pending(name))
                 p.zcard(k.delayed(name))
                 p.zcard(k.active(name))
                 p.exists(k.sched(name))
                 p.zcard(k.ready(name))
                 p.hlen(k.blocked(name))
-            p.hgetall(self.store.keys.wedged())
-            *counts, wedged = p.execute()
+            for name in names:  # the dispatcher of the queue's pool flags it
+                p.hget(keys[name].wedged(), name)
+            replies = p.execute()
+        counts, wedged = replies[: 6 * len(names)], replies[6 * len(names) :]
         out: dict[str, Any] = {}
         for i, name in enumerate(names):
             q = self.settings.queues[name]
@@ -349,7 +354,7 @@ class Pipeline:
                 "retry_wait": delayed,
                 "running": active,
                 "gate": self.gate(name).describe(),
-                "wedged_since": float(wedged[name]) if name in wedged else None,
+                "wedged_since": float(wedged[i]) if wedged[i] else None,
                 "tenants": {"ready": ready, "held_back": blocked} if indexed else None,
             }
         return out

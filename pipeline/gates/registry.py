@@ -7,9 +7,11 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from redis.crc import key_slot
+
 from ..config import Settings
 from ..errors import ConfigError
-from .base import Gate, GateEnv
+from .base import Gate, GateEnv, walk
 from .composite import CompositeGate, WaitOnRefuseGate
 from .leased_rate import RedisLeasedRateGate
 from .local import GlobalMaxConcurrencyGate, LocalMaxConcurrencyGate
@@ -107,8 +109,37 @@ def same_attempt_gate(old: Settings, new: Settings, queue: str) -> bool:
     ) and old.pool_configs.get(a.worker_pool_id) == new.pool_configs.get(b.worker_pool_id)
 
 
+def check_cluster(settings: Settings) -> None:
+    """On a Redis Cluster each pool's keys are in one slot: refuse (ConfigError naming the
+    queue and the fix) what would make a script touch keys of two slots, or count one limit
+    separately per pool."""
+    shared: dict[str, str] = {}  # a redis-quota key's prefix -> the pool counting it
+    for q in settings.queues.values():
+        pool, where = q.worker_pool_id, f"queue {q.queue_name!r} on a Redis Cluster"
+        tag = f"{{p:{pool}}}"
+
+        def in_slot(key: str, tag: str = tag) -> bool:
+            return key_slot(key.encode()) == key_slot(tag.encode())
+
+        if q.ingest:
+            raise ConfigError(f"{where}: ingest from llm-d-async producers is not supported "
+                              "(their keys carry no pool's hash tag)")  # fmt: skip
+        if not in_slot(q.result_queue_name or tag):
+            raise ConfigError(f"{where}: result_queue_name {q.result_queue_name!r} must be "
+                              f"in its pool's slot: put {tag} in the name")  # fmt: skip
+        for g in walk(attempt_gate(settings, q.queue_name, None)):
+            key = g.quota_key("") if isinstance(g, Quota) else None
+            if key is not None and shared.setdefault(key, pool) != pool:
+                raise ConfigError(f"{where}: redis-quota keys {key}* are shared with pool "
+                                  f"{shared[key]!r}; give each pool its own prefix")  # fmt: skip
+            if isinstance(g, RedisLeasedRateGate) and not in_slot(g.control_key):
+                raise ConfigError(f"{where}: redis-leased-rate control_key "
+                                  f"{g.control_key!r} must carry {tag}")  # fmt: skip
+
+
 def check_gates(settings: Settings) -> Settings:
-    """Validate every queue's and pool's gate (ConfigError naming it); returns ``settings``."""
+    """Validate every queue's and pool's gate (ConfigError naming it), and on a Redis Cluster
+    what crosses pools (:func:`check_cluster`); returns ``settings``."""
     for q in settings.queues.values():
         try:
             queue_gate(settings, q.queue_name, None)
@@ -119,4 +150,6 @@ def check_gates(settings: Settings) -> Settings:
             pool_gate(settings, pool, None)
         except ConfigError as exc:
             raise ConfigError(f"pool {pool!r}: {exc}") from None
+    if settings.redis_cluster:
+        check_cluster(settings)
     return settings

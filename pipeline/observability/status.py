@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 from rich import box
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.table import Table
@@ -14,7 +15,7 @@ from rich.text import Text
 
 from ..client import Pipeline
 from ..store import ServerFacts, server_facts
-from ..store.scripts import register
+from ..store.scripts import node_client, register
 from ..store.server import SAFE_POLICY
 
 OLDEST_SCAN = 100_000  # pending members examined (in queue order) for the oldest one
@@ -25,15 +26,16 @@ def status_snapshot(p: Pipeline) -> dict[str, Any]:
     (submission to now of the oldest pending request) and ``min_deadline_slack_s`` (s left to
     the earliest deadline of a waiting request)."""
     info = p.inspect()
-    k = p.store.keys
+    keys = {name: p.store.for_pool(q["pool"]).keys for name, q in info.items()}
     client = p.store.client
     sec, usec = client.time()  # ages and slack by the server's clock, which set the times
     now = sec + usec / 1e6
     oldest = register(client, "pending_oldest")  # lua/pending_oldest.lua
-    members = [oldest(keys=[k.pending(name)], args=[OLDEST_SCAN]) for name in info]
+    members = [oldest(keys=[keys[name].pending(name)], args=[OLDEST_SCAN]) for name in info]
     ids = [m.partition("|")[2] if m else None for m in members]
     with client.pipeline(transaction=False) as pipe:
         for name, rid in zip(info, ids, strict=True):
+            k = keys[name]
             pipe.zcount(k.recent(name), now - 60, "+inf")
             pipe.zrange(k.expiry(name), 0, 0, withscores=True)
             pipe.hget(k.request(rid or ""), "submitted_at")
@@ -167,11 +169,14 @@ def _rdb(facts: ServerFacts) -> str:
     return f"{save}; last save {ago:.0f} s ago{pending}"
 
 
-def render_redis(facts: ServerFacts) -> Table:
-    """Memory, ``maxmemory``, its policy (flagged unless ``noeviction``) and persistence."""
-    t = Table(title="redis", show_header=False)
+def render_redis(facts: ServerFacts, title: str = "redis", pools: list[str] | None = None) -> Table:
+    """Memory, ``maxmemory``, its policy (flagged unless ``noeviction``) and persistence; on a
+    Redis Cluster one per primary, with the pools whose slot it holds."""
+    t = Table(title=title, show_header=False)
     t.add_column("fact")
     t.add_column("value")
+    if pools is not None:
+        t.add_row("pools", ", ".join(pools) or "-")
     policy = facts.maxmemory_policy or "?"
     if facts.maxmemory_policy not in (None, SAFE_POLICY):
         policy += " (may evict the pipeline's keys: set noeviction)"
@@ -189,8 +194,25 @@ def render_redis(facts: ServerFacts) -> Table:
 
 def render(p: Pipeline) -> RenderableType:
     table = StatusView(status_snapshot(p))
-    try:
-        facts = server_facts(p.store.client)
-    except redis.RedisError:
-        return table
-    return Group(render_redis(facts), table)
+    client = p.store.client
+    # on a Redis Cluster, each primary (shard) and the pools whose slot it holds
+    shards = [(f"redis {n.name}", n.redis_connection) for n in client.get_primaries()] if (
+        isinstance(client, RedisCluster)
+    ) else [("redis", client)]  # fmt: skip
+    parts: list[RenderableType] = []
+    for title, node in shards:
+        try:
+            facts = server_facts(node)
+        except redis.RedisError:
+            continue
+        parts.append(render_redis(facts, title, on_node(p, node) if len(shards) > 1 else None))
+    return Group(*parts, table)
+
+
+def on_node(p: Pipeline, node: redis.Redis) -> list[str]:
+    """The pools whose slot ``node`` (a primary of a Redis Cluster) serves."""
+    client = p.store.client
+    return [
+        pool for pool in sorted(p.settings.pools())
+        if node_client(client, p.store.for_pool(pool).keys.wake(pool)) is node
+    ]  # fmt: skip

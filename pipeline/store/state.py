@@ -134,6 +134,7 @@ class Store:
     ) -> None:
         self.settings = settings
         self.pool = pool
+        self.cluster = settings.redis_cluster
         self.keys = (
             Keys(settings.key_prefix) if pool is None else pool_keys(settings.key_prefix, pool)
         )
@@ -150,7 +151,7 @@ class Store:
     def for_pool(self, pool: str) -> Store:
         """The store of ``pool``'s keys: this one on a standalone Redis; on a Redis Cluster,
         one whose keys all carry the pool's hash tag (docs/production.md, "Redis Cluster")."""
-        if not self.settings.redis_cluster or pool == self.pool:
+        if not self.cluster or pool == self.pool:
             return self
         store = self._pools.get(pool)
         if store is None:
@@ -159,13 +160,15 @@ class Store:
 
     def every_pool(self, pools: Iterable[str]) -> list[Store]:
         """Where a request of any of ``pools`` may be: this store, or each pool's on a cluster."""
-        return [self.for_pool(p) for p in pools] if self.settings.redis_cluster else [self]
+        return [self.for_pool(p) for p in pools] if self.cluster else [self]
 
-    def find(self, request_id: str, pools: Iterable[str]) -> Store:
+    def find(self, request_id: str, queues: Iterable[QueueConfig]) -> Store:
         """The store holding the request's record: this one on a standalone Redis; on a
-        cluster, the pool of ``pools`` whose slot has it (each asked, in one round trip), or
+        cluster, the pool of ``queues`` whose slot has it (each asked, in one round trip), or
         the first when none does (the request is unknown there too)."""
-        stores = self.every_pool(pools)
+        if not self.cluster:
+            return self
+        stores = self.every_pool(dict.fromkeys(q.worker_pool_id for q in queues))
         if len(stores) == 1:
             return stores[0]
         with self.client.pipeline(transaction=False) as p:

@@ -202,12 +202,12 @@ class Runtime:
         return attempt
 
     def _queue_of(self, request_id: str) -> str:
-        store = self.store.find(request_id, self.settings.pools())
+        store = self.store.find(request_id, self.settings.queues.values())
         return str(store.client.hget(store.keys.request(request_id), "queue") or "")
 
     def _store_of(self, queue: str, request_id: str) -> Store:
         q = self.settings.queues.get(queue)
-        return self.store_of(q) if q else self.store.find(request_id, self.settings.pools())
+        return self.store_of(q) if q else self.store.find(request_id, self.settings.queues.values())
 
     def abandon(
         self, request_id: str, token: str, queue: str | None, *, cancel: bool, reason: str

@@ -16,10 +16,14 @@ from typing import Any
 
 import pytest
 from redis.crc import key_slot
+from rich.console import Console
 
+from pipeline.batch.service import Batches
 from pipeline.cli.services import wait_until
 from pipeline.client.api import Pipeline
 from pipeline.config import QueueConfig, Settings, load_settings
+from pipeline.errors import ConfigError
+from pipeline.observability.status import render, status_snapshot
 from pipeline.sim import SimConfig, SimServer
 from pipeline.store import connect
 from pipeline.store.scripts import node_client
@@ -182,3 +186,23 @@ def test_a_worker_serves_two_pools_on_the_cluster_and_releases_every_slot(
         finally:
             proc.terminate()
             proc.wait(30)
+
+
+def test_status_shows_each_primary_with_its_pools(cluster: list[Server]) -> None:
+    pools = pools_on_two_primaries(cluster)
+    p = Pipeline(settings(cluster, pools))
+    p.submit({"prompt": "s"}, queue="qa")
+    console = Console(width=200, record=True)
+    console.print(render(p))
+    text = console.export_text()
+    rows = [line for line in text.splitlines() if "│ pools " in line]
+    assert len(rows) == 3, text  # one per primary
+    assert [sum(pool in r for r in rows) for pool in pools] == [1, 1], text
+    assert not any(pools[0] in r and pools[1] in r for r in rows), text  # two primaries
+    assert status_snapshot(p)["qa"]["pending"] == 1
+
+
+def test_batches_are_refused_on_a_cluster(cluster: list[Server]) -> None:
+    p = Pipeline(settings(cluster, pools_on_two_primaries(cluster)))
+    with pytest.raises(ConfigError, match="batches do not run on a Redis Cluster yet"):
+        Batches(p)

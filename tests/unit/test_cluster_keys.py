@@ -4,13 +4,17 @@ fail naming what is wrong."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import re
+from typing import Any
 
 import pytest
 from redis.crc import key_slot
 
-from pipeline.config import QueueConfig, load_settings, parse_cluster_url
+from pipeline.config import QueueConfig, Settings, load_settings, parse_cluster_url
 from pipeline.errors import ConfigError
+from pipeline.gates import check_gates
 from pipeline.store.keys import Keys, pool_keys
 
 SAMPLE = {"queue": "q1", "pool": "p", "gate": "g", "node": "n1", "request_id": "r1",
@@ -73,3 +77,56 @@ def test_a_cluster_needs_another_broker() -> None:
         load_settings(env)
     settings = load_settings({**env, "CELERY_BROKER_URL": "amqp://guest@h//"})
     assert settings.redis_cluster
+
+
+def cluster_settings(*queues: dict[str, Any]) -> Settings:
+    return Settings(
+        redis_url="redis+cluster://h:7000",
+        broker_url="amqp://",
+        queues={q["queue_name"]: QueueConfig(igw_base_url="http://x", **q) for q in queues},
+    )
+
+
+QUOTA = {"gate_type": "redis-quota", "gate_params": {"mode": "concurrency", "limit": 2}}
+
+
+@pytest.mark.parametrize(
+    ("queues", "says"),
+    [
+        ([{"queue_name": "q", "ingest": "llm-d-async"}], "ingest from llm-d-async"),
+        ([{"queue_name": "q", "result_queue_name": "out"}], "put {p:default} in the name"),
+        (
+            [{"queue_name": "q1", "worker_pool_id": "a", **QUOTA},
+             {"queue_name": "q2", "worker_pool_id": "b", **QUOTA}],
+            "shared with pool 'a'",
+        ),
+        (
+            [{"queue_name": "q", "worker_pool_id": "a", "gate_type": "redis-leased-rate",
+              "gate_params": {"pool_id": "a", "control_key": "plan:a"}}],
+            "control_key 'plan:a' must carry {p:a}",
+        ),
+    ],
+)  # fmt: skip
+def test_what_crosses_pools_is_refused_on_a_cluster(
+    queues: list[dict[str, Any]], says: str
+) -> None:
+    settings = cluster_settings(*queues)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        check_gates(settings)
+    check_gates(dataclasses.replace(settings, redis_url="redis://h:6379"))  # standalone: fine
+
+
+def test_what_stays_in_a_pool_is_accepted_on_a_cluster() -> None:
+    check_gates(
+        cluster_settings(
+            {"queue_name": "q1", "worker_pool_id": "a", **QUOTA},
+            {"queue_name": "q2", "worker_pool_id": "a", **QUOTA},
+            {"queue_name": "q3", "worker_pool_id": "b", "result_queue_name": "out{p:b}"},
+            {
+                "queue_name": "q4",
+                "worker_pool_id": "a",
+                "gate_type": "redis-leased-rate",
+                "gate_params": {"pool_id": "a", "control_key": "plan:{p:a}"},
+            },
+        )  # fmt: skip
+    )
