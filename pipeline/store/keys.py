@@ -311,6 +311,12 @@ def ref_active_key(request_id: str) -> str:
     return REF_ACTIVE_PREFIX + request_id
 
 
+def sharded(channel: str) -> bool:
+    """Whether the release bell's ``channel`` is a sharded one (SPUBLISH / SSUBSCRIBE): when it
+    carries a pool's hash tag, as on a Redis Cluster (lib.lua ``publish_freed`` agrees)."""
+    return "{" in channel
+
+
 def holder(request_id: str, token: str) -> str:
     """A reservation holder: one attempt of one request."""
     return f"{request_id}:{token}"

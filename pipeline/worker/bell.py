@@ -12,6 +12,8 @@ from typing import Any
 
 import redis
 
+from ..store.keys import sharded
+
 log = logging.getLogger("pipeline.bell")
 
 RECONNECT_S = (0.1, 2.0)  # the listener's back-off after a lost connection
@@ -62,10 +64,10 @@ class ReleaseBell:
         self._waiters: dict[str, deque[Ticket]] = defaultdict(deque)
         self._gen: OrderedDict[str, int] = OrderedDict()
         self._echoes: dict[str, deque[float]] = defaultdict(deque)  # direct rings, by queue
-        self._listener: threading.Thread | None = None
+        self._listeners: list[threading.Thread] = []  # one per channel
         self._stopping = threading.Event()
         self._subscribed = threading.Event()
-        self._pubsub: redis.client.PubSub | None = None
+        self._pubsub: redis.client.PubSub | None = None  # the first channel's
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # see cancel_notice
         self.closed = False  # the node is shutting down: nobody parks any more
 
@@ -103,7 +105,7 @@ class ReleaseBell:
         """This process is about to publish a release of ``queue`` and ring it: swallow the
         echo even if it arrives first."""
         with self._lock:
-            if self._listener is not None:
+            if self._listeners:
                 self._echoes[queue].append(time.monotonic())
 
     def ring(self, queue: str, *, echo: bool = False) -> None:
@@ -116,7 +118,7 @@ class ReleaseBell:
             if ticket is not None:
                 ticket.rang = True
                 ticket.fire()
-            if echo and self._listener is not None:
+            if echo and self._listeners:
                 self._echoes[queue].append(time.monotonic())
 
     def hand_over(self, queue: str, gate: Any = None) -> Ticket | None:
@@ -221,29 +223,45 @@ class ReleaseBell:
         return f"{host}:{port}"
 
     def _listen(self) -> None:
-        if self._listener is not None and self._listener.is_alive():
+        if self._listeners and all(t.is_alive() for t in self._listeners):
             return
         with self._lock:
-            if self._listener is not None and self._listener.is_alive():
+            if self._listeners and all(t.is_alive() for t in self._listeners):
                 return
-            self._listener = threading.Thread(
-                target=self._run, name="pipeline-release-bell", daemon=True
-            )
-            self._listener.start()
+            self._listeners = [
+                threading.Thread(
+                    target=self._run, args=(channel,), name="pipeline-release-bell", daemon=True
+                )
+                for channel in self.channels
+            ]
+            for listener in self._listeners:
+                listener.start()
         # the first waiter waits for the subscription: a release before it would be missed
         self._subscribed.wait(1.0)
 
-    def _run(self) -> None:
+    def _run(self, channel: str) -> None:
+        """Listen on one channel; a sharded one (on a Redis Cluster, its pool's slot) with its
+        own connection to that slot's primary, so one shard's silence delays no other."""
         delay = RECONNECT_S[0]
+        shard = sharded(channel)
+        kind = "smessage" if shard else "message"
         while not self._stopping.is_set():
-            pubsub = self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            if channel == self.channels[0]:
+                self._pubsub = pubsub
             try:
-                pubsub.subscribe(*self.channels)
+                if shard:
+                    pubsub.ssubscribe(channel)
+                else:
+                    pubsub.subscribe(channel)
                 self._subscribed.set()
                 delay = RECONNECT_S[0]
                 while not self._stopping.is_set():
-                    message = pubsub.get_message(timeout=1.0)
-                    if message is None or message.get("type") != "message":
+                    if shard:
+                        message = pubsub.get_sharded_message(timeout=1.0)
+                    else:
+                        message = pubsub.get_message(timeout=1.0)
+                    if message is None or message.get("type") != kind:
                         continue
                     data = message.get("data")
                     text = data.decode() if isinstance(data, bytes) else str(data)

@@ -19,7 +19,7 @@ from pipeline.worker.bell import ReleaseBell, Ticket
 @pytest.fixture
 def bell(redis_url: str) -> Iterator[ReleaseBell]:
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    b = ReleaseBell(client, f"test-bell-{uuid.uuid4().hex[:8]}")
+    b = ReleaseBell(client, [f"test-bell-{uuid.uuid4().hex[:8]}"])
     yield b
     b.stop()
 
@@ -77,8 +77,8 @@ def test_a_release_published_by_another_process_wakes_a_waiter(
 ) -> None:
     publisher = redis.Redis.from_url(redis_url)
     woke = subscribed_waiter(bell)
-    publisher.publish(bell.channel, "elsewhere")  # another queue: nobody here waits for it
-    publisher.publish(bell.channel, "q")  # what finish.lua / requeue.lua publish
+    publisher.publish(bell.channels[0], "elsewhere")  # another queue: nobody here waits for it
+    publisher.publish(bell.channels[0], "q")  # what finish.lua / requeue.lua publish
     wait_until(lambda: woke == [True], 5, "the waiter woken over Pub/Sub")
 
 
@@ -89,7 +89,7 @@ def test_the_listener_reconnects_after_its_connection_is_killed(
     first = subscribed_waiter(bell)
 
     def subscribed() -> int:
-        return int(dict(admin.pubsub_numsub(bell.channel))[bell.channel.encode()])
+        return int(dict(admin.pubsub_numsub(bell.channels[0]))[bell.channels[0].encode()])
 
     assert subscribed() == 1
     bell._subscribed.clear()
@@ -101,7 +101,7 @@ def test_the_listener_reconnects_after_its_connection_is_killed(
     wait_until(lambda: bell._subscribed.is_set() and subscribed() == 1, 10, "resubscribed")
     again: list[bool] = []
     waiter(bell, "q", bell.generation("q"), again)
-    admin.publish(bell.channel, "q")
+    admin.publish(bell.channels[0], "q")
     wait_until(lambda: again == [True], 5, "a wake-up after the reconnect")
 
 
@@ -127,11 +127,11 @@ def test_a_release_here_wakes_one_waiter_not_two_when_its_echo_arrives(
     wait_until(lambda: bell.waiting("q") == 2, 5, "two waiters")
     wait_until(lambda: bell._subscribed.is_set(), 5, "the subscription")
     bell.ring("q", echo=True)  # a release in this process ...
-    publisher.publish(bell.channel, "q")  # ... and its own message from finish.lua
+    publisher.publish(bell.channels[0], "q")  # ... and its own message from finish.lua
     wait_until(lambda: not bell._echoes["q"], 5, "the echo swallowed")
     assert woke == [True]
     assert bell.waiting("q") == 1
-    publisher.publish(bell.channel, "q")  # a release in another process
+    publisher.publish(bell.channels[0], "q")  # a release in another process
     wait_until(lambda: woke == [True, True], 5, "the second waiter woken")
 
 
@@ -190,7 +190,7 @@ def test_the_bell_keeps_a_bounded_number_of_names() -> None:
 
     from pipeline.worker import bell as bell_module
 
-    b = bell_module.ReleaseBell(redis_mod.Redis(), "unused")
+    b = bell_module.ReleaseBell(redis_mod.Redis(), ["unused"])
     b._listen = lambda: None  # type: ignore[method-assign]  # no Pub/Sub needed here
     for i in range(3 * bell_module.MAX_NAMES):
         b.ring(f"quota:userid:u{i}")
@@ -226,7 +226,7 @@ def test_a_cancel_notice_wakes_only_the_waiters_of_the_cancelled_requests(
         t.start()
     wait_until(lambda: bell.waiting("q") == 3, 5, "three waiters")
     assert not bell.cancelled("a")
-    bell.client.publish(bell.channel, "!cancel\na\nc\nnot-parked")
+    bell.client.publish(bell.channels[0], "!cancel\na\nc\nnot-parked")
     wait_until(lambda: "a" in tickets and "c" in tickets, 5, "the cancelled waiters woken")
     assert tickets["a"].cancelled and tickets["c"].cancelled
     assert not (tickets["a"].rang or tickets["a"].granted)

@@ -26,6 +26,7 @@ from pipeline.errors import ConfigError
 from pipeline.observability.status import render, status_snapshot
 from pipeline.sim import SimConfig, SimServer
 from pipeline.store import connect
+from pipeline.store.keys import pool_keys
 from pipeline.store.scripts import node_client
 from tests.redis_servers import Server, redis_cluster
 
@@ -183,6 +184,13 @@ def test_a_worker_serves_two_pools_on_the_cluster_and_releases_every_slot(
                 if n.client().zcard(k)
             ]
             assert not holders, f"gates still hold slots: {holders}"
+            # the release bell listens on each pool's channel in the pool's shard (SSUBSCRIBE)
+            for pool in pools:
+                channel = pool_keys(prefix, pool).freed_channel()
+                subs = [
+                    n.client().execute_command("PUBSUB", "SHARDNUMSUB", channel)[1] for n in cluster
+                ]
+                assert sum(subs) >= 1, (channel, subs)
         finally:
             proc.terminate()
             proc.wait(30)

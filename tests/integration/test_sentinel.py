@@ -244,7 +244,7 @@ def test_connections_follow_a_failover(tmp_path: Path) -> None:
         key = f"test:failover:{uuid.uuid4().hex}"
         assert incr(keys=[key]) == 1
         assert client.wait(1, 5000) == 1  # on the replica before the kill
-        bell = ReleaseBell(client, "test-failover-bell")
+        bell = ReleaseBell(client, ["test-failover-bell"])
         try:
             gen = bell.generation("q")
             woke: list[bool] = []

@@ -23,6 +23,6 @@ for i = 2, #ARGV do
   end
 end
 if #running > 0 then  -- wake their attempts if parked (pipeline/worker/bell.py)
-  redis.call('PUBLISH', K.freed, '!cancel\n' .. table.concat(running, '\n'))
+  publish_freed(K, '!cancel\n' .. table.concat(running, '\n'))
 end
 return n

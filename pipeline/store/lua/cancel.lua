@@ -15,6 +15,6 @@ if f[1] == 'queued' or f[1] == 'retry_wait' or f[1] == 'dispatched' then
 end
 if f[1] == 'running' then  -- wake its attempt if parked (pipeline/worker/bell.py)
   redis.call('HSET', KEYS[1], 'cancel', 'cancelled', 'cancel_ttl', ARGV[1])
-  redis.call('PUBLISH', K.freed, '!cancel\n' .. f[2])
+  publish_freed(K, '!cancel\n' .. f[2])
 end
 return 0

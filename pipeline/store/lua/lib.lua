@@ -62,6 +62,13 @@ local function key_families()
     batches_active = KEYS[n + 11], batches_expiry = KEYS[n + 12], batches_bell = KEYS[n + 13]}
 end
 
+-- Publish on the release bell's channel: sharded (SPUBLISH, kept within the slot's shard)
+-- when it carries a pool's hash tag, as on a Redis Cluster; keys.py `sharded` says the same.
+local function publish_freed(K, message)
+  local command = string.find(K.freed, '{', 1, true) and 'SPUBLISH' or 'PUBLISH'
+  redis.call(command, K.freed, message)
+end
+
 -- Key `tail` (a TAIL_ constant) of `queue`.
 local function qkey(K, queue, tail)
   return K.q .. queue .. tail
@@ -156,7 +163,7 @@ end
 -- `also`: more names to ring with it (the quota keys the attempt held, '\n'-separated, or '').
 local function freed(K, queue, also)
   if also and also ~= '' then queue = queue .. '\n' .. also end
-  redis.call('PUBLISH', K.freed, queue)
+  publish_freed(K, queue)
 end
 
 -- Store a Celery task result meta (JSON) at `key` (TTL `ttl` s, '0' = none) and publish it on
