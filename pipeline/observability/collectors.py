@@ -8,7 +8,12 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, multiprocess
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.utils import floatToGoString
 
 from ..config import Settings
@@ -16,8 +21,8 @@ from ..gates import Gate, GateEnv, pool_gate, queue_gate
 from ..gates.base import walk
 from ..gates.leased_rate import RedisLeasedRateGate
 from ..gates.metric import MetricGate
-from ..store import Store
-from ..store.scripts import register
+from ..store import Store, primaries, shard_load
+from ..store.scripts import node_client, register
 from . import metrics
 from .metrics import LABELS, PREFIX, PROXIMITY_BUCKETS_MS, queue_labels
 
@@ -56,6 +61,7 @@ class ClusterCollector:
         if isinstance(current, Settings) and current is not self.settings:
             self._bind(current)  # the node reloaded its config
         yield from self._redis()
+        yield from self._shards()
         yield from self._dispatcher()
         yield from self._drain_limits()
 
@@ -178,6 +184,46 @@ class ClusterCollector:
             estimate += (total - previous) * lo
             hist.add_metric(list(queue_labels(self.settings.queues[name])), buckets, estimate)
         return hist
+
+    def _shards(self) -> Iterator[Metric]:
+        """Each Redis server holding the pipeline's keys (every primary of a Redis Cluster):
+        its pools, ops/s, script time and memory, so a hot shard shows."""
+        client = self.store.client
+        owner = {
+            pool: node_client(client, self.store.for_pool(pool).keys.wake(pool))
+            for pool in sorted(self.settings.pools())
+        }
+        held = GaugeMetricFamily(
+            PREFIX + "redis_shard_pool", "1 for each pool whose keys the shard holds.",
+            labels=["shard", "pool_name"],
+        )  # fmt: skip
+        ops = GaugeMetricFamily(
+            PREFIX + "redis_shard_ops_per_second", "The shard's commands per second (INFO).",
+            labels=["shard"],
+        )  # fmt: skip
+        script = CounterMetricFamily(
+            PREFIX + "redis_shard_script_seconds", "Time the shard spent in scripts.",
+            labels=["shard"],
+        )  # fmt: skip
+        memory = GaugeMetricFamily(
+            PREFIX + "redis_shard_memory_bytes", "The shard's used memory.", labels=["shard"]
+        )
+        for name, node in primaries(client):
+            try:
+                load = shard_load(node)
+            except Exception as exc:  # noqa: BLE001 - a scrape reports what it can read
+                log.warning("metrics: cannot read Redis %s: %s", name, exc)
+                continue
+            for pool, pool_node in owner.items():
+                if pool_node is node:
+                    held.add_metric([name, pool], 1)
+            if load.ops_per_sec is not None:
+                ops.add_metric([name], load.ops_per_sec)
+            if load.script_seconds is not None:
+                script.add_metric([name], load.script_seconds)
+            if load.used_memory is not None:
+                memory.add_metric([name], load.used_memory)
+        yield from (held, ops, script, memory)
 
     def _dispatcher(self) -> Iterator[Metric]:
         budget = GaugeMetricFamily(

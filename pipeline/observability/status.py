@@ -7,14 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 import redis
-from redis.cluster import RedisCluster
 from rich import box
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.table import Table
 from rich.text import Text
 
 from ..client import Pipeline
-from ..store import ServerFacts, server_facts
+from ..store import ServerFacts, ShardLoad, primaries, server_facts, shard_load
 from ..store.scripts import node_client, register
 from ..store.server import SAFE_POLICY
 
@@ -169,7 +168,12 @@ def _rdb(facts: ServerFacts) -> str:
     return f"{save}; last save {ago:.0f} s ago{pending}"
 
 
-def render_redis(facts: ServerFacts, title: str = "redis", pools: list[str] | None = None) -> Table:
+def render_redis(
+    facts: ServerFacts,
+    title: str = "redis",
+    pools: list[str] | None = None,
+    load: ShardLoad | None = None,
+) -> Table:
     """Memory, ``maxmemory``, its policy (flagged unless ``noeviction``) and persistence; on a
     Redis Cluster one per primary, with the pools whose slot it holds."""
     t = Table(title=title, show_header=False)
@@ -187,6 +191,10 @@ def render_redis(facts: ServerFacts, title: str = "redis", pools: list[str] | No
     t.add_row("maxmemory-policy", policy)
     t.add_row("AOF", aof)
     t.add_row("RDB", _rdb(facts))
+    if load is not None:
+        t.add_row("ops/s", "?" if load.ops_per_sec is None else str(load.ops_per_sec))
+        script = "?" if load.script_seconds is None else f"{load.script_seconds:.1f} s"
+        t.add_row("script time", f"{script} since the server started")
     if facts.problem:
         t.add_row("not read", facts.problem)
     return t
@@ -194,18 +202,17 @@ def render_redis(facts: ServerFacts, title: str = "redis", pools: list[str] | No
 
 def render(p: Pipeline) -> RenderableType:
     table = StatusView(status_snapshot(p))
-    client = p.store.client
-    # on a Redis Cluster, each primary (shard) and the pools whose slot it holds
-    shards = [(f"redis {n.name}", n.redis_connection) for n in client.get_primaries()] if (
-        isinstance(client, RedisCluster)
-    ) else [("redis", client)]  # fmt: skip
+    # on a Redis Cluster, each primary (shard), the pools whose slot it holds and its load
+    shards = primaries(p.store.client)
     parts: list[RenderableType] = []
-    for title, node in shards:
+    for name, node in shards:
         try:
-            facts = server_facts(node)
+            facts, load = server_facts(node), shard_load(node)
         except redis.RedisError:
             continue
-        parts.append(render_redis(facts, title, on_node(p, node) if len(shards) > 1 else None))
+        title = "redis" if len(shards) == 1 else f"redis {name}"
+        pools = on_node(p, node) if len(shards) > 1 else None
+        parts.append(render_redis(facts, title, pools, load))
     return Group(*parts, table)
 
 

@@ -8,7 +8,7 @@ from .keys import Keys, holder
 from .rows import RequestRow
 from .sched import MergeArgs, QueueTick, QuotaSpec
 from .scripts import ScriptCall, run_batch
-from .server import ServerFacts, check_redis, server_facts
+from .server import ServerFacts, ShardLoad, check_redis, primaries, server_facts, shard_load
 from .state import DirectPublish, Dispatched, Mirror, Store
 
 __all__ = [
@@ -22,11 +22,14 @@ __all__ = [
     "RequestRow",
     "ScriptCall",
     "ServerFacts",
+    "ShardLoad",
     "Store",
     "check_redis",
     "connect",
     "holder",
     "run_batch",
     "sched",
+    "primaries",
     "server_facts",
+    "shard_load",
 ]

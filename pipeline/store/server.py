@@ -100,6 +100,43 @@ def server_facts(client: redis.Redis) -> ServerFacts:
     )
 
 
+SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
+
+
+@dataclass(frozen=True)
+class ShardLoad:
+    """How busy one Redis server is: what an operator compares across a cluster's primaries to
+    find a hot shard."""
+
+    ops_per_sec: int | None  # INFO stats instantaneous_ops_per_sec
+    script_seconds: float | None  # time spent in scripts since the server started
+    used_memory: int | None  # bytes
+
+
+def primaries(client: redis.Redis) -> list[tuple[str, redis.Redis]]:
+    """(name, client) of each server holding the pipeline's keys: ``client``'s one, or every
+    primary of a Redis Cluster (``host:port``)."""
+    if not isinstance(client, RedisCluster):
+        return [("redis", client)]
+    return [(n.name, n.redis_connection) for n in client.get_primaries()]
+
+
+def shard_load(client: redis.Redis) -> ShardLoad:
+    """One server's load (one round trip); a field it refuses to tell is None."""
+    with client.pipeline(transaction=False) as pipe:
+        for section in ("stats", "commandstats", "memory"):
+            pipe.info(section)
+        stats, commands, memory = pipe.execute(raise_on_error=False)
+    ok = [r if isinstance(r, dict) else None for r in (stats, commands, memory)]
+    script = None
+    if ok[1] is not None:
+        usec = sum(ok[1].get(f"cmdstat_{c}", {}).get("usec", 0) for c in SCRIPT_COMMANDS)
+        script = usec / 1e6
+    return ShardLoad(
+        _int(ok[0] or {}, "instantaneous_ops_per_sec"), script, _int(ok[2] or {}, "used_memory")
+    )
+
+
 def check_redis(
     client: redis.Redis, where: str, *, allow: bool, in_cluster: bool = False
 ) -> ServerFacts | None:
@@ -112,10 +149,8 @@ def check_redis(
     redacted URL) in the messages. On a cluster (``redis+cluster://``) each primary is checked."""
     if isinstance(client, RedisCluster):  # each primary holds some pools' keys
         checked = [
-            check_redis(
-                node.redis_connection, f"{where} ({node.name})", allow=allow, in_cluster=True
-            )
-            for node in client.get_primaries()
+            check_redis(node, f"{where} ({name})", allow=allow, in_cluster=True)
+            for name, node in primaries(client)
         ]
         return next(iter(checked), None)
     try:

@@ -23,6 +23,7 @@ from pipeline.cli.services import wait_until
 from pipeline.client.api import Pipeline
 from pipeline.config import QueueConfig, Settings, load_settings
 from pipeline.errors import ConfigError
+from pipeline.observability.collectors import scrape_registry
 from pipeline.observability.status import render, status_snapshot
 from pipeline.sim import SimConfig, SimServer
 from pipeline.store import connect
@@ -214,3 +215,20 @@ def test_batches_are_refused_on_a_cluster(cluster: list[Server]) -> None:
     p = Pipeline(settings(cluster, pools_on_two_primaries(cluster)))
     with pytest.raises(ConfigError, match="batches do not run on a Redis Cluster yet"):
         Batches(p)
+
+
+def test_metrics_show_each_primary_its_pools_and_its_load(cluster: list[Server]) -> None:
+    pools = pools_on_two_primaries(cluster)
+    p = Pipeline(settings(cluster, pools))
+    p.submit_many([{"payload": {"prompt": "m"}, "queue": q} for q in ("qa", "qb")])
+    families = {f.name: f for f in scrape_registry(p.settings).collect()}
+    held = {s.labels["pool_name"]: s.labels["shard"] for s in families[
+        "pipeline_redis_shard_pool"].samples}  # fmt: skip
+    assert set(held) == set(pools) and held[pools[0]] != held[pools[1]]
+    primaries = {f"127.0.0.1:{n.port}" for n in cluster[:3]}
+    for name in ("pipeline_redis_shard_memory_bytes", "pipeline_redis_shard_script_seconds"):
+        shards = {s.labels["shard"] for s in families[name].samples}
+        assert shards == primaries, (name, shards)
+    scripts = {s.labels["shard"]: s.value for s in families[
+        "pipeline_redis_shard_script_seconds"].samples if s.name.endswith("_total")}  # fmt: skip
+    assert scripts[held[pools[0]]] > 0 and scripts[held[pools[1]]] > 0
