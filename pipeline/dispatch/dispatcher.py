@@ -377,7 +377,9 @@ class Dispatcher:
         if cap is not None and gate.per_node:
             cap *= self.pool_nodes[self.settings.queues[queue].worker_pool_id]
         c = self.store.client
-        with c.pipeline(transaction=False) as p:
+        # the queue's slot's server (on a cluster its primary: a cluster pipeline sends no TIME),
+        # whose clock also scored the recent set
+        with node_client(c, self.keys.pending(queue)).pipeline(transaction=False) as p:
             p.zcard(self.keys.pending(queue))
             p.zcard(self.keys.active(queue))
             p.zrange(self.keys.recent(queue), -1, -1, withscores=True)
