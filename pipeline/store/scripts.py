@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,18 +145,36 @@ class Script:
     def command(self, keys: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...]:
         return ("EVALSHA", self.sha, len(keys), *keys, *args)
 
-    def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
+    def __call__(
+        self,
+        keys: Sequence[Any] = (),
+        args: Sequence[Any] = (),
+        *,
+        wait_if: Callable[[Any], bool] | None = None,
+    ) -> Any:
+        """The script's reply. ``wait_if`` (a script that waits for replicas): the ``WAIT``
+        follows, on the same connection, only when it says the reply wrote what must survive
+        a failover (a dispatch tick that resulted requests); else it goes in the same write."""
         rep = self.replication
         command = self.command(keys, args)
         wait = ("WAIT", rep.replicas, rep.timeout_ms) if rep else None
+        later = wait is not None and wait_if is not None
         lane = self._lanes or ThreadConnection.of(node_client(self.client, str(keys[0])))
-        replies = lane.execute([command, wait] if wait else [command])
+        replies = lane.execute([command, wait] if wait and not later else [command])
         if replies is None or isinstance(replies[0], REROUTE):
-            replies = self._slow(keys, args, wait)
+            replies = self._slow(keys, args, wait)  # with its WAIT, as it may have written
+        elif (
+            wait is not None
+            and wait_if is not None
+            and not isinstance(replies[0], Exception)
+            and wait_if(replies[0])
+        ):
+            acked = lane.execute([wait])
+            replies.append(0 if acked is None else acked[0])  # a lost WAIT confirmed none
         reply = replies[0]
         if isinstance(reply, Exception):
             raise reply  # the script's own error
-        if rep is not None:
+        if rep is not None and len(replies) > 1:
             if isinstance(replies[1], Exception):
                 raise replies[1]
             self._check(rep, int(replies[1]))

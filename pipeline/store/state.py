@@ -112,6 +112,14 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+def _resulted(reply: Any) -> bool:
+    """Did a dispatch tick (``dispatch.lua``'s reply) write terminal results: requests it
+    expired, or malformed entries it removed? Only then does it wait for replicas (a lost
+    dispatch comes back with its lease; docs/production.md, "Waiting for replicas")."""
+    _, expired, _, rejected = reply
+    return any(int(n) for n in expired) or any(bool(r) for r in rejected)
+
+
 def _sent(make: Callable[_P, ScriptCall], read: Callable[[Any], _R]) -> Callable[_P, _R]:
     """A method that sends the call ``make`` builds, now, and returns ``read(reply)``."""
 
@@ -321,7 +329,7 @@ class Store:
                     raise replies[1]
                 return replies[1]
             # the connection failed or the server lost the script: the tick alone
-        return script(keys=keys, args=args)
+        return script(keys=keys, args=args, wait_if=_resulted)
 
     def queue_tick(self, queue: QueueConfig, **kw: object) -> QueueTick:
         return QueueTick(
