@@ -7,7 +7,11 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
+
+import redis
+from redis.exceptions import ClusterDownError
 
 from ..config import QueueConfig
 from ..gates import CONTINUE, AcquireContext, Decision, Verdict
@@ -27,6 +31,9 @@ log = logging.getLogger("pipeline.worker")
 
 REFUSE_DELAY_S = (0.2, 1.0)  # a refused request waits this long (jittered) before re-entry
 PARK_POLL_S = 0.5  # a parked attempt re-asks its gate at least this often (a lost wake-up)
+TERMINAL_RETRY_S = 0.25  # a terminal write Redis could not take is tried again this often
+# (a failover or a slot migration, redis-py's own retries spent), while the lease lasts
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, ClusterDownError)
 
 
 class Attempt:
@@ -129,13 +136,29 @@ class Attempt:
                 journal=self.journal,
             )
 
-        res = self.store.finished(self.reservation.release_with(finish, self.served_tokens))
+        res = self.store.finished(self._until_written(finish))
         self.closed = True
         if res is None:
             return Report(Status.STALE, "fenced off at finish")
         self.mirrored = mirror.state if mirror is not None else None
         status = Status.SUCCESS if ok else Status.FAILED
         return Report(status, failure, result=json.loads(res) if res else None)
+
+    def _until_written(self, finish: Callable[[bool, bool], ScriptCall]) -> Any:
+        """Release and finish; while Redis does not answer (a failover: redis-py's retries
+        last ~4 s, a promotion may take longer), the finish alone again, until the lease would
+        have lapsed. The result is not thrown away: abandoned, the request would run again
+        (the finish is fenced by the token: a retry of one that did land is a no-op)."""
+        end = time.monotonic() + self.rt.settings.lease_s
+        write = partial(self.reservation.release_with, finish, self.served_tokens)
+        while True:
+            try:
+                return write()  # a retry: the reservation is released already, only the finish
+            except REDIS_DOWN as exc:
+                if time.monotonic() + TERMINAL_RETRY_S >= end:
+                    raise
+                log.warning("finish of %s: Redis does not answer (%s); trying again", self.id, exc)
+                time.sleep(TERMINAL_RETRY_S)
 
     def _error(self, code: str, message: str, attempted: bool = False) -> Report:
         return self._finish(
