@@ -8,6 +8,8 @@ reservation.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -28,10 +30,10 @@ from hypothesis import settings as hypothesis_settings
 
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
-from pipeline.config import load_settings
+from pipeline.config import QueueConfig, load_settings
 from pipeline.sim import SimConfig, SimServer
-from pipeline.store import Keys
-from pipeline.store.keys import celery_queue, celery_queue_prefix
+from pipeline.store import Keys, Store
+from pipeline.store.keys import celery_queue, celery_queue_prefix, sharded
 
 # No per-example deadline for the property tests: what they check is not timing, and on a
 # loaded shared machine (or one talking to Redis) an example's time is noise; the suite's
@@ -40,6 +42,10 @@ hypothesis_settings.register_profile("suite", deadline=None)
 hypothesis_settings.load_profile("suite")
 
 REDIS_URL = os.environ.get("PIPELINE_TEST_REDIS_URL", "redis://127.0.0.1:6379/12")
+# PIPELINE_TEST_CLUSTER=1 (`make test-cluster`): the pipeline's state on a private Redis Cluster
+# (3 primaries, 1 replica each) for the whole session; the broker and Celery's result backend
+# stay on REDIS_URL, as Celery cannot use a cluster
+CLUSTER = os.environ.get("PIPELINE_TEST_CLUSTER", "") == "1"
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_TAG = f"t{uuid.uuid4().hex[:6]}"  # this session's result lists
 
@@ -71,19 +77,44 @@ def give_up_after(timeout: float, what: str | Callable[[], str]) -> Callable[[],
     return check
 
 
+def freed_listener(store: Store) -> Any:
+    """A Pub/Sub listener on the store's release bell channel (sharded on a Redis Cluster),
+    subscribed when this returns."""
+    channel = store.keys.freed_channel()
+    listener = store.client.pubsub(ignore_subscribe_messages=True)
+    if sharded(channel):
+        listener.ssubscribe(channel)
+        count = lambda: sum(  # noqa: E731
+            n.redis_connection.execute_command("PUBSUB", "SHARDNUMSUB", channel)[1]
+            for n in store.client.get_primaries()
+        )
+    else:
+        listener.subscribe(channel)
+        count = lambda: store.client.pubsub_numsub(channel)[0][1]  # noqa: E731
+    next_message(listener, 0.05)  # sends the subscription
+    wait_until(lambda: count() >= 1, 5, f"a subscriber on {channel}")
+    return listener
+
+
+def next_message(listener: Any, timeout: float) -> Any:
+    if getattr(listener, "shard_channels", None):
+        return listener.get_sharded_message(timeout=timeout)
+    return listener.get_message(timeout=timeout)
+
+
 def published(listener: Any, n: int, what: str, timeout: float = 5.0) -> list[Any]:
     """The next ``n`` messages of a Pub/Sub ``listener`` (subscribed before they were sent),
     and no more: the listener is closed after checking that nothing else arrived."""
     got: list[Any] = []
 
     def arrived() -> bool:
-        message = listener.get_message(timeout=0.1)
+        message = next_message(listener, 0.1)
         if message is not None:
             got.append(message["data"])
         return len(got) >= n
 
     wait_until(arrived, timeout, what)
-    extra = listener.get_message(timeout=0.2)
+    extra = next_message(listener, 0.2)
     listener.close()
     assert extra is None, f"more than {n} messages: {got} then {extra}"
     return got
@@ -106,6 +137,11 @@ def sim() -> Iterator[SimServer]:
     server.stop()
 
 
+def results_list(queue: str, pool: str) -> str:
+    """A test queue's result list: this session's, in its pool's slot on a Redis Cluster."""
+    return f"{RESULTS_TAG}-results-{queue}" + (f"{{p:{pool}}}" if CLUSTER else "")
+
+
 def queue_entries(sim_url: str) -> list[dict[str, Any]]:
     fast = {"retry_base_delay_s": 0.05, "retry_max_delay_s": 0.4, "request_timeout_s": HELD_S}
     return [
@@ -123,13 +159,13 @@ def queue_entries(sim_url: str) -> list[dict[str, Any]]:
             "queue_name": "slowretry",
             "igw_base_url": sim_url,
             "retry_base_delay_s": 1.0,
-            "result_queue_name": f"{RESULTS_TAG}-results-slowretry",
+            "result_queue_name": results_list("slowretry", "default"),
         },
         # bounded result lists (served by the session worker)
         {
             "queue_name": "capped",
             "igw_base_url": sim_url,
-            "result_queue_name": f"{RESULTS_TAG}-results-capped",
+            "result_queue_name": results_list("capped", "default"),
             "result_list_max_len": 5,
             "result_ttl_seconds": 60,
             **fast,
@@ -213,7 +249,7 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
             "queue_name": name,
             "igw_base_url": url,
             "worker_pool_id": pool,
-            "result_queue_name": f"{RESULTS_TAG}-res-{name}",
+            "result_queue_name": results_list(name, pool),
             **gate,
             **fast,
         }
@@ -222,19 +258,64 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
     for e in entries:
         if e["queue_name"] == "stalls":
             e["request_timeout_s"] = 0.4  # stalled attempts time out fast
+        if CLUSTER:  # a pool's own quota keys (a cluster refuses one prefix over two pools)
+            own_quota_prefix(e, e["worker_pool_id"])
     return entries
+
+
+def quota_key(pool: str, value: str, attribute: str = "userid") -> str:
+    """A redis-quota key of a test queue of ``pool`` (see :func:`own_quota_prefix`)."""
+    return (f"quota:{pool}:" if CLUSTER else "quota:") + f"{attribute}:{value}"
+
+
+def moved_to_pool(q: QueueConfig, name: str, pool: str) -> QueueConfig:
+    """A copy of test queue ``q`` named ``name`` in ``pool`` (its quotas that pool's own)."""
+    entry = {"gate_type": q.gate_type, "gate_params": copy.deepcopy(q.gate_params)}
+    if CLUSTER:
+        for part in [entry, *entry["gate_params"].get("gates", [])]:
+            if part.get("gate_type") == "redis-quota":
+                part["gate_params"]["prefix"] = f"quota:{pool}:"
+    listed = results_list(name, pool) if q.result_queue_name else None
+    return dataclasses.replace(
+        q,
+        queue_name=name,
+        worker_pool_id=pool,
+        gate_params=entry["gate_params"],
+        result_queue_name=listed,
+    )
+
+
+def own_quota_prefix(gate: dict[str, Any], pool: str) -> None:
+    """Give every redis-quota in ``gate`` (a queue entry or a composite's part) the pool's
+    own key prefix, unless it names one."""
+    if gate.get("gate_type") == "redis-quota":
+        gate["gate_params"].setdefault("prefix", f"quota:{pool}:")
+    for part in gate.get("gate_params", {}).get("gates", []):
+        own_quota_prefix(part, pool)
+
+
+@pytest.fixture(scope="session")
+def state_url(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Where the pipeline's state lives: ``redis_url``, or a private Redis Cluster (CLUSTER)."""
+    if not CLUSTER:
+        yield redis_url
+        return
+    from tests.redis_servers import redis_cluster
+
+    with redis_cluster(tmp_path_factory.mktemp("cluster"), primaries=3, replicas=1) as nodes:
+        yield "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes[:3])
 
 
 @pytest.fixture(scope="session")
 def env(
-    redis_url: str, sim: SimServer, tmp_path_factory: pytest.TempPathFactory
+    redis_url: str, state_url: str, sim: SimServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, str]]:
     """Environment for worker subprocesses and the in-process client."""
     d = tmp_path_factory.mktemp("cfg")
     qfile = d / "queues.json"
     qfile.write_text(json.dumps(queue_entries(sim.url)))
     e = {
-        "PIPELINE_REDIS_URL": redis_url,
+        "PIPELINE_REDIS_URL": state_url,
         "CELERY_BROKER_URL": os.environ.get("PIPELINE_TEST_BROKER_URL") or redis_url,
         "CELERY_RESULT_BACKEND": redis_url,
         "PIPELINE_KEY_PREFIX": f"pltest{uuid.uuid4().hex[:6]}:",
@@ -321,7 +402,7 @@ def start_worker(
     started: list[WorkerProc] = []
     logs = tmp_path_factory.mktemp("logs")
     settings = load_settings(env)
-    client = redis.Redis.from_url(env["PIPELINE_REDIS_URL"], decode_responses=True)
+    store = Store(settings)
 
     def start(
         pools: str = "default",
@@ -358,12 +439,13 @@ def start_worker(
         w = WorkerProc(proc, log, name)
         started.append(w)
         if wait:
-            key = Keys(settings.key_prefix).pool_nodes(pools.split(",")[0])
+            pool = pools.split(",")[0]
+            key = store.for_pool(pool).keys.pool_nodes(pool)
 
             def registered() -> bool:
                 if proc.poll() is not None:
                     raise AssertionError(f"worker exited: {log.read_text()[-3000:]}")
-                return client.zscore(key, name) is not None
+                return store.client.zscore(key, name) is not None
 
             try:
                 wait_until(registered, NODE_START_S, f"worker {name}")
@@ -397,18 +479,20 @@ def assert_idle(p: Pipeline, timeout: float = 20.0) -> None:
         )
 
     wait_until(idle, timeout, f"idle queues and gates: {p.inspect()}")
-    keys = p.store.keys
-    leftover = [
-        k
-        for k in p.store.client.scan_iter(keys.prefix + "gate:*:holders", count=10_000)
-        if p.store.client.zcard(k)
-    ]
+    c = p.store.client
+    # every pool's keys (on a Redis Cluster each pool has its own tagged prefix)
+    prefixes = {s.keys.prefix for s in p.store.every_pool(p.settings.pools())}
+
+    def scan(tail: str) -> list[str]:
+        return [k for pre in prefixes for k in c.scan_iter(pre + tail, count=10_000)]
+
+    leftover = [k for k in scan("gate:*:holders") if c.zcard(k)]
     assert not leftover, f"gate keys still hold slots: {leftover}"
     # nor does the dispatcher still count a request of a quota key, or hold a tenant back
     # for one (lua/sched.lua)
-    counted = [k for k in p.store.client.scan_iter(keys.prefix + "gate:*:sent", count=10_000)]
+    counted = scan("gate:*:sent")
     assert not counted, f"quota keys still count requests: {counted}"
-    held = [k for k in p.store.client.scan_iter(keys.prefix + "gate:*:blocked", count=10_000)]
+    held = scan("gate:*:blocked")
     assert not held, f"quota keys still hold tenants back: {held}"
 
 
@@ -494,7 +578,7 @@ def celery_worker_parameters(env: dict[str, str]) -> dict[str, Any]:
 @pytest.fixture
 def in_process(pl: Pipeline, celery_session_worker: TestWorkController) -> Pipeline:
     """``pl`` with the in-process node serving the ``inproc`` queue (limit 2)."""
-    key = pl.store.keys.pool_nodes(IN_PROCESS_POOL)
+    key = pl.store.for_pool(IN_PROCESS_POOL).keys.pool_nodes(IN_PROCESS_POOL)
     wait_until(
         lambda: pl.store.client.zscore(key, celery_session_worker.hostname) is not None,
         10,

@@ -121,6 +121,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_reload(args: argparse.Namespace) -> int:
     """Every live node re-reads its queue and pool files; exit 1 unless all applied it."""
     from ..store import Keys, connect
+    from ..store.keys import pool_keys
     from .services import wait_until
 
     # only Redis and the key prefix are needed here: this host's queue file may not even
@@ -128,12 +129,14 @@ def cmd_reload(args: argparse.Namespace) -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("PIPELINE_QUEUES", "PIPELINE_POOLS")}
     settings = load_settings(env)
     keys = Keys(settings.key_prefix)
+    # every pool's registry (on a Redis Cluster each in its pool's slot: any pool's tag)
+    pools = pool_keys(settings.key_prefix, "*") if settings.redis_cluster else keys
     client = connect(settings.redis_url)
     sec, usec = client.time()  # liveness is scored by the server's clock
     nodes = sorted(
         {
             str(node)
-            for key in client.scan_iter(keys.pool_nodes_pattern(), count=1000)
+            for key in client.scan_iter(pools.pool_nodes_pattern(), count=1000)
             for node in client.zrangebyscore(key, sec + usec / 1e6, "+inf")
         }
     )
@@ -306,7 +309,9 @@ def _start_worker(
         sec, usec = client.time()  # liveness is scored by the server's clock
         now = sec + usec / 1e6
         return [
-            p for p in needed if client.zcount(pipeline.store.keys.pool_nodes(p), now, "+inf") == 0
+            p
+            for p in needed
+            if client.zcount(pipeline.store.for_pool(p).keys.pool_nodes(p), now, "+inf") == 0
         ]
 
     pools = ",".join(missing_pools())

@@ -202,6 +202,10 @@ class Pipeline:
             exc.ids = [r.id for r in rows]
             raise
 
+    def store_of(self, queue: str) -> Store:
+        """The store of the queue's pool (its own hash slot on a Redis Cluster)."""
+        return self.store.for_pool(self.queue_config(queue).worker_pool_id)
+
     # -- reading -------------------------------------------------------------------------
     def _stores(self) -> list[Store]:
         return self.store.every_pool(self.settings.pools())
@@ -318,7 +322,7 @@ class Pipeline:
         with self._lock:
             gate = self._gates.get(queue)
             if gate is None:
-                store = self.store.for_pool(self.settings.queues[queue].worker_pool_id)
+                store = self.store_of(queue)
                 gate = queue_gate(self.settings, queue, GateEnv(store.client, store.keys))
                 self._gates[queue] = gate
             return gate

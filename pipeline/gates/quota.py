@@ -11,7 +11,7 @@ from typing import Any, ClassVar, cast
 
 from ..store.keys import Keys
 from ..store.sched import QuotaSpec
-from ..store.scripts import ScriptCall
+from ..store.scripts import ScriptCall, node_client
 from .base import CONTINUE, AcquireContext, Calls, Decision, Gate, GateEnv, Settles, Verdict
 from .leases import LeaseScripts, LeaseSet, SlotGate, holder_entry, parse_info, register
 from .params import Params
@@ -258,7 +258,8 @@ class ConcurrencyQuota(Quota, SlotGate):
         groups = _by_key(infos)
         if not groups:
             return []
-        with self.client.pipeline(transaction=False) as pipe:
+        # at the keys' server (on a cluster the pool's primary: a cluster pipeline sends no TIME)
+        with node_client(self.client, next(iter(groups))).pipeline(transaction=False) as pipe:
             pipe.time()
             for key, members in groups.items():
                 pipe.zmscore(key, members)

@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from .keys import Keys
-from .scripts import Scripts
+from .scripts import Scripts, node_client
 
 CHUNK = 500
 
@@ -115,7 +115,8 @@ def teardown(client: redis.Redis, keys: Keys, queue: str) -> None:
     """Stop indexing ``queue``: its sched hash, ready set, blocked tenants and sub-queues go
     (pending keeps every waiting request; dispatch goes back to the pending order)."""
     blocked: dict[str, str] = client.hgetall(keys.blocked(queue))  # type: ignore[assignment]
-    with client.pipeline(transaction=False) as pipe:
+    # at the queue's server (on a cluster its pool's primary, which takes a multi-key DEL)
+    with node_client(client, keys.sched(queue)).pipeline(transaction=False) as pipe:
         pipe.delete(keys.sched(queue), keys.ready(queue), keys.blocked(queue))
         for tk, qk in blocked.items():
             pipe.srem(keys.quota_blocked(qk), f"{queue}\n{tk}")

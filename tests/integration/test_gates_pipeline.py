@@ -25,15 +25,16 @@ def uid(tag: str) -> str:
 
 def test_dispatch_moves_budget_times_free_capacity(pl: Pipeline) -> None:
     q = pl.settings.queues["crash"]  # no worker serves this pool: the test is the dispatcher
+    store = pl.store_of("crash")
     ids = [pl.submit({"i": i}, queue="crash", timeout=60).id for i in range(10)]
-    assert pl.store.tick(q, [q], 0.0, -1, 8).moved == []  # a closed gate moves nothing
-    first = pl.store.tick(q, [q], 0.5, -1, 8).moved  # floor(0.5 x 8 free)
+    assert store.tick(q, [q], 0.0, -1, 8).moved == []  # a closed gate moves nothing
+    first = store.tick(q, [q], 0.5, -1, 8).moved  # floor(0.5 x 8 free)
     assert len(first) == 4
-    second = pl.store.tick(q, [q], 0.5, -1, 8).moved  # floor(0.5 x 4 free)
+    second = store.tick(q, [q], 0.5, -1, 8).moved  # floor(0.5 x 4 free)
     assert len(second) == 2
-    assert len(pl.store.tick(q, [q], 1.0, 3, 8).moved) == 0  # queue capacity 3 < 6 active
+    assert len(store.tick(q, [q], 1.0, 3, 8).moved) == 0  # queue capacity 3 < 6 active
     for d in first + second:
-        assert pl.store.requeue(d.id, d.token, delay=0, attempted=False)
+        assert store.requeue(d.id, d.token, delay=0, attempted=False)
     for rid in ids:
         assert pl.cancel(rid)
 

@@ -171,14 +171,14 @@ def test_cancel_while_running_is_asked_of_the_attempt_and_gives_no_retry(pl: Pip
     marked, its own token reads the mark (an attempt parked for a slot then ends unsent), and
     when it comes back for a retry it gets none: CANCELLED, its HTTP attempt counted."""
     r = pl.submit({"prompt": "x"}, id=uid(), queue="solo", timeout=600)
-    q = pl.settings.queues["solo"]
-    (d,) = [m for m in pl.store.tick(q, [q], 1.0, -1, 1).moved if m.id == r.id]
-    assert pl.store.cancel_asked(d.id, d.token) is None  # not cancelled yet
-    assert pl.store.start(d.id, d.token, "solo", "w-test") is not None
+    q, store = pl.settings.queues["solo"], pl.store_of("solo")
+    (d,) = [m for m in store.tick(q, [q], 1.0, -1, 1).moved if m.id == r.id]
+    assert store.cancel_asked(d.id, d.token) is None  # not cancelled yet
+    assert store.start(d.id, d.token, "solo", "w-test") is not None
     assert r.cancel() is False and r.state() == "running"
-    assert pl.store.cancel_asked(d.id, d.token) == "cancelled"
-    assert pl.store.cancel_asked(d.id, "another-attempt") is None  # fenced by the token
-    assert pl.store.requeue(d.id, d.token, delay=0, attempted=True) is not None
+    assert store.cancel_asked(d.id, d.token) == "cancelled"
+    assert store.cancel_asked(d.id, "another-attempt") is None  # fenced by the token
+    assert store.requeue(d.id, d.token, delay=0, attempted=True) is not None
     res = r.result(timeout=5)
     assert res.error_code == "CANCELLED" and res.attempts == 1
     assert json.loads(res.payload) == {"error": "cancelled"}
@@ -287,7 +287,7 @@ def test_result_list_uses_reference_field_names(served: Pipeline) -> None:
     assert pushed[bad.id]["status_code"] == 404
     cancelled = served.submit({"prompt": "x"}, id=uid(), queue="solo", timeout=30)
     cancelled.cancel()
-    item = json.loads(client.lpop(served.store.keys.default_result_list("solo")) or "{}")
+    item = json.loads(client.lpop(served.store_of("solo").keys.default_result_list("solo")) or "{}")
     assert item["id"] == cancelled.id and "status_code" not in item
     assert item["error_code"] == "CANCELLED" and item["error_message"]
     assert json.loads(item["payload"]) == {"error": "cancelled"}

@@ -30,7 +30,14 @@ from pipeline.sim import SimServer
 from pipeline.store import sched
 from pipeline.worker import Runtime, process, reservation
 from tasks.app import celery_queue
-from tests.conftest import assert_idle, held, published
+from tests.conftest import (
+    assert_idle,
+    freed_listener,
+    held,
+    moved_to_pool,
+    published,
+    quota_key,
+)
 
 
 def uid(tag: str) -> str:
@@ -42,7 +49,8 @@ def stall_first(n: int = 1) -> dict[str, str]:
 
 
 def results_pushed(pl: Pipeline, queue: str, rid: str) -> list[dict[str, Any]]:
-    raw = pl.store.client.lrange(pl.store.keys.result_list(pl.settings.queues[queue]), 0, -1)
+    keys = pl.store_of(queue).keys
+    raw = pl.store.client.lrange(keys.result_list(pl.settings.queues[queue]), 0, -1)
     return [r for r in (json.loads(x) for x in raw) if r["id"] == rid]
 
 
@@ -203,7 +211,7 @@ def test_cancel_at_start(in_process: Pipeline, sim: SimServer) -> None:
     served = in_process
     q = served.settings.queues["crash"]  # no worker serves this pool now: we dispatch by hand
     rid = served.submit({"p": 1}, id=uid("cancel"), queue="crash", timeout=30).id
-    moved = served.store.tick(q, [q], 1.0, -1, 10).moved
+    moved = served.store_of(q.queue_name).tick(q, [q], 1.0, -1, 10).moved
     assert [d.id for d in moved] == [rid] and served.state(rid) == "dispatched"
     assert served.cancel(rid)
     tasks.infer.apply_async(
@@ -344,7 +352,7 @@ def test_warm_shutdown_with_a_request_in_flight(
     )
     sim.wait_held(rid)
     w.proc.send_signal(signal.SIGTERM)  # warm: the running attempt finishes first
-    nodes = pl.store.keys.pool_nodes("crash")
+    nodes = pl.store_of("crash").keys.pool_nodes("crash")
     wait_until(lambda: pl.store.client.zscore(nodes, w.name) is None, 20, "shutdown begun")
     assert w.proc.poll() is None and pl.state(rid) == "running"  # waiting for the attempt
     sim.release(rid)
@@ -466,7 +474,7 @@ def test_retry_hands_the_slot_to_a_parked_attempt(pl: Pipeline, sim: SimServer) 
 def prepared(pl: Pipeline) -> Iterator[tuple[Pipeline, Runtime, str]]:
     """A client and an in-process runtime for a local-max-concurrency queue (limit 2) that no
     node serves: the test plays each attempt's start itself."""
-    q = replace(pl.settings.queues["lim2"], queue_name="prepared", worker_pool_id="nobody")
+    q = moved_to_pool(pl.settings.queues["lim2"], "prepared", "nobody")
     settings = replace(pl.settings, queues={**pl.settings.queues, "prepared": q})
     client, rt = Pipeline(settings), Runtime(settings)
     yield client, rt, "prepared"
@@ -477,7 +485,7 @@ def prepared(pl: Pipeline) -> Iterator[tuple[Pipeline, Runtime, str]]:
 def dispatch_one(p: Pipeline, queue: str) -> tuple[str, str]:
     q = p.settings.queues[queue]
     rid = p.submit({"p": 1}, id=uid("prep"), queue=queue).id
-    (d,) = p.store.tick(q, [q], 1.0, -1, 10).moved
+    (d,) = p.store_of(q.queue_name).tick(q, [q], 1.0, -1, 10).moved
     return rid, d.token
 
 
@@ -541,7 +549,7 @@ def test_an_unreadable_record_gives_back_the_slot_its_start_took(
     INVALID_REQUEST and the slot is released."""
     p, rt, queue = prepared
     rid, token = dispatch_one(p, queue)
-    p.store.client.hset(p.store.keys.request(rid), "metadata", "[not an object]")
+    p.store.client.hset(p.store_of(queue).keys.request(rid), "metadata", "[not an object]")
     assert rt.begin(rid, token, "w", queue) is None
     assert gate_in_flight(p, queue) == 0
     assert p.wait(rid, 5).error_code == "INVALID_REQUEST"
@@ -567,10 +575,10 @@ QUOTA_PER_USER = {"quota1": 1, "tenants": 2}
 def indexed_copy(pl: Pipeline, like: str) -> Iterator[tuple[Pipeline, Runtime, str]]:
     """A copy of queue ``like`` that no node serves, indexed by userid (its dispatched
     messages name the tenant), with a client and an in-process runtime."""
-    q = replace(pl.settings.queues[like], queue_name="ptenant", worker_pool_id="nobody")
+    q = moved_to_pool(pl.settings.queues[like], "ptenant", "nobody")
     settings = replace(pl.settings, queues={**pl.settings.queues, "ptenant": q})
     client, rt = Pipeline(settings), Runtime(settings)
-    store = client.store
+    store = client.store_of("ptenant")
     sched.setup(store.client, store.scripts, store.keys, "ptenant", "nobody", "userid", False)
     try:
         yield client, rt, "ptenant"
@@ -593,7 +601,7 @@ def prepared_tenant(
 def dispatch_tenant(p: Pipeline, queue: str, user: str) -> Any:
     q = p.settings.queues[queue]
     p.submit({"p": 1}, id=uid("ten"), queue=queue, metadata={"userid": user})
-    (d,) = p.store.tick(q, [q], 1.0, -1, 10).moved
+    (d,) = p.store_of(q.queue_name).tick(q, [q], 1.0, -1, 10).moved
     assert d.tenant == {"userid": user}
     return d
 
@@ -620,7 +628,7 @@ def test_a_quota_acquire_goes_with_the_start_when_the_message_names_the_tenant(
     begun = [rt.begin(d.id, d.token, "w", queue, d.tenant) for d in others]
     over = begun[-1]  # past the user's quota: refused on its key, with its start
     assert over is not None and over.decision is not None and not over.decision.admitted
-    assert over.decision.wake_key == f"quota:userid:{user}"
+    assert over.decision.wake_key == quota_key("nobody", user)
     assert all(n == n_calls for n in sent)
     monkeypatch.undo()
     for attempt in begun[:-1]:
@@ -646,7 +654,7 @@ def test_a_quota_hand_over_goes_in_the_givers_finish_round_trip(
         reports: list[Any] = []
         parked = threading.Thread(target=lambda: reports.append(b.run()))
         parked.start()
-        key = f"quota:userid:{user}"
+        key = quota_key("nobody", user)
         wait_until(lambda: rt.bell.waiting(key) == 1, 5, "the second attempt parked")
         sent = counted_batches(monkeypatch)
         monkeypatch.setattr(Calls, "run", None)  # no gate step on its own (no direct transfer)
@@ -696,8 +704,7 @@ def test_a_hand_over_publishes_no_release(prepared: tuple[Pipeline, Runtime, str
     a, b, c = (rt.begin(*dispatch_one(p, queue), "w", queue) for _ in range(3))
     assert a and b and c and a.decision and b.decision and c.decision
     assert a.decision.admitted and b.decision.admitted and not c.decision.admitted
-    listener = p.store.client.pubsub(ignore_subscribe_messages=True)
-    listener.subscribe(p.store.keys.freed_channel())
+    listener = freed_listener(p.store_of(queue))
     reports: list[Any] = []
     parked = threading.Thread(target=lambda: reports.append(c.run()))
     parked.start()
@@ -786,9 +793,9 @@ def test_a_composite_hands_its_global_slot_to_an_attempt_holding_its_own_quota(
         pl.submit({"p": "t"}, id=taker, queue="tenants", timeout=60, headers=held(taker),
                   metadata={"userid": "u9"})  # fmt: skip
         wait_running(pl, taker)  # dispatched ahead, parked on the global gate
-        keys, c = pl.store.keys, pl.store.client
+        keys, c = pl.store_of("tenants").keys, pl.store.client
         token = pl.record(taker)["token"]
-        quota_holders = keys.gate_holders("quota:userid:u9")
+        quota_holders = keys.gate_holders(quota_key("tenants", "u9"))
         wait_until(lambda: c.zscore(quota_holders, f"{taker}:{token}"), 10, "its own quota")
         # parked on the global gate, not only refused: a finish hands over only to an attempt
         # parked by then (its park is noted once it outlasts PARK_POLL_S)
@@ -821,11 +828,11 @@ def test_a_quota_hand_over_publishes_no_release_of_the_key(pl: Pipeline) -> None
     attempts parked on it elsewhere) and the queue."""
     from pipeline.store import MergeArgs, sched
 
-    q = replace(pl.settings.queues["quota1"], queue_name="qprep", worker_pool_id="nobody")
+    q = moved_to_pool(pl.settings.queues["quota1"], "qprep", "nobody")
     settings = replace(pl.settings, queues={**pl.settings.queues, "qprep": q})
     client, rt = Pipeline(settings), Runtime(settings)
     try:
-        s = client.store
+        s = client.store_of("qprep")
         sched.setup(s.client, s.scripts, s.keys, "qprep", "nobody", "userid", False)
         specs = tuple(replace(x, lookahead=1) for x in rt.gate("qprep").quota_specs())
         for i in range(2):
@@ -837,22 +844,16 @@ def test_a_quota_hand_over_publishes_no_release_of_the_key(pl: Pipeline) -> None
         assert len(moved) == 2  # the limit, and one past it
         a, b = (rt.begin(d.id, d.token, "w", "qprep") for d in moved)
         assert a and b and a.acquire().admitted and not b.acquire().admitted
-        listener = s.client.pubsub(ignore_subscribe_messages=True)
-        listener.subscribe(s.keys.freed_channel())
-        wait_until(
-            lambda: s.client.pubsub_numsub(s.keys.freed_channel())[0][1] >= 1,
-            5,
-            "s.client.pubsub_numsub(s.keys.freed_channel())[0][1] >= 1",
-        )
+        listener = freed_listener(s)
         reports: list[Any] = []
         parked = threading.Thread(target=lambda: reports.append(b.run()))
         parked.start()
-        wait_until(lambda: rt.bell.waiting("quota:userid:qh-user") == 1, 5, "b parked")
+        wait_until(lambda: rt.bell.waiting(quota_key("nobody", "qh-user")) == 1, 5, "b parked")
         assert a.run().status.value == "success"  # hands the key's slot to b
         parked.join(10)
         assert reports and reports[0].status.value == "success"
         released = published(listener, 1, "b's release published")
-        assert released == ["qprep\nquota:userid:qh-user"]  # b's release only, with its key
+        assert released == ["qprep\n" + quota_key("nobody", "qh-user")]  # b's, with its key
         assert not list(s.client.scan_iter(s.keys.prefix + "gate:*:sent", count=10_000))
     finally:
         rt.stop()
