@@ -12,6 +12,7 @@ fenced start and gate acquire, and the next HTTP request.
 
     .venv/bin/python bench/handoff.py                 # limit 1, 20 ms latency, 500 requests
     .venv/bin/python bench/handoff.py --limit 16 --latency-ms 100 -n 2000
+    .venv/bin/python bench/handoff.py --cluster      # the state on a 3-primary Redis Cluster
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from bench.common import (
     Node,
     PipelineEnv,
     Sim,
+    add_cluster_args,
     base_parser,
     bench_session,
     items,
@@ -56,12 +58,19 @@ def mean_concurrency(arrivals: list[tuple[float, float, str]]) -> float:
     return busy / span if span > 0 else 0.0
 
 
-def run(redis_url: str, workdir: Path, limit: int, latency_ms: float, n: int) -> dict[str, Any]:
+def run(
+    redis_url: str,
+    workdir: Path,
+    limit: int,
+    latency_ms: float,
+    n: int,
+    broker_url: str | None = None,
+) -> dict[str, Any]:
     sim = Sim(latency_ms=latency_ms, record_arrivals=True)
     node: Node | None = None
     try:
         queue = queue_entry("handoff", sim.url, **local_gate(limit))
-        penv = PipelineEnv(redis_url, [queue], workdir)
+        penv = PipelineEnv(redis_url, [queue], workdir, broker_url=broker_url)
         node = Node(penv)
         p = penv.pipeline()
         warm = [dict(it, queue="handoff") for it in items(20, "hw")]
@@ -100,13 +109,15 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=1, help="gate limit (local-max-concurrency)")
     ap.add_argument("--latency-ms", type=float, default=20.0, help="simulator latency")
     ap.add_argument("-n", type=int, default=500, help="requests")
+    add_cluster_args(ap)
     args = ap.parse_args()
-    with bench_session(args.redis_url) as (rh, workdir):
-        r = run(rh.url, workdir, args.limit, args.latency_ms, args.n)
+    with bench_session(args.redis_url, args.cluster, args.replicas) as (rh, workdir):
+        r = run(rh.url, workdir, args.limit, args.latency_ms, args.n, rh.broker_url)
     ok = r["p99"] <= 5.0
     print(
         f"\nHand-off: limit {r['limit']}, simulator latency {r['latency_ms']:g} ms, {r['n']} "
         f"requests, one worker node (threads, 64 slots)"
+        + ("; the state on a 3-primary Redis Cluster, a standalone broker" if args.cluster else "")
     )
     print(
         table(
