@@ -16,7 +16,9 @@ result; on a cluster there is none by default): the state servers see only the p
 Per server, from its own ``INFO`` over the load (submit .. the simulator's last answer):
 script time (``INFO commandstats`` usec of ``EVALSHA``, ``EVAL``, ``FCALL``), Redis CPU
 (``INFO cpu`` user + system), commands (those inside scripts too) and round trips per request,
-and ``used_memory`` at the end. Before the load each server's idle CPU is measured over a few
+``used_memory``'s growth over the load per request (the finished requests' records stay for
+their TTL) and its value at the end (it grows over the runs: one cluster, one standalone
+server for the whole invocation). Before the load each server's idle CPU is measured over a few
 seconds (the dispatchers' ticks, leases, the server's own cron), to say how much of the
 per-request figure is fixed cost spread over a modest load.
 
@@ -25,7 +27,9 @@ Targets, per run:
 - the busiest primary's Redis CPU per request it served (its two pools' requests) within 10 %
   of the standalone server's CPU per request (ratio <= 1.10);
 - the utilisation scenarios ``1node`` and ``3nodes-global`` of ``bench/utilisation.py`` on the
-  cluster (limit 16, 100 ms, 2,000 requests) >= 0.95 of the ceiling;
+  cluster (limit 16, 100 ms, 2,000 requests) >= 0.95 of the ceiling (the same scenarios on the
+  standalone server, the same broker, in the same run beside them: a loaded machine moves
+  both);
 - hand-off p99 <= 5 ms on the cluster (``bench/handoff.py``: limit 1, 20 ms, 500 requests; the
   standalone figure of the same run beside it).
 Then the projected fleet ceiling: one core per primary, so a primary serves at most
@@ -236,7 +240,8 @@ def server_table(res: dict[str, Any]) -> str:
                 s["net_ms_req"],
                 s["commands"] / s["served"],
                 s["reads"] / s["served"],
-                s["memory"] / 2**20,
+                s["memory"] / s["served"],
+                s["used_memory"] / 2**20,
             ]
         )
     return table(
@@ -253,6 +258,7 @@ def server_table(res: dict[str, Any]) -> str:
             "CPU ms/req net of idle",
             "commands/req",
             "round trips/req",
+            "memory B/req",
             "used_memory MB",
         ],
         rows,
@@ -279,6 +285,17 @@ def judge(cluster: dict[str, Any], alone: dict[str, Any]) -> dict[str, Any]:
         "cpu_ok": cpu_ratio <= CPU_TOLERANCE,
         "throughput_ratio": cluster["rate"] / alone["rate"],
     }
+
+
+class Alone:
+    """The standalone server with the cluster's broker, as ``utilisation.scenario`` takes a
+    Redis: the same broker as on the cluster."""
+
+    def __init__(self, rh: RedisHandle, broker_url: str) -> None:
+        self.rh, self.url, self.broker_url = rh, rh.url, broker_url
+
+    def metered(self, pool: str = "default") -> dict[str, int]:
+        return self.rh.metered(pool)
 
 
 def fleet(per_request_ms: float, primaries: int) -> float:
@@ -330,10 +347,13 @@ def main() -> int:
                 )
             out["judge"] = judge(out["cluster"], out["standalone"])
             if not args.skip_utilisation:
-                out["util"] = [
-                    utilisation.scenario(ch, workdir, n=args.util_n, **utilisation.SCENARIOS[key])
-                    for key in UTIL_SCENARIOS
-                ]
+                for kind, handle in (("util", ch), ("util_alone", Alone(alone, ch.broker_url))):
+                    out[kind] = [
+                        utilisation.scenario(
+                            handle, workdir, n=args.util_n, **utilisation.SCENARIOS[key]
+                        )
+                        for key in UTIL_SCENARIOS
+                    ]
             if not args.skip_handoff:
                 out["handoff"] = {
                     "cluster": handoff.run(ch.url, workdir, 1, 20.0, 500, ch.broker_url),
@@ -382,11 +402,11 @@ def print_run(out: dict[str, Any], args: Any) -> None:
         )  # fmt: skip
         + f" req/s; one standalone server {fleet(j['alone_ms'], 1):,.0f} req/s"
     )
-    for u in out.get("util", []):
+    for u, a in zip(out.get("util", []), out.get("util_alone", []), strict=True):
         print(
             f"utilisation on the cluster, {u['label']}: {u['rate']:.1f} req/s = {u['ratio']:.3f} "
             f"of the ceiling, max {u['max_conc']} at the simulator, {u['not_ok']} not 200 "
-            f"(target >= 0.95: {verdict(u['ok'])})"
+            f"(target >= 0.95: {verdict(u['ok'])}); standalone {a['ratio']:.3f}"
         )
     if "handoff" in out:
         h = out["handoff"]
@@ -439,9 +459,10 @@ def print_summary(runs: list[dict[str, Any]], args: Any) -> None:
     if runs and "util" in runs[0]:
         for i, key in enumerate(UTIL_SCENARIOS):
             us = [r["util"][i] for r in runs]
+            alone = [r["util_alone"][i]["ratio"] for r in runs]
             print(
-                f"utilisation on the cluster, {key} >= 0.95: {span([u['ratio'] for u in us])}; "
-                f"{sum(u['ok'] for u in us)}/{k} runs PASS"
+                f"utilisation on the cluster, {key} >= 0.95: {span([u['ratio'] for u in us])} "
+                f"(standalone {span(alone)}); {sum(u['ok'] for u in us)}/{k} runs PASS"
             )
     if runs and "handoff" in runs[0]:
         p99 = [r["handoff"]["cluster"]["p99"] for r in runs]

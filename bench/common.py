@@ -214,8 +214,8 @@ def server_stats(client: redis.Redis) -> dict[str, float]:
 
 
 def stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """:func:`server_stats` over a span (memory: the value at its end)."""
-    return {k: after[k] if k == "memory" else after[k] - before[k] for k in after}
+    """:func:`server_stats` over a span (``memory`` its growth, ``used_memory`` its end)."""
+    return {**{k: after[k] - before[k] for k in after}, "used_memory": after["memory"]}
 
 
 @dataclass
