@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-unit system-deps test-rabbitmq test-chaos-long lint typecheck format clean
+.PHONY: demo test test-unit system-deps test-rabbitmq test-cluster test-chaos-long lint typecheck format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,17 @@ test-rabbitmq: $(STAMP)
 	PIPELINE_TEST_BROKER_URL=$${PIPELINE_TEST_BROKER_URL:-amqp://guest:guest@127.0.0.1:5672//} \
 	  $(BIN)/pytest -q $(PYTEST_PARALLEL) tests/integration/test_pipeline.py \
 	  tests/integration/test_release_paths.py tests/integration/test_gates_pipeline.py
+
+## test-cluster: the core end-to-end, release-path, gate and scheduling suites with the
+## pipeline's state on a private Redis Cluster (3 primaries, 1 replica each; needs redis-cli)
+CLUSTER_SUITES = tests/integration/test_pipeline.py tests/integration/test_release_paths.py \
+  tests/integration/test_gates_pipeline.py tests/integration/gates \
+  tests/integration/test_scheduling_e2e.py tests/integration/test_lookahead.py \
+  tests/integration/test_ordering.py tests/integration/test_quota_dispatch.py \
+  tests/integration/test_fair_share.py tests/integration/test_merge.py \
+  tests/integration/test_over_admission.py
+test-cluster: $(STAMP)
+	PIPELINE_TEST_CLUSTER=1 $(BIN)/pytest -q $(PYTEST_PARALLEL) $(CLUSTER_SUITES)
 
 ## test-chaos-long: the chaos suite with its long variants (60 s of random worker kills)
 test-chaos-long: $(STAMP)

@@ -14,7 +14,7 @@ from pipeline.client import Pipeline
 from pipeline.config import Settings
 from pipeline.dispatch.dispatcher import Dispatcher
 from pipeline.sim import SimServer
-from tests.conftest import assert_idle, held, tenants_gate
+from tests.conftest import assert_idle, held, quota_key, tenants_gate
 from tests.conftest import quota as quota_gate
 
 from .sched_harness import bench
@@ -240,7 +240,7 @@ def test_an_attempt_that_finds_others_parked_on_its_quota_key_parks_behind_them_
         wait_until(lambda: parked_entries(pl, first), 10, "the first attempt parked")
         second = pl.submit({"p": "b"}, id=uid("b"), queue="qrefuse", timeout=60, metadata=user)
         wait_until(lambda: parked_entries(pl, second.id), 10, "the second attempt parked")
-        key = f"quota:userid:{user['userid']}"
+        key = quota_key("qrefuse", user["userid"])
         (asked,) = parked_entries(pl, first)
         assert asked["key"] == key and asked["reason"] == "quota_exhausted"
         assert "behind" not in asked  # it asked the gate

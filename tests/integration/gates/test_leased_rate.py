@@ -28,7 +28,7 @@ from pipeline.config import load_settings
 from pipeline.gates import Gate, GateEnv, Verdict, build_gate
 from pipeline.gates.leased_rate import API_VERSION
 from pipeline.sim import SimConfig, SimServer
-from tests.conftest import WorkerProc, assert_idle
+from tests.conftest import CLUSTER, WorkerProc, assert_idle
 from tests.observability import Isolated, isolated, scrape, start_node, total
 
 from .conftest import ctx
@@ -262,6 +262,8 @@ def leased_iso(env: dict[str, str], sim: SimServer, tmp: Path) -> tuple[Isolated
     """An isolated pipeline whose worker pool's gate is wait-on-refuse(redis-leased-rate)."""
     iso = isolated(env, tmp, [{"queue_name": "batch", "igw_base_url": sim.url}])
     control = f"{iso.env['PIPELINE_KEY_PREFIX']}planner:{iso.pool()}"
+    if CLUSTER:  # the planner's key in the pool's slot
+        control += f"{{p:{iso.pool()}}}"
     leased = {"gate_type": "redis-leased-rate",
               "gate_params": {"control_key": control, "burst_seconds": BURST_S}}  # fmt: skip
     pools = tmp / f"pools-{iso.tag}.json"

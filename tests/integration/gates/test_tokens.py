@@ -23,7 +23,7 @@ from pipeline.client import Pipeline
 from pipeline.errors import ConfigError
 from pipeline.gates import AcquireContext, Gate, GateEnv, Settles, Verdict, build_gate, settle
 from pipeline.gates.base import walk
-from pipeline.gates.quota import SETTLE_POLL_S
+from pipeline.gates.quota import SETTLE_POLL_S, TokenQuota
 from pipeline.sim import SimServer
 from tests.conftest import held
 
@@ -315,19 +315,21 @@ def user() -> dict[str, str]:
     return {"userid": uid("u")}
 
 
-def user_charges(pl: Pipeline, userid: str, window: str = "60") -> dict[str, str]:
-    """The user's charges in the budget of that window: holder → "e<n>" (an estimate still
+def user_charges(pl: Pipeline, userid: str) -> dict[str, str]:
+    """The user's charges in the ``tokens`` queue's budget: holder → "e<n>" (an estimate still
     open) or "<n>" (settled)."""
-    key = f"{pl.store.keys.prefix}gate:quota:tokens:{window}:charges:userid:{userid}"
-    return dict(pl.store.client.hgetall(key))
+    gate = pl.gate("tokens")
+    assert isinstance(gate, TokenQuota)
+    return dict(pl.store.client.hgetall(gate.tokens_keys(userid)[1]))
 
 
 def open_charges(pl: Pipeline) -> list[str]:
     """Charges of any token budget still open (an estimate nobody settled)."""
     out = []
-    pattern = f"{pl.store.keys.prefix}gate:*:tokens:*:charges:*"
-    for key in pl.store.client.scan_iter(pattern, count=10_000):
-        out += [h for h, v in pl.store.client.hgetall(key).items() if v.startswith("e")]
+    for store in pl.store.every_pool(pl.settings.pools()):
+        pattern = f"{store.keys.prefix}gate:*:tokens:*:charges:*"
+        for key in pl.store.client.scan_iter(pattern, count=10_000):
+            out += [h for h, v in pl.store.client.hgetall(key).items() if v.startswith("e")]
     return out
 
 
