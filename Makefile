@@ -43,14 +43,14 @@ test-rabbitmq: $(STAMP)
 	  $(BIN)/pytest -q $(PYTEST_PARALLEL) tests/integration/test_pipeline.py \
 	  tests/integration/test_release_paths.py tests/integration/test_gates_pipeline.py
 
-## test-cluster: the core end-to-end, release-path, gate and scheduling suites with the
+## test-cluster: the core end-to-end, release-path, gate, scheduling and batch suites with the
 ## pipeline's state on a private Redis Cluster (3 primaries, 1 replica each; needs redis-cli)
 CLUSTER_SUITES = tests/integration/test_pipeline.py tests/integration/test_release_paths.py \
   tests/integration/test_gates_pipeline.py tests/integration/gates \
   tests/integration/test_scheduling_e2e.py tests/integration/test_lookahead.py \
   tests/integration/test_ordering.py tests/integration/test_quota_dispatch.py \
   tests/integration/test_fair_share.py tests/integration/test_merge.py \
-  tests/integration/test_over_admission.py
+  tests/integration/test_over_admission.py tests/integration/batch
 test-cluster: $(STAMP)
 	PIPELINE_TEST_CLUSTER=1 $(BIN)/pytest -q $(PYTEST_PARALLEL) $(CLUSTER_SUITES)
 

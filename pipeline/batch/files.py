@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from ..store import Store
+from ..store.keys import slot_keys
 from .config import BatchSettings
 from .model import UnknownFile
 
@@ -111,7 +112,9 @@ class Files:
 
     def __init__(self, store: Store, settings: BatchSettings, blobs: FileStore | None = None):
         self.client = store.client
-        self.keys = store.keys
+        # a file's record and the two indexes change together (MULTI): on a Redis Cluster in
+        # one slot of their own
+        self.keys = slot_keys(store.keys.prefix, "files") if store.cluster else store.keys
         self.settings = settings
         self.blobs: FileStore = blobs or LocalFileStore(settings.files_dir)
 

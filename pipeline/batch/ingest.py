@@ -89,7 +89,8 @@ class RowBuilder:
         self.pipeline = pipeline
         self.ctx = ctx
         q = pipeline.queue_config(ctx.queue)
-        result_list, result_list_max, result_list_ttl = pipeline.store.result_list_args(q)
+        store = pipeline.store_of(q.queue_name)
+        result_list, result_list_max, result_list_ttl = store.result_list_args(q)
         self.template = RequestRow(
             id="",
             queue=q.queue_name,
@@ -133,6 +134,13 @@ class RowBuilder:
             return LineError(
                 line.number, "invalid_request", f"line {line.number}: {exc}", exc.field,
                 line.custom_id,
+            )  # fmt: skip
+        if row.pool != self.template.pool and self.pipeline.settings.redis_cluster:
+            return LineError(
+                line.number, "invalid_request", f"line {line.number}: queue {row.queue!r} is in "
+                f"pool {row.pool!r}; on a Redis Cluster a batch's lines stay in its queue's pool "
+                f"({self.template.pool!r}): give that queue's lines a batch of their own",
+                "queue", line.custom_id,
             )  # fmt: skip
         deadline = self.ctx.deadline
         if own_deadline is not None:

@@ -165,6 +165,29 @@ class BatchRecords:
         ids = self.client.zrevrange(index, start, start + limit)
         return list(ids[:limit]), len(ids) > limit  # type: ignore[arg-type]
 
+    def created(self, batch_id: str) -> float | None:
+        """The batch's score in the index (its creation time), None when not in this one."""
+        score = self.client.zscore(self.keys.batches(), batch_id)
+        return None if score is None else float(score)
+
+    def newest(self, cursor: tuple[float, str] | None, limit: int) -> list[tuple[float, str]]:
+        """Up to ``limit`` (created, id) newest first, after ``cursor`` in that order (a batch
+        created earlier, or at the same time with a smaller id): a page of several pools' merge."""
+        index = self.keys.batches()
+        got: list[tuple[str, float]]
+        if cursor is None:
+            got = self.client.zrevrange(  # type: ignore[assignment]
+                index, 0, limit - 1, withscores=True
+            )
+        else:
+            score, after = cursor
+            ties = int(self.client.zcount(index, score, score))
+            got = self.client.zrevrangebyscore(  # type: ignore[assignment]
+                index, score, "-inf", start=0, num=limit + ties, withscores=True
+            )
+            got = [(b, s) for b, s in got if s < score or b < after]
+        return [(float(s), str(b)) for b, s in got[:limit]]
+
     def active(self) -> list[str]:
         return sorted(self.client.smembers(self.keys.batches_active()))  # type: ignore[arg-type]
 

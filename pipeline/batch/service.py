@@ -22,7 +22,7 @@ import orjson
 
 from ..client import Pipeline
 from ..client.api import check_priority
-from ..errors import ConfigError, InvalidRequest
+from ..errors import InvalidRequest
 from .config import BatchSettings
 from .files import Files
 from .ingest import RowBuilder, RowContext, Scan, enqueue, input_lines, invalid_record, scan
@@ -62,16 +62,45 @@ class Batches:
     def __init__(
         self, pipeline: Pipeline, settings: BatchSettings | None = None, files: Files | None = None
     ) -> None:
-        if pipeline.settings.redis_cluster:
-            raise ConfigError(
-                "batches do not run on a Redis Cluster yet (a batch's lines would span pools' "
-                'slots): use a standalone Redis or Sentinel (docs/production.md, "Redis Cluster")'
-            )
         self.pipeline = pipeline
         self.settings = settings or BatchSettings.from_env(pipeline.settings)
-        self.records = BatchRecords(pipeline.store)
         self.files = files
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self._by_store: dict[int, BatchRecords] = {}  # per pool's store (one if standalone)
+        self._homes: dict[str, BatchRecords] = {}  # batch id -> where it was found
+
+    # -- where a batch lives: its queue's pool (its own hash slot on a Redis Cluster) ----------
+    def records_of(self, pool: str) -> BatchRecords:
+        store = self.pipeline.store.for_pool(pool)
+        records = self._by_store.get(id(store))
+        if records is None:
+            records = self._by_store[id(store)] = BatchRecords(store)
+        return records
+
+    def every_records(self) -> list[BatchRecords]:
+        """The batch records of every pool: one on a standalone Redis."""
+        return list(
+            {id(r): r for r in map(self.records_of, self.pipeline.settings.pools())}.values()
+        )
+
+    def at(self, batch_id: str) -> BatchRecords:
+        """The records of the batch's pool: on a cluster the pool whose slot holds it (each
+        asked, in one round trip; remembered), or the first when none does (unknown there)."""
+        home = self._homes.get(batch_id)
+        every = self.every_records()
+        if home is not None or len(every) == 1:
+            return home or every[0]
+        with self.pipeline.store.client.pipeline(transaction=False) as p:
+            for records in every:
+                p.exists(records.keys.batch(batch_id))
+            found = p.execute()
+        home = next((r for r, n in zip(every, found, strict=True) if n), None)
+        if home is None:
+            return every[0]
+        if len(self._homes) > 10_000:
+            self._homes.clear()
+        self._homes[batch_id] = home
+        return home
 
     # -- creating ---------------------------------------------------------------------------
     def create(
@@ -120,22 +149,24 @@ class Batches:
             "req_metadata": json.dumps(req_meta),
             "result_ttl": str(int(self.pipeline.settings.result_ttl_s)),
         }
-        created = self.records.create(bid, window, self.settings.retention_s, fields)
+        pool = self.pipeline.queue_config(queue).worker_pool_id
+        created = self.records_of(pool).create(bid, window, self.settings.retention_s, fields)
         return self.get(bid), created
 
     def ingest(self, batch: Batch, opener: Opener) -> Batch:
         """Check the batch's whole input and store its lines: a ``validating`` batch fails or
         starts; an ``in_progress`` one resumes after its last stored line. Under the batch's
         lease (another holder: nothing done). Returns the batch after."""
-        if self.records.take_lease(batch.id, self.holder, self.settings.lease_s):
+        records = self.at(batch.id)
+        if records.take_lease(batch.id, self.holder, self.settings.lease_s):
             try:
                 self._ingest(batch.id, opener)
             finally:
-                self.records.drop_lease(batch.id, self.holder)
+                records.drop_lease(batch.id, self.holder)
         return self.get(batch.id)
 
     def _ingest(self, batch_id: str, opener: Opener) -> None:
-        rec = self.records.record(batch_id)
+        rec = self.at(batch_id).record(batch_id)
         status = rec.get("status")
         if status not in ("validating", "in_progress"):
             return
@@ -164,7 +195,7 @@ class Batches:
             )
         try:
             if status == "in_progress" or self._start(batch_id, ctx, result):
-                enqueue(self.records, batch_id, result, self._renewer(batch_id))
+                enqueue(self.at(batch_id), batch_id, result, self._renewer(batch_id))
         finally:
             result.close()
 
@@ -180,10 +211,10 @@ class Batches:
                     "message": "the input has no request lines",
                 }  # fmt: skip
             ]
-            self.records.fail(batch_id, errors)
+            self.at(batch_id).fail(batch_id, errors)
             return False
-        self.records.push_invalid(batch_id, [invalid_record(e) for e in result.invalid])
-        status = self.records.start(
+        self.at(batch_id).push_invalid(batch_id, [invalid_record(e) for e in result.invalid])
+        status = self.at(batch_id).start(
             batch_id,
             total=result.total,
             invalid=len(result.invalid),
@@ -193,7 +224,7 @@ class Batches:
         return status == "in_progress"
 
     def _renewer(self, batch_id: str) -> Callable[[], object]:
-        return partial(self.records.take_lease, batch_id, self.holder, self.settings.lease_s)
+        return partial(self.at(batch_id).take_lease, batch_id, self.holder, self.settings.lease_s)
 
     def submit_batch(
         self,
@@ -241,10 +272,38 @@ class Batches:
 
     # -- reading ----------------------------------------------------------------------------
     def get(self, batch_id: str, owner: str | None = None) -> Batch:
-        rec = self.records.record(batch_id)
+        rec = self.at(batch_id).record(batch_id)
         if not rec or (owner is not None and rec.get("owner", "") != owner):
             raise UnknownBatch(batch_id)
         return Batch.from_record(rec, self)
+
+    def page(self, after: str | None, limit: int) -> tuple[list[str], bool]:
+        """Batch ids newest first after the id ``after``, every pool's merged; and whether
+        more follow."""
+        every = self.every_records()
+        if len(every) == 1:
+            return every[0].page(after, limit)
+        cursor = None
+        if after:
+            score = next((s for r in every if (s := r.created(after)) is not None), None)
+            if score is None:
+                return [], False
+            cursor = (score, after)
+        # newest first as one sorted set orders them: by score, then by id, both descending
+        merged = sorted((e for r in every for e in r.newest(cursor, limit + 1)), reverse=True)
+        return [bid for _, bid in merged[:limit]], len(merged) > limit
+
+    def records_in(self, batch_ids: list[str]) -> list[dict[str, str]]:
+        """The records of ``batch_ids`` that exist, in that order (one round trip per pool)."""
+        every = self.every_records()
+        if len(every) == 1:
+            return every[0].records(batch_ids)
+        found = {rec["id"]: rec for r in every for rec in r.records(batch_ids)}
+        return [found[bid] for bid in batch_ids if bid in found]
+
+    def active(self) -> list[str]:
+        """The batches not yet closed, every pool's."""
+        return sorted(bid for r in self.every_records() for bid in r.active())
 
     def list(
         self, *, after: str | None = None, limit: int = 20, owner: str | None = None
@@ -254,8 +313,8 @@ class Batches:
         out: list[Batch] = []
         cursor = after
         while True:
-            ids, more = self.records.page(cursor, max(limit, 100))
-            for rec in self.records.records(ids):
+            ids, more = self.page(cursor, max(limit, 100))
+            for rec in self.records_in(ids):
                 if owner is None or rec.get("owner", "") == owner:
                     out.append(Batch.from_record(rec, self))
                     if len(out) > limit:
@@ -265,15 +324,14 @@ class Batches:
             cursor = ids[-1]
 
     def active_count(self, owner: str) -> int:
-        ids = self.records.active()
-        return sum(1 for rec in self.records.records(ids) if rec.get("owner", "") == owner)
+        return sum(1 for rec in self.records_in(self.active()) if rec.get("owner", "") == owner)
 
     # -- cancelling, waiting ------------------------------------------------------------------
     def cancel(self, batch_id: str, owner: str | None = None, *, lines: bool = True) -> Batch:
         """Cancel (see :meth:`Batch.cancel`); a closed batch is returned unchanged.
         ``lines=False``: only mark it; the caller runs :meth:`cancel_lines` later."""
         self.get(batch_id, owner)
-        if self.records.cancel(batch_id) and lines:
+        if self.at(batch_id).cancel(batch_id) and lines:
             self.cancel_lines(batch_id)
         return self.get(batch_id)
 
@@ -282,17 +340,17 @@ class Batches:
         again after a canceller died half-way). Returns how many."""
         # an enqueuer holding the lease stops at its next chunk (the batch takes no more lines)
         end = time.monotonic() + self.settings.lease_s
-        while not self.records.take_lease(batch_id, self.holder, self.settings.lease_s):
+        while not self.at(batch_id).take_lease(batch_id, self.holder, self.settings.lease_s):
             if time.monotonic() > end:
                 return 0  # still held: the holder's successor (pipeline serve's loop) does it
             time.sleep(0.05)
         try:
-            rec = self.records.record(batch_id)
+            rec = self.at(batch_id).record(batch_id)
             if rec.get("status") != "cancelling" or rec.get("cancel_done") == "1":
                 return 0
-            return self.records.cancel_lines(batch_id, int(rec.get("submitted") or 0))
+            return self.at(batch_id).cancel_lines(batch_id, int(rec.get("submitted") or 0))
         finally:
-            self.records.drop_lease(batch_id, self.holder)
+            self.at(batch_id).drop_lease(batch_id, self.holder)
 
     def wait(
         self,
@@ -312,7 +370,7 @@ class Batches:
             if batch.status in ("validating", "in_progress"):
                 # past its window with nobody storing its lines: close it (the script checks
                 # the window by the server's clock and the lease; otherwise it does nothing)
-                self.records.lapse(batch_id)
+                self.at(batch_id).lapse(batch_id)
             if end is not None and time.monotonic() > end:
                 raise TimeoutError(f"batch {batch_id} not done after {timeout} s")
             time.sleep(poll_s)
@@ -324,7 +382,7 @@ class Batches:
         """Every request line's outcome, in input order. Lines never stored are known only
         from the input: ``custom_ids(after)`` maps their numbers to custom_ids (None: the
         input is gone; they come without one)."""
-        invalid = {int(r["line"]): r for r in self.records.invalid(batch.id)}
+        invalid = {int(r["line"]): r for r in self.at(batch.id).invalid(batch.id)}
         last = batch.submitted
         cancelled = batch.status in ("cancelled", "cancelling")
         rest = custom_ids(last) if custom_ids is not None and batch.lines > last else None
@@ -345,25 +403,26 @@ class Batches:
         """(result JSON, custom_id) of lines 1..``last``; the next range is read meanwhile."""
         ranges = [(lo, min(last, lo + READ_CHUNK - 1)) for lo in range(1, last + 1, READ_CHUNK)]
         with ThreadPoolExecutor(1, thread_name_prefix="batch-read") as pool:
-            ahead = [pool.submit(self.records.results, batch_id, *r) for r in ranges[:1]]
+            read = self.at(batch_id).results
+            ahead = [pool.submit(read, batch_id, *r) for r in ranges[:1]]
             for i in range(len(ranges)):
                 chunk = ahead.pop().result()
                 if i + 1 < len(ranges):
-                    ahead.append(pool.submit(self.records.results, batch_id, *ranges[i + 1]))
+                    ahead.append(pool.submit(read, batch_id, *ranges[i + 1]))
                 yield from chunk
 
     def finalize(self, batch_id: str) -> Batch:
         """Write a ``finalizing`` batch's output and error files and close it. Idempotent: file
         ids follow from the batch id, files are written whole then renamed."""
         batch = self.get(batch_id)
-        if batch.status != "finalizing" or not self.records.take_lease(
+        if batch.status != "finalizing" or not self.at(batch_id).take_lease(
             batch_id, self.holder, self.settings.lease_s
         ):
             return batch
         try:
-            self.records.finalized(batch_id, *self.write_files(batch))
+            self.at(batch_id).finalized(batch_id, *self.write_files(batch))
         finally:
-            self.records.drop_lease(batch_id, self.holder)
+            self.at(batch_id).drop_lease(batch_id, self.holder)
         return self.get(batch_id)
 
     def write_files(self, batch: Batch) -> tuple[str | None, str | None]:
@@ -371,7 +430,7 @@ class Batches:
         assert self.files is not None, "finalize needs a file store"
         blobs = self.files.blobs
         out_id, err_id = f"file-{batch.id}-output", f"file-{batch.id}-errors"
-        final = self.records.record(batch.id).get("final_status", batch.status)
+        final = self.at(batch.id).record(batch.id).get("final_status", batch.status)
         with blobs.writer(out_id) as out, blobs.writer(err_id) as err:
             for line in self.lines(batch, self._input_custom_ids(batch)):
                 (out if line.ok else err).write(openai_line(line, final))

@@ -176,7 +176,8 @@ class Service:
         if owner is None:
             return True
         if rec.get("batch"):  # a batch's line: the batch's owner (a batch gone: nobody)
-            return self.batches.records.record(rec["batch"]).get("owner") == owner
+            bid = rec["batch"]
+            return self.batches.at(bid).record(bid).get("owner") == owner
         try:
             meta = json.loads(rec.get("metadata") or "{}")
         except ValueError:

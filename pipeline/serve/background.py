@@ -57,7 +57,7 @@ class Background:
                     fid = batch.input_file_id
                     message = f"the input file {fid} was deleted before the batch was read"
                     error = dict(code="input_file_missing", line=None, param="input_file_id")
-                    b.records.fail(batch_id, [{**error, "message": message}])
+                    b.at(batch_id).fail(batch_id, [{**error, "message": message}])
                 else:
                     b.ingest(batch, opener)
             elif kind == "cancel":
@@ -75,10 +75,7 @@ class Background:
         while not self._stop.is_set():
             try:
                 self.tick()
-                # a finished batch rings the doorbell: finalize it at once, not at the poll
-                self.batches.records.client.blpop(
-                    [self.batches.records.keys.batches_bell()], timeout=self.poll_s
-                )
+                self.wait_for_bell()
             except redis.RedisError as exc:
                 log.warning("batch loop: Redis: %s", exc)
                 self._stop.wait(self.poll_s)
@@ -86,12 +83,22 @@ class Background:
                 log.exception("batch loop")
                 self._stop.wait(self.poll_s)
 
+    def wait_for_bell(self) -> None:
+        """Until a finished batch rings its pool's doorbell (to finalize it at once, not at the
+        poll), or the poll period passes. On a Redis Cluster each pool's bell is in its own
+        slot, which one BLPOP cannot wait on: they are looked at once per poll period."""
+        bells = [(r.client, r.keys.batches_bell()) for r in self.batches.every_records()]
+        if len(bells) == 1:
+            client, bell = bells[0]
+            client.blpop([bell], timeout=self.poll_s)
+        elif not any([client.lpop(bell) for client, bell in bells]):
+            self._stop.wait(self.poll_s)
+
     def tick(self) -> None:
         """One pass over the open batches (and, every minute, expired files)."""
-        records = self.batches.records
-        ids = records.active()
-        for rec in records.records(ids):
+        for rec in self.batches.records_in(self.batches.active()):
             bid, status = rec["id"], rec.get("status")
+            records = self.batches.at(bid)
             if status in ("validating", "in_progress"):
                 # past its window with nobody storing its lines (any batch: the script checks)
                 status = records.lapse(bid)

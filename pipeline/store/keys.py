@@ -279,7 +279,12 @@ class Keys:
 def pool_keys(prefix: str, pool: str) -> Keys:
     """A pool's keys on a Redis Cluster: the prefix and then the pool's hash tag
     (``pl:{p:<pool>}:``), so everything a script of the pool touches is in one slot."""
-    tagged = f"{prefix}{{p:{pool}}}:"
+    return slot_keys(prefix, f"p:{pool}")
+
+
+def slot_keys(prefix: str, tag: str) -> Keys:
+    """Keys that all hash to the slot of ``tag`` (the prefix, then ``{<tag>}:``)."""
+    tagged = f"{prefix}{{{tag}}}:"
     return Keys(tagged, ref_prefix=tagged)
 
 

@@ -141,7 +141,7 @@ def test_kill_9_of_pipeline_run_mid_batch(
             )
 
         def exists() -> bool:
-            return bool(b.records.record(bid))
+            return bool(b.at(bid).record(bid))
 
         proc = start()
         wait_until(exists, 60, "the batch", interval=0.01)

@@ -22,7 +22,6 @@ from pipeline.batch.service import Batches
 from pipeline.cli.services import wait_until
 from pipeline.client.api import Pipeline
 from pipeline.config import QueueConfig, Settings, load_settings
-from pipeline.errors import ConfigError
 from pipeline.observability.collectors import scrape_registry
 from pipeline.observability.status import render, status_snapshot
 from pipeline.sim import SimConfig, SimServer
@@ -211,10 +210,35 @@ def test_status_shows_each_primary_with_its_pools(cluster: list[Server]) -> None
     assert status_snapshot(p)["qa"]["pending"] == 1
 
 
-def test_batches_are_refused_on_a_cluster(cluster: list[Server]) -> None:
-    p = Pipeline(settings(cluster, pools_on_two_primaries(cluster)))
-    with pytest.raises(ConfigError, match="batches do not run on a Redis Cluster yet"):
-        Batches(p)
+def test_a_batch_lives_in_its_queues_pool_and_is_found_by_id(cluster: list[Server]) -> None:
+    """A batch and its lines stay in its queue's pool (its slot): a line naming a queue of
+    another pool is an error line; lookups by id and the list (newest first, paged) span
+    every pool."""
+    pools = pools_on_two_primaries(cluster)
+    p = Pipeline(settings(cluster, pools))
+    b = Batches(p)
+    line = {"url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}
+    made = []
+    for i, queue in enumerate(["qa", "qb", "qa"]):
+        lines = [{**line, "custom_id": f"{i}-{n}"} for n in range(3)]
+        made.append(b.submit_batch(lines, queue=queue))
+    assert [batch.status for batch in made] == ["in_progress"] * 3
+    for batch, pool in zip(made, [pools[0], pools[1], pools[0]], strict=True):
+        key = b.records_of(pool).keys.batch(batch.id)
+        assert p.store.client.exists(key) and b.get(batch.id).id == batch.id
+        assert p.state(batch.request_id(1)) == "queued"
+    # newest first over both pools, and the same order page by page
+    listed, more = b.list(limit=10)
+    assert [x.id for x in listed][:3] == [x.id for x in reversed(made)] and not more
+    first, more = b.list(limit=2)
+    rest, _ = b.list(after=first[-1].id, limit=10)
+    assert more and [x.id for x in first + rest][:3] == [x.id for x in reversed(made)]
+    crossing = [{**line, "custom_id": "a"}, {**line, "custom_id": "b", "queue": "qb"}]
+    failed = b.submit_batch(crossing, queue="qa")
+    assert failed.status == "failed" and "give that queue's lines a batch" in str(failed.errors)
+    for batch in made:
+        b.cancel(batch.id)
+    assert {b.get(x.id).status for x in made} <= {"cancelling", "cancelled"}
 
 
 def test_metrics_show_each_primary_its_pools_and_its_load(cluster: list[Server]) -> None:

@@ -56,7 +56,7 @@ def test_a_batch_runs_every_line_once_with_exact_counts(served: Pipeline, sim: S
     assert rec["batch"] == done.id and rec["custom_id"] == "c0"
     assert float(rec["deadline"]) == pytest.approx(done.expires_at, abs=1e-6)
     # a closed batch is kept for its retention, then expires
-    ttl = served.store.client.ttl(served.store.keys.batch(done.id))
+    ttl = served.store.client.ttl(b.at(done.id).keys.batch(done.id))
     assert 0 < ttl <= b.settings.retention_s
 
 
@@ -76,7 +76,8 @@ def test_validation_fails_the_whole_batch_naming_each_bad_line(served: Pipeline)
     assert errors[6]["code"] == "invalid_url"
     assert errors[7]["code"] == "invalid_body"
     # nothing was submitted
-    assert not served.store.client.exists(served.store.keys.request(batch.request_id(1)))
+    keys = served.store_of("default").keys
+    assert not served.store.client.exists(keys.request(batch.request_id(1)))
     assert batch.request_counts.total == 0
 
 
@@ -219,16 +220,16 @@ def test_everything_a_batch_leaves_expires_or_is_bounded(served: Pipeline) -> No
     done = done.wait(timeout=30)
     failed = b.submit_batch(["oops"])
     assert failed.status == "failed"
-    client, k = served.store.client, served.store.keys
+    client, k = served.store.client, b.at(done.id).keys  # its queue's pool's keys
     for key in (k.batch(done.id), k.batch_invalid(done.id), k.batch(failed.id)):
         assert client.ttl(key) > 0, key
     for name in (k.batches(), k.batches_expiry()):
         assert client.zscore(name, done.id) is not None
     assert not client.sismember(k.batches_active(), done.id)
-    # an expired batch leaves the indexes at the next create
+    # an expired batch leaves the indexes at the next create (in its pool, as its slot's)
     client.delete(k.batch(done.id))
     client.zadd(k.batches_expiry(), {done.id: 1})
-    b.submit_batch([chat("z")], queue="solo").cancel()
+    b.submit_batch([chat("z")]).cancel()
     assert client.zscore(k.batches(), done.id) is None
     names = [x.id for x in b.list(limit=100)[0]]
     assert done.id not in names and failed.id in names

@@ -124,24 +124,26 @@ def test_an_enqueue_cut_short_resumes_after_its_last_stored_line(
     write_lines(path, "res", 300)
     b = Batches(served)
     batch, _ = b.create(source={"kind": "path", "path": str(path)}, extensions=True)
-    rec = b.records.record(batch.id)
+    rec = b.at(batch.id).record(batch.id)
     ctx = RowContext(batch.id, "default", 0, float(rec["expires_at"]), float(rec["created_at"]),
                      "{}", None, True, False)  # fmt: skip
     with open(path, "rb") as fh:
         result = scan(input_lines(fh), RowBuilder(served, ctx), max_body_bytes=1 << 20,
                       max_lines=1000)  # fmt: skip
-    assert b.records.start(batch.id, total=300, invalid=0, lines=300, model=None) == "in_progress"
+    assert (
+        b.at(batch.id).start(batch.id, total=300, invalid=0, lines=300, model=None) == "in_progress"
+    )
     chunks = list(result.chunks_iter())
     assert len(chunks) > 3
     for after, upto, items in chunks[:2]:  # the first enqueuer stores two chunks, then dies
-        assert b.records.submit_chunk(batch.id, after, upto, items) == [1] * (upto - after)
+        assert b.at(batch.id).submit_chunk(batch.id, after, upto, items) == [1] * (upto - after)
     stale = chunks[1]
     result.close()
     assert b.get(batch.id).submitted == chunks[1][1]
     resumed = b.ingest(b.get(batch.id), lambda: open(path, "rb"))
     assert resumed.submitted == 300
     assert b.ingest(resumed, lambda: open(path, "rb")).submitted == 300  # nothing left
-    late = b.records.submit_chunk(batch.id, *stale)  # the dead one's next call, fenced off
+    late = b.at(batch.id).submit_chunk(batch.id, *stale)  # the dead one's next call, fenced off
     assert late == ["fenced", "300"]
     done = b.wait(batch.id, timeout=60)
     assert done.status == "completed" and done.request_counts.completed == 300
@@ -187,7 +189,7 @@ def test_ctrl_c_leaves_the_batch_running_and_says_how_to_reattach(
         )  # fmt: skip
 
         def two_done(bid: str = bid) -> bool:
-            return bool(b.records.record(bid)) and b.get(bid).request_counts.done == 2
+            return bool(b.at(bid).record(bid)) and b.get(bid).request_counts.done == 2
 
         wait_until(two_done, 30, "two lines done, one held")
         proc.send_signal(signal.SIGINT)
