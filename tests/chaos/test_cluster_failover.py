@@ -32,6 +32,7 @@ from typing import Any
 import redis
 from redis.crc import key_slot
 
+from pipeline.batch.service import Batches
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.config import load_settings
@@ -252,12 +253,25 @@ def cluster_run(tmp: Path) -> Iterator[Run]:
 
 
 def test_a_primary_killed_mid_run_loses_nothing(tmp_path: Path) -> None:
-    """1,000 requests over three pools; the primary of one pool's slot SIGKILLed once some
-    finished; its replica is promoted; the pool's dispatch resumes within 10 s of that."""
+    """A 1,000-request batch over three pools (on a cluster a batch lives in its queue's pool:
+    one batch per pool, 334 + 333 + 333 lines); the primary of one pool's slot SIGKILLed once
+    some finished; its replica is promoted; the pool's dispatch resumes within 10 s of that;
+    every batch completes with every line answered once."""
     with cluster_run(tmp_path) as run:
-        ids_items = run.items(1000)
-        by_queue = {x["id"]: x["queue"] for x in ids_items}
-        ids = [r.id for r in run.pl.submit_many(ids_items)]
+        batches = Batches(run.pl)
+        made = {}
+        for q, n in zip(run.pools, (334, 333, 333), strict=True):
+            lines = [
+                {"custom_id": f"{q}-{i}", "url": "/v1/completions",
+                 "body": {"model": "m", "prompt": f"p{i}"}}
+                for i in range(n)
+            ]  # fmt: skip
+            made[q] = batches.submit_batch(lines, queue=q)
+        by_queue = {
+            batch.request_id(i): q for q, batch in made.items() for i in range(1, batch.lines + 1)
+        }
+        ids = list(by_queue)
+        assert len(ids) == 1000
         wait_until(lambda: run.done() >= 150, 60, "some requests finished")
         victim_q = "qc"
         slot = key_slot(f"{{p:{run.pools[victim_q]}}}".encode())
@@ -291,6 +305,11 @@ def test_a_primary_killed_mid_run_loses_nothing(tmp_path: Path) -> None:
             f"{time.monotonic() - killed_at:.1f} s after the kill"
         )
         assert recovery <= RECOVERY_S, recovery
+        for q, batch in made.items():
+            done = batches.wait(batch.id, timeout=60)
+            counts = done.request_counts
+            assert done.status == "completed", (q, done.status, done.errors)
+            assert (counts.total, counts.completed, counts.failed) == (batch.lines, batch.lines, 0)
 
 
 def move_slot(src: Server, dst: Server, others: list[Server], slot: int, batch: int) -> int:
