@@ -384,13 +384,21 @@ class WorkerProc:
         self.proc, self.log, self.name = proc, log, name
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_processes([self.proc], timeout)
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
+    """SIGTERM every one (a warm shutdown each, side by side), then wait; kill one that has not
+    ended within ``timeout``."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="session")

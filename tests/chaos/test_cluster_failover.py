@@ -39,7 +39,7 @@ from pipeline.config import load_settings
 from pipeline.sim import SimConfig, SimServer
 from pipeline.store import connect
 from pipeline.store.scripts import node_client
-from tests.conftest import NODE_START_S, ROOT
+from tests.conftest import NODE_START_S, ROOT, stop_processes
 from tests.integration.test_scheduling_e2e import sim_arrivals
 from tests.redis_servers import Server, lone_server, redis_cluster
 
@@ -242,14 +242,7 @@ def cluster_run(tmp: Path) -> Iterator[Run]:
             sim.reset()
             yield run
         finally:
-            for w in workers:
-                w.terminate()
-            for w in workers:
-                try:
-                    w.wait(20)
-                except subprocess.TimeoutExpired:
-                    w.kill()
-                    w.wait()
+            stop_processes(workers)
 
 
 def test_a_primary_killed_mid_run_loses_nothing(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.config import MASTER_VAR, load_settings
 from pipeline.sim import SimServer
-from tests.conftest import ROOT, give_up_after
+from tests.conftest import ROOT, give_up_after, stop_processes
 from tests.redis_servers import MASTER_NAME, sentinel_group
 
 REQUESTS = 500
@@ -150,11 +150,4 @@ def test_master_killed_mid_batch_loses_nothing(sim: SimServer, tmp_path: Path) -
             assert not holders, holders
             assert all(w.poll() is None for w in workers), "the nodes reconnected and ran on"
         finally:
-            for w in workers:
-                w.terminate()
-            for w in workers:
-                try:
-                    w.wait(20)
-                except subprocess.TimeoutExpired:
-                    w.kill()
-                    w.wait()
+            stop_processes(workers)
