@@ -14,6 +14,7 @@ from .client import Explanation, Pipeline, Request, Result, configure, default_p
 from .config import QueueConfig, Settings, load_settings
 from .errors import (
     ConfigError,
+    IdempotencyConflict,
     InvalidRequest,
     PipelineError,
     ReplicationError,
@@ -125,6 +126,7 @@ __all__ = [
     "Batch",
     "ConfigError",
     "Explanation",
+    "IdempotencyConflict",
     "InvalidRequest",
     "Pipeline",
     "PipelineError",

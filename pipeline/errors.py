@@ -19,6 +19,22 @@ class ConfigError(PipelineError):
     """The queue or pool configuration is invalid (raised at startup, naming the entry)."""
 
 
+class IdempotencyConflict(PipelineError, ValueError):
+    """A submission reused the id of a live request with another payload, queue, endpoint or
+    headers; nothing was stored for it. ``request_id`` names the id, ``differs`` what is not
+    the same; ``stored`` (``submit_many``): the ids of the batch's other items, which were
+    stored or found live as usual."""
+
+    def __init__(self, request_id: str, differs: list[str], stored: list[str] | None = None):
+        super().__init__(
+            f"request {request_id!r} is live with another {' and '.join(differs)}: submit the "
+            "same content again, wait for it to end, or use another id"
+        )
+        self.request_id = request_id
+        self.differs = differs
+        self.stored = stored or []
+
+
 class UnknownRequest(PipelineError, KeyError):
     """No request with that id is known (never submitted, or its result has expired)."""
 

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import QueueConfig, Settings, load_settings, with_overrides
-from ..errors import InvalidRequest, ReplicationError, UnknownRequest
+from ..errors import IdempotencyConflict, InvalidRequest, ReplicationError, UnknownRequest
 from ..gates import Gate, GateEnv, attempt_gate, check_gates, queue_gate
 from ..store import QuotaSpec, RequestRow, Store
+from ..store.rows import differs, fingerprint
 from ..store.wire import CONTROL_CHARS, MAX_ID_LENGTH, PAYLOAD_JSON  # the same rules as the wire
 from .explain import Explanation, build
 from .models import Result
@@ -25,6 +26,11 @@ MAX_DEADLINE_AHEAD_S = 10 * 365 * 24 * 3600.0
 SUBMIT_KEYS = frozenset(
     {"queue", "id", "priority", "deadline", "timeout", "metadata", "headers", "endpoint"}
 )
+
+
+def conflict(reply: Any) -> bool:
+    """Whether submit.lua's reply for an item says its id is live with other content."""
+    return isinstance(reply, str) and reply.startswith("conflict:")
 
 
 def _is_number(value: Any) -> bool:
@@ -145,6 +151,7 @@ class Pipeline:
         headers = _str_map(kw.get("headers"), "headers", header=True)
         endpoint = check_endpoint(kw.get("endpoint"))
         result_list, result_list_max, result_list_ttl = self._result_list[q.queue_name]
+        headers_json = json.dumps(headers)
         return RequestRow(
             id=rid,
             queue=q.queue_name,
@@ -154,24 +161,28 @@ class Pipeline:
             timeout=timeout,
             payload=body,
             metadata=json.dumps(metadata),
-            headers=json.dumps(headers),
+            headers=headers_json,
             endpoint=endpoint,
             result_list=result_list,
             result_list_max=result_list_max,
             result_list_ttl=result_list_ttl,
             labels=json.dumps(q.labels),
+            fingerprint=fingerprint(body, q.queue_name, endpoint, headers_json),
         )
 
     # -- submit --------------------------------------------------------------------------
     def submit(self, payload: dict[str, Any], **kw: Any) -> Request:
-        """Submit one request. See :func:`pipeline.submit`."""
+        """Submit one request. See :func:`pipeline.submit`; raises
+        :class:`~pipeline.IdempotencyConflict` for a live id with other content."""
         row = self.prepare(payload, **kw)
         created = self._store([row])[0]
         return Request(self, row.id, created == 1)
 
     def submit_many(self, items: Iterable[dict[str, Any]]) -> list[Request]:
         """Submit many requests in one round trip per 500. All are validated first: one bad
-        item raises InvalidRequest (its index in the message) and nothing is submitted."""
+        item raises InvalidRequest (its index in the message) and nothing is submitted. An
+        item reusing a live id with other content is not stored: IdempotencyConflict names
+        the first such, after the others were stored (``stored``: their ids)."""
         rows: list[RequestRow] = []
         for i, item in enumerate(items):
             if not isinstance(item, dict) or "payload" not in item:
@@ -197,10 +208,15 @@ class Pipeline:
             for store, index in groups.items():
                 for i, reply in zip(index, store.submit([rows[i] for i in index]), strict=True):
                     out[i] = reply
-            return out
         except ReplicationError as exc:
             exc.ids = [r.id for r in rows]
             raise
+        conflicts = [(r, str(c)) for r, c in zip(rows, out, strict=True) if conflict(c)]
+        if conflicts:  # the others are stored (or found live) as usual
+            row, reply = conflicts[0]
+            stored = [r.id for r, c in zip(rows, out, strict=True) if not conflict(c)]
+            raise IdempotencyConflict(row.id, differs(row.fingerprint, reply[9:]), stored)
+        return out
 
     def store_of(self, queue: str) -> Store:
         """The store of the queue's pool (its own hash slot on a Redis Cluster)."""

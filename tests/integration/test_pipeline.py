@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from celery.result import AsyncResult
 
+from pipeline import IdempotencyConflict
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
@@ -192,8 +193,8 @@ def test_cancel_unknown_id_is_a_noop(pl: Pipeline) -> None:
 def test_idempotent_submit(pl: Pipeline) -> None:
     rid = uid()
     a = pl.submit({"prompt": "first"}, id=rid, queue="solo", timeout=60)
-    b = pl.submit({"prompt": "second"}, id=rid, queue="solo", timeout=60)
-    assert a.created and not b.created and a == b
+    b = pl.submit({"prompt": "first"}, id=rid, queue="solo", timeout=30, priority=5)
+    assert a.created and not b.created and a == b  # the same content: the live request
     assert json.loads(pl.record(rid)["payload"]) == {"prompt": "first"}
     assert pl.inspect()["solo"]["pending"] == 1
     assert a.cancel()
@@ -202,6 +203,41 @@ def test_idempotent_submit(pl: Pipeline) -> None:
     assert c.created and c.state() == "queued"
     assert json.loads(pl.record(rid)["payload"]) == {"prompt": "third"}
     assert c.cancel()
+
+
+def test_a_live_id_with_other_content_is_a_conflict(pl: Pipeline) -> None:
+    """A live id submitted with another payload, queue, endpoint or headers raises
+    IdempotencyConflict naming it and what differs, and stores nothing; in submit_many the
+    other items are stored. The check rides in submit's own round trip (submit.lua)."""
+    rid, other = uid(), uid()
+    base = {"queue": "merge1", "headers": {"x-a": "1"}, "timeout": 60}
+    a = pl.submit({"prompt": "x"}, id=rid, **base)
+    changes: list[tuple[dict[str, Any], list[str]]] = [
+        ({"payload": {"prompt": "y"}}, ["payload"]),
+        ({"queue": "merge2"}, ["queue"]),  # the same pool
+        ({"endpoint": "/v1/chat/completions"}, ["endpoint"]),
+        ({"headers": {"x-a": "2"}}, ["headers"]),
+        ({"payload": {"prompt": "y"}, "headers": {}}, ["payload", "headers"]),
+    ]
+    for change, differs in changes:
+        kw = {"payload": {"prompt": "x"}, **base, **change}
+        with pytest.raises(IdempotencyConflict) as exc:
+            pl.submit(kw.pop("payload"), id=rid, **kw)
+        assert isinstance(exc.value, ValueError)
+        assert exc.value.request_id == rid and exc.value.differs == differs, exc.value
+        assert rid in str(exc.value)
+    assert json.loads(pl.record(rid)["payload"]) == {"prompt": "x"}  # nothing was stored
+    assert pl.inspect()["merge2"]["pending"] == 0
+    with pytest.raises(IdempotencyConflict) as exc:
+        pl.submit_many([
+            {"payload": {"prompt": "z"}, "id": other, **base},
+            {"payload": {"prompt": "y"}, "id": rid, **base},
+        ])  # fmt: skip
+    assert exc.value.request_id == rid and exc.value.stored == [other]
+    assert pl.state(other) == "queued"
+    assert a.cancel() and pl.cancel(other)
+    again = pl.submit({"prompt": "y"}, id=rid, **base)  # a finished id takes new content
+    assert again.created and again.cancel()
 
 
 def test_submit_many_sends_a_small_head_then_doubling_chunks(

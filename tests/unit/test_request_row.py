@@ -8,8 +8,11 @@ import re
 from importlib import resources
 
 import orjson
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pipeline.store import RequestRow
+from pipeline.store.rows import FINGERPRINT_PARTS, differs, fingerprint
 
 SUBMIT = resources.files("pipeline.store").joinpath("lua/submit.lua").read_text()
 
@@ -37,3 +40,17 @@ def test_a_row_goes_out_as_a_json_array_in_field_order() -> None:
     row = RequestRow(*(f"v{i}" for i in range(len(RequestRow._fields))))
     assert json.loads(json.dumps([row])) == [list(row)]
     assert orjson.loads(orjson.dumps([row], default=list)) == [list(row)]
+
+
+@given(
+    parts=st.lists(st.text(max_size=40), min_size=4, max_size=4),
+    changed=st.sets(st.sampled_from(FINGERPRINT_PARTS), min_size=1),
+)
+def test_a_fingerprint_names_exactly_the_parts_that_changed(
+    parts: list[str], changed: set[str]
+) -> None:
+    named = zip(FINGERPRINT_PARTS, parts, strict=True)
+    other = [p + "!" if name in changed else p for name, p in named]
+    ours, theirs = fingerprint(*parts), fingerprint(*other)
+    assert ours == fingerprint(*parts) and ours != theirs
+    assert differs(ours, theirs) == [n for n in FINGERPRINT_PARTS if n in changed]

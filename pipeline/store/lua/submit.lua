@@ -2,12 +2,13 @@
 -- KEYS: the key families (lib.lua key_families): each item's keys are derived from its id,
 --   queue and pool (its record, its queue's pending and expiry sets, for a queue indexed by
 --   tenant its scheduling keys (sched.lua), its pool's doorbell), a batch's from ARGV[2].
--- ARGV[1] the items: a JSON array with one array of 15 strings per item, a RequestRow
+-- ARGV[1] the items: a JSON array with one array of 16 strings per item, a RequestRow
 --   (pipeline/store/rows.py) in its order: id, queue, pool, priority, deadline, timeout,
 --   payload, metadata, headers, endpoint, result_list, result_list_max, result_list_ttl,
---   labels, custom_id. The deadline is Unix s by the server's clock, or '' (then the timeout
---   counts from now); result_list '' for none (see lib.lua); custom_id '' outside a batch.
---   (One argument instead of 15 per item: the client encodes it in one call.)
+--   labels, custom_id, fingerprint. The deadline is Unix s by the server's clock, or '' (then
+--   the timeout counts from now); result_list '' for none (see lib.lua); custom_id '' outside
+--   a batch; fingerprint '' for none (stored as the record's `fp`).
+--   (One argument instead of 16 per item: the client encodes it in one call.)
 -- The ordering key (score) is (9 - priority) x 1e13 + the deadline in ms: higher priority
 -- first, then earliest deadline; the member's sequence number breaks ties (submission order).
 -- With ARGV[2] a batch id, the items are that batch's lines (pipeline/batch/): each item's
@@ -17,7 +18,8 @@
 -- not stopped, or {'fenced', lines covered so far} unless the batch has covered exactly ARGV[3]
 -- lines (so no line is ever stored twice, whoever enqueues it and however often).
 -- Returns one entry per item: 1 when created, else the state of the live request that
--- already holds that id (idempotent submit).
+-- already holds that id (idempotent submit), or 'conflict:<its fingerprint>' when the item
+-- and that live request both have a fingerprint and they differ (nothing is stored).
 local K = key_families()
 local now = server_now()
 local batch = ARGV[2] or ''
@@ -40,9 +42,15 @@ local seq0 = redis.call('INCRBY', K.seq, #items) - #items
 for i, r in ipairs(items) do
   local id, queue, pool = r[1], r[2], r[3]
   local rk = K.req .. id
-  local state = redis.call('HGET', rk, 'state')
+  local live = redis.call('HMGET', rk, 'state', 'fp')
+  local state, mine = live[1], r[16] or ''
   if state and state ~= 'done' then
-    out[#out + 1] = state
+    local fp = live[2]
+    if fp and fp ~= '' and mine ~= '' and fp ~= mine then
+      out[#out + 1] = 'conflict:' .. fp
+    else
+      out[#out + 1] = state
+    end
   else
     if state then redis.call('DEL', rk) end
     local member = string.format('%015d', seq0 + i) .. '|' .. id
@@ -57,6 +65,10 @@ for i, r in ipairs(items) do
       'pool', pool, 'submitted_at', fmt_time(now), 'result_list', r[11],
       'result_list_max', r[12], 'result_list_ttl', r[13], 'payload', r[7], 'metadata', r[8],
       'labels', r[14], 'headers', r[9], 'endpoint', r[10], 'score', score}
+    if mine ~= '' then
+      fields[#fields + 1] = 'fp'
+      fields[#fields + 1] = mine
+    end
     local c, tenant = sched_conf(K, queue), nil
     if c then -- an indexed queue: the record says its tenant (sched.lua)
       tenant = sched_value(r[8], c.attr)
