@@ -216,6 +216,14 @@ SATURATION_METRICS = (
 )
 
 
+# the EPP's flow-control queue size: current llm-d routers' name, then the one the reference's
+# cascade still queries (its issue #460), for an EPP of an older release
+FLOW_QUEUE_METRICS = (
+    "llm_d_epp_flow_control_queue_size",
+    "inference_extension_flow_control_queue_size",
+)
+
+
 class PrometheusSaturationGate(PrometheusGate):
     type_name = "prometheus-saturation"
 
@@ -263,8 +271,10 @@ class PrometheusBudgetGate(PrometheusGate):
 def budget_queries(
     pool: str, namespace: str | None, max_concurrency: float, aggregation: str = "max"
 ) -> list[str]:
-    """The reference's three PromQL sources of D for ``prometheus-budget``, in order. Ready
-    pods are aggregated over EPP replicas before they divide (several series fail: its #489)."""
+    """The PromQL sources of D for ``prometheus-budget``, in order: the reference's three,
+    the flow-control queue size under its current name first (:data:`FLOW_QUEUE_METRICS`).
+    Ready pods are aggregated over EPP replicas before they divide (several series fail: the
+    reference's #489)."""
     by_pool = {"inference_pool": pool}
     by_name = {"name": pool}
     if namespace:
@@ -272,11 +282,11 @@ def budget_queries(
         by_name["namespace"] = namespace
     ready = f"{aggregation}({promql_selector('inference_pool_ready_pods', by_name)})"
     max_c = f"{max_concurrency:g}"
-    flow = promql_selector("inference_extension_flow_control_queue_size", by_pool)
+    flows = [promql_selector(name, by_pool) for name in FLOW_QUEUE_METRICS]
     per_pod = promql_selector("inference_pool_per_pod_queue_size", by_name)
     running = promql_selector("vllm:num_requests_running", by_pool)
     return [
-        f"1 - (sum by(inference_pool)({flow}) / on() ({ready} * {max_c}))",
+        *(f"1 - (sum by(inference_pool)({flow}) / on() ({ready} * {max_c}))" for flow in flows),
         f"1 - (avg by(name)({per_pod}) / {max_c})",
         f"1 - (sum({running}) / on() ({ready} * {max_c}))",
     ]

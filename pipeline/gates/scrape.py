@@ -55,7 +55,11 @@ class EndpointScrapeGate(MetricGate):
         self.pods: float | None = None
         self.absent_value = p.get_float("absent_value") if p.has("absent_value") else None
         self.admission = p.get_choice("admission", ("budget", "counted"), "budget")
+        # what the normalised value is: a saturation (budget = 1 - it) or a budget already
+        self.value_type = p.get_choice("value_type", ("saturation", "budget"), "saturation")
         if self.admission == "counted":
+            if self.value_type != "saturation":
+                raise p.error("value_type", "must be 'saturation' with admission 'counted'")
             if self.max_count_per_pod <= 0:
                 raise p.error("max_count_per_pod", "must be > 0 with admission 'counted'")
             if self.baseline != 0:
@@ -92,8 +96,8 @@ class EndpointScrapeGate(MetricGate):
             if value < 0:
                 raise MetricUnavailable(f"{self.metric} is negative ({value:g})")
             return max(0.0, max_count - value)  # headroom: admissions this reading allows
-        saturation = value / max_count if max_count > 0 else value
-        return 1.0 - min(1.0, max(0.0, saturation))
+        normalised = min(1.0, max(0.0, value / max_count if max_count > 0 else value))
+        return normalised if self.value_type == "budget" else 1.0 - normalised
 
     def _claim(self, take: bool) -> bool:
         """Whether the current reading allows one more admission (``take``: count it); a new

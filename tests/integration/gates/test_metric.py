@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from pipeline.cli.services import wait_until
+from pipeline.errors import ConfigError
 from pipeline.gates import Gate, Verdict, build_gate
 from pipeline.sim import SimConfig, SimServer
 
@@ -292,18 +293,23 @@ def test_prometheus_budget_cascade(stub: Stub, gates: Callable[..., Gate]) -> No
         {"url": stub.url, "pool": "p", "max_concurrency": 10, "baseline": 0.1},
     )
     stub.values = {"flow_control_queue_size": None, "per_pod_queue_size": "0.6"}
-    assert gate.budget() == pytest.approx(0.5)  # D 0.6 from source [1], minus B 0.1
-    assert gate.source_index == 1
-    assert stub.queries == [
+    assert gate.budget() == pytest.approx(0.5)  # D 0.6 from the per-pod source, minus B 0.1
+    assert gate.source_index == 2
+    ready = 'on() (max(inference_pool_ready_pods{name="p"}) * 10))'
+    assert stub.queries == [  # the flow-control queue by its current name, then the older one
+        "1 - (sum by(inference_pool)(llm_d_epp_flow_control_queue_size"
+        f'{{inference_pool="p"}}) / {ready}',
         "1 - (sum by(inference_pool)(inference_extension_flow_control_queue_size"
-        '{inference_pool="p"}) / on() (max(inference_pool_ready_pods{name="p"}) * 10))',
+        f'{{inference_pool="p"}}) / {ready}',
         '1 - (avg by(name)(inference_pool_per_pod_queue_size{name="p"}) / 10)',
     ]
-    stub.values = {"flow_control_queue_size": "0.9"}
-    assert gate.budget() == pytest.approx(0.8) and gate.source_index == 0
+    stub.values = {"llm_d_epp_flow_control_queue_size": "0.9", "inference_extension": "0.5"}
+    assert gate.budget() == pytest.approx(0.8) and gate.source_index == 0  # the current name
+    stub.values = {"llm_d_epp_flow_control_queue_size": None, "inference_extension": "0.5"}
+    assert gate.budget() == pytest.approx(0.4) and gate.source_index == 1  # an older EPP
     stub.values = {"flow_control": None, "per_pod": None, "num_requests_running": "0.05"}
     assert gate.budget() == 0.0  # D 0.05 <= B 0.1: closed
-    assert gate.source_index == 2
+    assert gate.source_index == 3
     assert stub.queries[-1] == (
         '1 - (sum(vllm:num_requests_running{inference_pool="p"}) / on() '
         '(max(inference_pool_ready_pods{name="p"}) * 10))'
@@ -320,7 +326,7 @@ def test_prometheus_budget_namespace_scopes_every_source(
     gate = gates("prometheus-budget", {"url": stub.url, "pool": "p", "namespace": "n"})
     stub.default = None
     gate.budget()
-    assert len(stub.queries) == 3
+    assert len(stub.queries) == 4  # the flow-control queue under two names, then two more
     assert all('namespace="n"' in q for q in stub.queries)
 
 
@@ -364,6 +370,27 @@ def test_endpoint_scrape_label_filter_and_saturation(
     )
     assert first.budget() == 0.0  # first sample (9) saturates: clamped
     assert not first.acquire(ctx()).admitted
+
+
+def test_endpoint_scrape_value_type_budget_reads_the_value_as_the_budget(
+    stub: Stub, gates: Callable[..., Gate]
+) -> None:
+    """``value_type: budget``: the normalised value is the budget itself (a router that
+    exports headroom), not 1 − it; counted admission needs a saturation."""
+    stub.texts["/metrics"] = METRICS
+    base = {"url": stub.url + "/metrics", "metric": "sat_ratio"}
+    assert gates("endpoint-scrape", {**base, "value_type": "budget"}).budget() == pytest.approx(
+        0.25
+    )
+    assert gates("endpoint-scrape", base).budget() == pytest.approx(0.75)  # a saturation
+    waiting = {"url": stub.url + "/metrics", "metric": "vllm:num_requests_waiting",
+               "labels": '{"model_name": "m"}', "max_count_per_pod": 4}  # fmt: skip
+    budget = gates("endpoint-scrape", {**waiting, "value_type": "budget", "baseline": 0.5})
+    assert budget.budget() == pytest.approx(0.25)  # 3/4, minus the baseline
+    with pytest.raises(ConfigError, match="value_type"):
+        gates("endpoint-scrape", {**waiting, "admission": "counted", "value_type": "budget"})
+    with pytest.raises(ConfigError, match="value_type"):
+        gates("endpoint-scrape", {**base, "value_type": "headroom"})
 
 
 def test_endpoint_scrape_dynamic_pods(stub: Stub, gates: Callable[..., Gate]) -> None:
