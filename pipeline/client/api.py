@@ -16,7 +16,6 @@ from ..config import QueueConfig, Settings, load_settings, with_overrides
 from ..errors import IdempotencyConflict, InvalidRequest, ReplicationError, UnknownRequest
 from ..gates import Gate, GateEnv, attempt_gate, check_gates, queue_gate
 from ..store import QuotaSpec, RequestRow, Store
-from ..store.rows import differs, fingerprint
 from ..store.wire import CONTROL_CHARS, MAX_ID_LENGTH, PAYLOAD_JSON  # the same rules as the wire
 from .explain import Explanation, build
 from .models import Result
@@ -167,7 +166,6 @@ class Pipeline:
             result_list_max=result_list_max,
             result_list_ttl=result_list_ttl,
             labels=json.dumps(q.labels),
-            fingerprint=fingerprint(body, q.queue_name, endpoint, headers_json),
         )
 
     # -- submit --------------------------------------------------------------------------
@@ -215,7 +213,7 @@ class Pipeline:
         if conflicts:  # the others are stored (or found live) as usual
             row, reply = conflicts[0]
             stored = [r.id for r, c in zip(rows, out, strict=True) if not conflict(c)]
-            raise IdempotencyConflict(row.id, differs(row.fingerprint, reply[9:]), stored)
+            raise IdempotencyConflict(row.id, reply.removeprefix("conflict:").split(","), stored)
         return out
 
     def store_of(self, queue: str) -> Store:

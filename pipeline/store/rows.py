@@ -4,7 +4,6 @@ checks the two agree)."""
 
 from __future__ import annotations
 
-from hashlib import blake2b
 from typing import NamedTuple
 
 
@@ -26,22 +25,7 @@ class RequestRow(NamedTuple):
     result_list_ttl: str
     labels: str  # JSON object text
     custom_id: str = ""  # a batch line's (stored only with a batch id)
-    # what the request is, for an idempotent submit: short digests of its payload, queue,
-    # endpoint and headers (:func:`fingerprint`); "" for none (a batch line: fenced instead)
-    fingerprint: str = ""
 
 
-FINGERPRINT_PARTS = ("payload", "queue", "endpoint", "headers")
-
-
-def fingerprint(payload: str, queue: str, endpoint: str, headers: str) -> str:
-    """``<payload>:<queue>:<endpoint>:<headers>``, each part 6 hex digits of its BLAKE2b: a
-    live id submitted again with another of any of them is a conflict (submit.lua)."""
-    parts = (payload, queue, endpoint, headers)
-    return ":".join(blake2b(p.encode(), digest_size=3).hexdigest() for p in parts)
-
-
-def differs(ours: str, theirs: str) -> list[str]:
-    """The parts (:data:`FINGERPRINT_PARTS`) in which two fingerprints differ."""
-    pairs = zip(FINGERPRINT_PARTS, ours.split(":"), theirs.split(":"), strict=False)
-    return [name for name, a, b in pairs if a != b] or list(FINGERPRINT_PARTS)
+# what a live request and a submission of its id must share, or it is a conflict (submit.lua)
+CONTENT = ("payload", "queue", "endpoint", "headers")

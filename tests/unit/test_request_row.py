@@ -8,11 +8,9 @@ import re
 from importlib import resources
 
 import orjson
-from hypothesis import given
-from hypothesis import strategies as st
 
 from pipeline.store import RequestRow
-from pipeline.store.rows import FINGERPRINT_PARTS, differs, fingerprint
+from pipeline.store.rows import CONTENT
 
 SUBMIT = resources.files("pipeline.store").joinpath("lua/submit.lua").read_text()
 
@@ -42,15 +40,12 @@ def test_a_row_goes_out_as_a_json_array_in_field_order() -> None:
     assert orjson.loads(orjson.dumps([row], default=list)) == [list(row)]
 
 
-@given(
-    parts=st.lists(st.text(max_size=40), min_size=4, max_size=4),
-    changed=st.sets(st.sampled_from(FINGERPRINT_PARTS), min_size=1),
-)
-def test_a_fingerprint_names_exactly_the_parts_that_changed(
-    parts: list[str], changed: set[str]
-) -> None:
-    named = zip(FINGERPRINT_PARTS, parts, strict=True)
-    other = [p + "!" if name in changed else p for name, p in named]
-    ours, theirs = fingerprint(*parts), fingerprint(*other)
-    assert ours == fingerprint(*parts) and ours != theirs
-    assert differs(ours, theirs) == [n for n in FINGERPRINT_PARTS if n in changed]
+def test_a_conflict_compares_the_row_fields_of_the_content_in_its_order() -> None:
+    """submit.lua names what differs between a live request and a submission of its id from
+    its CONTENT table, by comparing row positions: both follow rows.CONTENT."""
+    table = re.search(r"local CONTENT = \{([^}]*)\}", SUBMIT)
+    positions = re.search(r"for j, mine in ipairs\(\{([^}]*)\}\)", SUBMIT)
+    assert table is not None and positions is not None
+    assert tuple(re.findall(r"'(\w+)'", table.group(1))) == CONTENT
+    compared = [RequestRow._fields[int(n) - 1] for n in re.findall(r"r\[(\d+)\]", positions[1])]
+    assert tuple(compared) == CONTENT

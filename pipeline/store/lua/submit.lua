@@ -2,13 +2,12 @@
 -- KEYS: the key families (lib.lua key_families): each item's keys are derived from its id,
 --   queue and pool (its record, its queue's pending and expiry sets, for a queue indexed by
 --   tenant its scheduling keys (sched.lua), its pool's doorbell), a batch's from ARGV[2].
--- ARGV[1] the items: a JSON array with one array of 16 strings per item, a RequestRow
+-- ARGV[1] the items: a JSON array with one array of 15 strings per item, a RequestRow
 --   (pipeline/store/rows.py) in its order: id, queue, pool, priority, deadline, timeout,
 --   payload, metadata, headers, endpoint, result_list, result_list_max, result_list_ttl,
---   labels, custom_id, fingerprint. The deadline is Unix s by the server's clock, or '' (then
---   the timeout counts from now); result_list '' for none (see lib.lua); custom_id '' outside
---   a batch; fingerprint '' for none (stored as the record's `fp`).
---   (One argument instead of 16 per item: the client encodes it in one call.)
+--   labels, custom_id. The deadline is Unix s by the server's clock, or '' (then the timeout
+--   counts from now); result_list '' for none (see lib.lua); custom_id '' outside a batch.
+--   (One argument instead of 15 per item: the client encodes it in one call.)
 -- The ordering key (score) is (9 - priority) x 1e13 + the deadline in ms: higher priority
 -- first, then earliest deadline; the member's sequence number breaks ties (submission order).
 -- With ARGV[2] a batch id, the items are that batch's lines (pipeline/batch/): each item's
@@ -18,10 +17,12 @@
 -- not stopped, or {'fenced', lines covered so far} unless the batch has covered exactly ARGV[3]
 -- lines (so no line is ever stored twice, whoever enqueues it and however often).
 -- Returns one entry per item: 1 when created, else the state of the live request that
--- already holds that id (idempotent submit), or 'conflict:<its fingerprint>' when the item
--- and that live request both have a fingerprint and they differ (nothing is stored).
+-- already holds that id with the same payload, queue, endpoint and headers (idempotent
+-- submit), or outside a batch 'conflict:<those that differ, comma-separated>' (nothing is
+-- stored: rows.py CONTENT).
 local K = key_families()
 local now = server_now()
+local CONTENT = {'payload', 'queue', 'endpoint', 'headers'} -- in rows.py CONTENT's order
 local batch = ARGV[2] or ''
 if batch ~= '' then
   local bk = K.batch .. batch
@@ -42,12 +43,17 @@ local seq0 = redis.call('INCRBY', K.seq, #items) - #items
 for i, r in ipairs(items) do
   local id, queue, pool = r[1], r[2], r[3]
   local rk = K.req .. id
-  local live = redis.call('HMGET', rk, 'state', 'fp')
-  local state, mine = live[1], r[16] or ''
+  local live = redis.call('HMGET', rk, 'state', 'payload', 'queue', 'endpoint', 'headers')
+  local state = live[1]
   if state and state ~= 'done' then
-    local fp = live[2]
-    if fp and fp ~= '' and mine ~= '' and fp ~= mine then
-      out[#out + 1] = 'conflict:' .. fp
+    local differs = {}
+    if batch == '' then
+      for j, mine in ipairs({r[7], r[2], r[10], r[9]}) do
+        if live[j + 1] ~= mine then differs[#differs + 1] = CONTENT[j] end
+      end
+    end
+    if #differs > 0 then
+      out[#out + 1] = 'conflict:' .. table.concat(differs, ',')
     else
       out[#out + 1] = state
     end
@@ -65,10 +71,6 @@ for i, r in ipairs(items) do
       'pool', pool, 'submitted_at', fmt_time(now), 'result_list', r[11],
       'result_list_max', r[12], 'result_list_ttl', r[13], 'payload', r[7], 'metadata', r[8],
       'labels', r[14], 'headers', r[9], 'endpoint', r[10], 'score', score}
-    if mine ~= '' then
-      fields[#fields + 1] = 'fp'
-      fields[#fields + 1] = mine
-    end
     local c, tenant = sched_conf(K, queue), nil
     if c then -- an indexed queue: the record says its tenant (sched.lua)
       tenant = sched_value(r[8], c.attr)
