@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from kombu import Connection, Exchange, Producer
 
+from pipeline import IdempotencyConflict
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from tasks.app import celery_queue
@@ -164,18 +165,23 @@ def test_pickled_message_is_rejected(in_process: Pipeline, env: dict[str, str]) 
 
 
 def test_duplicate_ids_in_one_batch(served: Pipeline) -> None:
-    rid = uid("dup")
-    reqs = served.submit_many(
-        [
-            {"payload": {"n": 1}, "id": rid, "timeout": 30},
-            {"payload": {"n": 2}, "id": rid, "timeout": 30},
-        ]
-    )
+    """One id twice in a submit_many: the same content is one request; other content is a
+    conflict (the first stored, the second not)."""
+    rid, other = uid("dup"), uid("dup")
+    reqs = served.submit_many([{"payload": {"n": 1}, "id": rid, "timeout": 30}] * 2)
     assert [r.created for r in reqs] == [True, False]
-    res = served.wait(rid, 15)
-    assert res.ok and json.loads(served.record(rid)["payload"]) == {"n": 1}
+    with pytest.raises(IdempotencyConflict) as exc:
+        served.submit_many([
+            {"payload": {"n": 1}, "id": other, "timeout": 30},
+            {"payload": {"n": 2}, "id": other, "timeout": 30},
+        ])  # fmt: skip
+    assert exc.value.differs == ["payload"] and exc.value.stored == [other]
+    for r in (rid, other):
+        res = served.wait(r, 15)
+        assert res.ok and json.loads(served.record(r)["payload"]) == {"n": 1}
     wait_until(lambda: served.inspect()["default"]["running"] == 0, 10, "idle")
-    assert [r["id"] for r in default_results(served, "default")].count(rid) == 1
+    results = [r["id"] for r in default_results(served, "default")]
+    assert results.count(rid) == 1 and results.count(other) == 1
 
 
 def test_non_utf8_and_nested_lines_in_a_batch_file(
