@@ -84,22 +84,21 @@ class Batches:
         )
 
     def at(self, batch_id: str) -> BatchRecords:
-        """The records of the batch's pool: on a cluster the pool whose slot holds it (each
-        asked, in one round trip; remembered), or the first when none does (unknown there)."""
+        """The records of the batch's pool: on a cluster the pool whose slot holds it (found
+        by :meth:`Store.holding`, remembered), or the first when none does (unknown there)."""
         home = self._homes.get(batch_id)
+        if home is not None:
+            return home
         every = self.every_records()
-        if home is not None or len(every) == 1:
-            return home or every[0]
-        with self.pipeline.store.client.pipeline(transaction=False) as p:
-            for records in every:
-                p.exists(records.keys.batch(batch_id))
-            found = p.execute()
-        home = next((r for r, n in zip(every, found, strict=True) if n), None)
-        if home is None:
+        if len(every) == 1:
+            return every[0]
+        queues = self.pipeline.settings.queues.values()
+        store = self.pipeline.store.holding(lambda k: k.batch(batch_id), queues)
+        if store is None:
             return every[0]
         if len(self._homes) > 10_000:
             self._homes.clear()
-        self._homes[batch_id] = home
+        home = self._homes[batch_id] = self._by_store[id(store)]
         return home
 
     # -- creating ---------------------------------------------------------------------------

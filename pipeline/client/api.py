@@ -150,7 +150,6 @@ class Pipeline:
         headers = _str_map(kw.get("headers"), "headers", header=True)
         endpoint = check_endpoint(kw.get("endpoint"))
         result_list, result_list_max, result_list_ttl = self._result_list[q.queue_name]
-        headers_json = json.dumps(headers)
         return RequestRow(
             id=rid,
             queue=q.queue_name,
@@ -160,7 +159,7 @@ class Pipeline:
             timeout=timeout,
             payload=body,
             metadata=json.dumps(metadata),
-            headers=headers_json,
+            headers=json.dumps(headers),
             endpoint=endpoint,
             result_list=result_list,
             result_list_max=result_list_max,

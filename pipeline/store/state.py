@@ -170,20 +170,28 @@ class Store:
         """Where a request of any of ``pools`` may be: this store, or each pool's on a cluster."""
         return [self.for_pool(p) for p in pools] if self.cluster else [self]
 
-    def find(self, request_id: str, queues: Iterable[QueueConfig]) -> Store:
-        """The store holding the request's record: this one on a standalone Redis; on a
+    def holding(self, key: Callable[[Keys], str], queues: Iterable[QueueConfig]) -> Store | None:
+        """The store whose ``key`` (of its keys) exists: this one on a standalone Redis; on a
         cluster, the pool of ``queues`` whose slot has it (each asked, in one round trip), or
-        the first when none does (the request is unknown there too)."""
-        if not self.cluster:
-            return self
+        None when none does."""
         stores = self.every_pool(dict.fromkeys(q.worker_pool_id for q in queues))
-        if len(stores) == 1:
-            return stores[0]
+        if len(stores) <= 1:
+            return stores[0] if stores else self
         with self.client.pipeline(transaction=False) as p:
             for store in stores:
-                p.exists(store.keys.request(request_id))
+                p.exists(key(store.keys))
             found = p.execute()
-        return next((s for s, n in zip(stores, found, strict=True) if n), stores[0])
+        return next((s for s, n in zip(stores, found, strict=True) if n), None)
+
+    def find(self, request_id: str, queues: Iterable[QueueConfig]) -> Store:
+        """The store holding the request's record (:meth:`holding`), else the first pool's
+        (the request is unknown there too)."""
+        if not self.cluster:
+            return self
+        queues = list(queues)
+        pools = list(dict.fromkeys(q.worker_pool_id for q in queues))
+        found = self.holding(lambda k: k.request(request_id), queues)
+        return found or (self.for_pool(pools[0]) if pools else self)
 
     def result_list_args(self, queue: QueueConfig) -> tuple[str, str, str]:
         """(list key or '' for none, max length, TTL in s) of a queue's result list, as the
