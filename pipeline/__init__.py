@@ -68,9 +68,10 @@ def get(id: str) -> Request:
     return default_pipeline().get(id)
 
 
-def cancel(id: str) -> bool:
-    """Cancel a request that has not started an attempt; True when this call cancelled it."""
-    return default_pipeline().cancel(id)
+def cancel(id: str, running: str = "finish", by: str | None = None) -> bool:
+    """Cancel a request (:meth:`Pipeline.cancel`; ``running="abort"`` also stops a running
+    attempt); True when this call cancelled it."""
+    return default_pipeline().cancel(id, running, by)
 
 
 def explain(id: str) -> Explanation:

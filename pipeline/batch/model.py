@@ -67,7 +67,9 @@ class BatchSource(Protocol):
 
     def get(self, batch_id: str) -> Batch: ...
 
-    def cancel(self, batch_id: str) -> Batch: ...
+    def cancel(
+        self, batch_id: str, owner: str | None = None, *, running: str = "finish"
+    ) -> Batch: ...
 
     def wait(self, batch_id: str, timeout: float | None = None) -> Batch: ...
 
@@ -118,10 +120,12 @@ class Batch:
     def refresh(self) -> Batch:
         return self._client.get(self.id)
 
-    def cancel(self) -> Batch:
-        """Cancel every line that has not started an attempt (attempts in flight finish); the
-        batch is ``cancelling`` until they have, then ``cancelled``. Returns it afterwards."""
-        return self._client.cancel(self.id)
+    def cancel(self, running: str = "finish") -> Batch:
+        """Cancel every line that has not started an attempt; the batch is ``cancelling``
+        until the attempts in flight have finished, then ``cancelled``. ``running="abort"``
+        ends those attempts too, closing their calls' connections (a model server stops
+        generating): the batch is ``cancelled`` at once. Returns it afterwards."""
+        return self._client.cancel(self.id, running=running)
 
     def wait(self, timeout: float | None = None) -> Batch:
         """Block until the batch is closed; raises TimeoutError after ``timeout`` s."""

@@ -103,19 +103,21 @@ class BatchRecords:
             keys=self.keys.families, args=[items, batch_id, after, upto]
         )
 
-    def cancel(self, batch_id: str) -> bool:
+    def cancel(self, batch_id: str, running: str = "finish", by: str = "") -> bool:
         """Cancel the batch (see batch_cancel.lua); True when the caller should now cancel the
-        submitted lines that have not started."""
-        return self._run("batch_cancel", batch_id)[2] == "1"
+        submitted lines (those not started; with ``running`` 'abort' the running ones too)."""
+        return self._run("batch_cancel", batch_id, running, by)[2] == "1"
 
-    def cancel_lines(self, batch_id: str, submitted: int) -> int:
-        """Cancel the not-started requests of lines 1..``submitted``; returns how many."""
+    def cancel_lines(self, batch_id: str, submitted: int, running: str, by: str) -> int:
+        """Cancel the requests of lines 1..``submitted`` (batch_cancel_lines.lua); returns how
+        many ended."""
         n = 0
         ttl = int(self.store.settings.result_ttl_s)
+        script = self._scripts["batch_cancel_lines"]
         for first in range(1, submitted + 1, CANCEL_CHUNK):
             last = min(submitted, first + CANCEL_CHUNK - 1)
             ids = [f"{batch_id}-{i}" for i in range(first, last + 1)]
-            n += int(self._scripts["batch_cancel_lines"](keys=self.keys.families, args=[ttl, *ids]))
+            n += int(script(keys=self.keys.families, args=[ttl, running, by, *ids]))
         self.client.hset(self.keys.batch(batch_id), "cancel_done", "1")
         return n
 

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import orjson
 
-from ..client import Pipeline
+from ..client import CANCEL_RUNNING, Pipeline, canceller
 from ..client.api import check_priority
 from ..errors import InvalidRequest
 from .config import BatchSettings
@@ -326,11 +326,23 @@ class Batches:
         return sum(1 for rec in self.records_in(self.active()) if rec.get("owner", "") == owner)
 
     # -- cancelling, waiting ------------------------------------------------------------------
-    def cancel(self, batch_id: str, owner: str | None = None, *, lines: bool = True) -> Batch:
+    def cancel(
+        self,
+        batch_id: str,
+        owner: str | None = None,
+        *,
+        lines: bool = True,
+        running: str = "finish",
+        by: str | None = None,
+    ) -> Batch:
         """Cancel (see :meth:`Batch.cancel`); a closed batch is returned unchanged.
-        ``lines=False``: only mark it; the caller runs :meth:`cancel_lines` later."""
+        ``lines=False``: only mark it; the caller runs :meth:`cancel_lines` later.
+        ``running``, ``by``: as :meth:`Pipeline.cancel` (``by`` defaults to the owner)."""
+        if running not in CANCEL_RUNNING:
+            raise InvalidRequest("running", f"must be one of {', '.join(CANCEL_RUNNING)}")
+        who = canceller(by if by is not None or not owner else f"owner {owner}")
         self.get(batch_id, owner)
-        if self.at(batch_id).cancel(batch_id) and lines:
+        if self.at(batch_id).cancel(batch_id, running, who) and lines:
             self.cancel_lines(batch_id)
         return self.get(batch_id)
 
@@ -347,7 +359,12 @@ class Batches:
             rec = self.at(batch_id).record(batch_id)
             if rec.get("status") != "cancelling" or rec.get("cancel_done") == "1":
                 return 0
-            return self.at(batch_id).cancel_lines(batch_id, int(rec.get("submitted") or 0))
+            return self.at(batch_id).cancel_lines(
+                batch_id,
+                int(rec.get("submitted") or 0),
+                rec.get("cancel_running") or "finish",
+                rec.get("cancelled_by") or "",
+            )
         finally:
             self.at(batch_id).drop_lease(batch_id, self.holder)
 

@@ -3,8 +3,11 @@ state and results, cancel, inspect."""
 
 from __future__ import annotations
 
+import getpass
 import json
 import math
+import os
+import socket
 import threading
 import time
 import uuid
@@ -25,6 +28,23 @@ MAX_DEADLINE_AHEAD_S = 10 * 365 * 24 * 3600.0
 SUBMIT_KEYS = frozenset(
     {"queue", "id", "priority", "deadline", "timeout", "metadata", "headers", "endpoint"}
 )
+
+
+CANCEL_RUNNING = ("finish", "abort")  # what a cancel does to a running attempt
+MAX_BY = 256
+
+
+def canceller(by: str | None) -> str:
+    """Who cancels, as the decision log names them: ``by``, else ``<user>@<host>``."""
+    if by is None:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):  # no name for this uid (a bare container)
+            user = f"uid {os.getuid()}"
+        return f"{user}@{socket.gethostname()}"[:MAX_BY]
+    if not isinstance(by, str) or len(by) > MAX_BY or not by.isprintable():
+        raise InvalidRequest("by", f"must be printable text of at most {MAX_BY} characters")
+    return by
 
 
 def conflict(reply: Any) -> bool:
@@ -308,8 +328,16 @@ class Pipeline:
             if remaining:
                 time.sleep(poll_s)
 
-    def cancel(self, request_id: str) -> bool:
-        return self.where(request_id).cancel(request_id)
+    def cancel(self, request_id: str, running: str = "finish", by: str | None = None) -> bool:
+        """Cancel the request; True when this call cancelled it. One that has not started an
+        attempt ends ``CANCELLED`` at once. A running one: ``running="finish"`` (the default)
+        ends it unsent if its attempt still waits for a gate slot, else lets the call finish
+        (False); ``running="abort"`` ends it now: its call's connection is closed wherever it
+        runs (a model server stops generating), its late answer discarded (True). ``by``:
+        who asks, for :meth:`explain` (default: this client's user and host)."""
+        if running not in CANCEL_RUNNING:
+            raise InvalidRequest("running", f"must be one of {', '.join(CANCEL_RUNNING)}")
+        return self.where(request_id).cancel(request_id, running, canceller(by))
 
     def explain(self, request_id: str) -> Explanation:
         """Where the request is and why (:class:`Explanation`); raises UnknownRequest."""
@@ -393,9 +421,9 @@ class Request:
         """Block until the terminal result arrives; raises TimeoutError after ``timeout`` s."""
         return self._pipeline.wait(self.id, timeout)
 
-    def cancel(self) -> bool:
-        """Cancel unless an attempt already started; True when this call cancelled it."""
-        return self._pipeline.cancel(self.id)
+    def cancel(self, running: str = "finish", by: str | None = None) -> bool:
+        """Cancel it (:meth:`Pipeline.cancel`); True when this call cancelled it."""
+        return self._pipeline.cancel(self.id, running, by)
 
     def explain(self) -> Explanation:
         """Where the request is and why (docs/observability.md, "Explain"): ``.to_text()`` for

@@ -392,6 +392,16 @@ def _done(f: dict[str, Any]) -> str:
     return outcome
 
 
+def _cancelled(f: dict[str, Any]) -> str:
+    if "running" not in f:  # the attempt's own entry: it ended before it sent
+        return f"{f.get('reason', 'cancelled')} while it waited for a slot; unsent"
+    by = f" by {f['by']}" if f.get("by") else ""
+    text = f"asked{by} while {f.get('was', '?')}"
+    if f.get("was") == "running":
+        text += "; its call aborted" if f["running"] == "abort" else "; a sent attempt finishes"
+    return text
+
+
 _EVENTS: dict[str, Any] = {
     "dispatched": _dispatched,
     "held": lambda f: f"its tenant held back at quota key {f.get('key')}",
@@ -402,7 +412,7 @@ _EVENTS: dict[str, Any] = {
     "retry": _retry,
     "reaped": _reaped,
     "dropped": lambda f: f"by {f.get('gate', 'its gate')}",
-    "cancelled": lambda f: f"{f.get('reason', 'cancelled')} while it waited for a slot; unsent",
+    "cancelled": _cancelled,
     "done": _done,
 }
 

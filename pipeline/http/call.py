@@ -23,10 +23,14 @@ What this module keeps:
   https -> http is refused (:class:`RedirectRefused`).
 - A response body over ``max_response_bytes`` ends the call (:class:`ResponseTooLarge`): on
   its ``Content-Length`` before reading, else as soon as that many bytes came.
+- A call made under :func:`abortable` can be ended from another thread (:meth:`Abort.fire`,
+  a cancel): its connection is shut down, which a model server (vLLM, SGLang, llama.cpp) takes
+  as the client hanging up, and stops generating; the call raises :class:`CallAborted`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -35,6 +39,8 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import SplitResult, urljoin, urlsplit
 
@@ -52,6 +58,10 @@ _CREDENTIAL = re.compile(r"authorization|cookie|key|token|secret|session|passw|c
 
 class CallTimeout(Exception):
     """The call ran past its deadline."""
+
+
+class CallAborted(OSError):
+    """The call's :class:`Abort` fired: its connection was shut down."""
 
 
 class RedirectRefused(ValueError):
@@ -111,9 +121,39 @@ class TLS:
 _ConnKey = tuple[str, str, int, TLS]
 
 
+class Abort:
+    """Ends the calls made under :func:`abortable` from any thread: :meth:`fire` shuts down the
+    connection of the one in flight (a blocked read returns at once) and every later one
+    raises :class:`CallAborted` before it sends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.fired = False
+
+    def fire(self) -> bool:
+        """Abort; True the first time."""
+        with self._lock:
+            if self.fired:
+                return False
+            self.fired = True
+            sock = self._sock
+        if sock is not None:  # closed already (OSError): the call is over
+            with contextlib.suppress(OSError):  # the plain socket's, also under TLS
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        return True
+
+    def _attach(self, sock: socket.socket | None) -> None:
+        with self._lock:
+            if self.fired and sock is not None:
+                raise CallAborted("the call was aborted")
+            self._sock = sock
+
+
 class _Local(threading.local):
     pid = 0
     conns: dict[_ConnKey, socket.socket]
+    abort: Abort | None = None
 
     def __init__(self) -> None:
         self.conns = {}
@@ -137,6 +177,16 @@ def close_all() -> None:
     for sock in _local.conns.values():
         sock.close()
     _local.conns = {}
+
+
+@contextmanager
+def abortable(abort: Abort) -> Iterator[Abort]:
+    """Calls this thread makes inside the block end when ``abort`` fires."""
+    prev, _local.abort = _local.abort, abort
+    try:
+        yield abort
+    finally:
+        _local.abort = prev
 
 
 def _left(deadline: float) -> float:
@@ -239,35 +289,48 @@ def _exchange(key: _ConnKey, request: bytes, deadline: float, limit: int) -> _Pa
     connection is kept for the next call when the response says it may be."""
     sock = _connection(key, deadline)
     out = _Parsed(limit)
+    abort = _local.abort
     try:
-        sock.settimeout(_left(deadline))
-        sock.sendall(request)
-        head = 0
-        while not out.done:
-            sock.settimeout(_left(deadline))
-            data = sock.recv(CHUNK)
-            if not data:
-                if out.ended_by_close():
-                    break
-                raise ConnectionError("the server closed the connection before the response ended")
-            try:
-                out.parser.feed_data(data)
-            except httptools.HttpParserError:
-                if not out.done:
-                    raise
-                out.keep = False  # bytes after the final response: the connection goes
-            if out.over:
-                raise ResponseTooLarge(limit)
-            if not out.final and (head := head + len(data)) > MAX_HEAD:
-                raise httptools.HttpParserError(f"response head over {MAX_HEAD} bytes")
-    except BaseException:
+        if abort is not None:
+            abort._attach(sock)
+        _round_trip(sock, request, deadline, out)
+    except BaseException as exc:
         sock.close()
+        if abort is not None and abort.fired:
+            raise CallAborted("the call was aborted") from exc
         raise
-    if out.keep:
+    finally:
+        if abort is not None:
+            abort._attach(None)
+    if out.keep and not (abort is not None and abort.fired):
         _local.conns[key] = sock
     else:
         sock.close()
     return out
+
+
+def _round_trip(sock: socket.socket, request: bytes, deadline: float, out: _Parsed) -> None:
+    """Write ``request`` and feed the response to ``out`` until it is complete."""
+    sock.settimeout(_left(deadline))
+    sock.sendall(request)
+    head = 0
+    while not out.done:
+        sock.settimeout(_left(deadline))
+        data = sock.recv(CHUNK)
+        if not data:
+            if out.ended_by_close():
+                break
+            raise ConnectionError("the server closed the connection before the response ended")
+        try:
+            out.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if not out.done:
+                raise
+            out.keep = False  # bytes after the final response: the connection goes
+        if out.over:
+            raise ResponseTooLarge(out.limit)
+        if not out.final and (head := head + len(data)) > MAX_HEAD:
+            raise httptools.HttpParserError(f"response head over {MAX_HEAD} bytes")
 
 
 def foreign_headers(headers: dict[str, str]) -> dict[str, str]:

@@ -123,6 +123,8 @@ def send(
         return Outcome(Kind.FATAL, error=str(exc), category="REDIRECT")
     except httpcall.ResponseTooLarge as exc:
         return Outcome(Kind.FATAL, error=str(exc), category="TOO_LARGE")
+    except httpcall.CallAborted as exc:  # a cancel closed the connection: never retried
+        return Outcome(Kind.FATAL, error=str(exc), category="ABORTED")
     except httpcall.CallTimeout:
         return Outcome(Kind.RETRY, error=f"timed out after {timeout_s:.1f} s", category="TIMEOUT")
     except ssl.SSLError as exc:  # before ValueError: a verify error is both

@@ -17,7 +17,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from ..batch import Batches, Files, UnknownBatch, UnknownFile
-from ..client import Result
+from ..client import CANCEL_RUNNING, Result
 from ..errors import InvalidRequest, PipelineError, UnknownRequest
 from .auth import ApiKeys
 from .background import Background
@@ -151,13 +151,30 @@ class Service:
         batch = self.batches.get(request.path_params["batch_id"], self.owner(request))
         return JSONResponse(batch.to_openai())
 
-    def cancel_batch(self, request: Request) -> Response:
+    async def cancel_batch(self, request: Request) -> Response:
+        """OpenAI's cancel (attempts in flight finish), or with ``{"running": "abort"}`` in the
+        body (the OpenAI SDK's ``extra_body``) one that also ends them, closing their calls."""
+        raw = await request.body()
+        if len(raw) > JSON_LIMIT:
+            raise bad_request("request body too large")
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            raise bad_request("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        running = body.get("running", "finish")
+        if running not in CANCEL_RUNNING:
+            raise bad_request(f"running must be one of {', '.join(CANCEL_RUNNING)}", "running")
+        return await run_in_threadpool(self._cancel_batch, request, running)
+
+    def _cancel_batch(self, request: Request, running: str) -> Response:
         bid = request.path_params["batch_id"]
         owner = self.owner(request)
         batch = self.batches.get(bid, owner)
         if batch.done or batch.status == "finalizing":
             raise bad_request(f"cannot cancel a batch that is {batch.status}", "batch_id")
-        batch = self.batches.cancel(bid, owner, lines=False)
+        batch = self.batches.cancel(bid, owner, lines=False, running=running)
         if batch.status == "cancelling":
             self.background.submit("cancel", bid)
         return JSONResponse(batch.to_openai())

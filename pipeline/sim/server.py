@@ -116,6 +116,7 @@ class _Call:
     hold: str | None = None  # x-sim-hold: answer the 200 when this name is released
     admitted: float = 0.0  # when a queued request got its slot
     slot: bool = False
+    faulted: bool = False  # a scripted drop or stall ran out: the simulator closes it
 
 
 class _BadRequest(Exception):
@@ -275,6 +276,7 @@ class SimServer:
                 Route("/sim/reset", _get(self.reset), methods=["POST"]),
                 Route("/sim/arrivals", _get(lambda: self._arrivals)),
                 Route("/sim/tokens", _get(lambda: self._token_log)),
+                Route("/sim/hangups", _get(lambda: self._hangups)),
                 Route("/sim/faults", self._post_fault, methods=["POST"]),
                 Route("/sim/release", self._post_release, methods=["POST"]),
             ],
@@ -300,6 +302,7 @@ class SimServer:
         self._faults.clear()
         self._arrivals: list[tuple[float, float, str | None]] = []
         self._token_log: list[tuple[float, int, int, str | None]] = []
+        self._hangups: list[tuple[float, str | None]] = []
         self._max_in_flight = self._in_flight
         return {"ok": True}
 
@@ -318,6 +321,7 @@ class SimServer:
             "held": {name: len(held) for name, held in self._holds.items()},
             "connections": self._connections,
             "unauthorized": self._unauthorized,
+            "hangups": len(self._hangups),  # calls whose client closed before the answer
             # usage of the 200s generated (held ones too, and ones whose client hung up)
             "prompt_tokens": self._prompt_tokens,
             "completion_tokens": self._completion_tokens,
@@ -327,6 +331,12 @@ class SimServer:
     def tokens(self) -> list[tuple[float, int, int, str | None]]:
         """(arrival, prompt tokens, completion tokens, x-request-id) per 200 generated."""
         return list(self._token_log)
+
+    @_on_loop
+    def hangups(self) -> list[tuple[float, str | None]]:
+        """(Unix time, x-request-id) per call whose client hung up before it was answered
+        (``GET /sim/hangups``): a cancel that closed the connection."""
+        return list(self._hangups)
 
     @_on_loop
     def script_fault(
@@ -417,6 +427,8 @@ class SimServer:
                 await reply(scope, receive, send)
                 if self.config.record_arrivals:
                     self._arrivals.append((call.arrival, time.monotonic(), rid))
+            elif not call.faulted:  # the client hung up first: generation stops (as vLLM's)
+                self._hangups.append((time.time(), rid))
         finally:
             self._free(call)
 
@@ -464,9 +476,11 @@ class SimServer:
             return _error(fault.status, msg, fault.retry_after, fault.dropped_reason)
         if fault.mode == "stall":
             self._stalled += 1
-            await self._until(call, self._future(), STALL_CAP_S)
+            if not await self._until(call, self._future(), STALL_CAP_S):
+                return None  # the client hung up first (a hang-up, as for a 200)
         else:
             self._dropped += 1
+        call.faulted = True  # the simulator ends the connection
         if (transport := self._transports.get(call.peer)) is not None:
             transport.close()
             await self._until(call, self._future())  # until the connection is gone

@@ -526,16 +526,17 @@ class Store:
         )
         return json.loads(raw) if raw else None
 
-    def renew(self, attempts: list[tuple[str, str, str]]) -> int:
-        """Extend the leases of live attempts given as (id, token, queue)."""
+    def renew(self, attempts: list[tuple[str, str, str]]) -> list[str]:
+        """Extend the leases of live attempts given as (id, token, queue); returns the ids of
+        those no longer current (fenced off: reaped, or cancelled with running 'abort')."""
         if not attempts:
-            return 0
+            return []
         keys: list[str] = []
         args: list[Any] = [self.settings.lease_s]
         for request_id, token, queue in attempts:
             keys += [self.keys.request(request_id), self.keys.active(queue)]
             args += [request_id, token]
-        return int(self.scripts.renew(keys=keys, args=args))
+        return [str(rid) for rid in self.scripts.renew(keys=keys, args=args)]
 
     def note_span(self, request_id: str, token: str, traceparent: str) -> None:
         """Record the running attempt's trace span (``attempt_span`` = ``<token> <traceparent>``)
@@ -550,10 +551,12 @@ class Store:
         return traceparent if raw and noted_token == token else None
 
     # -- client side ---------------------------------------------------------------------
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, running: str = "finish", by: str = "") -> bool:
+        """Cancel (cancel.lua): ``running`` 'finish' lets a sent attempt finish, 'abort' ends
+        it now; ``by`` says who asked (the decision log)."""
         res = self.scripts.cancel(
             keys=[self.keys.request(request_id), *self.keys.families],
-            args=[int(self.settings.result_ttl_s)],
+            args=[int(self.settings.result_ttl_s), running, by],
         )
         return bool(res)
 

@@ -16,6 +16,7 @@ from redis.exceptions import ClusterDownError
 from ..config import QueueConfig
 from ..gates import CONTINUE, AcquireContext, Decision, Verdict
 from ..http.backoff import retry_delay
+from ..http.call import Abort, abortable
 from ..http.classify import Kind, Outcome, join_url
 from ..store import ScriptCall
 from ..store import holder as make_holder
@@ -85,6 +86,8 @@ class Attempt:
         self.journal = Journal()  # the request's decision log entries, sent with the outcome
         self.cancelled: str | None = None  # why, when cancelled while parked: it ends unsent
         self.outcome: Outcome | None = None  # of its HTTP call (observe.observed_send)
+        # fired by a cancel with running="abort" (Runtime.abort): closes the call's connection
+        self.abort = Abort()
 
     @property
     def decision(self) -> Decision | None:
@@ -240,6 +243,8 @@ class Attempt:
         if self.record.get("wire") and self._cancelled_by_producer():
             return self._error("CANCELLED", "cancelled")
         decision, parked = self._gate()
+        if self.abort.fired:
+            return self._aborted()
         if parked and self.cancelled is None:
             self._cancelled_while_parked(None)  # a notice that came while it asked its gate
         if self.cancelled is not None:  # while it waited for a slot: nothing was sent
@@ -376,27 +381,35 @@ class Attempt:
             _replace(headers, "Authorization", bearer)
         return headers
 
+    def _aborted(self) -> Report:
+        """Cancelled with running="abort" (or found no longer its own): the request's result
+        is written already; this only releases the reservation (the finish is fenced off)."""
+        return self._error("CANCELLED", "cancelled (running attempt aborted)")
+
     def _call(self) -> Report:
         left = self.time_left()
         if left <= 0:
             return self._expired(False)
         timeout = min(self.queue.request_timeout_s, left)
         try:
-            outcome = observe.observed_send(
-                self,
-                queue_send(self.queue),
-                join_url(
-                    self.queue.igw_base_url,
-                    self.record.get("endpoint") or self.queue.request_path_url,
-                ),
-                self.record["payload"],
-                self.headers(),
-                timeout,
-            )
+            with abortable(self.abort):
+                outcome = observe.observed_send(
+                    self,
+                    queue_send(self.queue),
+                    join_url(
+                        self.queue.igw_base_url,
+                        self.record.get("endpoint") or self.queue.request_path_url,
+                    ),
+                    self.record["payload"],
+                    self.headers(),
+                    timeout,
+                )
         except Exception as exc:  # noqa: BLE001 - e.g. a soft time limit inside the call
             outcome = Outcome(
                 Kind.RETRY, error=f"{type(exc).__name__}: {exc}", category="INTERRUPTED"
             )
+        if self.abort.fired:  # whatever came back: the request is cancelled
+            return self._aborted()
         self.served_tokens = served_tokens(outcome)
         if outcome.kind is Kind.SUCCESS or (outcome.kind is Kind.FATAL and outcome.responded):
             return self._answered(outcome, True)

@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, defaultdict, deque
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -21,6 +22,7 @@ ECHO_S = 0.25  # a direct ring's own Pub/Sub message arrives within this, or is 
 MAX_NAMES = 4096  # generations kept (queues and quota keys read lately)
 MAX_CANCELLED = 4096  # ids of running requests cancelled lately, kept for their parked attempts
 CANCEL_NOTICE = "!cancel"  # first line of a cancel notice on the freed channel
+ABORT_NOTICE = "!abort"  # first line of an abort notice: cancelled with running="abort"
 
 
 class Ticket:
@@ -69,6 +71,8 @@ class ReleaseBell:
         self._subscribed = threading.Event()
         self._pubsub: redis.client.PubSub | None = None  # the first channel's
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # see cancel_notice
+        # what an abort notice calls with its ids (the runtime closes their calls' connections)
+        self.on_abort: Callable[[list[str]], None] | None = None
         self.closed = False  # the node is shutting down: nobody parks any more
 
     def generation(self, queue: str) -> int:
@@ -222,7 +226,12 @@ class ReleaseBell:
         host, port = sock.getsockname()[:2]
         return f"{host}:{port}"
 
-    def _listen(self) -> None:
+    def listen(self) -> None:
+        """Subscribe unless already (an attempt that runs hears of its abort)."""
+        if not (self._listeners and all(t.is_alive() for t in self._listeners)):
+            self._listen(wait=False)
+
+    def _listen(self, wait: bool = True) -> None:
         if self._listeners and all(t.is_alive() for t in self._listeners):
             return
         with self._lock:
@@ -237,7 +246,20 @@ class ReleaseBell:
             for listener in self._listeners:
                 listener.start()
         # the first waiter waits for the subscription: a release before it would be missed
-        self._subscribed.wait(1.0)
+        if wait:
+            self._subscribed.wait(1.0)
+
+    def _heard(self, text: str) -> None:
+        """One message: a release (the queue, then quota keys it released), or a notice."""
+        names = text.split("\n")
+        if names[0] in (CANCEL_NOTICE, ABORT_NOTICE):
+            self.cancel_notice(names[1:])
+            if names[0] == ABORT_NOTICE and self.on_abort is not None:
+                self.on_abort(names[1:])
+            return
+        for name in names:
+            if not self._is_echo(name):
+                self.ring(name)
 
     def _run(self, channel: str) -> None:
         """Listen on one channel; a sharded one (on a Redis Cluster, its pool's slot) with its
@@ -264,14 +286,7 @@ class ReleaseBell:
                     if message is None or message.get("type") != kind:
                         continue
                     data = message.get("data")
-                    text = data.decode() if isinstance(data, bytes) else str(data)
-                    names = text.split("\n")
-                    if names[0] == CANCEL_NOTICE:
-                        self.cancel_notice(names[1:])
-                        continue
-                    for name in names:  # the queue, then quota keys it released
-                        if not self._is_echo(name):
-                            self.ring(name)
+                    self._heard(data.decode() if isinstance(data, bytes) else str(data))
             except Exception as exc:  # noqa: BLE001 - keep listening; waits are bounded
                 log.warning("release bell lost its subscription (%s); reconnecting", exc)
                 # what was published while away is lost: every waiter re-asks

@@ -45,6 +45,7 @@ class Runtime:
         self.rng = random.Random()
         channels = {s.keys.freed_channel() for s in self.store.every_pool(settings.pools())}
         self.bell = ReleaseBell(self.store.client, sorted(channels))
+        self.bell.on_abort = self.abort
 
     def store_of(self, queue: QueueConfig) -> Store:
         """The store of the queue's pool (its own slot on a Redis Cluster)."""
@@ -113,6 +114,7 @@ class Runtime:
         self._snapshot = _snapshot_stamp()
 
     def _track(self, attempt: Attempt) -> None:
+        self.bell.listen()  # an abort notice reaches the attempt wherever it is
         with self._lock:
             self._live[attempt.holder] = attempt
             if self._heartbeat is None or not self._heartbeat.is_alive():
@@ -133,9 +135,11 @@ class Runtime:
                 for a in live:  # one call per pool's slot
                     by_pool.setdefault(a.queue.worker_pool_id, []).append(a)
                 for pool, attempts in by_pool.items():
-                    self.store.for_pool(pool).renew(
+                    stale = self.store.for_pool(pool).renew(
                         [(a.id, a.token, a.queue.queue_name) for a in attempts]
                     )
+                    if stale:  # their results would be discarded: stop their calls
+                        self.abort(stale)
                 by_gate: dict[int, tuple[Gate, list[str]]] = {}
                 for a in live:  # each on the gate it holds (or asks)
                     gate = a.reservation.gate
@@ -144,6 +148,17 @@ class Runtime:
                     gate.renew(holders, self.settings.lease_s)
             except Exception as exc:  # noqa: BLE001 - keep beating; leases tolerate a miss
                 log.warning("lease renewal failed: %s", exc)
+
+    def abort(self, ids: list[str]) -> None:
+        """Close the calls of this process's attempts of ``ids`` (an abort notice, or found
+        fenced off at renewal): each then ends, releasing its reservation."""
+        wanted = set(ids)
+        with self._lock:
+            hits = [a for a in self._live.values() if a.id in wanted]
+        for a in hits:
+            if a.abort.fire():
+                log.info("request %s: attempt %s aborted (cancelled, or no longer its own)",
+                         a.id, a.token)  # fmt: skip
 
     def untrack(self, holder: str) -> None:
         with self._lock:

@@ -68,13 +68,16 @@ def test_a_waiting_request_counts_who_is_ahead_by_priority(pl: Pipeline) -> None
     )
     assert pl.explain(reqs[0].id).position.ahead == 0  # type: ignore[union-attr]
     for r in reqs:
-        assert r.cancel()
-    # a cancelled request: its terminal state, and the log says how it ended
+        assert r.cancel(by="ops@example")
+    # a cancelled request: its terminal state, and the log says who ended it, when and how
     done = me.explain()
     assert done.state == "done" and done.position is None
     assert done.result is not None and done.result["error_code"] == "CANCELLED"
-    assert events(done) == ["done"] and done.log[0].fields["outcome"] == "CANCELLED"
-    assert done.log[0].t == pytest.approx(done.server_now, abs=5)
+    assert events(done) == ["cancelled", "done"] and done.log[1].fields["outcome"] == "CANCELLED"
+    asked = done.log[0]
+    assert asked.fields == {"was": "queued", "running": "finish", "by": "ops@example"}
+    assert asked.t == pytest.approx(done.server_now, abs=5)
+    assert "cancelled  asked by ops@example while queued" in done.to_text()
 
 
 def test_in_a_fair_share_queue_it_names_its_tenants_turn(pl: Pipeline) -> None:

@@ -222,7 +222,7 @@ def test_every_batch_call_passes_the_keys_its_script_names(
     b.start("b1", total=1, invalid=0, lines=1, model=None)
     b.results("b1", 1, 1)
     b.cancel("b1")
-    b.cancel_lines("b1", 1)
+    b.cancel_lines("b1", 1, "abort", "test")
     b.lapse("b1")
     b.finalized("b1", None, None)
     names = {n for n, _ in calls}

@@ -178,7 +178,7 @@ def test_cancel_while_running_is_asked_of_the_attempt_and_gives_no_retry(pl: Pip
     assert store.start(d.id, d.token, "solo", "w-test") is not None
     assert r.cancel() is False and r.state() == "running"
     assert store.cancel_asked(d.id, d.token) == "cancelled"
-    assert store.cancel_asked(d.id, "another-attempt") is None  # fenced by the token
+    assert store.cancel_asked(d.id, "another-attempt") == "fenced off"  # not its request now
     assert store.requeue(d.id, d.token, delay=0, attempted=True) is not None
     res = r.result(timeout=5)
     assert res.error_code == "CANCELLED" and res.attempts == 1

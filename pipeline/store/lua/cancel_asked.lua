@@ -5,7 +5,7 @@
 -- or its park timed out without a ring (a notice may have been lost), before it sends.
 -- KEYS[1] request hash, then the key families (lib.lua key_families).
 -- ARGV[1] the attempt's token.
--- Returns the reason ('cancelled', 'batch cancelled'), or false (not cancelled, or fenced off:
--- the finish that follows finds that out).
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return false end
+-- Returns the reason ('cancelled', 'batch cancelled', or 'fenced off': the request is no longer
+-- this attempt's, e.g. cancelled with running 'abort' or reaped; it must not send), or false.
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 'fenced off' end
 return cancel_reason(key_families(), KEYS[1]) or false

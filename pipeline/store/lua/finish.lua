@@ -13,12 +13,17 @@
 -- With KEYS[2] (the task's Celery result, written in the same step instead of a second round
 -- trip by the result backend): ARGV[10] meta head, ARGV[11] meta tail, ARGV[12] its TTL (s),
 -- ARGV[13] '1' to put the result JSON between head and tail (a SUCCESS meta).
--- Returns the result JSON, or false when fenced off.
+-- Returns the result JSON, or false when fenced off (a reaped attempt's, or one whose request
+-- was cancelled with running 'abort': cancel.lua). A fenced-off attempt that released its slot
+-- still publishes the release, so attempts parked on other nodes take the slot at once.
 local K = key_families()
 local celery = #KEYS > KEY_FAMILIES + 1 and KEYS[2]
 local f = redis.call('HMGET', KEYS[1], unpack(TERMINAL_FIELDS))
 local state = f[13]
-if state == 'done' or not state or f[14] ~= ARGV[1] then return false end
+if state == 'done' or not state or f[14] ~= ARGV[1] then
+  if ARGV[8] == '0' and f[1] then freed(K, f[1]) end
+  return false
+end
 local now = server_now()
 log_journal(f[15], now, ARGV[9])
 local json = terminal(K, f[15], now, ARGV[2], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
