@@ -293,3 +293,47 @@ def test_a_tenant_over_its_open_batches_gets_429(
         wait_until(
             lambda c=client, i=b.id: c.batches.retrieve(i).status == "cancelled", 30, "cancelled"
         )
+
+
+def test_cancel_with_running_abort_stops_lines_in_flight(
+    pl: Pipeline, start_serve: Callable[..., ServeProc], start_worker: Any, sim: SimServer,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """``extra_body={"running": "abort"}``: a line mid-call has its connection closed and
+    lines waiting for the gate's one slot end unsent; the batch is cancelled with every line
+    counted, nothing retried and no slot held. Without it, OpenAI's semantics (test above)."""
+    srv = start_serve(PIPELINE_BATCH_QUEUE="parked")  # local limit 1; no node serves it yet
+    client = OpenAI(base_url=f"{srv.url}/v1", api_key="sk-anything", max_retries=0)
+    path = tmp_path / "in.jsonl"
+    write_input(path, 4, "abort")
+    f = client.files.create(file=open(path, "rb"), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                              completion_window="24h")  # fmt: skip
+    wait_until(lambda: client.batches.retrieve(b.id).status == "in_progress", 20, "in progress")
+    lines = [f"{b.id}-{i}" for i in range(1, 5)]
+    for rid in lines:  # every line's first attempt stalls at the simulator
+        sim.script_fault(rid, 1, mode="stall")
+    with pytest.raises(openai.BadRequestError, match="running"):
+        client.batches.cancel(b.id, extra_body={"running": "kill"})
+    w = start_worker(pools="parked", concurrency=4)
+    try:
+        wait_until(
+            lambda: sum(sim.stats()["attempts_by_request_id"].get(r, 0) for r in lines) == 1,
+            20,
+            "one line at the simulator (the others wait for the gate's one slot)",
+        )
+        at_sim = next(r for r in lines if sim.stats()["attempts_by_request_id"].get(r))
+        cancelled = client.batches.cancel(b.id, extra_body={"running": "abort"})
+        assert cancelled.status in ("cancelling", "cancelled")
+        done = poll(client, b.id)
+        assert done.status == "cancelled" and done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (0, 4)
+        assert done.error_file_id is not None
+        errs = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+        assert [e["error"]["code"] for e in errs] == ["batch_cancelled"] * 4
+        wait_until(lambda: any(r == at_sim for _, r in sim.hangups()), 10, "the call closed")
+        attempts = sim.stats()["attempts_by_request_id"]
+        assert sum(attempts.get(r, 0) for r in lines) == 1  # nothing sent after the cancel
+        assert pl.explain(at_sim).log[-2].fields["running"] == "abort"
+    finally:
+        w.stop()
