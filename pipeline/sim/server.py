@@ -302,7 +302,7 @@ class SimServer:
         self._faults.clear()
         self._arrivals: list[tuple[float, float, str | None]] = []
         self._token_log: list[tuple[float, int, int, str | None]] = []
-        self._hangups: list[tuple[float, str | None]] = []
+        self._hangups: list[tuple[float, str | None, float]] = []
         self._max_in_flight = self._in_flight
         return {"ok": True}
 
@@ -333,9 +333,9 @@ class SimServer:
         return list(self._token_log)
 
     @_on_loop
-    def hangups(self) -> list[tuple[float, str | None]]:
-        """(Unix time, x-request-id) per call whose client hung up before it was answered
-        (``GET /sim/hangups``): a cancel that closed the connection."""
+    def hangups(self) -> list[tuple[float, str | None, float]]:
+        """(Unix time, x-request-id, Unix time it arrived) per call whose client hung up
+        before it was answered (``GET /sim/hangups``): a cancel that closed the connection."""
         return list(self._hangups)
 
     @_on_loop
@@ -428,7 +428,8 @@ class SimServer:
                 if self.config.record_arrivals:
                     self._arrivals.append((call.arrival, time.monotonic(), rid))
             elif not call.faulted:  # the client hung up first: generation stops (as vLLM's)
-                self._hangups.append((time.time(), rid))
+                now = time.time()
+                self._hangups.append((now, rid, now - (time.monotonic() - call.arrival)))
         finally:
             self._free(call)
 

@@ -34,7 +34,7 @@ def uid(tag: str) -> str:
 
 
 def hung_up(sim: SimServer, rid: str) -> bool:
-    return any(r == rid for _, r in sim.hangups())
+    return any(r == rid for _, r, _ in sim.hangups())
 
 
 def held(rid: str) -> dict[str, str]:

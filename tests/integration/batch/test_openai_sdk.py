@@ -331,7 +331,7 @@ def test_cancel_with_running_abort_stops_lines_in_flight(
         assert done.error_file_id is not None
         errs = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
         assert [e["error"]["code"] for e in errs] == ["batch_cancelled"] * 4
-        wait_until(lambda: any(r == at_sim for _, r in sim.hangups()), 10, "the call closed")
+        wait_until(lambda: any(r == at_sim for _, r, _ in sim.hangups()), 10, "the call closed")
         attempts = sim.stats()["attempts_by_request_id"]
         assert sum(attempts.get(r, 0) for r in lines) == 1  # nothing sent after the cancel
         assert pl.explain(at_sim).log[-2].fields["running"] == "abort"
