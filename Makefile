@@ -50,7 +50,8 @@ CLUSTER_SUITES = tests/integration/test_pipeline.py tests/integration/test_relea
   tests/integration/test_scheduling_e2e.py tests/integration/test_lookahead.py \
   tests/integration/test_ordering.py tests/integration/test_quota_dispatch.py \
   tests/integration/test_fair_share.py tests/integration/test_merge.py \
-  tests/integration/test_over_admission.py tests/integration/batch
+  tests/integration/test_over_admission.py tests/integration/test_cancel_abort.py \
+  tests/integration/batch
 test-cluster: $(STAMP)
 	PIPELINE_TEST_CLUSTER=1 $(BIN)/pytest -q $(PYTEST_PARALLEL) $(CLUSTER_SUITES)
 

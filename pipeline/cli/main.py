@@ -118,6 +118,31 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel each id; exit 2 naming an unknown one (the others are still cancelled)."""
+    from ..client import Pipeline
+    from ..errors import UnknownRequest
+
+    p = Pipeline()
+    running = "abort" if args.abort else "finish"
+    code = 0
+    for rid in args.ids:
+        try:
+            state = p.state(rid)
+        except UnknownRequest:
+            print(f"pipeline cancel: unknown request id {rid!r}", file=sys.stderr)
+            code = 2
+            continue
+        if p.cancel(rid, running, args.by):
+            print(f"{rid}: cancelled" + (" (its running attempt aborted)" * (state == "running")))
+        elif state == "done":
+            print(f"{rid}: already done")
+        else:
+            print(f"{rid}: running; its attempt finishes unless still waiting for a gate slot "
+                  "(--abort stops it)")  # fmt: skip
+    return code
+
+
 def cmd_reload(args: argparse.Namespace) -> int:
     """Every live node re-reads its queue and pool files; exit 1 unless all applied it."""
     from ..store import Keys, connect
@@ -420,6 +445,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", help="the request id")
     p.add_argument("--json", action="store_true", help="the same fields as JSON, for scripts")
     p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("cancel", help="cancel requests (--abort: running attempts too)")
+    p.add_argument("ids", nargs="+", metavar="ID", help="request ids")
+    p.add_argument(
+        "--abort",
+        action="store_true",
+        help="also stop a running attempt: close its connection (the model server stops)",
+    )
+    p.add_argument("--by", default=None, help="who cancels, for explain (default: user@host)")
+    p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser("serve", help="OpenAI's Files and Batches API and a batch page")
     p.add_argument("--host", default="127.0.0.1", help="without PIPELINE_API_KEYS: loopback only")

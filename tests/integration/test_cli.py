@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli.services import free_port
+from pipeline.cli.services import free_port, wait_until
 from pipeline.client import Pipeline
 from tests.conftest import ROOT
 
@@ -138,3 +138,27 @@ def test_submit_and_status_commands(env: dict[str, str], served: Pipeline) -> No
     assert info["default"]["done_last_minute"] >= 1
     bad = run_cli(["submit", '{"prompt": "x"}', "--priority", "11"], env)
     assert bad.returncode == 2 and "priority" in bad.stderr
+
+
+def test_cancel_command(env: dict[str, str], served: Pipeline, sim: Any) -> None:
+    """``pipeline cancel ID...``: a queued request is cancelled; an unknown id exits 2 naming
+    it; ``--abort`` closes a running attempt's call (here: one held at the simulator)."""
+    pl = served
+    queued = pl.submit({"p": 1}, queue="solo", timeout=30).id  # no worker serves solo
+    proc = run_cli(["cancel", queued, "no-such-id", "--by", "cli-test"], env)
+    assert proc.returncode == 2 and "no-such-id" in proc.stderr
+    assert proc.stdout.strip() == f"{queued}: cancelled"
+    assert pl.wait(queued, 5).error_code == "CANCELLED"
+    assert pl.explain(queued).log[0].fields["by"] == "cli-test"
+    again = run_cli(["cancel", queued], env)
+    assert again.returncode == 0 and again.stdout.strip() == f"{queued}: already done"
+    bad = run_cli(["cancel", queued, "--by", "a\tb"], env)
+    assert bad.returncode == 2 and "by" in bad.stderr
+    rid = pl.submit({"p": 2}, queue="lim2", timeout=60, headers={"x-sim-hold": "cli"}).id
+    sim.wait_held("cli", 1, timeout_s=20)
+    proc = run_cli(["cancel", rid, "--abort"], env)
+    assert (
+        proc.returncode == 0
+        and proc.stdout.strip() == f"{rid}: cancelled (its running attempt aborted)"
+    )
+    wait_until(lambda: any(r == rid for _, r, _ in sim.hangups()), 10, "the call closed")
