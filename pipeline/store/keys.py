@@ -247,6 +247,12 @@ class Keys:
         reservation (``pipeline.bell``)."""
         return f"{self.prefix}freed"
 
+    def abort_channel(self) -> str:
+        """Pub/Sub channel of abort notices (a cancel with running="abort": the node running
+        the attempt closes its call); lib.lua ``publish_abort`` names it the same way. Apart
+        from the release channel so that a node that never parks hears nothing else."""
+        return f"{self.freed_channel()}:abort"
+
     def seq(self) -> str:
         """String counter: submission sequence, the last tie-breaker of the ordering key."""
         return f"{self.prefix}seq"

@@ -59,14 +59,18 @@ class ReleaseBell:
     """Per-process generations, one per bell name, and the lines of parked waiters; a ring
     wakes the longest waiting one, not a herd."""
 
-    def __init__(self, client: redis.Redis, channels: list[str]) -> None:
+    def __init__(
+        self, client: redis.Redis, channels: list[str], abort_channels: list[str] | None = None
+    ) -> None:
         self.client = client
         self.channels = channels  # one per pool on a Redis Cluster
+        self.abort_channels = abort_channels or []  # Keys.abort_channel(), one per pool
         self._lock = threading.Lock()
         self._waiters: dict[str, deque[Ticket]] = defaultdict(deque)
         self._gen: OrderedDict[str, int] = OrderedDict()
         self._echoes: dict[str, deque[float]] = defaultdict(deque)  # direct rings, by queue
         self._listeners: list[threading.Thread] = []  # one per channel
+        self._abort_listeners: list[threading.Thread] = []  # one per abort channel
         self._stopping = threading.Event()
         self._subscribed = threading.Event()
         self._pubsub: redis.client.PubSub | None = None  # the first channel's
@@ -226,28 +230,37 @@ class ReleaseBell:
         host, port = sock.getsockname()[:2]
         return f"{host}:{port}"
 
-    def listen(self) -> None:
-        """Subscribe unless already (an attempt that runs hears of its abort)."""
-        if not (self._listeners and all(t.is_alive() for t in self._listeners)):
-            self._listen(wait=False)
+    def listen_for_aborts(self) -> None:
+        """Subscribe to the abort channels unless already (an attempt runs in this process).
+        They carry nothing else, so a node that never parks spends nothing on releases."""
+        if not _alive(self._abort_listeners):
+            with self._lock:
+                if not _alive(self._abort_listeners):
+                    self._abort_listeners = self._start(self.abort_channels, threading.Event())
 
-    def _listen(self, wait: bool = True) -> None:
-        if self._listeners and all(t.is_alive() for t in self._listeners):
+    def _listen(self) -> None:
+        if _alive(self._listeners):
             return
         with self._lock:
-            if self._listeners and all(t.is_alive() for t in self._listeners):
+            if _alive(self._listeners):
                 return
-            self._listeners = [
-                threading.Thread(
-                    target=self._run, args=(channel,), name="pipeline-release-bell", daemon=True
-                )
-                for channel in self.channels
-            ]
-            for listener in self._listeners:
-                listener.start()
+            self._listeners = self._start(self.channels, self._subscribed)
         # the first waiter waits for the subscription: a release before it would be missed
-        if wait:
-            self._subscribed.wait(1.0)
+        self._subscribed.wait(1.0)
+
+    def _start(self, channels: list[str], subscribed: threading.Event) -> list[threading.Thread]:
+        threads = [
+            threading.Thread(
+                target=self._run,
+                args=(channel, subscribed),
+                name="pipeline-release-bell",
+                daemon=True,
+            )
+            for channel in channels
+        ]
+        for t in threads:
+            t.start()
+        return threads
 
     def _heard(self, text: str) -> None:
         """One message: a release (the queue, then quota keys it released), or a notice."""
@@ -261,7 +274,7 @@ class ReleaseBell:
             if not self._is_echo(name):
                 self.ring(name)
 
-    def _run(self, channel: str) -> None:
+    def _run(self, channel: str, subscribed: threading.Event) -> None:
         """Listen on one channel; a sharded one (on a Redis Cluster, its pool's slot) with its
         own connection to that slot's primary, so one shard's silence delays no other."""
         delay = RECONNECT_S[0]
@@ -276,7 +289,7 @@ class ReleaseBell:
                     pubsub.ssubscribe(channel)
                 else:
                     pubsub.subscribe(channel)
-                self._subscribed.set()
+                subscribed.set()
                 delay = RECONNECT_S[0]
                 while not self._stopping.is_set():
                     if shard:
@@ -298,3 +311,7 @@ class ReleaseBell:
                     pubsub.close()
                 except Exception:  # noqa: BLE001 - the connection is gone anyway
                     pass
+
+
+def _alive(threads: list[threading.Thread]) -> bool:
+    return bool(threads) and all(t.is_alive() for t in threads)

@@ -43,8 +43,12 @@ class Runtime:
         self._heartbeat: threading.Thread | None = None
         self._stopping = threading.Event()
         self.rng = random.Random()
-        channels = {s.keys.freed_channel() for s in self.store.every_pool(settings.pools())}
-        self.bell = ReleaseBell(self.store.client, sorted(channels))
+        pools = self.store.every_pool(settings.pools())
+        self.bell = ReleaseBell(
+            self.store.client,
+            sorted({s.keys.freed_channel() for s in pools}),
+            sorted({s.keys.abort_channel() for s in pools}),
+        )
         self.bell.on_abort = self.abort
 
     def store_of(self, queue: QueueConfig) -> Store:
@@ -114,7 +118,7 @@ class Runtime:
         self._snapshot = _snapshot_stamp()
 
     def _track(self, attempt: Attempt) -> None:
-        self.bell.listen()  # an abort notice reaches the attempt wherever it is
+        self.bell.listen_for_aborts()  # an abort notice reaches the attempt wherever it is
         with self._lock:
             self._live[attempt.holder] = attempt
             if self._heartbeat is None or not self._heartbeat.is_alive():

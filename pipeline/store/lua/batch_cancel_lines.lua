@@ -45,6 +45,6 @@ if #marked > 0 then  -- wake their attempts if parked (pipeline/worker/bell.py)
   publish_freed(K, '!cancel\n' .. table.concat(marked, '\n'))
 end
 if #aborted > 0 then  -- close their calls (pipeline/worker/bell.py)
-  publish_freed(K, '!abort\n' .. table.concat(aborted, '\n'))
+  publish_abort(K, aborted)
 end
 return n

@@ -40,5 +40,5 @@ if state == 'running' then  -- aborted: say what the earlier attempts got
 end
 log_note(id, entry)
 terminal(K, id, now, ARGV[1], '', '{"error": "cancelled"}', 'CANCELLED', message)
-if state == 'running' then publish_freed(K, '!abort\n' .. id) end
+if state == 'running' then publish_abort(K, {id}) end
 return 1

@@ -69,6 +69,13 @@ local function publish_freed(K, message)
   redis.call(command, K.freed, message)
 end
 
+-- Publish an abort notice for request ids `ids` (a list) on the abort channel, the release
+-- channel's name with ':abort' (keys.py `abort_channel`), in the same slot on a Redis Cluster.
+local function publish_abort(K, ids)
+  local command = string.find(K.freed, '{', 1, true) and 'SPUBLISH' or 'PUBLISH'
+  redis.call(command, K.freed .. ':abort', '!abort\n' .. table.concat(ids, '\n'))
+end
+
 -- Key `tail` (a TAIL_ constant) of `queue`.
 local function qkey(K, queue, tail)
   return K.q .. queue .. tail
