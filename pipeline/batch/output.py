@@ -21,7 +21,8 @@ MESSAGES = {
 @dataclass
 class LineResult:
     """One input line's outcome: ``data`` (its stored :class:`Result`), the ``invalid`` record
-    of an invalid line, or ``missing``: the error code of a line never stored."""
+    of an invalid line (or of one whose id a live request of other content held: its code
+    ``idempotency_conflict``), or ``missing``: the error code of a line never stored."""
 
     number: int
     request_id: str
@@ -35,6 +36,11 @@ class LineResult:
         return None if self.data is None else Result.from_dict(self.data)
 
     @property
+    def conflict(self) -> bool:
+        """An error line because its id was live with other content (submit.lua)."""
+        return self.invalid is not None and self.invalid.get("code") == "idempotency_conflict"
+
+    @property
     def ok(self) -> bool:
         d = self.data
         if d is None or d.get("error_code"):
@@ -45,7 +51,8 @@ class LineResult:
     def error(self) -> tuple[str, str]:
         """A line that did not run: the pipeline's error code and message."""
         if self.invalid is not None:
-            return "INVALID_REQUEST", str(self.invalid["message"])
+            code = "IDEMPOTENCY_CONFLICT" if self.conflict else "INVALID_REQUEST"
+            return code, str(self.invalid["message"])
         if self.missing == "batch_expired":
             return "DEADLINE_EXCEEDED", MESSAGES["batch_expired"]
         return "CANCELLED", MESSAGES["batch_cancelled"]

@@ -117,7 +117,7 @@ class BatchRecords:
         for first in range(1, submitted + 1, CANCEL_CHUNK):
             last = min(submitted, first + CANCEL_CHUNK - 1)
             ids = [f"{batch_id}-{i}" for i in range(first, last + 1)]
-            n += int(script(keys=self.keys.families, args=[ttl, running, by, *ids]))
+            n += int(script(keys=self.keys.families, args=[ttl, running, by, batch_id, *ids]))
         self.client.hset(self.keys.batch(batch_id), "cancel_done", "1")
         return n
 

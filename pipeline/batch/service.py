@@ -405,11 +405,11 @@ class Batches:
         stored = self._stored(batch.id, last)
         for n in range(1, max(batch.lines, last) + 1):
             res, cid = next(stored) if n <= last else (None, None)
-            if res is not None:
-                yield LineResult(n, batch.request_id(n), cid, orjson.loads(res))
-            elif n in invalid:
+            if n in invalid:  # never stored: a record by its id is another request's
                 cid = invalid[n].get("custom_id")
                 yield LineResult(n, batch.request_id(n), cid, invalid=invalid[n])
+            elif res is not None:
+                yield LineResult(n, batch.request_id(n), cid, orjson.loads(res))
             elif n > last and (rest is None or n in rest):
                 cid = rest[n] if rest is not None else None
                 missing = "batch_cancelled" if cancelled else "batch_expired"

@@ -7,22 +7,24 @@
 --  - 'abort': it ends CANCELLED now, its attempt fenced off, and an abort notice tells the
 --    worker running it to close the call's connection (as cancel.lua).
 -- Each cancelled line's decision log gets a `cancelled` entry naming who asked.
+-- Only the batch's own requests: a line whose id a live request of other content held was
+-- never stored (an error line, see submit.lua), and that request is left alone.
 -- KEYS: the key families (lib.lua key_families; each request's keys follow from its id).
 -- ARGV[1] result TTL (s), ARGV[2] 'finish' or 'abort', ARGV[3] who cancelled ('' unknown),
--- ARGV[4..] request ids.
+-- ARGV[4] the batch id, ARGV[5..] request ids.
 -- Returns how many this call ended.
-local K, ttl, abort = key_families(), ARGV[1], ARGV[2] == 'abort'
+local K, ttl, abort, batch = key_families(), ARGV[1], ARGV[2] == 'abort', ARGV[4]
 local now = server_now()
 local by = ''
 if ARGV[3] ~= '' then by = ',"by":' .. json_str(ARGV[3]) end
 local n = 0
 local marked, aborted = {}, {}
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   local id = ARGV[i]
   local rk = K.req .. id
-  local f = redis.call('HMGET', rk, 'state', 'log')
+  local f = redis.call('HMGET', rk, 'state', 'log', 'batch')
   local state = f[1]
-  if state and state ~= 'done' then
+  if state and state ~= 'done' and f[3] == batch then
     local entry = log_entry(now, 'cancelled',
       '"was":' .. json_str(state) .. ',"running":' .. json_str(ARGV[2]) .. by)
     if state == 'running' and not abort then  -- parked for a gate slot, or sent: see above

@@ -16,10 +16,15 @@
 -- nothing and returns {'stopped', status} unless the batch is validating or in progress and
 -- not stopped, or {'fenced', lines covered so far} unless the batch has covered exactly ARGV[3]
 -- lines (so no line is ever stored twice, whoever enqueues it and however often).
+-- A line's id is <batch id>-<line> (ingest.py), so a live request can hold it when the batch
+-- id was chosen: with the same content the line takes that request as its own (its record
+-- gets the batch and custom_id: it is counted in the batch when it ends); with other content,
+-- or as another batch's line, the line is an error line (idempotency_conflict) at once:
+-- counted failed and kept on the batch's invalid list for its error file.
 -- Returns one entry per item: 1 when created, else the state of the live request that
 -- already holds that id with the same payload, queue, endpoint and headers (idempotent
--- submit), or outside a batch 'conflict:<those that differ, comma-separated>' (nothing is
--- stored: rows.py CONTENT).
+-- submit), or 'conflict:<those that differ, comma-separated>' (nothing is stored: rows.py
+-- CONTENT).
 local K = key_families()
 local now = server_now()
 local CONTENT = {'payload', 'queue', 'endpoint', 'headers'} -- in rows.py CONTENT's order
@@ -40,23 +45,37 @@ local items = cjson.decode(ARGV[1])
 if batch ~= '' then redis.call('HINCRBY', K.batch .. batch, 'unsubmitted', -#items) end
 -- one INCRBY reserves a sequence number per item (a duplicate leaves a gap: only order counts)
 local seq0 = redis.call('INCRBY', K.seq, #items) - #items
+local conflicts = {} -- a batch's error lines (invalid-list records)
 for i, r in ipairs(items) do
   local id, queue, pool = r[1], r[2], r[3]
   local rk = K.req .. id
-  local live = redis.call('HMGET', rk, 'state', 'payload', 'queue', 'endpoint', 'headers')
-  local state = live[1]
-  if state and state ~= 'done' then
+  local live = redis.call('HMGET', rk, 'state', 'payload', 'queue', 'endpoint', 'headers',
+    'batch')
+  local state, owner = live[1], live[6]
+  if state and state ~= 'done' and (batch == '' or owner ~= batch) then
     local differs = {}
-    if batch == '' then
-      for j, mine in ipairs({r[7], r[2], r[10], r[9]}) do
-        if live[j + 1] ~= mine then differs[#differs + 1] = CONTENT[j] end
-      end
+    for j, mine in ipairs({r[7], r[2], r[10], r[9]}) do
+      if live[j + 1] ~= mine then differs[#differs + 1] = CONTENT[j] end
     end
+    -- another batch's line (no two batches' line ids meet: kept for the counts' sake)
+    if batch ~= '' and owner then differs[#differs + 1] = 'batch' end
     if #differs > 0 then
       out[#out + 1] = 'conflict:' .. table.concat(differs, ',')
+      if batch ~= '' then
+        conflicts[#conflicts + 1] = cjson.encode({line = tonumber(string.sub(id, #batch + 2)),
+          custom_id = r[15], code = 'idempotency_conflict', differs = differs,
+          message = 'line ' .. string.sub(id, #batch + 2) .. ": request '" .. id ..
+            "' is live with another " .. table.concat(differs, ' and ') ..
+            ': wait for it to end, or give the batch another id'})
+      end
     else
+      if batch ~= '' then -- the line takes the live request: counted here when it ends
+        redis.call('HSET', rk, 'batch', batch, 'custom_id', r[15])
+      end
       out[#out + 1] = state
     end
+  elseif state and state ~= 'done' then -- this batch's line already (its id recreated)
+    out[#out + 1] = state
   else
     if state then redis.call('DEL', rk) end
     local member = string.format('%015d', seq0 + i) .. '|' .. id
@@ -93,4 +112,13 @@ for i, r in ipairs(items) do
 end
 sched_add_done(memo)
 for pool, _ in pairs(touched_pools) do wake(K, pool) end
+if #conflicts > 0 then -- error lines: each counted once, here (no request of the batch)
+  local bk = K.batch .. batch
+  local ik = bk .. TAIL_INVALID
+  redis.call('RPUSH', ik, unpack(conflicts))
+  local ttl = redis.call('PTTL', bk)
+  if ttl > 0 then redis.call('PEXPIRE', ik, ttl) end
+  redis.call('HINCRBY', bk, 'failed', #conflicts)
+  batch_settle(K, batch, now)
+end
 return out

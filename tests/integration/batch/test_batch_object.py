@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from pipeline.batch import Batches, UnknownBatch
+from pipeline.batch.config import BatchSettings
+from pipeline.batch.files import Files
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
@@ -277,3 +279,96 @@ def test_a_listed_batch_cancelled_while_its_lines_are_stored_reads_every_line(
     assert [x.custom_id for x in out[:20]] == [f"x{i}" for i in range(20)]
     assert all(x.result is not None and x.result.error_code == "CANCELLED" for x in out[:20])
     assert all(x.custom_id is None and x.missing == "batch_cancelled" for x in out[20:])
+
+
+def test_a_line_whose_id_is_live_with_other_content_is_an_error_line(
+    served: Pipeline, sim: SimServer, tmp_path: Path
+) -> None:
+    """A batch's line ids are ``<batch id>-<line>``, and a batch id may be chosen: a request
+    submitted by that id and still live (held at the simulator here) with another payload
+    makes its line an error line (``idempotency_conflict``, naming the id and what differs)
+    counted failed when the line is stored. The batch completes with every other line; the
+    live request is left alone, counted in no batch, and its result is its own."""
+    name = f"batch-live-{uuid.uuid4().hex[:8]}"
+    bid = f"batch_conflict_{uuid.uuid4().hex[:8]}"
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "mine"}]}
+    live = served.submit(body, id=f"{bid}-2", endpoint="/v1/chat/completions",
+                         headers=held(name), timeout=60)  # fmt: skip
+    sim.wait_held(name)
+    files = Files(served.store, BatchSettings(files_dir=str(tmp_path / "files")))
+    b = Batches(served, files=files)
+    lines = [chat("a"), chat("b", "theirs", headers=held(name)), chat("c")]
+    done = b.submit_batch(lines, batch_id=bid).wait(timeout=30)
+    assert done.status == "completed", done
+    c = done.request_counts
+    assert (c.total, c.completed, c.failed) == (3, 2, 1)
+    out = list(b.lines(done))
+    assert [x.number for x in out] == [1, 2, 3] and out[0].ok and out[2].ok
+    conflict = out[1]
+    assert conflict.custom_id == "b" and conflict.result is None
+    assert conflict.invalid is not None and conflict.invalid["code"] == "idempotency_conflict"
+    assert f"{bid}-2" in conflict.invalid["message"] and "payload" in conflict.invalid["message"]
+    assert conflict.error()[0] == "IDEMPOTENCY_CONFLICT"
+    _, err_id = b.write_files(done)
+    assert err_id is not None
+    with files.blobs.open(err_id) as fh:
+        (err,) = [json.loads(x) for x in fh]
+    assert err["id"] == f"{bid}-2" and err["custom_id"] == "b" and err["response"] is None
+    assert err["error"]["code"] == "idempotency_conflict"
+    assert err["error"]["message"] == conflict.invalid["message"]
+    # the live request was not touched: still held, no batch of its own; its result its own
+    assert served.state(live.id) == "running" and "batch" not in served.record(live.id)
+    sim.release(name)
+    res = live.result(15)
+    assert res.ok and json.loads(served.record(live.id)["payload"]) == body
+    after = b.get(bid).request_counts
+    assert (after.total, after.completed, after.failed) == (3, 2, 1)
+    assert sim.stats()["attempts_by_request_id"][live.id] == 1
+    assert_idle(served)
+
+
+def test_a_line_whose_id_is_live_with_the_same_content_takes_that_request(
+    served: Pipeline, sim: SimServer
+) -> None:
+    """The same payload, queue, endpoint and headers: the line takes the live request as its
+    own (as a submit of that id returns it), is counted when it ends, and its result is the
+    line's; it ran once."""
+    name = f"batch-same-{uuid.uuid4().hex[:8]}"
+    bid = f"batch_same_{uuid.uuid4().hex[:8]}"
+    line = chat("b", "shared", headers=held(name))
+    live = served.submit(line["body"], id=f"{bid}-2", endpoint=line["url"],
+                         headers=held(name), timeout=60)  # fmt: skip
+    sim.wait_held(name)
+    b = Batches(served)
+    batch = b.submit_batch([chat("a"), line, chat("c")], batch_id=bid)
+    assert batch.status == "in_progress"
+    wait_until(lambda: b.get(bid).request_counts.completed == 2, 15, "the other lines done")
+    assert b.get(bid).status == "in_progress"  # the taken request is a line of it: awaited
+    assert served.record(live.id)["batch"] == bid
+    sim.release(name)
+    done = b.wait(bid, timeout=30)
+    assert done.status == "completed"
+    c = done.request_counts
+    assert (c.total, c.completed, c.failed) == (3, 3, 0)
+    out = list(b.lines(done))
+    assert out[1].custom_id == "b" and out[1].result is not None and out[1].ok
+    assert out[1].result == live.result(5)
+    assert sim.stats()["attempts_by_request_id"][live.id] == 1
+    assert_idle(served)
+
+
+def test_a_batch_cancel_leaves_a_live_request_of_a_conflicting_line(pl: Pipeline) -> None:
+    """Cancelling a batch cancels its own lines only: the live request that a line's id
+    conflicted with is not one of them."""
+    bid = f"batch_keep_{uuid.uuid4().hex[:8]}"
+    live = pl.submit({"prompt": "mine"}, id=f"{bid}-1", queue="solo", timeout=60)
+    b = Batches(pl)
+    batch = b.submit_batch([chat(f"q{i}") for i in range(3)], queue="solo", batch_id=bid)
+    c = batch.request_counts
+    assert batch.status == "in_progress" and (c.total, c.failed) == (3, 1)
+    done = batch.cancel()
+    assert done.status == "cancelled"
+    c = done.request_counts
+    assert (c.total, c.completed, c.failed) == (3, 0, 3)
+    assert pl.state(live.id) == "queued"
+    assert live.cancel()
