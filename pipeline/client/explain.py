@@ -413,6 +413,9 @@ _EVENTS: dict[str, Any] = {
     "reaped": _reaped,
     "dropped": lambda f: f"by {f.get('gate', 'its gate')}",
     "cancelled": _cancelled,
+    "joined": lambda f: (
+        f"taken as line {f.get('line')} of batch {f.get('batch')} (the same content)"
+    ),
     "done": _done,
 }
 

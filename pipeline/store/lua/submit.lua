@@ -70,7 +70,10 @@ for i, r in ipairs(items) do
       end
     else
       if batch ~= '' then -- the line takes the live request: counted here when it ends
-        redis.call('HSET', rk, 'batch', batch, 'custom_id', r[15])
+        local entry = log_entry(now, 'joined', '"batch":' .. json_str(batch) .. ',"line":' ..
+          string.sub(id, #batch + 2))
+        redis.call('HSET', rk, 'batch', batch, 'custom_id', r[15],
+          'log', log_with(redis.call('HGET', rk, 'log'), id, entry))
       end
       out[#out + 1] = state
     end

@@ -323,6 +323,8 @@ def test_a_line_whose_id_is_live_with_other_content_is_an_error_line(
     assert res.ok and json.loads(served.record(live.id)["payload"]) == body
     after = b.get(bid).request_counts
     assert (after.total, after.completed, after.failed) == (3, 2, 1)
+    again = list(b.lines(b.get(bid)))[1]  # the record by its id now has a result: not the line's
+    assert again.result is None and again.invalid == conflict.invalid
     assert sim.stats()["attempts_by_request_id"][live.id] == 1
     assert_idle(served)
 
@@ -345,6 +347,8 @@ def test_a_line_whose_id_is_live_with_the_same_content_takes_that_request(
     wait_until(lambda: b.get(bid).request_counts.completed == 2, 15, "the other lines done")
     assert b.get(bid).status == "in_progress"  # the taken request is a line of it: awaited
     assert served.record(live.id)["batch"] == bid
+    (joined,) = [x for x in live.explain().log if x.event == "joined"]
+    assert joined.fields == {"batch": bid, "line": 2}
     sim.release(name)
     done = b.wait(bid, timeout=30)
     assert done.status == "completed"
