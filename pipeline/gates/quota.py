@@ -118,7 +118,7 @@ class TokenQuota(Quota, Settles):
     def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
         super().__init__(name, params, env)
         if self.client is not None:
-            self._tokens = register(self.client, "gate_tokens_acquire")
+            self._tokens = register(self.client, "gate_tokens_acquire", library=True)
             self._settle = register(self.client, "gate_tokens_settle")
 
     def tokens_keys(self, value: str) -> tuple[str, str]:

@@ -216,9 +216,10 @@ class Script:
             )
 
 
-def register(client: redis.Redis, name: str) -> Script:
-    """A stand-alone script (``lua/<name>.lua``, a gate's) registered on ``client``."""
-    return Script(client, source(name, library=False), name=name)
+def register(client: redis.Redis, name: str, library: bool = False) -> Script:
+    """A stand-alone script (``lua/<name>.lua``, a gate's) registered on ``client``; with
+    ``library``, with the definitions of lib.lua it uses (it reads no key families)."""
+    return Script(client, source(name, library=library), name=name)
 
 
 @dataclass(frozen=True)

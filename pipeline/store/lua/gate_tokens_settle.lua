@@ -15,7 +15,8 @@ local old = redis.call('HGET', KEYS[2], ARGV[1])
 if not old or not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   return -1
 end
-if string.sub(old, 1, 1) == 'e' then old = string.sub(old, 2) end
+local kind = string.sub(old, 1, 1)
+if kind == 'e' or kind == 'd' then old = string.sub(old, 2) end
 old = tonumber(old) or 0
 local n = old
 if ARGV[2] ~= '' then n = tonumber(ARGV[2]) end

@@ -458,3 +458,66 @@ local function expire(K, id, now, ttl)
   if f[2] and f[2] ~= '' then message = message .. ' (last error: ' .. f[2] .. ')' end
   return terminal(K, id, now, ttl, '', DEADLINE_PAYLOAD, 'DEADLINE_EXCEEDED', message)
 end
+
+-- Token budgets (redis-quota, tokens mode; the rules: gate_tokens_acquire.lua). One window is
+-- a charge log `log_key` (sorted set: holder -> when its charge started to count, server
+-- clock) and its charges `charges_key` (hash: holder -> 'e<n>' an admission's estimate, 'd<n>'
+-- the estimate the dispatcher charged for an attempt it sent that has not asked yet, '<n>'
+-- settled). A charge counts while now - score < window (s); tokens_purge removes the others.
+local function tokens_purge(log_key, charges_key, window, now)
+  local old = redis.call('ZRANGEBYSCORE', log_key, '-inf', string.format('%.6f', now - window))
+  for _, h in ipairs(old) do
+    redis.call('ZREM', log_key, h)
+    redis.call('HDEL', charges_key, h)
+  end
+end
+
+-- The window's charges, oldest first: {total, open (the part still estimates, which a
+-- settlement may lower), at (their scores), amounts}.
+local function tokens_window(log_key, charges_key)
+  local log = redis.call('ZRANGE', log_key, 0, -1, 'WITHSCORES')
+  local raw = redis.call('HGETALL', charges_key)
+  local charge = {}
+  for i = 1, #raw, 2 do charge[raw[i]] = raw[i + 1] end
+  local w = {total = 0, open = 0, at = {}, amounts = {}}
+  for i = 1, #log, 2 do
+    local v = charge[log[i]] or '0'
+    local kind, n = string.sub(v, 1, 1), nil
+    if kind == 'e' or kind == 'd' then
+      n = tonumber(string.sub(v, 2)) or 0
+      w.open = w.open + n
+    else
+      n = tonumber(v) or 0
+    end
+    w.at[#w.at + 1] = tonumber(log[i + 1])
+    w.amounts[#w.amounts + 1] = n
+    w.total = w.total + n
+  end
+  return w
+end
+
+-- Charge `estimate` tokens to `holder` from `now`, as `kind` ('e' or 'd'), in window `w` too
+-- (when given); both keys expire a second after the window.
+local function tokens_charge(log_key, charges_key, window, holder, kind, estimate, now, w)
+  redis.call('ZADD', log_key, string.format('%.6f', now), holder)
+  redis.call('HSET', charges_key, holder, kind .. string.format('%d', estimate))
+  local ttl = math.ceil(window * 1000) + 1000
+  redis.call('PEXPIRE', log_key, ttl)
+  redis.call('PEXPIRE', charges_key, ttl)
+  if w then
+    w.total, w.open = w.total + estimate, w.open + estimate
+    w.at[#w.at + 1] = now
+    w.amounts[#w.amounts + 1] = estimate
+  end
+end
+
+-- How long (s) until enough of window `w`'s charges have expired for `estimate` more tokens
+-- to fit under `limit`, if nothing else is charged meanwhile (the oldest expire first).
+local function tokens_wait(w, estimate, limit, window, now)
+  local need, freed = w.total + estimate - limit, 0
+  for i = 1, #w.amounts do
+    freed = freed + w.amounts[i]
+    if freed >= need then return w.at[i] + window - now end
+  end
+  return window
+end
