@@ -25,6 +25,7 @@ from ..store import (
     QueueTick,
     QuotaSpec,
     Store,
+    TokenSpec,
     sched,
 )
 from ..store import holder as make_holder
@@ -66,6 +67,8 @@ class Dispatcher:
         self.gates: dict[str, Gate] = {}
         # per queue: the per-key quotas the dispatch script counts (with their look-ahead)
         self.specs: dict[str, tuple[QuotaSpec, ...]] = {}
+        # per queue: the token budgets it holds tenants back by (and charges at dispatch)
+        self.tokens: dict[str, tuple[TokenSpec, ...]] = {}
         self.retired: list[Gate] = []  # gates replaced by a reload, reaped until empty
         self.foreign: list[QueueConfig] = []
         self.full_since: dict[str, float] = {}
@@ -111,6 +114,7 @@ class Dispatcher:
             )
             for name, gate in gates.items()
         }
+        self.tokens = {name: tuple(gate.token_specs()) for name, gate in gates.items()}
         # queues of pools this node does not serve: swept (due retries promoted, expired
         # requests resulted) but never dispatched, so deadlines hold even with no worker there
         self.foreign = [q for p, qs in all_pools.items() if p not in self.pools for q in qs]
@@ -128,12 +132,12 @@ class Dispatcher:
             self.setup_queues()
 
     def setup_queues(self) -> None:
-        """Index by tenant the queues that need it (fair share, a per-key quota), and only
-        those."""
+        """Index by tenant the queues that need it (fair share, a per-key quota, a token
+        budget), and only those."""
         c, keys = self.store.client, self.keys
         for pool, queues in self.pools.items():
             for q in queues:
-                if q.fair_share or self.specs[q.queue_name]:
+                if q.fair_share or self.specs[q.queue_name] or self.tokens[q.queue_name]:
                     n = sched.setup(
                         c,
                         self.store.scripts,
@@ -260,6 +264,7 @@ class Dispatcher:
             cap=-1 if cap is None else cap,
             lane=self.settings.merge_policy.lane(q.labels),
             specs=specs,
+            tokens=self.tokens[q.queue_name],
             rand=self.rng.random(),
         )
 
@@ -364,7 +369,7 @@ class Dispatcher:
         for h in gate.reap():
             log.warning("gate %s freed expired reservation %s", q.queue_name, h)
             metrics.count(metrics.series().reclaims, q, "gate")
-        if self.specs[q.queue_name]:
+        if self.specs[q.queue_name] or self.tokens[q.queue_name]:
             # tenants held back by a quota key whose wake-up was lost get another look
             sched.recheck(self.store.scripts, self.keys, q.queue_name)
         self.check_wedge(q.queue_name, gate)

@@ -14,7 +14,7 @@ import redis
 
 from ..store.keys import Keys
 from ..store.keys import holder as make_holder
-from ..store.sched import QuotaSpec
+from ..store.sched import QuotaSpec, TokenSpec
 from ..store.scripts import ScriptCall
 
 log = logging.getLogger("pipeline.gates")
@@ -156,6 +156,10 @@ class Gate:
     def quota_specs(self) -> list[QuotaSpec]:
         """The blocking per-key quotas the dispatcher counts each key's requests against."""
         return [s for gate in self.parts() for s in gate.quota_specs()]
+
+    def token_specs(self) -> list[TokenSpec]:
+        """The blocking token budgets the dispatcher holds a tenant back by (and charges)."""
+        return [s for gate in self.parts() for s in gate.token_specs()]
 
     def holders(self) -> list[dict[str, Any]]:
         """Live reservations (a holder of several parts once)."""

@@ -9,8 +9,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, cast
 
-from ..store.keys import Keys
-from ..store.sched import QuotaSpec
+from ..store.keys import Keys, gate_tokens_roots
+from ..store.sched import QuotaSpec, TokenSpec
 from ..store.scripts import ScriptCall, node_client
 from .base import CONTINUE, AcquireContext, Calls, Decision, Gate, GateEnv, Settles, Verdict
 from .leases import LeaseScripts, LeaseSet, SlotGate, holder_entry, parse_info, register
@@ -121,10 +121,30 @@ class TokenQuota(Quota, Settles):
             self._tokens = register(self.client, "gate_tokens_acquire", library=True)
             self._settle = register(self.client, "gate_tokens_settle")
 
+    @property
+    def namespace(self) -> str:
+        return self.prefix.rstrip(":") or "quota"
+
     def tokens_keys(self, value: str) -> tuple[str, str]:
         """The charge log and charges of one value's token budget."""
-        namespace = self.prefix.rstrip(":") or "quota"
-        return self._keys().gate_tokens(namespace, f"{self.attribute}:{value}", self.window_s)
+        return self._keys().gate_tokens(self.namespace, f"{self.attribute}:{value}", self.window_s)
+
+    def token_specs(self) -> list[TokenSpec]:
+        """Blocking, in the pipeline's Redis: the dispatcher holds a tenant back while its
+        next request does not fit in the window (it reads and charges the window there)."""
+        if self.gating_mode != "blocking" or self.url is not None:
+            return []
+        log_root, charges_root = gate_tokens_roots(self.namespace, self.attribute, self.window_s)
+        return [
+            TokenSpec(
+                log_root,
+                charges_root,
+                self.attribute,
+                self.limit,
+                self.window_s,
+                self.default_max_tokens,
+            )
+        ]
 
     def estimate(self, ctx: AcquireContext) -> int:
         """Tokens charged at admission (see :mod:`.tokens`)."""

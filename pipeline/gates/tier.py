@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-from ..store.sched import QuotaSpec
+from ..store.sched import QuotaSpec, TokenSpec
 from .base import AcquireContext, Decision, GateEnv, Verdict
 from .composite import Wrapper, build_inner
 from .params import Params
@@ -28,6 +28,10 @@ class TierPriorityAdmissionGate(Wrapper):
 
     def quota_specs(self) -> list[QuotaSpec]:
         """None: an inner refusal is an outcome here, the dispatcher must not hold back for it."""
+        return []
+
+    def token_specs(self) -> list[TokenSpec]:
+        """None, as :meth:`quota_specs`."""
         return []
 
     def acquire(self, ctx: AcquireContext) -> Decision:

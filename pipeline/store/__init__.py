@@ -6,7 +6,7 @@ from . import sched
 from .connect import connect
 from .keys import Keys, holder
 from .rows import RequestRow
-from .sched import MergeArgs, QueueTick, QuotaSpec
+from .sched import MergeArgs, QueueTick, QuotaSpec, TokenSpec
 from .scripts import ScriptCall, run_batch
 from .server import ServerFacts, ShardLoad, check_redis, primaries, server_facts, shard_load
 from .state import DirectPublish, Dispatched, Mirror, Store
@@ -24,6 +24,7 @@ __all__ = [
     "ServerFacts",
     "ShardLoad",
     "Store",
+    "TokenSpec",
     "check_redis",
     "connect",
     "holder",

@@ -26,6 +26,7 @@ TAILS = {
     "tenant": ":t:",
     "ready": ":ready",
     "blocked": ":blocked",
+    "wakeups": ":wakeups",
     "sent": ":sent",
     "holders": ":holders",
     "wake": ":wake",
@@ -110,6 +111,11 @@ class Keys:
     def blocked(self, queue: str) -> str:
         """Hash: tenant key → the quota key it is held back by."""
         return self.queue_prefix() + queue + TAILS["blocked"]
+
+    def wakeups(self, queue: str) -> str:
+        """Sorted set: token budgets (their charge logs, named as under :meth:`gate_prefix`)
+        holding tenants back; score = when their window has room again (server clock)."""
+        return self.queue_prefix() + queue + TAILS["wakeups"]
 
     # -- per quota key (a redis-quota concurrency gate's key, e.g. ``quota:userid:alice``) --
     def quota_sent(self, quota_key: str) -> str:
@@ -326,6 +332,15 @@ def sharded(channel: str) -> bool:
     """Whether the release bell's ``channel`` is a sharded one (SPUBLISH / SSUBSCRIBE): when it
     carries a pool's hash tag, as on a Redis Cluster (lib.lua ``publish_freed`` agrees)."""
     return "{" in channel
+
+
+def gate_tokens_roots(gate: str, attribute: str, window_s: float) -> tuple[str, str]:
+    """What :meth:`Keys.gate_tokens` names for a value of ``attribute``, after the gate prefix
+    and up to the value (the dispatch script completes them: the key family root + these +
+    the value)."""
+    k = Keys("")
+    log, charges = k.gate_tokens(gate, f"{attribute}:", window_s)
+    return log.removeprefix(k.gate_prefix()), charges.removeprefix(k.gate_prefix())
 
 
 def holder(request_id: str, token: str) -> str:

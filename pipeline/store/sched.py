@@ -43,6 +43,34 @@ class QuotaSpec:
 
 
 @dataclass(frozen=True)
+class TokenSpec:
+    """A blocking token budget in a queue's gates (``redis-quota`` with ``mode: tokens``,
+    whose window lives in the pipeline's Redis): the dispatch script holds a tenant back while
+    its head request's estimate does not fit in the window of its key (``limit`` tokens per
+    ``window_s``), and charges the estimate of each attempt it sends (``d<n>``, taken over
+    by the attempt's own admission: lua/gate_tokens_acquire.lua). A request's window is
+    ``log`` / ``charges`` + ``metadata[attribute]`` under the gate prefix
+    (:func:`~.keys.gate_tokens_roots`); ``default_max_tokens`` as the gate's."""
+
+    log: str
+    charges: str
+    attribute: str
+    limit: int
+    window_s: float
+    default_max_tokens: int
+
+    def arg(self) -> dict[str, Any]:
+        return {
+            "log": self.log,
+            "ch": self.charges,
+            "attr": self.attribute,
+            "limit": self.limit,
+            "window": self.window_s,
+            "dmt": self.default_max_tokens,
+        }
+
+
+@dataclass(frozen=True)
 class QueueTick:
     """One queue in a pool's dispatch tick. ``dispatch`` False: only its active requests count
     against the pool's slots (and it is swept when ``sweep``)."""
@@ -55,10 +83,12 @@ class QueueTick:
     weight: float = 1.0
     lane: int = 0
     specs: tuple[QuotaSpec, ...] = ()
+    tokens: tuple[TokenSpec, ...] = ()
     rand: float = 0.0  # where a new round-robin counter of the queue starts (0..1)
     result_list: tuple[str, str, str] = ("", "0", "0")  # key, max length, TTL
 
     def arg(self) -> dict[str, Any]:
+        tokens = {"tokens": [t.arg() for t in self.tokens]} if self.tokens else {}
         return {
             "name": self.name,
             "dispatch": self.dispatch,
@@ -72,6 +102,7 @@ class QueueTick:
             "rl_max": self.result_list[1],
             "rl_ttl": self.result_list[2],
             "specs": [s.arg() for s in self.specs],
+            **tokens,
         }
 
 
@@ -112,12 +143,13 @@ def setup(
 
 
 def teardown(client: redis.Redis, keys: Keys, queue: str) -> None:
-    """Stop indexing ``queue``: its sched hash, ready set, blocked tenants and sub-queues go
-    (pending keeps every waiting request; dispatch goes back to the pending order)."""
+    """Stop indexing ``queue``: its sched hash, ready set, blocked tenants (and when they
+    wake) and sub-queues go (pending keeps every waiting request; dispatch goes back to the
+    pending order)."""
     blocked: dict[str, str] = client.hgetall(keys.blocked(queue))  # type: ignore[assignment]
     # at the queue's server (on a cluster its pool's primary, which takes a multi-key DEL)
     with node_client(client, keys.sched(queue)).pipeline(transaction=False) as pipe:
-        pipe.delete(keys.sched(queue), keys.ready(queue), keys.blocked(queue))
+        pipe.delete(keys.sched(queue), keys.ready(queue), keys.blocked(queue), keys.wakeups(queue))
         for tk, qk in blocked.items():
             pipe.srem(keys.quota_blocked(qk), f"{queue}\n{tk}")
         pipe.execute()

@@ -14,6 +14,11 @@
 --    ready set (fair share: tenants take turns at the highest priority), and a tenant whose
 --    request would exceed a quota key's limit (requests of the key dispatched or running,
 --    or the key's live leases) is held back (blocked) until a request of that key leaves.
+--    Likewise a tenant whose head request's token estimate does not fit in its token
+--    budget's window (a token spec) is held back until a request charged there leaves (its
+--    settlement may have made room) or the window has room by the clock (the queue's wakeups
+--    set, swept before the queue dispatches); a request it dispatches is charged its estimate
+--    there ('d<n>', for its attempt's holder: taken over when the attempt asks the gate).
 -- 4. Look-ahead per quota key: with room left, the tenants blocked in this tick get up to
 --    `la` more attempts of a key past its limit (at most cfg.lookahead in all): they park at
 --    the worker for a release of that key (the key is published when one leaves).
@@ -37,15 +42,18 @@
 -- lane (0..5), rand (0..1: a new round-robin counter's start), rl (bool: it keeps a result
 -- list), rl_max, rl_ttl (result list),
 -- specs: [{k (the quota key up to its value: <the gate's prefix param><attribute>:), attr,
--- limit, la (look-ahead), h (bool: the key's leases are in this Redis)}]}]}.
+-- limit, la (look-ahead), h (bool: the key's leases are in this Redis)}],
+-- tokens (optional): [{log, ch (the token budget's charge log and charges up to its value:
+-- <gate>:tokens:<window>:log:<attribute>: and :charges:), attr, limit, window (s),
+-- dmt (default_max_tokens)}]}]}.
 -- With a Celery queue list, each moved request is also pushed there as a Celery message (protocol 2,
 -- kombu's Redis transport envelope, JSON body), so the move and the publish are one step.
 -- Returns {moved, expired, next_event, rejected}: moved is a flat list of id, token,
 -- dispatch number, priority, queue index (1-based, in ARGV[1]'s order), tenant (JSON
 -- {attribute: value} of an indexed queue's request, see tenant_hint; '' for none); expired
 -- the number of requests expired per queue; next_event how long until the earliest due retry
--- or deadline of a waiting request (s, as text; -1 if none); rejected, per queue, the
--- malformed members removed.
+-- or deadline of a waiting request, or wake-up of a tenant a token budget holds back (s, as
+-- text; -1 if none); rejected, per queue, the malformed members removed.
 local K = key_families()
 local cfg = cjson.decode(ARGV[1])
 local now = server_now()
@@ -62,6 +70,7 @@ for i, q in ipairs(Q) do
   q.idx, q.pending, q.delayed, q.expiry, q.active, q.results =
     i, KEYS[b + 1], KEYS[b + 2], KEYS[b + 3], KEYS[b + 4], KEYS[b + 5]
   q.expired, q.rejected, q.allowed = 0, {}, 0
+  q.tokens = q.tokens or {}
   if not q.rl then q.results = '' end -- its key only holds the place
 end
 
@@ -127,11 +136,23 @@ local function reindex(q, c)
   redis.call('HSET', c.base .. TAIL_SCHED, 'cursor', cur)
 end
 
+-- Tenants held back by a token budget whose window has room by now (the queue's wakeups).
+local function wake_due(q)
+  local k = qkey(K, q.name, TAIL_WAKEUPS)
+  for _, lk in ipairs(redis.call('ZRANGEBYSCORE', k, '-inf', now_text)) do
+    redis.call('ZREM', k, lk)
+    sched_wake(K, lk)
+  end
+end
+
 for _, q in ipairs(Q) do
   if q.sweep then sweep(q) end
   if q.dispatch then
     q.conf = sched_conf(K, q.name)
-    if q.conf then reindex(q, q.conf) end
+    if q.conf then
+      reindex(q, q.conf)
+      if #q.tokens > 0 then wake_due(q) end
+    end
   end
 end
 
@@ -208,10 +229,17 @@ local t = 0
 local quota_used = {} -- quota key -> {sent, live leases} as this tick counted and dispatched
 
 -- Dispatch request `id` (record `rk`, its fields `f` as check() read them) with a new attempt
--- token; `qkeys`: the quota keys it counts against; `ahead`: the key it is sent past, if any.
-local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes)
+-- token; `qkeys`: the quota keys it counts against (with their wake counts `wakes`: -1 for a
+-- token budget's window, which counts no requests); `ahead`: the key it is sent past, if
+-- any; `charges`: its token charges (see quota_keys).
+local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes, charges)
   t = t + 1
   local token = cfg.nonce .. '.' .. t
+  if charges then
+    for _, ch in ipairs(charges) do
+      tokens_charge(ch[1], ch[2], ch[3], id .. ':' .. token, 'd', ch[4], now, ch[5])
+    end
+  end
   local priority = f[4]
   local n = (tonumber(f[7]) or 0) + 1 -- written with the state (no HINCRBY of its own)
   local n_text = string.format('%d', n)
@@ -221,8 +249,8 @@ local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes)
   if qkeys and #qkeys > 0 then
     redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'dispatches', n_text,
       'qkeys', cjson.encode(qkeys), 'qwake', cjson.encode(wakes), 'log', log)
-    for _, qk in ipairs(qkeys) do -- (whole seconds: see lease_score)
-      if redis.call('ZADD', K.gate .. qk .. TAIL_SENT, now_whole, id) == 1
+    for i, qk in ipairs(qkeys) do -- (whole seconds: see lease_score)
+      if wakes[i] ~= -1 and redis.call('ZADD', K.gate .. qk .. TAIL_SENT, now_whole, id) == 1
           and quota_used[qk] then
         quota_used[qk][1] = quota_used[qk][1] + 1
       end
@@ -270,21 +298,91 @@ local function check(q, member)
   return nil
 end
 
+-- Token estimates, the rule of pipeline/gates/tokens.py (which the attempt's own admission
+-- applies: this one only decides what the dispatcher sends and holds back).
+-- The characters of string `s` (UTF-8 code points, as Python counts them).
+local function utf8_len(s)
+  if not string.find(s, '[\128-\255]') then return #s end
+  local _, cont = string.gsub(s, '[\128-\191]', '')
+  return #s - cont
+end
+
+-- (characters, token ids) of a prompt or of a message's content.
+local function text_chars(v)
+  if type(v) == 'string' then return utf8_len(v), 0 end
+  if type(v) ~= 'table' then return 0, 0 end
+  local chars, ids = 0, 0
+  for _, item in ipairs(v) do
+    local t_item = type(item)
+    if t_item == 'number' then
+      if item == math.floor(item) then ids = ids + 1 end
+    elseif t_item == 'string' then
+      chars = chars + utf8_len(item)
+    elseif t_item == 'table' then
+      local text = item.text -- a content part (an object); an array has none
+      if text == nil then
+        local c, i = text_chars(item)
+        chars, ids = chars + c, ids + i
+      elseif type(text) == 'string' then
+        chars = chars + utf8_len(text)
+      end
+    end
+  end
+  return chars, ids
+end
+
+-- A JSON integer >= 0, else nil.
+local function token_count(v)
+  if type(v) == 'number' and v >= 0 and v == math.floor(v) then return v end
+  return nil
+end
+
+-- The estimate of request body `payload` (JSON text): the prompt's characters / 4, rounded
+-- up, + its token ids + 4 per chat message, + the completion budget (max_completion_tokens
+-- or max_tokens, the larger, else `dmt`) x n.
+local function estimate_tokens(payload, dmt)
+  local ok, body = pcall(cjson.decode, payload or '')
+  if not ok or type(body) ~= 'table' or body[1] ~= nil then return dmt end
+  local chars, ids = text_chars(body.prompt)
+  local overhead = 0
+  if type(body.messages) == 'table' then
+    for _, m in ipairs(body.messages) do
+      if type(m) == 'table' and m[1] == nil then
+        local c, i = text_chars(m.content)
+        chars, ids, overhead = chars + c, ids + i, overhead + 4
+      end
+    end
+  end
+  local a, b = token_count(body.max_completion_tokens), token_count(body.max_tokens)
+  local budget = dmt
+  if a and b then budget = math.max(a, b) else budget = a or b or dmt end
+  local n = token_count(body.n)
+  if not n or n == 0 then n = 1 end
+  return math.ceil(chars / 4) + ids + overhead + budget * n
+end
+
+local token_windows = {} -- charge log key -> its window (lib.lua tokens_window), this tick
+
 -- The quota keys request `rk` (tenant `tenant`) counts against, the first of them that is at
 -- its limit (plus its look-ahead when `ahead`), if any, and for each key the count of its
 -- dispatched requests at which the tenants it holds back are woken (sched_leave): its limit
 -- plus half its look-ahead (rounded down), so a tick tops the look-ahead up after every
 -- second or third leave, not after each one (and never later than the key has room).
+-- Then its token budgets' windows (their charge logs, under the gate prefix), each with the
+-- wake count -1 (sched_leave): the first where its estimate does not fit is `over` when no
+-- quota key is, with `due`, how long until the window has room for it by the clock; else
+-- `charges`, what dispatching it charges: {log key, charges key, window, estimate, the
+-- window}. An estimate above the whole limit is not charged (the attempt drops it unsent).
 local function quota_keys(q, c, rk, tenant, ahead)
   local keys, over, metadata, wakes = {}, nil, nil, {}
+  local charges, due = {}, nil
+  local function value(attr)
+    if attr == c.attr then return tenant or '' end
+    metadata = metadata or redis.call('HGET', rk, 'metadata') or ''
+    return sched_value(metadata, attr)
+  end
   for _, s in ipairs(q.specs) do
-    local v
-    if s.attr == c.attr then
-      v = tenant or ''
-    else
-      metadata = metadata or redis.call('HGET', rk, 'metadata') or ''
-      v = sched_value(metadata, s.attr)
-    end
+    local v = value(s.attr)
     if v ~= '' then
       local qk = s.k .. v
       keys[#keys + 1] = qk
@@ -307,7 +405,34 @@ local function quota_keys(q, c, rk, tenant, ahead)
       end
     end
   end
-  return keys, over, wakes
+  local payload = nil
+  for _, s in ipairs(q.tokens) do
+    local v = value(s.attr)
+    if v ~= '' then
+      payload = payload or redis.call('HGET', rk, 'payload') or ''
+      local est = estimate_tokens(payload, s.dmt)
+      if est <= s.limit then
+        local lk = s.log .. v
+        keys[#keys + 1] = lk
+        wakes[#wakes + 1] = -1
+        if not over then
+          local log_key, charges_key = K.gate .. lk, K.gate .. s.ch .. v
+          local w = token_windows[lk]
+          if not w then
+            tokens_purge(log_key, charges_key, s.window, now)
+            w = tokens_window(log_key, charges_key)
+            token_windows[lk] = w
+          end
+          if w.total + est > s.limit then
+            over, due = lk, tokens_wait(w, est, s.limit, s.window, now)
+          else
+            charges[#charges + 1] = {log_key, charges_key, s.window, est, w}
+          end
+        end
+      end
+    end
+  end
+  return keys, over, wakes, charges, due
 end
 
 local held = {} -- tenants blocked in this tick: {q, c, tk}, for the quota look-ahead
@@ -337,20 +462,23 @@ local function take(q)
         -- dealt with; make sure the tenant moves on (the record may be gone or unreadable)
         if not sched_drop(K, c, tk, hm, false) then redis.call('ZREM', ready, rm) end
       else
-        local qkeys, over, wakes = quota_keys(q, c, rk, f[5], false)
+        local qkeys, over, wakes, charges, due = quota_keys(q, c, rk, f[5], false)
         if over then
           sched_block(K, c, tk, rm, over)
+          if due then -- a token budget: also when its window has room by the clock
+            redis.call('ZADD', qkey(K, q.name, TAIL_WAKEUPS), 'LT', fmt_time(now + due), over)
+          end
           -- once per hold-back, not again after every re-check (its log says since when)
           local note = '"key":' .. cjson.encode(over)
           local tail = '"e":"held",' .. note .. '}'
           if string.sub(f[6] or '', -#tail) ~= tail then
             redis.call('HSET', rk, 'log', log_with(f[6], id, log_entry(now, 'held', note)))
           end
-          held[#held + 1] = {q = q, c = c, tk = tk}
+          if not due then held[#held + 1] = {q = q, c = c, tk = tk} end -- (no look-ahead)
         else
           redis.call('ZREM', q.pending, hm)
           sched_pop_ready(c, tk, rm, hm)
-          return dispatch_one(q, id, rk, f, qkeys, nil, wakes)
+          return dispatch_one(q, id, rk, f, qkeys, nil, wakes, charges)
         end
       end
     end
@@ -463,11 +591,11 @@ for _, b in ipairs(held) do
     if not id then
       if not sched_drop(K, c, tk, head[1], false) then break end
     else
-      local qkeys, over, wakes = quota_keys(q, c, rk, f[5], true)
+      local qkeys, over, wakes, charges = quota_keys(q, c, rk, f[5], true)
       if over then break end
       redis.call('ZREM', q.pending, head[1])
       sched_pop_held(K, c, tk, head[1], past, #head > 1)
-      dispatch_one(q, id, rk, f, qkeys, past, wakes)
+      dispatch_one(q, id, rk, f, qkeys, past, wakes, charges)
       ahead = ahead + 1
       n_free = n_free - 1
       q.allowed = q.allowed - 1
@@ -481,12 +609,13 @@ local expired, rejected = {}, {}
 for _, q in ipairs(Q) do
   expired[#expired + 1] = q.expired
   rejected[#rejected + 1] = q.rejected
-  if q.sweep then
-    for _, k in ipairs({q.delayed, q.expiry}) do
-      local e = redis.call('ZRANGE', k, 0, 0, 'WITHSCORES')
-      if #e > 0 and (next_event < 0 or tonumber(e[2]) < next_event) then
-        next_event = tonumber(e[2])
-      end
+  local timed = {}
+  if q.sweep then timed = {q.delayed, q.expiry} end
+  if q.conf and #q.tokens > 0 then timed[#timed + 1] = qkey(K, q.name, TAIL_WAKEUPS) end
+  for _, k in ipairs(timed) do
+    local e = redis.call('ZRANGE', k, 0, 0, 'WITHSCORES')
+    if #e > 0 and (next_event < 0 or tonumber(e[2]) < next_event) then
+      next_event = tonumber(e[2])
     end
   end
 end

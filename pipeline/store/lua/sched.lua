@@ -263,13 +263,26 @@ local function sched_block(K, c, tk, rm, qk)
   redis.call('SADD', K.gate .. qk .. TAIL_BLOCKED, c.queue .. '\n' .. tk)
 end
 
+-- Make the tenants quota key `qk` holds back ready again (in any queue).
+local function sched_wake(K, qk)
+  local reg = K.gate .. qk .. TAIL_BLOCKED
+  local members = redis.call('SMEMBERS', reg)
+  redis.call('DEL', reg)
+  for _, m in ipairs(members) do
+    local q, tk = string.match(m, '^([^\n]*)\n(.*)$')
+    if q then sched_unblock(K, q, tk) end
+  end
+end
+
 -- Request `id` left the active state (finished, requeued, reaped, cancelled): it no longer
 -- counts against its quota keys, and tenants waiting for them become ready. Returns the keys
 -- ('\n'-separated, '' for none), which the caller publishes with its queue's release on the
 -- freed channel (attempts parked for them wake) unless its attempt handed its slot over.
 -- `qkeys`: the record's qkeys field (read by the caller with the rest of the record), `qwake`
 -- its qwake field: per key, the count of dispatched requests at which the key's held tenants
--- wake (see quota_keys in dispatch.lua; absent: at every leave).
+-- wake (see quota_keys in dispatch.lua; absent: at every leave; -1: the key is a token
+-- budget's window, which counts no requests: its tenants wake at every leave, whose
+-- settlement may have made room, and it is not published, no attempt parks on it).
 local function sched_leave(K, id, qkeys, qwake)
   if not qkeys or qkeys == '' then return '' end
   redis.call('HDEL', K.req .. id, 'qkeys', 'qwake')
@@ -277,19 +290,17 @@ local function sched_leave(K, id, qkeys, qwake)
   if not ok or type(list) ~= 'table' then return '' end
   local wok, wakes = pcall(cjson.decode, qwake or '')
   if not wok or type(wakes) ~= 'table' then wakes = {} end
+  local released = {}
   for i, qk in ipairs(list) do
-    local sent = K.gate .. qk .. TAIL_SENT
-    redis.call('ZREM', sent, id)
     local at = tonumber(wakes[i])
-    if not at or redis.call('ZCARD', sent) <= at then
-      local reg = K.gate .. qk .. TAIL_BLOCKED
-      local members = redis.call('SMEMBERS', reg)
-      redis.call('DEL', reg)
-      for _, m in ipairs(members) do
-        local q, tk = string.match(m, '^([^\n]*)\n(.*)$')
-        if q then sched_unblock(K, q, tk) end
-      end
+    if at == -1 then
+      sched_wake(K, qk)
+    else
+      local sent = K.gate .. qk .. TAIL_SENT
+      redis.call('ZREM', sent, id)
+      if not at or redis.call('ZCARD', sent) <= at then sched_wake(K, qk) end
+      released[#released + 1] = qk
     end
   end
-  return table.concat(list, '\n')
+  return table.concat(released, '\n')
 end
