@@ -10,7 +10,10 @@
 -- waiting requests is either
 --   ready:   <its head member>\n<tenant key> is in the queue's ready set, or
 --   blocked: a field of the queue's blocked hash (tenant key -> the quota key it waits for),
---            listed as <queue>\n<tenant key> in that key's set (Keys.quota_blocked).
+--            listed as <queue>\n<tenant key> in that key's set (Keys.quota_blocked). A
+--            token budget's window holds tenants back the same way, named by its charge
+--            log under the gate root; the queue's wakeups set says when its room comes by
+--            the clock (dispatch.lua).
 -- Ready scores: without fair share the head's ordering score (the ready set's order is the
 -- pending order among ready tenants, ties by member: submission order); with fair share
 -- (9 - priority) x 2^49 + a ticket from the queue's counter rr: tenants at the highest
