@@ -137,7 +137,8 @@ class Dispatcher:
         c, keys = self.store.client, self.keys
         for pool, queues in self.pools.items():
             for q in queues:
-                if q.fair_share or self.specs[q.queue_name] or self.tokens[q.queue_name]:
+                held_back = bool(self.specs[q.queue_name] or self.tokens[q.queue_name])
+                if q.fair_share or held_back:
                     n = sched.setup(
                         c,
                         self.store.scripts,
@@ -149,6 +150,10 @@ class Dispatcher:
                     )
                     if n:
                         log.info("queue %s: indexed %d waiting request(s)", q.queue_name, n)
+                    if not held_back:
+                        # tenants a quota or token budget a reload removed held back: nothing
+                        # else would make them ready (the reaper's recheck is for held_back)
+                        sched.recheck(self.store.scripts, keys, q.queue_name)
                 elif sched.indexed(c, keys, q.queue_name):
                     sched.teardown(c, keys, q.queue_name)
                     log.info("queue %s: no longer indexed by tenant", q.queue_name)

@@ -317,3 +317,37 @@ def test_the_dispatchers_estimate_is_the_gates(
     assert [d.id for d in tick(b, gate)] == [rid]
     want = estimate_tokens(b.pl.record(rid)["payload"], default_max_tokens)
     assert charges(b, gate, tenant) == {rid: f"d{want}"}
+
+
+def test_a_reload_that_removes_the_budget_frees_the_tenants_it_held(redis_url: str) -> None:
+    """A fair-share queue whose token budget a reload removes stays indexed; a tenant the
+    budget held back (by the clock alone: nothing of it in flight) is made ready again."""
+    from dataclasses import replace
+
+    from pipeline.dispatch.dispatcher import Dispatcher
+
+    params = {"mode": "tokens", "attribute": "userid", "limit": 100, "window": 60}
+    queue = {"queue_name": "q", "fair_share": True, "gate_type": "redis-quota"}
+    with bench(redis_url, [{**queue, "gate_params": params}]) as b:
+        sent: list[Dispatched] = []
+        d = Dispatcher(b.pl.settings, ["p"], node="n1", slots=4, send=sent.extend)
+        try:
+            d.setup_queues()
+            a = submit(b, "A", [60, 60], "a")
+            d.tick()
+            assert [m.id for m in sent] == a[:1]
+            assert held_by(b, "A") is not None
+            # its first ends: nothing of A in flight, the window still full for a minute
+            assert b.store.finish(sent[0].id, sent[0].token, attempted=False, status_code=None,
+                                  payload="{}", error_code="CANCELLED")  # fmt: skip
+            d.tick()
+            assert held_by(b, "A") is not None and len(sent) == 1
+            open_gate = replace(b.pl.settings.queues["q"], gate_type="constant", gate_params={})
+            d.apply(replace(b.pl.settings, queues={"q": open_gate}))
+            check_consistent(b, "q")
+            assert held_by(b, "A") is None
+            d.tick()
+            assert [m.id for m in sent] == a
+        finally:
+            for gate in d.gates.values():
+                gate.close()
