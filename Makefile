@@ -51,6 +51,7 @@ CLUSTER_SUITES = tests/integration/test_pipeline.py tests/integration/test_relea
   tests/integration/test_ordering.py tests/integration/test_quota_dispatch.py \
   tests/integration/test_fair_share.py tests/integration/test_merge.py \
   tests/integration/test_over_admission.py tests/integration/test_cancel_abort.py \
+  tests/integration/test_token_dispatch.py \
   tests/integration/batch
 test-cluster: $(STAMP)
 	PIPELINE_TEST_CLUSTER=1 $(BIN)/pytest -q $(PYTEST_PARALLEL) $(CLUSTER_SUITES)
