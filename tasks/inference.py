@@ -174,6 +174,8 @@ class InferenceTask(Task):
         if report.status in (Status.RETRY, Status.REQUEUED):
             when = datetime.fromtimestamp(report.due or 0, UTC)
             raise AttemptRetry(report.reason, when=when)
+        if report.status is Status.ABORTED:  # Flower shows it REVOKED, as a terminated task
+            self.send_event("task-revoked", terminated=True, signum=None, expired=False)
         raise Ignore()
 
     def after_return(

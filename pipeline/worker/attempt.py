@@ -384,7 +384,10 @@ class Attempt:
     def _aborted(self) -> Report:
         """Cancelled with running="abort" (or found no longer its own): the request's result
         is written already; this only releases the reservation (the finish is fenced off)."""
-        return self._error("CANCELLED", "cancelled (running attempt aborted)")
+        report = self._error("CANCELLED", "cancelled (running attempt aborted)")
+        if report.status is Status.STALE:  # as it should: the cancel ended the request
+            return Report(Status.ABORTED, "cancelled (running attempt aborted)")
+        return report
 
     def _call(self) -> Report:
         left = self.time_left()

@@ -35,6 +35,7 @@ def failure_message(
 
 class Status(enum.Enum):
     STALE = "stale"  # the message was fenced off (old token, cancelled, finished)
+    ABORTED = "aborted"  # cancelled with running="abort": the cancel wrote the result
     SUCCESS = "success"
     FAILED = "failed"  # terminal, not OK
     RETRY = "retry"  # an attempt failed and the request waits out a backoff

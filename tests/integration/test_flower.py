@@ -231,6 +231,16 @@ def test_flower_shows_requests_retries_and_gate_decisions(
         assert "HTTP 503" in t["exception"] and "'attempt': 3" in t["kwargs"]
         t = final(flower, bad.id)
         assert t["state"] == "FAILURE" and "HTTP 400" in t["exception"]
+        # a request cancelled with running="abort" mid-call: its task shows REVOKED
+        aborted = pl.submit({"prompt": "abort"}, queue=f, headers=held(iso.tag + "3"))
+        sim.wait_held(iso.tag + "3")
+        assert pl.cancel(aborted.id, running="abort")
+        wait_until(
+            lambda: (flower.task(aborted.id) or {}).get("state") == "REVOKED",
+            20,
+            "REVOKED in flower",
+            interval=0.1,
+        )
         t = flower.task(refused.id)
         assert t is not None and "gate refused (quota_exhausted)" in t["exception"]
         # every gate event reached flower: counted per worker and type in flower's /metrics
