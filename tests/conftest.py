@@ -184,10 +184,10 @@ def quota(n: int) -> dict[str, Any]:
     return {"gate_type": "redis-quota", "gate_params": params}
 
 
-def tokens_quota(limit: int, window: str) -> dict[str, Any]:
+def tokens_quota(limit: int, window: str, **extra: Any) -> dict[str, Any]:
     """A token budget per userid: at most ``limit`` tokens per ``window``."""
     params = {"mode": "tokens", "attribute": "userid", "limit": limit, "window": window}
-    return {"gate_type": "redis-quota", "gate_params": params}
+    return {"gate_type": "redis-quota", "gate_params": {**params, **extra}}
 
 
 def tenants_gate(per_tenant: int, overall: int) -> dict[str, Any]:
@@ -222,6 +222,8 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
         # token budgets per userid: a long window (charges outlive the test) and a short one
         ("tokens", "default", tokens_quota(1000, "1m"), sim_url),
         ("tokens1s", "default", tokens_quota(100, "1s"), sim_url),
+        # ... whose estimates learn a correction from the answers' usage
+        ("tokenslearn", "default", tokens_quota(1000, "1m", estimate_correction="usage"), sim_url),
         ("dead", "default", local_limit(4), dead),
         ("prefork", "prefork", local_limit(4), sim_url),
         ("softlim", "softlim", local_limit(4), sim_url),

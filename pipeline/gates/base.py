@@ -235,8 +235,10 @@ class HandsOver(Gate):
 class Settles(Gate):
     """Capability: admission charges an estimate that the attempt settles when it ends."""
 
-    def settle(self, ctx: AcquireContext, tokens: int | None) -> None:
-        """Settle to ``tokens`` served (0 refunds), or None to keep the estimate."""
+    def settle(self, ctx: AcquireContext, tokens: int | None, prompt: int | None = None) -> None:
+        """Settle to ``tokens`` served (0 refunds), or None to keep the estimate; ``prompt``:
+        the prompt tokens the answer's usage names, when it names them (what a learned
+        estimate correction learns from)."""
         raise NotImplementedError
 
 
@@ -257,11 +259,11 @@ def static_budget(gate: Gate) -> bool:
     return not any(isinstance(g, Budgeted) for g in walk(gate))
 
 
-def settle(gate: Gate, ctx: AcquireContext, tokens: int | None) -> None:
+def settle(gate: Gate, ctx: AcquireContext, tokens: int | None, prompt: int | None = None) -> None:
     """Settle ``ctx``'s charge on every :class:`Settles` gate in ``gate``."""
     for g in walk(gate):
         if isinstance(g, Settles):
-            g.settle(ctx, tokens)
+            g.settle(ctx, tokens, prompt)
 
 
 def per_key(gate: Gate) -> bool:

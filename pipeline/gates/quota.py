@@ -16,7 +16,17 @@ from .base import CONTINUE, AcquireContext, Calls, Decision, Gate, GateEnv, Sett
 from .leases import LeaseScripts, LeaseSet, SlotGate, holder_entry, parse_info, register
 from .params import Params
 from .redis_budget import OnRedis
-from .tokens import DEFAULT_MAX_TOKENS, estimate_tokens
+from .tokens import (
+    CLIP_SPREADS,
+    CLIP_TOKENS,
+    DEFAULT_MAX_TOKENS,
+    LEARN_TTL_S,
+    LEARN_WEIGHT,
+    OVERHEAD_MAX,
+    SLOPE_MAX,
+    Learned,
+    estimate_parts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +35,9 @@ OVERFLOW = Decision(Verdict.CONTINUE, labels={"classification": "overflow"})
 # tokens mode: a refusal while charges in flight could settle lower asks again after at most
 # this long (s), instead of waiting for the window to expire
 SETTLE_POLL_S = 1.0
+# tokens mode, estimate_correction: "none" charges the plain estimate; "usage" corrects its
+# prompt part by what the answers' usage taught (pipeline/gates/tokens.py Learned)
+CORRECTIONS = ("none", "usage")
 
 
 def redis_quota(name: str, params: dict[str, Any], env: GateEnv | None) -> Gate:
@@ -53,8 +66,11 @@ class Quota(OnRedis):
             raise p.error("window", f"must be a positive duration in {self.mode} mode")
         if self.mode == "tokens":
             self.default_max_tokens = p.get_int("default_max_tokens", DEFAULT_MAX_TOKENS, lo=0)
-        elif p.has("default_max_tokens"):
-            raise p.error("default_max_tokens", "applies to tokens mode only")
+            self.correction = p.get_choice("estimate_correction", CORRECTIONS, "none")
+        else:
+            for key in ("default_max_tokens", "estimate_correction"):
+                if p.has(key):
+                    raise p.error(key, "applies to tokens mode only")
         self.prefix = p.get_str("prefix", "quota:")
         self.gating_mode = p.get_choice("gating_mode", ("blocking", "classifying"), "blocking")
 
@@ -146,20 +162,44 @@ class TokenQuota(Quota, Settles):
             )
         ]
 
-    def estimate(self, ctx: AcquireContext) -> int:
-        """Tokens charged at admission (see :mod:`.tokens`)."""
-        return estimate_tokens(ctx.payload, self.default_max_tokens)
+    def learned_key(self, queue: str) -> str:
+        """Where what the answers taught of ``queue``'s prompts lives (per gate and queue: a
+        pool's gate serves queues of other models)."""
+        return self._keys().gate_tokens_learned(self.name, queue)
+
+    def learned(self, queue: str) -> Learned:
+        """What the answers taught of ``queue``'s prompt tokens (nothing yet: ``Learned()``,
+        the plain estimate)."""
+        assert self.client is not None
+        fields = ("n", "mx", "my", "mxx", "mxy", "myy", "a", "b", "s")
+        got = cast(list[Any], self.client.hmget(self.learned_key(queue), fields))
+        if got[0] is None:
+            return Learned()
+        n, *rest = got
+        return Learned(int(n), *(float(v) for v in rest))
+
+    def estimate(self, ctx: AcquireContext, learned: Learned | None = None) -> int:
+        """Tokens charged at admission (see :mod:`.tokens`), its prompt part corrected by
+        ``learned``."""
+        prompt, completion = estimate_parts(ctx.payload, self.default_max_tokens)
+        return (learned or Learned()).charge(prompt) + completion
 
     def acquire(self, ctx: AcquireContext) -> Decision:
         value = ctx.metadata.get(self.attribute)
         if not value:
             return CONTINUE
-        estimate = self.estimate(ctx)
+        prompt, completion = estimate_parts(ctx.payload, self.default_max_tokens)
+        estimate = prompt + completion
         if estimate > self.limit:  # it can never fit
             return self._over() if self.gating_mode == "classifying" else self._too_big(estimate)
-        args = [repr(self.window_s), self.limit, ctx.holder, estimate]
-        reply = self._tokens(keys=list(self.tokens_keys(value)), args=args)
-        code, delay_ms, open_ = (int(x) for x in reply)
+        keys, args = list(self.tokens_keys(value)), [repr(self.window_s), self.limit, ctx.holder]
+        if self.correction == "usage":  # the script corrects the estimate by what was learned
+            keys.append(self.learned_key(ctx.queue))
+            args += [estimate, prompt]
+        else:
+            args.append(estimate)
+        reply = self._tokens(keys=keys, args=args)
+        code, delay_ms, open_ = (int(x) for x in reply[:3])
         if code in (1, 2):
             return RESERVED
         if code == 3 and self.gating_mode != "classifying":
@@ -180,19 +220,30 @@ class TokenQuota(Quota, Settles):
             ),
         )
 
-    def settle(self, ctx: AcquireContext, tokens: int | None) -> None:
-        """See :meth:`Settles.settle`; a charge that stays counts for a window from now."""
+    def settle(self, ctx: AcquireContext, tokens: int | None, prompt: int | None = None) -> None:
+        """See :meth:`Settles.settle`; a charge that stays counts for a window from now. With
+        ``estimate_correction: usage`` the answer's ``prompt`` tokens teach the queue's
+        correction in the same script call."""
         value = ctx.metadata.get(self.attribute)
         if self.client is None or not value:
             return
         amount = "" if tokens is None else max(0, tokens)
-        args = [ctx.holder, amount, repr(self.window_s)]
-        old = int(self._settle(keys=list(self.tokens_keys(value)), args=args))
+        keys, args = list(self.tokens_keys(value)), [ctx.holder, amount, repr(self.window_s)]
+        if self.correction == "usage" and prompt:
+            estimate, _ = estimate_parts(ctx.payload, self.default_max_tokens)
+            keys.append(self.learned_key(ctx.queue))
+            args += [prompt, estimate, repr(SLOPE_MAX), repr(OVERHEAD_MAX), LEARN_WEIGHT]
+            args += [LEARN_TTL_S * 1000, repr(CLIP_SPREADS), repr(CLIP_TOKENS)]
+        old = int(self._settle(keys=keys, args=args))
         if old >= 0:
             log.debug("gate %s: %s charge %d settled to %s", self.name, ctx.holder, old, amount)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "default_max_tokens": self.default_max_tokens}
+        return {
+            **super().describe(),
+            "default_max_tokens": self.default_max_tokens,
+            "estimate_correction": self.correction,
+        }
 
 
 class ConcurrencyQuota(Quota, SlotGate):

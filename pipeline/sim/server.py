@@ -76,6 +76,10 @@ class SimConfig:
     # completion tokens of a 200: max_tokens when 1.0 (finish_reason "length"); else drawn
     # uniformly from [ceil(ratio * max_tokens), max_tokens] (below max_tokens: "stop")
     completion_min_ratio: float = 1.0
+    # a chat template's prompt tokens, as a real server counts them in usage.prompt_tokens:
+    # this many per message (role markers) plus this many per chat prompt (the reply's header)
+    template_message_tokens: int = 0
+    template_prompt_tokens: int = 0
     model_name: str = MODEL_NAME
     api_key: str | None = None  # inference calls must carry "Authorization: Bearer <api_key>"
     tls_cert_file: str | None = None  # serve HTTPS with this certificate (PEM) ...
@@ -110,6 +114,7 @@ class _Call:
     chat: bool = False
     model: str = MODEL_NAME
     prompt: str = ""
+    template_tokens: int = 0  # the chat template's share of the prompt tokens
     max_tokens: int = 16
     fault: _Fault | None = None
     latency_ms: float | None = None  # x-sim-latency-ms: the whole delay
@@ -568,6 +573,8 @@ class SimServer:
             call.prompt = "\n".join(
                 str(m.get("content", "")) for m in messages if isinstance(m, dict)
             )
+            per_message, per_prompt = self._template(request)
+            call.template_tokens = per_message * len(messages) + per_prompt
         else:
             raw = payload.get("prompt", "")
             call.prompt = raw if isinstance(raw, str) else json.dumps(raw)
@@ -591,10 +598,26 @@ class SimServer:
         except ValueError as exc:
             raise _BadRequest(f"bad x-sim-* header: {exc}") from None
 
+    def _template(self, request: Request) -> tuple[int, int]:
+        """The chat template's tokens (per message, per prompt): ``x-sim-template-tokens:
+        M[,P]`` or the config's."""
+        header = request.headers.get("x-sim-template-tokens")
+        if header is None:
+            return self.config.template_message_tokens, self.config.template_prompt_tokens
+        try:
+            m, _, p = header.partition(",")
+            got = int(m), int(p or 0)
+        except ValueError:
+            raise _BadRequest(f"bad x-sim-template-tokens header: {header!r}") from None
+        if min(got) < 0:
+            raise _BadRequest(f"bad x-sim-template-tokens header: {header!r}")
+        return got
+
     def _completion(self, call: _Call, completion: int) -> Response:
-        """A 200 with ``completion`` tokens, counted; a prompt token is a word."""
+        """A 200 with ``completion`` tokens, counted; a prompt token is a word, plus a chat
+        template's tokens."""
         text = _fake_text(call.prompt, completion)
-        prompt_tokens = len(call.prompt.split())
+        prompt_tokens = len(call.prompt.split()) + call.template_tokens
         self._prompt_tokens += prompt_tokens
         self._completion_tokens += completion
         if self.config.record_arrivals:
@@ -729,6 +752,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="record arrivals (GET /sim/arrivals) and tokens (GET /sim/tokens)")  # fmt: skip
     add("--completion-min-ratio", type=float, default=1.0,
         help="completion tokens drawn from [ratio x max_tokens, max_tokens]")  # fmt: skip
+    add("--template-message-tokens", type=int, default=0, metavar="N",
+        help="chat prompt tokens a template adds per message")  # fmt: skip
+    add("--template-prompt-tokens", type=int, default=0, metavar="N",
+        help="chat prompt tokens a template adds per prompt")  # fmt: skip
     add("--api-key-env", metavar="VAR", help="require 'Authorization: Bearer $VAR' (else 401)")
     add("--tls-cert", dest="tls_cert_file", metavar="PEM", help="serve HTTPS with this cert")
     add("--tls-key", dest="tls_key_file", metavar="PEM", help="the certificate's private key")
@@ -739,6 +766,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     if args.tls_client_ca_file and not args.tls_cert_file:
         raise SystemExit("pipeline sim: --tls-client-ca needs --tls-cert (and --tls-key)")
+    if min(args.template_message_tokens, args.template_prompt_tokens) < 0:
+        raise SystemExit("pipeline sim: --template-*-tokens must not be negative")
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
     if args.api_key_env and not key:
         raise SystemExit(f"pipeline sim: --api-key-env: {args.api_key_env} is not set (or empty)")

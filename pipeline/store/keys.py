@@ -187,6 +187,12 @@ class Keys:
         base = f"{self.prefix}gate:{gate}:tokens:{window_s:g}"
         return f"{base}:log:{attribute_value}", f"{base}:charges:{attribute_value}"
 
+    def gate_tokens_learned(self, gate: str, queue: str) -> str:
+        """Hash: what a token budget learned of one queue's prompt tokens from the answers
+        (``estimate_correction: usage``): n, the means mx, my, mxx, mxy, myy, the line a, b
+        and the spread s around it."""
+        return f"{self.prefix}gate:{gate}:tokens-learned:{queue}"
+
     def leased_rate_state(self, control_key: str) -> str:
         """Hash: the token bucket of a ``redis-leased-rate`` gate, shared by every node."""
         return f"{self.prefix}gate:leased-rate:{control_key}:state"

@@ -83,6 +83,7 @@ class Attempt:
         self.send_event: Callable[..., Any] | None = None  # Celery's, set by the task layer
         self.mirrored: str | None = None  # the state of the mirror written, if any
         self.served_tokens: int | None = 0  # what a token charge settles to (served_tokens())
+        self.served_prompt: int | None = None  # the 2xx answer's prompt tokens (usage), if any
         self.journal = Journal()  # the request's decision log entries, sent with the outcome
         self.cancelled: str | None = None  # why, when cancelled while parked: it ends unsent
         self.outcome: Outcome | None = None  # of its HTTP call (observe.observed_send)
@@ -153,7 +154,9 @@ class Attempt:
         have lapsed. The result is not thrown away: abandoned, the request would run again
         (the finish is fenced by the token: a retry of one that did land is a no-op)."""
         end = time.monotonic() + self.rt.settings.lease_s
-        write = partial(self.reservation.release_with, finish, self.served_tokens)
+        write = partial(
+            self.reservation.release_with, finish, self.served_tokens, self.served_prompt
+        )
         while True:
             try:
                 return write()  # a retry: the reservation is released already, only the finish
@@ -201,7 +204,8 @@ class Attempt:
                 note=note or entry("requeued", reason=reason),
             )
 
-        due = self.store.requeued(self.reservation.release_with(requeue, self.served_tokens))
+        released = self.reservation.release_with(requeue, self.served_tokens, self.served_prompt)
+        due = self.store.requeued(released)
         self.closed = True
         if due is None:
             return Report(Status.STALE, "fenced off at requeue")
@@ -414,6 +418,8 @@ class Attempt:
         if self.abort.fired:  # whatever came back: the request is cancelled
             return self._aborted()
         self.served_tokens = served_tokens(outcome)
+        if outcome.ok_2xx and outcome.usage is not None:
+            self.served_prompt = outcome.usage.prompt
         if outcome.kind is Kind.SUCCESS or (outcome.kind is Kind.FATAL and outcome.responded):
             return self._answered(outcome, True)
         if outcome.kind is Kind.FATAL:

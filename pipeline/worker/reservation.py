@@ -163,15 +163,19 @@ class Reservation:
         self.decision, self._released = None, False
 
     def release_with(
-        self, build: Callable[[bool, bool], ScriptCall], served: int | None = 0
+        self,
+        build: Callable[[bool, bool], ScriptCall],
+        served: int | None = 0,
+        prompt: int | None = None,
     ) -> Any:
-        """Settle a token charge to ``served``, release (or hand the slot to an attempt of this
-        process parked for one), then the finish / requeue ``build(handed_over, nowake)``
-        returns, in one round trip, the gate's step first. Returns (or raises) its reply."""
+        """Settle a token charge to ``served`` (``prompt``: the answer's prompt tokens),
+        release (or hand the slot to an attempt of this process parked for one), then the
+        finish / requeue ``build(handed_over, nowake)`` returns, in one round trip, the gate's
+        step first. Returns (or raises) its reply."""
         self.host.untrack(self.holder)
         held = self._held()
         if held:
-            self._settle(served)
+            self._settle(served, prompt)
         bell, ticket = self._taker() if held else (None, None)
         step = self._step(ticket)
         call = build(ticket is not None, ticket is not None and self._parked_ahead(bell))
@@ -205,11 +209,11 @@ class Reservation:
             return self.ticket.held
         return self.decision is not None and self.decision.admitted
 
-    def _settle(self, served: int | None) -> None:
+    def _settle(self, served: int | None, prompt: int | None) -> None:
         """Settle a token charge (a failure leaves the estimate, only logged)."""
         try:
             assert self.ctx is not None
-            settle(self.gate, self.ctx, served)
+            settle(self.gate, self.ctx, served, prompt)
         except Exception as exc:  # noqa: BLE001 - never in the way of the release
             log.warning("settling the token charge of %s failed: %s", self.holder, exc)
 

@@ -122,6 +122,26 @@ def test_chat_completion_shape(start: Callable[..., SimServer]) -> None:
     assert bad.status_code == 400
 
 
+def test_a_chat_templates_tokens_count_in_the_prompt(start: Callable[..., SimServer]) -> None:
+    """As a real server counts a chat template: tokens per message and per prompt, from the
+    config or ``x-sim-template-tokens: M[,P]``; a plain completion has no template."""
+    sim = start(template_message_tokens=5, template_prompt_tokens=3)
+    two = {"messages": [{"role": "system", "content": "be brief"},
+                        {"role": "user", "content": "hi there"}], "max_tokens": 1}  # fmt: skip
+    with httpx.Client(base_url=sim.url) as client:
+
+        def prompt_tokens(path: str, body: dict[str, Any], **headers: str) -> Any:
+            resp = client.post(path, json=body, headers=headers)
+            return resp.json()["usage"]["prompt_tokens"] if resp.status_code == 200 else resp
+
+        assert prompt_tokens("/v1/chat/completions", two) == 4 + 2 * 5 + 3
+        assert prompt_tokens("/v1/chat/completions", two, **{"x-sim-template-tokens": "1"}) == 6
+        assert prompt_tokens(COMPLETIONS, {"prompt": "hi there", "max_tokens": 1}) == 2
+        for bad in ("x", "-1", "1,2,3"):
+            resp = prompt_tokens("/v1/chat/completions", two, **{"x-sim-template-tokens": bad})
+            assert resp.status_code == 400, bad
+
+
 def test_models_health_404_405_and_bad_json(start: Callable[..., SimServer]) -> None:
     sim = start()
     with httpx.Client(base_url=sim.url) as client:

@@ -1,10 +1,12 @@
 """redis-quota in tokens mode: a sliding window of token charges per key, on the real Redis.
 One test per rule: charge the estimate, refuse with the time until the window frees enough,
-settle to the usage, refund, drop what can never fit, classify, compose.
+settle to the usage, refund, drop what can never fit, classify, compose; a correction learned
+from the answers' prompt tokens (``estimate_correction: usage``), held to the Python rule.
 
 Then in the pipeline: a real worker node, the simulator over HTTP (its ``usage``: a token per
 prompt word, ``max_tokens`` completion tokens) and the real Redis. Queues ``tokens`` (1,000
 tokens per minute per userid) and ``tokens1s`` (100 per second), see ``tests/conftest.py``.
+Queue ``tokenslearn`` is ``tokens`` with ``estimate_correction: usage``.
 Every pipeline test ends in the ``pl`` leak check: no gate holds a reservation; here also no
 charge is left unsettled. (The estimate and usage rules alone: tests/unit/test_tokens.py.)"""
 
@@ -17,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
@@ -24,6 +28,7 @@ from pipeline.errors import ConfigError
 from pipeline.gates import AcquireContext, Gate, GateEnv, Settles, Verdict, build_gate, settle
 from pipeline.gates.base import walk
 from pipeline.gates.quota import SETTLE_POLL_S, TokenQuota
+from pipeline.gates.tokens import LEARN_TTL_S, Learned
 from pipeline.sim import SimServer
 from tests.conftest import held
 
@@ -38,12 +43,12 @@ def tokens(limit: int = 100, window: Any = 60, **extra: Any) -> dict[str, Any]:
 
 
 def req(
-    max_tokens: int, prompt: str = "", metadata: dict[str, str] | None = None
+    max_tokens: int, prompt: str = "", metadata: dict[str, str] | None = None, queue: str = "q"
 ) -> AcquireContext:
     """A request whose estimate is ceil(len(prompt) / 4) + max_tokens."""
     c = ctx(metadata=metadata if metadata is not None else ALICE)
     payload = json.dumps({"prompt": prompt, "max_tokens": max_tokens})
-    return AcquireContext(**{**c.__dict__, "payload": payload})
+    return AcquireContext(**{**c.__dict__, "payload": payload, "queue": queue})
 
 
 def charges(genv: GateEnv, gate: Gate, value: str = "alice") -> dict[str, str]:
@@ -286,9 +291,147 @@ def test_wrappers_pass_settle_through(genv: GateEnv, make: Callable[..., Gate]) 
     assert gate.acquire(req(40)).admitted
 
 
+# -- a correction learned from the answers (estimate_correction: usage) ---------------------
+LEARN = {"estimate_correction": "usage"}
+
+
+def test_a_learned_correction_charges_what_the_answers_said(
+    genv: GateEnv, make: Callable[..., Gate]
+) -> None:
+    gate = make("redis-quota", tokens(1000, **LEARN))
+    assert isinstance(gate, TokenQuota) and gate.learned("q") == Learned()
+    first = req(10, "x" * 40)  # prompt estimate 10: charged 20 before any answer
+    assert gate.acquire(first).admitted
+    gate.settle(first, 40, 30)  # the server counted 30 prompt tokens
+    assert gate.learned("q") == Learned().learn(30, 10)
+    second = req(10, "x" * 40)
+    assert gate.acquire(second).admitted
+    assert charges(genv, gate) == {first.holder: "40", second.holder: "e40"}  # 30 + 10
+    assert gate.describe()["estimate_correction"] == "usage"
+
+
+def test_a_templates_constant_is_learned_apart_from_the_prompts_size(
+    genv: GateEnv, make: Callable[..., Gate]
+) -> None:
+    """A template that adds 20 tokens to every prompt: a short prompt is charged its 20 more,
+    and so is a long one (a ratio would have charged the long one 3 times its size)."""
+    gate = make("redis-quota", tokens(10_000, **LEARN))
+    assert isinstance(gate, TokenQuota)
+    for size in (10, 100, 10, 100, 55):
+        gate.settle(req(0, "x" * (4 * size)), None, size + 20)
+    learned = gate.learned("q")
+    assert learned.slope == pytest.approx(1.0, abs=0.05)
+    assert learned.overhead == pytest.approx(20.0, abs=1.5)
+    short, long = req(0, "x" * 20), req(0, "x" * 400)  # 5 and 100 estimated
+    assert gate.acquire(short).admitted and gate.acquire(long).admitted
+    found = charges(genv, gate)
+    assert found[short.holder] == f"e{learned.charge(5)}" and 24 <= learned.charge(5) <= 26
+    assert found[long.holder] == f"e{learned.charge(100)}" and 118 <= learned.charge(100) <= 122
+
+
+def test_a_server_that_counts_less_does_not_lower_the_charge(
+    genv: GateEnv, make: Callable[..., Gate]
+) -> None:
+    """A server that counts fewer tokens than characters / 4: an over-estimate costs only
+    while the request is in flight, an under-estimate the window."""
+    gate = make("redis-quota", tokens(1000, **LEARN))
+    gate.settle(req(0, "x" * 40), None, 5)  # 5 real for 10 estimated: an answer, no charge
+    assert gate.learned("q").charge(10) == 10  # type: ignore[attr-defined]
+    a = req(10, "x" * 40)
+    assert gate.acquire(a).admitted
+    assert charges(genv, gate) == {a.holder: "e20"}
+
+
+def test_a_corrected_estimate_is_capped_at_the_limit_and_never_dropped(
+    genv: GateEnv, make: Callable[..., Gate]
+) -> None:
+    """What the correction adds is a guess: it never makes a request that fits the budget
+    impossible. A plain estimate above the limit is still dropped."""
+    gate = make("redis-quota", tokens(100, **LEARN))
+    gate.settle(req(0, "x" * 4), None, 1000)  # 1000 for 1: counts as 16 × 1 + 1024
+    assert gate.learned("q").charge(20) > 100  # type: ignore[attr-defined]
+    big = req(10, "x" * 80)  # 20 + 10 plain
+    assert gate.acquire(big).admitted
+    assert charges(genv, gate) == {big.holder: "e100"}
+    assert gate.acquire(req(101)).verdict is Verdict.DROP
+
+
+def test_only_answers_with_prompt_tokens_teach_and_each_queue_learns_its_own(
+    genv: GateEnv, make: Callable[..., Gate]
+) -> None:
+    gate = make("redis-quota", tokens(1000, **LEARN))
+    assert isinstance(gate, TokenQuota)
+    a = req(10, "x" * 40, queue="chat")
+    gate.acquire(a)
+    gate.settle(a, 0)  # refunded: no answer
+    gate.settle(a, None)  # no usage
+    gate.settle(req(10, "", queue="chat"), 10, 7)  # nothing was estimated for the prompt
+    assert not genv.client.exists(gate.learned_key("chat"))
+    gate.settle(a, 30, 20)
+    assert gate.learned("chat") == Learned().learn(20, 10) and gate.learned("q") == Learned()
+    assert 0 < genv.client.pttl(gate.learned_key("chat")) <= LEARN_TTL_S * 1000
+
+
+def test_without_the_correction_prompt_tokens_teach_nothing(
+    genv: GateEnv, make: Callable[..., Gate]
+) -> None:
+    gate = make("redis-quota", tokens(1000))
+    a = req(10, "x" * 40)
+    gate.acquire(a)
+    gate.settle(a, 40, 30)
+    assert list(genv.client.scan_iter(f"{genv.keys.prefix}*tokens-learned*")) == []
+    assert charges(genv, gate) == {a.holder: "40"}
+    assert gate.describe()["estimate_correction"] == "none"
+
+
+def test_a_composite_passes_the_prompt_tokens_on(genv: GateEnv, make: Callable[..., Gate]) -> None:
+    inner = {"gate_type": "redis-quota", "gate_params": tokens(100, **LEARN)}
+    gate = make("wait-on-refuse", {"gate": inner})
+    a = req(10, "x" * 40)
+    assert gate.acquire(a).admitted
+    settle(gate, a, 40, 20)
+    quota = next(g for g in walk(gate) if isinstance(g, TokenQuota))
+    assert quota.learned("q") == Learned().learn(20, 10)
+
+
+answers = st.lists(
+    st.tuples(st.integers(0, 5_000), st.integers(0, 400)), min_size=1, max_size=60
+)  # (real prompt tokens, prompt estimate)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(seq=answers, probe=st.integers(1, 400))
+def test_what_redis_learns_is_the_python_rule(
+    genv: GateEnv, make: Callable[..., Gate], seq: list[tuple[int, int]], probe: int
+) -> None:
+    """``gate_tokens_settle.lua`` learns exactly what ``Learned.learn`` says, answer by
+    answer, and ``gate_tokens_acquire.lua`` charges exactly ``Learned.charge`` of it."""
+    gate = make("redis-quota", tokens(1_000_000, **LEARN))
+    assert isinstance(gate, TokenQuota)
+    queue = uid("q")
+    learned = Learned()
+    for real, estimate in seq:
+        gate.settle(req(0, "x" * (4 * estimate), queue=queue), None, real)
+        learned = learned.learn(real, estimate)
+        assert gate.learned(queue) == learned
+    ask = req(3, "x" * (4 * probe), queue=queue)
+    assert gate.acquire(ask).admitted
+    _, hash_key = gate.tokens_keys("alice")
+    assert genv.client.hget(hash_key, ask.holder) == f"e{learned.charge(probe) + 3}"
+    gate.settle(ask, 0)
+
+
 @pytest.mark.parametrize(
     ("params", "field"),
     [
+        ({"mode": "tokens", "limit": 100, "window": 60, "estimate_correction": "tiktoken"},
+         "estimate_correction"),
+        ({"mode": "tokens", "limit": 100, "window": 60, "estimate_correction": 1},
+         "estimate_correction"),
+        ({"mode": "concurrency", "limit": 2, "estimate_correction": "usage"},
+         "estimate_correction"),
         ({"mode": "tokens", "limit": 100}, "window"),
         ({"mode": "tokens", "limit": 0, "window": 60}, "limit"),
         ({"mode": "tokens", "limit": -5, "window": 60}, "limit"),
@@ -298,7 +441,7 @@ def test_wrappers_pass_settle_through(genv: GateEnv, make: Callable[..., Gate]) 
         ({"mode": "concurrency", "limit": 2, "default_max_tokens": 10}, "default_max_tokens"),
         ({"limit": 2, "default_max_tokens": 10}, "default_max_tokens"),
     ],
-)
+)  # fmt: skip
 def test_bad_tokens_params_are_config_errors_naming_the_field(
     params: dict[str, Any], field: str
 ) -> None:
@@ -503,3 +646,50 @@ def test_a_request_the_window_cannot_fit_before_its_deadline_ends_deadline_excee
     res = served.wait(late, 20)
     assert res.error_code == "DEADLINE_EXCEEDED" and res.attempts == 0
     assert sim.stats()["attempts_by_request_id"].get(late) is None
+
+
+def chat(words: int, max_tokens: int) -> dict[str, Any]:
+    """A chat request of one message of ``words`` 4-letter words: prompt estimate
+    ceil((5w - 1) / 4) + 4 (the message's overhead); at the simulator with a template of
+    (5, 3), w + 5 + 3 prompt tokens."""
+    text = " ".join(["word"] * words)
+    return {"model": "sim-model", "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens}  # fmt: skip
+
+
+def test_a_queue_learns_its_templates_overhead_from_the_answers(
+    served: Pipeline, sim: SimServer
+) -> None:
+    """``tokenslearn`` behind a chat template that adds 5 tokens per message and 3 per prompt
+    (the simulator's ``x-sim-template-tokens``): the first answer teaches the correction, and
+    the next request is charged its estimate corrected by it while in flight, then its usage."""
+    gate = served.gate("tokenslearn")
+    assert isinstance(gate, TokenQuota)
+    u, template = user(), {"x-sim-template-tokens": "5,3"}
+    sub: dict[str, Any] = {"queue": "tokenslearn", "metadata": u, "timeout": 30,
+                           "endpoint": "/v1/chat/completions"}  # fmt: skip
+    served.store.client.delete(gate.learned_key("tokenslearn"))  # a fresh start
+    first = served.submit(chat(8, 20), headers=template, **sub).id
+    res = served.wait(first, 20)
+    assert res.ok and json.loads(res.payload)["usage"]["prompt_tokens"] == 8 + 5 + 3
+    estimate = 10 + 4  # ceil(39 / 4) + 4
+    learned = Learned().learn(16, estimate)
+    assert gate.learned("tokenslearn") == learned
+    hold = uid("hold")
+    second = served.submit(chat(8, 20), headers={**template, **held(hold)}, **sub).id
+    sim.wait_held(hold)
+    charged = by_request(user_charges_of(served, "tokenslearn", u["userid"]))
+    assert charged[second] == f"e{learned.charge(estimate) + 20}" == "e36"  # not 14 + 20
+    sim.release(hold)
+    assert served.wait(second, 20).ok
+    assert by_request(user_charges_of(served, "tokenslearn", u["userid"])) == {
+        first: "36",
+        second: "36",
+    }
+    assert open_charges(served) == []
+
+
+def user_charges_of(pl: Pipeline, queue: str, userid: str) -> dict[str, str]:
+    gate = pl.gate(queue)
+    assert isinstance(gate, TokenQuota)
+    return dict(pl.store.client.hgetall(gate.tokens_keys(userid)[1]))
