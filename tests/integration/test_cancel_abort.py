@@ -158,7 +158,7 @@ def test_the_answer_came_before_the_abort(
         return outcome
 
     monkeypatch.setattr(observe, "observed_send", answered_then_cancelled)
-    assert attempt.run().status.value == "stale"
+    assert attempt.run().status.value == "aborted"
     assert p.wait(attempt.id, 1).error_code == "CANCELLED"
     assert gate_in_flight(p, queue) == 0 and len(results_pushed(p, queue, attempt.id)) == 1
 
@@ -177,7 +177,7 @@ def test_a_lost_notice_is_made_up_by_the_heartbeat(local: Any, sim: SimServer) -
     assert p.cancel(attempt.id, running="abort")
     wait_until(lambda: hung_up(sim, attempt.id), 10, "the heartbeat closed the call")
     runner.join(10)
-    assert report and report[0].status.value == "stale"
+    assert report and report[0].status.value == "aborted"
     assert gate_in_flight(p, queue) == 0 and sim_attempts(sim, attempt.id) == 1
 
 
