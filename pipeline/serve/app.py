@@ -99,15 +99,7 @@ class Service:
     # -- batches ----------------------------------------------------------------------------
     async def create_batch(self, request: Request) -> Response:
         owner = self.owner(request)
-        raw = await request.body()
-        if len(raw) > JSON_LIMIT:
-            raise bad_request("request body too large")
-        try:
-            body = json.loads(raw or b"{}")
-        except ValueError:
-            raise bad_request("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object")
+        body = await _json_object(request)
         return await run_in_threadpool(self._create_batch, owner, body)
 
     def _create_batch(self, owner: str | None, body: dict[str, Any]) -> Response:
@@ -154,15 +146,7 @@ class Service:
     async def cancel_batch(self, request: Request) -> Response:
         """OpenAI's cancel (attempts in flight finish), or with ``{"running": "abort"}`` in the
         body (the OpenAI SDK's ``extra_body``) one that also ends them, closing their calls."""
-        raw = await request.body()
-        if len(raw) > JSON_LIMIT:
-            raise bad_request("request body too large")
-        try:
-            body = json.loads(raw or b"{}")
-        except ValueError:
-            raise bad_request("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object")
+        body = await _json_object(request)
         running = body.get("running", "finish")
         if running not in CANCEL_RUNNING:
             raise bad_request(f"running must be one of {', '.join(CANCEL_RUNNING)}", "running")
@@ -271,6 +255,20 @@ async def _error(request: Request, exc: Exception) -> Response:
         return bad_request(str(exc), exc.field).response()
     log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
     return ApiError(500, "internal error", type="server_error").response()
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    """The request's JSON object body (none: ``{}``), else an OpenAI-shaped 400."""
+    raw = await request.body()
+    if len(raw) > JSON_LIMIT:
+        raise bad_request("request body too large")
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError:
+        raise bad_request("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
 
 
 def _limit(request: Request, default: int, most: int) -> int:
