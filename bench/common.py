@@ -460,21 +460,32 @@ def quota_gate(limit: int) -> dict[str, Any]:
     return {"gate_type": "redis-quota", "gate_params": params}
 
 
+def pipeline_command() -> list[str]:
+    """The ``pipeline`` console script a user runs (this interpreter's, beside it in its venv),
+    else the module."""
+    script = Path(PY).parent / "pipeline"
+    return [str(script)] if script.exists() else [PY, "-m", "pipeline"]
+
+
 class Node:
-    """One ``pipeline worker`` node in a subprocess; waits until its dispatcher registered."""
+    """One node started as a user starts it: ``pipeline worker`` with the CLI's own defaults
+    (threads pool, 64 slots, log level INFO) for whatever is not given; waits until its
+    dispatcher registered."""
 
     def __init__(
         self,
         penv: PipelineEnv,
         pools: str = "default",
-        concurrency: int = SLOTS,
-        pool_impl: str = "threads",
-        loglevel: str = "WARNING",
+        concurrency: int | None = None,
+        pool_impl: str | None = None,
+        loglevel: str | None = None,
     ) -> None:
         self.name = f"bench{uuid.uuid4().hex[:6]}@bench"
         self.log_path = penv.workdir / f"{self.name}.log"
-        argv = [PY, "-m", "pipeline", "worker", "--pools", pools, "-c", str(concurrency)]
-        argv += ["-P", pool_impl, "-n", self.name, "--loglevel", loglevel]
+        argv = [*pipeline_command(), "worker", "--pools", pools, "-n", self.name]
+        for flag, value in (("-c", concurrency), ("-P", pool_impl), ("--loglevel", loglevel)):
+            if value is not None:
+                argv += [flag, str(value)]
         fh = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(argv, env=penv.env(), stdout=fh, stderr=fh, cwd=ROOT)
         client = connect(penv.redis_url)

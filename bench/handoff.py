@@ -49,6 +49,25 @@ def handoffs(arrivals: list[tuple[float, float, str]], limit: int) -> list[float
     return [starts[k] - ends[k - limit] for k in range(limit, len(starts))]
 
 
+def lost_time(arrivals: list[tuple[float, float, str]], t0: float, limit: int) -> dict[str, float]:
+    """Where a run of ``limit`` slots lost time against the server's ceiling, in seconds of the
+    run (slot-seconds over ``limit``): ``start`` (the first submit to the first arrival: the
+    client's submit, the first dispatch), ``ramp`` (filling the first ``limit`` slots),
+    ``hand-offs`` (each later arrival's wait for the slot a finish freed: see
+    :func:`handoffs`), ``end`` (the last ones finishing one by one) and ``service`` (the
+    server's own time past its nominal latency is not counted here: it is the server's)."""
+    starts = sorted(a[0] for a in arrivals)
+    ends = sorted(a[1] for a in arrivals)
+    last = ends[-1]
+    k = min(limit, len(starts))
+    return {
+        "start": starts[0] - t0,
+        "ramp": sum(s - starts[0] for s in starts[:k]) / limit,
+        "hand-offs": sum(handoffs(arrivals, limit)) / limit,
+        "end": sum(last - e for e in ends[-k:]) / limit,
+    }
+
+
 def mean_concurrency(arrivals: list[tuple[float, float, str]]) -> float:
     """Average number of requests at the simulator between the first arrival and last finish."""
     if not arrivals:

@@ -1,8 +1,10 @@
 """Target 1, utilisation: a gate with limit 16 in front of a simulator with 100 ms latency must
 keep it busy: 2,000 requests at >= 0.95 of the ceiling limit/latency (160 req/s), and never
-more than 16 at the simulator (``max_concurrency_observed``). Scenarios, one run:
+more than 16 at the simulator (``max_concurrency_observed``). Every node is started as a
+user starts one: the ``pipeline`` console script's ``worker`` with its own defaults (threads
+pool, 64 slots, log level INFO), only ``--pools`` and a name given. Scenarios, one run:
 
-- ``1 node``: one worker node (threads, 64 slots), ``local-max-concurrency`` limit 16;
+- ``1 node``: one worker node, ``local-max-concurrency`` limit 16;
 - ``1 node, no gate, pool workers 16``: for reference, the request's lifecycle alone (submit,
   dispatch, fenced start, result) at the same load: no gate, the pool capped at 16 workers, so
   the dispatcher keeps 16 at the simulator and sends the next one when a slot frees (no
@@ -21,7 +23,15 @@ more than 16 at the simulator (``max_concurrency_observed``). Scenarios, one run
   (in exact order the tenants drain one block after another, so the last blocks belong to
   a few tenants, each capped at 3: a tail the pool cannot fill; taking turns, they drain
   together). An exact-order scenario's target is 0.97 of the bound that order allows
-  (:func:`exact_order_bound`, printed as "bound"), not of the ceiling.
+  (:func:`exact_order_bound`, printed as "bound"), not of the ceiling. Each tenant mix runs
+  a short backlog and a long one (``--backlogs``, 800 and 5,000 requests): in a short run
+  the start and the end weigh more. The 8 combinations (exact order and fair share, 1 and 3
+  nodes, 800 and 5,000) are the four tenant scenarios of one run.
+
+Each run also prints where its time went against the ceiling (:func:`bench.handoff.lost_time`):
+the first submit to the first arrival, filling the first 16 slots, the waits of later
+arrivals for a slot a finish freed (in exact order also the order's tail, its tenants capped
+at 3), and the last requests finishing one after another.
 
 For reference, ``--plain`` runs plain Celery under the same load (``bench/plain_celery.py``:
 one worker node with 16 threads, so never more than 16 at the simulator; each task POSTs one
@@ -45,6 +55,8 @@ nodes: how Redis per request grows with the fleet.
 
     .venv/bin/python bench/utilisation.py            # ~4 min
     .venv/bin/python bench/utilisation.py --only quota-1node --only tenants8
+    .venv/bin/python bench/utilisation.py --only tenants8 --only tenants8-3nodes \
+        --only tenants8-fair --only tenants8-fair-3nodes          # the 8 tenant combinations
     .venv/bin/python bench/utilisation.py --only 1node --plain
     .venv/bin/python bench/utilisation.py --only 3nodes-global --nodes 6   # the same on 6 nodes
     .venv/bin/python bench/utilisation.py --cluster --only 1node --only 3nodes-global
@@ -91,13 +103,14 @@ from bench.common import (
     table,
     verdict,
 )
-from bench.handoff import handoffs, mean_concurrency
+from bench.handoff import handoffs, lost_time, mean_concurrency
 from bench.overhead import Plain
 from pipeline.store.scripts import node_client
 
 LIMIT = 16
 LATENCY_MS = 100.0
 TENANTS, PER_TENANT, BLOCK = 8, 3, 50
+TENANT_BACKLOGS = (800, 5000)  # a tenant mix runs a short backlog and a long one
 TENANTS_GATE = {
     "gate_type": "composite",
     "gate_params": {"gates": [quota_gate(PER_TENANT), global_gate(LIMIT)]},
@@ -172,6 +185,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "label": "3 nodes, redis-quota 16 + pool workers 16",
     },
     "tenants8": {
+        "backlogs": True,
         "exact_order": True,
         "nodes": 1,
         "gate": TENANTS_GATE,
@@ -179,6 +193,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "label": "1 node, 8 tenants x quota 3, global 16",
     },
     "tenants8-3nodes": {
+        "backlogs": True,
         "exact_order": True,
         "nodes": 3,
         "gate": TENANTS_GATE,
@@ -186,12 +201,14 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "label": "3 nodes, 8 tenants x quota 3, global 16",
     },
     "tenants8-fair": {
+        "backlogs": True,
         "nodes": 1,
         "gate": {**TENANTS_GATE, "fair_share": True},
         "make": tenant_items,
         "label": "1 node, 8 tenants x quota 3, global 16, fair",
     },
     "tenants8-fair-3nodes": {
+        "backlogs": True,
         "nodes": 3,
         "gate": {**TENANTS_GATE, "fair_share": True},
         "make": tenant_items,
@@ -250,6 +267,7 @@ def run_batch(
         # how long the simulator really held a request (its 100 ms plus its own overhead)
         "service_ms": 1000 * sum(f - a for a, f, _ in arrivals) / max(1, len(arrivals)),
         "handoff_p50": pct(gaps, 50),
+        "lost": lost_time(arrivals, t0, LIMIT),
         "cpu": cpu.used,
         "cpu_ms": cpu.per_request_ms(n),
         "dispatches": dispatches / n,
@@ -309,6 +327,7 @@ def scenario(
     pool_workers: int | None = None,
     make: Callable[..., list[dict[str, Any]]] = items,
     exact_order: bool = False,
+    backlogs: bool = False,
 ) -> dict[str, Any]:
     sim = Sim(latency_ms=LATENCY_MS, record_arrivals=True)
     workers: list[Node] = []
@@ -391,6 +410,12 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=2000, help="requests per scenario")
     ap.add_argument("--only", choices=list(SCENARIOS), action="append")
     ap.add_argument(
+        "--backlogs",
+        type=lambda text: [above_zero(int)(v) for v in text.split(",")],
+        default=list(TENANT_BACKLOGS),
+        help="requests per tenant-mix scenario, comma-separated (default: %(default)s)",
+    )
+    ap.add_argument(
         "--nodes",
         type=above_zero(int),
         help="run each scenario on this many worker nodes instead of its own count",
@@ -412,12 +437,13 @@ def main() -> int:
             plain.append(plain_scenario(rh, workdir, n=args.n))
         for key, spec in SCENARIOS.items():
             if key in only:
-                rows.append(scenario(rh, workdir, n=args.n, **on_nodes(spec, args.nodes)))
+                rows += runs(rh, workdir, on_nodes(spec, args.nodes), args.n, args.backlogs)
         if args.plain:
             plain.append(plain_scenario(rh, workdir, n=args.n))
     print(
         f"\nUtilisation: limit {LIMIT}, latency {LATENCY_MS:.0f} ms, ceiling "
-        f"{LIMIT * 1000 / LATENCY_MS:.0f} req/s, {args.n} requests"
+        f"{LIMIT * 1000 / LATENCY_MS:.0f} req/s, {args.n} requests (tenant mixes: "
+        f"{', '.join(map(str, args.backlogs))})"
         + (
             f"; the state on a 3-primary Redis Cluster ({args.replicas} replica(s) each), "
             "a standalone Redis the broker; Redis = the primary holding the pool's slot"
@@ -466,6 +492,7 @@ def main() -> int:
         "target: >= 0.95 of ceiling (exact-order tenant mixes: >= 0.97 of the bound that order\n"
         "allows), max at sim <= 16, every result 200; bound 1 where the order leaves no tail"
     )
+    print_lost(rows)
     print("CPU ms per request, by process; Redis round trips, commands, script calls and BRPOPs:")
     for r in rows + plain:
         print(f"  {r['label']}: {r['cpu_ms']}")
@@ -488,6 +515,32 @@ def main() -> int:
         for r in metered:
             print(f"  {r['label']}: {redis_ms(r) / sim_ms(r):.2f}")
     return 0
+
+
+def print_lost(rows: list[dict[str, Any]]) -> None:
+    """Where each run's time went (:func:`bench.handoff.lost_time`)."""
+    print("Where the time went, s (slot-seconds / 16): the first submit to the first arrival,")
+    print("filling the first 16 slots, waits for a freed slot, the last ones finishing:")
+    for r in rows:
+        lost = ", ".join(f"{k} {v:.3f}" for k, v in r["lost"].items())
+        print(f"  {r['label']}: elapsed {r['elapsed']:.3f}: {lost}")
+
+
+def runs(
+    rh: RedisHandle | ClusterHandle,
+    workdir: Path,
+    spec: dict[str, Any],
+    n: int,
+    backlogs: list[int],
+) -> list[dict[str, Any]]:
+    """A scenario's rows: one run of ``n`` requests, or a tenant mix's run per backlog (the
+    short one and the long one)."""
+    if not spec.get("backlogs"):
+        return [scenario(rh, workdir, n=n, **spec)]
+    return [
+        scenario(rh, workdir, n=b, **{**spec, "label": f"{spec['label']}, {b} requests"})
+        for b in backlogs
+    ]
 
 
 def on_nodes(spec: dict[str, Any], nodes: int | None) -> dict[str, Any]:
