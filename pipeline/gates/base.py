@@ -223,12 +223,15 @@ class HandsOver(Gate):
     """Capability: a reservation is one interchangeable slot, which a done holder hands to an
     attempt of its process parked for one."""
 
-    def handover_bell(self, queue: str, metadata: Mapping[str, str]) -> str | None:
-        """Where a holder with ``metadata`` hands over: the queue, a quota key, or None."""
+    def handover_bells(self, queue: str, metadata: Mapping[str, str]) -> tuple[str, ...]:
+        """Where a holder with ``metadata`` hands over, in order (the first with an attempt
+        parked there takes it): the queue, a quota key; none, nowhere. An attempt that starts
+        while others of its process are parked on the first parks behind them."""
         raise NotImplementedError
 
-    def transfer_calls(self, giver: str, ctx: AcquireContext) -> Calls[bool]:
-        """Free ``giver``'s slot and take it for ``ctx.holder`` atomically; True when taken."""
+    def transfer_calls(self, giver: str, ctx: AcquireContext, bell: str) -> Calls[bool]:
+        """Free ``giver``'s slot and take it for ``ctx.holder`` atomically, ``ctx`` parked on
+        ``bell`` (one of :meth:`handover_bells`); True when taken."""
         raise NotImplementedError
 
 

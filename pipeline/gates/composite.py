@@ -72,6 +72,9 @@ class CompositeGate(Batched, HandsOver):
         # it hands over the slot of a slot gate after per-key quotas only
         hands = keyed and all(map(per_key, keyed)) and not per_key(last)
         self._slot = last if hands and isinstance(last, HandsOver) else None
+        # and behind one per-key quota, all its slots to an attempt parked on the holder's key
+        one = keyed[0] if self._slot is not None and len(keyed) == 1 else None
+        self._key = one if isinstance(one, HandsOver) else None
 
     def parts(self) -> Sequence[Gate]:
         return self.gates
@@ -162,19 +165,33 @@ class CompositeGate(Batched, HandsOver):
         ready = [p for p in parts if p is not None]
         return Calls.join(ready, any) if len(ready) == len(parts) else None
 
-    def handover_bell(self, queue: str, metadata: Mapping[str, str]) -> str | None:
-        return queue if self._slot is not None else None
+    def handover_bells(self, queue: str, metadata: Mapping[str, str]) -> tuple[str, ...]:
+        """The slot gate's slot, to an attempt parked for it (which holds its own quota slots);
+        else, behind one per-key quota, the holder's key: its quota slot and the slot gate's,
+        to an attempt of the same tenant parked there (refused by the key; the slot gate
+        would have let it in). Then nothing is freed for an attempt just dispatched to take
+        first, while the parked one is still waking."""
+        if self._slot is None:
+            return ()
+        key = self._key.handover_bells(queue, metadata) if self._key is not None else ()
+        return (queue, *key)
 
-    def transfer_calls(self, giver: str, ctx: AcquireContext) -> Calls[bool]:
-        """The giver's quota slots released, then the slot gate's handed to ``ctx``."""
+    def transfer_calls(self, giver: str, ctx: AcquireContext, bell: str) -> Calls[bool]:
+        """Parked on the queue: the giver's quota slots released, then the slot gate's handed
+        to ``ctx``. Parked on the key: the key's slot and the slot gate's handed to ``ctx``
+        (held when either was: its release frees both)."""
         assert self._slot is not None
+        if self._key is not None and bell != ctx.queue:
+            parts = [self._key.transfer_calls(giver, ctx, bell)]
+            parts.append(self._slot.transfer_calls(giver, ctx, bell))
+            return Calls.join(parts, any)
 
         def released(gate: Gate) -> Calls[bool]:
             calls = gate.release_calls(giver) if isinstance(gate, Batched) else None
             return calls or Calls((), lambda _: gate.release(giver))
 
-        parts: list[Calls[Any]] = [released(g) for g in self.gates[:-1]]
-        parts.append(self._slot.transfer_calls(giver, ctx))
+        parts = [released(g) for g in self.gates[:-1]]
+        parts.append(self._slot.transfer_calls(giver, ctx, bell))
         return Calls.join(parts, lambda done: bool(done[-1]))
 
     def describe(self) -> dict[str, Any]:

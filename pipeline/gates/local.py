@@ -85,8 +85,8 @@ class LocalMaxConcurrencyGate(SlotGate):
 
         return Calls((self.slots.release(holder),), done)
 
-    def handover_bell(self, queue: str, metadata: Mapping[str, str]) -> str:
-        return queue
+    def handover_bells(self, queue: str, metadata: Mapping[str, str]) -> tuple[str, ...]:
+        return (queue,)
 
     def renew(self, holders: Iterable[str], lease_s: float) -> None:
         self.slots.renew(list(holders), lease_s)

@@ -286,10 +286,10 @@ class ConcurrencyQuota(Quota, SlotGate):
             return []
         return [QuotaSpec(self.quota_key(""), self.attribute, self.limit, local=self.url is None)]
 
-    def handover_bell(self, queue: str, metadata: Mapping[str, str]) -> str | None:
+    def handover_bells(self, queue: str, metadata: Mapping[str, str]) -> tuple[str, ...]:
         """The holder's key: its slot goes to an attempt parked for the same key."""
         value = metadata.get(self.attribute) if self.blocking else None
-        return self.quota_key(value) if value else None
+        return (self.quota_key(value),) if value else ()
 
     def release_calls(self, holder: str) -> Calls[bool]:
         """One round trip: the index entry names the holder's key (``gate_quota_release``)."""

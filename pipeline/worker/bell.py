@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -30,14 +30,17 @@ class Ticket:
     ``held`` and ``transferred`` once recorded), ``cancelled``, or timed out."""
 
     __slots__ = (
-        "ctx", "gate", "rid", "_wake", "done", "rang", "granted", "cancelled", "held",
+        "ctx", "gate", "rid", "bell", "_wake", "done", "rang", "granted", "cancelled", "held",
         "transferred",
     )  # fmt: skip
 
-    def __init__(self, ctx: Any = None, gate: Any = None, rid: str | None = None) -> None:
+    def __init__(
+        self, ctx: Any = None, gate: Any = None, rid: str | None = None, bell: str = ""
+    ) -> None:
         self.ctx = ctx  # what a giver transfers a slot to; None: no hand-over
         self.gate = gate  # only a holder of this gate hands it a slot
         self.rid = rid  # its request (a cancel notice wakes it)
+        self.bell = bell  # where it parked (what a giver transfers depends on it)
         self._wake = threading.Lock()
         self._wake.acquire()
         self.done = False  # woken, granted or timed out (under the bell's lock)
@@ -129,20 +132,22 @@ class ReleaseBell:
             if echo and self._listeners:
                 self._echoes[queue].append(time.monotonic())
 
-    def hand_over(self, queue: str, gate: Any = None) -> Ticket | None:
-        """Grant the longest waiter of ``queue`` a slot of ``gate`` (None: nobody waits for one
-        of that gate); the caller records the transfer and publishes no release."""
+    def hand_over(self, names: str | Sequence[str], gate: Any = None) -> Ticket | None:
+        """Grant the longest waiter of the first of ``names`` whose longest waiter waits for a
+        slot of ``gate`` (None: nobody does); the caller records the transfer (on
+        ``ticket.bell``, where it parked) and publishes no release."""
         with self._lock:
             if self.closed:
                 return None
-            waiters = self._waiters.get(queue)
-            if not waiters or waiters[0].ctx is None or waiters[0].gate is not gate:
-                return None
-            ticket = self._pop_waiter(queue)
-            assert ticket is not None
-            ticket.granted = True
-            ticket.fire()
-            return ticket
+            for name in [names] if isinstance(names, str) else names:
+                waiters = self._waiters.get(name)
+                if waiters and waiters[0].ctx is not None and waiters[0].gate is gate:
+                    ticket = self._pop_waiter(name)
+                    assert ticket is not None
+                    ticket.granted = True
+                    ticket.fire()
+                    return ticket
+            return None
 
     def cancel_notice(self, ids: list[str]) -> None:
         """Remember cancelled requests' ids and wake their waiters (``ticket.cancelled``)."""
@@ -193,7 +198,7 @@ class ReleaseBell:
         with self._lock:
             if self._gen.get(queue, 0) != generation or self.closed:
                 return None
-            ticket = Ticket(ctx, gate, rid)
+            ticket = Ticket(ctx, gate, rid, queue)
             self._waiters[queue].append(ticket)
         ticket.sleep(timeout)
         with self._lock:

@@ -74,7 +74,7 @@ class Reservation:
         attempts of this process parked on its hand-over bell, a refusal without asking."""
         gate, bell = self.gate, self.host.bell
         self.generations = {self.queue: bell.generation(self.queue)}
-        name = self._handover_bell(tenant)
+        name = next(iter(self._handover_bells(tenant)), None)
         waiting = 0
         if name is not None:
             self.generations.setdefault(name, bell.generation(name))
@@ -122,7 +122,7 @@ class Reservation:
         assert self.ctx is not None
         name = decision.bell(self.queue)
         generation = self.generations.get(name, self.generations.get(self.queue, 0))
-        offer = self.ctx if name == self._handover_bell(self.ctx.metadata) else None
+        offer = self.ctx if name in self._handover_bells(self.ctx.metadata) else None
         ticket = self.host.bell.park(
             name, generation, timeout, offer, self.gate, rid=self.ctx.request_id
         )
@@ -130,9 +130,9 @@ class Reservation:
             self.ticket, self.decision, self._released = ticket, CONTINUE, False
         return ticket
 
-    def _handover_bell(self, metadata: Mapping[str, str]) -> str | None:
+    def _handover_bells(self, metadata: Mapping[str, str]) -> tuple[str, ...]:
         gate = self.gate
-        return gate.handover_bell(self.queue, metadata) if isinstance(gate, HandsOver) else None
+        return gate.handover_bells(self.queue, metadata) if isinstance(gate, HandsOver) else ()
 
     def follow(self, gate: Gate) -> None:
         """Ask ``gate`` from now on (a reload replaced the queue's); a parked attempt's own
@@ -218,21 +218,21 @@ class Reservation:
             log.warning("settling the token charge of %s failed: %s", self.holder, exc)
 
     def _taker(self) -> tuple[str | None, Ticket | None]:
-        """The hand-over bell and the granted ticket of an attempt parked there, or (None, None).
-        Never on a gate a reload replaced: its stale limit could refuse the transfer."""
+        """The first hand-over bell with an attempt parked there and that attempt's granted
+        ticket, or (None, None). Never on a gate a reload replaced: its stale limit could
+        refuse the transfer."""
         gate = self.gate
         if not isinstance(gate, HandsOver) or gate is not self.host.current_gate(self.queue):
             return None, None
         assert self.ctx is not None
-        name = gate.handover_bell(self.queue, self.ctx.metadata)
-        ticket = None if name is None else self.host.bell.hand_over(name, gate)
-        return (name, ticket) if ticket is not None else (None, None)
+        ticket = self.host.bell.hand_over(gate.handover_bells(self.queue, self.ctx.metadata), gate)
+        return (ticket.bell, ticket) if ticket is not None else (None, None)
 
     def _step(self, ticket: Ticket | None) -> Calls[bool] | None:
         gate = self.gate
         try:
             if ticket is not None and isinstance(gate, HandsOver):
-                return gate.transfer_calls(self.holder, ticket.ctx)
+                return gate.transfer_calls(self.holder, ticket.ctx, ticket.bell)
             return gate.release_calls(self.holder) if isinstance(gate, Batched) else None
         except Exception as exc:  # noqa: BLE001 - done directly instead
             log.warning("could not prepare the release of %s: %s", self.holder, exc)
@@ -269,7 +269,8 @@ class Reservation:
                     self.gate.release(self.holder)
                 else:
                     assert isinstance(self.gate, HandsOver)
-                    self._record(ticket, self.gate.transfer_calls(self.holder, ticket.ctx).run())
+                    calls = self.gate.transfer_calls(self.holder, ticket.ctx, ticket.bell)
+                    self._record(ticket, calls.run())
                 return
             except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
                 log.warning(

@@ -165,6 +165,26 @@ def test_a_hand_over_grants_the_longest_parked_waiter_and_wakes_only_it(
     assert getattr(rang, "rang", False) and not getattr(rang, "granted", True)
 
 
+def test_a_hand_over_on_several_bells_goes_to_the_first_with_a_taker(bell: ReleaseBell) -> None:
+    """A holder behind a tenant's quota and a slot gate offers the slot gate's line first, then
+    its key's: the ticket names where its taker parked (what the giver transfers)."""
+    on_key: list[object] = []
+    parked(bell, "quota:userid:u", "ctx-key", on_key)
+    wait_until(lambda: bell.waiting("quota:userid:u") == 1, 5, "the waiter on the key")
+    ticket = bell.hand_over(("q", "quota:userid:u"))  # nobody on "q": the key's waiter
+    assert ticket is not None and ticket.ctx == "ctx-key" and ticket.bell == "quota:userid:u"
+    wait_until(lambda: on_key == [ticket], 5, "the key's waiter woken, granted")
+    on_queue: list[object] = []
+    again: list[object] = []
+    parked(bell, "quota:userid:u", "ctx-key-2", again)
+    parked(bell, "q", "ctx-queue", on_queue)
+    wait_until(lambda: bell.waiting("q") == bell.waiting("quota:userid:u") == 1, 5, "both")
+    ticket = bell.hand_over(("q", "quota:userid:u"))
+    assert ticket is not None and ticket.ctx == "ctx-queue" and ticket.bell == "q"
+    assert bell.waiting("quota:userid:u") == 1  # still parked: the next release is its
+    bell.close()
+
+
 def test_no_hand_over_without_a_waiter_that_can_take_one(bell: ReleaseBell) -> None:
     assert bell.hand_over("q") is None  # nobody parked: the slot is released instead
     out: list[object] = []

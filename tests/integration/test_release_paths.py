@@ -665,6 +665,39 @@ def test_a_quota_hand_over_goes_in_the_givers_finish_round_trip(
         assert (p.record(second.id).get("log") or "").count('"handed_over":true') == 1
 
 
+def test_a_composite_hands_its_tenants_slots_to_an_attempt_parked_on_the_key(
+    pl: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quota of 2 per user behind a global limit with room: the user's third attempt parks
+    on the key; the first one's finish hands it the key's slot and the global's, both sent
+    ahead of the finish in one round trip, and publishes no release (nothing was freed for an
+    attempt just dispatched to take first). All end; no gate holds a reservation."""
+    with indexed_copy(pl, "tenants") as (p, rt, queue):
+        user = uid("u")
+        ds = [dispatch_tenant(p, queue, user) for _ in range(3)]
+        a, b, c = (rt.begin(d.id, d.token, "w", queue, d.tenant) for d in ds)
+        assert a and b and c and a.decision and b.decision and c.decision
+        assert a.decision.admitted and b.decision.admitted and not c.decision.admitted
+        reports: list[Any] = []
+        parked = threading.Thread(target=lambda: reports.append(c.run()))
+        parked.start()
+        key = quota_key("nobody", user)
+        wait_until(lambda: rt.bell.waiting(key) == 1, 5, "the third attempt parked on the key")
+        listener = freed_listener(p.store_of(queue))
+        sent = counted_batches(monkeypatch)
+        monkeypatch.setattr(Calls, "run", None)  # no gate step on its own (no direct transfer)
+        assert a.run().status.value == "success"
+        parked.join(10)
+        monkeypatch.undo()
+        assert reports and reports[0].status.value == "success"
+        assert sent[0] == 3  # the key's transfer, the global's, then a's finish
+        assert (p.record(ds[2].id).get("log") or "").count('"handed_over":true') == 1
+        assert b.run().status.value == "success"
+        assert gate_in_flight(p, queue) == 0
+        released = published(listener, 2, "the releases published")
+        assert released == [queue, queue]  # c's and b's releases; none for a's hand-over
+
+
 def test_a_composite_release_goes_in_the_finish_round_trip(
     pl: Pipeline, monkeypatch: pytest.MonkeyPatch
 ) -> None:

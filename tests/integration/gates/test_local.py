@@ -251,7 +251,7 @@ def test_gates_that_count_other_things_do_not_hand_over(make: Callable[..., Gate
     )
     assert not isinstance(rate, HandsOver)
     assert isinstance(classifying, HandsOver)  # a concurrency quota, but it never refuses:
-    assert classifying.handover_bell("q", {"userid": "u"}) is None  # nobody parks for a slot
+    assert classifying.handover_bells("q", {"userid": "u"}) == ()  # nobody parks for a slot
 
 
 def test_a_quota_hands_a_slot_over_to_an_attempt_of_the_same_key(
@@ -263,7 +263,7 @@ def test_a_quota_hands_a_slot_over_to_an_attempt_of_the_same_key(
     user = {"userid": "u"}
     giver, taker = ctx(metadata=user), ctx(metadata=user)
     assert isinstance(quota, HandsOver)
-    assert quota.handover_bell("q", taker.metadata) == "quota:userid:u"
+    assert quota.handover_bells("q", taker.metadata) == ("quota:userid:u",)
     assert quota.acquire(giver).admitted and not quota.acquire(taker).admitted
     assert quota.transfer_calls(giver.holder, taker).run()
     (held,) = quota.holders()
@@ -292,3 +292,47 @@ def test_a_dead_nodes_entry_is_forgotten_once_its_slot_pool_is_gone(genv: GateEn
     assert genv.client.smembers(registry) == {"node-dead"}
     assert g_live.in_flight() == 1
     g_dead.release(d.holder)
+
+
+def test_a_composite_hands_its_tenants_slots_to_an_attempt_parked_on_the_key(
+    make: Callable[..., Gate],
+) -> None:
+    """Behind one per-key quota and a slot gate, a holder hands the key's slot and the slot
+    gate's to an attempt of its tenant that the key refused (parked on the key): nothing is
+    freed for an attempt just started to take first, and the taker's release frees both. An
+    attempt parked for the slot gate (holding its own quota slot) takes the slot gate's only."""
+    quota_params = {"limit": 1, "mode": "concurrency"}
+    gate = make(
+        "composite",
+        {
+            "gates": [
+                {"gate_type": "redis-quota", "gate_params": quota_params},
+                {"gate_type": "global-max-concurrency", "gate_params": {"limit": 2}},
+            ]
+        },
+    )
+    assert isinstance(gate, HandsOver)
+    quota, slot = gate.parts()
+    user, other = {"userid": "u"}, {"userid": "v"}
+    assert gate.handover_bells("q", user) == ("q", "quota:userid:u")
+    assert gate.handover_bells("q", {}) == ("q",)  # no tenant: the slot gate's only
+    giver, taker = ctx("giver", metadata=user), ctx("taker", metadata=user)
+    assert gate.acquire(giver).admitted
+    refused = gate.acquire(taker)
+    assert not refused.admitted and refused.bell("q") == "quota:userid:u"
+    assert gate.transfer_calls(giver.holder, taker, "quota:userid:u").run() is True
+    for part in (quota, slot):
+        (held,) = part.holders()
+        assert held["request_id"] == "taker" and held["handed_over_by"] == "giver"
+    assert not gate.acquire(ctx(metadata=user)).admitted  # the key's one slot is still taken
+    # the slot gate's own line: the taker of another tenant keeps its quota slot, gets the slot
+    third = ctx("third", metadata=other)
+    assert gate.acquire(third).admitted  # the slot gate is full now (2)
+    fourth = ctx("fourth", metadata={"userid": "w"})
+    assert not gate.acquire(fourth).admitted  # refused by the slot gate, keeping its quota slot
+    assert gate.transfer_calls(taker.holder, fourth, "q").run() is True
+    assert sorted(h["request_id"] for h in quota.holders()) == ["fourth", "third"]
+    assert sorted(h["request_id"] for h in slot.holders()) == ["fourth", "third"]
+    for x in (third, fourth):
+        assert gate.release(x.holder)
+    assert quota.in_flight() == 0 and slot.in_flight() == 0
