@@ -6,6 +6,7 @@ attempt. Real worker nodes (threads and prefork), a real Redis, the simulator ov
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -92,6 +93,24 @@ def test_a_worker_at_info_logs_no_body(iso: Isolated, node: Callable[..., Worker
     assert "'attempts': 3" in retried
     assert f"[{ids['retried']}] retry: HTTP 503\n" in text
     assert "RequestFailed('HTTP 400 (" in text
+    assert " received" not in text  # Celery's per-attempt "received" line: at DEBUG only
+
+
+def test_celerys_received_line_shows_at_debug_only() -> None:
+    """The worker's logging set-up leaves Celery's per-attempt "Task … received" line out
+    above DEBUG (it says nothing the outcome line does not) and keeps it at DEBUG."""
+    from tasks.node import RECEIVED_LOGGER, _on_logging_setup
+
+    received = logging.getLogger(RECEIVED_LOGGER)
+    before = received.level
+    try:
+        received.setLevel(logging.NOTSET)
+        _on_logging_setup(logger=None, loglevel=logging.DEBUG)
+        assert received.level == logging.NOTSET
+        _on_logging_setup(logger=None, loglevel="INFO")
+        assert received.level == logging.WARNING
+    finally:
+        received.setLevel(before)
 
 
 def test_log_bodies_1_shows_them(iso: Isolated, node: Callable[..., WorkerProc]) -> None:
