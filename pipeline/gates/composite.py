@@ -179,12 +179,26 @@ class CompositeGate(Batched, HandsOver):
     def transfer_calls(self, giver: str, ctx: AcquireContext, bell: str) -> Calls[bool]:
         """Parked on the queue: the giver's quota slots released, then the slot gate's handed
         to ``ctx``. Parked on the key: the key's slot and the slot gate's handed to ``ctx``
-        (held when either was: its release frees both)."""
+        (held when either was: its release frees both; one not taken is logged, as a hand-over
+        whose giver's lease had lapsed on a full gate is)."""
         assert self._slot is not None
         if self._key is not None and bell != ctx.queue:
             parts = [self._key.transfer_calls(giver, ctx, bell)]
             parts.append(self._slot.transfer_calls(giver, ctx, bell))
-            return Calls.join(parts, any)
+
+            def taken(done: list[Any]) -> bool:
+                if any(done) and not all(done):
+                    log.warning(
+                        "composite gate %s: of %s's slots handed to %s, the %s was not taken "
+                        "(its lease had lapsed and that gate is full)",
+                        self.name,
+                        giver,
+                        ctx.holder,
+                        "key's" if not done[0] else "slot gate's",
+                    )
+                return any(done)
+
+            return Calls.join(parts, taken)
 
         def released(gate: Gate) -> Calls[bool]:
             calls = gate.release_calls(giver) if isinstance(gate, Batched) else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 from collections.abc import Callable
@@ -220,7 +221,8 @@ def test_transfer_hands_a_slot_over_in_one_step(make: Callable[..., Gate], kind:
     assert isinstance(gate, HandsOver)
     a, b, c = ctx("giver"), ctx("other"), ctx("taker", worker="celery@h2")
     assert gate.acquire(a).admitted and gate.acquire(b).admitted
-    assert gate.transfer_calls(a.holder, c).run() is True  # the pool was full: the slot went a -> c
+    # the pool was full: the slot went a -> c
+    assert gate.transfer_calls(a.holder, c, "q").run() is True
     assert gate.in_flight() == 2
     entry = next(h for h in gate.holders() if h["request_id"] == "taker")
     assert entry["handed_over_by"] == "giver" and entry["worker"] == "celery@h2"
@@ -238,8 +240,8 @@ def test_transfer_from_a_holder_whose_lease_was_reaped_takes_a_free_slot_or_none
     gate = make("local-max-concurrency", {"limit": 1})
     gone, taker, other = ctx("gone"), ctx("taker"), ctx("other")
     assert isinstance(gate, HandsOver)
-    assert gate.transfer_calls(gone.holder, taker).run() is True  # room: taken like an acquire
-    assert gate.transfer_calls(gone.holder, other).run() is False  # full, and "gone" held nothing
+    assert gate.transfer_calls(gone.holder, taker, "q").run() is True  # room: like an acquire
+    assert gate.transfer_calls(gone.holder, other, "q").run() is False  # full; "gone" held none
     assert [h["request_id"] for h in gate.holders()] == ["taker"]
     gate.release(taker.holder)
 
@@ -265,7 +267,7 @@ def test_a_quota_hands_a_slot_over_to_an_attempt_of_the_same_key(
     assert isinstance(quota, HandsOver)
     assert quota.handover_bells("q", taker.metadata) == ("quota:userid:u",)
     assert quota.acquire(giver).admitted and not quota.acquire(taker).admitted
-    assert quota.transfer_calls(giver.holder, taker).run()
+    assert quota.transfer_calls(giver.holder, taker, "quota:userid:u").run()
     (held,) = quota.holders()
     assert held["request_id"] == taker.request_id
     assert held["handed_over_by"] == giver.request_id
@@ -335,4 +337,36 @@ def test_a_composite_hands_its_tenants_slots_to_an_attempt_parked_on_the_key(
     assert sorted(h["request_id"] for h in slot.holders()) == ["fourth", "third"]
     for x in (third, fourth):
         assert gate.release(x.holder)
+    assert quota.in_flight() == 0 and slot.in_flight() == 0
+
+
+def test_a_composite_hand_over_on_the_key_half_taken_is_held_and_logged(
+    make: Callable[..., Gate], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The giver's key slot lapsed and went to another attempt of its tenant: the hand-over
+    on the key takes the slot gate's slot only. The taker holds it (its release frees it;
+    the key's release is a no-op) and the half not taken is logged."""
+    quota_params = {"limit": 1, "mode": "concurrency"}
+    gate = make(
+        "composite",
+        {
+            "gates": [
+                {"gate_type": "redis-quota", "gate_params": quota_params},
+                {"gate_type": "global-max-concurrency", "gate_params": {"limit": 2}},
+            ]
+        },
+    )
+    assert isinstance(gate, HandsOver)
+    quota, slot = gate.parts()
+    user = {"userid": "u"}
+    giver, taker, other = (ctx(name, metadata=user) for name in ("giver", "taker", "other"))
+    assert gate.acquire(giver).admitted
+    assert quota.release(giver.holder)  # as if its lease on the key lapsed and was reaped
+    assert quota.acquire(other).admitted  # and another attempt of the tenant took the key
+    with caplog.at_level(logging.WARNING, logger="pipeline.gates.composite"):
+        assert gate.transfer_calls(giver.holder, taker, "quota:userid:u").run() is True
+    assert "the key's was not taken" in caplog.text
+    assert [h["request_id"] for h in quota.holders()] == ["other"]
+    assert [h["request_id"] for h in slot.holders()] == ["taker"]
+    assert gate.release(taker.holder) and quota.release(other.holder)
     assert quota.in_flight() == 0 and slot.in_flight() == 0
