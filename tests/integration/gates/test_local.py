@@ -296,6 +296,13 @@ def test_a_dead_nodes_entry_is_forgotten_once_its_slot_pool_is_gone(genv: GateEn
     g_dead.release(d.holder)
 
 
+def tenant_composite(make: Callable[..., Gate]) -> Gate:
+    """A concurrency quota of 1 per user behind a global limit of 2."""
+    quota = {"gate_type": "redis-quota", "gate_params": {"limit": 1, "mode": "concurrency"}}
+    slot = {"gate_type": "global-max-concurrency", "gate_params": {"limit": 2}}
+    return make("composite", {"gates": [quota, slot]})
+
+
 def test_a_composite_hands_its_tenants_slots_to_an_attempt_parked_on_the_key(
     make: Callable[..., Gate],
 ) -> None:
@@ -303,16 +310,7 @@ def test_a_composite_hands_its_tenants_slots_to_an_attempt_parked_on_the_key(
     gate's to an attempt of its tenant that the key refused (parked on the key): nothing is
     freed for an attempt just started to take first, and the taker's release frees both. An
     attempt parked for the slot gate (holding its own quota slot) takes the slot gate's only."""
-    quota_params = {"limit": 1, "mode": "concurrency"}
-    gate = make(
-        "composite",
-        {
-            "gates": [
-                {"gate_type": "redis-quota", "gate_params": quota_params},
-                {"gate_type": "global-max-concurrency", "gate_params": {"limit": 2}},
-            ]
-        },
-    )
+    gate = tenant_composite(make)
     assert isinstance(gate, HandsOver)
     quota, slot = gate.parts()
     user, other = {"userid": "u"}, {"userid": "v"}
@@ -346,16 +344,7 @@ def test_a_composite_hand_over_on_the_key_half_taken_is_held_and_logged(
     """The giver's key slot lapsed and went to another attempt of its tenant: the hand-over
     on the key takes the slot gate's slot only. The taker holds it (its release frees it;
     the key's release is a no-op) and the half not taken is logged."""
-    quota_params = {"limit": 1, "mode": "concurrency"}
-    gate = make(
-        "composite",
-        {
-            "gates": [
-                {"gate_type": "redis-quota", "gate_params": quota_params},
-                {"gate_type": "global-max-concurrency", "gate_params": {"limit": 2}},
-            ]
-        },
-    )
+    gate = tenant_composite(make)
     assert isinstance(gate, HandsOver)
     quota, slot = gate.parts()
     user = {"userid": "u"}
