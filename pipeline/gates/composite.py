@@ -183,8 +183,10 @@ class CompositeGate(Batched, HandsOver):
         whose giver's lease had lapsed on a full gate is)."""
         assert self._slot is not None
         if self._key is not None and bell != ctx.queue:
-            parts = [self._key.transfer_calls(giver, ctx, bell)]
-            parts.append(self._slot.transfer_calls(giver, ctx, bell))
+            parts = [
+                self._key.transfer_calls(giver, ctx, bell),
+                self._slot.transfer_calls(giver, ctx, bell),
+            ]
 
             def taken(done: list[Any]) -> bool:
                 if any(done) and not all(done):

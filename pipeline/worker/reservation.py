@@ -176,7 +176,8 @@ class Reservation:
         held = self._held()
         if held:
             self._settle(served, prompt)
-        bell, ticket = self._taker() if held else (None, None)
+        ticket = self._taker() if held else None
+        bell = ticket.bell if ticket is not None else None  # where its taker parked
         step = self._step(ticket)
         call = build(ticket is not None, ticket is not None and self._parked_ahead(bell))
         rings = self._rings(held, bell)
@@ -217,16 +218,15 @@ class Reservation:
         except Exception as exc:  # noqa: BLE001 - never in the way of the release
             log.warning("settling the token charge of %s failed: %s", self.holder, exc)
 
-    def _taker(self) -> tuple[str | None, Ticket | None]:
-        """The first hand-over bell with an attempt parked there and that attempt's granted
-        ticket, or (None, None). Never on a gate a reload replaced: its stale limit could
+    def _taker(self) -> Ticket | None:
+        """The granted ticket of an attempt parked on the first hand-over bell that has one
+        (``ticket.bell``), or None. Never on a gate a reload replaced: its stale limit could
         refuse the transfer."""
         gate = self.gate
         if not isinstance(gate, HandsOver) or gate is not self.host.current_gate(self.queue):
-            return None, None
+            return None
         assert self.ctx is not None
-        ticket = self.host.bell.hand_over(gate.handover_bells(self.queue, self.ctx.metadata), gate)
-        return (ticket.bell, ticket) if ticket is not None else (None, None)
+        return self.host.bell.hand_over(gate.handover_bells(self.queue, self.ctx.metadata), gate)
 
     def _step(self, ticket: Ticket | None) -> Calls[bool] | None:
         gate = self.gate
