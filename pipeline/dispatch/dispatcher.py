@@ -256,10 +256,13 @@ class Dispatcher:
         # quotas and a slot gate, whose parked attempts hold quota slots (docs/internals.md)
         nodes = self.pool_nodes[pool]
         per = 1 if cap is not None and specs else nodes
+        ahead_cap = -1
         if cap is not None:
             ahead = self.settings.lookahead_for(cap, behind_quota=bool(specs)) * per
             if gate.per_node:
                 cap *= nodes
+            if specs:  # past a quota key only while the slot gate has room (dispatch.lua, 4.)
+                ahead_cap = cap
             cap += ahead
         if per > 1:
             specs = tuple(dataclasses.replace(s, lookahead=s.lookahead * per) for s in specs)
@@ -267,6 +270,7 @@ class Dispatcher:
             q,
             budget=dispatch_budget(gate),
             cap=-1 if cap is None else cap,
+            ahead_cap=ahead_cap,
             lane=self.settings.merge_policy.lane(q.labels),
             specs=specs,
             tokens=self.tokens[q.queue_name],

@@ -78,6 +78,8 @@ class QueueTick:
     name: str
     budget: float = 0.0  # the gate's dispatch budget, 0..1
     cap: int = -1  # most dispatched + running requests of the queue (-1: no limit)
+    # dispatched + running below which a tenant is sent past its quota key (-1: cap)
+    ahead_cap: int = -1
     dispatch: bool = True
     sweep: bool = True
     weight: float = 1.0
@@ -95,6 +97,7 @@ class QueueTick:
             "sweep": self.sweep,
             "budget": max(0.0, min(1.0, self.budget)),
             "cap": self.cap,
+            "acap": self.ahead_cap,
             "weight": self.weight,
             "lane": self.lane,
             "rand": round(self.rand, 6),  # (17 digits make the script's JSON decode slower)

@@ -115,6 +115,36 @@ def test_a_held_tenant_wakes_once_its_key_is_down_to_limit_plus_half_its_lookahe
         assert sent(b, "A") == set()
 
 
+def test_behind_a_full_slot_gate_no_tenant_is_sent_past_its_key(redis_url: str) -> None:
+    """A composite of quota 2 (look-ahead 1) and a slot gate of 4 (look-ahead 2: the queue's
+    cap 6, ``ahead_cap`` 4). A alone leaves the slot gate room: A's 2 and one past its key.
+    With B too the slot gate is full (2 + 2): nobody is sent past a key, so C, coming later,
+    still finds the queue's look-ahead room for its own 2 (before, A's and B's look-ahead took
+    it and C waited for a finish)."""
+    with bench(redis_url, QUEUES) as b:
+        b.index("q", False)
+        gate = {"specs": (quota_spec(2, 1),), "cap": 6, "ahead_cap": 4}
+
+        def go() -> list[str]:
+            moved = b.tick({"q": gate}, 20, LA).moved
+            check_consistent(b, "q")
+            return [d.id for d in moved]
+
+        a = submit(b, "A", 5, "a")
+        assert go() == a[:3]
+        for rid in a[:3]:
+            assert b.pl.cancel(rid)
+        bees = submit(b, "B", 5, "b", offset=100)
+        assert go() == [a[3], a[4], bees[0], bees[1]]
+        assert sent(b, "A") == set(a[3:5]) and sent(b, "B") == set(bees[:2])
+        cees = submit(b, "C", 5, "c", offset=200)
+        assert go() == cees[:2]  # the slot gate's look-ahead: C's quota slots, parked there
+        assert go() == []  # the queue's cap
+        for rid in a + bees + cees:
+            b.pl.cancel(rid)
+        assert sent(b, "A") == sent(b, "B") == sent(b, "C") == set()
+
+
 def test_a_reaped_attempt_leaves_its_key(redis_url: str) -> None:
     with bench(redis_url, QUEUES) as b:
         b.index("q", True)

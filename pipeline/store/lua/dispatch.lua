@@ -21,7 +21,11 @@
 --    there ('d<n>', for its attempt's holder: taken over when the attempt asks the gate).
 -- 4. Look-ahead per quota key: with room left, the tenants blocked in this tick get up to
 --    `la` more attempts of a key past its limit (at most cfg.lookahead in all): they park at
---    the worker for a release of that key (the key is published when one leaves).
+--    the worker for a release of that key (the key is published when one leaves). Behind a
+--    slot gate (acap: its capacity) only while the queue has fewer dispatched and running:
+--    once the slot gate is full, its own look-ahead (other tenants' attempts, holding their
+--    quota slots) is what a finish hands over to, and the queue's room is kept for tenants
+--    that have quota room.
 -- Blocked tenants are out of the ready set, so each dispatch costs O(log n) in the number of
 -- waiting requests and tenants (a tenant is looked at again only after its key released).
 -- Each dispatched request's decision log gets a "dispatched" entry (its dispatch number; with
@@ -38,7 +42,8 @@
 -- task, origin (Celery message fields; task '' when the script pushes none), doorbell
 -- (bool), policy ('random-robin' or 'tier-priority'), max_wait, lookahead (most quota
 -- look-ahead attempts this tick), queues:
--- [{name, dispatch (bool: may dispatch), sweep (bool), budget (0..1), cap (-1: none), weight,
+-- [{name, dispatch (bool: may dispatch), sweep (bool), budget (0..1), cap (-1: none), acap
+-- (dispatched and running below which the quota look-ahead is sent; -1: cap), weight,
 -- lane (0..5), rand (0..1: a new round-robin counter's start), rl (bool: it keeps a result
 -- list), rl_max, rl_ttl (result list),
 -- specs: [{k (the quota key up to its value: <the gate's prefix param><attribute>:), attr,
@@ -69,7 +74,7 @@ for i, q in ipairs(Q) do
   local b = (i - 1) * 5
   q.idx, q.pending, q.delayed, q.expiry, q.active, q.results =
     i, KEYS[b + 1], KEYS[b + 2], KEYS[b + 3], KEYS[b + 4], KEYS[b + 5]
-  q.expired, q.rejected, q.allowed = 0, {}, 0
+  q.expired, q.rejected, q.allowed, q.sent = 0, {}, 0, 0
   q.tokens = q.tokens or {}
   if not q.rl then q.results = '' end -- its key only holds the place
 end
@@ -557,6 +562,7 @@ while n_free > 0 do
     merged = true
     n_free = n_free - 1
     q.allowed = q.allowed - 1
+    q.sent = q.sent + 1
   else
     q.empty = true
   end
@@ -582,7 +588,8 @@ local ahead = 0
 for _, b in ipairs(held) do
   local q, c, tk = b.q, b.c, b.tk
   local sub = sched_sub(c, tk)
-  while ahead < cfg.lookahead and n_free > 0 and q.allowed > 0 do
+  while ahead < cfg.lookahead and n_free > 0 and q.allowed > 0
+    and (q.acap < 0 or q.active_n + q.sent < q.acap) do
     local past = redis.call('HGET', c.base .. TAIL_BLOCKED, tk) -- (unlisted once it is empty)
     if not past then break end
     local head = redis.call('ZRANGE', sub, 0, 1) -- its head, and whether it has more
@@ -599,6 +606,7 @@ for _, b in ipairs(held) do
       ahead = ahead + 1
       n_free = n_free - 1
       q.allowed = q.allowed - 1
+      q.sent = q.sent + 1
     end
   end
 end
