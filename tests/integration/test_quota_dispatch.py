@@ -15,6 +15,7 @@ import redis
 from pipeline.cli.services import wait_until
 from pipeline.gates import AcquireContext, GateEnv, build_gate, wake_keys
 from pipeline.store import MergeArgs, sched
+from pipeline.store.scripts import run_batch
 
 from .sched_harness import Bench, bench, check_consistent, quota_spec
 
@@ -143,6 +144,48 @@ def test_behind_a_full_slot_gate_no_tenant_is_sent_past_its_key(redis_url: str) 
         for rid in a + bees + cees:
             b.pl.cancel(rid)
         assert sent(b, "A") == sent(b, "B") == sent(b, "C") == set()
+
+
+def test_a_hand_over_finish_makes_its_tenant_ready_without_ringing(redis_url: str) -> None:
+    """A finish that handed its slot over while its process still has attempts parked
+    (``nowake``) makes its held tenant ready without ringing the pool's doorbell: the
+    dispatcher is rung when the parked attempts run low, and its next tick sends the tenant.
+    Before, every such finish rang, and a tenant mix whose quotas fill the queue's cap ran a
+    tick per request. A plain finish rings as before."""
+    with bench(redis_url, QUEUES) as b:
+        b.index("q", False)
+        a = submit(b, "A", 4, "a")
+        moved = tick(b, 20, la=0)
+        assert [d.id for d in moved] == a[:2]
+        keys = b.store.keys
+        token = {d.id: d.token for d in moved}
+
+        def finish(rid: str, handed_over: bool) -> Any:
+            call = b.store.finish_call(
+                rid,
+                token[rid],
+                attempted=True,
+                status_code=200,
+                payload="{}",
+                handed_over=handed_over,
+                nowake=handed_over,
+            )
+            return b.store.finished(run_batch(b.client, [call])[0])
+
+        b.client.delete(keys.wake("p"))
+        assert finish(a[0], True)
+        assert not b.client.hexists(keys.blocked("q"), "A")  # ready
+        assert b.client.llen(keys.wake("p")) == 0
+        moved = tick(b, 20, la=0)
+        assert [d.id for d in moved] == [a[2]]
+        token.update({d.id: d.token for d in moved})
+        assert b.client.hget(keys.blocked("q"), "A") == "quota:userid:A"
+        assert finish(a[1], False)
+        assert not b.client.hexists(keys.blocked("q"), "A")
+        assert b.client.llen(keys.wake("p")) == 1
+        for rid in a:
+            b.pl.cancel(rid)
+        assert sent(b, "A") == set()
 
 
 def test_a_reaped_attempt_leaves_its_key(redis_url: str) -> None:

@@ -326,7 +326,7 @@ local function terminal(K, id, now, ttl, status_code, payload, error_code, error
     redis.call('ZREM', qkey(K, queue, TAIL_DELAYED), id)
     redis.call('ZREM', qkey(K, queue, TAIL_EXPIRY), id)
   end
-  local keys = sched_leave(K, id, f[11], f[18])
+  local keys = sched_leave(K, id, f[11], f[18], nowake)
   if state ~= 'queued' and state ~= 'retry_wait' then
     redis.call('ZREM', qkey(K, queue, TAIL_ACTIVE), id)
   end

@@ -248,14 +248,16 @@ local function sched_remove(K, queue, id, member)
   sched_drop(K, c, sched_tkey(tenant), member, false)
 end
 
--- Make tenant `tk` of `queue` ready again (a request of the quota key it waited for left).
-local function sched_unblock(K, queue, tk)
+-- Make tenant `tk` of `queue` ready again (a request of the quota key it waited for left) and
+-- ring its pool's doorbell, unless `nowake` (as in terminal(): the leave was a hand-over's, and
+-- the dispatcher is rung when the parked attempts run low; its next tick sends the tenant).
+local function sched_unblock(K, queue, tk, nowake)
   local c = sched_conf(K, queue)
   if not c or not sched_unlist(K, c, tk) then return end
   local head = redis.call('ZRANGE', sched_sub(c, tk), 0, 0, 'WITHSCORES')
   if #head > 0 then
     sched_ready_add(c, tk, head[1], head[2])
-    ring(K.pool .. c.pool .. TAIL_WAKE)
+    if not nowake then ring(K.pool .. c.pool .. TAIL_WAKE) end
   end
 end
 
@@ -267,13 +269,13 @@ local function sched_block(K, c, tk, rm, qk)
 end
 
 -- Make the tenants quota key `qk` holds back ready again (in any queue).
-local function sched_wake(K, qk)
+local function sched_wake(K, qk, nowake)
   local reg = K.gate .. qk .. TAIL_BLOCKED
   local members = redis.call('SMEMBERS', reg)
   redis.call('DEL', reg)
   for _, m in ipairs(members) do
     local q, tk = string.match(m, '^([^\n]*)\n(.*)$')
-    if q then sched_unblock(K, q, tk) end
+    if q then sched_unblock(K, q, tk, nowake) end
   end
 end
 
@@ -285,8 +287,9 @@ end
 -- its qwake field: per key, the count of dispatched requests at which the key's held tenants
 -- wake (see quota_keys in dispatch.lua; absent: at every leave; -1: the key is a token
 -- budget's window, which counts no requests: its tenants wake at every leave, whose
--- settlement may have made room, and it is not published, no attempt parks on it).
-local function sched_leave(K, id, qkeys, qwake)
+-- settlement may have made room, and it is not published, no attempt parks on it). `nowake`:
+-- tenants made ready ring no doorbell (sched_unblock).
+local function sched_leave(K, id, qkeys, qwake, nowake)
   if not qkeys or qkeys == '' then return '' end
   redis.call('HDEL', K.req .. id, 'qkeys', 'qwake')
   local ok, list = pcall(cjson.decode, qkeys)
@@ -297,11 +300,11 @@ local function sched_leave(K, id, qkeys, qwake)
   for i, qk in ipairs(list) do
     local at = tonumber(wakes[i])
     if at == -1 then
-      sched_wake(K, qk)
+      sched_wake(K, qk, nowake)
     else
       local sent = K.gate .. qk .. TAIL_SENT
       redis.call('ZREM', sent, id)
-      if not at or redis.call('ZCARD', sent) <= at then sched_wake(K, qk) end
+      if not at or redis.call('ZCARD', sent) <= at then sched_wake(K, qk, nowake) end
       released[#released + 1] = qk
     end
   end
