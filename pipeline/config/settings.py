@@ -191,19 +191,15 @@ class Settings:
     allow_eviction: bool = False  # start a worker on a Redis whose maxmemory-policy may evict
     merge_policy: MergePolicy = field(default_factory=MergePolicy)
 
-    def lookahead_for(
-        self, capacity: int, *, quota_key: bool = False, behind_quota: bool = False
-    ) -> int:
+    def lookahead_for(self, capacity: int) -> int:
         """Attempts the dispatcher sends past a slot gate's ``capacity`` (or a per-key quota's
-        limit, ``quota_key``) to park at the workers (docs/scheduling.md, "Look-ahead and
-        parking"); a quarter behind per-key quotas, whose slots parked attempts hold
-        (bench/redis_replay.py)."""
+        limit) to park at the workers: half of it, 1-8 (docs/scheduling.md, "Look-ahead and
+        parking")."""
         if self.park_s <= 0:
             return 0
         if self.lookahead >= 0:
             return self.lookahead
-        share = 4 if behind_quota and not quota_key else 2
-        return min(8, max(1, -(-capacity // share)))
+        return min(8, max(1, -(-capacity // 2)))
 
     @property
     def redis_cluster(self) -> bool:

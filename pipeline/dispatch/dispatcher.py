@@ -109,7 +109,7 @@ class Dispatcher:
         self.ingesting = any(q.ingest for qs in pools.values() for q in qs)
         self.specs = {
             name: tuple(
-                dataclasses.replace(s, lookahead=settings.lookahead_for(s.limit, quota_key=True))
+                dataclasses.replace(s, lookahead=settings.lookahead_for(s.limit))
                 for s in gate.quota_specs()
             )
             for name, gate in gates.items()
@@ -258,7 +258,7 @@ class Dispatcher:
         per = 1 if cap is not None and specs else nodes
         ahead_cap = -1
         if cap is not None:
-            ahead = self.settings.lookahead_for(cap, behind_quota=bool(specs)) * per
+            ahead = self.settings.lookahead_for(cap) * per
             if gate.per_node:
                 cap *= nodes
             if specs:  # past a quota key only while the slot gate has room (dispatch.lua, 4.)

@@ -319,9 +319,7 @@ class Reservation:
         cap = min(s.limit for s in specs) if keyed and specs else gate.capacity()
         if cap is None:
             return False
-        behind = not keyed and bool(specs)
-        ahead = self.host.settings.lookahead_for(cap, quota_key=keyed, behind_quota=behind)
-        need = -(-ahead // 2)
+        need = -(-self.host.settings.lookahead_for(cap) // 2)
         return need > 0 and self.host.bell.waiting(name) >= need
 
 

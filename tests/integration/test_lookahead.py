@@ -106,17 +106,11 @@ def test_a_parked_attempt_that_waits_too_long_goes_back_to_the_queue(
 def test_lookahead_per_capacity() -> None:
     auto = Settings()
     caps = (1, 2, 4, 5, 16, 32, 33, 1000)
-    # past a slot gate alone: half its capacity; behind per-key quotas (a composite): a quarter
+    # past a slot gate (alone or behind per-key quotas) or a quota key: half, 1-8
     assert [auto.lookahead_for(c) for c in caps] == [1, 1, 2, 3, 8, 8, 8, 8]
-    assert [auto.lookahead_for(c, behind_quota=True) for c in caps] == [1, 1, 1, 2, 4, 8, 8, 8]
-    # past a quota key: half its limit (its held tenant is woken when half is used)
-    keyed = [auto.lookahead_for(c, quota_key=True) for c in (1, 2, 3, 4, 16, 17, 1000)]
-    assert keyed == [1, 1, 2, 2, 8, 8, 8]
     assert Settings(lookahead=3).lookahead_for(100) == 3
-    assert Settings(lookahead=3).lookahead_for(100, quota_key=True) == 3
     assert Settings(lookahead=0).lookahead_for(16) == 0
     assert Settings(park_s=0).lookahead_for(16) == 0  # nothing may park: nothing goes ahead
-    assert Settings(park_s=0).lookahead_for(16, quota_key=True) == 0
 
 
 def test_a_quota_key_gets_half_its_limit_dispatched_past_it_by_default(
