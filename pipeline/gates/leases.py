@@ -186,7 +186,7 @@ class SlotGate(Batched, HandsOver):
             return None
         return Calls((call,), lambda r: (self.taken if int(r[0]) else refused, int(r[0]) == 1))
 
-    def transfer_calls(self, giver: str, ctx: AcquireContext, bell: str = "") -> Calls[bool]:
+    def transfer_calls(self, giver: str, ctx: AcquireContext, bell: str) -> Calls[bool]:
         call = self._take(ctx.holder, ctx.lease_s, ctx.metadata, ctx.worker, giver)
         if call is None:
             return Calls((), lambda _: False)

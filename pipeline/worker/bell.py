@@ -132,14 +132,14 @@ class ReleaseBell:
             if echo and self._listeners:
                 self._echoes[queue].append(time.monotonic())
 
-    def hand_over(self, names: str | Sequence[str], gate: Any = None) -> Ticket | None:
+    def hand_over(self, names: Sequence[str], gate: Any = None) -> Ticket | None:
         """Grant the longest waiter of the first of ``names`` whose longest waiter waits for a
         slot of ``gate`` (None: nobody does); the caller records the transfer (on
         ``ticket.bell``, where it parked) and publishes no release."""
         with self._lock:
             if self.closed:
                 return None
-            for name in [names] if isinstance(names, str) else names:
+            for name in names:
                 waiters = self._waiters.get(name)
                 if waiters and waiters[0].ctx is not None and waiters[0].gate is gate:
                     ticket = self._pop_waiter(name)

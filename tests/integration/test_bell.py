@@ -152,7 +152,7 @@ def test_a_hand_over_grants_the_longest_parked_waiter_and_wakes_only_it(
     parked(bell, "q", "ctx-2", second)
     wait_until(lambda: bell.waiting("q") == 2, 5, "the second waiter")
     gen = bell.generation("q")
-    ticket = bell.hand_over("q")
+    ticket = bell.hand_over(("q",))
     assert ticket is not None and ticket.ctx == "ctx-1" and ticket.granted and not ticket.rang
     wait_until(lambda: first == [ticket], 5, "the first waiter woken, granted")
     assert second == [] and bell.waiting("q") == 1
@@ -186,20 +186,20 @@ def test_a_hand_over_on_several_bells_goes_to_the_first_with_a_taker(bell: Relea
 
 
 def test_no_hand_over_without_a_waiter_that_can_take_one(bell: ReleaseBell) -> None:
-    assert bell.hand_over("q") is None  # nobody parked: the slot is released instead
+    assert bell.hand_over(("q",)) is None  # nobody parked: the slot is released instead
     out: list[object] = []
     parked(bell, "q", None, out)  # parked on a gate that does not hand over
     wait_until(lambda: bell.waiting("q") == 1, 5, "the waiter")
-    assert bell.hand_over("q") is None and bell.waiting("q") == 1
+    assert bell.hand_over(("q",)) is None and bell.waiting("q") == 1
     bell.close()
     wait_until(lambda: len(out) == 1, 5, "woken by close")
-    assert bell.hand_over("q") is None  # closed: nobody is granted anything
+    assert bell.hand_over(("q",)) is None  # closed: nobody is granted anything
 
 
 def test_a_waiter_that_timed_out_is_not_granted(bell: ReleaseBell) -> None:
     ticket = bell.park("q", bell.generation("q"), 0.05, "ctx")
     assert ticket is not None and not ticket.granted and not ticket.rang
-    assert bell.waiting("q") == 0 and bell.hand_over("q") is None
+    assert bell.waiting("q") == 0 and bell.hand_over(("q",)) is None
 
 
 def test_the_bell_keeps_a_bounded_number_of_names() -> None:
