@@ -94,6 +94,7 @@ BOUNDED = [
     r"pool:[^:]+:merge",  # the merge policy's state: one field per queue and lane
     r"q:[^:]+:sched",  # an indexed queue's settings and counters (a few fields)
     r"q:[^:]+:(ready|blocked)",  # one entry per tenant with waiting requests only
+    r"q:[^:]+:wakeups",  # one entry per token budget key holding tenants back, until it is due
     r"q:[^:]+:t:.*",  # a tenant's waiting requests only (an empty sorted set is no key)
     r"gate:.+:(sent|blocked)",  # a quota key's active requests / tenants held back only
     # one entry per unexpired batch / file: pruned when its record expires (batch_create.lua,
