@@ -8,10 +8,12 @@ reservation.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -504,6 +506,49 @@ def assert_idle(p: Pipeline, timeout: float = 20.0) -> None:
     assert not counted, f"quota keys still count requests: {counted}"
     held = scan("gate:*:blocked")
     assert not held, f"quota keys still hold tenants back: {held}"
+
+
+# Keys a running node or dispatcher rewrites on its own (liveness, doorbells, merge state),
+# which a refused input must not be blamed for: pool:* and a per-node gate's slot pools.
+VOLATILE_KEY = re.compile(r"pool:|gate:[^:]*@")
+
+
+def keyspace(p: Pipeline) -> dict[str, tuple[str, int]]:
+    """Every key of ``p``'s pools (and its batches' Celery results: none have a prefix) with
+    its type and size: what :func:`nothing_stored` compares."""
+    c = p.store.client
+    prefixes = {s.keys.prefix for s in p.store.every_pool(p.settings.pools())}
+    sizes = {
+        "string": c.strlen,
+        "hash": c.hlen,
+        "list": c.llen,
+        "set": c.scard,
+        "zset": c.zcard,
+    }
+    out: dict[str, tuple[str, int]] = {}
+    for pre in prefixes:
+        for key in c.scan_iter(pre + "*", count=10_000):
+            if VOLATILE_KEY.search(key[len(pre) :]):
+                continue
+            kind = c.type(key)
+            size = sizes[kind](key) if kind in sizes else 0
+            out[key] = (kind, size)
+    return out
+
+
+@contextlib.contextmanager
+def nothing_stored(p: Pipeline) -> Iterator[None]:
+    """Asserts that the block stored nothing and half-wrote nothing in ``p``'s Redis: no key
+    appeared, none went, none changed size (a refused input at a front door)."""
+    before = keyspace(p)
+    yield
+    after = keyspace(p)
+    added = sorted(set(after) - set(before))
+    gone = sorted(set(before) - set(after))
+    changed = sorted(k for k in set(before) & set(after) if before[k] != after[k])
+    assert not (added or gone or changed), (
+        f"a refused input changed Redis: added {added}, removed {gone}, resized {changed}"
+    )
 
 
 @pytest.fixture

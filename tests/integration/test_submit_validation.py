@@ -9,6 +9,7 @@ import pytest
 
 from pipeline.client import Pipeline
 from pipeline.errors import InvalidRequest
+from tests.conftest import nothing_stored
 
 
 class NotJSON:
@@ -60,13 +61,11 @@ CASES = [
     ("field", "payload", "kwargs"), CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
 )
 def test_invalid_submission(pl: Pipeline, field: str, payload: Any, kwargs: dict[str, Any]) -> None:
-    before = pl.inspect()
-    with pytest.raises(InvalidRequest) as info:
+    with nothing_stored(pl), pytest.raises(InvalidRequest) as info:
         pl.submit(payload, **kwargs)
     assert info.value.field == field
     assert field in str(info.value)
     assert isinstance(info.value, ValueError)
-    assert pl.inspect() == before  # nothing was stored
 
 
 def test_submit_many_rejects_the_batch_naming_the_item(pl: Pipeline) -> None:
