@@ -14,6 +14,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -25,14 +26,22 @@ from .auth import ApiKeys
 from .background import Background
 from .body import json_object
 from .errors import ApiError, bad_request, log_refusal
+from .guard import AllowedHosts, Guard
 from .upload import receive
 
 log = logging.getLogger("pipeline.serve")
 UNKNOWN: dict[type, str] = {UnknownBatch: "batch", UnknownFile: "file", UnknownRequest: "request"}
 LIMIT = re.compile(r"[0-9]{1,9}")  # a ``limit`` query parameter: ASCII digits only
 
-# the batch page at ``/``: it refreshes itself from ``/ui/batches``
-PAGE = (resources.files("pipeline.serve") / "page.html").read_text(encoding="utf-8")
+
+def _asset(name: str) -> str:
+    return (resources.files("pipeline.serve") / name).read_text(encoding="utf-8")
+
+
+# the batch page at ``/``: its script (it refreshes itself from ``/ui/batches``) and style are
+# files of their own, so that its Content-Security-Policy allows no inline script or style
+PAGE, PAGE_JS, PAGE_CSS = _asset("page.html"), _asset("page.js"), _asset("page.css")
+PAGE_CSP = "default-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 
 
 @dataclass
@@ -226,7 +235,13 @@ class Service:
 
     def page(self, request: Request) -> Response:
         self.owner(request)
-        return HTMLResponse(PAGE)
+        return HTMLResponse(PAGE, headers={"content-security-policy": PAGE_CSP})
+
+    def page_js(self, request: Request) -> Response:
+        return Response(PAGE_JS, media_type="text/javascript")
+
+    def page_css(self, request: Request) -> Response:
+        return Response(PAGE_CSS, media_type="text/css")
 
     def ui_batches(self, request: Request) -> Response:
         data, _ = self.batches.list(limit=500, owner=self.owner(request))
@@ -239,6 +254,8 @@ class Service:
     def routes(self) -> list[Route]:
         return [
             Route("/", self.page),
+            Route("/ui/page.js", self.page_js),
+            Route("/ui/page.css", self.page_css),
             Route("/ui/batches", self.ui_batches),
             Route("/healthz", self.healthz),
             Route("/v1/files", self.upload, methods=["POST"]),
@@ -255,9 +272,17 @@ class Service:
         ]
 
 
-def create_app(svc: Service) -> Starlette:
+def create_app(
+    svc: Service, hosts: AllowedHosts | None = None, port: int | None = None
+) -> Starlette:
+    """The app behind its :class:`Guard` (``hosts``: the Host names served, None for any;
+    ``port``: the service's own, when the connection does not say)."""
     handled = (ApiError, HTTPException, *UNKNOWN, InvalidRequest, PipelineError, Exception)
-    return Starlette(routes=svc.routes(), exception_handlers=dict.fromkeys(handled, _error))
+    return Starlette(
+        routes=svc.routes(),
+        exception_handlers=dict.fromkeys(handled, _error),
+        middleware=[Middleware(Guard, hosts=hosts, port=port)],
+    )
 
 
 async def _error(request: Request, exc: Exception) -> Response:
