@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -12,6 +13,8 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -21,14 +24,24 @@ from ..client import CANCEL_RUNNING, Result
 from ..errors import InvalidRequest, PipelineError, UnknownRequest
 from .auth import ApiKeys
 from .background import Background
-from .errors import ApiError, bad_request
+from .body import json_object
+from .errors import ApiError, bad_request, log_refusal
+from .guard import AllowedHosts, Guard
 from .upload import receive
 
 log = logging.getLogger("pipeline.serve")
-JSON_LIMIT = 1024 * 1024  # largest JSON request body (batch create)
 UNKNOWN: dict[type, str] = {UnknownBatch: "batch", UnknownFile: "file", UnknownRequest: "request"}
-# the batch page at ``/``: it refreshes itself from ``/ui/batches``
-PAGE = (resources.files("pipeline.serve") / "page.html").read_text(encoding="utf-8")
+LIMIT = re.compile(r"[0-9]{1,9}")  # a ``limit`` query parameter: ASCII digits only
+
+
+def _asset(name: str) -> str:
+    return (resources.files("pipeline.serve") / name).read_text(encoding="utf-8")
+
+
+# the batch page at ``/``: its script (it refreshes itself from ``/ui/batches``) and style are
+# files of their own, so that its Content-Security-Policy allows no inline script or style
+PAGE, PAGE_JS, PAGE_CSS = _asset("page.html"), _asset("page.js"), _asset("page.css")
+PAGE_CSP = "default-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 
 
 @dataclass
@@ -63,11 +76,18 @@ class Service:
         order = request.query_params.get("order", "desc")
         if order not in ("asc", "desc"):
             raise bad_request("order must be 'asc' or 'desc'", "order")
+        limit = _limit(request, 10000, 10000)
+        after = request.query_params.get("after")
+        if after is not None:
+            try:
+                self.files.get(after, owner)
+            except UnknownFile:
+                raise bad_request("after: no such file", "after") from None
         data, more = self.files.list(
             owner=owner,
             purpose=request.query_params.get("purpose"),
-            after=request.query_params.get("after"),
-            limit=_limit(request, 10000, 10000),
+            after=after,
+            limit=limit,
             order=order,
         )
         return _page([f.to_openai() for f in data], more)
@@ -99,7 +119,7 @@ class Service:
     # -- batches ----------------------------------------------------------------------------
     async def create_batch(self, request: Request) -> Response:
         owner = self.owner(request)
-        body = await _json_object(request)
+        body = await json_object(request)
         return await run_in_threadpool(self._create_batch, owner, body)
 
     def _create_batch(self, owner: str | None, body: dict[str, Any]) -> Response:
@@ -132,11 +152,15 @@ class Service:
         return JSONResponse(batch.to_openai())
 
     def list_batches(self, request: Request) -> Response:
-        data, more = self.batches.list(
-            after=request.query_params.get("after"),
-            limit=_limit(request, 20, 100),
-            owner=self.owner(request),
-        )
+        owner = self.owner(request)
+        limit = _limit(request, 20, 100)
+        after = request.query_params.get("after")
+        if after is not None:
+            try:
+                self.batches.get(after, owner)
+            except UnknownBatch:
+                raise bad_request("after: no such batch", "after") from None
+        data, more = self.batches.list(after=after, limit=limit, owner=owner)
         return _page([x.to_openai() for x in data], more)
 
     def get_batch(self, request: Request) -> Response:
@@ -145,16 +169,17 @@ class Service:
 
     async def cancel_batch(self, request: Request) -> Response:
         """OpenAI's cancel (attempts in flight finish), or with ``{"running": "abort"}`` in the
-        body (the OpenAI SDK's ``extra_body``) one that also ends them, closing their calls."""
-        body = await _json_object(request)
-        running = body.get("running", "finish")
-        if running not in CANCEL_RUNNING:
-            raise bad_request(f"running must be one of {', '.join(CANCEL_RUNNING)}", "running")
-        return await run_in_threadpool(self._cancel_batch, request, running)
-
-    def _cancel_batch(self, request: Request, running: str) -> Response:
-        bid = request.path_params["batch_id"]
+        body (the OpenAI SDK's ``extra_body``) one that also ends them, closing their calls.
+        The key is checked before the body is read."""
         owner = self.owner(request)
+        body = await json_object(request)
+        running = body.get("running", "finish")
+        if not isinstance(running, str) or running not in CANCEL_RUNNING:
+            raise bad_request(f"running must be one of {', '.join(CANCEL_RUNNING)}", "running")
+        return await run_in_threadpool(self._cancel_batch, request, owner, running)
+
+    def _cancel_batch(self, request: Request, owner: str | None, running: str) -> Response:
+        bid = request.path_params["batch_id"]
         batch = self.batches.get(bid, owner)
         if batch.done or batch.status == "finalizing":
             raise bad_request(f"cannot cancel a batch that is {batch.status}", "batch_id")
@@ -210,7 +235,13 @@ class Service:
 
     def page(self, request: Request) -> Response:
         self.owner(request)
-        return HTMLResponse(PAGE)
+        return HTMLResponse(PAGE, headers={"content-security-policy": PAGE_CSP})
+
+    def page_js(self, request: Request) -> Response:
+        return Response(PAGE_JS, media_type="text/javascript")
+
+    def page_css(self, request: Request) -> Response:
+        return Response(PAGE_CSS, media_type="text/css")
 
     def ui_batches(self, request: Request) -> Response:
         data, _ = self.batches.list(limit=500, owner=self.owner(request))
@@ -223,6 +254,8 @@ class Service:
     def routes(self) -> list[Route]:
         return [
             Route("/", self.page),
+            Route("/ui/page.js", self.page_js),
+            Route("/ui/page.css", self.page_css),
             Route("/ui/batches", self.ui_batches),
             Route("/healthz", self.healthz),
             Route("/v1/files", self.upload, methods=["POST"]),
@@ -239,43 +272,51 @@ class Service:
         ]
 
 
-def create_app(svc: Service) -> Starlette:
-    handled = (ApiError, *UNKNOWN, InvalidRequest, PipelineError, Exception)
-    return Starlette(routes=svc.routes(), exception_handlers=dict.fromkeys(handled, _error))
+def create_app(
+    svc: Service, hosts: AllowedHosts | None = None, port: int | None = None
+) -> Starlette:
+    """The app behind its :class:`Guard` (``hosts``: the Host names served, None for any;
+    ``port``: the service's own, when the connection does not say)."""
+    handled = (ApiError, HTTPException, *UNKNOWN, InvalidRequest, PipelineError, Exception)
+    return Starlette(
+        routes=svc.routes(),
+        exception_handlers=dict.fromkeys(handled, _error),
+        middleware=[Middleware(Guard, hosts=hosts, port=port)],
+    )
 
 
 async def _error(request: Request, exc: Exception) -> Response:
-    """Every error in OpenAI's shape."""
+    """Every error in OpenAI's shape: a client's (4xx) with one WARNING line, a server's (500)
+    with its traceback."""
+    error = _client_error(request, exc)
+    if error is None:
+        log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return ApiError(500, "internal error", type="server_error").response()
+    log_refusal(request.scope, error)
+    return error.response()
+
+
+def _client_error(request: Request, exc: Exception) -> ApiError | None:
     if isinstance(exc, ApiError):
-        return exc.response()
+        return exc
     kind = UNKNOWN.get(type(exc))
     if kind is not None:
-        return ApiError(404, f"No such {kind}: {exc.args[0]}", param="id").response()
+        return ApiError(404, f"No such {kind}: {exc.args[0]}", param="id")
     if isinstance(exc, InvalidRequest):
-        return bad_request(str(exc), exc.field).response()
-    log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return ApiError(500, "internal error", type="server_error").response()
-
-
-async def _json_object(request: Request) -> dict[str, Any]:
-    """The request's JSON object body (none: ``{}``), else an OpenAI-shaped 400."""
-    raw = await request.body()
-    if len(raw) > JSON_LIMIT:
-        raise bad_request("request body too large")
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError:
-        raise bad_request("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    return body
+        return bad_request(str(exc), exc.field)
+    if isinstance(exc, HTTPException) and exc.status_code < 500:  # the router's 404 and 405
+        what = f"{request.method} {request.url.path}"
+        if exc.status_code == 405:
+            return ApiError(405, f"method not allowed: {what}", headers=exc.headers)
+        return ApiError(exc.status_code, f"Invalid URL ({what})", code="unknown_url")
+    return None
 
 
 def _limit(request: Request, default: int, most: int) -> int:
     raw = request.query_params.get("limit")
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= most:
+    if not LIMIT.fullmatch(raw) or not 1 <= int(raw) <= most:
         raise bad_request(f"limit must be an integer from 1 to {most}", "limit")
     return int(raw)
 

@@ -1,5 +1,8 @@
 """``POST /v1/files``: a multipart/form-data upload streamed to the file store as it arrives
-(never whole in memory), stopped with 413 as soon as it passes the size limit."""
+(never whole in memory). Every byte of the body counts — the file, the other fields, each
+part's headers and boundaries — against the file size limit plus :data:`ENVELOPE_BYTES`: 413
+as soon as it passes, whether or not it declared a ``Content-Length``. At most
+:data:`MAX_PARTS` parts, each field other than the file at most :data:`MAX_FIELD_BYTES`."""
 
 from __future__ import annotations
 
@@ -10,9 +13,13 @@ from starlette.requests import Request
 
 from ..batch import Files
 from ..batch.files import FileInfo, new_file_id
-from .errors import ApiError, bad_request, too_large
+from .errors import ApiError, bad_request, too_large, unsupported_media_type
 
 MAX_FIELD_BYTES = 4096  # a form field that is not the file (purpose, expires_after[...])
+MAX_PARTS = 16  # the OpenAI SDK sends 2 to 4 (file, purpose, expires_after[anchor|seconds])
+# what a body may hold besides the file: every other part at its largest, with its headers
+# (python-multipart allows 8 header lines of at most 4 KiB per part) and boundaries
+ENVELOPE_BYTES = MAX_PARTS * (MAX_FIELD_BYTES + 8 * 4224 + 512)
 
 
 class _Receiver:
@@ -29,6 +36,7 @@ class _Receiver:
         self.fields: dict[str, str] = {}
         self.filename: str | None = None
         self.size = 0
+        self.parts = 0
 
     def callbacks(self) -> Any:
         return {
@@ -42,6 +50,9 @@ class _Receiver:
         }
 
     def part_begin(self) -> None:
+        self.parts += 1
+        if self.parts > MAX_PARTS:
+            raise bad_request(f"more than {MAX_PARTS} parts in the upload")
         self.disposition, self.name, self.value, self.in_file = b"", "", bytearray(), False
 
     def header_end(self) -> None:
@@ -79,20 +90,28 @@ class _Receiver:
 
 async def receive(request: Request, files: Files, limit: int, owner: str) -> FileInfo:
     """Stream the upload's ``file`` part into the store under a new file id and record it.
-    Raises :class:`ApiError` (400, 413); a failed upload leaves no file behind (the writer
+    Raises :class:`ApiError` (400, 413, 415); a failed upload leaves no file behind (the writer
     publishes the file only when its block ends without an error)."""
-    ctype, params = parse_options_header(request.headers.get("content-type", ""))
-    if ctype != b"multipart/form-data" or b"boundary" not in params:
-        raise bad_request("expected a multipart/form-data upload with 'file' and 'purpose'")
+    header = request.headers.get("content-type")
+    ctype, params = parse_options_header(header or "")
+    if ctype != b"multipart/form-data":
+        raise unsupported_media_type("multipart/form-data (with 'file' and 'purpose')", header)
+    if not params.get(b"boundary"):
+        raise bad_request("the multipart/form-data Content-Type names no boundary")
+    most = limit + ENVELOPE_BYTES  # the whole body
     length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit + 64 * 1024:
+    if length and length.isascii() and length.isdigit() and int(length) > most:
         raise too_large(limit)
     file_id = new_file_id()
     try:
         with files.blobs.writer(file_id) as out:
             receiver = _Receiver(out, limit)
             parser = MultipartParser(params[b"boundary"], receiver.callbacks())
+            seen = 0
             async for chunk in request.stream():
+                seen += len(chunk)
+                if seen > most:
+                    raise too_large(limit)
                 parser.write(chunk)
             parser.finalize()
             purpose = receiver.fields.get("purpose")
