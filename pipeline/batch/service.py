@@ -26,7 +26,7 @@ from ..errors import InvalidRequest
 from .config import BatchSettings
 from .files import Files
 from .ingest import RowBuilder, RowContext, Scan, enqueue, input_lines, invalid_record, scan
-from .lines import KNOWN_URLS
+from .lines import KNOWN_URLS, max_line_bytes
 from .model import FINAL, Batch, UnknownBatch, window_seconds
 from .output import LineResult, openai_line
 from .records import READ_CHUNK, BatchRecords
@@ -183,11 +183,12 @@ class Batches:
             extensions=rec.get("extensions") == "1",
             error_file=rec.get("invalid_lines") == "error_file",
         )
+        max_body = self.pipeline.settings.max_payload_bytes
         with closing(opener()) as source:
             result = scan(
-                input_lines(source),
+                input_lines(source, max_line_bytes(max_body)),
                 RowBuilder(self.pipeline, ctx),
-                max_body_bytes=self.pipeline.settings.max_payload_bytes,
+                max_body_bytes=max_body,
                 max_lines=self.settings.max_lines,
                 enqueue_after=resume_after,
                 renew=self._renewer(batch_id),
@@ -240,7 +241,10 @@ class Batches:
         """Create a batch from OpenAI batch lines (a path to a JSONL file, or the lines as
         dicts or JSON text), check them all and store them; returns the batch (``failed``
         with ``errors`` when lines are bad, unless ``metadata["invalid_lines"]`` is
-        ``"error_file"``). ``batch_id``: an idempotency key (an existing batch is resumed)."""
+        ``"error_file"``). ``batch_id``: an idempotency key (an existing batch is resumed).
+
+        Every bad line is an error line naming its field; a line given as a dict that is not
+        JSON (a set, a non-str key) raises InvalidRequest before anything is stored."""
         opener: Opener
         if isinstance(lines_or_path, str | Path):
             path = os.path.abspath(lines_or_path)
@@ -252,7 +256,7 @@ class Batches:
                 return open(path, "rb")
 
         else:
-            items = [_line_bytes(x) for x in lines_or_path]
+            items = [_line_bytes(n, x) for n, x in enumerate(lines_or_path, 1)]
             source = {"kind": "inline"}
             opener = partial(_each, items)
 
@@ -467,11 +471,13 @@ class Batches:
         if opener is None:
             return None
 
+        limit = max_line_bytes(self.pipeline.settings.max_payload_bytes)
+
         def read(after: int) -> dict[int, str]:
             out: dict[int, str] = {}
             with closing(opener()) as src:
-                for n, raw in input_lines(src):
-                    if n <= after or not raw.strip():
+                for n, raw in input_lines(src, limit):
+                    if n <= after or not raw.strip() or len(raw) > limit:
                         continue
                     try:
                         obj = orjson.loads(raw)
@@ -503,9 +509,15 @@ def _each(items: list[bytes]) -> Generator[bytes, None, None]:
     yield from items
 
 
-def _line_bytes(item: dict[str, Any] | str | bytes) -> bytes:
+def _line_bytes(number: int, item: dict[str, Any] | str | bytes) -> bytes:
+    """A line given to :meth:`Batches.submit_batch` as the bytes of a JSONL line (a str not
+    UTF-8-encodable and a dict that is no JSON: InvalidRequest naming the line)."""
     if isinstance(item, bytes):
         return item
-    if isinstance(item, str):
-        return item.encode("utf-8")
-    return orjson.dumps(item)
+    try:
+        if isinstance(item, str):
+            return item.encode("utf-8")
+        return orjson.dumps(item)
+    except (UnicodeEncodeError, TypeError) as exc:  # orjson.JSONEncodeError is a TypeError
+        message = f"line {number} cannot be written as a JSON line: {exc}"
+        raise InvalidRequest("lines_or_path", message) from None
