@@ -3,7 +3,7 @@
 
 from .config import BatchSettings
 from .files import Files, FileStore, LocalFileStore
-from .model import Batch, RequestCounts, UnknownBatch, UnknownFile
+from .model import Batch, IngestFailed, RequestCounts, UnknownBatch, UnknownFile
 from .service import Batches, content_batch_id
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "Batches",
     "FileStore",
     "Files",
+    "IngestFailed",
     "LocalFileStore",
     "RequestCounts",
     "UnknownBatch",

@@ -35,6 +35,25 @@ class UnknownFile(PipelineError, KeyError):
     """No file with that id is known (never uploaded, deleted, or expired)."""
 
 
+class IngestFailed(PipelineError):
+    """Reading or storing a batch's lines raised an unexpected error (``reason``; the
+    exception is the ``__cause__``). ``final``: the batch gave up after ``tries`` tries — it is
+    ``failed`` with the reason in its ``errors`` (a running one stops taking lines and is
+    ``failed`` once its stored lines end); else it is tried again after ``retry_in_s``."""
+
+    def __init__(
+        self, batch_id: str, reason: str, *, tries: int, allowed: int, retry_in_s: float = 0.0
+    ) -> None:
+        self.batch_id, self.reason = batch_id, reason
+        self.tries, self.allowed, self.retry_in_s = tries, allowed, retry_in_s
+        self.final = tries >= allowed
+        then = "the batch is failed" if self.final else f"again in {retry_in_s:g} s"
+        super().__init__(
+            f"batch {batch_id}: storing its lines failed (try {tries} of {allowed}; {then}): "
+            f"{reason}"
+        )
+
+
 def window_seconds(window: str | float | int) -> float:
     """A completion window as seconds: ``"24h"`` (OpenAI's only value), ``"90m"``, ``"2d"``,
     ``"30s"``, or a number of seconds."""
@@ -105,6 +124,7 @@ class Batch:
     submitted: int = 0  # input lines enqueued so far (line numbers 1..submitted)
     source: dict[str, Any] = field(default_factory=dict)
     files: bool = False  # its output and error files are assembled by `pipeline serve`
+    gave_up: bool = False  # its lines could not all be stored (see ``errors``): it ends failed
     _client: BatchSource = field(kw_only=True, repr=False, compare=False)
 
     @property
@@ -159,6 +179,7 @@ class Batch:
             submitted=int(rec.get("submitted") or 0),
             source=json.loads(rec["source"]) if rec.get("source") else {},
             files=rec.get("files") == "1",
+            gave_up=rec.get("gave_up") == "1",
             _client=client,
         )
 
