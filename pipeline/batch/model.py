@@ -35,6 +35,20 @@ class UnknownFile(PipelineError, KeyError):
     """No file with that id is known (never uploaded, deleted, or expired)."""
 
 
+class FileElsewhere(PipelineError):
+    """A file's bytes are in another file store than this one (``pipeline serve`` processes on
+    one Redis with different ``PIPELINE_FILES_DIR``): only a service on that store can read or
+    delete them. ``file_id``, ``store`` (the file's store id), ``here`` (this one's)."""
+
+    def __init__(self, file_id: str, store: str, here: str) -> None:
+        super().__init__(
+            f"file {file_id} is kept in file store {store}, not in this service's ({here}): "
+            "every pipeline serve on one Redis must share one PIPELINE_FILES_DIR "
+            "(docs/batches.md, 'Several services on one Redis')"
+        )
+        self.file_id, self.store, self.here = file_id, store, here
+
+
 class IngestFailed(PipelineError):
     """Reading or storing a batch's lines raised an unexpected error (``reason``; the
     exception is the ``__cause__``). ``final``: the batch gave up after ``tries`` tries — it is
@@ -124,6 +138,7 @@ class Batch:
     submitted: int = 0  # input lines enqueued so far (line numbers 1..submitted)
     source: dict[str, Any] = field(default_factory=dict)
     files: bool = False  # its output and error files are assembled by `pipeline serve`
+    store: str = ""  # ... in this file store (its input's; "" for a batch from before stores)
     gave_up: bool = False  # its lines could not all be stored (see ``errors``): it ends failed
     _client: BatchSource = field(kw_only=True, repr=False, compare=False)
 
@@ -179,6 +194,7 @@ class Batch:
             submitted=int(rec.get("submitted") or 0),
             source=json.loads(rec["source"]) if rec.get("source") else {},
             files=rec.get("files") == "1",
+            store=rec.get("store", ""),
             gave_up=rec.get("gave_up") == "1",
             _client=client,
         )

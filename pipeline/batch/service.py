@@ -28,7 +28,7 @@ from .config import BatchSettings
 from .files import Files
 from .ingest import RowBuilder, RowContext, Scan, enqueue, input_lines, invalid_record, scan
 from .lines import KNOWN_URLS, max_line_bytes
-from .model import FINAL, Batch, IngestFailed, UnknownBatch, window_seconds
+from .model import FINAL, Batch, IngestFailed, UnknownBatch, UnknownFile, window_seconds
 from .output import LineResult, openai_line
 from .records import READ_CHUNK, BatchRecords
 
@@ -142,6 +142,7 @@ class Batches:
         if invalid_lines not in ("fail", "error_file"):
             raise InvalidRequest("metadata", "invalid_lines must be 'fail' or 'error_file'")
         req_meta = {self.pipeline.settings.fairness_attribute: tenant} if tenant else {}
+        store = self._store_of_input(input_file_id) if files else ""
         window_text = completion_window if isinstance(completion_window, str) else f"{window:g}s"
         fields = {
             "endpoint": endpoint or "",
@@ -149,6 +150,7 @@ class Batches:
             "input_file_id": input_file_id or "",
             "metadata": json.dumps(meta) if meta else "",
             "files": "1" if files else "0",
+            "store": store,
             "owner": tenant or "",
             "queue": queue,
             "priority": str(priority),
@@ -161,6 +163,20 @@ class Batches:
         pool = self.pipeline.queue_config(queue).worker_pool_id
         created = self.records_of(pool).create(bid, window, self.settings.retention_s, fields)
         return self.get(bid), created
+
+    def _store_of_input(self, input_file_id: str | None) -> str:
+        """The file store a batch of ``pipeline serve`` is assembled in: its input file's."""
+        if self.files is None:
+            return ""
+        try:
+            return self.files.get(input_file_id or "").store or self.files.store_id
+        except UnknownFile:
+            return self.files.store_id
+
+    def ours(self, batch: Batch) -> bool:
+        """Whether this client's file store is the batch's (``pipeline serve``: only a
+        service on the store holding its input reads it and writes its output files)."""
+        return self.files is not None and batch.files and batch.store in ("", self.files.store_id)
 
     def ingest(
         self, batch: Batch, opener: Opener, *, tries: int = 1, backoff_s: float = 2.0
@@ -223,9 +239,11 @@ class Batches:
 
     def resume(self, batch_id: str, *, tries: int = 3, backoff_s: float = 2.0) -> Batch:
         """Store the lines of a batch ``pipeline serve`` assembles (or the rest of them), read
-        from its uploaded input: :meth:`ingest` with ``tries``; one whose input is gone fails at
-        once."""
+        from its uploaded input: :meth:`ingest` with ``tries``; a batch of another file store
+        is left alone (:meth:`ours`), one whose input is gone fails at once."""
         batch = self.get(batch_id)
+        if not self.ours(batch):
+            return batch
         return self.ingest(batch, partial(self._open_input, batch), tries=tries,
                            backoff_s=backoff_s)  # fmt: skip
 
@@ -511,9 +529,9 @@ class Batches:
         """Write a ``finalizing`` batch's output and error files and close it. Idempotent: file
         ids follow from the batch id, files are written whole then renamed."""
         batch = self.get(batch_id)
-        if batch.status != "finalizing" or not self.at(batch_id).take_lease(
-            batch_id, self.holder, self.settings.lease_s
-        ):
+        if batch.status != "finalizing" or not self.ours(batch):
+            return batch  # another store's batch: finalized by a service on that store
+        if not self.at(batch_id).take_lease(batch_id, self.holder, self.settings.lease_s):
             return batch
         try:
             self.at(batch_id).finalized(batch_id, *self.write_files(batch))

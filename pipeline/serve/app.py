@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..batch import Batches, Files, UnknownBatch, UnknownFile
+from ..batch import Batches, FileElsewhere, Files, UnknownBatch, UnknownFile
 from ..client import CANCEL_RUNNING, Result
 from ..errors import InvalidRequest, PipelineError, UnknownRequest
 from .auth import ApiKeys
@@ -83,7 +83,7 @@ class Service:
 
     def file_content(self, request: Request) -> Response:
         info = self.files.get(request.path_params["file_id"], self.owner(request))
-        fh = self.files.blobs.open(info.id)
+        fh = self.files.open(info)  # FileElsewhere: in another service's store
 
         def chunks() -> Iterator[bytes]:
             with fh:
@@ -253,6 +253,10 @@ async def _error(request: Request, exc: Exception) -> Response:
         return ApiError(404, f"No such {kind}: {exc.args[0]}", param="id").response()
     if isinstance(exc, InvalidRequest):
         return bad_request(str(exc), exc.field).response()
+    if isinstance(exc, FileElsewhere):  # a misconfiguration: one line, the fix in its text
+        log.error("%s %s: %s", request.method, request.url.path, exc)
+        error = ApiError(503, str(exc), type="server_error", code="file_store_mismatch")
+        return error.response()
     log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
     return ApiError(500, "internal error", type="server_error").response()
 

@@ -41,6 +41,7 @@ class Background:
         self.poll_s = poll_s
         self.ingest_tries, self.ingest_backoff_s = ingest_tries, ingest_backoff_s
         self._failed: dict[tuple[str, str], tuple[int, float]] = {}  # step -> (fails, not before)
+        self._stores_seen: set[str] = set()  # other file stores named in a log line already
         self._busy: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -118,6 +119,22 @@ class Background:
                 log.exception("batch loop")
                 self._stop.wait(self.poll_s)
 
+    def _ours(self, rec: dict[str, str]) -> bool:
+        """Whether the batch is in this service's file store (logged once per other store)."""
+        files = self.batches.files
+        store = rec.get("store", "")
+        if files is None or store in ("", files.store_id):
+            return True
+        if store not in self._stores_seen:
+            self._stores_seen.add(store)
+            log.warning(
+                "batch %s is in file store %s, not in this service's (%s, PIPELINE_FILES_DIR "
+                "%s): left to a service on that store; every pipeline serve on one Redis must "
+                "share one PIPELINE_FILES_DIR",
+                rec.get("id"), store, files.store_id, self.batches.settings.files_dir,
+            )  # fmt: skip
+        return False
+
     def wait_for_bell(self) -> None:
         """Until a finished batch rings its pool's doorbell (to finalize it at once, not at the
         poll), or the poll period passes. On a Redis Cluster each pool's bell is in its own
@@ -139,6 +156,10 @@ class Background:
                 status = records.lapse(bid)
             if rec.get("files") != "1":
                 continue  # created outside the service (pipeline run, Python): not ours
+            if not self._ours(rec):  # another store's: a service on it reads and writes it
+                if status == "cancelling" and rec.get("cancel_done") != "1":
+                    self.submit("cancel", bid)  # (Redis only: any service may)
+                continue
             if status in ("validating", "in_progress"):
                 stored = int(rec.get("submitted") or 0) >= int(rec.get("lines") or 0)
                 stored = stored or rec.get("stopped") == "1"  # it takes no more lines

@@ -39,11 +39,12 @@ def serve(host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") ->
             "'key tenant' lines, or bind to 127.0.0.1"
         )
     log.info(
-        "serving on %s:%d (redis %s, files in %s, %s)",
+        "serving on %s:%d (redis %s, files in %s: file store %s, %s)",
         host,
         port,
         redact_url(settings.redis_url),
         bsettings.files_dir,
+        files.store_id,
         f"{len(keys.tenants)} API key(s)" if keys else "no API keys: loopback only",
     )
     background = Background(batches)
