@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.batch import LocalFileStore
-from pipeline.batch.files import STORE_ID_FILE
+
+STORE_ID_FILE = ".store-id"  # pipeline.batch.files.STORE_ID_FILE
 
 
 def mode(path: Path) -> int:
