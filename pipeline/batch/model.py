@@ -56,12 +56,24 @@ class IngestFailed(PipelineError):
     ``failed`` once its stored lines end); else it is tried again after ``retry_in_s``."""
 
     def __init__(
-        self, batch_id: str, reason: str, *, tries: int, allowed: int, retry_in_s: float = 0.0
+        self,
+        batch_id: str,
+        reason: str,
+        *,
+        tries: int,
+        allowed: int,
+        retry_in_s: float = 0.0,
+        status: str = "failed",
     ) -> None:
         self.batch_id, self.reason = batch_id, reason
         self.tries, self.allowed, self.retry_in_s = tries, allowed, retry_in_s
         self.final = tries >= allowed
-        then = "the batch is failed" if self.final else f"again in {retry_in_s:g} s"
+        if not self.final:
+            then = f"again in {retry_in_s:g} s"
+        elif status in ("in_progress", "finalizing"):  # some lines were stored: they run
+            then = "the batch takes no more lines and ends failed"
+        else:
+            then = f"the batch is {status}"
         super().__init__(
             f"batch {batch_id}: storing its lines failed (try {tries} of {allowed}; {then}): "
             f"{reason}"

@@ -231,11 +231,11 @@ class Batches:
             said = "once" if tries == 1 else f"{tries} times"
             error = {"code": "ingest_failed", "line": None, "param": None,
                      "message": f"storing the batch's lines failed {said}: {reason}"}  # fmt: skip
-        _, n = self.at(batch_id).ingest_failed(batch_id, error, tries)
-        n = max(n, 1)  # 0: the batch had left validating / in_progress meanwhile
+        status, n = self.at(batch_id).ingest_failed(batch_id, error, tries)
+        n = n or tries  # 0: it had left validating / in_progress meanwhile (cancelled)
         retry_in = backoff_s * 2 ** (n - 1) if n < tries else 0.0
         return IngestFailed(batch_id, reason, tries=min(n, tries), allowed=tries,
-                            retry_in_s=retry_in)  # fmt: skip
+                            retry_in_s=retry_in, status=status)  # fmt: skip
 
     def resume(self, batch_id: str, *, tries: int = 3, backoff_s: float = 2.0) -> Batch:
         """Store the lines of a batch ``pipeline serve`` assembles (or the rest of them), read

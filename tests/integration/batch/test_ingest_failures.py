@@ -141,6 +141,7 @@ def test_a_batch_cut_off_half_stored_ends_failed_with_every_line_counted(
     with pytest.raises(pipeline.PipelineError) as exc:
         pipeline.submit_batch([chat(f"c{i}") for i in range(40)], id=bid)
     assert type(exc.value).__name__ == "IngestFailed"
+    assert "the batch takes no more lines and ends failed" in str(exc.value)
     batch = pipeline.get_batch(bid).wait(timeout=60)
     c = batch.request_counts
     assert (batch.status, c.total, c.completed, c.failed) == ("failed", 40, 32, 8), batch
