@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .batch import Batch, Batches, UnknownBatch
+from .batch import Batch, Batches, IngestFailed, UnknownBatch
 from .client import Explanation, Pipeline, Request, Result, configure, default_pipeline
 from .config import QueueConfig, Settings, load_settings
 from .errors import (
@@ -96,7 +96,9 @@ def submit_batch(
 ) -> Batch:
     """:meth:`Batches.submit_batch` on the default pipeline: OpenAI batch lines (a JSONL
     file's path, or the lines) whose requests must all finish within ``completion_window``,
-    stored as requests of ``queue`` once all are checked. ``id``: an idempotency key."""
+    stored as requests of ``queue`` once all are checked. ``id``: an idempotency key. Bad
+    lines fail the batch naming each line and field; an unexpected error while storing them
+    fails it too and raises :class:`IngestFailed`."""
     return _batches().submit_batch(
         lines_or_path,
         completion_window=completion_window,
@@ -128,6 +130,7 @@ __all__ = [
     "ConfigError",
     "Explanation",
     "IdempotencyConflict",
+    "IngestFailed",
     "InvalidRequest",
     "Pipeline",
     "PipelineError",

@@ -3,15 +3,17 @@
 
 from .config import BatchSettings
 from .files import Files, FileStore, LocalFileStore
-from .model import Batch, RequestCounts, UnknownBatch, UnknownFile
+from .model import Batch, FileElsewhere, IngestFailed, RequestCounts, UnknownBatch, UnknownFile
 from .service import Batches, content_batch_id
 
 __all__ = [
     "Batch",
     "BatchSettings",
     "Batches",
+    "FileElsewhere",
     "FileStore",
     "Files",
+    "IngestFailed",
     "LocalFileStore",
     "RequestCounts",
     "UnknownBatch",

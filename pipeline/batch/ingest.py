@@ -76,9 +76,32 @@ class Scan:
             self.spool = None
 
 
-def input_lines(source: IO[bytes] | Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
-    for number, raw in enumerate(source, 1):
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, which some editors put first
+
+
+def input_lines(
+    source: IO[bytes] | Iterable[bytes], max_line_bytes: int | None = None
+) -> Iterator[tuple[int, bytes]]:
+    """(line number from 1, the line without its end of line) of an input. With
+    ``max_line_bytes``, a longer line of a file is read only one byte past that (and refused
+    as too long: :func:`parse_line`), the rest of it skipped unread: memory stays bounded
+    whatever the file. A byte order mark opening the input is dropped."""
+    readline = getattr(source, "readline", None)
+    lines: Iterable[bytes] = source
+    if max_line_bytes is not None and readline is not None:
+        lines = _bounded(readline, max_line_bytes)
+    for number, raw in enumerate(lines, 1):
+        if number == 1 and raw.startswith(BOM):
+            raw = raw[len(BOM) :]
         yield number, raw.rstrip(b"\r\n")
+
+
+def _bounded(readline: Callable[[int], bytes], most: int) -> Iterator[bytes]:
+    while raw := readline(most + 1):
+        if len(raw) > most and not raw.endswith(b"\n"):
+            while (rest := readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+        yield raw
 
 
 class RowBuilder:
@@ -131,8 +154,10 @@ class RowBuilder:
                 **extra,
             )
         except InvalidRequest as exc:
+            field = line.body_key if exc.field == "payload" else exc.field  # the line's name
+            message = str(exc).replace("payload: ", f"{field}: ", 1)
             return LineError(
-                line.number, "invalid_request", f"line {line.number}: {exc}", exc.field,
+                line.number, "invalid_request", f"line {line.number}: {message}", field,
                 line.custom_id,
             )  # fmt: skip
         if row.pool != self.template.pool and self.pipeline.settings.redis_cluster:
@@ -168,6 +193,23 @@ def scan(
     (stored before the batch resumed); without one, only check."""
     spool = tempfile.TemporaryFile(prefix="pipeline-batch-") if builder else None  # noqa: SIM115 - Scan.close
     out = Scan(spool=spool)
+    try:
+        _scan(out, source, builder, max_body_bytes, max_lines, enqueue_after, renew)
+    except BaseException:
+        out.close()
+        raise
+    return out
+
+
+def _scan(
+    out: Scan,
+    source: Iterable[tuple[int, bytes]],
+    builder: RowBuilder | None,
+    max_body_bytes: int,
+    max_lines: int,
+    enqueue_after: int,
+    renew: Callable[[], object] | None,
+) -> None:
     endpoint = builder.ctx.endpoint if builder else None
     extensions = builder.ctx.extensions if builder else True
     seen: dict[str, int] = {}
@@ -201,7 +243,6 @@ def scan(
                     renew()
     if builder is not None and out.lines > after:
         _spool(out, after, out.lines, rows)
-    return out
 
 
 def _unique(line: Line, seen: dict[str, int], duplicates: dict[str, list[int]]) -> Line | LineError:
@@ -228,7 +269,13 @@ def _spool(out: Scan, after: int, upto: int, rows: list[RequestRow]) -> None:
 def invalid_record(err: LineError) -> bytes:
     """An invalid line as kept for the error file."""
     return orjson.dumps(
-        {"line": err.number, "custom_id": err.custom_id, "code": err.code, "message": err.message}
+        {
+            "line": err.number,
+            "custom_id": err.custom_id,
+            "code": err.code,
+            "message": err.message,
+            "param": err.param,
+        }
     )
 
 

@@ -35,6 +35,51 @@ class UnknownFile(PipelineError, KeyError):
     """No file with that id is known (never uploaded, deleted, or expired)."""
 
 
+class FileElsewhere(PipelineError):
+    """A file's bytes are in another file store than this one (``pipeline serve`` processes on
+    one Redis with different ``PIPELINE_FILES_DIR``): only a service on that store can read or
+    delete them. ``file_id``, ``store`` (the file's store id), ``here`` (this one's)."""
+
+    def __init__(self, file_id: str, store: str, here: str) -> None:
+        super().__init__(
+            f"file {file_id} is kept in file store {store}, not in this service's ({here}): "
+            "every pipeline serve on one Redis must share one PIPELINE_FILES_DIR "
+            "(docs/batches.md, 'Several services on one Redis')"
+        )
+        self.file_id, self.store, self.here = file_id, store, here
+
+
+class IngestFailed(PipelineError):
+    """Reading or storing a batch's lines raised an unexpected error (``reason``; the
+    exception is the ``__cause__``). ``final``: the batch gave up after ``tries`` tries — it is
+    ``failed`` with the reason in its ``errors`` (a running one stops taking lines and is
+    ``failed`` once its stored lines end); else it is tried again after ``retry_in_s``."""
+
+    def __init__(
+        self,
+        batch_id: str,
+        reason: str,
+        *,
+        tries: int,
+        allowed: int,
+        retry_in_s: float = 0.0,
+        status: str = "failed",
+    ) -> None:
+        self.batch_id, self.reason = batch_id, reason
+        self.tries, self.allowed, self.retry_in_s = tries, allowed, retry_in_s
+        self.final = tries >= allowed
+        if not self.final:
+            then = f"again in {retry_in_s:g} s"
+        elif status in ("in_progress", "finalizing"):  # some lines were stored: they run
+            then = "the batch takes no more lines and ends failed"
+        else:
+            then = f"the batch is {status}"
+        super().__init__(
+            f"batch {batch_id}: storing its lines failed (try {tries} of {allowed}; {then}): "
+            f"{reason}"
+        )
+
+
 def window_seconds(window: str | float | int) -> float:
     """A completion window as seconds: ``"24h"`` (OpenAI's only value), ``"90m"``, ``"2d"``,
     ``"30s"``, or a number of seconds."""
@@ -105,6 +150,8 @@ class Batch:
     submitted: int = 0  # input lines enqueued so far (line numbers 1..submitted)
     source: dict[str, Any] = field(default_factory=dict)
     files: bool = False  # its output and error files are assembled by `pipeline serve`
+    store: str = ""  # ... in this file store (its input's; "" for a batch from before stores)
+    gave_up: bool = False  # its lines could not all be stored (see ``errors``): it ends failed
     _client: BatchSource = field(kw_only=True, repr=False, compare=False)
 
     @property
@@ -159,6 +206,8 @@ class Batch:
             submitted=int(rec.get("submitted") or 0),
             source=json.loads(rec["source"]) if rec.get("source") else {},
             files=rec.get("files") == "1",
+            store=rec.get("store", ""),
+            gave_up=rec.get("gave_up") == "1",
             _client=client,
         )
 

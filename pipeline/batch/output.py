@@ -15,6 +15,8 @@ from ..client import Result
 MESSAGES = {
     "batch_expired": "This request could not be executed before the completion window expired.",
     "batch_cancelled": "This request was cancelled before it started.",
+    "batch_failed": "This request was never stored: reading the batch's input failed (see the "
+    "batch's errors).",
 }
 
 
@@ -55,7 +57,7 @@ class LineResult:
             return code, str(self.invalid["message"])
         if self.missing == "batch_expired":
             return "DEADLINE_EXCEEDED", MESSAGES["batch_expired"]
-        return "CANCELLED", MESSAGES["batch_cancelled"]
+        return "CANCELLED", MESSAGES[self.missing or "batch_cancelled"]
 
 
 def openai_line(line: LineResult, batch_status: str) -> bytes:

@@ -21,6 +21,7 @@ BATCH_SCRIPTS = (
     "batch_finalized",
     "batch_lapse",
     "batch_results",
+    "batch_ingest_failed",
 )
 CANCEL_CHUNK = 500  # request ids per batch_cancel_lines call
 READ_CHUNK = 1000  # request records per round trip when reading results
@@ -77,6 +78,13 @@ class BatchRecords:
     def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> str:
         """Validation failed: the batch is ``failed`` with ``errors``."""
         return str(self._run("batch_start", batch_id, "failed", 0, 0, 0, json.dumps(errors), ""))
+
+    def ingest_failed(self, batch_id: str, error: dict[str, Any], allowed: int) -> tuple[str, int]:
+        """Storing the batch's lines raised: count the try, and at the ``allowed``-th give up
+        with ``error`` (see batch_ingest_failed.lua). Returns (status afterwards, tries so
+        far; 0 when the batch was not validating or in progress)."""
+        status, tries = self._run("batch_ingest_failed", batch_id, json.dumps(error), allowed)
+        return str(status), int(tries)
 
     def push_invalid(self, batch_id: str, records: Sequence[bytes]) -> None:
         """Keep invalid lines (JSON records) for the error file; they expire with the batch."""
@@ -139,6 +147,14 @@ class BatchRecords:
         return bool(self.client.set(key, holder, nx=True, ex=ttl_s)) or (
             self.client.get(key) == holder and bool(self.client.expire(key, ttl_s))
         )
+
+    def hold_lease(self, batch_id: str, holder: str, seconds: float) -> None:
+        """Keep the batch's lease ``seconds`` more (and no longer) if ``holder`` holds it: a
+        holder that failed holds the batch off for its backoff (``pipeline serve`` takes up
+        only batches nobody holds)."""
+        key = self.keys.batch_lease(batch_id)
+        if self.client.get(key) == holder:
+            self.client.pexpire(key, max(1, int(seconds * 1000)))
 
     def drop_lease(self, batch_id: str, holder: str) -> None:
         key = self.keys.batch_lease(batch_id)

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from ..client import Pipeline
 from .ingest import Scan, input_lines, scan
-from .model import Batch
+from .model import Batch, IngestFailed
 from .output import LineResult, openai_line, result_line
 from .service import Batches, content_batch_id
 
@@ -169,7 +169,10 @@ class Run:
             batch.status == "in_progress" and batch.submitted < batch.lines
         ):
             path = os.path.abspath(self.opts.path)
-            return self.batches.ingest(batch, lambda: open(path, "rb"))
+            try:
+                return self.batches.ingest(batch, lambda: open(path, "rb"))
+            except IngestFailed as exc:  # the batch is failed, saying why: one line, exit 2
+                raise RunError(str(exc)) from exc
         return batch
 
     def follow(self) -> Batch:

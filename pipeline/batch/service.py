@@ -19,21 +19,31 @@ from pathlib import Path
 from typing import IO, Any
 
 import orjson
+import redis
 
 from ..client import CANCEL_RUNNING, Pipeline, canceller
 from ..client.api import check_priority
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, ReplicationError
 from .config import BatchSettings
 from .files import Files
 from .ingest import RowBuilder, RowContext, Scan, enqueue, input_lines, invalid_record, scan
-from .lines import KNOWN_URLS
-from .model import FINAL, Batch, UnknownBatch, window_seconds
+from .lines import KNOWN_URLS, max_line_bytes
+from .model import FINAL, Batch, IngestFailed, UnknownBatch, UnknownFile, window_seconds
 from .output import LineResult, openai_line
 from .records import READ_CHUNK, BatchRecords
 
 BATCH_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 MAX_METADATA = 16
+MAX_REASON = 500  # characters of an unexpected error kept in a failed batch's errors
+# errors of the state store's reach, not of the batch: never counted against it (a batch
+# waits for Redis or its replicas; a failed batch would be a lie)
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError, ReplicationError)
+TRANSIENT_HOLD_S = 5.0  # a batch whose ingest met one is held off this long
 Opener = Callable[[], IO[bytes] | Generator[bytes, None, None]]  # opens a batch's input
+
+
+class InputGone(Exception):
+    """The input of a batch is not there to read (its uploaded file was deleted)."""
 
 
 def content_batch_id(path: str | Path, sha256: str | None = None) -> str:
@@ -132,6 +142,7 @@ class Batches:
         if invalid_lines not in ("fail", "error_file"):
             raise InvalidRequest("metadata", "invalid_lines must be 'fail' or 'error_file'")
         req_meta = {self.pipeline.settings.fairness_attribute: tenant} if tenant else {}
+        store = self._store_of_input(input_file_id) if files else ""
         window_text = completion_window if isinstance(completion_window, str) else f"{window:g}s"
         fields = {
             "endpoint": endpoint or "",
@@ -139,6 +150,7 @@ class Batches:
             "input_file_id": input_file_id or "",
             "metadata": json.dumps(meta) if meta else "",
             "files": "1" if files else "0",
+            "store": store,
             "owner": tenant or "",
             "queue": queue,
             "priority": str(priority),
@@ -152,23 +164,101 @@ class Batches:
         created = self.records_of(pool).create(bid, window, self.settings.retention_s, fields)
         return self.get(bid), created
 
-    def ingest(self, batch: Batch, opener: Opener) -> Batch:
+    def _store_of_input(self, input_file_id: str | None) -> str:
+        """The file store a batch of ``pipeline serve`` is assembled in: its input file's."""
+        if self.files is None:
+            return ""
+        try:
+            return self.files.get(input_file_id or "").store or self.files.store_id
+        except UnknownFile:
+            return self.files.store_id
+
+    def ours(self, batch: Batch) -> bool:
+        """Whether this client's file store is the batch's (``pipeline serve``: only a
+        service on the store holding its input reads it and writes its output files)."""
+        return self.files is not None and batch.files and batch.store in ("", self.files.store_id)
+
+    def ingest(
+        self, batch: Batch, opener: Opener, *, tries: int = 1, backoff_s: float = 2.0
+    ) -> Batch:
         """Check the batch's whole input and store its lines: a ``validating`` batch fails or
         starts; an ``in_progress`` one resumes after its last stored line. Under the batch's
-        lease (another holder: nothing done). Returns the batch after."""
+        lease (another holder: nothing done). Returns the batch after.
+
+        An unexpected error counts as one of the batch's ``tries`` (counted in its record, by
+        every process alike): before the last, the lease is held ``backoff_s`` × 2^(try - 1)
+        s (nobody takes the batch up meanwhile); at the last, the batch gives up (``failed``
+        with the reason in ``errors``). Either way :class:`IngestFailed` is raised. With
+        more than one try, an error of Redis's reach (:data:`TRANSIENT`) is not counted: it is
+        raised as it is and holds the batch :data:`TRANSIENT_HOLD_S` s."""
         records = self.at(batch.id)
-        if records.take_lease(batch.id, self.holder, self.settings.lease_s):
-            try:
-                self._ingest(batch.id, opener)
-            finally:
-                records.drop_lease(batch.id, self.holder)
+        if not records.take_lease(batch.id, self.holder, self.settings.lease_s):
+            return self.get(batch.id)
+        hold = 0.0
+        try:
+            self._ingest(batch.id, opener)
+        except Exception as exc:
+            if tries > 1 and isinstance(exc, TRANSIENT):
+                hold = TRANSIENT_HOLD_S
+                raise
+            failed = self._ingest_failed(batch.id, exc, tries, backoff_s)
+            hold = failed.retry_in_s
+            raise failed from exc
+        finally:
+            self._release(records, batch.id, hold)
         return self.get(batch.id)
+
+    def _release(self, records: BatchRecords, batch_id: str, hold: float) -> None:
+        try:
+            if hold > 0:
+                records.hold_lease(batch_id, self.holder, hold)
+            else:
+                records.drop_lease(batch_id, self.holder)
+        except redis.RedisError:
+            pass  # unreachable: the lease lapses by itself (PIPELINE_BATCH_LEASE_S)
+
+    def _ingest_failed(
+        self, batch_id: str, exc: Exception, tries: int, backoff_s: float
+    ) -> IngestFailed:
+        """Count a failed try of the batch's ingest; the error to raise."""
+        if isinstance(exc, InputGone):  # it will not come back: give up at once
+            tries = 1
+            error = {"code": "input_file_missing", "line": None, "param": "input_file_id",
+                     "message": str(exc)}  # fmt: skip
+            reason = str(exc)
+        else:
+            reason = f"{type(exc).__name__}: {exc}"[:MAX_REASON]
+            said = "once" if tries == 1 else f"{tries} times"
+            error = {"code": "ingest_failed", "line": None, "param": None,
+                     "message": f"storing the batch's lines failed {said}: {reason}"}  # fmt: skip
+        status, n = self.at(batch_id).ingest_failed(batch_id, error, tries)
+        n = n or tries  # 0: it had left validating / in_progress meanwhile (cancelled)
+        retry_in = backoff_s * 2 ** (n - 1) if n < tries else 0.0
+        return IngestFailed(batch_id, reason, tries=min(n, tries), allowed=tries,
+                            retry_in_s=retry_in, status=status)  # fmt: skip
+
+    def resume(self, batch_id: str, *, tries: int = 3, backoff_s: float = 2.0) -> Batch:
+        """Store the lines of a batch ``pipeline serve`` assembles (or the rest of them), read
+        from its uploaded input: :meth:`ingest` with ``tries``; a batch of another file store
+        is left alone (:meth:`ours`), one whose input is gone fails at once."""
+        batch = self.get(batch_id)
+        if not self.ours(batch):
+            return batch
+        return self.ingest(batch, partial(self._open_input, batch), tries=tries,
+                           backoff_s=backoff_s)  # fmt: skip
+
+    def _open_input(self, batch: Batch) -> IO[bytes]:
+        opener = self.opener(batch)
+        if opener is None:
+            fid = batch.input_file_id
+            raise InputGone(f"the input file {fid} was deleted before the batch was read")
+        return opener()
 
     def _ingest(self, batch_id: str, opener: Opener) -> None:
         rec = self.at(batch_id).record(batch_id)
         status = rec.get("status")
-        if status not in ("validating", "in_progress"):
-            return
+        if status not in ("validating", "in_progress") or rec.get("stopped") == "1":
+            return  # closed, or it takes no more lines (cancelled, lapsed, given up)
         resume_after = int(rec.get("submitted") or 0) if status == "in_progress" else 0
         if status == "in_progress" and resume_after >= int(rec.get("lines") or 0):
             return  # every line is stored
@@ -183,11 +273,12 @@ class Batches:
             extensions=rec.get("extensions") == "1",
             error_file=rec.get("invalid_lines") == "error_file",
         )
+        max_body = self.pipeline.settings.max_payload_bytes
         with closing(opener()) as source:
             result = scan(
-                input_lines(source),
+                input_lines(source, max_line_bytes(max_body)),
                 RowBuilder(self.pipeline, ctx),
-                max_body_bytes=self.pipeline.settings.max_payload_bytes,
+                max_body_bytes=max_body,
                 max_lines=self.settings.max_lines,
                 enqueue_after=resume_after,
                 renew=self._renewer(batch_id),
@@ -240,7 +331,12 @@ class Batches:
         """Create a batch from OpenAI batch lines (a path to a JSONL file, or the lines as
         dicts or JSON text), check them all and store them; returns the batch (``failed``
         with ``errors`` when lines are bad, unless ``metadata["invalid_lines"]`` is
-        ``"error_file"``). ``batch_id``: an idempotency key (an existing batch is resumed)."""
+        ``"error_file"``). ``batch_id``: an idempotency key (an existing batch is resumed).
+
+        Every bad line is an error line naming its field; a line given as a dict that is not
+        JSON (a set, a non-str key) raises InvalidRequest before anything is stored. An
+        unexpected error while the lines are stored fails the batch (its ``errors`` say why)
+        and raises :class:`IngestFailed`: no batch is left ``validating``."""
         opener: Opener
         if isinstance(lines_or_path, str | Path):
             path = os.path.abspath(lines_or_path)
@@ -252,7 +348,7 @@ class Batches:
                 return open(path, "rb")
 
         else:
-            items = [_line_bytes(x) for x in lines_or_path]
+            items = [_line_bytes(n, x) for n, x in enumerate(lines_or_path, 1)]
             source = {"kind": "inline"}
             opener = partial(_each, items)
 
@@ -401,6 +497,9 @@ class Batches:
         invalid = {int(r["line"]): r for r in self.at(batch.id).invalid(batch.id)}
         last = batch.submitted
         cancelled = batch.status in ("cancelled", "cancelling")
+        missing = "batch_cancelled" if cancelled else "batch_expired"
+        if batch.gave_up and not cancelled:
+            missing = "batch_failed"
         rest = custom_ids(last) if custom_ids is not None and batch.lines > last else None
         stored = self._stored(batch.id, last)
         for n in range(1, max(batch.lines, last) + 1):
@@ -412,7 +511,6 @@ class Batches:
                 yield LineResult(n, batch.request_id(n), cid, orjson.loads(res))
             elif n > last and (rest is None or n in rest):
                 cid = rest[n] if rest is not None else None
-                missing = "batch_cancelled" if cancelled else "batch_expired"
                 yield LineResult(n, batch.request_id(n), cid, missing=missing)
 
     def _stored(self, batch_id: str, last: int) -> Iterator[tuple[str | None, str | None]]:
@@ -431,9 +529,9 @@ class Batches:
         """Write a ``finalizing`` batch's output and error files and close it. Idempotent: file
         ids follow from the batch id, files are written whole then renamed."""
         batch = self.get(batch_id)
-        if batch.status != "finalizing" or not self.at(batch_id).take_lease(
-            batch_id, self.holder, self.settings.lease_s
-        ):
+        if batch.status != "finalizing" or not self.ours(batch):
+            return batch  # another store's batch: finalized by a service on that store
+        if not self.at(batch_id).take_lease(batch_id, self.holder, self.settings.lease_s):
             return batch
         try:
             self.at(batch_id).finalized(batch_id, *self.write_files(batch))
@@ -467,11 +565,13 @@ class Batches:
         if opener is None:
             return None
 
+        limit = max_line_bytes(self.pipeline.settings.max_payload_bytes)
+
         def read(after: int) -> dict[int, str]:
             out: dict[int, str] = {}
             with closing(opener()) as src:
-                for n, raw in input_lines(src):
-                    if n <= after or not raw.strip():
+                for n, raw in input_lines(src, limit):
+                    if n <= after or not raw.strip() or len(raw) > limit:
                         continue
                     try:
                         obj = orjson.loads(raw)
@@ -503,9 +603,15 @@ def _each(items: list[bytes]) -> Generator[bytes, None, None]:
     yield from items
 
 
-def _line_bytes(item: dict[str, Any] | str | bytes) -> bytes:
+def _line_bytes(number: int, item: dict[str, Any] | str | bytes) -> bytes:
+    """A line given to :meth:`Batches.submit_batch` as the bytes of a JSONL line (a str not
+    UTF-8-encodable and a dict that is no JSON: InvalidRequest naming the line)."""
     if isinstance(item, bytes):
         return item
-    if isinstance(item, str):
-        return item.encode("utf-8")
-    return orjson.dumps(item)
+    try:
+        if isinstance(item, str):
+            return item.encode("utf-8")
+        return orjson.dumps(item)
+    except (UnicodeEncodeError, TypeError) as exc:  # orjson.JSONEncodeError is a TypeError
+        message = f"line {number} cannot be written as a JSON line: {exc}"
+        raise InvalidRequest("lines_or_path", message) from None

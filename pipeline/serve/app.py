@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..batch import Batches, Files, UnknownBatch, UnknownFile
+from ..batch import Batches, FileElsewhere, Files, UnknownBatch, UnknownFile
 from ..client import CANCEL_RUNNING, Result
 from ..errors import InvalidRequest, PipelineError, UnknownRequest
 from .auth import ApiKeys
@@ -103,7 +103,7 @@ class Service:
 
     def file_content(self, request: Request) -> Response:
         info = self.files.get(request.path_params["file_id"], self.owner(request))
-        fh = self.files.blobs.open(info.id)
+        fh = self.files.open(info)  # FileElsewhere: in another service's store
 
         def chunks() -> Iterator[bytes]:
             with fh:
@@ -288,6 +288,9 @@ def create_app(
 async def _error(request: Request, exc: Exception) -> Response:
     """Every error in OpenAI's shape: a client's (4xx) with one WARNING line, a server's (500)
     with its traceback."""
+    if isinstance(exc, FileElsewhere):  # a misconfiguration: one line, the fix in its text
+        log.error("%s %s: %s", request.method, request.url.path, exc)
+        return ApiError(503, str(exc), type="server_error", code="file_store_mismatch").response()
     error = _client_error(request, exc)
     if error is None:
         log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)

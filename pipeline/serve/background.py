@@ -1,30 +1,47 @@
 """What ``pipeline serve`` does besides answering: store new batches' lines, cancel cancelled
 ones', assemble finished ones' files, close lapsed batches, remove expired files. Each step
-holds the batch's lease, so a restart takes up every batch left half-way (docs/batches.md)."""
+holds the batch's lease, so a restart takes up every batch left half-way (docs/batches.md).
+A step that fails is tried again after a backoff, logged one line a try: storing a batch's
+lines gives up after :data:`INGEST_TRIES` (the batch fails, saying why)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import redis
 
-from ..batch import Batches
+from ..batch import Batches, IngestFailed
+from ..errors import ReplicationError
 
 log = logging.getLogger("pipeline.serve")
 
 SWEEP_EVERY_S = 60.0
+INGEST_TRIES = 3  # tries of a batch's ingest (counted in Redis, by every service alike)
+INGEST_BACKOFF_S = 2.0  # before its second try; doubled before each next
+STEP_BACKOFF_MAX_S = 60.0  # a failing cancel or finalize is tried again at most this far apart
 
 
 class Background:
     """The service's background work: a small thread pool and one loop thread (running from
     the start)."""
 
-    def __init__(self, batches: Batches, workers: int = 2, poll_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        batches: Batches,
+        workers: int = 2,
+        poll_s: float = 1.0,
+        ingest_tries: int = INGEST_TRIES,
+        ingest_backoff_s: float = INGEST_BACKOFF_S,
+    ) -> None:
         self.batches = batches
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="batch")
         self.poll_s = poll_s
+        self.ingest_tries, self.ingest_backoff_s = ingest_tries, ingest_backoff_s
+        self._failed: dict[tuple[str, str], tuple[int, float]] = {}  # step -> (fails, not before)
+        self._stores_seen: set[str] = set()  # other file stores named in a log line already
         self._busy: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -39,36 +56,55 @@ class Background:
 
     # -- work items -------------------------------------------------------------------------
     def submit(self, kind: str, batch_id: str) -> None:
-        """Run ``kind`` (ingest, cancel, finalize) for a batch unless it is running here."""
+        """Run ``kind`` (ingest, cancel, finalize) for a batch unless it is running here or
+        failed here and waits out its backoff."""
+        step = (kind, batch_id)
         with self._lock:
-            if (kind, batch_id) in self._busy:
+            if step in self._busy or self._failed.get(step, (0, 0.0))[1] > time.monotonic():
                 return
-            self._busy.add((kind, batch_id))
+            self._busy.add(step)
         self.pool.submit(self._run, kind, batch_id)
 
     def _run(self, kind: str, batch_id: str) -> None:
+        step = (kind, batch_id)
         try:
             b = self.batches
             if kind == "ingest":
-                batch = b.get(batch_id)
-                opener = b.opener(batch)
-                if opener is None:
-                    log.error("batch %s: its input file is gone; it cannot be read", batch_id)
-                    fid = batch.input_file_id
-                    message = f"the input file {fid} was deleted before the batch was read"
-                    error = dict(code="input_file_missing", line=None, param="input_file_id")
-                    b.at(batch_id).fail(batch_id, [{**error, "message": message}])
-                else:
-                    b.ingest(batch, opener)
+                b.resume(batch_id, tries=self.ingest_tries, backoff_s=self.ingest_backoff_s)
             elif kind == "cancel":
                 b.cancel_lines(batch_id)
             elif kind == "finalize":
                 b.finalize(batch_id)
-        except Exception:  # logged; the loop takes it up again
-            log.exception("batch %s: %s failed", batch_id, kind)
+            self._failed.pop(step, None)
+        except IngestFailed as exc:  # counted, and held off, in Redis (Batches.ingest)
+            if exc.final:
+                log.error("%s", exc, exc_info=exc.__cause__)  # the one traceback it logs
+            else:
+                log.warning("%s", exc)
+        except (redis.RedisError, ReplicationError) as exc:
+            log.warning("batch %s: %s: Redis: %s", batch_id, kind, exc)
+            self._hold_off(step)
+        except Exception:  # logged (the first time with its traceback); tried again later
+            fails, again = self._hold_off(step)
+            if fails == 1:
+                log.exception("batch %s: %s failed; again in %g s", batch_id, kind, again)
+            else:
+                log.warning("batch %s: %s failed again (%d times; again in %g s)",
+                            batch_id, kind, fails, again)  # fmt: skip
         finally:
             with self._lock:
-                self._busy.discard((kind, batch_id))
+                self._busy.discard(step)
+
+    def _hold_off(self, step: tuple[str, str]) -> tuple[int, float]:
+        """A failed step waits before it runs again here: 1, 2, 4 ... 60 s. Returns (fails
+        so far, the wait)."""
+        with self._lock:
+            fails = self._failed.get(step, (0, 0.0))[0] + 1
+            wait = min(STEP_BACKOFF_MAX_S, 2.0 ** (fails - 1))
+            if len(self._failed) > 10_000:
+                self._failed.clear()
+            self._failed[step] = (fails, time.monotonic() + wait)
+        return fails, wait
 
     # -- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -82,6 +118,22 @@ class Background:
             except Exception:
                 log.exception("batch loop")
                 self._stop.wait(self.poll_s)
+
+    def _ours(self, rec: dict[str, str]) -> bool:
+        """Whether the batch is in this service's file store (logged once per other store)."""
+        files = self.batches.files
+        store = rec.get("store", "")
+        if files is None or store in ("", files.store_id):
+            return True
+        if store not in self._stores_seen:
+            self._stores_seen.add(store)
+            log.warning(
+                "batch %s is in file store %s, not in this service's (%s, PIPELINE_FILES_DIR "
+                "%s): left to a service on that store; every pipeline serve on one Redis must "
+                "share one PIPELINE_FILES_DIR",
+                rec.get("id"), store, files.store_id, self.batches.settings.files_dir,
+            )  # fmt: skip
+        return False
 
     def wait_for_bell(self) -> None:
         """Until a finished batch rings its pool's doorbell (to finalize it at once, not at the
@@ -104,8 +156,13 @@ class Background:
                 status = records.lapse(bid)
             if rec.get("files") != "1":
                 continue  # created outside the service (pipeline run, Python): not ours
+            if not self._ours(rec):  # another store's: a service on it reads and writes it
+                if status == "cancelling" and rec.get("cancel_done") != "1":
+                    self.submit("cancel", bid)  # (Redis only: any service may)
+                continue
             if status in ("validating", "in_progress"):
                 stored = int(rec.get("submitted") or 0) >= int(rec.get("lines") or 0)
+                stored = stored or rec.get("stopped") == "1"  # it takes no more lines
                 leased = records.client.exists(records.keys.batch_lease(bid))
                 if (status == "validating" or not stored) and not leased:
                     self.submit("ingest", bid)

@@ -45,11 +45,12 @@ def serve(host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") ->
     if keys is None and hosts is None:
         hosts = AllowedHosts()  # the loopback names on this port only
     log.info(
-        "serving on %s:%d (redis %s, files in %s, %s, %s)",
+        "serving on %s:%d (redis %s, files in %s: file store %s, %s, %s)",
         host,
         port,
         redact_url(settings.redis_url),
         bsettings.files_dir,
+        files.store_id,
         f"{len(keys.tenants)} API key(s)" if keys else "no API keys: loopback only",
         "any Host" if hosts is None else "Host: loopback names and PIPELINE_ALLOWED_HOSTS",
     )

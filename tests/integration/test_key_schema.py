@@ -225,9 +225,11 @@ def test_every_batch_call_passes_the_keys_its_script_names(
     b.cancel_lines("b1", 1, "abort", "test")
     b.lapse("b1")
     b.finalized("b1", None, None)
+    b.create("b2", 60.0, 60.0, {"queue": "q"})
+    b.ingest_failed("b2", {"code": "ingest_failed", "message": "test"}, 1)
     names = {n for n, _ in calls}
     assert names >= {"batch_create", "batch_start", "batch_results", "batch_cancel"}
-    assert names >= {"batch_cancel_lines", "batch_lapse", "batch_finalized"}
+    assert names >= {"batch_cancel_lines", "batch_lapse", "batch_finalized", "batch_ingest_failed"}
     assert_keys_as_headers_say(calls, store)
 
 

@@ -260,18 +260,21 @@ local function batch_close(K, id, final, now)
 end
 
 -- When every line of a running or cancelling batch has its result, end it: cancelled if it
--- was cancelled, expired if its window has passed, else completed. A batch whose files are
+-- was cancelled, failed if its lines could not all be stored (gave_up: batch_ingest_failed.lua),
+-- expired if its window has passed, else completed. A batch whose files are
 -- assembled by `pipeline serve` (field files = '1') goes to finalizing first and rings the
 -- finalizers' doorbell; the finalizer closes it (batch_finalized.lua).
 local function batch_settle(K, id, now)
   local bk = K.batch .. id
   local b = redis.call('HMGET', bk, 'status', 'total', 'completed', 'failed', 'expires_at',
-    'files')
+    'files', 'gave_up')
   if b[1] ~= 'in_progress' and b[1] ~= 'cancelling' then return end
   if (tonumber(b[3]) or 0) + (tonumber(b[4]) or 0) < (tonumber(b[2]) or 0) then return end
   local final = 'completed'
   if b[1] == 'cancelling' then
     final = 'cancelled'
+  elseif b[7] == '1' then
+    final = 'failed'
   elseif now >= (tonumber(b[5]) or now + 1) then
     final = 'expired'
   end
