@@ -174,7 +174,8 @@ class EngineFront:
                 _set(job.first)
         elif event.kind == "finish":
             self.e2e.observe(event.at - seq.arrival)
-            self.queue_time.observe((seq.scheduled_at or event.at) - seq.arrival)
+            queued = event.at if seq.scheduled_at is None else seq.scheduled_at
+            self.queue_time.observe(queued - seq.arrival)
             self.prompt_tokens += seq.prompt_tokens
             self.generation_tokens += seq.output_tokens
             if (job := self._jobs.pop(rid, None)) is not None:
