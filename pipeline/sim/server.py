@@ -35,6 +35,10 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.server import ServerState
 
+from . import engine_cli
+from .engine import EngineConfig
+from .engine_http import EngineFront, Job, StreamReply, request_fields
+
 MODEL_NAME = "sim-model"
 STALL_CAP_S = 600.0  # a stalled attempt is dropped after this many seconds
 HOLD_CAP_S = 120.0  # a held request is answered after this many seconds if nobody released it
@@ -85,6 +89,9 @@ class SimConfig:
     tls_cert_file: str | None = None  # serve HTTPS with this certificate (PEM) ...
     tls_key_file: str | None = None  # ... and its key
     tls_client_ca_file: str | None = None  # require client certificates signed by this CA
+    # model a continuous-batching engine (pipeline/sim/engine.py): requests that pass the
+    # faults above are answered by it, and latency_ms, jitter_ms and itl_ms must be 0
+    engine: EngineConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +129,11 @@ class _Call:
     admitted: float = 0.0  # when a queued request got its slot
     slot: bool = False
     faulted: bool = False  # a scripted drop or stall ran out: the simulator closes it
+    # with an engine: the body's "priority", "stream" and "stream_options.include_usage"
+    priority: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    on_end: Callable[[], None] | None = None  # run once its answer is written or abandoned
 
 
 class _BadRequest(Exception):
@@ -163,6 +175,16 @@ def _fake_text(prompt: str, n: int) -> str:
     """Deterministic ``n`` fake tokens derived from the prompt."""
     h = zlib.crc32(prompt.encode())
     return "".join(" " + _VOCAB[(h + i * 7919) % len(_VOCAB)] for i in range(n))
+
+
+def _usage(prompt_tokens: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}  # fmt: skip
+
+
+def _finish(call: _Call, completion: int) -> str:
+    """``length`` when it stopped at max_tokens, else ``stop``."""
+    return "length" if completion == call.max_tokens else "stop"
 
 
 def _peer(addr: Any) -> _Peer:
@@ -262,7 +284,13 @@ class SimServer:
         self._faults: dict[str, _Fault] = {}
         self._holds: dict[str, set[asyncio.Future[bool]]] = {}  # name -> held requests
         self._released: set[str] = set()  # names released since the last reset
+        self._held_jobs: dict[asyncio.Future[bool], Job] = {}  # held in the engine
         self._in_flight = 0
+        self._engine: EngineFront | None = None
+        if config.engine is not None:
+            if config.latency_ms or config.jitter_ms or config.itl_ms:
+                raise ValueError("latency_ms, jitter_ms and itl_ms do not apply with an engine")
+            self._engine = EngineFront(config.engine, self._call_at)
 
         async def metrics(request: Request) -> Response:
             return Response(self._metrics(), media_type="text/plain; version=0.0.4")
@@ -284,6 +312,7 @@ class SimServer:
                 Route("/sim/hangups", _get(lambda: self._hangups)),
                 Route("/sim/faults", self._post_fault, methods=["POST"]),
                 Route("/sim/release", self._post_release, methods=["POST"]),
+                Route("/sim/engine", self._engine_endpoint, methods=["GET", "POST"]),
             ],
             default=_error(404, "no such route"),
         )
@@ -309,6 +338,8 @@ class SimServer:
         self._token_log: list[tuple[float, int, int, str | None]] = []
         self._hangups: list[tuple[float, str | None, float]] = []
         self._max_in_flight = self._in_flight
+        if self._engine is not None:
+            self._engine.reset()
         return {"ok": True}
 
     @_on_loop
@@ -330,7 +361,27 @@ class SimServer:
             # usage of the 200s generated (held ones too, and ones whose client hung up)
             "prompt_tokens": self._prompt_tokens,
             "completion_tokens": self._completion_tokens,
+            **({"engine": self._engine.stats()} if self._engine is not None else {}),
         }
+
+    @_on_loop
+    def engine_stats(self) -> dict[str, Any]:
+        """The engine's state and counters (``GET /sim/engine``); LookupError without one."""
+        return self._need_engine().stats()
+
+    @_on_loop
+    def set_capacity(self, replicas: float) -> dict[str, Any]:
+        """Give the engine ``replicas`` times its configured capacity from its next step on
+        (``POST /sim/engine {"replicas": R}``): 0.5 when one of two replicas is lost, 1.5 when
+        one is added to two. Its KV cache, seats (max_num_seqs) and token budget scale by R,
+        the per-sequence and per-token step costs by 1/R; ValueError unless R > 0."""
+        self._need_engine().set_capacity(replicas)
+        return self.engine_stats()
+
+    def _need_engine(self) -> EngineFront:
+        if self._engine is None:
+            raise LookupError("the simulator has no engine (start it with --engine)")
+        return self._engine
 
     @_on_loop
     def tokens(self) -> list[tuple[float, int, int, str | None]]:
@@ -363,8 +414,14 @@ class SimServer:
         self._released.add(name)
         held = [fut for fut in self._holds.pop(name, ()) if not fut.done()]
         for fut in held:
-            fut.set_result(True)
+            self._let_go(fut)
         return len(held)
+
+    def _let_go(self, hold: asyncio.Future[bool]) -> None:
+        """End a hold (and the engine's hold on its sequence: it finishes now)."""
+        _wake(hold)
+        if (job := self._held_jobs.pop(hold, None)) is not None and self._engine is not None:
+            self._engine.release(job)
 
     @_on_loop
     def release_all(self) -> int:
@@ -389,6 +446,8 @@ class SimServer:
             ("request_success_total", "counter", "Successful requests.", self._by_status.get(200)),
         ]  # fmt: skip
         lines = []
+        if self._engine is not None:  # the engine's running and waiting, and its series
+            lines, rows = self._engine.metrics(self.config.model_name), rows[2:]
         for name, kind, help_text, value in rows:
             lines += [f"# HELP vllm:{name} {help_text}", f"# TYPE vllm:{name} {kind}"]
             lines.append(f'vllm:{name}{{model_name="{self.config.model_name}"}} {value or 0}')
@@ -406,6 +465,19 @@ class SimServer:
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             return _error(400, f"bad fault spec: {exc!r}")
         return _json({"ok": True})
+
+    async def _engine_endpoint(self, request: Request) -> Response:
+        if self._engine is None:
+            return _error(404, "the simulator has no engine (start it with --engine)")
+        if request.method == "POST":
+            try:
+                replicas = orjson.loads(await request.body())["replicas"]
+                if isinstance(replicas, bool) or not isinstance(replicas, int | float):
+                    raise ValueError("'replicas' must be a number")
+                self.set_capacity(float(replicas))
+            except (ValueError, TypeError, KeyError) as exc:
+                return _error(400, f'bad engine spec, want {{"replicas": R}} with R > 0: {exc}')
+        return _json(self.engine_stats())
 
     async def _post_release(self, request: Request) -> Response:
         try:
@@ -427,9 +499,13 @@ class SimServer:
         call = _Call(time.monotonic(), rid, _peer(scope.get("client")))
         try:
             reply = await self._answer(call, request)
-            if reply is not None:  # None: the client hung up, or the connection was dropped
+            if isinstance(reply, StreamReply):  # counts its 200 before its last event
+                await reply(scope, receive, send)
+                reply = reply if reply.completed else None
+            elif reply is not None:
                 self._by_status[reply.status_code] = self._by_status.get(reply.status_code, 0) + 1
                 await reply(scope, receive, send)
+            if reply is not None:  # None: the client hung up, or the connection was dropped
                 if self.config.record_arrivals:
                     self._arrivals.append((call.arrival, time.monotonic(), rid))
             elif not call.faulted:  # the client hung up first: generation stops (as vLLM's)
@@ -437,6 +513,8 @@ class SimServer:
                 self._hangups.append((now, rid, now - (time.monotonic() - call.arrival)))
         finally:
             self._free(call)
+            if call.on_end is not None:
+                call.on_end()
 
     async def _answer(self, call: _Call, request: Request) -> Response | None:
         """Count and check ``call``, then admit it (or queue it, or turn it away) and run it."""
@@ -499,6 +577,8 @@ class SimServer:
         if cfg.completion_min_ratio < 1.0 and completion > 0:
             low = math.ceil(max(0.0, cfg.completion_min_ratio) * completion)
             completion = self._length_rng.randint(low, completion)
+        if self._engine is not None:
+            return await self._generate(self._engine, call, completion)
         delay_ms = call.latency_ms
         if delay_ms is None:
             delay_ms = cfg.latency_ms + cfg.itl_ms * completion
@@ -524,6 +604,54 @@ class SimServer:
             if not await self._until(call, timer):
                 return None
         return reply
+
+    async def _generate(self, front: EngineFront, call: _Call, completion: int) -> Response | None:
+        """Through the engine: a 200 once its sequence generated ``completion`` tokens, or a
+        stream of them; None if the client hangs up first (its sequence leaves the engine). A
+        held request runs as any other and stays in the engine at its last token, keeping its
+        seat and KV blocks, until its hold is released."""
+        prompt_tokens = self._prompt_tokens_of(call)
+        if (too_long := front.too_long(prompt_tokens, call.max_tokens)) is not None:
+            return _error(400, too_long)
+        held = call.hold is not None and call.hold not in self._released
+        job = front.submit(prompt_tokens, completion, call.priority, held)
+        if held and call.hold is not None:
+            name, hold = call.hold, self._future()
+            self._holds.setdefault(name, set()).add(hold)
+            self._held_jobs[hold] = job
+            cap = asyncio.get_running_loop().call_later(HOLD_CAP_S, self._let_go, hold)
+
+            def unhold() -> None:
+                cap.cancel()
+                self._held_jobs.pop(hold, None)
+                if (others := self._holds.get(name)) is not None:
+                    others.discard(hold)
+                    if not others:
+                        del self._holds[name]
+
+            call.on_end = unhold
+        if call.stream:
+            usage = _usage(prompt_tokens, completion) if call.include_usage else None
+
+            def done() -> None:
+                self._by_status[200] = self._by_status.get(200, 0) + 1
+                self._count_usage(call, prompt_tokens, completion)
+
+            return StreamReply(
+                front, job, functools.partial(self._until, call), self._head(call, "chunk"),
+                _fake_text(call.prompt, completion), _finish(call, completion), usage, done,
+            )  # fmt: skip
+        if not await self._until(call, job.done):
+            front.cancel(job)
+            return None
+        if job.error is not None:
+            return _error(503, job.error)
+        return self._completion(call, completion)
+
+    def _call_at(self, when: float, fn: Callable[[], None]) -> None:
+        if self._clock is None:
+            self._clock = _Clock(asyncio.get_running_loop())
+        self._clock.call_at(when, fn)
 
     @staticmethod
     def _future() -> asyncio.Future[bool]:
@@ -597,6 +725,15 @@ class SimServer:
                 )  # fmt: skip
         except ValueError as exc:
             raise _BadRequest(f"bad x-sim-* header: {exc}") from None
+        if self._engine is not None:
+            if call.latency_ms is not None:
+                raise _BadRequest("x-sim-latency-ms does not apply to a simulator with an engine")
+            try:
+                call.priority, call.stream, call.include_usage = request_fields(
+                    payload, self._engine.engine.config
+                )
+            except ValueError as exc:
+                raise _BadRequest(str(exc)) from None
 
     def _template(self, request: Request) -> tuple[int, int]:
         """The chat template's tokens (per message, per prompt): ``x-sim-template-tokens:
@@ -614,29 +751,38 @@ class SimServer:
         return got
 
     def _completion(self, call: _Call, completion: int) -> Response:
-        """A 200 with ``completion`` tokens, counted; a prompt token is a word, plus a chat
-        template's tokens."""
+        """A 200 with ``completion`` tokens, counted."""
         text = _fake_text(call.prompt, completion)
-        prompt_tokens = len(call.prompt.split()) + call.template_tokens
-        self._prompt_tokens += prompt_tokens
-        self._completion_tokens += completion
-        if self.config.record_arrivals:
-            self._token_log.append((call.arrival, prompt_tokens, completion, call.rid))
-        finish = "length" if completion == call.max_tokens else "stop"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        prompt_tokens = self._prompt_tokens_of(call)
+        self._count_usage(call, prompt_tokens, completion)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(call, completion)}
         if call.chat:
             choice["message"] = {"role": "assistant", "content": text.lstrip()}
         else:
             choice["text"] = text
-        return _json({
+        usage = _usage(prompt_tokens, completion)
+        return _json({**self._head(call), "choices": [choice], "usage": usage})
+
+    @staticmethod
+    def _prompt_tokens_of(call: _Call) -> int:
+        """A prompt token is a word, plus a chat template's tokens."""
+        return len(call.prompt.split()) + call.template_tokens
+
+    def _count_usage(self, call: _Call, prompt_tokens: int, completion: int) -> None:
+        self._prompt_tokens += prompt_tokens
+        self._completion_tokens += completion
+        if self.config.record_arrivals:
+            self._token_log.append((call.arrival, prompt_tokens, completion, call.rid))
+
+    def _head(self, call: _Call, suffix: str = "") -> dict[str, Any]:
+        """An answer's id, object (``suffix`` "chunk": a streamed one's), created and model."""
+        kind = "chat.completion" if call.chat else "text_completion"
+        return {
             "id": f"{'chatcmpl' if call.chat else 'cmpl'}-sim{next(self._ids)}",
-            "object": "chat.completion" if call.chat else "text_completion",
+            "object": f"{kind}.{suffix}" if suffix and call.chat else kind,
             "created": int(time.time()),
             "model": call.model,
-            "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                      "total_tokens": prompt_tokens + completion},
-        })  # fmt: skip
+        }
 
     # -- serving ------------------------------------------------------------------------------
 
@@ -761,6 +907,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tls-key", dest="tls_key_file", metavar="PEM", help="the certificate's private key")
     add("--tls-client-ca", dest="tls_client_ca_file", metavar="PEM",
         help="require client certificates signed by this CA")  # fmt: skip
+    engine_cli.add_arguments(parser)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -771,8 +918,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
     if args.api_key_env and not key:
         raise SystemExit(f"pipeline sim: --api-key-env: {args.api_key_env} is not set (or empty)")
+    engine = engine_cli.config_from_args(args)
     fields = {f.name for f in dataclasses.fields(SimConfig)} & vars(args).keys()
-    config = SimConfig(**{name: getattr(args, name) for name in fields}, api_key=key)
+    values = {name: getattr(args, name) for name in fields}
+    config = SimConfig(**values, api_key=key, engine=engine)
     stop = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # the server's threads inherit the mask
     with SimServer(config, args.host, args.port) as server:
