@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .merge import HEADER_NAME, MergePolicy, parse_merge_policy
-from .redis_url import MASTER_VAR, check_sentinel, is_cluster, parse_cluster_url
+from .redis_url import MASTER_VAR, check_redis_url, check_sentinel, is_cluster
 from .settings import DEFAULT_ENDPOINT, DEFAULT_REDIS_URL, PoolConfig, QueueConfig, Settings
 
 
@@ -99,8 +99,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     master = env.get(MASTER_VAR) or None
     for var in ("PIPELINE_REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
         check_sentinel(env.get(var) or "", var, master)
+    check_redis_url(redis_url)  # a scheme, port and database it can use; the message redacted
     if is_cluster(redis_url):
-        parse_cluster_url(redis_url)
         if not env.get("CELERY_BROKER_URL") or is_cluster(env["CELERY_BROKER_URL"]):
             raise ConfigError(
                 "PIPELINE_REDIS_URL names a Redis Cluster, which Celery cannot use as its "
