@@ -26,6 +26,7 @@ _SECRET_PARAM = re.compile(
 )
 # a URL inside free text: a scheme, then everything up to white space or a quote
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]*")
+_TRAILING = ".,;:!?)]}"  # sentence punctuation after a URL
 
 
 def redact_url(url: str) -> str:
@@ -40,11 +41,18 @@ def redact_url(url: str) -> str:
 
 
 def redact_text(text: str) -> str:
-    """``text`` with every URL in it redacted (:func:`redact_url`). Never raises."""
+    """``text`` with every URL in it redacted (:func:`redact_url`); punctuation that ends a
+    URL's token (``redis://h:1/0.`` ``(redis://...)``) is kept outside it. Never raises."""
     try:
-        return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+        return _URL_IN_TEXT.sub(_redact_token, text)
     except Exception:  # noqa: BLE001 - never raises
         return MASK
+
+
+def _redact_token(m: re.Match[str]) -> str:
+    token = m.group(0)
+    url = token.rstrip(_TRAILING)
+    return redact_url(url) + token[len(url) :]
 
 
 def _entry(part: str) -> str:
