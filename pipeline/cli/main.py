@@ -270,8 +270,8 @@ def cmd_flower(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..serve import serve
 
-    _setup_logging(args.loglevel)
-    serve(args.host, args.port, args.loglevel.lower())
+    _setup_logging(args.loglevel.upper())
+    serve(args.host, args.port, args.loglevel)
     return 0
 
 

@@ -84,8 +84,6 @@ def celery_transport_options(master: str | None) -> dict[str, str]:
     return {"master_name": master} if master else {}
 
 
-
-
 def check_redis_url(url: str, where: str = "PIPELINE_REDIS_URL") -> None:
     """ConfigError naming ``where`` (the setting) unless ``url`` is a Redis URL the pipeline
     can use: ``redis://``, ``rediss://``, ``unix://``, a Sentinel list or a cluster URL, with
