@@ -363,28 +363,14 @@ def _stop_following(
 def _start_services(
     args: argparse.Namespace, services: Any, console: Any
 ) -> tuple[dict[str, str], bool]:
-    """An embedded Redis and the simulator when none is configured; (env, embedded Redis).
-    The embedded Redis stands in only for a Redis nobody named: ``--embedded-redis``, or
-    ``PIPELINE_REDIS_URL`` unset and nothing listening at the default URL. A Redis that was
-    named and does not answer, or any Redis that refuses the login, the TLS handshake or
-    anything else, is an error (RunError: the URL redacted, and why)."""
-    from ..batch.run import RunError
-    from .services import probe_redis
-
+    """An embedded Redis and the simulator when none is configured; (env, embedded Redis)."""
     env = dict(os.environ)
     settings = load_settings(env)
-    embedded = bool(args.embedded_redis)
-    if not embedded:
-        named = bool(env.get("PIPELINE_REDIS_URL"))
-        problem = probe_redis(settings.redis_url, sentinel_master=settings.redis_sentinel_master)
-        if problem is not None and (named or not problem.refused):
-            where = "PIPELINE_REDIS_URL" if named else "PIPELINE_REDIS_URL unset: the default"
-            raise RunError(
-                f"no Redis to use at {redact_url(settings.redis_url)} ({where}): "
-                f"{problem.reason}"
-                + (" (--embedded-redis runs on a throw-away one)" if problem.refused else "")
-            )
-        embedded = problem is not None
+    embedded = bool(args.embedded_redis) or embedded_redis_needed(
+        settings.redis_url,
+        named=bool(env.get("PIPELINE_REDIS_URL")),
+        sentinel_master=settings.redis_sentinel_master,
+    )
     if embedded:
         url = services.start_redis()
         console.print(f"[dim]started an embedded redis-server ({url}): it stops with this command")
@@ -395,6 +381,24 @@ def _start_services(
         env["PIPELINE_ENDPOINT"] = url
     os.environ.update(env)
     return env, embedded
+
+
+def embedded_redis_needed(url: str, *, named: bool, sentinel_master: str | None = None) -> bool:
+    """Whether ``pipeline run`` starts an embedded Redis: only for a Redis nobody named
+    (``PIPELINE_REDIS_URL`` unset: ``named`` False) where nothing listens (connection
+    refused). A Redis that was named and does not answer, or any Redis that refuses the
+    login, the TLS handshake or anything else, is a RunError: the URL redacted, and why."""
+    from ..batch.run import RunError
+    from .services import probe_redis
+
+    problem = probe_redis(url, sentinel_master=sentinel_master)
+    if problem is None:
+        return False
+    if problem.refused and not named:
+        return True
+    where = "PIPELINE_REDIS_URL" if named else "PIPELINE_REDIS_URL unset: the default"
+    hint = " (--embedded-redis runs on a throw-away one)" if problem.refused else ""
+    raise RunError(f"no Redis to use at {redact_url(url)} ({where}): {problem.reason}{hint}")
 
 
 def _check_worker_log(path: str) -> None:
@@ -421,7 +425,7 @@ def _start_worker(
     or does not register within :data:`NODE_START_S`."""
     from .services import wait_until
 
-    needed = _pools_used(args.file, pipeline.settings)
+    needed = _pools_used(args.file, pipeline.settings, args.queue)
 
     def missing_pools() -> list[str]:
         client = pipeline.store.client
@@ -452,7 +456,10 @@ def _start_worker(
             node.fail(f"did not register within {NODE_START_S} s")
 
 
-def _pools_used(path: str, settings: Any) -> list[str]:
+def _pools_used(path: str, settings: Any, queue: str | None) -> list[str]:
+    """The worker pools of the queues the file's lines name; a line naming none is in the
+    batch's queue (``--queue``, else ``default``, else the first configured: as Run.start)."""
+    default = queue or ("default" if "default" in settings.queues else next(iter(settings.queues)))
     queues: set[str] = set()
     with open(path, encoding="utf-8", errors="replace") as fh:
         for text in fh:
@@ -460,9 +467,9 @@ def _pools_used(path: str, settings: Any) -> list[str]:
                 obj = json.loads(text)
             except (json.JSONDecodeError, RecursionError):
                 continue
-            queue = obj.get("queue", "default") if isinstance(obj, dict) else None
-            if isinstance(queue, str) and queue in settings.queues:
-                queues.add(queue)
+            named = obj.get("queue", default) if isinstance(obj, dict) else None
+            if isinstance(named, str) and named in settings.queues:
+                queues.add(named)
     return sorted({settings.queues[q].worker_pool_id for q in queues})
 
 
