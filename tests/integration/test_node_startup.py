@@ -106,7 +106,7 @@ def test_a_password_protected_cluster_is_checked_like_any_redis(
     with one_node_cluster(
         tmp_path / "cluster", "--maxmemory-policy", policy, password=PASSWORD
     ) as n:
-        url = f"redis+cluster://:{PASSWORD}@127.0.0.1:{n.port}"
+        url = f"redis+cluster://:{PASSWORD}@127.0.0.1:{n.port},localhost:{n.port}"
         stopped = start_and_watch(iso, {**iso.env, "PIPELINE_REDIS_URL": url}, tmp_path / "n.log")
     assert PASSWORD not in stopped.log
     if policy == "noeviction":
@@ -117,4 +117,5 @@ def test_a_password_protected_cluster_is_checked_like_any_redis(
     assert "ready." not in stopped.log
     [line] = stopped.problems()
     assert "CRITICAL pipeline.node: refusing to start: the Redis at " in line, line
-    assert f"redis+cluster://***@127.0.0.1:{n.port}" in line and "maxmemory-policy" in line
+    assert f"redis+cluster://***@127.0.0.1:{n.port},localhost:{n.port}" in line, line
+    assert "maxmemory-policy allkeys-lru" in line

@@ -147,13 +147,15 @@ def test_password_urls_work_and_never_leak(
 @pytest.fixture(params=["query", "cluster"])
 def password_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A Redis that requires PASSWORD, named with the password as ``?password=`` (a standalone
-    server) or as the userinfo of a ``redis+cluster://`` URL (a one-node cluster)."""
+    server) or as the userinfo of a ``redis+cluster://`` URL listing two seeds (a one-node
+    cluster, by two names)."""
     if request.param == "query":
         with lone_server(tmp_path / "redis", password=PASSWORD) as server:
             yield f"redis://127.0.0.1:{server.port}/0?password={PASSWORD}"
     else:
         with one_node_cluster(tmp_path / "cluster", password=PASSWORD) as node:
-            yield f"redis+cluster://:{PASSWORD}@127.0.0.1:{node.port}"
+            # two seeds, as a cluster URL usually lists: host:port,host:port
+            yield f"redis+cluster://:{PASSWORD}@127.0.0.1:{node.port},localhost:{node.port}"
 
 
 def test_status_and_serve_never_show_the_password(
