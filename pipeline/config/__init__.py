@@ -1,11 +1,12 @@
 """Configuration as plain data, read by :func:`load_settings`. Imports nothing of the pipeline
-but ``errors``."""
+but ``errors`` and ``redact``."""
 
 from .load import bool_env, load_settings, parse_pools, parse_queues, with_overrides
 from .merge import MergePolicy, parse_merge_policy
 from .redis_url import (
     MASTER_VAR,
     celery_transport_options,
+    check_redis_url,
     is_cluster,
     is_sentinel,
     parse_cluster_url,
@@ -23,6 +24,7 @@ __all__ = [
     "Settings",
     "bool_env",
     "celery_transport_options",
+    "check_redis_url",
     "diff_config",
     "from_snapshot",
     "is_cluster",

@@ -46,6 +46,8 @@ from urllib.parse import SplitResult, urljoin, urlsplit
 
 import httptools
 
+from ..redact import redact_url
+
 MAX_REDIRECTS = 5
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024  # a queue's default max_response_bytes
 CHUNK = 65536
@@ -370,7 +372,7 @@ def request(
     for _ in range(MAX_REDIRECTS + 1):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"unsupported URL {url!r}")
+            raise ValueError(f"unsupported URL {redact_url(url)!r}")
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         data = _request(method, target, parts.netloc.rpartition("@")[2], body, headers)
         try:

@@ -11,6 +11,7 @@ from ..config import QueueConfig, Settings
 from ..errors import ConfigError
 from ..http.call import TLS
 from ..http.classify import Outcome, send
+from ..redact import redact_url
 
 
 def queue_tls(q: QueueConfig) -> TLS | None:
@@ -55,6 +56,7 @@ def check_endpoints(settings: Settings, environ: Mapping[str, str] = os.environ)
         if tls.insecure_skip_verify:
             warnings.append(
                 f"queue {q.queue_name!r}: tls_insecure_skip_verify is on: the certificate of "
-                f"{q.igw_base_url} is not verified (anyone on the path can read the requests)"
+                f"{redact_url(q.igw_base_url)} is not verified (anyone on the path can read "
+                "the requests)"
             )
     return warnings
