@@ -13,6 +13,7 @@ import httptools
 
 from . import call as httpcall
 from .backoff import parse_retry_after
+from .rules import Unsendable
 from .usage import Usage, parse_usage
 
 
@@ -22,6 +23,9 @@ class Kind(enum.Enum):
     FATAL = "fatal"  # 3xx not followed, other 4xx, or a request that cannot be built or read
 
 
+UNSENDABLE = "UNSENDABLE"  # the category of a request the client cannot write (never sent)
+
+
 @dataclass(frozen=True)
 class Outcome:
     kind: Kind
@@ -29,7 +33,7 @@ class Outcome:
     body: str = ""
     retry_after: float | None = None  # seconds, from the Retry-After header
     error: str | None = None  # transport error text when there was no response
-    category: str = ""  # RATE_LIMIT, SERVER_ERROR, INVALID_REQ, TRANSPORT, TLS, TIMEOUT, ...
+    category: str = ""  # RATE_LIMIT, SERVER_ERROR, INVALID_REQ, TRANSPORT, TLS, UNSENDABLE, ...
     # the gateway's x-llm-d-request-dropped-reason (its flow control shed the request):
     # rejected-saturated, evicted-queue-pressure, ...
     dropped_reason: str | None = None
@@ -105,9 +109,10 @@ def send(
 ) -> Outcome:
     """POST ``body`` to ``url``; never raises. ``timeout_s`` bounds the whole call. A TLS
     failure (an unknown CA, a rejected client certificate) is a transport error: retried
-    within the deadline like a refused connection, with category ``TLS``. A redirect that is
-    refused and a body over ``max_response_bytes`` end the request (``REDIRECT``,
-    ``TOO_LARGE``): the same call would meet them again."""
+    within the deadline like a refused connection, with category ``TLS``. A request the
+    client cannot write (:class:`~pipeline.http.rules.Unsendable`: ``UNSENDABLE``, never
+    sent), a redirect that is refused and a body over ``max_response_bytes`` end the request
+    (``REDIRECT``, ``TOO_LARGE``): the same call would meet them again."""
     try:
         resp = httpcall.request(
             "POST",
@@ -119,6 +124,8 @@ def send(
             follow_redirects=follow_redirects,
             max_response_bytes=max_response_bytes,
         )
+    except Unsendable as exc:
+        return Outcome(Kind.FATAL, error=str(exc), category=UNSENDABLE)
     except httpcall.RedirectRefused as exc:
         return Outcome(Kind.FATAL, error=str(exc), category="REDIRECT")
     except httpcall.ResponseTooLarge as exc:
