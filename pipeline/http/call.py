@@ -21,10 +21,11 @@ What this module keeps:
   holding a space, a control or a non-ASCII character, a head over ``MAX_HEAD_BYTES``.
   Content-Length is its own; the framing and connection headers it is given are dropped.
 - Redirects are returned unless the caller follows them (a queue's ``follow_redirects``), and
-  then only a 307/308, with the same method and body, at most 5. One to another origin
-  (scheme, host or port) goes without ``Authorization``, cookies and every header naming a key,
-  token, secret or session (:func:`foreign_headers`), and without the client certificate;
-  https -> http is refused (:class:`RedirectRefused`), and so is a URL it cannot write.
+  then only a 307/308, with the same method and body, at most 5, to the first URL's origin
+  (scheme, host and port) or one the caller lists (a queue's ``redirect_origins``); to any
+  other origin it is refused (:class:`RedirectRefused`). One to another origin goes without
+  ``Authorization``, cookies and every header naming a key, token, secret or session
+  (:func:`foreign_headers`), and without the client certificate; https -> http is refused.
 - A response body over ``max_response_bytes`` ends the call (:class:`ResponseTooLarge`): on
   its ``Content-Length`` before reading, else as soon as that many bytes came.
 - A call made under :func:`abortable` can be ended from another thread (:meth:`Abort.fire`,
@@ -43,7 +44,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import SplitResult, urljoin, urlsplit
@@ -77,8 +78,9 @@ class CallAborted(OSError):
 
 
 class RedirectRefused(ValueError):
-    """A redirect that is not followed: https -> http, a scheme other than http(s), a URL it
-    cannot write, or more than :data:`MAX_REDIRECTS` in a row."""
+    """A redirect that is not followed: to an origin neither the first URL's nor listed,
+    https -> http, a scheme other than http(s), a URL it cannot write, or more than
+    :data:`MAX_REDIRECTS` in a row."""
 
 
 class ResponseTooLarge(ValueError):
@@ -371,6 +373,7 @@ def request(
     tls: TLS | None = None,
     *,
     follow_redirects: bool = False,
+    redirect_origins: Sequence[str] = (),
     max_response_bytes: int = MAX_RESPONSE_BYTES,
 ) -> Response:
     """Send ``method`` (an attempt's POST, a metric gate's GET) with ``body`` to ``url`` (an
@@ -379,8 +382,9 @@ def request(
     TLS files it cannot load, :class:`~pipeline.http.rules.Unsendable` for a request it cannot
     write, :class:`RedirectRefused` and :class:`ResponseTooLarge` (all ``ValueError``); and
     ``OSError`` (``ssl.SSLError`` included) / ``httptools.HttpParserError`` for transport
-    failures. A 3xx is returned as it came unless ``follow_redirects`` (see the module's
-    notes)."""
+    failures. A 3xx is returned as it came unless ``follow_redirects``, and then followed only
+    to ``url``'s origin or one of ``redirect_origins`` (``scheme://host[:port]``; see the
+    module's notes)."""
     deadline = time.monotonic() + timeout_s
     tls = tls or TLS()
     first = urlsplit(url)
@@ -410,6 +414,11 @@ def request(
         if url_error(url) is not None:
             raise RedirectRefused(f"redirect to a URL it cannot send ({where}) refused")
         if _origin(to) != _origin(first):
+            if _origin(to) not in {_origin(urlsplit(o)) for o in redirect_origins}:
+                raise RedirectRefused(
+                    f"redirect to another origin ({to.scheme}://{where}) refused: not in the "
+                    "queue's redirect_origins"
+                )
             # no credential, and no ``Host`` of the caller's (the new origin's own is sent)
             headers = {k: v for k, v in foreign_headers(headers).items() if k.lower() != "host"}
             tls = TLS(tls.ca_file)  # no client certificate, and the new server is verified

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import re
 import ssl
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from urllib.parse import urlsplit
@@ -106,6 +107,7 @@ def send(
     tls: httpcall.TLS | None = None,
     follow_redirects: bool = False,
     max_response_bytes: int = httpcall.MAX_RESPONSE_BYTES,
+    redirect_origins: Sequence[str] = (),
 ) -> Outcome:
     """POST ``body`` to ``url``; never raises. ``timeout_s`` bounds the whole call. A TLS
     failure (an unknown CA, a rejected client certificate) is a transport error: retried
@@ -122,6 +124,7 @@ def send(
             timeout_s,
             tls,
             follow_redirects=follow_redirects,
+            redirect_origins=redirect_origins,
             max_response_bytes=max_response_bytes,
         )
     except Unsendable as exc:
