@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -232,6 +233,17 @@ class Settings:
         if self.lookahead >= 0:
             return self.lookahead
         return min(8, max(1, -(-capacity // 2)))
+
+    @cached_property
+    def stamped_headers(self) -> frozenset[str]:
+        """The header names (lower case) whose value the queue's config decides: the
+        inference objective's, the fairness identity's and a tier-priority lane's. A request's
+        own headers never set them (``submit`` refuses them, an attempt drops them)."""
+        m = self.merge_policy
+        names = [self.objective_header, self.fairness_header]
+        if m.tiered:
+            names += [m.priority_header, m.objective_header]
+        return frozenset(n.lower() for n in names if n)
 
     @property
     def redis_cluster(self) -> bool:
