@@ -8,11 +8,15 @@ class PipelineError(Exception):
 
 
 class InvalidRequest(PipelineError, ValueError):
-    """A submission was rejected; ``field`` names the offending argument."""
+    """A submission (or another call's argument) was rejected; ``field`` names the offending
+    argument, ``item`` the index of the offending item of a ``submit_many``."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+    def __init__(self, field: str, message: str, item: int | None = None) -> None:
+        where = f"item {item}: " if item is not None else ""
+        super().__init__(f"{field}: {where}{message}")
         self.field = field
+        self.item = item
+        self.reason = message
 
 
 class ConfigError(PipelineError):

@@ -120,11 +120,11 @@ class Batches:
         """Store a new batch (``validating``), or find the one with ``batch_id``; returns it
         and whether it was created. Its lines are stored by :meth:`ingest`."""
         bid = batch_id or "batch_" + secrets.token_hex(12)
-        if not BATCH_ID.match(bid):
+        if not isinstance(bid, str) or not BATCH_ID.match(bid):
             raise InvalidRequest("batch_id", "must be 1-128 characters of [A-Za-z0-9_.-]")
         window = window_seconds(completion_window)
         meta = _check_metadata(metadata)
-        if endpoint is not None and endpoint not in KNOWN_URLS:
+        if endpoint is not None and (not isinstance(endpoint, str) or endpoint not in KNOWN_URLS):
             raise InvalidRequest("endpoint", f"must be one of {', '.join(sorted(KNOWN_URLS))}")
         check_priority(priority)
         self.pipeline.queue_config(queue)
@@ -251,8 +251,12 @@ class Batches:
             def opener() -> IO[bytes]:
                 return open(path, "rb")
 
+        elif isinstance(lines_or_path, bytes | dict) or not isinstance(lines_or_path, Iterable):
+            raise InvalidRequest(
+                "lines_or_path", "must be a JSONL file's path or an iterable of lines"
+            )
         else:
-            items = [_line_bytes(x) for x in lines_or_path]
+            items = [_line_bytes(x, i) for i, x in enumerate(lines_or_path)]
             source = {"kind": "inline"}
             opener = partial(_each, items)
 
@@ -503,9 +507,15 @@ def _each(items: list[bytes]) -> Generator[bytes, None, None]:
     yield from items
 
 
-def _line_bytes(item: dict[str, Any] | str | bytes) -> bytes:
-    if isinstance(item, bytes):
-        return item
-    if isinstance(item, str):
-        return item.encode("utf-8")
-    return orjson.dumps(item)
+def _line_bytes(item: dict[str, Any] | str | bytes, index: int) -> bytes:
+    """A line given as a dict (any JSON value: a bad line of the batch), JSON text or bytes,
+    as bytes; InvalidRequest("lines_or_path") naming the line for one that cannot be made
+    JSON or UTF-8 (the batch is not created)."""
+    try:
+        if isinstance(item, bytes):
+            return item
+        if isinstance(item, str):
+            return item.encode("utf-8")
+        return orjson.dumps(item)
+    except (UnicodeEncodeError, TypeError) as exc:  # orjson's JSONEncodeError is a TypeError
+        raise InvalidRequest("lines_or_path", f"line {index + 1}: {exc}") from None
