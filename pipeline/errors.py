@@ -20,7 +20,12 @@ class InvalidRequest(PipelineError, ValueError):
 
 
 class ConfigError(PipelineError):
-    """The queue or pool configuration is invalid (raised at startup, naming the entry)."""
+    """The queue or pool configuration is invalid (raised at startup, naming the entry);
+    ``field``: the setting, when one ``configure()`` was given is the cause."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class IdempotencyConflict(PipelineError, ValueError):

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..config import QueueConfig, Settings, load_settings, with_overrides
 from ..errors import (
+    ConfigError,
     IdempotencyConflict,
     InvalidRequest,
     ReplicationError,
@@ -514,8 +515,11 @@ def default_pipeline() -> Pipeline:
 
 def configure(settings: Settings | None = None, **overrides: Any) -> Pipeline:
     """Replace the default pipeline: from ``settings``, or the environment plus overrides
-    (e.g. ``configure(redis_url=..., queues=[{...}])``)."""
+    (e.g. ``configure(redis_url=..., queues=[{...}])``). A bad setting raises ConfigError
+    naming it (``.field``) and keeps the pipeline there was."""
     global _default
+    if settings is not None and not isinstance(settings, Settings):
+        raise ConfigError("configure: settings must be a Settings (or None)", field="settings")
     base = settings or load_settings()
     if overrides:
         base = with_overrides(base, **overrides)

@@ -1,7 +1,7 @@
 """The Python door: every bad argument of ``submit``, ``submit_many``, ``submit_batch``, the
-lookups (``get``, ``state``, ``explain``, ``cancel``, ``wait``) is a typed error naming the
-field (``InvalidRequest.field``), and nothing is stored or half-written in Redis
-(``nothing_stored``).
+lookups (``get``, ``state``, ``explain``, ``cancel``, ``wait``) and ``configure`` is a typed
+error naming the field (``InvalidRequest.field``, ``ConfigError.field``), and nothing is stored
+or half-written in Redis (``nothing_stored``).
 
 What ``submit`` takes is what the attempt's HTTP client can send: its id, headers and endpoint
 are checked with the client's own predicates (``pipeline.http.rules``). A record written some
@@ -21,7 +21,7 @@ import pytest
 import pipeline
 from pipeline.batch import Batches
 from pipeline.client import Pipeline, api
-from pipeline.errors import InvalidRequest, UnknownRequest
+from pipeline.errors import ConfigError, InvalidRequest, UnknownRequest
 from tests.conftest import nothing_stored
 
 
@@ -304,6 +304,56 @@ def test_cancel_by_must_be_printable_text(pl: Pipeline, by: Any) -> None:
         pl.cancel(req.id, by=by)
     assert info.value.field == "by"
     assert req.cancel()
+
+
+# -- configure ------------------------------------------------------------------------------
+CONFIGURE = [
+    ("nonexistent", {"nonexistent": 1}),
+    ("lease_s", {"lease_s": -1}),
+    ("lease_s", {"lease_s": "30"}),
+    ("lease_s", {"lease_s": float("nan")}),
+    ("park_s", {"park_s": -0.5}),
+    ("max_payload_bytes", {"max_payload_bytes": 0}),
+    ("max_payload_bytes", {"max_payload_bytes": True}),
+    ("max_payload_bytes", {"max_payload_bytes": 1.5}),
+    ("redis_url", {"redis_url": 5}),
+    ("redis_url", {"redis_url": ""}),
+    ("key_prefix", {"key_prefix": None}),
+    ("direct_publish", {"direct_publish": "yes"}),
+    ("fairness_header", {"fairness_header": "bad header"}),
+    ("objective_header", {"objective_header": "x-objective\r\n"}),
+    ("lookahead", {"lookahead": -2}),
+    ("queues", {"queues": "default"}),
+    ("queues", {"queues": []}),
+    ("queues", {"queues": [{"queue_name": "q"}]}),  # no igw_base_url
+    ("queues", {"queues": [{"queue_name": "q", "igw_base_url": "ftp://x"}]}),
+    ("queues", {"queues": [{"queue_name": "q", "igw_base_url": "http://x", "colour": 1}]}),
+    ("pool_configs", {"pool_configs": [{"id": "p", "workers": 0}]}),
+    ("pool_configs", {"pool_configs": [{"id": "other"}]}),  # the queues' pool is not in it
+    ("merge_policy", {"merge_policy": {"type": "nope"}}),
+    ("merge_policy", {"merge_policy": "tier-priority"}),
+    ("settings", {"settings": "not settings"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"), CONFIGURE, ids=[f"{c[0]}-{i}" for i, c in enumerate(CONFIGURE)]
+)
+def test_configure_names_a_bad_setting_and_keeps_the_pipeline(
+    door: Pipeline, field: str, kwargs: dict[str, Any]
+) -> None:
+    kwargs = {k: v for k, v in kwargs.items() if k != "settings"}
+    settings = "not settings" if field == "settings" else door.settings
+    with nothing_stored(door), pytest.raises(ConfigError) as info:
+        pipeline.configure(settings, **kwargs)  # type: ignore[arg-type]
+    assert info.value.field == field and field in str(info.value)
+    assert api._default is door  # the pipeline there was is kept
+
+
+def test_configure_takes_good_settings(door: Pipeline) -> None:
+    queues = [{"queue_name": "q", "igw_base_url": "http://127.0.0.1:9"}]
+    p = pipeline.configure(door.settings, queues=queues, lease_s=12, park_s=0)
+    assert p.settings.lease_s == 12 and list(p.settings.queues) == ["q"]
 
 
 # -- submit_batch: its arguments (bad lines are the batch's own errors) ------------------------
