@@ -246,7 +246,7 @@ def _request(method: str, target: str, host: str, body: bytes, headers: dict[str
         value = str(value)
         if not TOKEN.fullmatch(name):
             raise Unsendable(f"invalid header name {name!r}")
-        if BAD_VALUE.search(value):
+        if not (value.isascii() and value.isprintable()) and BAD_VALUE.search(value):
             raise Unsendable(f"invalid value for header {name!r}: {value_error(value)}")
         if name.lower() in CONNECTION_HEADERS:
             continue

@@ -79,7 +79,10 @@ def header_name_error(name: Any) -> str | None:
 
 
 def value_error(value: str) -> str | None:
-    """What makes ``value`` (a str) unsendable as a header value, else None."""
+    """What makes ``value`` (a str) unsendable as a header value, else None. Printable ASCII,
+    most values, is checked in C (``isascii``, ``isprintable``) without the regex."""
+    if value.isascii() and value.isprintable():
+        return None
     bad = BAD_VALUE.search(value)
     if bad is None:
         return None
@@ -142,7 +145,10 @@ def endpoint_error(path: Any) -> str | None:
 
 
 def url_error(url: str) -> str | None:
-    """What keeps ``url`` off the request line (checked by the client on every call)."""
+    """What keeps ``url`` off the request line (checked by the client on every call: printable
+    ASCII without a space, most URLs, in C without the regex)."""
+    if url.isascii() and url.isprintable() and " " not in url:
+        return None
     if BAD_URL.search(url):
         return "holds a space, a control or a non-ASCII character (percent-encode it)"
     return None
