@@ -1,8 +1,9 @@
 """Configuration as plain data, read by :func:`load_settings`. Imports nothing of the pipeline
 but ``errors`` and ``redact``."""
 
-from .load import bool_env, load_settings, parse_pools, parse_queues, with_overrides
+from .load import bool_env, load_settings, parse_pools, parse_queues
 from .merge import MergePolicy, parse_merge_policy
+from .overrides import with_overrides
 from .redis_url import (
     MASTER_VAR,
     celery_transport_options,

@@ -7,7 +7,6 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 from ..errors import ConfigError
@@ -196,11 +195,3 @@ def _lookahead_env(env: Mapping[str, str]) -> int:
     if not raw.isdigit():
         raise ConfigError(f"PIPELINE_LOOKAHEAD must be 'auto' or an int >= 0, not {raw!r}")
     return int(raw)
-
-
-def with_overrides(settings: Settings, **overrides: Any) -> Settings:
-    """A copy of ``settings`` with some fields replaced; ``queues`` may be a list of dicts."""
-    queues = overrides.get("queues")
-    if isinstance(queues, list):
-        overrides["queues"] = parse_queues(queues, "queues")
-    return replace(settings, **overrides)

@@ -43,6 +43,7 @@ from .engine_http import EngineFront, Job, StreamReply, request_fields
 MODEL_NAME = "sim-model"
 STALL_CAP_S = 600.0  # a stalled attempt is dropped after this many seconds
 HOLD_CAP_S = 120.0  # a held request is answered after this many seconds if nobody released it
+RECORD_CAP = 1000  # calls whose headers are kept (x-sim-record-headers) until the next reset
 FAULT_MODES = ("status", "stall", "drop")
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 _ERROR_TYPES = {
@@ -311,6 +312,7 @@ class SimServer:
                 Route("/sim/arrivals", _get(lambda: self._arrivals)),
                 Route("/sim/tokens", _get(lambda: self._token_log)),
                 Route("/sim/hangups", _get(lambda: self._hangups)),
+                Route("/sim/headers", self._get_headers),
                 Route("/sim/faults", self._post_fault, methods=["POST"]),
                 Route("/sim/release", self._post_release, methods=["POST"]),
                 Route("/sim/engine", self._engine_endpoint, methods=["GET", "POST"]),
@@ -338,6 +340,8 @@ class SimServer:
         self._arrivals: list[tuple[float, float, str | None]] = []
         self._token_log: list[tuple[float, int, int, str | None]] = []
         self._hangups: list[tuple[float, str | None, float]] = []
+        self._recorded: dict[str, list[list[tuple[str, str]]]] = {}
+        self._recorded_calls = 0
         self._max_in_flight = self._in_flight
         if self._engine is not None:
             self._engine.reset()
@@ -394,6 +398,13 @@ class SimServer:
         """(Unix time, x-request-id, Unix time it arrived) per call whose client hung up
         before it was answered (``GET /sim/hangups``): a cancel that closed the connection."""
         return list(self._hangups)
+
+    @_on_loop
+    def received_headers(self, name: str) -> list[list[tuple[str, str]]]:
+        """The headers, as received (every one, in order, names lower-cased, duplicates
+        kept), of each call carrying ``x-sim-record-headers: <name>`` since the last reset
+        (``GET /sim/headers?name=<name>``); at most ``RECORD_CAP`` calls are kept."""
+        return [list(call) for call in self._recorded.get(name, ())]
 
     @_on_loop
     def script_fault(
@@ -480,6 +491,9 @@ class SimServer:
                 return _error(400, f'bad engine spec, want {{"replicas": R}} with R > 0: {exc}')
         return _json(self.engine_stats())
 
+    async def _get_headers(self, request: Request) -> Response:
+        return _json(self.received_headers(request.query_params.get("name", "")))
+
     async def _post_release(self, request: Request) -> Response:
         try:
             name = json.loads(await request.body())["name"]
@@ -522,6 +536,12 @@ class SimServer:
         self._requests += 1
         if call.rid is not None:
             call.attempt = self._attempts[call.rid] = self._attempts.get(call.rid, 0) + 1
+        record = request.headers.get("x-sim-record-headers")
+        if record is not None and self._recorded_calls < RECORD_CAP:
+            self._recorded_calls += 1
+            raw = request.scope["headers"]
+            got = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
+            self._recorded.setdefault(record, []).append(got)
         cfg = self.config
         if cfg.api_key and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
             self._unauthorized += 1

@@ -27,6 +27,7 @@ def queue_send(q: QueueConfig) -> Callable[[str, str, dict[str, str], float], Ou
         tls=queue_tls(q),
         follow_redirects=q.follow_redirects,
         max_response_bytes=q.max_response_bytes,
+        redirect_origins=q.redirect_origins,
     )
 
 

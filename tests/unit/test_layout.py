@@ -19,10 +19,10 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "redact": set(),
     "config": {"errors", "redact"},
-    "store": {"config", "errors"},
+    "store": {"config", "errors", "http"},  # the wire format checks with http.rules
     "http": {"redact"},
     "gates": {"store", "config", "errors", "redact", "http"},  # metric gates GET with http.call
-    "client": {"gates", "store", "config", "errors"},
+    "client": {"gates", "store", "config", "errors", "http"},  # submit checks with http.rules
     "observability": {"client", "gates", "store", "config", "errors", "redact"},
     "worker": {"observability", "http", "gates", "store", "config", "errors", "redact"},
     "dispatch": {"observability", "gates", "store", "config", "errors"},
