@@ -7,6 +7,7 @@ from .overrides import with_overrides
 from .redis_url import (
     MASTER_VAR,
     celery_transport_options,
+    celery_url,
     check_redis_url,
     is_cluster,
     is_sentinel,
@@ -25,6 +26,7 @@ __all__ = [
     "Settings",
     "bool_env",
     "celery_transport_options",
+    "celery_url",
     "check_redis_url",
     "diff_config",
     "from_snapshot",

@@ -4,7 +4,7 @@ as plain data: the master's database and credentials are the first entry's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from ..errors import ConfigError
 from ..redact import redact_url
@@ -112,6 +112,30 @@ def check_redis_url(url: str, where: str = "PIPELINE_REDIS_URL") -> None:
         db = parts.path.strip("/")
         if db and not db.isdigit():
             raise ConfigError(f"{where}: the database must be a number, not {db!r}")
+
+
+def celery_url(url: str) -> str:
+    """``url`` as Celery and kombu take it: a ``redis://`` / ``rediss://`` URL's ``?username=``
+    and ``?password=`` (which redis-py reads) moved into its userinfo, as kombu's URL parser
+    raises on a password given twice (``TypeError: dict() got multiple values``). Every other
+    URL, and one with neither parameter, is returned as it is."""
+    parts = urlsplit(url.strip())
+    if parts.scheme.lower() not in ("redis", "rediss") or not parts.query:
+        return url
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    creds = {k: v for k, v in query if k in ("username", "password")}
+    if not creds:
+        return url
+    rest = [(k, v) for k, v in query if k not in ("username", "password")]
+    # a query's values are decoded (parse_qsl), the userinfo's are still percent-encoded
+    user = quote(creds["username"], safe="") if "username" in creds else parts.username or ""
+    userinfo = user
+    if "password" in creds:
+        userinfo += ":" + quote(creds["password"], safe="")
+    elif parts.password is not None:
+        userinfo += ":" + parts.password
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{userinfo}@{host}", query=urlencode(rest)).geturl()
 
 
 def is_cluster(url: str) -> bool:

@@ -17,7 +17,7 @@ from pipeline.cli.services import free_port, wait_until
 from pipeline.sim import SimServer
 from tests.conftest import NODE_START_S
 from tests.observability import Isolated, isolated
-from tests.redis_servers import one_node_cluster
+from tests.redis_servers import lone_server, one_node_cluster
 
 PIPELINE = str(Path(sys.executable).parent / "pipeline")
 PASSWORD = "s3cret-" + uuid.uuid4().hex[:8]
@@ -119,3 +119,22 @@ def test_a_password_protected_cluster_is_checked_like_any_redis(
     assert "CRITICAL pipeline.node: refusing to start: the Redis at " in line, line
     assert f"redis+cluster://***@127.0.0.1:{n.port},localhost:{n.port}" in line, line
     assert "maxmemory-policy allkeys-lru" in line
+
+
+def test_a_password_in_the_query_reaches_the_broker_too(
+    tmp_path: Path, env: dict[str, str], sim: SimServer
+) -> None:
+    """``redis://host/0?password=...`` is a documented form (redis-py reads it), and the broker
+    and result backend default to the pipeline's Redis: kombu's URL parser raised on it
+    (``dict() got multiple values for keyword argument 'password'``) and the node never
+    started. Celery now gets the password in the userinfo; nothing prints it."""
+    iso = isolated(env, tmp_path, [{"queue_name": "q", "igw_base_url": sim.url}])
+    with lone_server(tmp_path / "redis", password=PASSWORD) as server:
+        url = f"redis://127.0.0.1:{server.port}/0?password={PASSWORD}"
+        node_env = {**iso.env, "PIPELINE_REDIS_URL": url}
+        for inherited in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
+            node_env.pop(inherited, None)  # both default to the pipeline's Redis
+        stopped = start_and_watch(iso, node_env, tmp_path / "n.log")
+    assert f"startup-{iso.tag}@test ready." in stopped.log, stopped.log[-3000:]
+    assert not stopped.problems(), stopped.problems()
+    assert PASSWORD not in stopped.log
