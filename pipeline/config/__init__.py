@@ -15,7 +15,7 @@ from .redis_url import (
     parse_sentinel_url,
 )
 from .reload import ConfigChange, diff_config, from_snapshot, reload_queue_files, to_snapshot
-from .settings import PoolConfig, QueueConfig, Settings
+from .settings import PoolConfig, QueueConfig, Settings, redirect_origins
 
 __all__ = [
     "MASTER_VAR",
@@ -38,6 +38,7 @@ __all__ = [
     "parse_pools",
     "parse_queues",
     "parse_sentinel_url",
+    "redirect_origins",
     "reload_queue_files",
     "to_snapshot",
     "with_overrides",

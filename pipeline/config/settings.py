@@ -126,7 +126,15 @@ def _check_values(entry: dict[str, Any], where: str) -> None:
 def _redirect_origins(entry: dict[str, Any], where: str) -> tuple[str, ...]:
     """``redirect_origins``: a list of ``http(s)://host[:port]`` (no path, user or query),
     given only with ``follow_redirects``."""
-    value = entry.get("redirect_origins", ())
+    return redirect_origins(
+        entry.get("redirect_origins", ()), where, bool(entry.get("follow_redirects", False))
+    )
+
+
+def redirect_origins(value: Any, where: str, follow_redirects: bool) -> tuple[str, ...]:
+    """A ``redirect_origins`` setting (a queue's, a metric gate's) checked: a list of
+    ``http(s)://host[:port]`` (no path, user or query), given only with ``follow_redirects``;
+    ConfigError naming ``where`` otherwise."""
     if not isinstance(value, list | tuple) or not all(isinstance(o, str) for o in value):
         raise ConfigError(f"{where}: redirect_origins must be a list of http(s)://host[:port]")
     for origin in value:
@@ -147,7 +155,7 @@ def _redirect_origins(entry: dict[str, Any], where: str) -> tuple[str, ...]:
                 f"{where}: redirect_origins: {origin!r} is not an origin "
                 "(http(s)://host[:port], no path)"
             )
-    if value and not entry.get("follow_redirects", False):
+    if value and not follow_redirects:
         raise ConfigError(f"{where}: redirect_origins needs follow_redirects")
     return tuple(value)
 

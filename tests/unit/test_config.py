@@ -176,3 +176,25 @@ def test_celery_url_puts_query_credentials_where_kombu_reads_them(
 )
 def test_celery_url_leaves_other_urls_alone(url: str) -> None:
     assert celery_url(url) == url
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"redirect_origins": ["http://other:9090"]}, "redirect_origins needs follow_redirects"),
+        (
+            {"follow_redirects": True, "redirect_origins": ["http://other:9090/path"]},
+            "is not an origin",
+        ),
+        ({"follow_redirects": True, "redirect_origins": "http://other:9090"}, "must be a list"),
+    ],
+)
+def test_a_metric_gates_redirect_origins_are_checked(
+    tmp_path: Path, params: dict[str, object], message: str
+) -> None:
+    gate = {"url": "http://prom:9090", "query": "q", **params}
+    entry = {"queue_name": "q", "igw_base_url": "http://gw:8080"}
+    entry.update(gate_type="prometheus-query", gate_params=gate)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=message) as info:
+        settings_from(tmp_path, [entry])
+    assert "redirect_origins" in str(info.value)
