@@ -9,15 +9,17 @@ pipeline's Redis.
 
 import os
 
-from pipeline.config import bool_env, celery_transport_options, is_cluster
+from pipeline.config import bool_env, celery_transport_options, celery_url, is_cluster
 from pipeline.store.keys import celery_queue
 
-_redis = os.environ.get("PIPELINE_REDIS_URL") or "redis://localhost:6379/0"
+# a ?password= (which redis-py reads) goes into the userinfo for kombu, whose parser raises on it
+_redis = celery_url(os.environ.get("PIPELINE_REDIS_URL") or "redis://localhost:6379/0")
 
-broker_url = os.environ.get("CELERY_BROKER_URL") or _redis
+broker_url = celery_url(os.environ.get("CELERY_BROKER_URL") or _redis)
 # On a Redis Cluster (which Celery cannot use) no result backend unless one is named: the
 # pipeline's request record is the result (docs/production.md, "Redis Cluster")
-result_backend = os.environ.get("CELERY_RESULT_BACKEND") or (None if is_cluster(_redis) else _redis)
+_backend = os.environ.get("CELERY_RESULT_BACKEND")
+result_backend = celery_url(_backend) if _backend else (None if is_cluster(_redis) else _redis)
 broker_connection_retry_on_startup = True
 
 task_serializer = "json"

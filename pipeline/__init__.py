@@ -96,18 +96,24 @@ def submit_batch(
 ) -> Batch:
     """:meth:`Batches.submit_batch` on the default pipeline: OpenAI batch lines (a JSONL
     file's path, or the lines) whose requests must all finish within ``completion_window``,
-    stored as requests of ``queue`` once all are checked. ``id``: an idempotency key. Bad
-    lines fail the batch naming each line and field; an unexpected error while storing them
-    fails it too and raises :class:`IngestFailed`."""
-    return _batches().submit_batch(
-        lines_or_path,
-        completion_window=completion_window,
-        metadata=metadata,
-        priority=priority,
-        queue=queue,
-        endpoint=endpoint,
-        batch_id=id,
-    )
+    stored as requests of ``queue`` once all are checked. ``id``: an idempotency key. A bad
+    argument raises :class:`InvalidRequest` naming it, and nothing is stored. Bad lines fail
+    the batch naming each line and field; an unexpected error while storing them fails it too
+    and raises :class:`IngestFailed`."""
+    try:
+        return _batches().submit_batch(
+            lines_or_path,
+            completion_window=completion_window,
+            metadata=metadata,
+            priority=priority,
+            queue=queue,
+            endpoint=endpoint,
+            batch_id=id,
+        )
+    except InvalidRequest as exc:
+        if exc.field != "batch_id":
+            raise
+        raise InvalidRequest("id", exc.reason) from None
 
 
 def get_batch(id: str) -> Batch:

@@ -8,15 +8,24 @@ class PipelineError(Exception):
 
 
 class InvalidRequest(PipelineError, ValueError):
-    """A submission was rejected; ``field`` names the offending argument."""
+    """A submission (or another call's argument) was rejected; ``field`` names the offending
+    argument, ``item`` the index of the offending item of a ``submit_many``."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+    def __init__(self, field: str, message: str, item: int | None = None) -> None:
+        where = f"item {item}: " if item is not None else ""
+        super().__init__(f"{field}: {where}{message}")
         self.field = field
+        self.item = item
+        self.reason = message
 
 
 class ConfigError(PipelineError):
-    """The queue or pool configuration is invalid (raised at startup, naming the entry)."""
+    """The queue or pool configuration is invalid (raised at startup, naming the entry);
+    ``field``: the setting, when one ``configure()`` was given is the cause."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class IdempotencyConflict(PipelineError, ValueError):

@@ -1,4 +1,5 @@
-"""The Celery application, configured from ``celeryconfig``."""
+"""The Celery application, configured from the ``celeryconfig.py`` installed beside this package
+(read by its location: ``tasks/config.py``)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ class PipelineCelery(Celery):
 
 
 app = PipelineCelery("pipeline")
-app.config_from_object("celeryconfig")
+# by the file's location, under the pipeline's own name: never a celeryconfig module that
+# happens to come first on sys.path (Celery puts the working directory there)
+app.config_from_object("tasks.config:settings")
 
 
 def _prefix() -> str:

@@ -11,7 +11,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from celery import bootsteps
@@ -33,7 +35,7 @@ from pipeline.config import Settings
 from pipeline.dispatch import Dispatcher
 from pipeline.errors import UnsafeRedis
 from pipeline.observability import health, logs, metrics, tracing
-from pipeline.redact import redact_url
+from pipeline.redact import redact_text, redact_url
 from pipeline.store import DirectPublish, Dispatched, check_redis
 from pipeline.worker import check_endpoints, runtime
 from pipeline.worker.process import SNAPSHOT_ENV
@@ -48,7 +50,27 @@ _shutting_down = threading.Event()
 # the schemes of a Redis broker (kombu's redis and sentinel transports share its key layout)
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
 EXIT_UNSAFE_REDIS = 2
+EXIT_STARTUP_FAILED = 3
 PRESTART_S = 30.0  # the longest a node waits at start for its pool's threads
+
+
+@contextmanager
+def startup_step(step: str) -> Iterator[None]:
+    """One step of the node's start-up (its settings, the Redis check, the metrics directory,
+    the reload snapshot, the dispatcher...). An exception in it stops the node: one ERROR line
+    naming the step, exit status :data:`EXIT_STARTUP_FAILED`. Celery logs and swallows an
+    exception raised by a signal handler and would report the node ready without the step;
+    a ``SystemExit`` passes through it (and through the worker's start, as its exit status)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - any failure stops the node, named
+        log.error(
+            "node start-up failed at %s: %s: %s; stopping",
+            step,
+            type(exc).__name__,
+            redact_text(" ".join(str(exc).split())),
+        )
+        raise SystemExit(EXIT_STARTUP_FAILED) from None
 
 
 def send_to_celery(moved: list[Dispatched]) -> None:
@@ -108,6 +130,10 @@ class DispatcherStep(bootsteps.StartStopStep):
         self.reloader: Reloader | None = None
 
     def start(self, worker: Any) -> None:
+        with startup_step("the dispatcher's setup"):
+            self._start(worker)
+
+    def _start(self, worker: Any) -> None:
         _shutting_down.clear()
         rt = runtime()
         for warning in check_endpoints(rt.settings):
@@ -201,15 +227,20 @@ def prestart_threads(pool: Any, timeout: float = PRESTART_S) -> int:
 
 @worker_ready.connect
 def _on_ready(sender: Any = None, **_: Any) -> None:
-    # the threads before the slots are offered (worker_ready's sender: the consumer)
+    """The node consumes: start its pool's threads (worker_ready's sender is the consumer),
+    then its dispatchers, reloader and metrics endpoint (a failure stops the node before
+    Celery reports it ready)."""
     prestart_threads(getattr(sender, "pool", None))
     while _ready_to_start:
         worker, dispatchers, reloader = _ready_to_start.pop()
-        for dispatcher in dispatchers:
-            dispatcher.start()
-        reloader.start()
-        _reload_on_sighup(reloader)
-        health.start_node(worker, dispatchers, dispatchers[0].settings)
+        with startup_step("starting the dispatcher"):
+            for dispatcher in dispatchers:
+                dispatcher.start()
+        with startup_step("starting the config reloader"):
+            reloader.start()
+            _reload_on_sighup(reloader)
+        with startup_step("the metrics endpoint"):
+            health.start_node(worker, dispatchers, dispatchers[0].settings)
         log.info(
             "pipeline dispatcher started on %s for pools %s (%s slots)",
             worker.hostname,
@@ -225,9 +256,14 @@ def _on_init(sender: str | None = None, **_: Any) -> None:
     included) shares per-node gate state under the worker's hostname."""
     if sender:
         os.environ["PIPELINE_NODE"] = sender
-    refuse_unsafe_redis()
-    metrics.setup_node(sender)
-    _snapshot_path()
+    with startup_step("loading the node's settings"):
+        runtime()
+    with startup_step("the Redis check"):
+        refuse_unsafe_redis()
+    with startup_step("the metrics setup"):
+        metrics.setup_node(sender)
+    with startup_step("the reload snapshot"):
+        _snapshot_path()
 
 
 def _snapshot_path() -> None:
@@ -259,6 +295,11 @@ def _on_after_setup(sender: str | None = None, instance: Any = None, **_: Any) -
     attempt's request is requeued by the pipeline's reaper when its lease lapses, and a stale
     message is fenced off by its token. Celery's ``worker_disable_prefetch`` then bounds what
     a node takes to its free execution slots, as the prefetch count did."""
+    with startup_step("the broker consumer's setup"):
+        _consume_without_acks(instance)
+
+
+def _consume_without_acks(instance: Any) -> None:
     if instance is None or not no_ack_broker(instance.app):
         return
     queues = instance.app.amqp.queues

@@ -509,8 +509,9 @@ def assert_idle(p: Pipeline, timeout: float = 20.0) -> None:
 
 
 # Keys a running node or dispatcher rewrites on its own (liveness, doorbells, merge state),
-# which a refused input must not be blamed for: pool:* and a per-node gate's slot pools.
-VOLATILE_KEY = re.compile(r"pool:|gate:[^:]*@")
+# which a refused input must not be blamed for: pool:*, a per-node gate's slot pools, and a
+# gate's live nodes (gate:<name>:nodes, which expires once its nodes are gone).
+VOLATILE_KEY = re.compile(r"pool:|gate:[^:]*@|gate:[^:]*:nodes$")
 
 
 def keyspace(p: Pipeline) -> dict[str, tuple[str, int]]:

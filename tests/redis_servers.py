@@ -32,13 +32,16 @@ class Server:
     port: int
     proc: subprocess.Popen[bytes]
     log: Path
+    password: str | None = None  # requirepass, when it has one
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5, decode_responses=True)
+        return redis.Redis(
+            port=self.port, password=self.password, socket_timeout=5, decode_responses=True
+        )
 
     def kill(self) -> None:
         """SIGKILL: nothing is flushed, replicated or handed over."""
@@ -56,11 +59,18 @@ class Server:
 
 
 def start_server(
-    tmp: Path, name: str, *args: str, conf: str | None = None, binary: str | None = None
+    tmp: Path,
+    name: str,
+    *args: str,
+    conf: str | None = None,
+    binary: str | None = None,
+    password: str | None = None,
 ) -> Server:
     """A ``redis-server`` (``binary``, else the one on PATH) on a free loopback port with
     ``args`` (or a written config file ``conf`` and ``--sentinel``), answering PING when this
-    returns."""
+    returns; with ``password``, it requires it (``requirepass``)."""
+    if password is not None:
+        args = (*args, "--requirepass", password)
     port = free_port()
     tmp.mkdir(parents=True, exist_ok=True)
     log = tmp / f"{name}.log"
@@ -86,7 +96,7 @@ def start_server(
             *args,
         ]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server = Server(port, proc, log)
+    server = Server(port, proc, log, password)
 
     def answers() -> bool:
         if proc.poll() is not None:
@@ -101,9 +111,36 @@ def start_server(
 
 
 @contextmanager
-def lone_server(tmp: Path, *args: str, binary: str | None = None) -> Iterator[Server]:
-    server = start_server(tmp, f"redis-{free_port()}", *args, binary=binary)
+def lone_server(
+    tmp: Path, *args: str, binary: str | None = None, password: str | None = None
+) -> Iterator[Server]:
+    server = start_server(tmp, f"redis-{free_port()}", *args, binary=binary, password=password)
     try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextmanager
+def one_node_cluster(tmp: Path, *args: str, password: str | None = None) -> Iterator[Server]:
+    """A Redis Cluster of one primary holding every slot (``redis+cluster://127.0.0.1:<port>``),
+    with ``password`` required when given: enough for a client's view of a cluster."""
+    name = f"cluster1-{free_port()}"
+    server = start_server(
+        tmp,
+        name,
+        *("--cluster-enabled", "yes", "--cluster-config-file", f"{name}-nodes.conf"),
+        *("--cluster-port", str(free_port())),  # its bus port (port + 10000 may pass 65535)
+        *args,
+        password=password,
+    )
+    try:
+        server.client().execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        wait_until(
+            lambda: server.client().cluster("info")["cluster_state"] == "ok",
+            30,
+            "the one-node cluster to report cluster_state:ok",
+        )
         yield server
     finally:
         server.stop()

@@ -3,6 +3,7 @@ content, so running it again attaches to the same batch and resumes (docs/batche
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import statistics
@@ -89,17 +90,37 @@ def _pct(sorted_values: list[float], p: float) -> float:
     return sorted_values[i]
 
 
+# Byte order marks of the encodings a batch file is sometimes saved in by mistake (UTF-32
+# first: its little-endian mark begins with UTF-16's)
+_BOMS = {
+    codecs.BOM_UTF32_LE: "UTF-32",
+    codecs.BOM_UTF32_BE: "UTF-32",
+    codecs.BOM_UTF16_LE: "UTF-16",
+    codecs.BOM_UTF16_BE: "UTF-16",
+}
+SNIFF_BYTES = 4096
+
+
 def check_file(path: str, max_body_bytes: int, max_lines: int) -> Scan:
     """Read and check the whole file before anything is started: RunError (one line) when
-    it cannot be read, has no request lines, or repeats a custom_id (naming the lines)."""
+    it cannot be read, is not UTF-8 text, has no request lines, has no line that is a JSON
+    object (not JSONL), or repeats a custom_id (naming the lines). Single bad lines are the
+    batch's error lines, not a reason to refuse the file."""
     try:
         with open(path, "rb") as fh:
+            _check_encoding(path, fh.read(SNIFF_BYTES))
+            fh.seek(0)
             result = scan(input_lines(fh), None, max_body_bytes=max_body_bytes,
                           max_lines=max_lines)  # fmt: skip
     except OSError as exc:
         raise RunError(f"cannot read {path}: {exc.strerror or exc}") from None
     if result.total == 0:
         raise RunError(f"{path}: no request lines")
+    not_json = [e for e in result.invalid if e.code == "invalid_json_line"]
+    if not_json and len(not_json) == result.total:
+        raise RunError(
+            f"{path} is not JSONL (one JSON object per line): no line is one; {not_json[0].message}"
+        )
     if result.duplicates:
         parts = [
             f"{cid!r} on lines {', '.join(map(str, lines))}"
@@ -112,6 +133,52 @@ def check_file(path: str, max_body_bytes: int, max_lines: int) -> Scan:
     if too_many:
         raise RunError(f"{path}: {too_many[0].message}")
     return result
+
+
+def _check_encoding(path: str, head: bytes) -> None:
+    for bom, name in _BOMS.items():
+        if head.startswith(bom):
+            raise RunError(
+                f"{path} is {name} text: a batch file is UTF-8 JSONL "
+                f"(iconv -f {name} -t UTF-8 {path})"
+            )
+    if b"\0" in head:
+        raise RunError(f"{path} is not text (it holds NUL bytes): a batch file is UTF-8 JSONL")
+
+
+def check_outputs(opts: RunOptions) -> None:
+    """The result files can be written where asked, and none is the input file: RunError (one
+    line naming the option) before anything is started. The output is written whole at the
+    end, so a bad path found then would cost the whole run."""
+    outputs = [("-o", Path(opts.output))]
+    if opts.out_format == "openai":
+        outputs.append(("--error-output", error_path(opts)))
+    source = Path(opts.path)
+    for option, out in outputs:
+        if out.is_dir():
+            raise RunError(f"{option} {out}: is a directory")
+        parent = out.parent.resolve()
+        if not parent.is_dir():
+            raise RunError(f"{option} {out}: no directory {parent}")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise RunError(f"{option} {out}: cannot write in {parent}")
+        if _same_file(out, source):
+            raise RunError(f"{option} {out} is the input file: the results would overwrite it")
+    if len(outputs) == 2 and _same_file(outputs[0][1], outputs[1][1]):
+        raise RunError(f"--error-output {outputs[1][1]} is the same file as -o")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return a.resolve() == b.resolve()
+
+
+def error_path(opts: RunOptions) -> Path:
+    """--format openai: where the error file goes (default ``<output>.errors<suffix>``)."""
+    out = Path(opts.output)
+    return Path(opts.error_output or out.with_name(out.stem + ".errors" + (out.suffix or ".jsonl")))
 
 
 @dataclass
@@ -222,8 +289,7 @@ class Run:
         final = self.batch.status
         openai = self.opts.out_format == "openai"
         out_path = Path(self.opts.output)
-        default_err = out_path.with_name(out_path.stem + ".errors" + (out_path.suffix or ".jsonl"))
-        err_path = Path(self.opts.error_output or default_err)
+        err_path = error_path(self.opts)
         ids = self.batches._input_custom_ids(self.batch)
         # without --format openai, every line goes to the output (no error file)
         with _atomic(out_path) as out, _atomic(err_path) if openai else nullcontext(out) as err:

@@ -130,11 +130,11 @@ class Batches:
         """Store a new batch (``validating``), or find the one with ``batch_id``; returns it
         and whether it was created. Its lines are stored by :meth:`ingest`."""
         bid = batch_id or "batch_" + secrets.token_hex(12)
-        if not BATCH_ID.match(bid):
+        if not isinstance(bid, str) or not BATCH_ID.match(bid):
             raise InvalidRequest("batch_id", "must be 1-128 characters of [A-Za-z0-9_.-]")
         window = window_seconds(completion_window)
         meta = _check_metadata(metadata)
-        if endpoint is not None and endpoint not in KNOWN_URLS:
+        if endpoint is not None and (not isinstance(endpoint, str) or endpoint not in KNOWN_URLS):
             raise InvalidRequest("endpoint", f"must be one of {', '.join(sorted(KNOWN_URLS))}")
         check_priority(priority)
         self.pipeline.queue_config(queue)
@@ -347,6 +347,10 @@ class Batches:
             def opener() -> IO[bytes]:
                 return open(path, "rb")
 
+        elif isinstance(lines_or_path, bytes | dict) or not isinstance(lines_or_path, Iterable):
+            raise InvalidRequest(
+                "lines_or_path", "must be a JSONL file's path or an iterable of lines"
+            )
         else:
             items = [_line_bytes(n, x) for n, x in enumerate(lines_or_path, 1)]
             source = {"kind": "inline"}

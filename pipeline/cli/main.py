@@ -12,9 +12,23 @@ import time
 from contextlib import suppress
 from typing import Any
 
+import redis
+
 from ..config import bool_env, load_settings
+from ..config.settings import DEFAULT_REDIS_URL
 from ..errors import PipelineError
 from ..gates import check_gates
+from ..redact import redact_text, redact_url
+from .args import (
+    Parser,
+    finite_float,
+    log_level,
+    non_negative_float,
+    port,
+    positive_float,
+    positive_int,
+    usage_error,
+)
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -31,7 +45,22 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from ..worker import check_endpoints
 
     check_endpoints(settings)  # so does a missing api_key_env variable or TLS file
-    pools = [p for p in (args.pools or "").split(",") if p] or sorted(settings.pools())
+    configured = sorted(settings.pools())
+    pools = [p for p in (args.pools or "").split(",") if p] or configured
+    unknown = [p for p in pools if p not in configured]
+    if unknown:
+        usage_error(
+            "worker",
+            f"--pools: no worker pool {unknown[0]!r} in this configuration (its pools: "
+            f"{', '.join(configured)})",
+        )
+    events = args.events
+    if events is None:
+        events = bool_env(os.environ, "PIPELINE_TASK_EVENTS", False)
+    # the pipeline's own tasks package, wherever a module named "tasks" is on sys.path
+    from .celery_face import load_tasks, run_celery
+
+    load_tasks()  # registers the task, the bootstep and the signal handlers
     from tasks.app import app, celery_queue
 
     from ..observability import logs
@@ -41,16 +70,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     argv += ["--loglevel", args.loglevel]
     if logs.log_format() == "json":  # no banner: every line the node writes is a JSON object
         argv.insert(0, "--quiet")
-    if args.events:
+    if events:
         argv.append("-E")
     if args.hostname:
         argv += ["-n", args.hostname]
     argv += [a for a in (args.celery_args or []) if a != "--"]
-    import tasks  # noqa: F401 - registers the task, the bootstep and the signal handlers
-
     _setup_logging(args.loglevel)
-    app.worker_main(argv)
-    return 0
+    return run_celery(app, argv)  # Celery's exit status: a node stopped at start-up is not 0
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -198,33 +224,54 @@ def cmd_reload(args: argparse.Namespace) -> int:
 FLOWER_COLUMNS = (
     "--tasks_columns=name,uuid,state,args,kwargs,result,exception,received,runtime,worker"
 )
+FLOWER_DEFAULT_ADDRESS = "127.0.0.1"
 
 
 def cmd_flower(args: argparse.Namespace) -> int:
-    import tasks
+    from .celery_face import load_tasks, run_celery
+    from .flower import effective_options, joined
 
-    argv = ["flower", f"--address={args.address}", f"--port={args.port}", FLOWER_COLUMNS]
+    argv = [FLOWER_COLUMNS]
+    if args.address is not None:
+        argv.append(f"--address={args.address}")
+    if args.port is not None:
+        argv.append(f"--port={args.port}")
     auth = os.environ.get("FLOWER_BASIC_AUTH")
     if auth:
         argv.append(f"--basic-auth={auth}")
-    elif args.address not in ("127.0.0.1", "localhost", "::1"):
-        print("refusing to expose Flower without FLOWER_BASIC_AUTH=user:password", file=sys.stderr)
-        return 2
+    argv += joined([a for a in (args.flower_args or []) if a != "--"])
+    # where Flower will listen, as Flower itself resolves it: FLOWER_* variables, then its
+    # config file (--conf, flowerconfig.py), then the command line, last one winning
+    try:
+        where = effective_options(argv)
+    except ValueError as exc:
+        usage_error("flower", str(exc))
+    if not where.address and not where.unix_socket:  # Flower's own default: every interface
+        argv.append(f"--address={FLOWER_DEFAULT_ADDRESS}")
+        where = where.at(FLOWER_DEFAULT_ADDRESS)
+    if not 1 <= where.port <= 65535:
+        usage_error("flower", f"--port: must be a TCP port 1-65535, not {where.port}")
+    if not where.local and not where.authenticated:
+        usage_error(
+            "flower",
+            f"refusing to expose Flower on {where.address}:{where.port} without "
+            "FLOWER_BASIC_AUTH=user:password (or Flower's --auth): bind to 127.0.0.1",
+        )
+    tasks = load_tasks()
     # task events are off on the workers until a monitor asks for them: ask now, not at
     # Flower's first periodic enable_events (5 s after it starts)
     try:
         tasks.app.control.enable_events()
     except Exception as exc:  # noqa: BLE001 - Flower asks again periodically
-        print(f"could not enable task events yet: {exc}", file=sys.stderr)
-    tasks.app.start(argv=argv + (args.flower_args or []))
-    return 0
+        print(f"could not enable task events yet: {redact_text(str(exc))}", file=sys.stderr)
+    return run_celery(tasks.app, ["flower", *argv])
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..serve import serve
 
     _setup_logging(args.loglevel.upper())
-    serve(args.host, args.port, args.loglevel.lower())
+    serve(args.host, args.port, args.loglevel)
     return 0
 
 
@@ -232,9 +279,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ..batch import BatchSettings
-    from ..batch.run import Run, RunError, RunOptions, check_file
+    from ..batch.run import Run, RunError, RunOptions, check_file, check_outputs
     from ..client import Pipeline
-    from .services import Services
+    from .services import NodeFailed, Services
 
     console = Console(stderr=True)
     opts = RunOptions(
@@ -256,8 +303,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_term)
     started = time.time()
     run = None
+    embedded = False
     try:
-        settings = load_settings()  # the whole file is checked before anything is started
+        # the arguments, the settings and the whole file are checked before anything starts
+        settings = load_settings()
+        if args.queue is not None and args.queue not in settings.queues:
+            usage_error(
+                "run",
+                f"--queue: no queue named {args.queue!r} (configured: "
+                f"{', '.join(sorted(settings.queues))})",
+            )
+        check_outputs(opts)
+        _check_worker_log(args.worker_log)
         limit = BatchSettings.from_env(settings).max_lines
         check_file(args.file, settings.max_payload_bytes, limit)
         env, embedded = _start_services(args, services, console)
@@ -275,6 +332,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except RunError as exc:
         print(f"pipeline run: {exc}", file=sys.stderr)
         return 2
+    except NodeFailed as exc:
+        print(f"pipeline run: {exc}", file=sys.stderr)
+        return 1
     except (KeyboardInterrupt, TimeoutError) as exc:
         if run is not None and run.batch is not None:
             _stop_following(args, run, services, console, embedded)
@@ -304,15 +364,16 @@ def _start_services(
     args: argparse.Namespace, services: Any, console: Any
 ) -> tuple[dict[str, str], bool]:
     """An embedded Redis and the simulator when none is configured; (env, embedded Redis)."""
-    from .services import redis_reachable
-
     env = dict(os.environ)
     settings = load_settings(env)
-    embedded = False
-    if not redis_reachable(settings.redis_url, sentinel_master=settings.redis_sentinel_master):
+    embedded = bool(args.embedded_redis) or embedded_redis_needed(
+        settings.redis_url,
+        named=bool(env.get("PIPELINE_REDIS_URL")),
+        sentinel_master=settings.redis_sentinel_master,
+    )
+    if embedded:
         url = services.start_redis()
-        embedded = True
-        console.print(f"[dim]no Redis reachable: started an embedded redis-server ({url})")
+        console.print(f"[dim]started an embedded redis-server ({url}): it stops with this command")
         env.update(PIPELINE_REDIS_URL=url, CELERY_BROKER_URL=url, CELERY_RESULT_BACKEND=url)
     if not env.get("PIPELINE_QUEUES") and not env.get("PIPELINE_ENDPOINT"):
         url = services.start_simulator(args.sim_latency_ms, args.sim_jitter_ms)
@@ -322,12 +383,49 @@ def _start_services(
     return env, embedded
 
 
+def embedded_redis_needed(url: str, *, named: bool, sentinel_master: str | None = None) -> bool:
+    """Whether ``pipeline run`` starts an embedded Redis: only for a Redis nobody named
+    (``PIPELINE_REDIS_URL`` unset: ``named`` False) where nothing listens (connection
+    refused). A Redis that was named and does not answer, or any Redis that refuses the
+    login, the TLS handshake or anything else, is a RunError: the URL redacted, and why."""
+    from ..batch.run import RunError
+    from .services import probe_redis
+
+    problem = probe_redis(url, sentinel_master=sentinel_master)
+    if problem is None:
+        return False
+    if problem.refused and not named:
+        return True
+    where = "PIPELINE_REDIS_URL" if named else "PIPELINE_REDIS_URL unset: the default"
+    hint = " (--embedded-redis runs on a throw-away one)" if problem.refused else ""
+    raise RunError(f"no Redis to use at {redact_url(url)} ({where}): {problem.reason}{hint}")
+
+
+def _check_worker_log(path: str) -> None:
+    """``--worker-log`` must be a file this command can append to (RunError otherwise)."""
+    from ..batch.run import RunError
+
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise RunError(f"--worker-log {path}: is a directory")
+    if not os.path.isdir(parent):
+        raise RunError(f"--worker-log {path}: no directory {parent}")
+
+
+# How long a worker node this command starts may take to register. A few seconds on a quiet
+# machine; much more on a loaded one. A node that exits meanwhile fails the run at once.
+NODE_START_S = 90
+
+
 def _start_worker(
     args: argparse.Namespace, services: Any, console: Any, env: dict[str, str], pipeline: Any
 ) -> None:
+    """Start a worker node for the pools the file's lines use that no live node serves, and
+    wait until it registers. NodeFailed, with the last lines of its log, when it exits first
+    or does not register within :data:`NODE_START_S`."""
     from .services import wait_until
 
-    needed = _pools_used(args.file, pipeline.settings)
+    needed = _pools_used(args.file, pipeline.settings, args.queue)
 
     def missing_pools() -> list[str]:
         client = pipeline.store.client
@@ -342,15 +440,26 @@ def _start_worker(
     pools = ",".join(missing_pools())
     if pools:
         worker_args = ["--pools", pools, "-c", str(args.concurrency), "--loglevel", "WARNING"]
-        services.start_worker(env, worker_args, args.worker_log)
+        node = services.start_worker(env, worker_args, args.worker_log)
         console.print(
             f"[dim]no worker running for pool(s) {pools}: started one "
             f"({args.concurrency} slots, log: {args.worker_log})"
         )
-        wait_until(lambda: not missing_pools(), 60, "worker")
+
+        def registered() -> bool:
+            node.check()  # NodeFailed when it has exited
+            return not missing_pools()
+
+        try:
+            wait_until(registered, NODE_START_S, "the worker node")
+        except TimeoutError:
+            node.fail(f"did not register within {NODE_START_S} s")
 
 
-def _pools_used(path: str, settings: Any) -> list[str]:
+def _pools_used(path: str, settings: Any, queue: str | None) -> list[str]:
+    """The worker pools of the queues the file's lines name; a line naming none is in the
+    batch's queue (``--queue``, else ``default``, else the first configured: as Run.start)."""
+    default = queue or ("default" if "default" in settings.queues else next(iter(settings.queues)))
     queues: set[str] = set()
     with open(path, encoding="utf-8", errors="replace") as fh:
         for text in fh:
@@ -358,23 +467,52 @@ def _pools_used(path: str, settings: Any) -> list[str]:
                 obj = json.loads(text)
             except (json.JSONDecodeError, RecursionError):
                 continue
-            queue = obj.get("queue", "default") if isinstance(obj, dict) else None
-            if isinstance(queue, str) and queue in settings.queues:
-                queues.add(queue)
+            named = obj.get("queue", default) if isinstance(obj, dict) else None
+            if isinstance(named, str) and named in settings.queues:
+                queues.add(named)
     return sorted({settings.queues[q].worker_pool_id for q in queues})
 
 
+def _batch_id(text: str) -> str:
+    from ..batch.service import BATCH_ID
+
+    if not BATCH_ID.match(text):
+        raise argparse.ArgumentTypeError(
+            f"must be 1-128 characters of [A-Za-z0-9_.-], not {text!r}"
+        )
+    return text
+
+
+def _window(text: str) -> str:
+    from ..batch.model import window_seconds
+    from ..errors import InvalidRequest
+
+    try:
+        window_seconds(text)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("completion_window: ")) from None
+    return text
+
+
+def _serve_log_level(text: str) -> str:
+    return log_level(text).lower()  # uvicorn's names
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipeline", description=__doc__)
+    parser = Parser(prog="pipeline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="run a JSONL batch and write its results (resumable)")
     p.add_argument("file")
     p.add_argument("-o", "--output", default="results.jsonl")
     p.add_argument(
-        "--batch-id", help="the batch to create or attach to (default: from the file's content)"
+        "--batch-id",
+        type=_batch_id,
+        help="the batch to create or attach to (default: from the file's content)",
     )
-    p.add_argument("--completion-window", default="24h", help="every line's deadline (24h)")
+    p.add_argument(
+        "--completion-window", type=_window, default="24h", help="every line's deadline (24h)"
+    )
     p.add_argument("--queue", help="the queue of lines that name none (default: default)")
     p.add_argument(
         "--format",
@@ -386,28 +524,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cancel-on-exit", action="store_true", help="on Ctrl-C or --timeout, cancel the batch"
     )
-    p.add_argument("--timeout", type=float, help="stop waiting after this many s (exit 1)")
+    p.add_argument("--timeout", type=positive_float, help="stop waiting after this many s (exit 1)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json-summary", action="store_true", help="also print the summary as JSON")
     p.add_argument(
-        "-c", "--concurrency", type=int, default=64, help="slots of the worker it starts"
+        "-c", "--concurrency", type=positive_int, default=64, help="slots of the worker it starts"
     )
     p.add_argument("--worker-log", default="pipeline-worker.log")
-    p.add_argument("--sim-latency-ms", type=float, default=150.0)
-    p.add_argument("--sim-jitter-ms", type=float, default=200.0)
+    p.add_argument(
+        "--embedded-redis",
+        action="store_true",
+        help="run on a throw-away redis-server started here (it stops with the command, and "
+        "the batch with it), whatever PIPELINE_REDIS_URL says; without it, one is started "
+        "only when PIPELINE_REDIS_URL is unset and nothing listens at the default URL",
+    )
+    p.add_argument("--sim-latency-ms", type=non_negative_float, default=150.0)
+    p.add_argument("--sim-jitter-ms", type=non_negative_float, default=200.0)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("worker", help="a Celery worker node with its dispatcher")
     p.add_argument("--pools", help="comma-separated worker pools (default: all configured)")
-    p.add_argument("-c", "--concurrency", type=int, default=64)
+    p.add_argument("-c", "--concurrency", type=positive_int, default=64)
     p.add_argument("-P", "--pool-impl", default="threads", choices=["threads", "prefork", "solo"])
     p.add_argument("-n", "--hostname")
-    p.add_argument("--loglevel", default="INFO")
+    p.add_argument("--loglevel", type=log_level, default="INFO")
     p.add_argument(
         "-E",
         "--events",
         action=argparse.BooleanOptionalAction,
-        default=bool_env(os.environ, "PIPELINE_TASK_EVENTS", False),
+        default=None,
         help="send task events from the start (also PIPELINE_TASK_EVENTS=1); by default they "
         "are off until Flower (`pipeline flower`) turns them on",
     )
@@ -419,14 +564,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue", default="default")
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--id")
-    p.add_argument("--deadline", type=float)
-    p.add_argument("--timeout", type=float)
+    p.add_argument("--deadline", type=finite_float)
+    p.add_argument("--timeout", type=finite_float)
     p.add_argument("--endpoint")
     p.add_argument("--metadata", type=_json, help="JSON object of str to str")
     p.add_argument("--headers", type=_json, help="JSON object of str to str")
     p.add_argument(
         "--wait",
-        type=float,
+        type=non_negative_float,
         nargs="?",
         const=0.0,
         help="wait for the result (optionally at most this many s)",
@@ -436,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="queues, gates and their holders")
     p.add_argument("--json", action="store_true")
     p.add_argument("--watch", action="store_true")
-    p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--interval", type=positive_float, default=1.0)
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser(
@@ -458,14 +603,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="OpenAI's Files and Batches API and a batch page")
     p.add_argument("--host", default="127.0.0.1", help="without PIPELINE_API_KEYS: loopback only")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--loglevel", default="info")
+    p.add_argument("--port", type=port, default=8080)
+    p.add_argument("--loglevel", type=_serve_log_level, default="info")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(
         "reload", help="every worker node re-reads its queue and pool files (as on SIGHUP)"
     )
-    p.add_argument("--timeout", type=float, default=15.0, help="wait this long for the nodes")
+    p.add_argument(
+        "--timeout", type=positive_float, default=15.0, help="wait this long for the nodes"
+    )
     p.set_defaults(func=cmd_reload)
 
     p = sub.add_parser("sim", help="the OpenAI-compatible simulator")
@@ -475,9 +622,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=sim.run_from_args)
 
     p = sub.add_parser("flower", help="Flower for the pipeline's Celery app")
-    p.add_argument("--address", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=5555)
-    p.add_argument("flower_args", nargs=argparse.REMAINDER)
+    p.add_argument(
+        "--address",
+        help=f"where Flower listens (default {FLOWER_DEFAULT_ADDRESS}); beyond loopback only "
+        "with FLOWER_BASIC_AUTH=user:password",
+    )
+    p.add_argument("--port", type=port, help="default 5555")
+    p.add_argument("flower_args", nargs=argparse.REMAINDER, help="passed to Flower")
     p.set_defaults(func=cmd_flower)
     return parser
 
@@ -487,7 +638,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except PipelineError as exc:
-        print(f"pipeline: {exc}", file=sys.stderr)
+        print(f"pipeline: {_one_line(str(exc))}", file=sys.stderr)
+        return 2
+    except redis.RedisError as exc:  # the Redis does not answer, refuses the login, ...
+        from .services import describe_error
+
+        url = os.environ.get("PIPELINE_REDIS_URL") or DEFAULT_REDIS_URL
+        print(
+            f"pipeline {args.command}: the Redis at {redact_url(url)} (PIPELINE_REDIS_URL): "
+            f"{describe_error(exc)}",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _one_line(text: str) -> str:
+    return redact_text(" ".join(text.split()))

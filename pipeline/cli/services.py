@@ -3,6 +3,7 @@ node (child processes), the simulator (a thread); :meth:`Services.close` stops t
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -11,12 +12,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis
 
 from ..errors import PipelineError
-from ..redact import redact_url
+from ..redact import redact_text, redact_url
 from ..store import connect
 
 if TYPE_CHECKING:
@@ -31,13 +33,54 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def redis_reachable(url: str, timeout: float = 1.0, sentinel_master: str | None = None) -> bool:
-    """Whether the Redis at ``url`` (the master, for a ``sentinel://`` list) answers a PING."""
+@dataclass(frozen=True)
+class Unanswered:
+    """Why a Redis did not answer: ``reason`` in words (its URL never in it), and whether the
+    connection was ``refused`` (nothing listens there)."""
+
+    reason: str
+    refused: bool = False
+
+
+def probe_redis(
+    url: str, timeout: float = 1.0, sentinel_master: str | None = None
+) -> Unanswered | None:
+    """None when the Redis at ``url`` (the master, for a ``sentinel://`` list) answers a
+    PING; else why not: connection refused, an authentication or TLS failure, a time-out..."""
     try:
         with connect(url, sentinel_master=sentinel_master, timeout=timeout) as client:
-            return bool(client.ping())
-    except (redis.RedisError, OSError, ValueError, PipelineError):
-        return False
+            client.ping()
+        return None
+    except redis.AuthenticationError as exc:
+        return Unanswered(f"authentication failed: {describe_error(exc)}")
+    except redis.ResponseError as exc:  # NOAUTH, WRONGPASS, a disabled command...
+        return Unanswered(f"it answered with an error: {describe_error(exc)}")
+    except (redis.RedisError, OSError, ValueError, PipelineError) as exc:
+        return Unanswered(describe_error(exc), refused=_refused(exc))
+
+
+def describe_error(exc: BaseException) -> str:
+    cause = exc.__cause__ or exc.__context__
+    text = str(exc) or type(exc).__name__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text = f"{text} ({cause})"
+    return redact_text(" ".join(text.split()))
+
+
+def _refused(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError) or (
+            isinstance(seen, OSError) and seen.errno == errno.ECONNREFUSED
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def redis_reachable(url: str, timeout: float = 1.0, sentinel_master: str | None = None) -> bool:
+    """Whether the Redis at ``url`` (the master, for a ``sentinel://`` list) answers a PING."""
+    return probe_redis(url, timeout, sentinel_master) is None
 
 
 def redis_server_binary() -> str:
@@ -66,6 +109,46 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: fl
         time.sleep(interval)
 
 
+class NodeFailed(Exception):
+    """A worker node this command started did not come up; the message ends with the last
+    lines of its log."""
+
+
+LOG_TAIL_LINES = 20
+
+
+@dataclass
+class Node:
+    """A worker node started by :meth:`Services.start_worker`, and where its log starts."""
+
+    proc: subprocess.Popen[bytes]
+    log_path: str
+    log_offset: int = 0
+
+    def check(self) -> None:
+        """NodeFailed when the node has exited."""
+        code = self.proc.poll()
+        if code is not None:
+            self.fail(f"exited with status {code} before it was ready")
+
+    def fail(self, what: str) -> NoReturn:
+        raise NodeFailed(
+            f"the worker node it started {what}; the last lines of its log "
+            f"({self.log_path}):\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The node's last ``lines`` log lines written since it started (redacted)."""
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(self.log_offset)
+                text = fh.read().decode("utf-8", errors="replace")
+        except OSError as exc:
+            return f"  (cannot read it: {exc.strerror or exc})"
+        tail = text.rstrip("\n").splitlines()[-lines:] or ["(empty)"]
+        return "\n".join("  " + redact_text(line) for line in tail)
+
+
 class Services:
     """Child processes started on demand; closed in reverse order."""
 
@@ -73,10 +156,13 @@ class Services:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.sims: list[SimServer] = []
 
-    def _spawn(self, argv: list[str], env: dict[str, str] | None = None, log: str = "") -> None:
+    def _spawn(
+        self, argv: list[str], env: dict[str, str] | None = None, log: str = ""
+    ) -> subprocess.Popen[bytes]:
         out: Any = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child's
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
         self.procs.append(proc)
+        return proc
 
     def start_redis(self) -> str:
         """An embedded, non-persistent Redis on a free loopback port; returns its URL."""
@@ -97,8 +183,13 @@ class Services:
         self.sims.append(sim)
         return sim.url
 
-    def start_worker(self, env: dict[str, str], args: list[str], log_path: str) -> None:
-        self._spawn([sys.executable, "-m", "pipeline", "worker", *args], env, log_path)
+    def start_worker(self, env: dict[str, str], args: list[str], log_path: str) -> Node:
+        """A ``pipeline worker`` node, isolated from the working directory: ``-P`` keeps it off
+        ``sys.path``, so a ``pipeline``, ``tasks`` or ``celeryconfig`` module there is never
+        imported (the node loads ``tasks`` and its settings by their installed location)."""
+        offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+        argv = [sys.executable, "-P", "-m", "pipeline", "worker", *args]
+        return Node(self._spawn(argv, env, log_path), log_path, offset)
 
     def close(self, timeout: float = 15.0) -> None:
         """Terminate every child, newest first (killed after ``timeout`` s), then the simulator."""

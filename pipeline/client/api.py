@@ -16,10 +16,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import QueueConfig, Settings, load_settings, with_overrides
-from ..errors import IdempotencyConflict, InvalidRequest, ReplicationError, UnknownRequest
+from ..errors import (
+    ConfigError,
+    IdempotencyConflict,
+    InvalidRequest,
+    ReplicationError,
+    UnknownRequest,
+)
 from ..gates import Gate, GateEnv, attempt_gate, check_gates, queue_gate
+from ..http.rules import (  # the HTTP client's own rules: what submit takes, it can send
+    ATTEMPT_HEADERS,
+    CONNECTION_HEADERS,
+    MAX_ID_LENGTH,
+    endpoint_error,
+    headers_error,
+    request_id_error,
+)
 from ..store import QuotaSpec, RequestRow, Store
-from ..store.wire import CONTROL_CHARS, MAX_ID_LENGTH, PAYLOAD_JSON  # the same rules as the wire
+from ..store.wire import PAYLOAD_JSON
 from .explain import Explanation, build
 from .models import Result
 
@@ -56,7 +70,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _str_map(value: Any, field: str, *, header: bool = False) -> dict[str, str]:
+def _str_map(value: Any, field: str) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -64,13 +78,28 @@ def _str_map(value: Any, field: str, *, header: bool = False) -> dict[str, str]:
     for k, v in value.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise InvalidRequest(field, f"keys and values must be str (bad entry {k!r})")
-        if header and (not k or any(c in k for c in " \t\r\n:") or "\r" in v or "\n" in v):
-            raise InvalidRequest(field, f"invalid HTTP header {k!r}")
     return dict(value)
 
 
-def _check_payload(payload: Any, max_bytes: int) -> str:
-    """The payload as compact UTF-8 JSON text, or InvalidRequest("payload")."""
+def check_headers(value: Any, reserved: frozenset[str]) -> dict[str, str]:
+    """A request's own headers: what the HTTP client can send (``pipeline.http.rules``),
+    at most ``MAX_HEADERS_BYTES`` as sent, and none of the ``reserved`` names (lower case)
+    whose value the pipeline sets."""
+    headers = _str_map(value, "headers")
+    wrong = headers_error(headers)
+    if wrong is not None:
+        raise InvalidRequest("headers", wrong)
+    for name in headers:
+        if name.lower() in reserved:
+            raise InvalidRequest(
+                "headers", f"{name!r} is set by the pipeline and cannot be given per request"
+            )
+    return headers
+
+
+def _check_payload(payload: Any, max_bytes: int) -> tuple[str, int]:
+    """The payload as compact UTF-8 JSON text and its size in bytes, or
+    InvalidRequest("payload")."""
     if not isinstance(payload, dict):
         raise InvalidRequest("payload", "must be a dict (the JSON body to send)")
     try:
@@ -83,16 +112,37 @@ def _check_payload(payload: Any, max_bytes: int) -> str:
         raise InvalidRequest("payload", "contains text that is not valid UTF-8") from None
     if size > max_bytes:
         raise InvalidRequest("payload", f"larger than max_payload_bytes ({max_bytes})")
-    return body
+    return body, size
+
+
+def _check_size(payload_size: int, metadata: str, headers: str, max_bytes: int) -> None:
+    """Payload, metadata and headers together, as stored, within ``max_bytes``; the error
+    names the one that takes them over."""
+    size = payload_size + len(metadata)  # ASCII: json.dumps escapes the rest
+    field = "metadata" if size > max_bytes else "headers"
+    size += len(headers)
+    if size > max_bytes:
+        raise InvalidRequest(
+            field,
+            f"payload, metadata and headers together are {size} bytes as stored, over "
+            f"max_payload_bytes ({max_bytes})",
+        )
 
 
 def _check_id(rid: Any) -> str:
     if rid is None:
         return uuid.uuid4().hex
+    wrong = request_id_error(rid)
+    if wrong is not None:
+        raise InvalidRequest("id", wrong)
+    return str(rid)
+
+
+def check_lookup_id(rid: Any) -> str:
+    """An id to look up (get, state, cancel, explain, ...): any id a record may have, written
+    by submit or another producer; InvalidRequest("id") for one no record can have."""
     if not isinstance(rid, str) or not rid or len(rid) > MAX_ID_LENGTH:
-        raise InvalidRequest("id", f"must be a non-empty str of at most {MAX_ID_LENGTH} chars")
-    if CONTROL_CHARS.search(rid):
-        raise InvalidRequest("id", "must not contain control characters")
+        raise InvalidRequest("id", f"must be a non-empty str of at most {MAX_ID_LENGTH} characters")
     return rid
 
 
@@ -103,12 +153,14 @@ def check_priority(priority: Any) -> int:
 
 
 def check_endpoint(endpoint: Any) -> str:
-    """A request's own URL path ("" for its queue's ``request_path_url``)."""
-    if endpoint is not None and (
-        not isinstance(endpoint, str) or not endpoint.startswith("/") or "://" in endpoint
-    ):
-        raise InvalidRequest("endpoint", "must be a URL path starting with '/'")
-    return endpoint or ""
+    """A request's own URL path ("" for its queue's ``request_path_url``), as the HTTP client
+    will put it on the request line (``pipeline.http.rules.endpoint_error``)."""
+    if endpoint is None:
+        return ""
+    wrong = endpoint_error(endpoint)
+    if wrong is not None:
+        raise InvalidRequest("endpoint", wrong)
+    return str(endpoint)
 
 
 def _check_deadline(deadline: Any, timeout: Any, default_timeout_s: float) -> tuple[str, str]:
@@ -146,6 +198,8 @@ class Pipeline:
         self._gates: dict[str, Gate] = {}
         self._quota_specs: dict[str, list[QuotaSpec]] | None = None
         self._lock = threading.Lock()
+        # a request's own headers may not name these: the pipeline sets them
+        self.reserved_headers = ATTEMPT_HEADERS | CONNECTION_HEADERS | self.settings.stamped_headers
 
     # -- validation ----------------------------------------------------------------------
     def queue_config(self, name: Any) -> QueueConfig:
@@ -160,14 +214,15 @@ class Pipeline:
         if unknown:
             raise InvalidRequest(sorted(unknown)[0], "unknown argument")
         q = self.queue_config(kw.get("queue", "default"))
-        body = _check_payload(payload, self.settings.max_payload_bytes)
+        body, size = _check_payload(payload, self.settings.max_payload_bytes)
         rid = _check_id(kw.get("id"))
         priority = check_priority(kw.get("priority", 0))
         deadline, timeout = _check_deadline(
             kw.get("deadline"), kw.get("timeout"), q.default_timeout_s
         )
-        metadata = _str_map(kw.get("metadata"), "metadata")
-        headers = _str_map(kw.get("headers"), "headers", header=True)
+        metadata = json.dumps(_str_map(kw.get("metadata"), "metadata"))
+        headers = json.dumps(check_headers(kw.get("headers"), self.reserved_headers))
+        _check_size(size, metadata, headers, self.settings.max_payload_bytes)
         endpoint = check_endpoint(kw.get("endpoint"))
         result_list, result_list_max, result_list_ttl = self._result_list[q.queue_name]
         return RequestRow(
@@ -178,8 +233,8 @@ class Pipeline:
             deadline=deadline,
             timeout=timeout,
             payload=body,
-            metadata=json.dumps(metadata),
-            headers=json.dumps(headers),
+            metadata=metadata,
+            headers=headers,
             endpoint=endpoint,
             result_list=result_list,
             result_list_max=result_list_max,
@@ -197,19 +252,22 @@ class Pipeline:
 
     def submit_many(self, items: Iterable[dict[str, Any]]) -> list[Request]:
         """Submit many requests in one round trip per 500. All are validated first: one bad
-        item raises InvalidRequest (its index in the message) and nothing is submitted. An
-        item reusing a live id with other content is not stored: IdempotencyConflict names
-        the first such, after the others were stored (``stored``: their ids)."""
+        item raises InvalidRequest (its index in ``item`` and the message) and nothing is
+        submitted. An item reusing a live id with other content is not stored:
+        IdempotencyConflict names the first such, after the others were stored (``stored``:
+        their ids)."""
         rows: list[RequestRow] = []
+        if isinstance(items, str | bytes | dict) or not isinstance(items, Iterable):
+            raise InvalidRequest("items", "must be a list (an iterable) of dicts")
         for i, item in enumerate(items):
             if not isinstance(item, dict) or "payload" not in item:
-                raise InvalidRequest("payload", f"item {i}: must be a dict with a 'payload'")
+                raise InvalidRequest("payload", "must be a dict with a 'payload'", item=i)
             kw = dict(item)
             payload = kw.pop("payload")
             try:
                 rows.append(self.prepare(payload, **kw))
             except InvalidRequest as exc:
-                raise InvalidRequest(exc.field, f"item {i}: {exc.args[0]}") from None
+                raise InvalidRequest(exc.field, exc.reason, item=i) from None
         created = self._store(rows) if rows else []
         return [Request(self, r.id, c == 1) for r, c in zip(rows, created, strict=True)]
 
@@ -244,7 +302,9 @@ class Pipeline:
         return self.store.every_pool(self.settings.pools())
 
     def where(self, request_id: str) -> Store:
-        """The store of the request's pool (:meth:`Store.find`)."""
+        """The store of the request's pool (:meth:`Store.find`); InvalidRequest("id") for an
+        id no request can have."""
+        check_lookup_id(request_id)
         return self.store.find(request_id, self.settings.queues.values())
 
     def get(self, request_id: str) -> Request:
@@ -334,10 +394,15 @@ class Pipeline:
         ends it unsent if its attempt still waits for a gate slot, else lets the call finish
         (False); ``running="abort"`` ends it now: its call's connection is closed wherever it
         runs (a model server stops generating), its late answer discarded (True). ``by``:
-        who asks, for :meth:`explain` (default: this client's user and host)."""
-        if running not in CANCEL_RUNNING:
+        who asks, for :meth:`explain` (default: this client's user and host). Raises
+        UnknownRequest for an id no record has (never submitted, or its result expired)."""
+        if not isinstance(running, str) or running not in CANCEL_RUNNING:
             raise InvalidRequest("running", f"must be one of {', '.join(CANCEL_RUNNING)}")
-        return self.where(request_id).cancel(request_id, running, canceller(by))
+        store = self.where(request_id)
+        cancelled = store.cancel(request_id, running, canceller(by))
+        if cancelled is None:
+            raise UnknownRequest(request_id)
+        return cancelled
 
     def explain(self, request_id: str) -> Explanation:
         """Where the request is and why (:class:`Explanation`); raises UnknownRequest."""
@@ -450,8 +515,11 @@ def default_pipeline() -> Pipeline:
 
 def configure(settings: Settings | None = None, **overrides: Any) -> Pipeline:
     """Replace the default pipeline: from ``settings``, or the environment plus overrides
-    (e.g. ``configure(redis_url=..., queues=[{...}])``)."""
+    (e.g. ``configure(redis_url=..., queues=[{...}])``). A bad setting raises ConfigError
+    naming it (``.field``) and keeps the pipeline there was."""
     global _default
+    if settings is not None and not isinstance(settings, Settings):
+        raise ConfigError("configure: settings must be a Settings (or None)", field="settings")
     base = settings or load_settings()
     if overrides:
         base = with_overrides(base, **overrides)

@@ -1,18 +1,21 @@
 """Configuration as plain data, read by :func:`load_settings`. Imports nothing of the pipeline
-but ``errors``."""
+but ``errors`` and ``redact``."""
 
-from .load import bool_env, load_settings, parse_pools, parse_queues, with_overrides
+from .load import bool_env, load_settings, parse_pools, parse_queues
 from .merge import MergePolicy, parse_merge_policy
+from .overrides import with_overrides
 from .redis_url import (
     MASTER_VAR,
     celery_transport_options,
+    celery_url,
+    check_redis_url,
     is_cluster,
     is_sentinel,
     parse_cluster_url,
     parse_sentinel_url,
 )
 from .reload import ConfigChange, diff_config, from_snapshot, reload_queue_files, to_snapshot
-from .settings import PoolConfig, QueueConfig, Settings
+from .settings import PoolConfig, QueueConfig, Settings, redirect_origins
 
 __all__ = [
     "MASTER_VAR",
@@ -23,6 +26,8 @@ __all__ = [
     "Settings",
     "bool_env",
     "celery_transport_options",
+    "celery_url",
+    "check_redis_url",
     "diff_config",
     "from_snapshot",
     "is_cluster",
@@ -33,6 +38,7 @@ __all__ = [
     "parse_pools",
     "parse_queues",
     "parse_sentinel_url",
+    "redirect_origins",
     "reload_queue_files",
     "to_snapshot",
     "with_overrides",

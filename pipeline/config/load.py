@@ -4,14 +4,14 @@ by field; gate parameters are checked by the gates (``pipeline.gates.check_gates
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 from ..errors import ConfigError
 from .merge import HEADER_NAME, MergePolicy, parse_merge_policy
-from .redis_url import MASTER_VAR, check_sentinel, is_cluster, parse_cluster_url
+from .redis_url import MASTER_VAR, check_redis_url, check_sentinel, is_cluster
 from .settings import DEFAULT_ENDPOINT, DEFAULT_REDIS_URL, PoolConfig, QueueConfig, Settings
 
 
@@ -80,15 +80,30 @@ def read_queue_files(
     return queues, pools
 
 
-def float_env(env: Mapping[str, str], name: str, default: float) -> float:
-    """``env[name]`` as a number (``default`` when unset or empty); a ConfigError names it."""
+def float_env(
+    env: Mapping[str, str],
+    name: str,
+    default: float,
+    *,
+    above: float | None = None,
+    at_least: float | None = None,
+) -> float:
+    """``env[name]`` as a finite number (``default`` when unset or empty), ``> above`` and
+    ``>= at_least`` when given; a ConfigError names the variable."""
     raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
         raise ConfigError(f"{name} must be a number, not {raw!r}") from None
+    if above is not None and not value > above:
+        raise ConfigError(f"{name} must be a number > {above:g}, not {raw!r}")
+    if at_least is not None and not value >= at_least:
+        raise ConfigError(f"{name} must be a number >= {at_least:g}, not {raw!r}")
+    return value
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
@@ -99,13 +114,13 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     master = env.get(MASTER_VAR) or None
     for var in ("PIPELINE_REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
         check_sentinel(env.get(var) or "", var, master)
-    if is_cluster(redis_url):
-        parse_cluster_url(redis_url)
-        if not env.get("CELERY_BROKER_URL") or is_cluster(env["CELERY_BROKER_URL"]):
-            raise ConfigError(
-                "PIPELINE_REDIS_URL names a Redis Cluster, which Celery cannot use as its "
-                "broker: set CELERY_BROKER_URL to RabbitMQ (amqp://...) or a standalone Redis"
-            )
+    check_redis_url(redis_url)  # a scheme, port and database it can use; the message redacted
+    broker = env.get("CELERY_BROKER_URL")
+    if is_cluster(redis_url) and (not broker or is_cluster(broker)):
+        raise ConfigError(
+            "PIPELINE_REDIS_URL names a Redis Cluster, which Celery cannot use as its "
+            "broker: set CELERY_BROKER_URL to RabbitMQ (amqp://...) or a standalone Redis"
+        )
     fairness_header = env.get("PIPELINE_FAIRNESS_HEADER", "x-llm-d-inference-fairness-id")
     objective_header = env.get("PIPELINE_OBJECTIVE_HEADER", "x-llm-d-inference-objective")
     for var, header in (
@@ -128,17 +143,19 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         key_prefix=env.get("PIPELINE_KEY_PREFIX") or "pl:",
         queues=queues,
         pool_configs=pools,
-        lease_s=float_env(env, "PIPELINE_LEASE_S", 30.0),
-        dispatch_lease_s=float_env(env, "PIPELINE_DISPATCH_LEASE_S", 120.0),
-        reaper_period_s=float_env(env, "PIPELINE_REAPER_PERIOD_S", 5.0),
-        result_ttl_s=float_env(env, "PIPELINE_RESULT_TTL_S", 7 * 24 * 3600.0),
-        max_payload_bytes=int(float_env(env, "PIPELINE_MAX_PAYLOAD_BYTES", 1024 * 1024)),
-        gate_wait_timeout_s=float_env(env, "PIPELINE_GATE_WAIT_TIMEOUT_S", 300.0),
+        lease_s=float_env(env, "PIPELINE_LEASE_S", 30.0, above=0),
+        dispatch_lease_s=float_env(env, "PIPELINE_DISPATCH_LEASE_S", 120.0, above=0),
+        reaper_period_s=float_env(env, "PIPELINE_REAPER_PERIOD_S", 5.0, above=0),
+        result_ttl_s=float_env(env, "PIPELINE_RESULT_TTL_S", 7 * 24 * 3600.0, above=0),
+        max_payload_bytes=int(
+            float_env(env, "PIPELINE_MAX_PAYLOAD_BYTES", 1024 * 1024, at_least=1)
+        ),
+        gate_wait_timeout_s=float_env(env, "PIPELINE_GATE_WAIT_TIMEOUT_S", 300.0, at_least=0),
         fairness_attribute=attribute.removeprefix("metadata."),
         fairness_header=fairness_header,
         objective_header=objective_header,
-        wedge_after_s=float_env(env, "PIPELINE_WEDGE_AFTER_S", 300.0),
-        park_s=float_env(env, "PIPELINE_PARK_S", 10.0),
+        wedge_after_s=float_env(env, "PIPELINE_WEDGE_AFTER_S", 300.0, above=0),
+        park_s=float_env(env, "PIPELINE_PARK_S", 10.0, at_least=0),
         lookahead=_lookahead_env(env),
         direct_publish=bool_env(env, "PIPELINE_DIRECT_PUBLISH", True),
         broker_acks=bool_env(env, "PIPELINE_BROKER_ACKS", False),
@@ -178,11 +195,3 @@ def _lookahead_env(env: Mapping[str, str]) -> int:
     if not raw.isdigit():
         raise ConfigError(f"PIPELINE_LOOKAHEAD must be 'auto' or an int >= 0, not {raw!r}")
     return int(raw)
-
-
-def with_overrides(settings: Settings, **overrides: Any) -> Settings:
-    """A copy of ``settings`` with some fields replaced; ``queues`` may be a list of dicts."""
-    queues = overrides.get("queues")
-    if isinstance(queues, list):
-        overrides["queues"] = parse_queues(queues, "queues")
-    return replace(settings, **overrides)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -72,6 +73,8 @@ class QueueConfig:
     tls_key_file: str | None = None  # None: the key is inside tls_cert_file
     tls_insecure_skip_verify: bool = False
     follow_redirects: bool = False  # 307/308 only; never https -> http
+    # the origins (scheme://host[:port]) a redirect may go to besides igw_base_url's own
+    redirect_origins: tuple[str, ...] = ()
     max_response_bytes: int = 16 * 1024 * 1024
     ingest: str | None = None  # "llm-d-async": also serve the reference's producers
 
@@ -98,6 +101,7 @@ class QueueConfig:
             raise ConfigError(f"{where}: worker_pool_id must be a name")
         _check_values(entry, where)
         _check_credentials(entry, where, urlsplit(url).scheme == "https")
+        entry = {**entry, "redirect_origins": _redirect_origins(entry, where)}
         return cls(**entry)
 
 
@@ -117,6 +121,43 @@ def _check_values(entry: dict[str, Any], where: str) -> None:
     if entry.get("ingest") not in (None, "", *INGEST_FORMATS):
         formats = ", ".join(INGEST_FORMATS)
         raise ConfigError(f"{where}: ingest must be one of {formats}, not {entry['ingest']!r}")
+
+
+def _redirect_origins(entry: dict[str, Any], where: str) -> tuple[str, ...]:
+    """``redirect_origins``: a list of ``http(s)://host[:port]`` (no path, user or query),
+    given only with ``follow_redirects``."""
+    return redirect_origins(
+        entry.get("redirect_origins", ()), where, bool(entry.get("follow_redirects", False))
+    )
+
+
+def redirect_origins(value: Any, where: str, follow_redirects: bool) -> tuple[str, ...]:
+    """A ``redirect_origins`` setting (a queue's, a metric gate's) checked: a list of
+    ``http(s)://host[:port]`` (no path, user or query), given only with ``follow_redirects``;
+    ConfigError naming ``where`` otherwise."""
+    if not isinstance(value, list | tuple) or not all(isinstance(o, str) for o in value):
+        raise ConfigError(f"{where}: redirect_origins must be a list of http(s)://host[:port]")
+    for origin in value:
+        try:
+            parts = urlsplit(origin)
+            parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+        except ValueError:
+            parts = urlsplit("")
+        if (
+            parts.scheme not in ("http", "https")
+            or not parts.hostname
+            or "@" in parts.netloc
+            or parts.path not in ("", "/")
+            or parts.query
+            or parts.fragment
+        ):
+            raise ConfigError(
+                f"{where}: redirect_origins: {origin!r} is not an origin "
+                "(http(s)://host[:port], no path)"
+            )
+    if value and not follow_redirects:
+        raise ConfigError(f"{where}: redirect_origins needs follow_redirects")
+    return tuple(value)
 
 
 def _check_credentials(entry: dict[str, Any], where: str, https: bool) -> None:
@@ -200,6 +241,17 @@ class Settings:
         if self.lookahead >= 0:
             return self.lookahead
         return min(8, max(1, -(-capacity // 2)))
+
+    @cached_property
+    def stamped_headers(self) -> frozenset[str]:
+        """The header names (lower case) whose value the queue's config decides: the
+        inference objective's, the fairness identity's and a tier-priority lane's. A request's
+        own headers never set them (``submit`` refuses them, an attempt drops them)."""
+        m = self.merge_policy
+        names = [self.objective_header, self.fairness_header]
+        if m.tiered:
+            names += [m.priority_header, m.objective_header]
+        return frozenset(n.lower() for n in names if n)
 
     @property
     def redis_cluster(self) -> bool:

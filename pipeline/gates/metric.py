@@ -16,6 +16,7 @@ from urllib.parse import unquote, urlencode, urlsplit
 
 import httptools
 
+from ..config import redirect_origins
 from ..http.call import CallTimeout, Response, request
 from ..redact import redact_url
 from .base import Budgeted, GateEnv, note_problem
@@ -74,6 +75,11 @@ class MetricGate(Budgeted):
         self.follow_redirects = (
             p.get_choice("follow_redirects", ("false", "true"), "false") == "true"
         )
+        # where a followed redirect may go besides the URL's own origin (as a queue's)
+        where = f"{self.type_name} gate {name!r}: param 'redirect_origins'"
+        self.redirect_origins = redirect_origins(
+            p.raw("redirect_origins") or (), where, self.follow_redirects
+        )
         self._last_error: str | None = None
 
     def read(self) -> float:
@@ -91,7 +97,13 @@ class MetricGate(Budgeted):
             headers["Authorization"] = "Basic " + base64.b64encode(login.encode()).decode()
         try:
             resp = request(
-                "GET", url, b"", headers, self.timeout_s, follow_redirects=self.follow_redirects
+                "GET",
+                url,
+                b"",
+                headers,
+                self.timeout_s,
+                follow_redirects=self.follow_redirects,
+                redirect_origins=self.redirect_origins,
             )
         except (OSError, ValueError, CallTimeout, httptools.HttpParserError) as exc:
             error = str(exc).replace(url, redact_url(url))  # an unsupported URL names itself

@@ -14,13 +14,18 @@ What this module keeps:
   certificate for mTLS: one ``ssl.SSLContext`` per settings value, kept until :func:`reset_tls`.
 - ``timeout_s`` bounds the whole call: every connect (at most 10 s), send and read gets what
   is left of one deadline.
-- Header names must be tokens and values must not hold CR, LF or NUL (``ValueError``), so a
-  request's own headers cannot split the request.
+- What it cannot write it refuses before connecting (:class:`~pipeline.http.rules.Unsendable`,
+  a ``ValueError``), by the rules of :mod:`pipeline.http.rules`, which ``submit`` checks too: a
+  header name that is not a token, a value holding CR, LF, NUL or another control character
+  or a character outside Latin-1 (a request's own headers cannot split the request), a URL
+  holding a space, a control or a non-ASCII character, a head over ``MAX_HEAD_BYTES``.
+  Content-Length is its own; the framing and connection headers it is given are dropped.
 - Redirects are returned unless the caller follows them (a queue's ``follow_redirects``), and
-  then only a 307/308, with the same method and body, at most 5. One to another origin
-  (scheme, host or port) goes without ``Authorization``, cookies and every header naming a key,
-  token, secret or session (:func:`foreign_headers`), and without the client certificate;
-  https -> http is refused (:class:`RedirectRefused`).
+  then only a 307/308, with the same method and body, at most 5, to the first URL's origin
+  (scheme, host and port) or one the caller lists (a queue's ``redirect_origins``); to any
+  other origin it is refused (:class:`RedirectRefused`). One to another origin goes without
+  ``Authorization``, cookies and every header naming a key, token, secret or session
+  (:func:`foreign_headers`), and without the client certificate; https -> http is refused.
 - A response body over ``max_response_bytes`` ends the call (:class:`ResponseTooLarge`): on
   its ``Content-Length`` before reading, else as soon as that many bytes came.
 - A call made under :func:`abortable` can be ended from another thread (:meth:`Abort.fire`,
@@ -39,19 +44,28 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import SplitResult, urljoin, urlsplit
 
 import httptools
 
+from ..redact import redact_url
+from .rules import (
+    BAD_VALUE,
+    CONNECTION_HEADERS,
+    MAX_HEAD_BYTES,
+    TOKEN,
+    Unsendable,
+    url_error,
+    value_error,
+)
+
 MAX_REDIRECTS = 5
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024  # a queue's default max_response_bytes
 CHUNK = 65536
 MAX_HEAD = 65536  # bytes of status line + headers
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_BAD_VALUE = re.compile(r"[\r\n\x00]")
 # header names that carry a credential: never sent to another origin
 _CREDENTIAL = re.compile(r"authorization|cookie|key|token|secret|session|passw|credential|auth")
 
@@ -65,8 +79,9 @@ class CallAborted(OSError):
 
 
 class RedirectRefused(ValueError):
-    """A redirect that is not followed: https -> http, a scheme other than http(s), or more
-    than :data:`MAX_REDIRECTS` in a row."""
+    """A redirect that is not followed: to an origin neither the first URL's nor listed,
+    https -> http, a scheme other than http(s), a URL it cannot write, or more than
+    :data:`MAX_REDIRECTS` in a row."""
 
 
 class ResponseTooLarge(ValueError):
@@ -222,6 +237,7 @@ def _connection(key: _ConnKey, deadline: float) -> socket.socket:
 
 
 def _request(method: str, target: str, host: str, body: bytes, headers: dict[str, str]) -> bytes:
+    """The request's bytes; :class:`Unsendable` for what breaks :mod:`pipeline.http.rules`."""
     lines = [f"{method} {target} HTTP/1.1"]
     if not any(k.lower() == "host" for k in headers):
         lines.append(f"Host: {host}")
@@ -229,15 +245,18 @@ def _request(method: str, target: str, host: str, body: bytes, headers: dict[str
         lines.append(f"Content-Length: {len(body)}")
     for name, value in headers.items():
         value = str(value)
-        if not _TOKEN.fullmatch(name):
-            raise ValueError(f"invalid header name {name!r}")
-        if _BAD_VALUE.search(value):
-            raise ValueError(f"invalid value for header {name!r}")
-        if name.lower() in ("content-length", "transfer-encoding"):
+        if not TOKEN.fullmatch(name):
+            raise Unsendable(f"invalid header name {name!r}")
+        if not (value.isascii() and value.isprintable()) and BAD_VALUE.search(value):
+            raise Unsendable(f"invalid value for header {name!r}: {value_error(value)}")
+        if name.lower() in CONNECTION_HEADERS:
             continue
         lines.append(f"{name}: {value}")
     lines.append("\r\n")
-    return "\r\n".join(lines).encode("latin-1") + body
+    head = "\r\n".join(lines)
+    if len(head) > MAX_HEAD_BYTES:
+        raise Unsendable(f"request head of {len(head)} bytes, over {MAX_HEAD_BYTES}")
+    return head.encode("latin-1") + body
 
 
 class _Parsed:
@@ -355,22 +374,28 @@ def request(
     tls: TLS | None = None,
     *,
     follow_redirects: bool = False,
+    redirect_origins: Sequence[str] = (),
     max_response_bytes: int = MAX_RESPONSE_BYTES,
 ) -> Response:
     """Send ``method`` (an attempt's POST, a metric gate's GET) with ``body`` to ``url`` (an
     https URL with ``tls``, default: verified against the system's CAs). Raises
     :class:`CallTimeout` past ``timeout_s``; ``ValueError`` for a URL it cannot send to or
-    TLS files it cannot load, :class:`RedirectRefused` and :class:`ResponseTooLarge` (both
-    ``ValueError``); and ``OSError`` (``ssl.SSLError`` included) /
-    ``httptools.HttpParserError`` for transport failures. A 3xx is returned as it came unless
-    ``follow_redirects`` (see the module's notes)."""
+    TLS files it cannot load, :class:`~pipeline.http.rules.Unsendable` for a request it cannot
+    write, :class:`RedirectRefused` and :class:`ResponseTooLarge` (all ``ValueError``); and
+    ``OSError`` (``ssl.SSLError`` included) / ``httptools.HttpParserError`` for transport
+    failures. A 3xx is returned as it came unless ``follow_redirects``, and then followed only
+    to ``url``'s origin or one of ``redirect_origins`` (``scheme://host[:port]``; see the
+    module's notes)."""
     deadline = time.monotonic() + timeout_s
     tls = tls or TLS()
     first = urlsplit(url)
     for _ in range(MAX_REDIRECTS + 1):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"unsupported URL {url!r}")
+            raise ValueError(f"unsupported URL {redact_url(url)!r}")
+        wrong = url_error(url)
+        if wrong is not None:
+            raise Unsendable(f"URL {url_text(url)} {wrong}")
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         data = _request(method, target, parts.netloc.rpartition("@")[2], body, headers)
         try:
@@ -384,11 +409,24 @@ def request(
         to = urlsplit(url)
         if to.scheme not in ("http", "https"):
             raise RedirectRefused(f"redirect to a {to.scheme or 'relative'} URL refused")
+        where = f"{to.hostname}:{_origin(to)[2]}"
         if parts.scheme == "https" and to.scheme != "https":
-            where = f"{to.hostname}:{to.port or 80}"
             raise RedirectRefused(f"redirect from https to plain http ({where}) refused")
+        if url_error(url) is not None:
+            raise RedirectRefused(f"redirect to a URL it cannot send ({where}) refused")
         if _origin(to) != _origin(first):
+            if _origin(to) not in {_origin(urlsplit(o)) for o in redirect_origins}:
+                raise RedirectRefused(
+                    f"redirect to another origin ({to.scheme}://{where}) refused: not in the "
+                    "queue's redirect_origins"
+                )
             # no credential, and no ``Host`` of the caller's (the new origin's own is sent)
             headers = {k: v for k, v in foreign_headers(headers).items() if k.lower() != "host"}
             tls = TLS(tls.ca_file)  # no client certificate, and the new server is verified
     raise RedirectRefused(f"more than {MAX_REDIRECTS} redirects")
+
+
+def url_text(url: str) -> str:
+    """``url`` for a message: its credentials hidden (:func:`redact_url`), cut at 200
+    characters."""
+    return repr(redact_url(url)[:200])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import re
 import ssl
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from urllib.parse import urlsplit
@@ -13,6 +14,7 @@ import httptools
 
 from . import call as httpcall
 from .backoff import parse_retry_after
+from .rules import Unsendable
 from .usage import Usage, parse_usage
 
 
@@ -22,6 +24,9 @@ class Kind(enum.Enum):
     FATAL = "fatal"  # 3xx not followed, other 4xx, or a request that cannot be built or read
 
 
+UNSENDABLE = "UNSENDABLE"  # the category of a request the client cannot write (never sent)
+
+
 @dataclass(frozen=True)
 class Outcome:
     kind: Kind
@@ -29,7 +34,7 @@ class Outcome:
     body: str = ""
     retry_after: float | None = None  # seconds, from the Retry-After header
     error: str | None = None  # transport error text when there was no response
-    category: str = ""  # RATE_LIMIT, SERVER_ERROR, INVALID_REQ, TRANSPORT, TLS, TIMEOUT, ...
+    category: str = ""  # RATE_LIMIT, SERVER_ERROR, INVALID_REQ, TRANSPORT, TLS, UNSENDABLE, ...
     # the gateway's x-llm-d-request-dropped-reason (its flow control shed the request):
     # rejected-saturated, evicted-queue-pressure, ...
     dropped_reason: str | None = None
@@ -102,12 +107,14 @@ def send(
     tls: httpcall.TLS | None = None,
     follow_redirects: bool = False,
     max_response_bytes: int = httpcall.MAX_RESPONSE_BYTES,
+    redirect_origins: Sequence[str] = (),
 ) -> Outcome:
     """POST ``body`` to ``url``; never raises. ``timeout_s`` bounds the whole call. A TLS
     failure (an unknown CA, a rejected client certificate) is a transport error: retried
-    within the deadline like a refused connection, with category ``TLS``. A redirect that is
-    refused and a body over ``max_response_bytes`` end the request (``REDIRECT``,
-    ``TOO_LARGE``): the same call would meet them again."""
+    within the deadline like a refused connection, with category ``TLS``. A request the
+    client cannot write (:class:`~pipeline.http.rules.Unsendable`: ``UNSENDABLE``, never
+    sent), a redirect that is refused and a body over ``max_response_bytes`` end the request
+    (``REDIRECT``, ``TOO_LARGE``): the same call would meet them again."""
     try:
         resp = httpcall.request(
             "POST",
@@ -117,8 +124,11 @@ def send(
             timeout_s,
             tls,
             follow_redirects=follow_redirects,
+            redirect_origins=redirect_origins,
             max_response_bytes=max_response_bytes,
         )
+    except Unsendable as exc:
+        return Outcome(Kind.FATAL, error=str(exc), category=UNSENDABLE)
     except httpcall.RedirectRefused as exc:
         return Outcome(Kind.FATAL, error=str(exc), category="REDIRECT")
     except httpcall.ResponseTooLarge as exc:

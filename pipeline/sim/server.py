@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import ssl
+import sys
 import threading
 import time
 import zlib
@@ -42,6 +43,7 @@ from .engine_http import EngineFront, Job, StreamReply, request_fields
 MODEL_NAME = "sim-model"
 STALL_CAP_S = 600.0  # a stalled attempt is dropped after this many seconds
 HOLD_CAP_S = 120.0  # a held request is answered after this many seconds if nobody released it
+RECORD_CAP = 1000  # calls whose headers are kept (x-sim-record-headers) until the next reset
 FAULT_MODES = ("status", "stall", "drop")
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 _ERROR_TYPES = {
@@ -310,6 +312,7 @@ class SimServer:
                 Route("/sim/arrivals", _get(lambda: self._arrivals)),
                 Route("/sim/tokens", _get(lambda: self._token_log)),
                 Route("/sim/hangups", _get(lambda: self._hangups)),
+                Route("/sim/headers", self._get_headers),
                 Route("/sim/faults", self._post_fault, methods=["POST"]),
                 Route("/sim/release", self._post_release, methods=["POST"]),
                 Route("/sim/engine", self._engine_endpoint, methods=["GET", "POST"]),
@@ -337,6 +340,8 @@ class SimServer:
         self._arrivals: list[tuple[float, float, str | None]] = []
         self._token_log: list[tuple[float, int, int, str | None]] = []
         self._hangups: list[tuple[float, str | None, float]] = []
+        self._recorded: dict[str, list[list[tuple[str, str]]]] = {}
+        self._recorded_calls = 0
         self._max_in_flight = self._in_flight
         if self._engine is not None:
             self._engine.reset()
@@ -393,6 +398,13 @@ class SimServer:
         """(Unix time, x-request-id, Unix time it arrived) per call whose client hung up
         before it was answered (``GET /sim/hangups``): a cancel that closed the connection."""
         return list(self._hangups)
+
+    @_on_loop
+    def received_headers(self, name: str) -> list[list[tuple[str, str]]]:
+        """The headers, as received (every one, in order, names lower-cased, duplicates
+        kept), of each call carrying ``x-sim-record-headers: <name>`` since the last reset
+        (``GET /sim/headers?name=<name>``); at most ``RECORD_CAP`` calls are kept."""
+        return [list(call) for call in self._recorded.get(name, ())]
 
     @_on_loop
     def script_fault(
@@ -479,6 +491,9 @@ class SimServer:
                 return _error(400, f'bad engine spec, want {{"replicas": R}} with R > 0: {exc}')
         return _json(self.engine_stats())
 
+    async def _get_headers(self, request: Request) -> Response:
+        return _json(self.received_headers(request.query_params.get("name", "")))
+
     async def _post_release(self, request: Request) -> Response:
         try:
             name = json.loads(await request.body())["name"]
@@ -521,6 +536,12 @@ class SimServer:
         self._requests += 1
         if call.rid is not None:
             call.attempt = self._attempts[call.rid] = self._attempts.get(call.rid, 0) + 1
+        record = request.headers.get("x-sim-record-headers")
+        if record is not None and self._recorded_calls < RECORD_CAP:
+            self._recorded_calls += 1
+            raw = request.scope["headers"]
+            got = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
+            self._recorded.setdefault(record, []).append(got)
         cfg = self.config
         if cfg.api_key and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
             self._unauthorized += 1
@@ -877,30 +898,53 @@ class SimServer:
 # -- CLI ----------------------------------------------------------------------------------------
 
 
+def _ranged(cast: Callable[[str], Any], lo: float, hi: float, kind: str) -> Callable[[str], Any]:
+    """An argparse type: a finite number in [lo, hi]; the message names the range."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and lo <= value <= hi):
+            raise argparse.ArgumentTypeError(f"must be {kind}, not {text!r}")
+        return value
+
+    return parse
+
+
+_port = _ranged(int, 0, 65535, "a TCP port 0-65535 (0: any free port)")
+_count = _ranged(int, 0, 2**31, "an integer >= 0")
+_ms = _ranged(float, 0, 1e9, "a number of ms >= 0")
+_seconds = _ranged(float, 0, 1e9, "a number of s >= 0")
+_ratio = _ranged(float, 0, 1, "a number 0..1")
+_status = _ranged(int, 100, 599, "an HTTP status 100-599")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Each option's ``dest`` is the :class:`SimConfig` field it sets."""
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="bind address")
-    add("--port", type=int, default=8000, help="TCP port (0 = any free port)")
-    add("--latency-ms", type=float, default=0.0, help="base latency per request, ms")
-    add("--jitter-ms", type=float, default=0.0, help="extra uniform random latency, ms")
-    add("--itl-ms", type=float, default=0.0, help="latency per generated token, ms")
-    add("--max-concurrency", type=int, default=0, help="admitted at once (0 = unlimited)")
+    add("--port", type=_port, default=8000, help="TCP port (0 = any free port)")
+    add("--latency-ms", type=_ms, default=0.0, help="base latency per request, ms")
+    add("--jitter-ms", type=_ms, default=0.0, help="extra uniform random latency, ms")
+    add("--itl-ms", type=_ms, default=0.0, help="latency per generated token, ms")
+    add("--max-concurrency", type=_count, default=0, help="admitted at once (0 = unlimited)")
     add("--overload", choices=("429", "503", "queue"), default="429", help="above the limit")
-    add("--retry-after", dest="overload_retry_after_s", type=float, default=1.0,
+    add("--retry-after", dest="overload_retry_after_s", type=_seconds, default=1.0,
         help="Retry-After on overload, seconds")  # fmt: skip
     add("--dropped-reason", dest="overload_dropped_reason",
         help="x-llm-d-request-dropped-reason on overload")  # fmt: skip
-    add("--failure-rate", type=float, default=0.0, help="random failure probability, 0..1")
-    add("--failure-status", type=int, default=503, help="status of random failures")
+    add("--failure-rate", type=_ratio, default=0.0, help="random failure probability, 0..1")
+    add("--failure-status", type=_status, default=503, help="status of random failures")
     add("--seed", type=int, default=0, help="RNG seed for failures, jitter and lengths")
     add("--record-arrivals", action="store_true",
         help="record arrivals (GET /sim/arrivals) and tokens (GET /sim/tokens)")  # fmt: skip
-    add("--completion-min-ratio", type=float, default=1.0,
+    add("--completion-min-ratio", type=_ratio, default=1.0,
         help="completion tokens drawn from [ratio x max_tokens, max_tokens]")  # fmt: skip
-    add("--template-message-tokens", type=int, default=0, metavar="N",
+    add("--template-message-tokens", type=_count, default=0, metavar="N",
         help="chat prompt tokens a template adds per message")  # fmt: skip
-    add("--template-prompt-tokens", type=int, default=0, metavar="N",
+    add("--template-prompt-tokens", type=_count, default=0, metavar="N",
         help="chat prompt tokens a template adds per prompt")  # fmt: skip
     add("--api-key-env", metavar="VAR", help="require 'Authorization: Bearer $VAR' (else 401)")
     add("--tls-cert", dest="tls_cert_file", metavar="PEM", help="serve HTTPS with this cert")
@@ -910,14 +954,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine_cli.add_arguments(parser)
 
 
+def _bad_argument(message: str) -> None:
+    """A bad argument: exit status 2 with one line, as argparse's own."""
+    print(f"pipeline sim: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     if args.tls_client_ca_file and not args.tls_cert_file:
-        raise SystemExit("pipeline sim: --tls-client-ca needs --tls-cert (and --tls-key)")
-    if min(args.template_message_tokens, args.template_prompt_tokens) < 0:
-        raise SystemExit("pipeline sim: --template-*-tokens must not be negative")
+        _bad_argument("--tls-client-ca needs --tls-cert (and --tls-key)")
+    for option in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        path = getattr(args, option)
+        if path and not os.path.isfile(path):
+            _bad_argument(f"--{option.removesuffix('_file').replace('_', '-')}: no file {path}")
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
     if args.api_key_env and not key:
-        raise SystemExit(f"pipeline sim: --api-key-env: {args.api_key_env} is not set (or empty)")
+        _bad_argument(f"--api-key-env: {args.api_key_env} is not set (or empty)")
     engine = engine_cli.config_from_args(args)
     fields = {f.name for f in dataclasses.fields(SimConfig)} & vars(args).keys()
     values = {name: getattr(args, name) for name in fields}

@@ -551,14 +551,17 @@ class Store:
         return traceparent if raw and noted_token == token else None
 
     # -- client side ---------------------------------------------------------------------
-    def cancel(self, request_id: str, running: str = "finish", by: str = "") -> bool:
+    def cancel(self, request_id: str, running: str = "finish", by: str = "") -> bool | None:
         """Cancel (cancel.lua): ``running`` 'finish' lets a sent attempt finish, 'abort' ends
-        it now; ``by`` says who asked (the decision log)."""
-        res = self.scripts.cancel(
-            keys=[self.keys.request(request_id), *self.keys.families],
-            args=[int(self.settings.result_ttl_s), running, by],
+        it now; ``by`` says who asked (the decision log). True when cancelled, None for an
+        unknown request."""
+        res = int(
+            self.scripts.cancel(
+                keys=[self.keys.request(request_id), *self.keys.families],
+                args=[int(self.settings.result_ttl_s), running, by],
+            )
         )
-        return bool(res)
+        return None if res < 0 else res == 1
 
     def cancel_asked(self, request_id: str, token: str) -> str | None:
         """Was the request (or its batch) cancelled while this attempt was parked at its

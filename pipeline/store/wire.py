@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.merge import HEADER_NAME
+from ..http.rules import (  # the HTTP client's rules: what is ingested, it can send
+    MAX_ID_LENGTH,
+    endpoint_error,
+    header_name_error,
+    header_value_error,
+    request_id_error,
+)
 
 KINDS = ("plain", "redis", "pubsub")
 DEFAULT_RESULT_LIST = "result-list"  # the reference's transport default
-MAX_ID_LENGTH = 256
-CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 PAYLOAD_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -58,7 +61,7 @@ def _str_map(value: Any, field: str, *, header: bool = False) -> dict[str, str]:
     for k, v in value.items():
         if not isinstance(v, str):
             raise ValueError(f"data.{field}[{k!r}] must be a string")
-        if header and (not HEADER_NAME.match(k) or any(c in v for c in "\r\n\0")):
+        if header and (header_name_error(k) or header_value_error(v)):
             raise ValueError(f"data.headers: {k!r} is not a valid HTTP header")
     return dict(value)
 
@@ -96,10 +99,9 @@ def _envelope(doc: Any, max_payload_bytes: int) -> Envelope:
     else:
         raise ValueError("data.payload must be a JSON object")
     endpoint = _text(data.get("endpoint"), "data.endpoint")
-    if endpoint and (
-        not endpoint.startswith("/") or "://" in endpoint or CONTROL_CHARS.search(endpoint)
-    ):
-        raise ValueError("data.endpoint must be a URL path starting with '/'")
+    wrong = endpoint_error(endpoint) if endpoint else None
+    if wrong is not None:
+        raise ValueError(f"data.endpoint {wrong}")
     result_list = _text(internal.get("result_queue_name"), "internal.result_queue_name")
     if not result_list and doc.get("request_kind") == "redis":
         result_list = _text(data.get("result_queue_name"), "data.result_queue_name")
@@ -117,13 +119,10 @@ def _envelope(doc: Any, max_payload_bytes: int) -> Envelope:
 
 
 def _id(value: Any) -> str:
-    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
-        raise ValueError(
-            f"data.id must be a non-empty string of at most {MAX_ID_LENGTH} characters"
-        )
-    if CONTROL_CHARS.search(value):
-        raise ValueError("data.id must not contain control characters")
-    return value
+    wrong = request_id_error(value)
+    if wrong is not None:
+        raise ValueError(f"data.id {wrong}")
+    return str(value)
 
 
 def parse(member: str, max_payload_bytes: int) -> Envelope | Malformed:

@@ -17,7 +17,14 @@ from ..config import QueueConfig
 from ..gates import CONTINUE, AcquireContext, Decision, Verdict
 from ..http.backoff import retry_delay
 from ..http.call import Abort, abortable
-from ..http.classify import Kind, Outcome, join_url
+from ..http.classify import UNSENDABLE, Kind, Outcome, join_url
+from ..http.rules import (
+    ATTEMPT_HEADERS,
+    CONNECTION_HEADERS,
+    REQUEST_ID_HEADER,
+    endpoint_error,
+    value_error,
+)
 from ..store import ScriptCall
 from ..store import holder as make_holder
 from ..store.journal import Journal, entry
@@ -244,6 +251,9 @@ class Attempt:
     def run(self) -> Report:
         if self.time_left() <= 0:
             return self._expired(False)
+        endpoint = self.record.get("endpoint")
+        if endpoint and (wrong := endpoint_error(endpoint)) is not None:  # written not by submit
+            return self._error("INVALID_REQUEST", f"cannot be sent: endpoint {wrong}")
         if self.record.get("wire") and self._cancelled_by_producer():
             return self._error("CANCELLED", "cancelled")
         decision, parked = self._gate()
@@ -367,22 +377,38 @@ class Attempt:
             log.warning("could not note the span of %s: %s", self.id, exc)
 
     def headers(self) -> dict[str, str]:
-        """Defaults, the request's own, the lane's, the fairness identity, then the queue's
-        API key: each later one replaces any letter-case variant of a caller's."""
-        headers = {"Content-Type": "application/json", "x-request-id": self.id}
-        objective = self.rt.settings.objective_header
+        """The request's own headers without the names the pipeline sets (any letter case:
+        ``Host``, the connection's, ``x-request-id``, the queue's stamps, ``Authorization``
+        when the queue has a key), then ``Content-Type`` unless the request set it, the id,
+        the queue's objective, the lane's, the fairness identity and the queue's API key:
+        exactly one of each, the queue's value (docs/configuration.md, "What goes out")."""
+        settings = self.rt.settings
+        stamped = settings.stamped_headers
+        bearer = authorization(self.queue)
+        headers: dict[str, str] = {}
+        typed = False
+        for key, value in self.extra_headers.items():
+            low = key.lower()
+            if low in ATTEMPT_HEADERS or low in CONNECTION_HEADERS or low in stamped:
+                continue
+            if low == "authorization" and bearer is not None:
+                continue
+            typed = typed or low == "content-type"
+            headers[key] = value
+        if not typed:
+            headers["Content-Type"] = "application/json"
+        headers[REQUEST_ID_HEADER] = self.id
+        objective = settings.objective_header
         if self.queue.inference_objective and objective:
             headers[objective] = self.queue.inference_objective
-        headers.update(self.extra_headers)
-        for key, value in self.rt.settings.merge_policy.headers(self.queue.labels).items():
-            _replace(headers, key, value)
-        name = self.rt.settings.fairness_header
-        tenant = self.metadata.get(self.rt.settings.fairness_attribute, "")
-        if name and tenant and len(tenant) <= 256 and tenant.isprintable():
-            _replace(headers, name, tenant)
-        bearer = authorization(self.queue)
+        for key, value in settings.merge_policy.headers(self.queue.labels).items():
+            _replace(headers, key, value)  # the lane's objective replaces the queue's
+        name = settings.fairness_header
+        tenant = self.metadata.get(settings.fairness_attribute, "")
+        if name and tenant and len(tenant) <= 256 and sendable_tenant(tenant):
+            headers[name] = tenant
         if bearer is not None:
-            _replace(headers, "Authorization", bearer)
+            headers["Authorization"] = bearer
         return headers
 
     def _aborted(self) -> Report:
@@ -422,6 +448,8 @@ class Attempt:
             self.served_prompt = outcome.usage.prompt
         if outcome.kind is Kind.SUCCESS or (outcome.kind is Kind.FATAL and outcome.responded):
             return self._answered(outcome, True)
+        if outcome.kind is Kind.FATAL and outcome.category == UNSENDABLE:  # nothing was sent
+            return self._error("INVALID_REQUEST", f"cannot be sent: {outcome.error}")
         if outcome.kind is Kind.FATAL:
             return self._error("INFERENCE_ERROR", outcome.error or "request failed", True)
         retries = int(self.record.get("attempts") or 0)
@@ -472,6 +500,12 @@ def served_tokens(outcome: Outcome) -> int | None:
         usage = outcome.usage
         return usage.total if usage is not None else None
     return 0 if outcome.kind is Kind.FATAL or outcome.category == "TLS" else None
+
+
+def sendable_tenant(tenant: str) -> bool:
+    """Whether a tenant goes out as the fairness header: printable, and a value the client can
+    send (else the header is left out, as llm-d-async leaves it out)."""
+    return tenant.isprintable() and value_error(tenant) is None
 
 
 def _replace(headers: dict[str, str], name: str, value: str) -> None:

@@ -11,6 +11,7 @@ from ..config import QueueConfig, Settings
 from ..errors import ConfigError
 from ..http.call import TLS
 from ..http.classify import Outcome, send
+from ..redact import redact_url
 
 
 def queue_tls(q: QueueConfig) -> TLS | None:
@@ -26,6 +27,7 @@ def queue_send(q: QueueConfig) -> Callable[[str, str, dict[str, str], float], Ou
         tls=queue_tls(q),
         follow_redirects=q.follow_redirects,
         max_response_bytes=q.max_response_bytes,
+        redirect_origins=q.redirect_origins,
     )
 
 
@@ -55,6 +57,7 @@ def check_endpoints(settings: Settings, environ: Mapping[str, str] = os.environ)
         if tls.insecure_skip_verify:
             warnings.append(
                 f"queue {q.queue_name!r}: tls_insecure_skip_verify is on: the certificate of "
-                f"{q.igw_base_url} is not verified (anyone on the path can read the requests)"
+                f"{redact_url(q.igw_base_url)} is not verified (anyone on the path can read "
+                "the requests)"
             )
     return warnings

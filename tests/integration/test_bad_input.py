@@ -1,4 +1,4 @@
-"""Bad messages and records (the submit() cases are in test_submit_validation.py): each gets
+"""Bad messages and records (the submit() cases are in front_doors/test_python.py): each gets
 a terminal INVALID_REQUEST result or is rejected, the worker keeps running, nothing is lost.
 
 What reaches a worker goes to the in-process node (``in_process``: pytest-celery's session

@@ -165,4 +165,7 @@ def test_tier_priority_lane_headers(pl: Pipeline) -> None:
     plain = with_overrides(pl.settings, queues=[q])
     headers = Attempt(Runtime(plain), record, "tok", "w").headers()
     assert "x-gateway-priority" not in headers
-    assert headers["X-LLM-D-Inference-Objective"] == "mine"  # the caller's overrides the queue's
+    # the queue's objective wins over the caller's (issue 45, item 11; llm-d-async let the
+    # caller's override it), and goes out once
+    assert headers["x-llm-d-inference-objective"] == "queue-objective"
+    assert "X-LLM-D-Inference-Objective" not in headers

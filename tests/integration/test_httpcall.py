@@ -2,7 +2,9 @@
 connection the server closed while idle replaced before use (never a request sent twice),
 the whole-call deadline (also against a response that trickles in), URLs it refuses, every way
 a response body is framed (length, chunked, the connection's close), interim 1xx responses, a
-broken response as a retriable transport error, and headers that would split the request.
+broken response as a retriable transport error, and what it cannot write (headers that would
+split the request, values outside Latin-1, URLs with a space, a control or a non-ASCII
+character, a head over 64 KiB): refused before connecting, never retried.
 Redirects and the response-size limit: tests/integration/test_redirects.py."""
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import httptools
 import pytest
 
 from pipeline.http import call as httpcall
-from pipeline.http.classify import Kind, send
+from pipeline.http.classify import UNSENDABLE, Kind, send
+from pipeline.http.rules import MAX_HEAD_BYTES, Unsendable
 from pipeline.sim import SimConfig, SimServer
 from tests.integration.tls import make_certs
 
@@ -288,3 +291,40 @@ def test_headers_that_would_split_the_request_are_refused(headers: dict[str, str
         httpcall.request("POST", "http://127.0.0.1:9/x", BODY, {"X-Ok": "1", **headers}, 1)
     (name,) = headers
     assert repr(name) in str(refused.value) and "sk-1" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"X-A": "中文"},  # not Latin-1: encoding it raised UnicodeEncodeError mid-call
+        {"x-request-id": "请求-1"},
+        {"X-A": "bell\x07"},
+        {"X-A": "nul\x00"},
+        {"X-Big": "h" * MAX_HEAD_BYTES},
+    ],
+    ids=["not-latin-1", "id-not-latin-1", "control", "nul", "head-over-64k"],
+)
+def test_what_it_cannot_write_is_unsendable(headers: dict[str, str]) -> None:
+    with pytest.raises(Unsendable, match="header|head") as refused:
+        httpcall.request("POST", "http://127.0.0.1:9/x", BODY, headers, 1)
+    assert "中文" not in str(refused.value) and "请求" not in str(refused.value)
+    out = send("http://127.0.0.1:9/x", BODY.decode(), headers, 1)
+    assert (out.kind, out.category, out.status_code) == (Kind.FATAL, UNSENDABLE, None)
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/a b", "/v1/comp\r\nletions", "/v1/comp\nletions", "/v1/comp\tletions", "/v1/é"],
+    ids=["space", "crlf", "lf", "tab", "non-ascii"],
+)
+def test_a_url_it_cannot_write_is_unsendable(sim: SimServer, path: str) -> None:
+    """``urlsplit`` drops CR, LF and TAB: the request went out to another path than given."""
+    before = sim.stats()["requests"]
+    with pytest.raises(Unsendable, match="URL"):
+        httpcall.request("POST", sim.url + path, BODY, JSON, 5)
+    assert sim.stats()["requests"] == before
+
+
+def test_a_tab_inside_a_value_and_latin_1_text_go_out(sim: SimServer) -> None:
+    resp = httpcall.request("POST", completions(sim), BODY, {**JSON, "X-Note": "naïve\tok"}, 5)
+    assert resp.status == 200

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from celery.result import AsyncResult
 
-from pipeline import IdempotencyConflict
+from pipeline import IdempotencyConflict, UnknownRequest
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
@@ -186,8 +186,10 @@ def test_cancel_while_running_is_asked_of_the_attempt_and_gives_no_retry(pl: Pip
     assert pl.inspect()["solo"]["pending"] == 0
 
 
-def test_cancel_unknown_id_is_a_noop(pl: Pipeline) -> None:
-    assert pl.cancel(uid("nobody")) is False
+def test_cancel_unknown_id_raises_as_get_does(pl: Pipeline) -> None:
+    """Issue 45, item 16: it returned False, as for a request that had finished."""
+    with pytest.raises(UnknownRequest):
+        pl.cancel(uid("nobody"))
 
 
 def test_idempotent_submit(pl: Pipeline) -> None:

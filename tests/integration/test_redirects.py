@@ -1,12 +1,16 @@
 """Redirects and the response-size limit of the attempt's HTTP call, over real sockets.
 
 A redirect is returned as it came unless a queue opts in (``follow_redirects``); then only a
-307/308 is followed, with the same body. To another origin (scheme, host or port) it carries
-no credential header and presents no client certificate; https -> http is refused, and so is a
-loop. A response body over ``max_response_bytes`` ends the attempt before more than that is held,
-whatever frames it (length, chunked, the connection's close). Last, a real worker node: a
-queue without ``follow_redirects`` ends a redirected request with its 307, one with it reaches
-the other server without the queue's key, and no gate holds a reservation afterwards."""
+307/308 is followed, with the same body, and only to the first URL's origin (scheme, host and
+port) or one the queue lists (``redirect_origins``): one anywhere else is refused, another port
+of the same host included (issue 45, item 12: a redirect reached a Redis port). To another
+(listed) origin it carries no credential header and presents no client certificate; https ->
+http is refused, and so is a loop. A response body over ``max_response_bytes`` ends the attempt
+before more than that is held, whatever frames it (length, chunked, the connection's close).
+Last, a real worker node: a queue without ``follow_redirects`` ends a redirected request with
+its 307, one with it and the target listed reaches the other server without the queue's key,
+one without the target listed ends ``INFERENCE_ERROR`` without reaching it, and no gate holds a
+reservation afterwards."""
 
 from __future__ import annotations
 
@@ -201,11 +205,16 @@ def assert_no_credentials(call: Call) -> None:
     assert call.body == BODY
 
 
+def follow(target: Server) -> dict[str, Any]:
+    """Follow redirects, to ``target``'s origin too."""
+    return {"follow_redirects": True, "redirect_origins": [target.url]}
+
+
 def test_another_port_gets_no_credential_header(serve: Callable[..., Server]) -> None:
     target = serve()
     origin = serve(to(target.url + "/v1/completions"))
     resp = httpcall.request(
-        "POST", origin.url + "/v1", BODY, {**SECRETS, **PLAIN}, 5, follow_redirects=True
+        "POST", origin.url + "/v1", BODY, {**SECRETS, **PLAIN}, 5, **follow(target)
     )
     assert resp.status == 200
     assert origin.calls[0].headers["authorization"] == "Bearer sk-secret"
@@ -218,7 +227,7 @@ def test_another_host_name_gets_no_credential_header(serve: Callable[..., Server
     target = serve(host="localhost")
     origin = serve(to(target.url + "/x"))
     resp = httpcall.request(
-        "POST", origin.url + "/x", BODY, {**SECRETS, **PLAIN}, 5, follow_redirects=True
+        "POST", origin.url + "/x", BODY, {**SECRETS, **PLAIN}, 5, **follow(target)
     )
     assert resp.status == 200
     (call,) = target.calls
@@ -231,7 +240,7 @@ def test_another_origin_gets_its_own_host_header(serve: Callable[..., Server]) -
     origin = serve(to(target.url + "/x"))
     headers = {**PLAIN, "Host": "gateway.internal"}
     assert (
-        httpcall.request("POST", origin.url + "/x", BODY, headers, 5, follow_redirects=True).status
+        httpcall.request("POST", origin.url + "/x", BODY, headers, 5, **follow(target)).status
         == 200
     )
     assert origin.calls[0].headers["host"] == "gateway.internal"
@@ -250,7 +259,7 @@ def test_another_https_origin_sees_no_client_certificate(
     target = serve(certs=certs, host="localhost")
     origin = serve(to(target.url + "/x"), certs=certs)
     tls = httpcall.TLS(certs.ca, certs.client_cert, certs.client_key)
-    resp = httpcall.request("POST", origin.url + "/x", BODY, SECRETS, 5, tls, follow_redirects=True)
+    resp = httpcall.request("POST", origin.url + "/x", BODY, SECRETS, 5, tls, **follow(target))
     assert resp.status == 200
     assert origin.calls[0].client_cert  # mTLS to the queue's own server
     (call,) = target.calls
@@ -262,8 +271,8 @@ def test_https_to_plain_http_is_refused(serve: Callable[..., Server], certs: Cer
     origin = serve(to(target.url + "/x"), certs=certs)
     tls = httpcall.TLS(certs.ca)
     with pytest.raises(httpcall.RedirectRefused, match="from https to plain http"):
-        httpcall.request("POST", origin.url + "/x", BODY, SECRETS, 5, tls, follow_redirects=True)
-    out = send(origin.url + "/x", BODY.decode(), SECRETS, 5, tls, follow_redirects=True)
+        httpcall.request("POST", origin.url + "/x", BODY, SECRETS, 5, tls, **follow(target))
+    out = send(origin.url + "/x", BODY.decode(), SECRETS, 5, tls, **follow(target))
     assert (out.kind, out.category, out.status_code) == (Kind.FATAL, "REDIRECT", None)
     assert "plain http" in (out.error or "")
     assert target.calls == []
@@ -280,6 +289,47 @@ def test_a_redirect_loop_ends(serve: Callable[..., Server]) -> None:
     with pytest.raises(httpcall.RedirectRefused, match=f"more than {httpcall.MAX_REDIRECTS}"):
         httpcall.request("POST", s.url + "/x", BODY, PLAIN, 5, follow_redirects=True)
     assert len(s.calls) == httpcall.MAX_REDIRECTS + 1
+
+
+# -- where a redirect may go ----------------------------------------------------------------
+def test_another_origin_is_refused_unless_listed(serve: Callable[..., Server]) -> None:
+    """127.0.0.1 on another port (a Redis, say): refused before anything is sent there."""
+    target = serve()
+    origin = serve(to(target.url + "/v1/completions"))
+    port = target.url.rpartition(":")[2]
+    with pytest.raises(httpcall.RedirectRefused, match=f"another origin .*:{port}.* refused"):
+        httpcall.request("POST", origin.url + "/v1", BODY, PLAIN, 5, follow_redirects=True)
+    out = send(origin.url + "/v1", BODY.decode(), PLAIN, 5, follow_redirects=True)
+    assert (out.kind, out.category, out.status_code) == (Kind.FATAL, "REDIRECT", None)
+    assert target.calls == [] and len(origin.calls) == 2
+    resp = httpcall.request("POST", origin.url + "/v1", BODY, PLAIN, 5, **follow(target))
+    assert resp.status == 200 and len(target.calls) == 1
+
+
+def test_a_listed_host_opens_only_its_own_port(serve: Callable[..., Server]) -> None:
+    listed, other = serve(), serve()
+    origin = serve(to(other.url + "/x"))
+    with pytest.raises(httpcall.RedirectRefused, match="another origin"):
+        httpcall.request("POST", origin.url + "/x", BODY, PLAIN, 5, **follow(listed))
+    assert other.calls == []
+
+
+def test_every_hop_of_a_chain_is_checked(serve: Callable[..., Server]) -> None:
+    """A listed origin that redirects on to an unlisted one: the second hop is refused."""
+    last = serve()
+    middle = serve(to(last.url + "/x"))
+    origin = serve(to(middle.url + "/x"))
+    with pytest.raises(httpcall.RedirectRefused, match="another origin"):
+        httpcall.request("POST", origin.url + "/x", BODY, PLAIN, 5, **follow(middle))
+    assert len(middle.calls) == 1 and last.calls == []
+
+
+def test_a_redirect_to_a_url_it_cannot_send_is_refused(serve: Callable[..., Server]) -> None:
+    """A Location with a space would go out as a broken request line."""
+    s = serve(lambda path: (307, {"Location": "/v1/a b"}, b"") if path == "/x" else (200, {}, OK))
+    with pytest.raises(httpcall.RedirectRefused, match="cannot send"):
+        httpcall.request("POST", s.url + "/x", BODY, PLAIN, 5, follow_redirects=True)
+    assert [c.path for c in s.calls] == ["/x"]
 
 
 # -- bounded responses --------------------------------------------------------------------
@@ -334,6 +384,14 @@ def test_a_declared_length_over_the_limit_is_refused_before_reading(
         ({"max_response_bytes": 0}, "max_response_bytes must be a positive int"),
         ({"max_response_bytes": "16MiB"}, "max_response_bytes must be a positive int"),
         ({"max_response_bytes": True}, "max_response_bytes must be a positive int"),
+        ({"redirect_origins": ["https://gw-b"]}, "redirect_origins needs follow_redirects"),
+        ({"follow_redirects": True, "redirect_origins": "https://gw-b"}, "redirect_origins"),
+        ({"follow_redirects": True, "redirect_origins": [5]}, "redirect_origins"),
+        ({"follow_redirects": True, "redirect_origins": ["gw-b:8443"]}, "not an origin"),
+        ({"follow_redirects": True, "redirect_origins": ["ftp://gw-b"]}, "not an origin"),
+        ({"follow_redirects": True, "redirect_origins": ["https://gw-b/v1"]}, "not an origin"),
+        ({"follow_redirects": True, "redirect_origins": ["https://u:p@gw-b"]}, "not an origin"),
+        ({"follow_redirects": True, "redirect_origins": ["https://gw-b:x"]}, "not an origin"),
     ],
 )
 def test_bad_fields_name_the_queue_and_field(extra: dict[str, Any], field: str) -> None:
@@ -344,6 +402,7 @@ def test_bad_fields_name_the_queue_and_field(extra: dict[str, Any], field: str) 
 def test_the_fields_default_to_off_and_16_mib() -> None:
     (q,) = parse_queues([{"queue_name": "gw", "igw_base_url": "http://gw"}], "q.json").values()
     assert (q.follow_redirects, q.max_response_bytes) == (False, 16 * 1024 * 1024)
+    assert q.redirect_origins == ()  # the queue's own origin only
     assert q.max_response_bytes == httpcall.MAX_RESPONSE_BYTES  # the call's own default
 
 
@@ -372,7 +431,14 @@ def test_a_worker_follows_only_when_the_queue_says_and_never_leaks_its_key(
                 "igw_base_url": origin.url,
                 "api_key_env": "REDIR_KEY",
                 "follow_redirects": True,
+                "redirect_origins": [target.url],
                 **quota(1),
+            },
+            {  # follows, but only to its own origin
+                "queue_name": "unlisted",
+                "igw_base_url": origin.url,
+                "follow_redirects": True,
+                **local_limit(1),
             },
             {
                 "queue_name": "small",
@@ -396,6 +462,11 @@ def test_a_worker_follows_only_when_the_queue_says_and_never_leaks_its_key(
         assert [c.headers["authorization"] for c in origin.calls] == [f"Bearer {key}"] * 2
         (call,) = target.calls
         assert "authorization" not in call.headers and json.loads(call.body)["prompt"] == "hi"
+
+        refused = iso.pl.submit(body, queue=iso.queue("unlisted")).result(timeout=20)
+        assert (refused.error_code, refused.attempts) == ("INFERENCE_ERROR", 1)
+        assert "not in the queue's redirect_origins" in (refused.error_message or "")
+        assert len(target.calls) == 1  # the followed one only
 
         cut = iso.pl.submit(body, queue=iso.queue("small")).result(timeout=20)
         assert not cut.ok and cut.attempts == 1

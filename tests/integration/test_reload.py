@@ -129,6 +129,7 @@ def test_the_snapshot_children_follow_round_trips_every_field() -> None:
         "retry_base_delay_s": 0.5, "retry_max_delay_s": 9, "api_key_env": "K",
         "tls_ca_file": "/ca.pem", "tls_cert_file": "/c.pem", "tls_key_file": "/k.pem",
         "tls_insecure_skip_verify": True, "follow_redirects": True, "max_response_bytes": 99,
+        "redirect_origins": ["https://c:8443"],
         "result_list": False, "result_list_max_len": 7,
         "result_ttl_seconds": 60, "ingest": "llm-d-async", "weight": 3, "fair_share": True,
     }  # fmt: skip

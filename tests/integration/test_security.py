@@ -18,6 +18,7 @@ from pipeline.config import load_settings
 from pipeline.redact import redact_url
 from pipeline.sim import SimServer
 from tests.conftest import NODE_START_S, ROOT
+from tests.redis_servers import lone_server, one_node_cluster
 
 PASSWORD = "s3cret-" + uuid.uuid4().hex[:8]
 
@@ -139,4 +140,64 @@ def test_password_urls_work_and_never_leak(
         worker.wait(30)
     text = log.read_text(errors="replace")
     assert "pipeline dispatcher started" in text
+    assert PASSWORD not in text
+
+
+# -- every URL form, every place a URL is shown (issue 45, item 4) -------------------------------
+@pytest.fixture(params=["query", "cluster"])
+def password_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A Redis that requires PASSWORD, named with the password as ``?password=`` (a standalone
+    server) or as the userinfo of a ``redis+cluster://`` URL listing two seeds (a one-node
+    cluster, by two names)."""
+    if request.param == "query":
+        with lone_server(tmp_path / "redis", password=PASSWORD) as server:
+            yield f"redis://127.0.0.1:{server.port}/0?password={PASSWORD}"
+    else:
+        with one_node_cluster(tmp_path / "cluster", password=PASSWORD) as node:
+            # two seeds, as a cluster URL usually lists: host:port,host:port
+            yield f"redis+cluster://:{PASSWORD}@127.0.0.1:{node.port},localhost:{node.port}"
+
+
+def test_status_and_serve_never_show_the_password(
+    password_url: str, env: dict[str, str], tmp_path: Path
+) -> None:
+    """``pipeline status`` (table and JSON) and ``pipeline serve``'s start-up line at INFO
+    name the Redis without its password, whether it is a ``?password=`` parameter or a
+    cluster URL's userinfo (which made the redaction itself raise: status and serve crashed)."""
+    cli_env = {
+        **{k: v for k, v in env.items() if k != "PIPELINE_QUEUES"},  # one queue, any Redis
+        "PIPELINE_ENDPOINT": "http://127.0.0.1:9",
+        "PIPELINE_REDIS_URL": password_url,
+        "PIPELINE_KEY_PREFIX": f"sec{uuid.uuid4().hex[:6]}:",
+        "PIPELINE_FILES_DIR": str(tmp_path / "files"),
+    }
+    shown = redact_url(password_url)
+    assert PASSWORD not in shown and "***" in shown
+    for args in (["status", "--json"], ["status"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipeline", *args],
+            env=cli_env, cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert PASSWORD not in proc.stdout + proc.stderr
+    assert f"redis: {shown}" in proc.stdout, proc.stdout  # the table's first line
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as fh:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "serve", "--port", str(free_port())],
+            env=cli_env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        wait_until(
+            lambda: serve.poll() is not None or "serving on" in log.read_text(),
+            60,
+            "pipeline serve's start-up line",
+        )
+    finally:
+        serve.terminate()
+        serve.wait(30)
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text, text[-3000:]
+    [line] = [x for x in text.splitlines() if "serving on" in x]
+    assert " INFO " in line and f"(redis {shown}," in line, line
     assert PASSWORD not in text

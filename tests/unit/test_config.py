@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from urllib.parse import urlencode
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kombu.utils.url import parse_url as kombu_parse_url
 
 from pipeline.batch.config import BatchSettings
-from pipeline.config import load_settings
+from pipeline.config import celery_url, load_settings
 from pipeline.errors import ConfigError
 from pipeline.gates import check_gates
 
@@ -137,3 +141,60 @@ def test_max_payload_bytes_refuses_a_larger_body_naming_the_field() -> None:
         _check_payload({"prompt": "x" * 100}, limit)
     with pytest.raises(ConfigError, match="PIPELINE_MAX_PAYLOAD_BYTES"):
         load_settings({"PIPELINE_MAX_PAYLOAD_BYTES": "big"})
+
+
+@given(
+    password=st.text(min_size=1, max_size=30),
+    username=st.one_of(st.none(), st.text(min_size=1, max_size=20)),
+)
+def test_celery_url_puts_query_credentials_where_kombu_reads_them(
+    password: str, username: str | None
+) -> None:
+    """redis-py reads ``?password=`` (and ``?username=``); kombu's parser raises on it. The
+    URL Celery gets carries them in its userinfo, as kombu decodes them, with the rest of
+    the query kept."""
+    query = {"password": password, "socket_timeout": "3"}
+    if username is not None:
+        query["username"] = username
+    url = celery_url(f"redis://127.0.0.1:6380/2?{urlencode(query)}")
+    parts = kombu_parse_url(url)
+    assert parts["password"] == password
+    assert parts["userid"] == (username or None)
+    assert (parts["hostname"], parts["port"], parts["virtual_host"]) == ("127.0.0.1", 6380, "2")
+    assert "socket_timeout=3" in url and "password=" not in url
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:pw@127.0.0.1:6379/0",
+        "redis://127.0.0.1/0?socket_timeout=3",
+        "sentinel://h1:26379;sentinel://h2:26379/0",
+        "redis+cluster://:pw@h:7000,h:7001",
+        "unix:///tmp/redis.sock?password=x",
+    ],
+)
+def test_celery_url_leaves_other_urls_alone(url: str) -> None:
+    assert celery_url(url) == url
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"redirect_origins": ["http://other:9090"]}, "redirect_origins needs follow_redirects"),
+        (
+            {"follow_redirects": True, "redirect_origins": ["http://other:9090/path"]},
+            "is not an origin",
+        ),
+        ({"follow_redirects": True, "redirect_origins": "http://other:9090"}, "must be a list"),
+    ],
+)
+def test_a_metric_gates_redirect_origins_are_checked(
+    tmp_path: Path, params: dict[str, object], message: str
+) -> None:
+    gate = {"url": "http://prom:9090", "query": "q", **params}
+    entry = {"queue_name": "q", "igw_base_url": "http://gw:8080"}
+    entry.update(gate_type="prometheus-query", gate_params=gate)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=message) as info:
+        settings_from(tmp_path, [entry])
+    assert "redirect_origins" in str(info.value)

@@ -18,13 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "redact": set(),
-    "config": {"errors"},
-    "store": {"config", "errors"},
-    "http": set(),
+    "config": {"errors", "redact"},
+    "store": {"config", "errors", "http"},  # the wire format checks with http.rules
+    "http": {"redact"},
     "gates": {"store", "config", "errors", "redact", "http"},  # metric gates GET with http.call
-    "client": {"gates", "store", "config", "errors"},
+    "client": {"gates", "store", "config", "errors", "http"},  # submit checks with http.rules
     "observability": {"client", "gates", "store", "config", "errors", "redact"},
-    "worker": {"observability", "http", "gates", "store", "config", "errors"},
+    "worker": {"observability", "http", "gates", "store", "config", "errors", "redact"},
     "dispatch": {"observability", "gates", "store", "config", "errors"},
     "sim": set(),
     # batches as objects, their file formats and the `pipeline run` client: on the client API

@@ -11,11 +11,13 @@
 -- Either way the decision log gets a `cancelled` entry naming who asked (`by`) and when.
 -- KEYS[1] request hash, then the key families (lib.lua key_families).
 -- ARGV[1] result TTL (s), ARGV[2] 'finish' or 'abort', ARGV[3] who cancelled ('' unknown).
--- Returns 1 when cancelled (an aborted running attempt included), else 0.
+-- Returns 1 when cancelled (an aborted running attempt included), 0 when not (done already,
+-- or running with 'finish'), -1 for an unknown request (no record).
 local K = key_families()
 local f = redis.call('HMGET', KEYS[1], 'state', 'id', 'log', 'last_response', 'last_error')
 local state, id = f[1], f[2]
-if not state or state == 'done' then return 0 end
+if not state then return -1 end
+if state == 'done' then return 0 end
 local now = server_now()
 local note = '"was":' .. json_str(state) .. ',"running":' .. json_str(ARGV[2])
 if ARGV[3] ~= '' then note = note .. ',"by":' .. json_str(ARGV[3]) end

@@ -198,9 +198,15 @@ def test_redirects_are_followed_only_when_configured_and_keep_no_credentials(
         gate = gates("prometheus-query", {"url": url, "query": "q"})
         assert gate.budget() == 0.0 and stub.hits == 0  # a 307 is not followed by default
         assert moved.auth == ["Basic dXNlcjpwdw=="]  # user:pw@ is basic auth
-        follows = gates("prometheus-query", {"url": url, "query": "q", "follow_redirects": True})
+        # followed only to the URL's own origin unless the gate lists the other (a redirect
+        # to any host and port reached a Redis port: issue 45)
+        same_only = gates("prometheus-query", {"url": url, "query": "q", "follow_redirects": True})
+        assert same_only.budget() == 0.0 and stub.hits == 0
+        assert "redirect to another origin" in (same_only.observed().error or "")
+        params = {"follow_redirects": True, "redirect_origins": [stub.url]}
+        follows = gates("prometheus-query", {"url": url, "query": "q", **params})
         assert follows.budget() == pytest.approx(0.3)
-        assert stub.auth == [None]  # not to another origin
+        assert stub.auth == [None]  # no credentials to another origin
     finally:
         moved.close()
 
