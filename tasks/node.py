@@ -230,7 +230,8 @@ def _on_ready(sender: Any = None, **_: Any) -> None:
     """The node consumes: start its pool's threads (worker_ready's sender is the consumer),
     then its dispatchers, reloader and metrics endpoint (a failure stops the node before
     Celery reports it ready)."""
-    prestart_threads(getattr(sender, "pool", None))
+    with startup_step("starting the pool's threads"):
+        prestart_threads(getattr(sender, "pool", None))
     while _ready_to_start:
         worker, dispatchers, reloader = _ready_to_start.pop()
         with startup_step("starting the dispatcher"):
