@@ -57,6 +57,7 @@ from bench.common import (
     table,
     verdict,
 )
+from bench.handoff import lost_time
 
 QUEUE = "inflight"
 # slots -> (latency ms, requests): ten rounds of the slots (five at 4,096: 100 s of 20 s calls)
@@ -95,6 +96,7 @@ class Outcome:
     cpu_ms_per_request: float = 0.0
     steal_pct: float = 0.0
     load: str = ""
+    lost: dict[str, float] = field(default_factory=dict)  # bench.handoff.lost_time
 
     @property
     def ceiling(self) -> float:
@@ -159,13 +161,14 @@ def scenario(
     out = Outcome(slots, latency_s, n)
     ideal = n / (slots / latency_s)
     timeout_s = timeout_s if timeout_s is not None else 3 * ideal + 60
-    sim = Sim(latency_ms=latency_ms, extra=["--jitter-ms", str(jitter_ms)])
+    sim = Sim(latency_ms=latency_ms, record_arrivals=True, extra=["--jitter-ms", str(jitter_ms)])
     node: Node | None = None
     try:
         timeout = {"request_timeout_s": latency_s * 3 + 30, "default_timeout_s": 3600}
         q = queue_entry(QUEUE, sim.url, **global_gate(slots), **timeout)
+        extra = {"PIPELINE_METRICS_PORT": "0", **(extra_env or {})}  # no port clash
         penv = PipelineEnv(
-            rh.url, [q], workdir, pools=[{"id": "default", "workers": slots}], extra=extra_env or {}
+            rh.url, [q], workdir, pools=[{"id": "default", "workers": slots}], extra=extra
         )
         node = Node(penv, concurrency=slots)
         p = penv.pipeline()
@@ -194,6 +197,7 @@ def scenario(
         out.attempts_per_request = sum(tries) / n
         out.max_attempts = max(tries, default=0)
         out.max_at_sim = int(st.get("max_concurrency_observed", 0))
+        out.lost = lost_time(sim.arrivals(), t0, slots)
     finally:
         if node is not None:
             node.stop()
@@ -203,7 +207,8 @@ def scenario(
         f"-c {slots}: {out.done}/{n} in {out.elapsed_s:.1f} s = {out.rate:.1f} req/s "
         f"({out.ratio:.3f} of {out.ceiling:.0f}); attempts/req {out.attempts_per_request:.3f}; "
         f"errors {out.error_lines}; Redis conns {out.peak_connections}; "
-        f"RSS {out.rss_bytes / 2**20:.0f} MiB; CPU {out.cpu_ms_per_request:.2f} ms/req"
+        f"RSS {out.rss_bytes / 2**20:.0f} MiB; CPU {out.cpu_ms_per_request:.2f} ms/req; "
+        f"lost s: " + ", ".join(f"{k} {v:.2f}" for k, v in out.lost.items())
     )
     return out
 
@@ -295,6 +300,8 @@ def main() -> int:
         )
     )
     for o in outcomes:
+        lost = ", ".join(f"{k} {v:.2f} s" for k, v in o.lost.items())
+        print(f"  -c {o.slots}: time lost against the ceiling: {lost}")
         for line in o.first_errors:
             print(f"  -c {o.slots} error: {line[:200]}")
     print()

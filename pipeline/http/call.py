@@ -196,6 +196,18 @@ def _left(deadline: float) -> float:
     return left
 
 
+def _idle(sock: socket.socket) -> bool:
+    """An idle kept-alive connection is still usable: it has nothing to read (a connection
+    that reads anything has seen EOF, or garbage). ``poll``, not ``select``: a node with
+    thousands of slots has descriptors past ``select``'s 1024."""
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return not poller.poll(0)
+    except (OSError, ValueError):
+        return False
+
+
 def _connection(key: _ConnKey, deadline: float) -> socket.socket:
     """The thread's idle connection for ``key`` (taken out until the call puts it back), or a
     new one."""
@@ -203,11 +215,8 @@ def _connection(key: _ConnKey, deadline: float) -> socket.socket:
         _local.pid, _local.conns = os.getpid(), {}
     sock = _local.conns.pop(key, None)
     if sock is not None:
-        try:  # an idle connection that reads anything has seen EOF (or garbage)
-            if not select.select([sock], [], [], 0)[0]:
-                return sock
-        except (OSError, ValueError):
-            pass
+        if _idle(sock):
+            return sock
         sock.close()
     scheme, host, port, tls = key
     sock = socket.create_connection((host, port), timeout=min(_left(deadline), 10.0))
