@@ -3,7 +3,9 @@ starts it, :class:`bench.common.Node`) against an engine that answers in seconds
 limit (the simulator, ``--max-concurrency 0``), behind a ``global-max-concurrency`` of N in a
 pool of ``workers`` N, so the node's slots are the only bound. Per scenario:
 
-- req/s over the ceiling (slots / latency), from the first submit to the last result;
+- req/s over the ceiling (slots / latency), from the first submit to the last result, and
+  the same between the first wave's last answer and the last wave's first ("steady": the
+  run without its ramp and end);
 - attempts per request (the simulator's count of calls per request id: 1.00 is every request
   sent once), and the most requests the simulator had at once;
 - error lines in the node's log (ERROR, CRITICAL, a traceback) and its WARNING lines;
@@ -18,6 +20,10 @@ Targets (BENCHMARKS.md): ``-c 256`` at 2 s >= 0.95 of 128 req/s; ``-c 1024`` at 
 205 req/s; ``-c 4096`` at 20 s >= 0.90 of 205 req/s; every request one attempt and 0 error
 lines; <= 64 Redis connections per node whatever ``-c`` is; RSS at 4,096 in flight <= 1.5 GiB;
 CPU per request at ``-c 1024`` <= 1.25x that at ``-c 64``.
+
+Each node first runs one wave of ``slots`` 1 s calls (not measured): a long-running node has
+its threads and its connections to the model server; what its very first burst costs more
+(thread creation, connecting) is start-up, not throughput.
 
 :func:`scenario` runs one node and is what another script imports (``bench/engine.py``).
 
@@ -71,6 +77,7 @@ TARGETS = {256: 0.95, 1024: 0.95, 4096: 0.90}
 MAX_CONNECTIONS = 64
 MAX_RSS_4096 = 1.5 * 2**30
 CPU_RATIO = 1.25
+WARM_MS = 1000  # the warm-up wave's latency
 ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b|Traceback \(most recent call last\)")
 WARNING_LINE = re.compile(r"\bWARNING\b")
 
@@ -97,6 +104,7 @@ class Outcome:
     steal_pct: float = 0.0
     load: str = ""
     lost: dict[str, float] = field(default_factory=dict)  # bench.handoff.lost_time
+    steady: float = 0.0  # steady_ratio
 
     @property
     def ceiling(self) -> float:
@@ -173,9 +181,12 @@ def scenario(
         node = Node(penv, concurrency=slots)
         p = penv.pipeline()
         stats = p.store.keys.stats(QUEUE)
-        warm = [dict(it, queue=QUEUE) for it in items(8, f"warm{slots}")]
-        p.submit_many(warm)  # the node's first attempts: connections, code paths
-        _wait_done(p, stats, len(warm), 60 + 2 * latency_s)
+        # a long-running node has its threads and connections: one wave of 1 s calls starts
+        # them (what a node's very first burst costs more is its start-up, not its throughput)
+        hold = {"x-sim-latency-ms": str(WARM_MS)}
+        warm = [dict(it, queue=QUEUE, headers=hold) for it in items(slots, f"warm{slots}")]
+        p.submit_many(warm)
+        _wait_done(p, stats, len(warm), 120 + slots * 0.02)
         sim.reset()
         log(f"-c {slots}: {n} requests at {latency_ms} ms (+{jitter_ms}); ideal {ideal:.0f} s")
         batch = [dict(it, queue=QUEUE) for it in items(n, f"run{slots}")]
@@ -197,7 +208,9 @@ def scenario(
         out.attempts_per_request = sum(tries) / n
         out.max_attempts = max(tries, default=0)
         out.max_at_sim = int(st.get("max_concurrency_observed", 0))
-        out.lost = lost_time(sim.arrivals(), t0, slots)
+        arrivals = sim.arrivals()
+        out.lost = lost_time(arrivals, t0, slots)
+        out.steady = steady_ratio(arrivals, slots, latency_s)
     finally:
         if node is not None:
             node.stop()
@@ -211,6 +224,16 @@ def scenario(
         f"lost s: " + ", ".join(f"{k} {v:.2f}" for k, v in out.lost.items())
     )
     return out
+
+
+def steady_ratio(arrivals: list[tuple[float, float, str]], slots: int, latency_s: float) -> float:
+    """Throughput over the ceiling between the first wave's last answer and the last wave's
+    first one (the simulator's clock): the run without its ramp and its end."""
+    ends = sorted(f for _, f, _ in arrivals)
+    if len(ends) <= 2 * slots:
+        return float("nan")
+    t1, t2 = ends[slots - 1], ends[len(ends) - slots]
+    return (len(ends) - 2 * slots) / (t2 - t1) / (slots / latency_s) if t2 > t1 else float("nan")
 
 
 def _wait_done(p: Any, stats_key: str, n: int, timeout_s: float) -> int:
@@ -265,6 +288,7 @@ def main() -> int:
                 f"{o.done}/{o.n}",
                 o.rate,
                 o.ratio,
+                o.steady,
                 o.attempts_per_request,
                 o.max_at_sim,
                 o.error_lines,
@@ -285,6 +309,7 @@ def main() -> int:
                 "done",
                 "req/s",
                 "of ceiling",
+                "steady",
                 "attempts/req",
                 "max at sim",
                 "errors",

@@ -50,6 +50,7 @@ MAX_REDIRECTS = 5
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024  # a queue's default max_response_bytes
 CHUNK = 65536
 MAX_HEAD = 65536  # bytes of status line + headers
+SELECT_MAX_FD = 1024  # FD_SETSIZE: select() takes no descriptor from here on
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _BAD_VALUE = re.compile(r"[\r\n\x00]")
 # header names that carry a credential: never sent to another origin
@@ -198,9 +199,11 @@ def _left(deadline: float) -> float:
 
 def _idle(sock: socket.socket) -> bool:
     """An idle kept-alive connection is still usable: it has nothing to read (a connection
-    that reads anything has seen EOF, or garbage). ``poll``, not ``select``: a node with
-    thousands of slots has descriptors past ``select``'s 1024."""
+    that reads anything has seen EOF, or garbage). ``select`` refuses descriptors past 1024,
+    which a node with thousands of slots has: ``poll`` looks at those."""
     try:
+        if sock.fileno() < SELECT_MAX_FD:
+            return not select.select([sock], [], [], 0)[0]
         poller = select.poll()
         poller.register(sock, select.POLLIN)
         return not poller.poll(0)

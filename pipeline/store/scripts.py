@@ -109,9 +109,10 @@ class Lanes:
 
     def _reset(self) -> None:
         self.pid = os.getpid()
-        self._idle: list[AbstractConnection] = []
-        self._free = threading.Semaphore(self.size)
-        self.opened = 0  # connections made (at most size, but for dropped forks' counts)
+        self._idle: list[AbstractConnection] = []  # pop / append: atomic under the GIL
+        self._cond = threading.Condition(threading.Lock())
+        self._waiting = 0  # threads waiting for a connection (under _cond)
+        self.opened = 0  # connections made, at most size (under _cond)
 
     @classmethod
     def of(cls, client: redis.Redis) -> Lanes:
@@ -129,25 +130,43 @@ class Lanes:
             with self._lock:
                 if self.pid != os.getpid():
                     self._reset()  # the parent's connections are not this process's
-        if not self._free.acquire(timeout=LANE_WAIT_S):
-            raise redis.ConnectionError(f"no Redis connection free in {LANE_WAIT_S:.0f} s")
         try:
-            return self._idle.pop()
+            return self._idle.pop()  # the one given back last
         except IndexError:
-            pass
+            return self._take_slow()
+
+    def _take_slow(self) -> AbstractConnection:
+        end = time.monotonic() + LANE_WAIT_S
+        with self._cond:
+            self._waiting += 1
+            try:
+                while not self._idle and self.opened >= self.size:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        raise redis.ConnectionError(
+                            f"no Redis connection free in {LANE_WAIT_S:.0f} s"
+                        )
+                    self._cond.wait(min(left, 1.0))
+                if self._idle:
+                    return self._idle.pop()
+                self.opened += 1
+            finally:
+                self._waiting -= 1
         try:
-            conn = self.pool.connection_class(**self.pool.connection_kwargs)
+            return self.pool.connection_class(**self.pool.connection_kwargs)
         except BaseException:
-            self._free.release()
+            with self._cond:
+                self.opened -= 1
+                self._cond.notify()
             raise
-        self.opened += 1
-        return conn
 
     def give(self, conn: AbstractConnection) -> None:
         if self.pid != os.getpid():
             return  # lent before a fork: the child has its own
         self._idle.append(conn)
-        self._free.release()
+        if self._waiting:  # a waiter counted before it looked: it sees this one or is woken
+            with self._cond:
+                self._cond.notify()
 
     @contextlib.contextmanager
     def lent(self) -> Iterator[AbstractConnection | None]:
@@ -165,8 +184,14 @@ class Lanes:
     def execute(self, commands: Sequence[Sequence[Any]]) -> list[Any] | None:
         """Commands sent in one write over a borrowed connection: as :func:`execute_on`; None
         too when no connection came free in time."""
-        with self.lent() as conn:
-            return None if conn is None else execute_on(conn, commands)
+        try:
+            conn = self.take()
+        except redis.ConnectionError:
+            return None
+        try:
+            return execute_on(conn, commands)
+        finally:
+            self.give(conn)
 
     def close(self) -> None:
         """Close the idle connections (those lent are closed when given back and used again:
