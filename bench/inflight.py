@@ -4,8 +4,7 @@ limit (the simulator, ``--max-concurrency 0``), behind a ``global-max-concurrenc
 pool of ``workers`` N, so the node's slots are the only bound. Per scenario:
 
 - req/s over the ceiling (slots / latency), from the first submit to the last result, and
-  the same between the first wave's last answer and the last wave's first ("steady": the
-  run without its ramp and end);
+  "steady": latency / (latency + the mean hand-off), the run without its ramp and its end;
 - attempts per request (the simulator's count of calls per request id: 1.00 is every request
   sent once), and the most requests the simulator had at once;
 - error lines in the node's log (ERROR, CRITICAL, a traceback) and its WARNING lines;
@@ -30,6 +29,7 @@ its threads and its connections to the model server; what its very first burst c
     .venv/bin/python bench/inflight.py                      # 64, 256, 1024 (~3 min)
     .venv/bin/python bench/inflight.py --only 256           # the issue's reproduction
     .venv/bin/python bench/inflight.py --only 64 --only 1024 --only 4096   # ~7 min
+    .venv/bin/python bench/inflight.py --only 1024 --latency-ms 2000 --jitter-ms 3000  # 2-5 s
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from bench.common import (
     table,
     verdict,
 )
-from bench.handoff import lost_time
+from bench.handoff import handoffs, lost_time
 
 QUEUE = "inflight"
 # slots -> (latency ms, requests): ten rounds of the slots (five at 4,096: 100 s of 20 s calls)
@@ -227,13 +227,11 @@ def scenario(
 
 
 def steady_ratio(arrivals: list[tuple[float, float, str]], slots: int, latency_s: float) -> float:
-    """Throughput over the ceiling between the first wave's last answer and the last wave's
-    first one (the simulator's clock): the run without its ramp and its end."""
-    ends = sorted(f for _, f, _ in arrivals)
-    if len(ends) <= 2 * slots:
-        return float("nan")
-    t1, t2 = ends[slots - 1], ends[len(ends) - slots]
-    return (len(ends) - 2 * slots) / (t2 - t1) / (slots / latency_s) if t2 > t1 else float("nan")
+    """The run without its ramp and its end: latency / (latency + the mean hand-off, a freed
+    slot's wait for its next request: :func:`bench.handoff.handoffs`), what the node keeps up
+    once every slot is busy."""
+    waits = handoffs(arrivals, slots)
+    return latency_s / (latency_s + sum(waits) / len(waits)) if waits else float("nan")
 
 
 def _wait_done(p: Any, stats_key: str, n: int, timeout_s: float) -> int:
@@ -269,6 +267,16 @@ def main() -> int:
         help="slots of a scenario to run (repeatable); default 64, 256 and 1024",
     )
     ap.add_argument("--requests", type=int, default=0, help="requests per scenario (default: its)")
+    ap.add_argument(
+        "--latency-ms", type=int, default=0, help="every scenario's latency (default: its)"
+    )
+    ap.add_argument(
+        "--jitter-ms",
+        type=int,
+        default=0,
+        help="extra uniform latency, 0..this; the ceiling takes the mean (2-5 s: "
+        "--latency-ms 2000 --jitter-ms 3000)",
+    )
     args = ap.parse_args()
     chosen = args.only or [64, 256, 1024]
     if 64 not in chosen and any(s in chosen for s in (1024,)):
@@ -277,7 +285,12 @@ def main() -> int:
     with bench_session(args.redis_url) as (rh, workdir):
         for slots in sorted(chosen):
             latency_ms, n = SCENARIOS[slots]
-            outcomes.append(scenario(rh, workdir, slots, latency_ms, args.requests or n))
+            latency_ms = args.latency_ms or latency_ms
+            outcomes.append(
+                scenario(
+                    rh, workdir, slots, latency_ms, args.requests or n, jitter_ms=args.jitter_ms
+                )
+            )
     base = next((o for o in outcomes if o.slots == 64), None)
     rows = []
     for o in outcomes:
