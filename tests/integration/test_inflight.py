@@ -17,6 +17,7 @@ import pytest
 from rich.console import Console
 
 from bench.common import node_redis_connections
+from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.observability.status import StatusView, status_snapshot
 from pipeline.sim import SimServer
@@ -26,6 +27,7 @@ from tests.observability import Isolated, isolated, start_node
 WIDE = 512  # the node's slots
 IN_FLIGHT = 300  # requests held at the simulator at once
 MAX_CONNECTIONS = 64  # a node's Redis connections, whatever its slots
+LEASE_S = 3  # the test environment's PIPELINE_LEASE_S
 ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b|Traceback \(most recent call last\)")
 
 
@@ -72,6 +74,15 @@ def test_a_node_at_c512_holds_300_in_flight_on_a_few_redis_connections(
     sim.wait_held(name, IN_FLIGHT, timeout_s=120)
     connections = node_redis_connections(iso.pl.store.client, w.proc.pid)
     assert 0 < connections <= MAX_CONNECTIONS, f"{connections} Redis connections"
+    # every lease is renewed while they are held (the heartbeat renews them all)
+    client, active = iso.pl.store.client, iso.pl.store.keys.active(iso.queue("wide"))
+    now = client.time()[0]
+
+    def renewed() -> bool:
+        leases = client.zrange(active, 0, -1, withscores=True)
+        return len(leases) == IN_FLIGHT and min(s for _, s in leases) > now + LEASE_S + 1
+
+    wait_until(renewed, 30, "every lease renewed")
     sim.release(name)
     results = list(iso.pl.iter_results(ids, on_poll=give_up_after(120, "300 results")))
     assert len(results) == IN_FLIGHT and all(r.ok and r.attempts == 1 for r in results)

@@ -42,3 +42,13 @@ def test_a_hard_limit_too_low_is_named(restore_limit: tuple[int, int]) -> None:
     assert out.returncode == 0, out.stderr
     assert f"is {low}, below the {open_files_needed(4096)}" in out.stdout
     assert "4096 slots (-c)" in out.stdout
+
+
+def test_lease_renewals_go_in_chunks() -> None:
+    """A node with thousands running renews their leases a few hundred per script call."""
+    from pipeline.worker.process import RENEW_CHUNK, chunks
+
+    parts = chunks(list(range(2 * RENEW_CHUNK + 1)))
+    assert [len(p) for p in parts] == [RENEW_CHUNK, RENEW_CHUNK, 1]
+    assert [x for p in parts for x in p] == list(range(2 * RENEW_CHUNK + 1))
+    assert chunks([]) == []
