@@ -19,11 +19,20 @@ from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from ..config import MASTER_VAR, is_cluster, is_sentinel, parse_cluster_url, parse_sentinel_url
 from ..errors import ConfigError
-from .scripts import set_lanes
+from .scripts import close_lanes, set_lanes
 
 CONNECT_TIMEOUT_S = 5.0
 CLIENT_POOL = 16  # redis-py's own connections per client, beside its Lanes
 POOL_WAIT_S = 30.0  # a thread waits this long for one of them (then ConnectionError)
+
+
+class Client(redis.Redis):
+    """redis-py's client; :meth:`close` also disconnects its script-call connections (its
+    :class:`~.scripts.Lanes`, outside its redis-py pool)."""
+
+    def close(self) -> None:
+        close_lanes(self)
+        super().close()
 
 
 class BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
@@ -68,7 +77,7 @@ def connect(
         pool = redis.BlockingConnectionPool.from_url(
             url, max_connections=CLIENT_POOL, timeout=POOL_WAIT_S, **options
         )
-        return _with_lanes(redis.Redis.from_pool(pool), connections)
+        return _with_lanes(Client.from_pool(pool), connections)
     target = parse_sentinel_url(url)
     if not sentinel_master:
         raise ConfigError(f"a sentinel:// URL needs the master's name: set {MASTER_VAR}")
@@ -76,7 +85,7 @@ def connect(
     sentinels = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
     client = sentinels.master_for(
         sentinel_master,
-        redis_class=redis.Redis,
+        redis_class=Client,
         connection_pool_class=BlockingSentinelPool,
         max_connections=CLIENT_POOL,
         timeout=POOL_WAIT_S,

@@ -194,10 +194,16 @@ class Lanes:
             self.give(conn)
 
     def close(self) -> None:
-        """Close the idle connections (those lent are closed when given back and used again:
-        they reconnect)."""
+        """Disconnect the idle connections (one lent now goes on; a later call reconnects)."""
         for conn in list(self._idle):
             conn.disconnect()
+
+
+def close_lanes(client: redis.Redis) -> None:
+    """Disconnect the script-call connections of ``client`` (its :class:`Lanes`), if any."""
+    lanes = Lanes._of.get(client)
+    if lanes is not None and lanes.pid == os.getpid():
+        lanes.close()
 
 
 class ThreadConnection:

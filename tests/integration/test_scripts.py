@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import redis
 
+from pipeline.cli.services import wait_until
 from pipeline.store import connect
 from pipeline.store.connect import CLIENT_POOL
 from pipeline.store.scripts import Lanes, Script, ScriptCall, run_batch
@@ -225,3 +226,21 @@ def test_a_batch_on_a_killed_connection_still_runs_each_call_in_order(
     client.client_kill_filter(_id=connection_id(client))
     replies = run_batch(client, [ScriptCall(echo, [key], ["a"]), ScriptCall(echo, [key], ["b"])])
     assert replies == [["a", 2], ["b", 3]]
+
+
+def test_closing_the_client_disconnects_its_script_connections(redis_url: str, key: str) -> None:
+    client = connect(redis_url)
+    echo = Script(client, ECHO)
+    assert echo(keys=[key], args=["x"]) == ["x", 1]
+    ids = lane_ids(client)
+    assert ids and ids <= {int(c["id"]) for c in client.client_list()}
+    watcher = connect(redis_url)
+    try:
+        client.close()
+        wait_until(
+            lambda: not ids & {int(c["id"]) for c in watcher.client_list()},
+            10,
+            "the closed client's connections gone from CLIENT LIST",
+        )
+    finally:
+        watcher.close()
