@@ -43,6 +43,10 @@ _events = bool_env(os.environ, "PIPELINE_TASK_EVENTS", False)
 worker_send_task_events = _events
 task_send_sent_event = False  # the dispatcher sends only what runs next: "received" is enough
 result_expires = 24 * 3600
+# One result backend (and its bounded connection pool: tasks/backend.py) per node, not one per
+# thread as Celery's default: a node at -c 4096 built 4,096 backends, each with a pool of its
+# own, ~19 % of the GIL while its slots filled (py-spy)
+result_backend_thread_safe = True
 result_extended = False
 
 task_default_queue = celery_queue("default", os.environ.get("PIPELINE_KEY_PREFIX") or "pl:")

@@ -91,6 +91,51 @@ def machine_ticks() -> tuple[int, int]:
     return sum(fields), fields[7] if len(fields) > 7 else 0
 
 
+def proc_status(pid: int) -> dict[str, str]:
+    """``/proc/<pid>/status`` as a dict (``VmHWM``: peak RSS, ``Threads``, ...); {} if gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    return {k: v.strip() for k, _, v in (ln.partition(":") for ln in text.splitlines())}
+
+
+def socket_ports(pid: int) -> set[int]:
+    """The local TCP ports of process ``pid``'s sockets (from ``/proc``: its fds' socket
+    inodes, looked up in its network namespace's TCP tables)."""
+    inodes: set[str] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return set()
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports: set[int] = set()
+    for table_name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table_name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[9] in inodes:
+                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def node_redis_connections(client: redis.Redis, pid: int) -> int:
+    """How many of the Redis server's clients (``CLIENT LIST``) are connections of process
+    ``pid`` (a worker node on this machine): matched by their address's port."""
+    ports = socket_ports(pid)
+    clients = client.client_list()
+    return sum(1 for c in clients if int(str(c.get("addr", ":0")).rsplit(":", 1)[1]) in ports)
+
+
 class CpuMeter:
     """CPU seconds used by named processes (with their descendants, except ``client``: this
     process, whose children are the other processes) between ``start()`` and ``stop()``, and

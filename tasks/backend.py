@@ -23,20 +23,35 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
+import redis
 from celery import states
 from celery.backends.base import BackendStoreError
 from celery.backends.redis import RedisBackend, SentinelBackend
 from kombu.utils.encoding import bytes_to_str
 
 from pipeline.store import Mirror
+from pipeline.store.connect import CLIENT_POOL, POOL_WAIT_S
 from pipeline.store.scripts import source
 
 FINAL = frozenset({states.SUCCESS, states.FAILURE, states.REVOKED})
 _RESULT = "__pipeline_result__"  # stands for the result JSON that finish.lua writes
 
 
+def bounded_pool(**params: Any) -> redis.ConnectionPool:
+    """The backend's redis-py pool: one per node (``result_backend_thread_safe``), of at most
+    ``redis_max_connections`` (default ``CLIENT_POOL``) connections, where a thread waits for a
+    free one instead of raising ``MaxConnectionsError``: a node's connections stay bounded
+    whatever its slots."""
+    params["max_connections"] = params.get("max_connections") or CLIENT_POOL
+    return redis.BlockingConnectionPool(timeout=POOL_WAIT_S, **params)
+
+
 class PipelineRedisBackend(RedisBackend):
     """``RedisBackend`` whose ``store_result`` is a single script call."""
+
+    @property
+    def ConnectionPool(self) -> Any:  # noqa: N802 - Celery's name
+        return bounded_pool
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -38,6 +38,7 @@ from pipeline.observability import health, logs, metrics, tracing
 from pipeline.redact import redact_text, redact_url
 from pipeline.store import DirectPublish, Dispatched, check_redis
 from pipeline.worker import check_endpoints, runtime
+from pipeline.worker.limits import ensure_open_files
 from pipeline.worker.process import SNAPSHOT_ENV
 from pipeline.worker.reload import Reloader
 
@@ -138,6 +139,9 @@ class DispatcherStep(bootsteps.StartStopStep):
         rt = runtime()
         for warning in check_endpoints(rt.settings):
             log.warning("%s", warning)
+        fd_warning = ensure_open_files(int(worker.concurrency or 1))
+        if fd_warning:
+            log.warning("%s", fd_warning)
         pools = served_pools(worker)
         direct = direct_publish(rt.settings, pools, f"{os.getpid()}@{worker.hostname}")
         # on a Redis Cluster a dispatcher per pool: each ticks and waits in its pool's slot

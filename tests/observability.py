@@ -39,10 +39,15 @@ class Isolated:
 
 
 def isolated(
-    env: dict[str, str], tmp: Path, queues: list[dict[str, Any]], **extra: str
+    env: dict[str, str],
+    tmp: Path,
+    queues: list[dict[str, Any]],
+    pools: list[dict[str, Any]] | None = None,
+    **extra: str,
 ) -> Isolated:
     """A pipeline whose queue and pool names carry a fresh tag (``name-<tag>``): each entry's
-    ``queue_name`` and ``worker_pool_id`` (default ``p``) get the tag appended."""
+    ``queue_name`` and ``worker_pool_id`` (default ``p``) get the tag appended, and so does
+    each ``id`` of ``pools``, written as its pools file (``PIPELINE_POOLS``)."""
     tag = uuid.uuid4().hex[:8]
     entries = []
     for q in queues:
@@ -59,6 +64,10 @@ def isolated(
         "PIPELINE_METRICS_PORT": "0",
         **extra,
     }
+    if pools is not None:
+        pfile = tmp / f"pools-{tag}.json"
+        pfile.write_text(json.dumps([{**p, "id": f"{p['id']}-{tag}"} for p in pools]))
+        e["PIPELINE_POOLS"] = str(pfile)
     settings = load_settings(e)
     ISOLATED.append(f"plobs{tag}:")  # its keys are deleted after the test
     return Isolated(e, settings, Pipeline(settings), tag)

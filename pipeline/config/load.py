@@ -163,6 +163,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         redis_min_replicas=_int_env(env, "PIPELINE_REDIS_MIN_REPLICAS", 0, lo=0),
         redis_wait_timeout_ms=_int_env(env, "PIPELINE_REDIS_WAIT_TIMEOUT_MS", 1000, lo=1),
         allow_eviction=bool_env(env, "PIPELINE_ALLOW_EVICTION", False),
+        redis_connections=_int_env(env, "PIPELINE_REDIS_CONNECTIONS", 24, lo=1),
         merge_policy=merge,
     )
 

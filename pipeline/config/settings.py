@@ -180,11 +180,12 @@ def _check_credentials(entry: dict[str, Any], where: str, https: bool) -> None:
 @dataclass(frozen=True)
 class PoolConfig:
     """A worker pool (the reference's pool-config entry): a group of worker slots with its own
-    Celery queue. ``workers`` caps the slots the dispatcher fills across all nodes; the gate,
-    if any, is acquired together with the queue's gate just before the HTTP call."""
+    Celery queue. ``workers`` caps the slots the dispatcher fills across all nodes (None: the
+    slots its live nodes offer, each its ``-c``); the gate, if any, is acquired together with
+    the queue's gate just before the HTTP call."""
 
     id: str
-    workers: int = 64
+    workers: int | None = None
     gate_type: str | None = None
     gate_params: dict[str, Any] = field(default_factory=dict)
 
@@ -194,13 +195,18 @@ class PoolConfig:
         pid = entry.get("id")
         if not isinstance(pid, str) or not _NAME.match(pid):
             raise ConfigError(f"{where}: id must be 1-128 characters of [A-Za-z0-9_.-]")
-        workers = entry.get("workers", 64)
-        if not _positive(workers, int):
+        workers = entry.get("workers")
+        if workers is not None and not _positive(workers, int):
             raise ConfigError(f"{where} ({pid}): workers must be a positive int")
         params = entry.get("gate_params", {})
         if not isinstance(params, dict):
             raise ConfigError(f"{where} ({pid}): gate_params must be an object")
         return cls(pid, workers, entry.get("gate_type"), params)
+
+    def cap(self, offered: int) -> int:
+        """Attempts of the pool the dispatcher keeps running at once, across all nodes, when
+        its live nodes offer ``offered`` slots: all of them, or ``workers`` if fewer."""
+        return offered if self.workers is None else min(offered, self.workers)
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,8 @@ class Settings:
     redis_min_replicas: int = 0  # submit and terminal writes wait for this many replicas (WAIT)
     redis_wait_timeout_ms: int = 1000  # ... at most this long
     allow_eviction: bool = False  # start a worker on a Redis whose maxmemory-policy may evict
+    # script-call connections a process opens to each Redis server, shared by its threads
+    redis_connections: int = 24
     merge_policy: MergePolicy = field(default_factory=MergePolicy)
 
     def lookahead_for(self, capacity: int) -> int:

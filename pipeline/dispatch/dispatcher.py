@@ -76,6 +76,7 @@ class Dispatcher:
         self._bind(settings)
         self.pool_cap: dict[str, int] = {p: slots for p in pools}
         self.pool_nodes: dict[str, int] = {p: 1 for p in pools}
+        self._capped: dict[str, tuple[int, int] | None] = {}  # warned (offered, cap) per pool
         self._foreign_due = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -184,11 +185,30 @@ class Dispatcher:
         pools = list(self.pools)
         beats = self.store.node_beat(self.node, self.slots, pools, NODE_TTL_S)
         for pool, (total, live) in zip(pools, beats, strict=True):
-            cap = total or self.slots
+            offered = total or self.slots
             cfg = self.settings.pool_configs.get(pool)
-            self.pool_cap[pool] = min(cap, cfg.workers) if cfg else cap
+            self.pool_cap[pool] = cfg.cap(offered) if cfg else offered
             self.pool_nodes[pool] = max(1, live)
+            self._warn_capped(pool, offered, self.pool_cap[pool])
         self._next_beat = time.monotonic() + MAX_IDLE_S
+
+    def _warn_capped(self, pool: str, offered: int, cap: int) -> None:
+        """A WARNING when the pool's ``workers`` keeps fewer attempts running than its nodes
+        offer slots (at the node's start, and again whenever the figures change)."""
+        capped = (offered, cap) if cap < offered else None
+        if capped == self._capped.get(pool):
+            return
+        self._capped[pool] = capped
+        if capped is not None:
+            log.warning(
+                "pool %s: its live nodes offer %d slots (this node %d: -c), but the pool's "
+                "workers caps the attempts running at once at %d across all nodes; raise "
+                "workers in PIPELINE_POOLS, or leave it out to use every slot offered",
+                pool,
+                offered,
+                self.slots,
+                cap,
+            )
 
     def _loop(self) -> None:
         wake_keys = [self.keys.wake(p) for p in self.pools]

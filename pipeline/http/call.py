@@ -66,6 +66,7 @@ MAX_REDIRECTS = 5
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024  # a queue's default max_response_bytes
 CHUNK = 65536
 MAX_HEAD = 65536  # bytes of status line + headers
+SELECT_MAX_FD = 1024  # FD_SETSIZE: select() takes no descriptor from here on
 # header names that carry a credential: never sent to another origin
 _CREDENTIAL = re.compile(r"authorization|cookie|key|token|secret|session|passw|credential|auth")
 
@@ -211,6 +212,20 @@ def _left(deadline: float) -> float:
     return left
 
 
+def _idle(sock: socket.socket) -> bool:
+    """An idle kept-alive connection is still usable: it has nothing to read (a connection
+    that reads anything has seen EOF, or garbage). ``select`` refuses descriptors past 1024,
+    which a node with thousands of slots has: ``poll`` looks at those."""
+    try:
+        if sock.fileno() < SELECT_MAX_FD:
+            return not select.select([sock], [], [], 0)[0]
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return not poller.poll(0)
+    except (OSError, ValueError):
+        return False
+
+
 def _connection(key: _ConnKey, deadline: float) -> socket.socket:
     """The thread's idle connection for ``key`` (taken out until the call puts it back), or a
     new one."""
@@ -218,11 +233,8 @@ def _connection(key: _ConnKey, deadline: float) -> socket.socket:
         _local.pid, _local.conns = os.getpid(), {}
     sock = _local.conns.pop(key, None)
     if sock is not None:
-        try:  # an idle connection that reads anything has seen EOF (or garbage)
-            if not select.select([sock], [], [], 0)[0]:
-                return sock
-        except (OSError, ValueError):
-            pass
+        if _idle(sock):
+            return sock
         sock.close()
     scheme, host, port, tls = key
     sock = socket.create_connection((host, port), timeout=min(_left(deadline), 10.0))

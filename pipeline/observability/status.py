@@ -43,7 +43,60 @@ def status_snapshot(p: Pipeline) -> dict[str, Any]:
         q["done_last_minute"], soonest, at = res[3 * i : 3 * i + 3]
         q["oldest_pending_age_s"] = round(max(0.0, now - float(at)), 3) if ids[i] and at else None
         q["min_deadline_slack_s"] = round(soonest[0][1] - now, 3) if soonest else None
+    slots = pool_slots(p, sorted({q["pool"] for q in info.values()}), now)
+    for q in info.values():
+        q["slots"] = slots[q["pool"]]
     return info
+
+
+def pool_slots(p: Pipeline, pools: list[str], now: float) -> dict[str, dict[str, Any]]:
+    """Per pool: its live ``nodes``, the slots they ``offered`` (each its ``-c``), the pool's
+    ``workers`` (None: not set), the attempts the dispatcher keeps running at most (``cap``)
+    and whether ``workers`` holds that below what is offered (``capped``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for pool in pools:
+        keys = p.store.for_pool(pool).keys
+        client = p.store.for_pool(pool).client
+        with client.pipeline(transaction=False) as pipe:
+            pipe.zrangebyscore(keys.pool_nodes(pool), now, "+inf")
+            pipe.hgetall(keys.pool_slots(pool))
+            live, offered_by = pipe.execute()
+        offered = sum(int(offered_by.get(n, 0) or 0) for n in live)
+        cfg = p.settings.pool_configs.get(pool)
+        cap = cfg.cap(offered) if cfg else offered
+        out[pool] = {
+            "nodes": len(live),
+            "offered": offered,
+            "workers": cfg.workers if cfg else None,
+            "cap": cap,
+            "capped": cap < offered,
+        }
+    return out
+
+
+def pools_table(info: dict[str, Any]) -> Table:
+    """Per pool: live nodes, the slots they offer, ``workers`` and the attempts running at
+    most; a pool whose ``workers`` is below the slots offered is flagged."""
+    t = Table(title="pools", box=box.SIMPLE_HEAD, padding=(0, 1))
+    t.add_column("pool", overflow="fold", ratio=1, min_width=8)
+    for col in ("nodes", "slots offered", "workers", "running at most"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("note", overflow="fold", ratio=1)
+    seen: dict[str, dict[str, Any]] = {}
+    for q in info.values():
+        if "slots" in q:
+            seen.setdefault(q["pool"], q["slots"])
+    for pool, s in sorted(seen.items()):
+        workers = "-" if s["workers"] is None else str(s["workers"])
+        note = Text("")
+        if s["capped"]:
+            note = Text(
+                f"capped by workers: {s['offered'] - s['cap']} slots offered stay idle "
+                "(raise workers in PIPELINE_POOLS)",
+                style="bold yellow",
+            )
+        t.add_row(pool, str(s["nodes"]), str(s["offered"]), workers, str(s["cap"]), note)
+    return t
 
 
 def _seconds(value: float | None) -> str:
@@ -140,6 +193,7 @@ class StatusView:
         else:
             yield queues_table(self.info)
             yield gates_table(self.info)
+        yield pools_table(self.info)
 
 
 def _bytes(n: int | None) -> str:

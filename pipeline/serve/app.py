@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from importlib import resources
 from typing import Any
 
@@ -77,12 +78,7 @@ class Service:
         if order not in ("asc", "desc"):
             raise bad_request("order must be 'asc' or 'desc'", "order")
         limit = _limit(request, 10000, 10000)
-        after = request.query_params.get("after")
-        if after is not None:
-            try:
-                self.files.get(after, owner)
-            except UnknownFile:
-                raise bad_request("after: no such file", "after") from None
+        after = _after(request, partial(self.files.get, owner=owner), UnknownFile, "file")
         data, more = self.files.list(
             owner=owner,
             purpose=request.query_params.get("purpose"),
@@ -154,12 +150,7 @@ class Service:
     def list_batches(self, request: Request) -> Response:
         owner = self.owner(request)
         limit = _limit(request, 20, 100)
-        after = request.query_params.get("after")
-        if after is not None:
-            try:
-                self.batches.get(after, owner)
-            except UnknownBatch:
-                raise bad_request("after: no such batch", "after") from None
+        after = _after(request, partial(self.batches.get, owner=owner), UnknownBatch, "batch")
         data, more = self.batches.list(after=after, limit=limit, owner=owner)
         return _page([x.to_openai() for x in data], more)
 
@@ -322,6 +313,20 @@ def _limit(request: Request, default: int, most: int) -> int:
     if not LIMIT.fullmatch(raw) or not 1 <= int(raw) <= most:
         raise bad_request(f"limit must be an integer from 1 to {most}", "limit")
     return int(raw)
+
+
+def _after(
+    request: Request, find: Callable[[str], object], unknown: type[Exception], kind: str
+) -> str | None:
+    """The ``after`` cursor of a list call: an id the caller can see (``find`` raises
+    ``unknown`` for any other), else an OpenAI-shaped 400 naming ``after``."""
+    after = request.query_params.get("after")
+    if after is not None:
+        try:
+            find(after)
+        except unknown:
+            raise bad_request(f"after: no such {kind}", "after") from None
+    return after
 
 
 def _page(data: list[dict[str, Any]], more: bool) -> JSONResponse:

@@ -1,17 +1,19 @@
 """The Lua scripts (``lua/*.lua``, text from :func:`~.luatext.source`) and how they are called:
-``EVALSHA`` over a connection of the calling thread's own, one packed write and one read
+``EVALSHA`` over a connection borrowed from the process's few (:class:`Lanes`), one packed
+write and one read
 (``bench/overhead.py``; docs/internals.md, "Script calls"), else redis-py's own path (it
 reconnects and loads the script); ``WAIT`` for replicas in the same write (docs/production.md,
 "Waiting for replicas")."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,10 +56,160 @@ def replication(name: str, replicas: int, timeout_ms: int) -> Replication | None
     return Replication(replicas, timeout_ms, strict=name == "submit")
 
 
+DEFAULT_LANES = 24  # script-call connections per process and Redis server (see Lanes)
+LANE_WAIT_S = 30.0  # a call waits this long for a free one, then goes redis-py's own way
+_lane_sizes: weakref.WeakKeyDictionary[redis.Redis, int] = weakref.WeakKeyDictionary()
+
+
+def set_lanes(client: redis.Redis, size: int) -> None:
+    """How many connections :class:`Lanes` opens for ``client`` (before its first call)."""
+    _lane_sizes[client] = max(1, int(size))
+
+
+def execute_on(conn: AbstractConnection, commands: Sequence[Sequence[Any]]) -> list[Any] | None:
+    """Commands sent over ``conn`` in one write: their replies (an error reply as the
+    exception, in its place), or None when the connection failed (it is dropped; its next use
+    reconnects)."""
+    try:
+        if not conn.is_connected:
+            conn.connect()
+        conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(conn.read_response())
+            except ResponseError as exc:  # read in full: the connection stays in step
+                replies.append(exc)
+        return replies
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        conn.disconnect()
+        return None
+    except BaseException:
+        conn.disconnect()  # interrupted between send and read: an unread reply may follow
+        raise
+
+
+class Lanes:
+    """A process's connections to ``client``'s server for script calls, shared by all its
+    threads: a call borrows one for its write and its read and gives it back, so a node opens
+    at most ``size`` (``PIPELINE_REDIS_CONNECTIONS``) whatever its slots (``-c``). The one
+    given back last is lent first (LIFO: a few stay warm, the rest idle). Made on demand from
+    the client's connection settings, outside its redis-py pool (for a Sentinel-managed client
+    each asks the sentinels for the current master as it connects). A call that finds all of
+    them busy waits for one (at most :data:`LANE_WAIT_S`, then it goes redis-py's way). A
+    forked child makes its own. docs/internals.md, "Script calls"."""
+
+    _lock = threading.Lock()
+    _of: weakref.WeakKeyDictionary[redis.Redis, Lanes] = weakref.WeakKeyDictionary()
+
+    def __init__(self, client: redis.Redis, size: int = DEFAULT_LANES) -> None:
+        self.pool = client.connection_pool
+        self.size = size
+        self._reset()
+
+    def _reset(self) -> None:
+        self.pid = os.getpid()
+        self._idle: list[AbstractConnection] = []  # pop / append: atomic under the GIL
+        self._cond = threading.Condition(threading.Lock())
+        self._waiting = 0  # threads waiting for a connection (under _cond)
+        self.opened = 0  # connections made, at most size (under _cond)
+
+    @classmethod
+    def of(cls, client: redis.Redis) -> Lanes:
+        """The one :class:`Lanes` of ``client``."""
+        with cls._lock:
+            lanes = cls._of.get(client)
+            if lanes is None:
+                lanes = cls._of[client] = cls(client, _lane_sizes.get(client, DEFAULT_LANES))
+            return lanes
+
+    def take(self) -> AbstractConnection:
+        """A connection of this process's, the caller's until :meth:`give`; waits for one
+        when all are lent (``redis.ConnectionError`` after :data:`LANE_WAIT_S`)."""
+        if self.pid != os.getpid():
+            with self._lock:
+                if self.pid != os.getpid():
+                    self._reset()  # the parent's connections are not this process's
+        try:
+            return self._idle.pop()  # the one given back last
+        except IndexError:
+            return self._take_slow()
+
+    def _take_slow(self) -> AbstractConnection:
+        end = time.monotonic() + LANE_WAIT_S
+        with self._cond:
+            self._waiting += 1
+            try:
+                while not self._idle and self.opened >= self.size:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        raise redis.ConnectionError(
+                            f"no Redis connection free in {LANE_WAIT_S:.0f} s"
+                        )
+                    self._cond.wait(min(left, 1.0))
+                if self._idle:
+                    return self._idle.pop()
+                self.opened += 1
+            finally:
+                self._waiting -= 1
+        try:
+            return self.pool.connection_class(**self.pool.connection_kwargs)
+        except BaseException:
+            with self._cond:
+                self.opened -= 1
+                self._cond.notify()
+            raise
+
+    def give(self, conn: AbstractConnection) -> None:
+        if self.pid != os.getpid():
+            return  # lent before a fork: the child has its own
+        self._idle.append(conn)
+        if self._waiting:  # a waiter counted before it looked: it sees this one or is woken
+            with self._cond:
+                self._cond.notify()
+
+    @contextlib.contextmanager
+    def lent(self) -> Iterator[AbstractConnection | None]:
+        """A connection borrowed for the block (None: none came free in time)."""
+        try:
+            conn = self.take()
+        except redis.ConnectionError:
+            yield None
+            return
+        try:
+            yield conn
+        finally:
+            self.give(conn)
+
+    def execute(self, commands: Sequence[Sequence[Any]]) -> list[Any] | None:
+        """Commands sent in one write over a borrowed connection: as :func:`execute_on`; None
+        too when no connection came free in time."""
+        try:
+            conn = self.take()
+        except redis.ConnectionError:
+            return None
+        try:
+            return execute_on(conn, commands)
+        finally:
+            self.give(conn)
+
+    def close(self) -> None:
+        """Disconnect the idle connections (one lent now goes on; a later call reconnects)."""
+        for conn in list(self._idle):
+            conn.disconnect()
+
+
+def close_lanes(client: redis.Redis) -> None:
+    """Disconnect the script-call connections of ``client`` (its :class:`Lanes`), if any."""
+    lanes = Lanes._of.get(client)
+    if lanes is not None and lanes.pid == os.getpid():
+        lanes.close()
+
+
 class ThreadConnection:
-    """Each thread's own connection to ``client``'s server, taken from its pool on first use
-    and kept (a forked child takes its own). For a Sentinel-managed client it asks the
-    sentinels for the current master as it connects."""
+    """The calling thread's own connection to ``client``'s server, taken from its redis-py
+    pool on first use and kept (a forked child takes its own): for a thread that blocks on the
+    server (the dispatcher's doorbell wait), so its wait holds none of :class:`Lanes`."""
 
     _lock = threading.Lock()
     _of: weakref.WeakKeyDictionary[redis.Redis, ThreadConnection] = weakref.WeakKeyDictionary()
@@ -83,26 +235,8 @@ class ThreadConnection:
         return conn
 
     def execute(self, commands: Sequence[Sequence[Any]]) -> list[Any] | None:
-        """Commands sent in one write: their replies (an error reply as the exception, in its
-        place), or None when the connection failed (it is dropped; the next call reconnects)."""
-        conn = self.get()
-        try:
-            if not conn.is_connected:
-                conn.connect()
-            conn.send_packed_command(conn.pack_commands(commands), check_health=False)
-            replies: list[Any] = []
-            for _ in commands:
-                try:
-                    replies.append(conn.read_response())
-                except ResponseError as exc:  # read in full: the connection stays in step
-                    replies.append(exc)
-            return replies
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            conn.disconnect()
-            return None
-        except BaseException:
-            conn.disconnect()  # interrupted between send and read: an unread reply may follow
-            raise
+        """As :func:`execute_on`, over this thread's connection."""
+        return execute_on(self.get(), commands)
 
 
 # a reply that says the key's slot is elsewhere or the script unknown: ask redis-py's path
@@ -139,7 +273,7 @@ class Script:
         self._script = client.register_script(text)
         self.sha: str = self._script.sha
         self.cluster = isinstance(client, RedisCluster)
-        self._lanes = None if self.cluster else ThreadConnection.of(client)
+        self._lanes = None if self.cluster else Lanes.of(client)
         self._warned = 0.0
 
     def command(self, keys: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...]:
@@ -159,18 +293,24 @@ class Script:
         command = self.command(keys, args)
         wait = ("WAIT", rep.replicas, rep.timeout_ms) if rep else None
         later = wait is not None and wait_if is not None
-        lane = self._lanes or ThreadConnection.of(node_client(self.client, str(keys[0])))
-        replies = lane.execute([command, wait] if wait and not later else [command])
+        lanes = self._lanes or Lanes.of(node_client(self.client, str(keys[0])))
+        if later:  # the WAIT, if any, on the connection that wrote: it waits for its writes
+            with lanes.lent() as conn:
+                replies = None if conn is None else execute_on(conn, [command])
+                if (
+                    conn is not None
+                    and wait is not None
+                    and replies is not None
+                    and not isinstance(replies[0], Exception)
+                    and wait_if is not None
+                    and wait_if(replies[0])
+                ):
+                    acked = execute_on(conn, [wait])
+                    replies.append(0 if acked is None else acked[0])  # a lost WAIT: none
+        else:
+            replies = lanes.execute([command, wait] if wait else [command])
         if replies is None or isinstance(replies[0], REROUTE):
             replies = self._slow(keys, args, wait)  # with its WAIT, as it may have written
-        elif (
-            wait is not None
-            and wait_if is not None
-            and not isinstance(replies[0], Exception)
-            and wait_if(replies[0])
-        ):
-            acked = lane.execute([wait])
-            replies.append(0 if acked is None else acked[0])  # a lost WAIT confirmed none
         reply = replies[0]
         if isinstance(reply, Exception):
             raise reply  # the script's own error
@@ -188,7 +328,7 @@ class Script:
             self.client.script_load(self._script.script)  # on every primary
             self.client.nodes_manager.initialize()  # the slot map again (MOVED, a failover)
             client = node_client(self.client, str(keys[0]))
-            replies = ThreadConnection.of(client).execute([self.command(keys, args), wait])
+            replies = Lanes.of(client).execute([self.command(keys, args), wait])
             if replies is None or isinstance(replies[0], REROUTE):
                 raise redis.ConnectionError(f"{self.name}: the key's slot is moving; retry")
             return replies
@@ -241,7 +381,7 @@ def run_batch(client: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     which reconnects and loads the script. A call that waits for replicas runs after the
     others, with its WAIT."""
     batched = [c for c in calls if c.script.replication is None]
-    lane = ThreadConnection.of(node_client(client, calls[0].keys[0]) if calls else client)
+    lane = Lanes.of(node_client(client, calls[0].keys[0]) if calls else client)
     replies = lane.execute([c.script.command(c.keys, c.args) for c in batched])
     got = iter(replies if replies is not None else [NoScriptError()] * len(batched))
     out: list[Any] = []

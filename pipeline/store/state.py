@@ -147,7 +147,9 @@ class Store:
             Keys(settings.key_prefix) if pool is None else pool_keys(settings.key_prefix, pool)
         )
         self.client = client or connect(
-            settings.redis_url, sentinel_master=settings.redis_sentinel_master
+            settings.redis_url,
+            sentinel_master=settings.redis_sentinel_master,
+            connections=settings.redis_connections,
         )
         self.scripts: Scripts = (
             shared.scripts

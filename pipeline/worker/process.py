@@ -9,7 +9,7 @@ import os
 import random
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from ..config import QueueConfig, Settings, from_snapshot, load_settings, to_snapshot
 from ..gates import Gate, GateEnv, attempt_gate, check_gates, same_attempt_gate
@@ -25,6 +25,7 @@ from .reservation import Reservation
 
 log = logging.getLogger("pipeline.worker")
 
+T = TypeVar("T")
 SNAPSHOT_ENV = "PIPELINE_CONFIG_SNAPSHOT"  # the node's accepted queue config, for its children
 
 
@@ -38,6 +39,7 @@ class Runtime:
         self._gates: dict[str, Gate] = {}
         self._pool_gates: dict[str, Gate | None] = {}
         self._live: dict[str, Attempt] = {}  # holder -> its attempt (renewed on its gate)
+        self._holders: dict[str, set[str]] = {}  # request id -> its live holders here
         self._lock = threading.RLock()
         self._snapshot = snapshot  # the stamp of the node's config snapshot applied, if any
         self._heartbeat: threading.Thread | None = None
@@ -121,6 +123,7 @@ class Runtime:
         self.bell.listen_for_aborts()  # an abort notice reaches the attempt wherever it is
         with self._lock:
             self._live[attempt.holder] = attempt
+            self._holders.setdefault(attempt.id, set()).add(attempt.holder)
             if self._heartbeat is None or not self._heartbeat.is_alive():
                 self._heartbeat = threading.Thread(
                     target=self._beat, name="pipeline-heartbeat", daemon=True
@@ -136,29 +139,30 @@ class Runtime:
                 continue
             try:
                 by_pool: dict[str, list[Attempt]] = {}
-                for a in live:  # one call per pool's slot
+                for a in live:  # one call per pool's slot (and chunk)
                     by_pool.setdefault(a.queue.worker_pool_id, []).append(a)
                 for pool, attempts in by_pool.items():
-                    stale = self.store.for_pool(pool).renew(
-                        [(a.id, a.token, a.queue.queue_name) for a in attempts]
-                    )
-                    if stale:  # their results would be discarded: stop their calls
-                        self.abort(stale)
+                    for part in chunks(attempts):
+                        stale = self.store.for_pool(pool).renew(
+                            [(a.id, a.token, a.queue.queue_name) for a in part]
+                        )
+                        if stale:  # their results would be discarded: stop their calls
+                            self.abort(stale)
                 by_gate: dict[int, tuple[Gate, list[str]]] = {}
                 for a in live:  # each on the gate it holds (or asks)
                     gate = a.reservation.gate
                     by_gate.setdefault(id(gate), (gate, []))[1].append(a.holder)
                 for gate, holders in by_gate.values():
-                    gate.renew(holders, self.settings.lease_s)
+                    for names in chunks(holders):
+                        gate.renew(names, self.settings.lease_s)
             except Exception as exc:  # noqa: BLE001 - keep beating; leases tolerate a miss
                 log.warning("lease renewal failed: %s", exc)
 
     def abort(self, ids: list[str]) -> None:
         """Close the calls of this process's attempts of ``ids`` (an abort notice, or found
         fenced off at renewal): each then ends, releasing its reservation."""
-        wanted = set(ids)
-        with self._lock:
-            hits = [a for a in self._live.values() if a.id in wanted]
+        with self._lock:  # by id: a node with thousands running gets one notice per cancel
+            hits = [self._live[h] for rid in set(ids) for h in self._holders.get(rid, ())]
         for a in hits:
             if a.abort.fire():
                 log.info("request %s: attempt %s aborted (cancelled, or no longer its own)",
@@ -166,7 +170,13 @@ class Runtime:
 
     def untrack(self, holder: str) -> None:
         with self._lock:
-            self._live.pop(holder, None)
+            attempt = self._live.pop(holder, None)
+            if attempt is not None:
+                held = self._holders.get(attempt.id)
+                if held is not None:
+                    held.discard(holder)
+                    if not held:
+                        del self._holders[attempt.id]
 
     def live_holders(self) -> list[tuple[str, str, str]]:
         with self._lock:
@@ -281,6 +291,14 @@ class Runtime:
     def stop(self) -> None:
         self._stopping.set()
         self.bell.stop()
+
+
+RENEW_CHUNK = 500  # leases renewed per script call: a node with thousands running sends a few
+
+
+def chunks(items: list[T]) -> list[list[T]]:
+    """``items`` in runs of at most :data:`RENEW_CHUNK`, so no renewal holds Redis long."""
+    return [items[i : i + RENEW_CHUNK] for i in range(0, len(items), RENEW_CHUNK)]
 
 
 def _snapshot_stamp() -> tuple[int, int, int] | None:

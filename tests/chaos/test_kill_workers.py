@@ -3,7 +3,9 @@ with exactly one terminal result, the model server never sees more than the limi
 and the gate's in-flight count returns to 0 within one lease period after the last kill.
 The multi-tenant run does the same with four tenants behind per-tenant quotas and one global
 limit (quota-aware dispatch): no tenant is ever over its quota at the server, and afterwards
-the dispatcher counts no request of any key and holds no tenant back.
+the dispatcher counts no request of any key and holds no tenant back. A node at -c 512 holding
+300 calls is SIGKILLed (five times in the long variant): its leases are reaped and every
+request runs again on the next node, one result each.
 
 ``make test`` runs a short variant; ``PIPELINE_CHAOS_LONG=1`` (set by ``.ci/run``) runs the
 full 60 s one.
@@ -16,12 +18,16 @@ import os
 import random
 import time
 import uuid
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
+from tests.conftest import assert_idle, give_up_after, held
 from tests.integration.test_scheduling_e2e import peak_by, sim_arrivals
+from tests.observability import isolated, start_node
 
 LIMIT = 8  # the "chaos" queue: redis-quota concurrency 8 for one tenant
 LEASE_S = 2.0
@@ -171,3 +177,78 @@ def test_random_sigkills_with_tenants_behind_quotas(
         c.scan_iter(keys.prefix + "gate:*:sent", count=10_000)
     )  # nothing counted any more
     assert c.hlen(keys.blocked("mtchaos")) == 0 and c.zcard(keys.ready("mtchaos")) == 0
+
+
+# -- hundreds in flight on one node (issue 46) ----------------------------------------------
+WIDE_SLOTS, WIDE_HELD, WIDE_LIMIT = 512, 300, 400
+WIDE_ROUNDS = 5 if LONG else 1
+
+
+def sent_again(sim: SimServer, ids: set[str], name: str) -> bool:
+    """Every one of ``ids`` arrived twice at the simulator, and all are held there now."""
+    tries = sim.stats()["attempts_by_request_id"]
+    return all(tries.get(rid) == 2 for rid in ids) and sim.held(name) == len(ids)
+
+
+def test_sigkill_of_a_node_with_hundreds_in_flight(
+    env: dict[str, str], tmp_path: Path, sim: SimServer, start_worker: Any
+) -> None:
+    """A node at -c 512 holding 300 calls (behind a global limit of 400) is SIGKILLed; a new
+    node's reaper frees the dead one's leases and runs every request again: each ends with
+    one result after two attempts, the server never sees more than the limit, and the gate
+    ends empty. The long variant repeats it (each round's node killed in its turn)."""
+    gate = {"gate_type": "global-max-concurrency", "gate_params": {"limit": WIDE_LIMIT}}
+    iso = isolated(env, tmp_path, [{"queue_name": "wide", "igw_base_url": sim.url, **gate}])
+    queue = iso.queue("wide")
+    extra = {
+        "PIPELINE_LEASE_S": str(LEASE_S),
+        "PIPELINE_DISPATCH_LEASE_S": "4",
+        "PIPELINE_REAPER_PERIOD_S": "0.3",
+    }
+
+    def node() -> Any:
+        return start_node(start_worker, iso, concurrency=WIDE_SLOTS, extra_env=extra)[0]
+
+    current = node()
+    sim.reset()
+    all_ids: list[str] = []
+    try:
+        for round_no in range(WIDE_ROUNDS):
+            name = f"wide{round_no}-{uuid.uuid4().hex[:6]}"
+            items = [
+                {"payload": {"i": i}, "id": f"{name}-{i}", "queue": queue, "timeout": 600,
+                 "headers": held(name)}
+                for i in range(WIDE_HELD)
+            ]  # fmt: skip
+            ids = [r.id for r in iso.pl.submit_many(items)]
+            all_ids += ids
+            sim.wait_held(name, WIDE_HELD, timeout_s=120)
+            current.proc.kill()  # every held call's connection closes with it
+            current.proc.wait()
+            current = node()
+            # the dead node's leases lapse, the reaper requeues, the new node sends them again
+            wait_until(
+                partial(sent_again, sim, set(ids), name),
+                120,
+                f"{WIDE_HELD} requests sent again by the new node",
+            )
+            sim.release(name)
+            results = list(iso.pl.iter_results(ids, on_poll=give_up_after(120, "results")))
+            assert len(results) == WIDE_HELD and all(r.ok for r in results)
+        wait_until(
+            lambda: iso.pl.inspect()[queue]["gate"]["in_flight"] == 0, LEASE_S + 5, "gate empty"
+        )
+    finally:
+        sim.release_all()
+        current.stop()
+    sent = sim.stats()["attempts_by_request_id"]
+    assert sorted(sent) == sorted(all_ids) and set(sent.values()) == {2}
+    pushed = [
+        json.loads(x)["id"]
+        for x in iso.pl.store.client.lrange(
+            iso.pl.store.keys.result_list(iso.settings.queues[queue]), 0, -1
+        )
+    ]
+    assert sorted(pushed) == sorted(all_ids)  # exactly one terminal result each
+    assert sim.stats()["max_concurrency_observed"] <= WIDE_LIMIT
+    assert_idle(iso.pl)

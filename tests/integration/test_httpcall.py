@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import os
 import shutil
 import socket
 import threading
@@ -54,6 +55,25 @@ def test_keep_alive_reuses_one_connection(sim: SimServer) -> None:
     assert first.status == second.status == 200
     assert json.loads(second.text)["object"] == "text_completion"
     assert local_port() == port
+
+
+def test_keep_alive_reuses_a_connection_numbered_past_1024(sim: SimServer) -> None:
+    """A node at -c 1024 and more has sockets numbered past FD_SETSIZE (1024), where
+    ``select()`` refuses to look: the idle check must still find the connection alive, not
+    open a new one for every call."""
+    spare = []
+    try:
+        while not spare or spare[-1] < 1100:  # push the next descriptors past 1024
+            spare.append(os.open(os.devnull, os.O_RDONLY))
+        httpcall.request("POST", completions(sim), BODY, JSON, 5)
+        (sock,) = httpcall._local.conns.values()
+        assert sock.fileno() > 1024
+        port = local_port()
+        assert httpcall.request("POST", completions(sim), BODY, JSON, 5).status == 200
+        assert local_port() == port
+    finally:
+        for fd in spare:
+            os.close(fd)
 
 
 def _post_and_port(url: str) -> int:

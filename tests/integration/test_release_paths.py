@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,11 +34,13 @@ from tasks.app import celery_queue
 from tests.conftest import (
     assert_idle,
     freed_listener,
+    give_up_after,
     held,
     moved_to_pool,
     published,
     quota_key,
 )
+from tests.observability import isolated, start_node
 
 
 def uid(tag: str) -> str:
@@ -891,3 +894,63 @@ def test_a_quota_hand_over_publishes_no_release_of_the_key(pl: Pipeline) -> None
     finally:
         rt.stop()
     assert_idle(client)
+
+
+# -- at scale: one node holding hundreds of attempts (issue 46) -----------------------------
+WIDE_LIMIT = 250  # the queue's global limit: 350 requests, so 100 wait their turn
+
+
+def test_hundreds_in_flight_release_on_success_retry_and_abort(
+    env: dict[str, str], tmp_path: Path, sim: SimServer, start_worker: Any
+) -> None:
+    """One node at -c 512 behind a global limit of 250, 350 requests: 100 aborted while their
+    calls are held, 150 answered 200 on their first attempt, 100 answered 503 first and
+    retried. Never more than the limit at the server, every request one terminal result with
+    the attempts its path makes, and every reservation released (``assert_idle``)."""
+    gate = {"gate_type": "global-max-concurrency", "gate_params": {"limit": WIDE_LIMIT}}
+    iso = isolated(env, tmp_path, [{"queue_name": "wide", "igw_base_url": sim.url, **gate}])
+    queue = iso.queue("wide")
+    w, _ = start_node(start_worker, iso, concurrency=512)
+    sim.reset()
+    tag = uuid.uuid4().hex[:6]
+    kept, dropped = f"kept-{tag}", f"dropped-{tag}"
+    retry = {"x-sim-fail-first": "1", "x-sim-fail-status": "503"}
+
+    def batch(kind: str, n: int, hold: str, **headers: str) -> list[str]:
+        items = [
+            {"payload": {"i": i}, "id": f"{kind}-{tag}-{i}", "queue": queue, "timeout": 600,
+             "headers": {**held(hold), **headers}}
+            for i in range(n)
+        ]  # fmt: skip
+        return [r.id for r in iso.pl.submit_many(items)]
+
+    try:
+        aborted = batch("abort", 100, dropped)
+        sim.wait_held(dropped, 100, timeout_s=60)
+        ok = batch("ok", 150, kept)
+        retried = batch("retry", 100, kept, **retry)
+        sim.wait_held(kept, 150, timeout_s=60)  # the limit reached: the retries wait
+        for rid in aborted:
+            assert iso.pl.cancel(rid, running="abort")
+        sim.wait_held(kept, 250, timeout_s=60)  # their slots went to the retries' 2nd tries
+        wait_until(lambda: set(aborted) <= {r for _, r, _ in sim.hangups()}, 20, "hang-ups")
+        sim.release(kept)
+        results = {
+            r.id: r
+            for r in iso.pl.iter_results(
+                aborted + ok + retried, on_poll=give_up_after(120, "350 results")
+            )
+        }
+    finally:
+        sim.release_all()
+        w.stop()
+    assert all(results[r].error_code == "CANCELLED" for r in aborted)
+    assert all(results[r].ok and results[r].attempts == 1 for r in ok)
+    assert all(results[r].ok and results[r].attempts == 2 for r in retried)
+    pushed = [r["id"] for r in (json.loads(x) for x in iso.pl.store.client.lrange(
+        iso.pl.store.keys.result_list(iso.settings.queues[queue]), 0, -1))]  # fmt: skip
+    assert sorted(pushed) == sorted(results)  # exactly one terminal result each
+    assert sim.stats()["max_concurrency_observed"] <= WIDE_LIMIT
+    assert {rid for _, rid, _ in sim.hangups()} == set(aborted)  # only the aborted hung up
+    assert_idle(iso.pl)
+    assert not [ln for ln in w.log.read_text().splitlines() if " ERROR " in ln]

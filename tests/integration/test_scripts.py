@@ -1,6 +1,7 @@
-"""Script calls over a thread's own connection (pipeline.store.scripts), against a real Redis:
-one connection per thread and per process, redis-py's path when that one cannot answer
-(NOSCRIPT, a killed connection), and no reply ever read by the wrong call."""
+"""Script calls over the process's shared connections (pipeline.store.scripts ``Lanes``),
+against a real Redis: at most a few connections whatever the number of threads, one set per
+process, redis-py's path when a connection cannot answer (NOSCRIPT, a killed connection), and
+no reply ever read by the wrong call."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from typing import Any
 import pytest
 import redis
 
+from pipeline.cli.services import wait_until
 from pipeline.store import connect
-from pipeline.store.scripts import Script, ScriptCall, ThreadConnection, run_batch
+from pipeline.store.connect import CLIENT_POOL
+from pipeline.store.scripts import Lanes, Script, ScriptCall, run_batch
 
 ECHO = "return {ARGV[1], redis.call('INCR', KEYS[1])}"
 BOOM = "return redis.error_reply('boom ' .. ARGV[1])"
@@ -35,32 +38,102 @@ def key(client: redis.Redis) -> Iterator[str]:
 
 
 def connection_id(client: redis.Redis) -> int:
-    """CLIENT ID of the calling thread's own connection."""
-    conn = ThreadConnection.of(client).get()
-    conn.send_command("CLIENT", "ID")
-    return int(conn.read_response())
+    """CLIENT ID of the connection the next script call of this thread borrows (the one given
+    back last: a lone thread gets the same one again)."""
+    with Lanes.of(client).lent() as conn:
+        assert conn is not None
+        conn.send_command("CLIENT", "ID")
+        return int(conn.read_response())
 
 
-def test_each_thread_calls_over_its_own_connection(client: redis.Redis, key: str) -> None:
+def lane_ids(client: redis.Redis) -> set[int]:
+    """CLIENT IDs of every connection the process's lanes of ``client`` hold."""
+    lanes = Lanes.of(client)
+    taken = [lanes.take() for _ in range(len(lanes._idle))]
+    try:
+        ids = set()
+        for conn in taken:
+            conn.send_command("CLIENT", "ID")
+            ids.add(int(conn.read_response()))
+        return ids
+    finally:
+        for conn in taken:
+            lanes.give(conn)
+
+
+def test_a_lone_thread_calls_over_the_same_connection(client: redis.Redis, key: str) -> None:
     echo = Script(client, ECHO)
     assert echo(keys=[key], args=["a"]) == ["a", 1]
     mine = connection_id(client)
-    seen: dict[str, Any] = {}
-
-    def other() -> None:
-        seen["reply"] = echo(keys=[key], args=["b"])
-        seen["id"] = connection_id(client)
-
-    t = threading.Thread(target=other)
-    t.start()
-    t.join(10)
-    assert seen["reply"] == ["b", 2]
-    assert seen["id"] != mine and connection_id(client) == mine
+    assert echo(keys=[key], args=["b"]) == ["b", 2]
+    assert connection_id(client) == mine
     assert client.connection_pool.connection_kwargs["decode_responses"] is True
 
 
+def test_hundreds_of_threads_share_a_few_connections(redis_url: str, key: str) -> None:
+    """150 threads calling scripts at once through one client: every reply right, no
+    MaxConnectionsError, and the server sees at most ``connections`` of them (each thread
+    pinned one of its own before: redis-py's pool refused the 101st)."""
+    client = connect(redis_url, connections=4)
+    try:
+        echo = Script(client, ECHO)
+        start = threading.Barrier(150)
+        replies: list[Any] = []
+        errors: list[BaseException] = []
+
+        def work(i: int) -> None:
+            try:
+                start.wait(30)
+                for j in range(5):
+                    replies.append(echo(keys=[key], args=[f"{i}.{j}"]))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(150)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+        assert sorted(r[1] for r in replies) == list(range(1, 751))  # each call ran once
+        assert Lanes.of(client).opened <= 4
+        ids = lane_ids(client)
+        listed = {int(c["id"]) for c in client.client_list()}
+        assert len(ids) <= 4 and ids <= listed
+        # redis-py's own pool is bounded too: more threads wait, none raises
+        pool = client.connection_pool
+        assert isinstance(pool, redis.BlockingConnectionPool)
+        assert pool.max_connections == CLIENT_POOL
+    finally:
+        client.close()
+
+
+def test_the_plain_commands_of_hundreds_of_threads_wait_for_a_connection(
+    client: redis.Redis, key: str
+) -> None:
+    """redis-py's own path (plain commands, a script's slow path) on the bounded pool: 150
+    threads at once wait their turn instead of raising MaxConnectionsError."""
+    start = threading.Barrier(150)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            start.wait(30)
+            client.incr(key)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(150)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert int(client.get(key) or 0) == 150
+
+
 def _child(client: redis.Redis, echo: Script, key: str, parent_id: int, out: Any) -> None:
-    # the parent's client and script, inherited by fork: the main thread's connection too
+    # the parent's client and script, inherited by fork: its connections too
     out.put((echo(keys=[key], args=["child"]), connection_id(client) != parent_id))
 
 
@@ -113,7 +186,7 @@ def test_an_interrupted_call_drops_the_connection_so_no_late_reply_is_misread(
 ) -> None:
     echo = Script(client, ECHO)
     echo(keys=[key], args=["x"])
-    conn = ThreadConnection.of(client).get()
+    conn = Lanes.of(client)._idle[-1]  # the one the next call borrows
 
     def interrupted(*_: Any, **__: Any) -> Any:
         raise KeyboardInterrupt  # e.g. a time limit raised between the send and the read
@@ -153,3 +226,21 @@ def test_a_batch_on_a_killed_connection_still_runs_each_call_in_order(
     client.client_kill_filter(_id=connection_id(client))
     replies = run_batch(client, [ScriptCall(echo, [key], ["a"]), ScriptCall(echo, [key], ["b"])])
     assert replies == [["a", 2], ["b", 3]]
+
+
+def test_closing_the_client_disconnects_its_script_connections(redis_url: str, key: str) -> None:
+    client = connect(redis_url)
+    echo = Script(client, ECHO)
+    assert echo(keys=[key], args=["x"]) == ["x", 1]
+    ids = lane_ids(client)
+    assert ids and ids <= {int(c["id"]) for c in client.client_list()}
+    watcher = connect(redis_url)
+    try:
+        client.close()
+        wait_until(
+            lambda: not ids & {int(c["id"]) for c in watcher.client_list()},
+            10,
+            "the closed client's connections gone from CLIENT LIST",
+        )
+    finally:
+        watcher.close()
