@@ -12,7 +12,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -52,7 +51,6 @@ _shutting_down = threading.Event()
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
 EXIT_UNSAFE_REDIS = 2
 EXIT_STARTUP_FAILED = 3
-PRESTART_S = 30.0  # the longest a node waits at start for its pool's threads
 
 
 @contextmanager
@@ -206,36 +204,10 @@ def _reload_on_sighup(reloader: Reloader) -> None:
     signal.signal(signal.SIGHUP, lambda *_: reloader.request())
 
 
-def prestart_threads(pool: Any, timeout: float = PRESTART_S) -> int:
-    """Start every thread of a threads pool (``-P threads``) now, as a prefork pool starts its
-    processes; how many were started (0 for another pool). Celery's threads pool starts a
-    thread per message until it has ``-c`` of them, and each start blocks the consumer's loop
-    (which delivers every message) until the new thread gets the GIL: on a busy node up to a
-    switch interval (5 ms) a thread, all through a fresh node's first burst (a first run of
-    8 tenants at 150 req/s: 20-40 threads started while the first requests ran)."""
-    executor = getattr(pool, "executor", None)
-    if not isinstance(executor, ThreadPoolExecutor):
-        return 0
-    missing = int(getattr(pool, "limit", 0) or 0) - len(executor._threads)
-    if missing <= 0:
-        return 0
-    started = threading.Barrier(missing + 1, timeout=timeout)
-    for _ in range(missing):  # each waits until all have started: each needs a new thread
-        executor.submit(started.wait)
-    try:
-        started.wait()
-    except threading.BrokenBarrierError:
-        log.warning("the pool's threads did not all start within %.0f s", timeout)
-    return missing
-
-
 @worker_ready.connect
-def _on_ready(sender: Any = None, **_: Any) -> None:
-    """The node consumes: start its pool's threads (worker_ready's sender is the consumer),
-    then its dispatchers, reloader and metrics endpoint (a failure stops the node before
-    Celery reports it ready)."""
-    with startup_step("starting the pool's threads"):
-        prestart_threads(getattr(sender, "pool", None))
+def _on_ready(**_: Any) -> None:
+    """The node consumes: start its dispatchers, reloader and metrics endpoint (a failure
+    stops the node before Celery reports it ready)."""
     while _ready_to_start:
         worker, dispatchers, reloader = _ready_to_start.pop()
         with startup_step("starting the dispatcher"):
