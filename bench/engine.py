@@ -16,35 +16,37 @@ without the pipeline. Scenarios, each one function, one run each (``--only NAME`
   blocks of 50 per tenant; and in the same run the static limit 16 with one tenant, its
   reference.
 - ``inflight``: ``bench/inflight.py``'s in-flight scale scenario (one node at ``-c`` 256 and
-  1,024 against a simulator of 2 and 5 s with no limit), once that script is on this branch.
+  1,024 against a simulator of 2 and 5 s with no limit; ``bench/inflight.py`` runs 4,096 too).
 
 Measured per run, from the engine's side (the simulator's ``/sim/arrivals``: when each request
-arrived at the engine and when its answer was written, one clock for every process):
+arrived at the engine and when its answer was written, one clock for every process), over the
+run's steady part: from the L-th arrival (the limit first filled) to the last one (then
+nothing is left to send and the engine drains):
 
-- **req/s**: the answers written between the L-th and the (N - L)-th, over that span: the run
-  without its first round (the ramp) and its last (the tail), in the model's requests per
-  second (wall clock x S);
+- **req/s**: the answers written in it over its length, in the model's requests per second
+  (wall clock x S);
 - **latency**: the mean time at the engine of those requests (arrival to answer, the engine's
   own queue included), in the model's seconds (wall clock / S);
 - **queue**: the mean of the engine's ``vllm:request_queue_time_seconds`` over the whole run
   (arrival to first scheduling, a preempted request's requeues not counted again), model s;
 - **preempted / req**: the engine's preemptions over the run, per request;
-- **Little**: req/s x latency, the mean number at the engine (Little's Law), and **of limit**
-  that over L: how full the pipeline keeps the limit (1.00: a request leaves and the next one
-  arrives at once);
+- **Little**: req/s x latency, Little's Law's number at the engine; **mean at engine** the
+  number measured (each request's time at the engine within the span, over its length) and
+  **of limit** that over L: how full the pipeline keeps the limit (1.00: a request leaves and
+  the next one arrives at once). Little's estimate runs a little under the measure when
+  latencies spread (preemptions): the requests that end inside the span are the shorter ones;
 - **max at engine**: the most the simulator ever had at once (never above L);
 - **model**: what the engine gives an ideal closed-loop client at concurrency L (virtual time,
   no HTTP, no pipeline: :func:`bench.engine_model.predict`) and **of model** the ratio;
-- **of best**: req/s over the sweep's best: the curve a user reads to choose a limit.
-
-Targets (ratios measured in one run): every row's "of limit" >= 0.95, never more than L at the
-engine, every result 200 after one attempt; the fair mix's Jain index >= 0.99 over the tenants'
-answers in the same window and its req/s >= 0.95 of the static limit 16's.
+- **of best**: req/s over the sweep's best: the curve a user reads to choose a limit;
+- **node CPU ms**, **Redis CPU ms**: the worker nodes' and the Redis server's CPU per request
+  (user + system, first submit to last result).
 
 Every engine duration is multiplied by the time scale S so that a point takes tens of seconds
-(printed with each table; ``--time-scale`` overrides the presets' here). Until worker nodes
-hold more than 64 slots (issue 46 item 2), a limit above 56 runs on several nodes of at most
-``--node-slots`` slots each (default 64), a pool's ``workers`` their sum.
+(printed with each table; ``--time-scale`` overrides the presets' here). Each run starts one
+node ``pipeline worker -c SLOTS`` with the limit plus the dispatcher's look-ahead for it
+(``PIPELINE_LOOKAHEAD=auto``: half the limit, at most 8 a node), a pool file with as many
+``workers``; ``--node-slots N`` caps a node's slots and runs a larger limit on several nodes.
 
     .venv/bin/python bench/engine.py --only h100             # ~4 min
     .venv/bin/python bench/engine.py --only kv-bound         # ~4 min
@@ -68,6 +70,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import inflight as inflight_bench
 from bench.common import (
     CpuMeter,
     Node,
@@ -89,7 +92,7 @@ from bench.engine_model import predict, scrape
 from pipeline.sim.presets import PRESETS
 
 QUEUE = "engine"
-NODE_SLOTS = 64  # the most a node holds on this branch (issue 46 item 2 raises it)
+NODE_SLOTS = 4096  # the most slots a node is started with (one node holds thousands)
 LOOKAHEAD_MAX = 8  # PIPELINE_LOOKAHEAD=auto: half the gate's capacity, 1-8 per node
 OF_LIMIT, FAIR_JAIN, FAIR_OF_STATIC = 0.95, 0.99, 0.95
 QUEUE_TIME = "vllm:request_queue_time_seconds"
@@ -97,7 +100,7 @@ QUEUE_TIME = "vllm:request_queue_time_seconds"
 
 @dataclass(frozen=True)
 class Sweep:
-    """A preset's static-limit sweep: the limits, those of ``--quick``, the time scale."""
+    """A preset's static-limit sweep: the limits, those of ``--quick``, the time inflight_bench."""
 
     preset: str
     limits: tuple[int, ...]
@@ -135,6 +138,7 @@ class Run:
     queue: float = math.nan  # model s in the engine's queue
     preempted: float = 0.0  # per request
     max_at_engine: int = 0
+    at_engine: float = math.nan  # time-average number at the engine over the window
     max_waiting: int = 0
     not_ok: int = 0
     max_attempts: int = 0
@@ -148,7 +152,7 @@ class Run:
 
     @property
     def of_limit(self) -> float:
-        return self.little / self.limit
+        return self.at_engine / self.limit
 
     @property
     def clean(self) -> bool:
@@ -311,18 +315,21 @@ def start_nodes(penv: PipelineEnv, nodes: int, slots: int) -> list[Node]:
 
 
 def window(run: Run, arrivals: list[tuple[float, float, str]], tenant_of: dict[str, str]) -> None:
-    """The run's steady part: the answers after the L-th and up to the (N - L)-th (by when
-    they were written): its rate, their mean time at the engine, each tenant's count."""
-    ends = sorted(f for _, f, _ in arrivals)
-    k = min(run.limit, len(ends) // 4)
-    if len(ends) - 2 * k < 2:
+    """The run's steady part, by the engine's clock: from the L-th arrival (the limit first
+    filled) to the last one (then nothing is left to send, and the engine drains). Its rate
+    (answers written in it over its length), the mean time at the engine of those requests,
+    the time-average number at the engine, and each tenant's answers in it."""
+    starts = sorted(a for a, _, _ in arrivals)
+    if len(starts) <= run.limit:
         return
-    t1, t2 = ends[k - 1] if k else ends[0], ends[len(ends) - k - 1]
+    t1, t2 = starts[run.limit - 1], starts[-1]
     inside = [(a, f, rid) for a, f, rid in arrivals if t1 < f <= t2]
     if not inside or t2 <= t1:
         return
     run.rate = len(inside) / (t2 - t1) * run.scale
     run.latency = sum(f - a for a, f, _ in inside) / len(inside) / run.scale
+    busy = sum(max(0.0, min(f, t2) - max(a, t1)) for a, f, _ in arrivals)
+    run.at_engine = busy / (t2 - t1)
     run.by_tenant = {}
     for _, _, rid in inside:
         who = tenant_of.get(rid, "?")
@@ -347,9 +354,17 @@ def sweep(ctx: Context, name: str) -> Section:
         for limit in limits:
             predicted, latency = predict(preset.config, preset, limit)
             n = limit * rounds_for(ctx, latency * scale)
-            run = run_once(ctx, sim, spec.preset, scale, label=f"{name} L={limit}",
-                           limit=limit, gate=global_gate(limit), n=n,
-                           expected_s=latency * scale)  # fmt: skip
+            run = run_once(
+                ctx,
+                sim,
+                spec.preset,
+                scale,
+                label=f"{name} L={limit}",
+                limit=limit,
+                gate=global_gate(limit),
+                n=n,
+                expected_s=latency * scale,
+            )
             run.predicted = predicted
             runs.append(run)
     finally:
@@ -357,12 +372,28 @@ def sweep(ctx: Context, name: str) -> Section:
     ctx.runs[name] = runs
     best = max((r.rate for r in runs if not math.isnan(r.rate)), default=math.nan)
     rows = [
-        [r.limit, f"{r.nodes} x {r.slots}", r.n, r.rate, r.predicted, r.rate / r.predicted,
-         r.latency, r.queue, r.preempted, r.little, r.of_limit, r.max_at_engine,
-         r.rate / best, r.cpu_ms["nodes"], r.cpu_ms["redis"], r.load,
-         verdict(r.of_limit >= OF_LIMIT and r.clean)]
+        [
+            r.limit,
+            f"{r.nodes} x {r.slots}",
+            r.n,
+            r.rate,
+            r.predicted,
+            r.rate / r.predicted,
+            r.latency,
+            r.queue,
+            r.preempted,
+            r.little,
+            r.of_limit,
+            r.at_engine,
+            r.max_at_engine,
+            r.rate / best,
+            r.cpu_ms["nodes"],
+            r.cpu_ms["redis"],
+            r.load,
+            verdict(r.of_limit >= OF_LIMIT and r.clean),
+        ]
         for r in runs
-    ]  # fmt: skip
+    ]
     work = preset.workload
     title = (
         f"{name}: {preset.summary}; {work.prompt_tokens}-token prompts, max_tokens "
@@ -375,10 +406,26 @@ def sweep(ctx: Context, name: str) -> Section:
     return Section(title, SWEEP_HEADERS, rows, sweep_notes(runs, best), ok)
 
 
-SWEEP_HEADERS = ["limit", "nodes x slots", "requests", "req/s", "model", "of model",
-                 "latency s", "queue s", "preempted/req", "Little", "of limit",
-                 "max at engine", "of best", "node CPU ms", "Redis CPU ms", "load",
-                 "target"]  # fmt: skip
+SWEEP_HEADERS = [
+    "limit",
+    "nodes x slots",
+    "requests",
+    "req/s",
+    "model",
+    "of model",
+    "latency s",
+    "queue s",
+    "preempted/req",
+    "Little",
+    "of limit",
+    "mean at engine",
+    "max at engine",
+    "of best",
+    "node CPU ms",
+    "Redis CPU ms",
+    "load",
+    "target",
+]
 
 
 def sweep_notes(runs: list[Run], best: float) -> list[str]:
@@ -415,12 +462,29 @@ def tenants8_fair_kv(ctx: Context) -> Section:
     }
     sim = engine_sim(name, scale)
     try:
-        static = run_once(ctx, sim, name, scale, label=f"static L={FAIR_LIMIT}",
-                          limit=FAIR_LIMIT, gate=global_gate(FAIR_LIMIT), n=n,
-                          expected_s=latency * scale)  # fmt: skip
-        fair = run_once(ctx, sim, name, scale, label="8 tenants fair", limit=FAIR_LIMIT,
-                        gate=composite, n=n, expected_s=latency * scale,
-                        tenants=tenant_blocks)  # fmt: skip
+        static = run_once(
+            ctx,
+            sim,
+            name,
+            scale,
+            label=f"static L={FAIR_LIMIT}",
+            limit=FAIR_LIMIT,
+            gate=global_gate(FAIR_LIMIT),
+            n=n,
+            expected_s=latency * scale,
+        )
+        fair = run_once(
+            ctx,
+            sim,
+            name,
+            scale,
+            label="8 tenants fair",
+            limit=FAIR_LIMIT,
+            gate=composite,
+            n=n,
+            expected_s=latency * scale,
+            tenants=tenant_blocks,
+        )
     finally:
         sim.stop()
     static.predicted = fair.predicted = predicted
@@ -431,14 +495,31 @@ def tenants8_fair_kv(ctx: Context) -> Section:
     best = max(swept, key=lambda r: r.rate, default=None)
     rows: list[list[Any]] = []
     for r in (static, fair):
-        shares = [r.by_tenant.get(f"tenant{t}", 0) / max(1, sum(r.by_tenant.values()))
-                  for t in range(TENANTS)] if r is fair else []  # fmt: skip
-        rows.append([
-            r.label, r.n, r.rate, r.rate / static.rate,
-            r.rate / best.rate if best else math.nan, r.latency, r.queue, r.preempted,
-            r.of_limit, r.max_at_engine,
-            " ".join(f"{s:.3f}" for s in shares) or "-", jain if r is fair else "-", r.load,
-        ])  # fmt: skip
+        shares = (
+            [
+                r.by_tenant.get(f"tenant{t}", 0) / max(1, sum(r.by_tenant.values()))
+                for t in range(TENANTS)
+            ]
+            if r is fair
+            else []
+        )
+        rows.append(
+            [
+                r.label,
+                r.n,
+                r.rate,
+                r.rate / static.rate,
+                r.rate / best.rate if best else math.nan,
+                r.latency,
+                r.queue,
+                r.preempted,
+                r.of_limit,
+                r.max_at_engine,
+                " ".join(f"{s:.3f}" for s in shares) or "-",
+                jain if r is fair else "-",
+                r.load,
+            ]
+        )
     ok = (
         jain >= FAIR_JAIN
         and fair.rate >= FAIR_OF_STATIC * static.rate
@@ -453,35 +534,70 @@ def tenants8_fair_kv(ctx: Context) -> Section:
     ]
     if best is not None:
         notes.append(f"the kv-bound sweep's best: {best.rate:.3g} req/s at limit {best.limit}")
-    headers = ["run", "requests", "req/s", "of static", "of best", "latency s", "queue s",
-               "preempted/req", "of limit", "max at engine", "tenants' shares", "Jain",
-               "load"]  # fmt: skip
-    return Section(f"8 tenants, fair share, on kv-bound (limit {FAIR_LIMIT})", headers, rows,
-                   notes, ok)  # fmt: skip
+    headers = [
+        "run",
+        "requests",
+        "req/s",
+        "of static",
+        "of best",
+        "latency s",
+        "queue s",
+        "preempted/req",
+        "of limit",
+        "max at engine",
+        "tenants' shares",
+        "Jain",
+        "load",
+    ]
+    return Section(
+        f"8 tenants, fair share, on kv-bound (limit {FAIR_LIMIT})", headers, rows, notes, ok
+    )
 
 
 def inflight(ctx: Context) -> Section:
-    """``bench/inflight.py``'s scenario (one node at ``-c`` 256 and 1,024, 2 and 5 s, no
-    limit at the simulator), when that script is on this branch."""
-    try:
-        from bench import inflight as scale  # type: ignore[attr-defined,unused-ignore]
-    except ImportError:
-        why = "bench/inflight.py is not on this branch yet (issue 46 item 2)"
-        return Section("in-flight scale", ["scenario"], [["skipped"]], [why])
+    """``bench/inflight.py``'s scenario: one node at ``-c`` 256 and 1,024 (``--quick``: 256)
+    against a simulator of 2 and 5 s with no limit, its targets."""
     chosen = [256] if ctx.quick else [256, 1024]
     rows = []
     ok = True
     for slots in chosen:
-        latency_ms, n = scale.SCENARIOS[slots]
-        o = scale.scenario(ctx.rh, ctx.workdir, slots, latency_ms, n)
-        good = o.ratio >= scale.TARGETS.get(slots, 0) and o.max_attempts <= 1 and not o.error_lines
+        latency_ms, n = inflight_bench.SCENARIOS[slots]
+        o = inflight_bench.scenario(ctx.rh, ctx.workdir, slots, latency_ms, n)
+        good = (
+            o.ratio >= inflight_bench.TARGETS.get(slots, 0)
+            and o.max_attempts <= 1
+            and not o.error_lines
+            and o.peak_connections <= inflight_bench.MAX_CONNECTIONS
+        )
         ok &= good
-        rows.append([f"-c {slots}, {o.latency_s:g} s", f"{o.done}/{o.n}", o.rate, o.ratio,
-                     o.attempts_per_request, o.error_lines, o.peak_connections,
-                     f"{o.rss_bytes / 2**20:.0f}", o.cpu_ms_per_request, o.load,
-                     verdict(good)])  # fmt: skip
-    headers = ["scenario", "done", "req/s", "of ceiling", "attempts/req", "errors",
-               "Redis conns", "RSS MiB", "CPU ms/req", "load", "target"]  # fmt: skip
+        rows.append(
+            [
+                f"-c {slots}, {o.latency_s:g} s",
+                f"{o.done}/{o.n}",
+                o.rate,
+                o.ratio,
+                o.attempts_per_request,
+                o.error_lines,
+                o.peak_connections,
+                f"{o.rss_bytes / 2**20:.0f}",
+                o.cpu_ms_per_request,
+                o.load,
+                verdict(good),
+            ]
+        )
+    headers = [
+        "scenario",
+        "done",
+        "req/s",
+        "of ceiling",
+        "attempts/req",
+        "errors",
+        "Redis conns",
+        "RSS MiB",
+        "CPU ms/req",
+        "load",
+        "target",
+    ]
     return Section("in-flight scale (bench/inflight.py)", headers, rows, [], ok)
 
 
@@ -498,28 +614,54 @@ DEFAULT = ("h100", "kv-bound", "compute-bound", "tenants8-fair-kv")
 
 def main() -> int:
     ap = base_parser(__doc__.split("\n\n")[0] if __doc__ else "")
-    ap.add_argument("--only", choices=list(SCENARIOS), action="append",
-                    help=f"a scenario (repeatable; default: {', '.join(DEFAULT)})")  # fmt: skip
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: three limits per sweep, ~5 s a run")  # fmt: skip
-    ap.add_argument("--seconds", type=above_zero(float),
-                    help="wall clock a run aims at (default 20; --quick 5)")  # fmt: skip
-    ap.add_argument("--time-scale", type=above_zero(float),
-                    help="instead of each sweep's (printed with its table)")  # fmt: skip
-    ap.add_argument("--limits", type=lambda t: tuple(above_zero(int)(v) for v in t.split(",")),
-                    help="the limits of a sweep, comma-separated (instead of its own)")  # fmt: skip
-    ap.add_argument("--lookahead", type=int,
-                    help="the nodes' PIPELINE_LOOKAHEAD (default: auto: half the limit, 1-8)",
-                    )  # fmt: skip
-    ap.add_argument("--node-slots", type=above_zero(int), default=NODE_SLOTS,
-                    help="the most slots a node is started with (default %(default)s)")  # fmt: skip
+    ap.add_argument(
+        "--only",
+        choices=list(SCENARIOS),
+        action="append",
+        help=f"a scenario (repeatable; default: {', '.join(DEFAULT)})",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="a smoke run: three limits per sweep, ~5 s a run"
+    )
+    ap.add_argument(
+        "--seconds", type=above_zero(float), help="wall clock a run aims at (default 20; --quick 5)"
+    )
+    ap.add_argument(
+        "--time-scale",
+        type=above_zero(float),
+        help="instead of each sweep's (printed with its table)",
+    )
+    ap.add_argument(
+        "--limits",
+        type=lambda t: tuple(above_zero(int)(v) for v in t.split(",")),
+        help="the limits of a sweep, comma-separated (instead of its own)",
+    )
+    ap.add_argument(
+        "--lookahead",
+        type=int,
+        help="the nodes' PIPELINE_LOOKAHEAD (default: auto: half the limit, 1-8)",
+    )
+    ap.add_argument(
+        "--node-slots",
+        type=above_zero(int),
+        default=NODE_SLOTS,
+        help="the most slots a node is started with (default %(default)s)",
+    )
     args = ap.parse_args()
     chosen = [k for k in SCENARIOS if k in (args.only or DEFAULT)]
     seconds = args.seconds or (5.0 if args.quick else 20.0)
     sections: list[Section] = []
     with bench_session(args.redis_url) as (rh, workdir):
-        ctx = Context(rh, workdir, args.quick, seconds, args.node_slots, args.time_scale,
-                      args.limits, args.lookahead)  # fmt: skip
+        ctx = Context(
+            rh,
+            workdir,
+            args.quick,
+            seconds,
+            args.node_slots,
+            args.time_scale,
+            args.limits,
+            args.lookahead,
+        )
         for key in chosen:
             sections.append(SCENARIOS[key](ctx))
     for s in sections:
