@@ -39,6 +39,9 @@ nothing is left to send and the engine drains):
 - **model**: what the engine gives an ideal closed-loop client at concurrency L (virtual time,
   no HTTP, no pipeline: :func:`bench.engine_model.predict`) and **of model** the ratio;
 - **of best**: req/s over the sweep's best: the curve a user reads to choose a limit;
+- **gain**: d ln(req/s) / d ln(limit) from the row before (1: throughput grew as fast as the
+  limit, 0: not at all); the knee printed under the table is the last limit reached with a
+  gain of at least 0.5;
 - **node CPU ms**, **Redis CPU ms**: the worker nodes' and the Redis server's CPU per request
   (user + system, first submit to last result).
 
@@ -95,6 +98,7 @@ QUEUE = "engine"
 NODE_SLOTS = 4096  # the most slots a node is started with (one node holds thousands)
 LOOKAHEAD_MAX = 8  # PIPELINE_LOOKAHEAD=auto: half the gate's capacity, 1-8 per node
 OF_LIMIT, FAIR_JAIN, FAIR_OF_STATIC = 0.95, 0.99, 0.95
+GAIN = 0.5  # the knee: where a larger limit raises throughput less than half as fast
 QUEUE_TIME = "vllm:request_queue_time_seconds"
 
 
@@ -387,12 +391,13 @@ def sweep(ctx: Context, name: str) -> Section:
             r.at_engine,
             r.max_at_engine,
             r.rate / best,
+            elasticity(runs, i),
             r.cpu_ms["nodes"],
             r.cpu_ms["redis"],
             r.load,
             verdict(r.of_limit >= OF_LIMIT and r.clean),
         ]
-        for r in runs
+        for i, r in enumerate(runs)
     ]
     work = preset.workload
     title = (
@@ -421,6 +426,7 @@ SWEEP_HEADERS = [
     "mean at engine",
     "max at engine",
     "of best",
+    "gain",
     "node CPU ms",
     "Redis CPU ms",
     "load",
@@ -428,18 +434,31 @@ SWEEP_HEADERS = [
 ]
 
 
+def elasticity(runs: list[Run], i: int) -> float:
+    """How much faster than the limit the throughput grew from the row before: d ln(req/s)
+    / d ln(limit), 1 while the engine turns every added request into throughput, 0 once it
+    is saturated."""
+    if i == 0 or runs[i].limit == runs[i - 1].limit:
+        return math.nan
+    a, b = runs[i - 1], runs[i]
+    return math.log(b.rate / a.rate) / math.log(b.limit / a.limit)
+
+
 def sweep_notes(runs: list[Run], best: float) -> list[str]:
     """How to read the curve: its best, its knee, where the engine starts to queue."""
     if not runs or math.isnan(best):
         return []
-    knee = next(r for r in runs if r.rate >= 0.9 * best)
     top = next(r for r in runs if r.rate == best)
+    ninety = next(r for r in runs if r.rate >= 0.9 * best)
+    drop = next((i for i in range(1, len(runs)) if elasticity(runs, i) < GAIN), None)
+    knee = runs[drop - 1] if drop else runs[-1]
     queues = next((r for r in runs if r.queue > 0.1 * r.latency), None)
     preempts = next((r for r in runs if r.preempted > 0), None)
     return [
-        f"best {best:.3g} req/s at limit {top.limit}; 90 % of it from limit {knee.limit} "
-        f"(latency {knee.latency:.2f} s against {runs[0].latency:.2f} s at limit "
-        f"{runs[0].limit})",
+        f"best {best:.3g} req/s at limit {top.limit} (latency {top.latency:.3g} s), 90 % of "
+        f"it from limit {ninety.limit} ({ninety.latency:.3g} s); the knee: up to limit "
+        f"{knee.limit} ({knee.rate:.3g} req/s, {knee.latency:.3g} s) each step raised req/s at "
+        f"least {GAIN:.0%} as fast as the limit ('gain'), past it less",
         "the engine's own queue above 10 % of the latency from limit "
         + (f"{queues.limit}" if queues else "- (never)")
         + "; preemptions from limit "

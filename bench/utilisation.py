@@ -201,6 +201,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "tenants8": {
         "backlogs": True,
+        "ways": ["bench", "user"],
         "exact_order": True,
         "nodes": 1,
         "gate": TENANTS_GATE,
@@ -209,6 +210,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "tenants8-3nodes": {
         "backlogs": True,
+        "ways": ["bench", "user"],
         "exact_order": True,
         "nodes": 3,
         "gate": TENANTS_GATE,
@@ -217,6 +219,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "tenants8-fair": {
         "backlogs": True,
+        "ways": ["bench", "user"],
         "nodes": 1,
         "gate": {**TENANTS_GATE, "fair_share": True},
         "make": tenant_items,
@@ -224,6 +227,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "tenants8-fair-3nodes": {
         "backlogs": True,
+        "ways": ["bench", "user"],
         "nodes": 3,
         "gate": {**TENANTS_GATE, "fair_share": True},
         "make": tenant_items,
@@ -390,6 +394,7 @@ def scenario(
     exact_order: bool = False,
     backlogs: bool = False,
     user: bool = False,
+    ways: list[str] | None = None,  # how runs() measures it: not this run's
 ) -> dict[str, Any]:
     sim = Sim(latency_ms=LATENCY_MS, record_arrivals=True)
     workers: list[Node] = []
@@ -493,10 +498,10 @@ def main() -> int:
     ap.add_argument(
         "--ways",
         type=lambda text: [way_of(w) for w in text.split(",")],
-        default=["bench"],
         help="how each run is measured, comma-separated, alternating: 'bench' (a warm-up of "
         "32, first submit to the simulator's last answer) and 'user' (as a user runs it: no "
-        "warm-up, a fresh client process until it read the last result); default bench",
+        "warm-up, a fresh client process until it read the last result); default: bench, "
+        "and both for the tenant mixes",
     )
     ap.add_argument(
         "--rounds", type=above_zero(int), default=1, help="run the chosen scenarios this often"
@@ -601,14 +606,13 @@ def print_lost(rows: list[dict[str, Any]]) -> None:
 def run_chosen(
     rh: RedisHandle | ClusterHandle, workdir: Path, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    """The chosen scenarios' rows, ``--rounds`` times, each run in each of ``--ways``."""
+    """The chosen scenarios' rows, ``--rounds`` times."""
     only = set(args.only or SCENARIOS)
     chosen = [on_nodes(spec, args.nodes) for key, spec in SCENARIOS.items() if key in only]
     rows: list[dict[str, Any]] = []
     for _ in range(args.rounds):
         for spec in chosen:
-            for way in args.ways:
-                rows += runs(rh, workdir, as_way(spec, way), args.n, args.backlogs)
+            rows += runs(rh, workdir, spec, args.n, args.backlogs, args.ways)
     return rows
 
 
@@ -618,14 +622,20 @@ def runs(
     spec: dict[str, Any],
     n: int,
     backlogs: list[int],
+    ways: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """A scenario's rows: one run of ``n`` requests, or a tenant mix's run per backlog (the
-    short one and the long one)."""
+    short one and the long one); each measured in each of ``ways`` (default: the
+    scenario's own), one after the other."""
+    ways = ways or spec.get("ways") or ["bench"]
     if not spec.get("backlogs"):
-        return [scenario(rh, workdir, n=n, **spec)]
+        return [scenario(rh, workdir, n=n, **as_way(spec, way)) for way in ways]
     return [
-        scenario(rh, workdir, n=b, **{**spec, "label": f"{spec['label']}, {b} requests"})
+        scenario(
+            rh, workdir, n=b, **as_way({**spec, "label": f"{spec['label']}, {b} requests"}, way)
+        )
         for b in backlogs
+        for way in ways
     ]
 
 
