@@ -9,7 +9,7 @@ without the pipeline. Scenarios, each one function, one run each (``--only NAME`
   ``max_tokens`` and completion lengths) behind worker nodes started as a user starts them
   (``pipeline worker -c SLOTS``, :class:`bench.common.Node`) with slots for L and its
   look-ahead, in a pool file with as many ``workers``; N = L x rounds requests (enough rounds for
-  ~``--seconds`` of wall clock, at least 4) submitted at once, every result read back.
+  ~``--seconds`` of wall clock, at least 6) submitted at once, every result read back.
 - ``tenants8-fair-kv``: the **8-tenant fair-share mix** on ``kv-bound``: eight tenants, each a
   ``redis-quota`` of 3 behind one ``global-max-concurrency`` of 16 with ``fair_share`` (what
   ``bench/utilisation.py``'s ``tenants8-fair`` runs against the fixed server), their requests in
@@ -20,8 +20,9 @@ without the pipeline. Scenarios, each one function, one run each (``--only NAME`
 
 Measured per run, from the engine's side (the simulator's ``/sim/arrivals``: when each request
 arrived at the engine and when its answer was written, one clock for every process), over the
-run's steady part: from the L-th arrival (the limit first filled) to the last one (then
-nothing is left to send and the engine drains):
+run's steady part: from the 2L-th arrival (the limit filled and refilled once: a batch
+submitted at once starts in step, and an engine's first rounds run unlike its later ones) to
+the last one (then nothing is left to send and the engine drains):
 
 - **req/s**: the answers written in it over its length, in the model's requests per second
   (wall clock x S);
@@ -114,13 +115,13 @@ class Sweep:
 
 # The limits span each preset's knee (bench/engine_model.py): h100 ~192 (the published
 # sweep's), kv-bound ~12 (the KV cache full), compute-bound ~64 (the prefills' arithmetic).
-# Time scales: the most the pipeline is asked for is ~20-60 req/s of wall clock (a small part
-# of two shared cores), a request 0.4-9 s: a hand-off of a few ms is then a small part of a
-# request, as on a real engine.
+# Time scales: the most the pipeline is asked for is ~20-115 req/s of wall clock (one node
+# spends ~2.5 ms of CPU a request), a request 0.4-6 s: a hand-off of a few ms is then a small
+# part of a request, as on a real engine.
 SWEEPS = {
-    "h100": Sweep("h100", (8, 32, 64, 128, 192, 256, 384, 512), (8, 64, 192), 1.0),
+    "h100": Sweep("h100", (8, 32, 64, 128, 192, 256, 384, 512), (8, 64, 192), 0.5),
     "kv-bound": Sweep("kv-bound", (2, 4, 8, 12, 16, 24, 32, 64), (4, 12, 32), 0.02),
-    "compute-bound": Sweep("compute-bound", (4, 16, 32, 64, 128, 256), (16, 64, 256), 0.2),
+    "compute-bound": Sweep("compute-bound", (4, 8, 16, 32, 64, 128, 256), (8, 64, 256), 0.2),
 }
 TENANTS, PER_TENANT, FAIR_LIMIT, BLOCK = 8, 3, 16, 50
 
@@ -319,14 +320,16 @@ def start_nodes(penv: PipelineEnv, nodes: int, slots: int) -> list[Node]:
 
 
 def window(run: Run, arrivals: list[tuple[float, float, str]], tenant_of: dict[str, str]) -> None:
-    """The run's steady part, by the engine's clock: from the L-th arrival (the limit first
-    filled) to the last one (then nothing is left to send, and the engine drains). Its rate
+    """The run's steady part, by the engine's clock: from the 2L-th arrival (the limit filled
+    and refilled once: a batch submitted at once starts in step, and the engine's first
+    rounds run unlike the later ones) to the last one (then nothing is left to send, and the
+    engine drains). Its rate
     (answers written in it over its length), the mean time at the engine of those requests,
     the time-average number at the engine, and each tenant's answers in it."""
     starts = sorted(a for a, _, _ in arrivals)
-    if len(starts) <= run.limit:
+    if len(starts) <= 2 * run.limit:
         return
-    t1, t2 = starts[run.limit - 1], starts[-1]
+    t1, t2 = starts[2 * run.limit - 1], starts[-1]
     inside = [(a, f, rid) for a, f, rid in arrivals if t1 < f <= t2]
     if not inside or t2 <= t1:
         return
@@ -341,8 +344,9 @@ def window(run: Run, arrivals: list[tuple[float, float, str]], tenant_of: dict[s
 
 
 def rounds_for(ctx: Context, latency_s: float) -> int:
-    """Rounds of L requests for ~``ctx.seconds`` of wall clock (a request ``latency_s``)."""
-    return max(4, min(40, round(ctx.seconds / max(latency_s, 1e-3))))
+    """Rounds of L requests for ~``ctx.seconds`` of wall clock (a request ``latency_s``), at
+    least 6 (``--quick``: 4): the span measured leaves out the first two."""
+    return max(4 if ctx.quick else 6, min(40, round(ctx.seconds / max(latency_s, 1e-3))))
 
 
 # -- scenarios -------------------------------------------------------------------------------

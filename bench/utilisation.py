@@ -53,7 +53,7 @@ commands (those inside scripts too), script calls (``EVALSHA`` and ``EVAL``) and
 consumers' ``BRPOP``s, over the same span. ``--nodes N`` runs the chosen scenarios on N worker
 nodes: how Redis per request grows with the fleet.
 
-    .venv/bin/python bench/utilisation.py            # ~4 min
+    .venv/bin/python bench/utilisation.py            # ~7 min (tenant mixes both ways)
     .venv/bin/python bench/utilisation.py --only quota-1node --only tenants8
     .venv/bin/python bench/utilisation.py --only tenants8 --only tenants8-3nodes \
         --only tenants8-fair --only tenants8-fair-3nodes          # the 8 tenant combinations
@@ -61,14 +61,16 @@ nodes: how Redis per request grows with the fleet.
     .venv/bin/python bench/utilisation.py --only 3nodes-global --nodes 6   # the same on 6 nodes
     .venv/bin/python bench/utilisation.py --cluster --only 1node --only 3nodes-global
 
-``--ways bench,user`` runs each scenario both ways, alternating (``--rounds N`` repeats them):
+Two ways to measure a run (``--ways``, one after the other; ``--rounds N`` repeats them):
 ``bench`` is the measure above (a warm-up of 32 requests through the fresh node, then the
 clock from the first submit to the simulator's last answer); ``user`` is how a user runs it
 (:func:`as_user`): once the node has logged ``ready.``, a fresh Python process imports
 ``pipeline``, calls ``pipeline.submit_many`` and then ``result()`` on each request, and the
 clock runs from that first submit to the last result read, with no warm-up; "where the time
-went" then adds ``result``, the last answer to the client's reading it. Every run prints the
-machine's load average as it started.
+went" then adds ``result``, the last answer to the client's reading it. The tenant mixes run
+both ways by default (their target is read on both rows), the other scenarios the bench's
+way: a user's rows count the client's ``result()`` calls in their Redis figures. Every run
+prints the machine's load average as it started.
 
     .venv/bin/python bench/utilisation.py --only tenants8-fair --backlogs 800 \
         --ways bench,user --rounds 3           # the fair mix both ways, ~2 min
