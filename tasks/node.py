@@ -354,11 +354,14 @@ RECEIVED_LOGGER = "celery.worker.strategy"
 def _on_logging_setup(
     logger: logging.Logger | None = None, loglevel: int | str | None = None, **_: Any
 ) -> None:
-    """``PIPELINE_LOG_FORMAT=json``: Celery's handlers (the root logger's and ``celery.task``'s,
-    in the node and in every prefork child) write one JSON object per line. Above DEBUG,
+    """Celery's handlers (the root logger's and ``celery.task``'s, in the node and in every
+    prefork child) write each line in one lock-free write (``logs.LineHandler``), with
+    ``PIPELINE_LOG_FORMAT=json`` one JSON object per line. Above DEBUG,
     Celery's per-attempt "received" line is left out (:data:`RECEIVED_LOGGER`)."""
-    if logger is not None and logs.log_format() == "json":
-        logs.use_json(logger)
+    if logger is not None:
+        logs.use_line_handlers(logger)
+        if logs.log_format() == "json":
+            logs.use_json(logger)
     level = logging.getLevelName(loglevel) if isinstance(loglevel, str) else loglevel
     if isinstance(level, int) and level > logging.DEBUG:
         logging.getLogger(RECEIVED_LOGGER).setLevel(logging.WARNING)
