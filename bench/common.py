@@ -546,6 +546,18 @@ class Node:
         wait_until(registered, 60, f"worker {self.name}", interval=0.05)
         client.close()
 
+    def wait_ready(self, timeout: float = 30) -> None:
+        """Until Celery logs the node's ``ready.`` line: what a user waits for before
+        submitting (the dispatcher registers a little earlier, before the node freezes its
+        startup heap). Needs log level INFO or lower."""
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited: {self.log_path.read_text()[-3000:]}")
+            return b" ready." in self.log_path.read_bytes()
+
+        wait_until(ready, timeout, f"worker {self.name} ready", interval=0.05)
+
     def stop(self) -> None:
         stop_proc(self.proc, 20)
 

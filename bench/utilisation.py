@@ -53,13 +53,27 @@ commands (those inside scripts too), script calls (``EVALSHA`` and ``EVAL``) and
 consumers' ``BRPOP``s, over the same span. ``--nodes N`` runs the chosen scenarios on N worker
 nodes: how Redis per request grows with the fleet.
 
-    .venv/bin/python bench/utilisation.py            # ~4 min
+    .venv/bin/python bench/utilisation.py            # ~7 min (tenant mixes both ways)
     .venv/bin/python bench/utilisation.py --only quota-1node --only tenants8
     .venv/bin/python bench/utilisation.py --only tenants8 --only tenants8-3nodes \
         --only tenants8-fair --only tenants8-fair-3nodes          # the 8 tenant combinations
     .venv/bin/python bench/utilisation.py --only 1node --plain
     .venv/bin/python bench/utilisation.py --only 3nodes-global --nodes 6   # the same on 6 nodes
     .venv/bin/python bench/utilisation.py --cluster --only 1node --only 3nodes-global
+
+Two ways to measure a run (``--ways``, one after the other; ``--rounds N`` repeats them):
+``bench`` is the measure above (a warm-up of 32 requests through the fresh node, then the
+clock from the first submit to the simulator's last answer); ``user`` is how a user runs it
+(:func:`as_user`): once the node has logged ``ready.``, a fresh Python process imports
+``pipeline``, calls ``pipeline.submit_many`` and then ``result()`` on each request, and the
+clock runs from that first submit to the last result read, with no warm-up; "where the time
+went" then adds ``result``, the last answer to the client's reading it. The tenant mixes run
+both ways by default (their target is read on both rows), the other scenarios the bench's
+way: a user's rows count the client's ``result()`` calls in their Redis figures. Every run
+prints the machine's load average as it started.
+
+    .venv/bin/python bench/utilisation.py --only tenants8-fair --backlogs 800 \
+        --ways bench,user --rounds 3           # the fair mix both ways, ~2 min
 
 ``--cluster`` runs the scenarios with the pipeline's state on a private 3-primary Redis Cluster
 (``--replicas N`` each) and a private standalone Redis as Celery's broker; the one pool
@@ -69,9 +83,12 @@ consumers' ``BRPOP``s are on the broker then, not counted).
 
 from __future__ import annotations
 
+import argparse
 import heapq
+import json
 import math
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -186,6 +203,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "tenants8": {
         "backlogs": True,
+        "ways": ["bench", "user"],
         "exact_order": True,
         "nodes": 1,
         "gate": TENANTS_GATE,
@@ -194,6 +212,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "tenants8-3nodes": {
         "backlogs": True,
+        "ways": ["bench", "user"],
         "exact_order": True,
         "nodes": 3,
         "gate": TENANTS_GATE,
@@ -202,6 +221,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "tenants8-fair": {
         "backlogs": True,
+        "ways": ["bench", "user"],
         "nodes": 1,
         "gate": {**TENANTS_GATE, "fair_share": True},
         "make": tenant_items,
@@ -209,12 +229,42 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "tenants8-fair-3nodes": {
         "backlogs": True,
+        "ways": ["bench", "user"],
         "nodes": 3,
         "gate": {**TENANTS_GATE, "fair_share": True},
         "make": tenant_items,
         "label": "3 nodes, 8 tenants x quota 3, global 16, fair",
     },
 }
+
+
+# A user's script (what the issue's user ran): submit the batch, then wait for each result
+USER_CLIENT = """
+import json, sys, time
+import pipeline
+items = json.loads(open(sys.argv[1]).read())
+t0 = time.monotonic()
+reqs = pipeline.submit_many(items)
+submitted = time.monotonic()
+results = [r.result(timeout=float(sys.argv[2])) for r in reqs]
+print(json.dumps({"t0": t0, "submit_s": submitted - t0, "t1": time.monotonic()}))
+"""
+
+
+def as_user(penv: PipelineEnv, batch: list[dict[str, Any]], timeout: float) -> dict[str, float]:
+    """Run ``batch`` as a user does: a fresh Python process imports ``pipeline``, calls
+    ``pipeline.submit_many`` and then ``Request.result()`` on each request in turn; returns
+    its clock (``time.monotonic()``, the machine's one clock) at the first submit (``t0``) and
+    at the last result (``t1``), and how long the submit took."""
+    path = penv.workdir / f"batch-{batch[0]['id']}.json"
+    path.write_text(json.dumps(batch))
+    argv = [sys.executable, "-c", USER_CLIENT, str(path), str(timeout)]
+    done = subprocess.run(
+        argv, env=penv.env(), capture_output=True, text=True, timeout=timeout + 60, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the user's client failed: {done.stderr[-3000:]}")
+    return {k: float(v) for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
 
 
 def run_batch(
@@ -226,33 +276,49 @@ def run_batch(
     fail_every: int = 0,
     pids: dict[str, int] | None = None,
     make: Callable[..., list[dict[str, Any]]] = items,
+    user: bool = False,
 ) -> dict[str, Any]:
-    """Submit ``n`` requests through the pipeline and wait for them; returns measurements."""
+    """Submit ``n`` requests through the pipeline and wait for them; returns measurements.
+    By default after a warm-up of 32 requests, from the first submit to the simulator's n-th
+    answer; with ``user``, as a user runs it (:func:`as_user`: no warm-up, a fresh client
+    process, until it has read the last result)."""
     p = penv.pipeline()
-    warm = [dict(it, queue=queue) for it in make(LIMIT * 2, f"{tag}-warm")]
-    list(p.iter_results([r.id for r in p.submit_many(warm)]))
-    sim.reset()
+    if not user:
+        warm = [dict(it, queue=queue) for it in make(LIMIT * 2, f"{tag}-warm")]
+        list(p.iter_results([r.id for r in p.submit_many(warm)]))
+        sim.reset()
     batch = [dict(it, queue=queue) for it in make(n, tag, fail_every)]
+    ids = [it["id"] for it in batch]
     store = p.store.for_pool("default")  # on a Redis Cluster, the pool's slot
     server = node_client(store.client, store.keys.prefix)  # its primary (the Redis itself)
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     cpu = CpuMeter(pids or {}).start()
     counts0 = redis_counts(server)
-    t0 = time.monotonic()
-    reqs = p.submit_many(batch)
-    t_submit = time.monotonic() - t0
-    t1 = sim.last_answer(n, timeout=60 + n * 0.05)  # every request ends in a 200 (checked)
+    timeout = 60 + n * 0.05
+    if user:
+        clock = as_user(penv, batch, timeout)
+        t0, t_submit, t1 = clock["t0"], clock["submit_s"], clock["t1"]
+        last = sim.last_answer(n, timeout=10)
+    else:
+        t0 = time.monotonic()
+        p.submit_many(batch)
+        t_submit = time.monotonic() - t0
+        t1 = last = sim.last_answer(n, timeout=timeout)  # every request a 200 (checked)
     cpu.stop()
     counts = per_request(counts0, redis_counts(server), n)
     elapsed = t1 - t0
-    results = list(p.iter_results([r.id for r in reqs]))
+    results = list(p.iter_results(ids))
     bad = [r for r in results if r.status_code != 200]
     with store.client.pipeline(transaction=False) as pipe:
-        for r in reqs:
-            pipe.hget(store.keys.request(r.id), "dispatches")
+        for rid in ids:
+            pipe.hget(store.keys.request(rid), "dispatches")
         dispatches = sum(int(d or 0) for d in pipe.execute())
     stats = sim.stats()
     arrivals = sim.arrivals()
     gaps = [g * 1000 for g in handoffs(arrivals, LIMIT)]
+    lost = lost_time(arrivals, t0, LIMIT)
+    if user:
+        lost["result"] = t1 - last  # the last answer to the client's reading it
     return {
         "n": n,
         "elapsed": elapsed,
@@ -267,10 +333,11 @@ def run_batch(
         # how long the simulator really held a request (its 100 ms plus its own overhead)
         "service_ms": 1000 * sum(f - a for a, f, _ in arrivals) / max(1, len(arrivals)),
         "handoff_p50": pct(gaps, 50),
-        "lost": lost_time(arrivals, t0, LIMIT),
+        "lost": lost,
         "cpu": cpu.used,
         "cpu_ms": cpu.per_request_ms(n),
         "dispatches": dispatches / n,
+        "load": load,  # the machine's load average as the run started
         **counts,
     }
 
@@ -328,6 +395,8 @@ def scenario(
     make: Callable[..., list[dict[str, Any]]] = items,
     exact_order: bool = False,
     backlogs: bool = False,
+    user: bool = False,
+    ways: list[str] | None = None,  # how runs() measures it: not this run's
 ) -> dict[str, Any]:
     sim = Sim(latency_ms=LATENCY_MS, record_arrivals=True)
     workers: list[Node] = []
@@ -337,10 +406,13 @@ def scenario(
         penv = PipelineEnv(rh.url, queues, workdir, pools=pools, broker_url=rh.broker_url)
         for _ in range(nodes):
             workers.append(Node(penv))
+        if user:
+            for w in workers:
+                w.wait_ready()
         log(f"{label}: {nodes} node(s) up, running {n} requests")
         pids = process_ids(rh, sim, [w.proc.pid for w in workers])
-        tag = f"u{len(label)}{nodes}{fail_every}"
-        res = run_batch(penv, sim, "util", n, tag, fail_every, pids, make)
+        tag = f"u{len(label)}{nodes}{fail_every}-{time.monotonic_ns()}"
+        res = run_batch(penv, sim, "util", n, tag, fail_every, pids, make, user)
     finally:
         for w in workers:
             w.stop()
@@ -425,19 +497,26 @@ def main() -> int:
         action="store_true",
         help="also run plain Celery under the same load, for its Redis CPU per request",
     )
+    ap.add_argument(
+        "--ways",
+        type=lambda text: [way_of(w) for w in text.split(",")],
+        help="how each run is measured, comma-separated, alternating: 'bench' (a warm-up of "
+        "32, first submit to the simulator's last answer) and 'user' (as a user runs it: no "
+        "warm-up, a fresh client process until it read the last result); default: bench, "
+        "and both for the tenant mixes",
+    )
+    ap.add_argument(
+        "--rounds", type=above_zero(int), default=1, help="run the chosen scenarios this often"
+    )
     add_cluster_args(ap)
     args = ap.parse_args()
     if args.cluster and args.plain:
         ap.error("--plain runs on a standalone Redis only")
-    only = set(args.only or SCENARIOS)
-    rows: list[dict[str, Any]] = []
     plain: list[dict[str, Any]] = []  # before and after the scenarios: the machine drifts
     with bench_session(args.redis_url, args.cluster, args.replicas) as (rh, workdir):
         if args.plain:
             plain.append(plain_scenario(rh, workdir, n=args.n))
-        for key, spec in SCENARIOS.items():
-            if key in only:
-                rows += runs(rh, workdir, on_nodes(spec, args.nodes), args.n, args.backlogs)
+        rows = run_chosen(rh, workdir, args)
         if args.plain:
             plain.append(plain_scenario(rh, workdir, n=args.n))
     print(
@@ -523,7 +602,20 @@ def print_lost(rows: list[dict[str, Any]]) -> None:
     print("filling the first 16 slots, waits for a freed slot, the last ones finishing:")
     for r in rows:
         lost = ", ".join(f"{k} {v:.3f}" for k, v in r["lost"].items())
-        print(f"  {r['label']}: elapsed {r['elapsed']:.3f}: {lost}")
+        print(f"  {r['label']}: elapsed {r['elapsed']:.3f}: {lost} (load {r['load']})")
+
+
+def run_chosen(
+    rh: RedisHandle | ClusterHandle, workdir: Path, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """The chosen scenarios' rows, ``--rounds`` times."""
+    only = set(args.only or SCENARIOS)
+    chosen = [on_nodes(spec, args.nodes) for key, spec in SCENARIOS.items() if key in only]
+    rows: list[dict[str, Any]] = []
+    for _ in range(args.rounds):
+        for spec in chosen:
+            rows += runs(rh, workdir, spec, args.n, args.backlogs, args.ways)
+    return rows
 
 
 def runs(
@@ -532,15 +624,35 @@ def runs(
     spec: dict[str, Any],
     n: int,
     backlogs: list[int],
+    ways: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """A scenario's rows: one run of ``n`` requests, or a tenant mix's run per backlog (the
-    short one and the long one)."""
+    short one and the long one); each measured in each of ``ways`` (default: the
+    scenario's own), one after the other."""
+    ways = ways or spec.get("ways") or ["bench"]
     if not spec.get("backlogs"):
-        return [scenario(rh, workdir, n=n, **spec)]
+        return [scenario(rh, workdir, n=n, **as_way(spec, way)) for way in ways]
     return [
-        scenario(rh, workdir, n=b, **{**spec, "label": f"{spec['label']}, {b} requests"})
+        scenario(
+            rh, workdir, n=b, **as_way({**spec, "label": f"{spec['label']}, {b} requests"}, way)
+        )
         for b in backlogs
+        for way in ways
     ]
+
+
+def way_of(text: str) -> str:
+    """An argparse ``type`` for ``--ways``: ``bench`` or ``user``."""
+    if text not in ("bench", "user"):
+        raise argparse.ArgumentTypeError(f"a way is 'bench' or 'user', not {text!r}")
+    return text
+
+
+def as_way(spec: dict[str, Any], way: str) -> dict[str, Any]:
+    """A scenario measured the bench's way (as it is) or a user's, its label saying so."""
+    return (
+        spec if way == "bench" else {**spec, "user": True, "label": f"{spec['label']}, as a user"}
+    )
 
 
 def on_nodes(spec: dict[str, Any], nodes: int | None) -> dict[str, Any]:
