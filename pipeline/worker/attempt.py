@@ -14,7 +14,8 @@ import redis
 from redis.exceptions import ClusterDownError
 
 from ..config import QueueConfig
-from ..gates import CONTINUE, AcquireContext, Decision, Verdict
+from ..gates import CONTINUE, AcquireContext, Decision, Verdict, observation_of
+from ..gates.adaptive import adaptive_views
 from ..http.backoff import retry_delay
 from ..http.call import Abort, abortable
 from ..http.classify import Kind, Outcome, join_url
@@ -61,6 +62,7 @@ class Attempt:
         self.labels: dict[str, str] = _json_map(record.get("labels"), "labels")
         self.extra_headers: dict[str, str] = _json_map(record.get("headers"), "headers")
         self.holder = make_holder(self.id, token)
+        self.priority = _priority(record.get("priority"))
         name = self.queue.queue_name
         self.reservation = reservation or Reservation(
             runtime, name, self.holder, runtime.gate(name)
@@ -76,6 +78,7 @@ class Attempt:
                 metadata=self.metadata,
                 labels=self.labels,
                 payload=record["payload"],
+                priority=self.priority,
             )
         )
         self.closed = False
@@ -87,6 +90,7 @@ class Attempt:
         self.journal = Journal()  # the request's decision log entries, sent with the outcome
         self.cancelled: str | None = None  # why, when cancelled while parked: it ends unsent
         self.outcome: Outcome | None = None  # of its HTTP call (observe.observed_send)
+        self.elapsed_s: float | None = None  # how long its HTTP call took (observed_send)
         # fired by a cancel with running="abort" (Runtime.abort): closes the call's connection
         self.abort = Abort()
 
@@ -385,6 +389,30 @@ class Attempt:
             _replace(headers, "Authorization", bearer)
         return headers
 
+    def adaptive_view(self) -> dict[str, Any] | None:
+        """Its gate's adaptive limit, signal and reason (for Flower's gate events), if any."""
+        views = adaptive_views(self.reservation.gate)
+        return views[0] if views else None
+
+    def body(self) -> str:
+        """The request's body as sent: with the queue's ``engine_priority``, the request's
+        priority as the engine's ``priority`` field (vLLM's, lower first: -priority, so the
+        default 0 stays 0), unless the body names one or is not a JSON object."""
+        payload = self.record["payload"]
+        if not self.queue.engine_priority:
+            return payload
+        priority = self.priority
+        if priority == 0:
+            return payload
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return payload
+        if not isinstance(data, dict) or "priority" in data:
+            return payload
+        data["priority"] = -priority
+        return json.dumps(data, separators=(",", ":"))
+
     def _aborted(self) -> Report:
         """Cancelled with running="abort" (or found no longer its own): the request's result
         is written already; this only releases the reservation (the finish is fenced off)."""
@@ -407,7 +435,7 @@ class Attempt:
                         self.queue.igw_base_url,
                         self.record.get("endpoint") or self.queue.request_path_url,
                     ),
-                    self.record["payload"],
+                    self.body(),
                     self.headers(),
                     timeout,
                 )
@@ -417,6 +445,9 @@ class Attempt:
             )
         if self.abort.fired:  # whatever came back: the request is cancelled
             return self._aborted()
+        if self.elapsed_s is not None:  # what the server showed, for gates that learn from it
+            retried = int(self.record.get("attempts") or 0) > 0
+            self.reservation.observation = observation_of(outcome, self.elapsed_s, retried)
         self.served_tokens = served_tokens(outcome)
         if outcome.ok_2xx and outcome.usage is not None:
             self.served_prompt = outcome.usage.prompt
@@ -472,6 +503,14 @@ def served_tokens(outcome: Outcome) -> int | None:
         usage = outcome.usage
         return usage.total if usage is not None else None
     return 0 if outcome.kind is Kind.FATAL or outcome.category == "TLS" else None
+
+
+def _priority(value: str | None) -> int:
+    """A record's priority (0-9); 0 when absent or unreadable."""
+    try:
+        return max(0, min(9, int(value or 0)))
+    except ValueError:
+        return 0
 
 
 def _replace(headers: dict[str, str], name: str, value: str) -> None:
