@@ -257,3 +257,73 @@ def test_the_limit_learns_a_hidden_cap_and_status_explain_metrics_show_it(
         node.stop()
         sim.stop()
     json.dumps(view)  # plain data
+
+
+# -- priority under saturation ----------------------------------------------------------------
+def test_a_high_priority_request_finds_a_slot_a_low_priority_backlog_cannot_take(
+    env: dict[str, str], tmp_path: Path, start_worker: Any, own_sim: SimServer
+) -> None:
+    """Limit 4, headroom 0.25: a priority-0 backlog fills the 4 slots alone; once a priority-9
+    request has asked, priority 0's band is 3, so the slot a priority-0 holder releases goes to
+    the priority-9 request (though priority-0 attempts were parked there longer), and priority
+    0 never holds more than 3 while it is around."""
+    frozen = {"initial": 4, "max": 4, "window_min": "1h", "window_max": "1h",
+              "priority_headroom": 0.25}  # fmt: skip
+    entry = {"queue_name": "a", "igw_base_url": own_sim.url,
+             "gate_type": "adaptive-concurrency", "gate_params": frozen}  # fmt: skip
+    iso = isolated(env, tmp_path, [entry])
+    pl, q = iso.pl, iso.queue("a")
+    node = start_node(start_worker, iso, concurrency=8)[0]
+    tag = uuid.uuid4().hex[:6]
+    low = [f"{tag}-low{i}" for i in range(10)]
+    high = f"{tag}-high"
+    try:
+        for rid in low:
+            pl.submit({"p": rid}, id=rid, queue=q, timeout=120, headers=held(rid))
+
+        def at(names: list[str]) -> list[str]:
+            return [n for n, c in own_sim.stats()["held"].items() if c and n in names]
+
+        wait_until(lambda: len(at(low)) == 4 and pl.inspect()[q]["running"] > 4, 20, "4 held")
+        pl.submit({"p": high}, id=high, queue=q, timeout=120, priority=9, headers=held(high))
+        wait_until(lambda: pl.state(high) == "running", 20, "the priority-9 attempt asked")
+        own_sim.release(at(low)[0])
+        wait_until(lambda: at([high]) == [high], 20, "the priority-9 request at the server")
+        assert len(at(low)) == 3 and at_sim(own_sim) == 4
+        own_sim.release(at(low)[0])  # 3 in flight: priority 0 may hold 3 again
+        wait_until(lambda: len(at(low)) == 3 and at_sim(own_sim) == 4, 20, "a low one back")
+        for rid in [*low, high]:
+            own_sim.release(rid)
+        results = list(pl.iter_results([*low, high]))
+        assert all(r.ok for r in results)
+    finally:
+        for rid in [*low, high]:
+            own_sim.release(rid)
+        node.stop()
+
+
+def test_engine_priority_sends_the_requests_priority_in_vllms_field(
+    env: dict[str, str], tmp_path: Path, start_worker: Any
+) -> None:
+    """A first-come-first-served engine refuses a non-zero ``priority`` as vLLM does (400): the
+    queue with ``engine_priority`` sends it (as -priority), the other does not; priority 0
+    adds nothing."""
+    from pipeline.sim.presets import engine_config
+
+    sim = SimServer(SimConfig(engine=engine_config("h100", time_scale=0.01))).start_in_thread()
+    base = {"igw_base_url": sim.url, "gate_type": "adaptive-concurrency", "gate_params": {}}
+    iso = isolated(env, tmp_path, [{"queue_name": "prio", "engine_priority": True, **base},
+                                   {"queue_name": "plain", **base}])  # fmt: skip
+    pl = iso.pl
+    node = start_node(start_worker, iso, concurrency=4)[0]
+    body = {"model": "m", "prompt": "hello", "max_tokens": 4}
+    try:
+        sent = pl.submit(body, queue=iso.queue("prio"), priority=7, timeout=60).id
+        zero = pl.submit(body, queue=iso.queue("prio"), priority=0, timeout=60).id
+        plain = pl.submit(body, queue=iso.queue("plain"), priority=7, timeout=60).id
+        refused = pl.wait(sent, 30)
+        assert refused.status_code == 400 and "Priority scheduling" in refused.payload
+        assert pl.wait(zero, 30).ok and pl.wait(plain, 30).ok
+    finally:
+        node.stop()
+        sim.stop()
