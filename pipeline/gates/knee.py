@@ -88,7 +88,7 @@ class Window:
             return None
         mx, my = self.tokens / n, self.latency_s / n
         var = self.tokens_sq / n - mx * mx
-        if mx <= 0 or var <= (LINE_SPREAD * mx) ** 2:
+        if mx <= 0 or my <= 0 or var <= (LINE_SPREAD * mx) ** 2:
             return None
         slope = (self.latency_tokens / n - mx * my) / var
         if slope <= 0:
@@ -98,7 +98,7 @@ class Window:
     @property
     def per_token_s(self) -> float | None:
         """Latency per token of the measured answers (None: too few)."""
-        if self.measured < MIN_SAMPLES or self.tokens <= 0:
+        if self.measured < MIN_SAMPLES or self.tokens <= 0 or self.latency_s <= 0:
             return None
         return self.latency_s / self.tokens
 
@@ -107,6 +107,7 @@ MIN_SAMPLES = 3  # measured answers a window needs before its latency says anyth
 LINE_SAMPLES = 4  # ... before a line is fitted through them
 LINE_SPREAD = 0.15  # ... whose lengths' coefficient of variation is at least this
 QUEUE_SHARE = 0.1  # a queue wait above this share of the mean latency is congestion
+KV_FULL = 0.85  # a KV cache this full takes no more: the limit does not grow
 
 
 @dataclass(frozen=True)
@@ -204,13 +205,14 @@ REASON_CODES = (  # (what a reason starts with, its code: a metric label of few 
     ("ttl", "ttl-expired"),
     ("engine queue time", "engine-queue-time"),
     ("engine queue (from the answers)", "answers-queue"),
-    ("engine queue", "engine-queue"),
+    ("engine queue: ", "engine-queue"),
     ("engine preempted", "preemption"),
     ("latency per token up", "latency-up"),
     ("latency per token down", "latency-down"),
     ("latency per token", "hold"),
     ("retry-after", "retry-after"),
     ("demand below", "demand"),
+    ("KV cache", "kv-full"),
     ("too few", "no-data"),
     ("aimd", "aimd"),
     ("initial", "initial"),
@@ -349,10 +351,11 @@ def _by_engine(
     """With the engine's metrics the knee is where it starts to hold more than it runs: a
     preemption; requests waiting in its queue beyond ``QUEUE_SHARE`` of those running (counting
     what was admitted while the reading was taken) in two readings in a row (a burst waiting
-    for the step in progress is no queue) while the mean queue time grew by half that share;
-    or a mean queue time since
-    the last reading above its least by that share of the mean latency (a prefill-bound
-    engine always queues a little, more at low load). Without any, grow."""
+    for the step in progress is no queue: one reading holds) while the mean queue time grew by
+    half that share; or a mean queue time since the last reading above its least by that
+    share of the mean latency (a prefill-bound engine always queues a little, more at low
+    load). Without any, grow. A reading taken with more in flight than a lowered limit allows
+    shows what that limit is draining: it holds."""
     preempted = 0.0
     if engine.preemptions_total is not None and s.preemptions is not None:
         preempted = max(0.0, engine.preemptions_total - s.preemptions)
@@ -373,17 +376,35 @@ def _by_engine(
     )
     excess = None if waits is None else (waits[0] - least) / waits[1]
     queued = excess is None or excess > QUEUE_SHARE / 2  # and that waiting costs time
-    if waiting >= 1 and share > QUEUE_SHARE and before > QUEUE_SHARE and queued:
+    congested = waiting >= 1 and share > QUEUE_SHARE and queued
+    if (congested or preempted > 0) and _stale(s, max(engine.in_flight_before, win.peak)):
+        return _hold(s, SIGNAL_ENGINE, "draining to a lowered limit")
+    if congested and before > QUEUE_SHARE:
         to = engine.in_flight_before - math.ceil(waiting)
         return _congested(s, cfg, to, SIGNAL_ENGINE, f"engine queue: {waiting:g} waiting")
     if waits is not None and excess is not None and excess > QUEUE_SHARE:
         to = math.floor(engine.in_flight_before * (1.0 - excess))
         reason = f"engine queue time up {waits[0] - least:.3g} s ({excess:.0%} of its latency)"
         return _congested(s, cfg, to, SIGNAL_ENGINE, reason)
-    if preempted > 0:  # a raise that did it is given back; else 10 % less
+    if preempted > 0:  # to what it runs now (what fits), at most the raise that did it back
         to = s.limit - s.raised if s.raised else math.floor(s.limit * 0.9)
+        if engine.running is not None:
+            to = max(to, min(s.limit - 1, math.floor(engine.running)))
         return _congested(s, cfg, to, SIGNAL_ENGINE, f"engine preempted {preempted:g}")
-    return _grow(s, win, cfg, now, binding, SIGNAL_ENGINE)
+    if congested:
+        return _hold(s, SIGNAL_ENGINE, f"confirming an engine queue: {waiting:g} waiting")
+    kv = engine.kv_usage
+    if kv is not None and kv >= KV_FULL:  # more would wait or evict
+        return _hold(s, SIGNAL_ENGINE, f"KV cache {kv:.0%} full: holding")
+    # slow start grows no further than what fills the cache to KV_FULL at this use per request
+    factor = 2.0 if kv is None or kv <= 0 else max(1.0, min(2.0, KV_FULL / kv))
+    return _grow(s, win, cfg, now, binding, SIGNAL_ENGINE, factor)
+
+
+def _stale(s: State, in_flight: float) -> bool:
+    """Evidence gathered with more in flight than the limit now allows (the last decision
+    lowered it, in-flight is still draining): it says nothing of the new limit."""
+    return s.raised == 0 and in_flight > s.limit + 0.5
 
 
 def _queue_wait(
@@ -400,7 +421,15 @@ def _queue_wait(
     return qs / qn, es / en
 
 
-def _grow(s: State, win: Window, cfg: Config, now: float, binding: bool, signal: str) -> State:
+def _grow(
+    s: State,
+    win: Window,
+    cfg: Config,
+    now: float,
+    binding: bool,
+    signal: str,
+    factor: float = 2.0,
+) -> State:
     """No congestion: double in slow start, else probe up (each success doubles the step;
     past the last congestion's limit one at a time)."""
     if not binding:
@@ -408,7 +437,8 @@ def _grow(s: State, win: Window, cfg: Config, now: float, binding: bool, signal:
     if now < s.closed_until:
         return _hold(s, SIGNAL_OVERLOAD, "retry-after: holding")
     if s.phase == "start":
-        return _hold(s, signal, "slow start: doubling", limit=min(cfg.max, s.limit * 2))
+        to = max(s.limit + 1, math.floor(s.limit * factor))
+        return _hold(s, signal, f"slow start: x{to / s.limit:.2g}", limit=min(cfg.max, to))
     if s.hold > 0:
         return _hold(s, signal, "holding", hold=s.hold - 1)
     if s.raised and signal == SIGNAL_ANSWERS:  # a raise's cost shows in answers a latency late
@@ -441,12 +471,12 @@ def _by_answers(s: State, win: Window, cfg: Config, now: float, binding: bool) -
     if line is not None:
         return _by_line(s, win, cfg, now, binding, line)
     t = win.per_token_s
+    if not binding:
+        return _hold(s, SIGNAL_ANSWERS, "demand below the limit", probe=None)
     if t is None:
         return _hold(s, SIGNAL_ANSWERS, "too few answers to measure")
     if s.phase == "start":
         return _slow_start(s, cfg, now, binding, win.in_flight, t)
-    if not binding:
-        return _hold(s, SIGNAL_ANSWERS, "demand below the limit", probe=None)
     drifted = _drift(s, cfg, t)
     if drifted is not None:
         return drifted
@@ -525,7 +555,10 @@ def _by_line(
     mean = win.latency_s / win.measured
     share = max(0.0, intercept - base) / mean
     before, s = s.wait_share, dataclasses.replace(s, intercept=base, wait_share=share, levels={})
-    if share > 3 * QUEUE_SHARE or (share > QUEUE_SHARE and before > QUEUE_SHARE):
+    strong = share > 3 * QUEUE_SHARE
+    if (strong or share > QUEUE_SHARE) and _stale(s, win.in_flight):
+        return _hold(s, SIGNAL_ANSWERS, "draining to a lowered limit")
+    if strong or (share > QUEUE_SHARE and before > QUEUE_SHARE):
         to = math.floor(win.in_flight * (1.0 - share))
         reason = f"engine queue (from the answers): ~{share * mean:.3g} s a request"
         new = _congested(s, cfg, to, SIGNAL_ANSWERS, reason)
