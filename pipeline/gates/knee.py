@@ -214,6 +214,7 @@ REASON_CODES = (  # (what a reason starts with, its code: a metric label of few 
     ("demand below", "demand"),
     ("KV cache", "kv-full"),
     ("too few", "no-data"),
+    ("below the last congestion", "hold"),
     ("aimd", "aimd"),
     ("initial", "initial"),
     ("no congestion", "probe"),
@@ -315,7 +316,7 @@ def _congested(s: State, cfg: Config, to: int, signal: str, reason: str) -> Stat
         limit=max(1, to),
         phase="steady",
         step=1,
-        hold=cfg.hold_windows * 2 ** min(fails - 1, 4),
+        hold=cfg.hold_windows * 2 ** min(fails, 5),
         fails=fails,
         probe=None,
         previous=None,
@@ -430,23 +431,27 @@ def _grow(
     signal: str,
     factor: float = 2.0,
 ) -> State:
-    """No congestion: double in slow start, else probe up (each success doubles the step;
-    past the last congestion's limit one at a time)."""
+    """No congestion: grow in slow start by ``factor``; else by a step that doubles with each
+    success, but one at a time near the last congestion's limit (the ceiling), which is
+    tried again only after a hold below it that doubles with each congestion there."""
     if not binding:
         return _hold(s, signal, "demand below the limit")
     if now < s.closed_until:
         return _hold(s, SIGNAL_OVERLOAD, "retry-after: holding")
     if s.phase == "start":
         to = max(s.limit + 1, math.floor(s.limit * factor))
-        return _hold(s, signal, f"slow start: x{to / s.limit:.2g}", limit=min(cfg.max, to))
-    if s.hold > 0:
-        return _hold(s, signal, "holding", hold=s.hold - 1)
+        if to < s.limit * 1.25:  # the start is over: steps from here
+            s = dataclasses.replace(s, phase="steady")
+        else:
+            return _hold(s, signal, f"slow start: x{to / s.limit:.2g}", limit=min(cfg.max, to))
+    # a quarter past the ceiling without a congestion, the engine has changed: steps double
+    cleared = s.limit >= s.ceiling * CLEAR_PAST
+    if not cleared and s.limit + 1 >= s.ceiling and s.hold > 0:
+        return _hold(s, signal, "below the last congestion's limit: holding", hold=s.hold - 1)
     if s.raised and signal == SIGNAL_ANSWERS:  # a raise's cost shows in answers a latency late
         return _hold(s, signal, f"settling after +{s.raised}")
-    # near the last congestion's limit one at a time; a quarter past it without one, the
-    # engine has changed: steps double again
-    cleared = s.limit >= s.ceiling * CLEAR_PAST
-    step = s.step if cleared else 1
+    # and no more than what fills the KV cache to KV_FULL (factor; 2 when it is not known)
+    step = max(1, min(s.step, math.floor(s.limit * (factor - 1)))) if cleared else 1
     return _hold(
         s,
         signal,
