@@ -69,9 +69,11 @@ def histograms(sim: Sim) -> dict[str, float]:
 def one(
     rh: Any, workdir: Path, sim: Sim, label: str, gate: dict[str, Any], args: argparse.Namespace
 ) -> Run:
-    work = PRESETS[args.preset].workload
-    body = {"model": "sim-model", "prompt": " ".join(["w"] * work.prompt_tokens),
-            "max_tokens": work.max_tokens}  # fmt: skip
+    body: dict[str, Any] = {"model": "sim-model", "prompt": "w", "max_tokens": 4}
+    if args.preset != "fixed":
+        work = PRESETS[args.preset].workload
+        body = {"model": "sim-model", "prompt": " ".join(["w"] * work.prompt_tokens),
+                "max_tokens": work.max_tokens}  # fmt: skip
     name = f"q{uuid.uuid4().hex[:6]}"
     penv = PipelineEnv(rh.url, [queue_entry(name, sim.url, request_timeout_s=600, **gate)],
                        workdir)  # fmt: skip
@@ -94,7 +96,8 @@ def one(
         q, e = "vllm:request_queue_time_seconds", "vllm:e2e_request_latency_seconds"
         qn, en = delta.get(f"{q}_count", 0.0), delta.get(f"{e}_count", 0.0)
         share = (delta[f"{q}_sum"] / qn) / (delta[f"{e}_sum"] / en) if qn and en else 0.0
-        engine = sim.stats()["engine"]
+        engine = sim.stats().get("engine") or {"max_running_observed": sim.stats()[
+            "max_concurrency_observed"], "max_waiting_observed": 0}  # fmt: skip
         gate_desc = pl.inspect()[name]["gate"]
         view = gate_desc.get("adaptive")
         limit = f"{view['limit']} ({view['reason_code']})" if view else str(gate_desc["limit"])
@@ -107,7 +110,13 @@ def one(
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="kv-bound")
+    p.add_argument(
+        "--preset",
+        choices=[*sorted(PRESETS), "fixed"],
+        default="kv-bound",
+        help="an engine preset, or 'fixed': a server of fixed latency and no limit",
+    )
+    p.add_argument("--latency-ms", type=float, default=200.0, help="with --preset fixed")
     p.add_argument("--scale", type=float, help="time scale (default: the preset's bench scale)")
     p.add_argument("--requests", type=int, default=600)
     p.add_argument("--concurrency", type=int, default=48, help="worker slots (at most 64)")
@@ -116,13 +125,15 @@ def main() -> int:
     p.add_argument("--modes", default="static,answers,metrics,aimd")
     p.add_argument("--redis-url")
     args = p.parse_args()
-    scale = args.scale or SCALES[args.preset]
-    levels = [int(x) for x in (args.levels or LEVELS[args.preset]).split(",")]
+    scale = args.scale or SCALES.get(args.preset, 1.0)
+    levels = [int(x) for x in (args.levels or LEVELS.get(args.preset, "32,64")).split(",")]
     modes = args.modes.split(",")
-    work = PRESETS[args.preset].workload
-    extra = ["--engine", args.preset, "--time-scale", f"{scale:g}", "--seed", "1"]
-    if work.completion_min_ratio < 1.0:
-        extra += ["--completion-min-ratio", f"{work.completion_min_ratio:g}"]
+    extra = ["--latency-ms", f"{args.latency_ms:g}"]
+    if args.preset != "fixed":
+        work = PRESETS[args.preset].workload
+        extra = ["--engine", args.preset, "--time-scale", f"{scale:g}", "--seed", "1"]
+        if work.completion_min_ratio < 1.0:
+            extra += ["--completion-min-ratio", f"{work.completion_min_ratio:g}"]
     runs: list[Run] = []
     with bench_session(args.redis_url) as (rh, workdir):
         sim = Sim(max_concurrency=args.cap, extra=[*extra, "--overload", "429"])

@@ -226,7 +226,8 @@ class Loop:
                 if ev.kind == "finish":
                     self.finished(ev.seq, ev.at)
             elapsed = self.now - self.agg.start
-            if knee.window_closes(elapsed, self.agg.measured, len(self.admitted), self.cfg):
+            quick = knee.quick_windows(self.state)
+            if knee.window_closes(elapsed, self.agg.measured, len(self.admitted), self.cfg, quick):
                 self.close(self.now)
             self.fill(self.now)
         self.res.duration = max(self.res.finishes, default=0.0)

@@ -309,6 +309,8 @@ class AdaptiveConcurrencyGate(SlotGate, Observes, Controlled):
                 new.reason,
                 "moved_at",
                 repr(new.moved_at) if new.moved_at else "",
+                "quick",
+                "1" if knee.quick_windows(new) else "0",
             ],
         )
         if not int(written):

@@ -239,14 +239,24 @@ def clamp(limit: float, cfg: Config) -> int:
     return int(max(cfg.min, min(cfg.max, math.floor(limit))))
 
 
-def window_closes(elapsed_s: float, measured: int, in_flight: int, cfg: Config) -> bool:
+def quick_windows(state: State) -> bool:
+    """Slow start on the engine's metrics: a reading is of the moment, so a window need not
+    wait for half its cohort (the answers' latencies lag: they do)."""
+    return state.phase == "start" and state.signal == SIGNAL_ENGINE
+
+
+def window_closes(
+    elapsed_s: float, measured: int, in_flight: int, cfg: Config, quick: bool = False
+) -> bool:
     """A window is over once half the requests in flight have been admitted in it and answered
     (so its latencies are of requests that lived under its limit, queueing included: a window
     of fixed length would see a queue's latency only after it), after at least
-    ``window_min_s``; or after ``window_max_s`` whatever it has."""
+    ``window_min_s``; or after ``window_max_s`` whatever it has. ``quick`` (slow start): once
+    ``MIN_SAMPLES`` were, the first of its cohort."""
     if elapsed_s >= cfg.window_max_s:
         return True
-    return elapsed_s >= cfg.window_min_s and measured >= max(MIN_SAMPLES, -(-in_flight // 2))
+    want = MIN_SAMPLES if quick else max(MIN_SAMPLES, -(-in_flight // 2))
+    return elapsed_s >= cfg.window_min_s and measured >= want
 
 
 def elasticity(f0: float, t0: float, f1: float, t1: float) -> float | None:
@@ -398,7 +408,7 @@ def _by_engine(
     if kv is not None and kv >= KV_FULL:  # more would wait or evict
         return _hold(s, SIGNAL_ENGINE, f"KV cache {kv:.0%} full: holding")
     # slow start grows no further than what fills the cache to KV_FULL at this use per request
-    factor = 2.0 if kv is None or kv <= 0 else max(1.0, min(2.0, KV_FULL / kv))
+    factor = 2.0 if kv is None else max(1.0, min(4.0, KV_FULL / max(kv, 0.01)))
     return _grow(s, win, cfg, now, binding, SIGNAL_ENGINE, factor)
 
 
@@ -604,6 +614,7 @@ def _slow_start(s: State, cfg: Config, now: float, binding: bool, f: float, t: f
     gives K = F x T_before / T."""
     if not binding:
         return _hold(s, SIGNAL_ANSWERS, "demand below the limit", previous=(f, t))
+    e = None
     if s.previous is not None:
         f0, t0 = s.previous
         e = elasticity(f0, t0, f, t)
@@ -624,13 +635,18 @@ def _slow_start(s: State, cfg: Config, now: float, binding: bool, f: float, t: f
             )
     if now < s.closed_until:
         return _hold(s, SIGNAL_OVERLOAD, "retry-after: holding", previous=(f, t))
+    # the latency per token did not move with the last growth: four times, else twice
+    factor = 4 if e is not None and e >= FLAT_ELASTICITY else 2
     return _hold(
         s,
         SIGNAL_ANSWERS,
-        "slow start: doubling",
-        limit=min(cfg.max, s.limit * 2),
+        f"slow start: x{factor}",
+        limit=min(cfg.max, s.limit * factor),
         previous=(f, t),
     )
+
+
+FLAT_ELASTICITY = 0.9  # a slow-start step this well followed: the next one is twice as large
 
 
 def _drift(s: State, cfg: Config, t: float) -> State | None:
@@ -700,5 +716,6 @@ __all__ = [
     "elasticity",
     "initial_state",
     "reason_code",
+    "quick_windows",
     "window_closes",
 ]
