@@ -124,7 +124,7 @@ class Loop:
             window_max_s=knee.Config.window_max_s / scale,
         )
         self.cfg = dataclasses.replace(self.cfg, **bounds)  # type: ignore[arg-type]
-        self.state = knee.initial_state(self.cfg)
+        self.state = knee.initial_state(self.cfg, engine=sc.engine_metrics)
         self.limit = sc.static if sc.static is not None else self.state.limit
         self.res = Result()
         self.now = 0.0

@@ -284,7 +284,8 @@ class AdaptiveConcurrencyGate(SlotGate, Observes, Controlled):
         """Close the window if it is due (this node then is its one mover), read the engine's
         metrics when the gate names them, decide, and write the next state."""
         keys = [self._window_key, self._state_key, self.slots.holders_key]
-        args = [self.cfg.window_min_s, self.cfg.window_max_s, knee.MIN_SAMPLES, STATE_TTL_S]
+        quick = "1" if knee.quick_windows(self._initial()) else "0"
+        args = [self.cfg.window_min_s, self.cfg.window_max_s, knee.MIN_SAMPLES, STATE_TTL_S, quick]
         reply = self.scripts.close(keys=keys, args=args)
         if not reply:
             return None
@@ -330,11 +331,14 @@ class AdaptiveConcurrencyGate(SlotGate, Observes, Controlled):
 
     def _loaded(self, raw: str) -> knee.State:
         if not raw:
-            return knee.initial_state(self.cfg)
+            return self._initial()
         try:
             return knee.State.from_json(json.loads(raw), self.cfg)
         except ValueError:
-            return knee.initial_state(self.cfg)
+            return self._initial()
+
+    def _initial(self) -> knee.State:
+        return knee.initial_state(self.cfg, engine=self.metrics_url is not None)
 
     def _engine(self, count: int) -> knee.Engine | None:
         """One reading of the engine's metrics, with the gate's in-flight count before and

@@ -229,10 +229,11 @@ def reason_code(reason: str) -> str:
     return next((code for head, code in REASON_CODES if reason.startswith(head)), "hold")
 
 
-def initial_state(cfg: Config) -> State:
+def initial_state(cfg: Config, engine: bool = False) -> State:
+    """The state before the first window (``engine``: the gate reads the engine's metrics)."""
     limit = clamp(cfg.initial, cfg)
     phase = "steady" if cfg.controller == "aimd-baseline" else "start"
-    return State(limit=limit, phase=phase)
+    return State(limit=limit, phase=phase, signal=SIGNAL_ENGINE if engine else SIGNAL_ANSWERS)
 
 
 def clamp(limit: float, cfg: Config) -> int:
