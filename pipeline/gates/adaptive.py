@@ -8,12 +8,14 @@ time (the dispatchers ask; the close script picks one). docs/gates.md, "adaptive
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import httptools
 
@@ -366,8 +368,12 @@ class AdaptiveConcurrencyGate(SlotGate, Observes, Controlled):
         )
 
     def _scrape(self, url: str) -> Reading:
+        headers, parts = {}, urlsplit(url)
+        if parts.username is not None:  # user:password@ in the URL is HTTP basic auth
+            login = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            headers["Authorization"] = "Basic " + base64.b64encode(login.encode()).decode()
         try:
-            resp = request("GET", url, b"", {}, self.metrics_timeout_s)
+            resp = request("GET", url, b"", headers, self.metrics_timeout_s)
         except (OSError, ValueError, CallTimeout, httptools.HttpParserError) as exc:
             error = str(exc).replace(url, redact_url(url))
             raise OSError(f"GET {redact_url(url)}: {type(exc).__name__}: {error}") from None

@@ -107,6 +107,8 @@ MIN_SAMPLES = 3  # measured answers a window needs before its latency says anyth
 LINE_SAMPLES = 4  # ... before a line is fitted through them
 LINE_SPREAD = 0.15  # ... whose lengths' coefficient of variation is at least this
 QUEUE_SHARE = 0.1  # a queue wait above this share of the mean latency is congestion
+QUEUE_TIME_SHARE = 0.2  # ... a mean queue time grown by this share (a prefill-bound engine's
+# queue grows with its load before its throughput stops)
 KV_FULL = 0.85  # a KV cache this full takes no more: the limit does not grow
 
 
@@ -364,10 +366,10 @@ def _by_engine(
     preemption; requests waiting in its queue beyond ``QUEUE_SHARE`` of those running (counting
     what was admitted while the reading was taken) in two readings in a row (a burst waiting
     for the step in progress is no queue: one reading holds) while the mean queue time grew by
-    half that share; or a mean queue time since the last reading above its least by that
-    share of the mean latency (a prefill-bound engine always queues a little, more at low
-    load). Without any, grow. A reading taken with more in flight than a lowered limit allows
-    shows what that limit is draining: it holds."""
+    half that share; or a mean queue time since the last reading above its least by
+    ``QUEUE_TIME_SHARE`` of the mean latency (a prefill-bound engine always queues a little,
+    and more as its load grows). Without any, grow. A reading taken with more in flight than
+    a lowered limit allows shows what that limit is draining: it holds."""
     preempted = 0.0
     if engine.preemptions_total is not None and s.preemptions is not None:
         preempted = max(0.0, engine.preemptions_total - s.preemptions)
@@ -388,13 +390,18 @@ def _by_engine(
     )
     excess = None if waits is None else (waits[0] - least) / waits[1]
     queued = excess is None or excess > QUEUE_SHARE / 2  # and that waiting costs time
-    congested = waiting >= 1 and share > QUEUE_SHARE and queued
-    if (congested or preempted > 0) and _stale(s, max(engine.in_flight_before, win.peak)):
+    # with its KV cache far from full the wait is for compute (a prefill-bound engine takes a
+    # few prompts a step): more in flight still adds throughput; the queue time rule is its
+    full = engine.kv_usage is None or engine.kv_usage >= KV_FULL - 0.15
+    congested = waiting >= 1 and share > QUEUE_SHARE and queued and full
+    slower = excess is not None and excess > QUEUE_TIME_SHARE
+    stale = _stale(s, max(engine.in_flight_before, win.peak))
+    if (congested or slower or preempted > 0) and stale:
         return _hold(s, SIGNAL_ENGINE, "draining to a lowered limit")
     if congested and before > QUEUE_SHARE:
         to = engine.in_flight_before - math.ceil(waiting)
         return _congested(s, cfg, to, SIGNAL_ENGINE, f"engine queue: {waiting:g} waiting")
-    if waits is not None and excess is not None and excess > QUEUE_SHARE:
+    if waits is not None and excess is not None and slower:
         to = math.floor(engine.in_flight_before * (1.0 - excess))
         reason = f"engine queue time up {waits[0] - least:.3g} s ({excess:.0%} of its latency)"
         return _congested(s, cfg, to, SIGNAL_ENGINE, reason)

@@ -191,3 +191,33 @@ def test_answers_fill_a_window_one_node_closes_and_an_overload_lowers_the_limit(
     assert a.capacity() == 5 and b.describe()["adaptive"]["limit"] == 5
     for c in held:
         a.release(c.holder)
+
+
+@pytest.mark.parametrize("up", [True, False])
+def test_the_mover_reads_the_engines_metrics_and_decides_without_them_when_they_fail(
+    genv: GateEnv, up: bool
+) -> None:
+    """With metrics_url the window's decision reads the engine's own page (vLLM's names, here
+    the engine model's): the signal is the engine's; a page that cannot be read (nothing
+    listens) is decided on from the answers (and logged once)."""
+    from pipeline.sim import SimConfig, SimServer
+    from pipeline.sim.presets import engine_config
+
+    sim = SimServer(SimConfig(engine=engine_config("h100", time_scale=0.01))).start_in_thread()
+    url = f"{sim.url}/metrics" if up else "http://127.0.0.1:9/metrics"
+    g = adaptive(genv, initial=4, window_min="0s", metrics_url=url)
+    try:
+        assert g.control() is None  # starts the first window
+        held = [ctx() for _ in range(4)]
+        for c in held:
+            assert g.acquire(c).admitted
+        for c in held:
+            observe(g, c.holder, Observation("ok", 0.2, 16))
+        assert g.control() is not None
+        view = g.controller_view()
+        assert view["signal"] == ("engine-metrics" if up else "answers"), view
+        assert view["metrics_url"] == url
+        for c in held:
+            g.release(c.holder)
+    finally:
+        sim.stop()
