@@ -27,7 +27,7 @@ from tests.integration.test_release_paths import (
     uid,
     wait_running,
 )
-from tests.observability import isolated, scrape, series, start_node
+from tests.observability import isolated, scrape, series, start_node, total
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +251,11 @@ def test_the_limit_learns_a_hidden_cap_and_status_explain_metrics_show_it(
         ]
         value = [v for n, lab, v in samples if n == "pipeline_gate_adaptive_limit"]
         assert value == [view["limit"]]
+        moved = total(samples, "pipeline_gate_adaptive_moved_seconds", queue_name=q)
+        assert moved == pytest.approx(view["moved_at"])
+        assert (
+            total(samples, "pipeline_gate_adaptive_windows_total", queue_name=q) == view["windows"]
+        )
         sim.release(rid)
         assert pl.wait(rid, 30).ok
     finally:
