@@ -109,6 +109,7 @@ LINE_SPREAD = 0.15  # ... whose lengths' coefficient of variation is at least th
 QUEUE_SHARE = 0.1  # a queue wait above this share of the mean latency is congestion
 QUEUE_TIME_SHARE = 0.2  # ... a mean queue time grown by this share (a prefill-bound engine's
 # queue grows with its load before its throughput stops)
+KV_ROOMY = 0.5  # ... this empty at the limit of the last congestion: the engine has grown
 KV_FULL = 0.85  # a KV cache this full takes no more: the limit does not grow
 
 
@@ -168,6 +169,7 @@ class State:
     preemptions: float | None = None  # the engine's counter at the last reading
     histograms: tuple[float, float, float, float] | None = None  # ... and its histograms'
     least_wait: float = -1.0  # the least mean queue time seen (s; -1: none yet)
+    roomy: int = 0  # readings in a row with the KV cache half empty below the ceiling
     latency_s: float = 0.0  # smoothed mean latency of a 2xx (sizes the window)
     clean: int = 0  # aimd-baseline: 2xx since its last change
     signal: str = SIGNAL_ANSWERS  # what the last decision acted on
@@ -415,6 +417,10 @@ def _by_engine(
     kv = engine.kv_usage
     if kv is not None and kv >= KV_FULL:  # more would wait or evict
         return _hold(s, SIGNAL_ENGINE, f"KV cache {kv:.0%} full: holding")
+    roomy = kv is not None and kv < KV_ROOMY and 0 < s.ceiling <= s.limit + 1
+    s = dataclasses.replace(s, roomy=s.roomy + 1 if roomy else 0)
+    if s.roomy >= 2:  # below the last congestion's limit, its cache twice half empty: it grew
+        s = dataclasses.replace(s, ceiling=0, fails=0, hold=0, step=1, roomy=0)
     # slow start grows no further than what fills the cache to KV_FULL at this use per request
     factor = 2.0 if kv is None else max(1.0, min(4.0, KV_FULL / max(kv, 0.01)))
     return _grow(s, win, cfg, now, binding, SIGNAL_ENGINE, factor)

@@ -269,3 +269,17 @@ vllm:e2e_request_latency_seconds_count{model_name="m"} 10.0
         assert "waiting" in str(exc)
     else:
         raise AssertionError("a page without a waiting series must be refused")
+
+
+def test_with_engine_metrics_it_follows_the_engines_capacity_halving_and_doubling() -> None:
+    """The KV-bound engine loses half its capacity, or gains as much again, 1,500 model seconds
+    in (30 s of wall clock at the bench's time scale): after it, the rate is at least 0.9 of
+    the best static limit for the new engine."""
+    t = 1500.0
+    for replicas, levels in ((0.5, (5, 6, 7)), (2.0, (24, 26, 28))):
+        res = run(Scenario("kv-bound", 2500, engine_metrics=True, capacity=((t, replicas),)), 0.02)
+        best = max(
+            run(Scenario("kv-bound", 1500, static=n, capacity=((0.0, replicas),)), 0.02).throughput
+            for n in levels
+        )
+        assert res.rate_between(t, max(res.finishes)) >= 0.9 * best, replicas
