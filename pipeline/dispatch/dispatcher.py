@@ -239,15 +239,18 @@ class Dispatcher:
 
     def controlled(self) -> list[tuple[Controlled, set[str]]]:
         """The gates whose limit a controller moves (``adaptive-concurrency``), each once, with
-        the pools whose queues pass it."""
-        with self._lock:
-            found: dict[int, tuple[Controlled, set[str]]] = {}
-            for name, gate in self.gates.items():
-                pool = self.settings.queues[name].worker_pool_id
-                for g in walk(gate):
-                    if isinstance(g, Controlled):
-                        found.setdefault(id(g), (g, set()))[1].add(pool)
-            return list(found.values())
+        the pools whose queues pass it. Without the dispatcher's lock, which a tick holds
+        through its doorbell wait (up to a second): a reload replaces both dicts whole."""
+        gates, settings = self.gates, self.settings
+        found: dict[int, tuple[Controlled, set[str]]] = {}
+        for name, gate in list(gates.items()):
+            q = settings.queues.get(name)
+            if q is None:
+                continue
+            for g in walk(gate):
+                if isinstance(g, Controlled):
+                    found.setdefault(id(g), (g, set()))[1].add(q.worker_pool_id)
+        return list(found.values())
 
     def control(self) -> None:
         """Ask each adaptive gate to close its window (one node a window moves the limit); a
