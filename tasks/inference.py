@@ -120,6 +120,13 @@ def _tenant(hint: Any) -> dict[str, str] | None:
     return hint
 
 
+def _priority(hint: Any) -> int | None:
+    """The dispatcher's ``priority`` kwarg (0-9), or None when absent or not one."""
+    if isinstance(hint, bool) or not isinstance(hint, int) or not 0 <= hint <= 9:
+        return None
+    return hint
+
+
 def mirrors_results(task: Task, request: Any) -> bool:
     """Whether an attempt's scripts can write its task's Celery result: Celery would store
     it (not ignored, not eager), in the pipeline's own Redis, as a plain meta (no extended
@@ -151,6 +158,7 @@ class InferenceTask(Task):
             self.request.hostname or "worker",
             kwargs.get("queue"),
             _tenant(kwargs.get("tenant")),
+            _priority(kwargs.get("priority")),
         )
         if attempt is not None:
             if mirrors_results(self, self.request):

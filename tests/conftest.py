@@ -201,6 +201,10 @@ def tenants_gate(per_tenant: int, overall: int) -> dict[str, Any]:
     return {"gate_type": "composite", "gate_params": {"gates": inner}}
 
 
+def adaptive(**params: Any) -> dict[str, Any]:
+    return {"gate_type": "adaptive-concurrency", "gate_params": params}
+
+
 def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
     """Queues with gates that hold reservations, one result list each (named per session:
     result lists use their configured name verbatim, outside the key prefix)."""
@@ -241,6 +245,29 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
         ("merge1", "merge", {}, sim_url),
         ("merge2", "merge", {}, sim_url),
         ("inproc", "inproc", local_limit(2), sim_url),  # served by the in-process node
+        # the adaptive gate (tests/integration/test_adaptive_gate.py), held to its bounds
+        ("adapt", "adapt", adaptive(initial=2, max=2), sim_url),
+        (
+            "adaptwait",
+            "adapt",
+            {"gate_type": "wait-on-refuse", "gate_params": {"gate": adaptive(initial=1, max=1)}},
+            sim_url,
+        ),
+        (
+            "adaptdrop",
+            "adapt",
+            {
+                "gate_type": "tier-priority-admission",
+                "gate_params": {
+                    "saturation_gate": "adaptive-concurrency",
+                    "saturation_gate_params": {"initial": 1, "max": 1},
+                },
+                "labels": {"classification": "overflow", "tier": "interactive"},
+            },
+            sim_url,
+        ),
+        ("adaptcrash", "adaptcrash", adaptive(initial=4, max=4), sim_url),
+        ("adaptchaos", "adaptchaos", adaptive(initial=8, max=8), sim_url),
         (
             "skew",
             "skew",

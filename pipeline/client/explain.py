@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from ..gates.adaptive import find_view
+
 
 @dataclass(frozen=True)
 class LogEntry:
@@ -205,6 +207,10 @@ def build(request_id: str, raw: dict[str, Any], gate: dict[str, Any] | None) -> 
             "limit": gate.get("limit"),
             "holds_slot": bool(token) and holds,
         }
+        view = find_view(gate)
+        if view is not None:  # an adaptive gate: its limit, what it acts on, why it moved
+            keep = ("limit", "signal", "reason", "moved_at")
+            gate_info["adaptive"] = {k: view.get(k) for k in keep}
     deadline = _num(r.get("deadline"))
     active = state in ("dispatched", "running")
     due = _num(raw.get("due"))
@@ -431,7 +437,11 @@ def describe_entry(entry: LogEntry) -> str:
 def _gate_row(g: dict[str, Any]) -> str:
     limit = "" if g.get("limit") is None else f"/{g['limit']}"
     holds = "; this attempt holds a slot" if g.get("holds_slot") else ""
-    return f"{g.get('type')} {g.get('in_flight')}{limit} in flight{holds}"
+    text = f"{g.get('type')} {g.get('in_flight')}{limit} in flight{holds}"
+    a = g.get("adaptive")
+    if isinstance(a, dict):
+        text += f"; adaptive limit {a.get('limit')} ({a.get('signal')}: {a.get('reason')})"
+    return text
 
 
 def _deadline_row(e: Explanation, deadline: float, slack: float) -> str:

@@ -28,7 +28,13 @@ _SECONDS = (
     "result_ttl_seconds",
 )
 _COUNTS = ("result_list_max_len", "max_response_bytes")
-_FLAGS = ("result_list", "fair_share", "tls_insecure_skip_verify", "follow_redirects")
+_FLAGS = (
+    "result_list",
+    "fair_share",
+    "tls_insecure_skip_verify",
+    "follow_redirects",
+    "engine_priority",
+)
 
 
 def _positive(value: Any, kind: Any = int | float) -> bool:  # a JSON true is no number
@@ -67,6 +73,9 @@ class QueueConfig:
     retry_max_delay_s: float = 60.0
     weight: float = 1.0  # the queue's share of its pool's dispatches
     fair_share: bool = False  # its tenants take turns at each priority
+    # send the request's priority in the body as the engine's ``priority`` (vLLM's field,
+    # lower first: -priority), for an engine that schedules by it
+    engine_priority: bool = False
     api_key_env: str | None = None  # the variable whose value is sent as "Bearer <value>"
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None

@@ -16,7 +16,16 @@ from functools import partial
 from redis.connection import AbstractConnection
 
 from ..config import QueueConfig, Settings
-from ..gates import Gate, GateEnv, attempt_gate, dispatch_budget, same_attempt_gate, static_budget
+from ..gates import (
+    Controlled,
+    Gate,
+    GateEnv,
+    attempt_gate,
+    dispatch_budget,
+    same_attempt_gate,
+    static_budget,
+    walk,
+)
 from ..observability import metrics, tracing
 from ..store import (
     DirectPublish,
@@ -37,6 +46,7 @@ log = logging.getLogger("pipeline.dispatcher")
 NODE_TTL_S = 5.0  # a node missing heartbeats this long stops counting towards pool slots
 MAX_IDLE_S = 1.0  # longest block on the doorbell (also the node heartbeat cadence)
 INGEST_POLL_S = 0.25  # a reference producer rings no doorbell: look at its sorted set this often
+CONTROL_TICK_S = 0.1  # an adaptive gate's window is asked to close this often (per node)
 
 Sender = Callable[[list[Dispatched]], None]
 
@@ -80,6 +90,8 @@ class Dispatcher:
         self._foreign_due = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._controller: threading.Thread | None = None
+        self._control_problem: dict[int, str] = {}
         self._next_beat = 0.0
         self._next_reap = 0.0
         # the connection a fused wait blocks on (the loop thread's own): stop() drops it, so
@@ -164,6 +176,10 @@ class Dispatcher:
         self._heartbeat()
         self._thread = threading.Thread(target=self._loop, name="pipeline-dispatcher", daemon=True)
         self._thread.start()
+        self._controller = threading.Thread(
+            target=self._control_loop, name="pipeline-adaptive", daemon=True
+        )
+        self._controller.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -172,6 +188,8 @@ class Dispatcher:
             self._waiting.disconnect()  # ends a fused wait (its tick is dropped)
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._controller is not None:
+            self._controller.join(timeout)
         try:
             for pool in self.pools:
                 self.store.client.zrem(self.keys.pool_nodes(pool), self.node)
@@ -238,6 +256,43 @@ class Dispatcher:
                 log.warning("dispatcher tick failed: %s", exc)
                 block = None
                 self._stop.wait(0.5)
+
+    def controlled(self) -> list[tuple[Controlled, set[str]]]:
+        """The gates whose limit a controller moves (``adaptive-concurrency``), each once, with
+        the pools whose queues pass it. Without the dispatcher's lock, which a tick holds
+        through its doorbell wait (up to a second): a reload replaces both dicts whole."""
+        gates, settings = self.gates, self.settings
+        found: dict[int, tuple[Controlled, set[str]]] = {}
+        for name, gate in list(gates.items()):
+            q = settings.queues.get(name)
+            if q is None:
+                continue
+            for g in walk(gate):
+                if isinstance(g, Controlled):
+                    found.setdefault(id(g), (g, set()))[1].add(q.worker_pool_id)
+        return list(found.values())
+
+    def control(self) -> None:
+        """Ask each adaptive gate to close its window (one node a window moves the limit); a
+        limit that rose rings its pools' doorbells, so the free room is dispatched now."""
+        for gate, pools in self.controlled():
+            try:
+                raised = gate.control()
+            except Exception as exc:  # noqa: BLE001 - the next tick tries again; logged once
+                problem = f"{type(exc).__name__}: {exc}"
+                if self._control_problem.get(id(gate)) != problem:
+                    log.warning("adaptive gate %s: controller failed: %s", gate.name, problem)
+                self._control_problem[id(gate)] = problem
+                continue
+            self._control_problem.pop(id(gate), None)
+            for pool in pools if raised else ():
+                store = self.store.for_pool(pool)
+                store.client.rpush(store.keys.wake(pool), "1")
+
+    def _control_loop(self) -> None:
+        while not self._stop.wait(CONTROL_TICK_S):
+            if self.controlled():
+                self.control()
 
     def fused(self) -> bool:
         """Whether the doorbell wait and its tick go in one round trip (docs/internals.md)."""

@@ -1,21 +1,26 @@
 """Gates: admission control in front of the model servers (docs/gates.md)."""
 
+from .answers import observation_of
 from .base import (
     CONTINUE,
     AcquireContext,
     Admission,
     Batched,
     Calls,
+    Controlled,
     Decision,
     Gate,
     GateEnv,
     HandsOver,
+    Observation,
+    Observes,
     Settles,
     Verdict,
     dispatch_budget,
     settle,
     static_budget,
     wake_keys,
+    walk,
 )
 from .registry import (
     GATE_TYPES,
@@ -34,10 +39,13 @@ __all__ = [
     "Admission",
     "Batched",
     "Calls",
+    "Controlled",
     "Decision",
     "Gate",
     "GateEnv",
     "HandsOver",
+    "Observation",
+    "Observes",
     "Settles",
     "Verdict",
     "attempt_gate",
@@ -49,5 +57,7 @@ __all__ = [
     "same_attempt_gate",
     "settle",
     "static_budget",
+    "observation_of",
+    "walk",
     "wake_keys",
 ]

@@ -66,6 +66,7 @@ class AcquireContext:
     metadata: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     payload: str = ""  # the request's JSON body as it will be sent (a token budget reads it)
+    priority: int = 0  # the request's priority, 0-9 (an adaptive gate's bands read it)
 
     @property
     def holder(self) -> str:
@@ -208,10 +209,12 @@ class Batched(Gate):
         lease_s: float,
         tenant: Mapping[str, str],
         behind: bool = False,
+        priority: int | None = None,
     ) -> Calls[Admission] | None:
-        """The acquire, from the holder and the ``tenant`` the dispatcher named alone.
-        ``behind``: attempts of this process are parked on the hand-over bell, so the slot is
-        refused without asking (it parks behind them). None: call :meth:`acquire`."""
+        """The acquire, from the holder and the ``tenant`` (and ``priority``, None: unknown)
+        the dispatcher named alone. ``behind``: attempts of this process are parked on the
+        hand-over bell, so the slot is refused without asking (it parks behind them). None:
+        call :meth:`acquire`."""
         raise NotImplementedError
 
     def release_calls(self, holder: str) -> Calls[bool] | None:
@@ -222,6 +225,10 @@ class Batched(Gate):
 class HandsOver(Gate):
     """Capability: a reservation is one interchangeable slot, which a done holder hands to an
     attempt of its process parked for one."""
+
+    # the transfer may be refused although the giver held its slot (a limit that moves): the
+    # taker waits for it to be recorded before it goes on (see ``Reservation.wait``)
+    handover_may_fail: bool = False
 
     def handover_bells(self, queue: str, metadata: Mapping[str, str]) -> tuple[str, ...]:
         """Where a holder with ``metadata`` hands over, in order (the first with an attempt
@@ -242,6 +249,38 @@ class Settles(Gate):
         """Settle to ``tokens`` served (0 refunds), or None to keep the estimate; ``prompt``:
         the prompt tokens the answer's usage names, when it names them (what a learned
         estimate correction learns from)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one attempt's HTTP call showed of the server: ``kind`` ``ok`` (2xx), ``over`` (429,
+    503, a gateway's rejected-saturated), ``ttl`` / ``evict`` (a gateway's drop reasons) or
+    ``err`` (another 5xx, a transport error, a time-out); its latency (s) and a 2xx's
+    completion tokens (0: its usage named none)."""
+
+    kind: str
+    latency_s: float
+    tokens: int = 0
+    retry_after_s: float | None = None
+    retried: bool = False  # an earlier attempt of the request was retried
+
+
+class Observes(Gate):
+    """Capability: the gate learns from each answer; the observation goes in the round trip of
+    the attempt's finish / requeue, before its release."""
+
+    def observe_calls(self, holder: str, observation: Observation) -> Sequence[ScriptCall]:
+        raise NotImplementedError
+
+
+class Controlled(Gate):
+    """Capability: the gate's limit is moved by a controller the dispatcher runs (one mover
+    per window across the nodes, elected in Redis)."""
+
+    def control(self) -> bool | None:
+        """Close the current window if it is due and move the limit; True when it rose (wake
+        what waits for it), False when it did not, None when no window was due."""
         raise NotImplementedError
 
 

@@ -79,6 +79,10 @@ class CompositeGate(Batched, HandsOver):
     def parts(self) -> Sequence[Gate]:
         return self.gates
 
+    @property
+    def handover_may_fail(self) -> bool:  # type: ignore[override]
+        return self._slot is not None and self._slot.handover_may_fail
+
     def acquire(self, ctx: AcquireContext) -> Decision:
         decisions: list[Decision] = []
         labels: dict[str, str] = {}
@@ -136,11 +140,14 @@ class CompositeGate(Batched, HandsOver):
         lease_s: float,
         tenant: Mapping[str, str],
         behind: bool = False,
+        priority: int | None = None,
     ) -> Calls[Admission] | None:
         if behind and self._slot is None:
             return None
         parts = [
-            g.acquire_calls(holder, worker, lease_s, tenant, behind and g is self._slot)
+            g.acquire_calls(
+                holder, worker, lease_s, tenant, behind and g is self._slot, priority=priority
+            )
             if isinstance(g, Batched)
             else None
             for g in self.gates

@@ -175,6 +175,7 @@ class SlotGate(Batched, HandsOver):
         lease_s: float,
         tenant: Mapping[str, str],
         behind: bool = False,
+        priority: int | None = None,
     ) -> Calls[Admission] | None:
         call = self._take(holder, lease_s, tenant, worker) if self.prepares else None
         if call is None:

@@ -11,6 +11,7 @@ from redis.crc import key_slot
 
 from ..config import Settings
 from ..errors import ConfigError
+from .adaptive import AdaptiveConcurrencyGate
 from .base import Gate, GateEnv, walk
 from .composite import CompositeGate, WaitOnRefuseGate
 from .leased_rate import RedisLeasedRateGate
@@ -34,6 +35,7 @@ GATE_TYPES: dict[str, Callable[[str, dict[str, Any], GateEnv | None], Gate]] = {
         ConstantGate,
         LocalMaxConcurrencyGate,
         GlobalMaxConcurrencyGate,
+        AdaptiveConcurrencyGate,
         RedisBudgetGate,
         RedisLeasedRateGate,
         CompositeGate,

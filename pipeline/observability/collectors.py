@@ -18,6 +18,7 @@ from prometheus_client.utils import floatToGoString
 
 from ..config import Settings
 from ..gates import Gate, GateEnv, pool_gate, queue_gate
+from ..gates.adaptive import AdaptiveConcurrencyGate
 from ..gates.base import walk
 from ..gates.leased_rate import RedisLeasedRateGate
 from ..gates.metric import MetricGate
@@ -157,8 +158,47 @@ class ClusterCollector:
             if cap is not None:
                 limit.add_metric(labels, cap)
         yield from (depth, wedge, inflight, limit)
+        yield from self._adaptive()
         ordered = [n for ns in by_pool.values() for n in ns]  # as proximity reads them
         yield self._proximity_histogram(ordered, [int(c) for c in proximity])
+
+    def _adaptive(self) -> Iterator[Metric]:
+        """Each adaptive-concurrency gate's limit, labelled with the signal it follows and the
+        code of why it last moved, and when it last moved (read from Redis now)."""
+        found = [
+            (labels3, g)
+            for labels3, gate in self.gates
+            for g in walk(gate)
+            if isinstance(g, AdaptiveConcurrencyGate)
+        ]
+        if not found:
+            return
+        limit = GaugeMetricFamily(
+            PREFIX + "gate_adaptive_limit",
+            "An adaptive gate's current limit, with the signal it acts on and why it last moved.",
+            labels=[*LABELS, "signal", "reason"],
+        )
+        moved = GaugeMetricFamily(
+            PREFIX + "gate_adaptive_moved_seconds",
+            "When an adaptive gate's limit last moved (Unix s); 0 before its first move.",
+            labels=LABELS,
+        )
+        windows = CounterMetricFamily(
+            PREFIX + "gate_adaptive_windows",
+            "Windows an adaptive gate's controller closed (each one a decision).",
+            labels=LABELS,
+        )
+        for labels3, g in found:
+            try:
+                view = g.controller_view()
+            except Exception as exc:  # noqa: BLE001 - a scrape reports what it can read
+                log.warning("metrics: adaptive gate %s: %s", g.name, exc)
+                continue
+            labels = list(labels3)
+            limit.add_metric([*labels, view["signal"], view["reason_code"]], view["limit"])
+            moved.add_metric(labels, view["moved_at"] or 0.0)
+            windows.add_metric(labels, view["windows"])
+        yield from (limit, moved, windows)
 
     def _proximity_histogram(self, names: list[str], counts: list[int]) -> Metric:
         """A snapshot per queue (docs/observability.md); ``_sum`` from bucket midpoints, those

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..client import Pipeline
+from ..gates.adaptive import find_view
 from ..store import ServerFacts, ShardLoad, primaries, server_facts, shard_load
 from ..store.scripts import node_client, register
 from ..store.server import SAFE_POLICY
@@ -120,6 +121,15 @@ def _in_flight(gate: dict[str, Any]) -> str:
     return f"{gate['in_flight']} / {limit}"
 
 
+def _gate(gate: dict[str, Any]) -> Text:
+    """The gate's type; an adaptive gate's the signal its limit follows and why it last moved."""
+    text = Text(str(gate["type"]), overflow="fold")
+    view = find_view(gate)
+    if view is not None:
+        text.append(f"\n{view.get('signal')}: {view.get('reason')}", style="dim")
+    return text
+
+
 def _name(name: str, q: dict[str, Any]) -> Text:
     text = Text(name, overflow="fold")
     if q.get("wedged_since"):
@@ -150,7 +160,7 @@ def wide_table(info: dict[str, Any]) -> Table:
     for name, q in info.items():
         g = q["gate"]
         t.add_row(
-            _name(name, q), q["pool"], *_counts(q), g["type"], _in_flight(g), _holders(g, ", ")
+            _name(name, q), q["pool"], *_counts(q), _gate(g), _in_flight(g), _holders(g, ", ")
         )
     return t
 
@@ -168,14 +178,14 @@ def queues_table(info: dict[str, Any]) -> Table:
 def gates_table(info: dict[str, Any]) -> Table:
     t = Table(title="gates", box=box.SIMPLE_HEAD, padding=(0, 1))
     t.add_column("queue / pool", overflow="fold", ratio=1, min_width=8)
-    t.add_column("gate", no_wrap=True)
+    t.add_column("gate", overflow="fold", ratio=1, min_width=12)
     t.add_column("in flight", justify="right", no_wrap=True)
     t.add_column("holders", overflow="fold", ratio=1, min_width=12)
     for name, q in info.items():
         g = q["gate"]
         cell = _name(name, q)
         cell.append(f"\n{q['pool']}", style="dim")
-        t.add_row(cell, g["type"], _in_flight(g), _holders(g, "\n"))
+        t.add_row(cell, _gate(g), _in_flight(g), _holders(g, "\n"))
     return t
 
 

@@ -193,6 +193,18 @@ class Keys:
         and the spread s around it."""
         return f"{self.prefix}gate:{gate}:tokens-learned:{queue}"
 
+    def gate_adaptive(self, gate: str) -> str:
+        """Hash: an adaptive-concurrency gate's controller, shared by every node: ``limit``
+        (what the acquire admits up to), ``state`` (the controller's JSON), ``signal``,
+        ``reason``, ``moved_at``, ``windows`` (closed so far), ``seen<p>`` (when a request of
+        priority p last asked)."""
+        return f"{self.prefix}gate:{gate}:adaptive"
+
+    def gate_adaptive_window(self, gate: str) -> str:
+        """Hash: the current window's answers of an adaptive-concurrency gate (``start`` and
+        the sums gate_adaptive_observe.lua adds; ``knee.Window`` names them)."""
+        return f"{self.prefix}gate:{gate}:adaptive-window"
+
     def leased_rate_state(self, control_key: str) -> str:
         """Hash: the token bucket of a ``redis-leased-rate`` gate, shared by every node."""
         return f"{self.prefix}gate:leased-rate:{control_key}:state"

@@ -14,7 +14,8 @@ import redis
 from redis.exceptions import ClusterDownError
 
 from ..config import QueueConfig
-from ..gates import CONTINUE, AcquireContext, Decision, Verdict
+from ..gates import CONTINUE, AcquireContext, Decision, Verdict, observation_of
+from ..gates.adaptive import adaptive_views
 from ..http.backoff import retry_delay
 from ..http.call import Abort, abortable
 from ..http.classify import UNSENDABLE, Kind, Outcome, join_url
@@ -68,6 +69,7 @@ class Attempt:
         self.labels: dict[str, str] = _json_map(record.get("labels"), "labels")
         self.extra_headers: dict[str, str] = _json_map(record.get("headers"), "headers")
         self.holder = make_holder(self.id, token)
+        self.priority = _priority(record.get("priority"))
         name = self.queue.queue_name
         self.reservation = reservation or Reservation(
             runtime, name, self.holder, runtime.gate(name)
@@ -83,6 +85,7 @@ class Attempt:
                 metadata=self.metadata,
                 labels=self.labels,
                 payload=record["payload"],
+                priority=self.priority,
             )
         )
         self.closed = False
@@ -94,6 +97,7 @@ class Attempt:
         self.journal = Journal()  # the request's decision log entries, sent with the outcome
         self.cancelled: str | None = None  # why, when cancelled while parked: it ends unsent
         self.outcome: Outcome | None = None  # of its HTTP call (observe.observed_send)
+        self.elapsed_s: float | None = None  # how long its HTTP call took (observed_send)
         # fired by a cancel with running="abort" (Runtime.abort): closes the call's connection
         self.abort = Abort()
 
@@ -411,6 +415,30 @@ class Attempt:
             headers["Authorization"] = bearer
         return headers
 
+    def adaptive_view(self) -> dict[str, Any] | None:
+        """Its gate's adaptive limit, signal and reason (for Flower's gate events), if any."""
+        views = adaptive_views(self.reservation.gate)
+        return views[0] if views else None
+
+    def body(self) -> str:
+        """The request's body as sent: with the queue's ``engine_priority``, the request's
+        priority as the engine's ``priority`` field (vLLM's, lower first: -priority, so the
+        default 0 stays 0), unless the body names one or is not a JSON object."""
+        payload = self.record["payload"]
+        if not self.queue.engine_priority:
+            return payload
+        priority = self.priority
+        if priority == 0:
+            return payload
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return payload
+        if not isinstance(data, dict) or "priority" in data:
+            return payload
+        data["priority"] = -priority
+        return json.dumps(data, separators=(",", ":"))
+
     def _aborted(self) -> Report:
         """Cancelled with running="abort" (or found no longer its own): the request's result
         is written already; this only releases the reservation (the finish is fenced off)."""
@@ -424,25 +452,12 @@ class Attempt:
         if left <= 0:
             return self._expired(False)
         timeout = min(self.queue.request_timeout_s, left)
-        try:
-            with abortable(self.abort):
-                outcome = observe.observed_send(
-                    self,
-                    queue_send(self.queue),
-                    join_url(
-                        self.queue.igw_base_url,
-                        self.record.get("endpoint") or self.queue.request_path_url,
-                    ),
-                    self.record["payload"],
-                    self.headers(),
-                    timeout,
-                )
-        except Exception as exc:  # noqa: BLE001 - e.g. a soft time limit inside the call
-            outcome = Outcome(
-                Kind.RETRY, error=f"{type(exc).__name__}: {exc}", category="INTERRUPTED"
-            )
+        outcome = self._send(timeout)
         if self.abort.fired:  # whatever came back: the request is cancelled
             return self._aborted()
+        if self.elapsed_s is not None:  # what the server showed, for gates that learn from it
+            retried = int(self.record.get("attempts") or 0) > 0
+            self.reservation.observation = observation_of(outcome, self.elapsed_s, retried)
         self.served_tokens = served_tokens(outcome)
         if outcome.ok_2xx and outcome.usage is not None:
             self.served_prompt = outcome.usage.prompt
@@ -452,6 +467,29 @@ class Attempt:
             return self._error("INVALID_REQUEST", f"cannot be sent: {outcome.error}")
         if outcome.kind is Kind.FATAL:
             return self._error("INFERENCE_ERROR", outcome.error or "request failed", True)
+        return self._retry(outcome, timeout)
+
+    def _send(self, timeout: float) -> Outcome:
+        """The request sent and its answer classified (abortable by a cancel notice)."""
+        try:
+            with abortable(self.abort):
+                return observe.observed_send(
+                    self,
+                    queue_send(self.queue),
+                    join_url(
+                        self.queue.igw_base_url,
+                        self.record.get("endpoint") or self.queue.request_path_url,
+                    ),
+                    self.body(),
+                    self.headers(),
+                    timeout,
+                )
+        except Exception as exc:  # noqa: BLE001 - e.g. a soft time limit inside the call
+            return Outcome(Kind.RETRY, error=f"{type(exc).__name__}: {exc}", category="INTERRUPTED")
+
+    def _retry(self, outcome: Outcome, timeout: float) -> Report:
+        """A retriable outcome: requeued after its backoff, or the last result when the
+        deadline leaves no room for another attempt."""
         retries = int(self.record.get("attempts") or 0)
         delay = retry_delay(
             retries,
@@ -506,6 +544,14 @@ def sendable_tenant(tenant: str) -> bool:
     """Whether a tenant goes out as the fairness header: printable, and a value the client can
     send (else the header is left out, as llm-d-async leaves it out)."""
     return tenant.isprintable() and value_error(tenant) is None
+
+
+def _priority(value: str | None) -> int:
+    """A record's priority (0-9); 0 when absent or unreadable."""
+    try:
+        return max(0, min(9, int(value or 0)))
+    except ValueError:
+        return 0
 
 
 def _replace(headers: dict[str, str], name: str, value: str) -> None:

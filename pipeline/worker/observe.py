@@ -27,6 +27,7 @@ class Attempt(Protocol):
     metadata: dict[str, str]
     holder: str
     outcome: Outcome | None  # of its HTTP call, once sent
+    elapsed_s: float | None  # how long its HTTP call took (s)
 
     @property
     def decision(self) -> Decision | None: ...
@@ -36,6 +37,8 @@ class Attempt(Protocol):
     def note_span(self, traceparent: str) -> None: ...
 
     def run(self) -> Report: ...
+
+    def adaptive_view(self) -> dict[str, Any] | None: ...
 
 
 def attempt_started(attempt: Attempt, send_event: Callable[..., Any] | None = None) -> None:
@@ -70,6 +73,10 @@ def gate_decision(
     if send_event is None or event is None:
         return
     try:
+        extra: dict[str, Any] = {}
+        view = attempt.adaptive_view()
+        if view is not None:  # an adaptive gate: the limit it refused at, and why it is that
+            extra = {"limit": view["limit"], "signal": view["signal"], "why": view["reason"]}
         send_event(
             event,
             request_id=attempt.id,
@@ -77,6 +84,7 @@ def gate_decision(
             reason=decision.reason or reason,
             attempt=attempt.token,
             gate=attempt.queue.gate_type,
+            **extra,
         )
     except Exception as exc:  # noqa: BLE001 - a lost monitoring event is only logged
         log.warning("could not send %s for %s: %s", event, attempt.id, exc)
@@ -169,7 +177,8 @@ def observed_send(
                 span.set("error.type", outcome.category or "error")
     finally:
         inflight.dec()
-        s.latency.labels(*labels).observe((time.perf_counter() - start) * 1000)
+        attempt.elapsed_s = time.perf_counter() - start
+        s.latency.labels(*labels).observe(attempt.elapsed_s * 1000)
     if outcome.status_code == 429:
         s.shed.labels(*labels).inc()
     if outcome.dropped_reason:  # the gateway's flow control shed it: count its reason

@@ -189,9 +189,11 @@ class Runtime:
         worker: str,
         queue: str | None = None,
         tenant: Mapping[str, str] | None = None,
+        priority: int | None = None,
     ) -> Attempt | None:
         """Start an attempt (fenced by ``token``), with the gate's acquire in the same round trip
-        when it can (``Reservation.start_calls``); None for a stale message."""
+        when it can (``Reservation.start_calls``, for the ``tenant`` and ``priority`` the
+        dispatcher named); None for a stale message."""
         self.follow_snapshot()
         queue = queue if queue in self.settings.queues else self._queue_of(request_id)
         gate = self.current_gate(queue)
@@ -199,7 +201,7 @@ class Runtime:
         res = (
             None if gate is None else Reservation(self, queue, make_holder(request_id, token), gate)
         )
-        calls = None if res is None else res.start_calls(worker, tenant or {})
+        calls = None if res is None else res.start_calls(worker, tenant or {}, priority)
         start = store.start_call(request_id, token, queue, worker)
         took = False
         if res is None or calls is None:
@@ -224,8 +226,9 @@ class Runtime:
                 res.release()
             self._fail(store, request_id, token, "INVALID_REQUEST", message, message)
             return None
-        if tenant and any(attempt.metadata.get(k) != v for k, v in tenant.items()):
-            # the dispatcher's tenant is not the record's: ask the gate anew
+        named = tenant and any(attempt.metadata.get(k) != v for k, v in tenant.items())
+        if named or (priority is not None and took and priority != attempt.priority):
+            # the dispatcher's tenant or priority is not the record's: ask the gate anew
             attempt.reservation.discard()
         self._track(attempt)
         return attempt

@@ -20,9 +20,12 @@ from ..gates import (
     Decision,
     Gate,
     HandsOver,
+    Observation,
+    Observes,
     Verdict,
     settle,
     wake_keys,
+    walk,
 )
 from ..store import ScriptCall, Store, run_batch
 from .bell import ReleaseBell, Ticket
@@ -64,12 +67,17 @@ class Reservation:
         self.behind = 0  # attempts it parked behind at the start without asking; 0: it asked
         self._start_bell: str | None = None  # the bell others were parked on at the start
         self._released = False
+        # what the attempt's HTTP call showed, for the gates that learn from answers: sent
+        # with the release (release_with), then forgotten
+        self.observation: Observation | None = None
 
     def bind(self, ctx: AcquireContext) -> None:
         self.ctx = ctx
         self.bells = wake_keys(self.gate, ctx.metadata)
 
-    def start_calls(self, worker: str, tenant: Mapping[str, str]) -> Calls[Admission] | None:
+    def start_calls(
+        self, worker: str, tenant: Mapping[str, str], priority: int | None = None
+    ) -> Calls[Admission] | None:
         """The acquire to send with the attempt's start, when the gate is ``Batched``; behind
         attempts of this process parked on its hand-over bell, a refusal without asking."""
         gate, bell = self.gate, self.host.bell
@@ -83,7 +91,12 @@ class Reservation:
             return None
         try:
             calls = gate.acquire_calls(
-                self.holder, worker, self.host.settings.lease_s, tenant, waiting > 0
+                self.holder,
+                worker,
+                self.host.settings.lease_s,
+                tenant,
+                waiting > 0,
+                priority=priority,
             )
         except Exception as exc:  # noqa: BLE001 - the attempt asks its gate the usual way
             log.warning("gate %s could not prepare for %s: %s", self.queue, self.holder, exc)
@@ -126,9 +139,20 @@ class Reservation:
         ticket = self.host.bell.park(
             name, generation, timeout, offer, self.gate, rid=self.ctx.request_id
         )
-        if ticket is not None and ticket.granted:
+        if ticket is not None and ticket.granted and self._refused_transfer(ticket):
+            ticket.granted, ticket.rang = False, True  # as a ring: it asks again
+        elif ticket is not None and ticket.granted:
             self.ticket, self.decision, self._released = ticket, CONTINUE, False
         return ticket
+
+    def _refused_transfer(self, ticket: Ticket) -> bool:
+        """A gate whose limit moves may refuse a hand-over although its giver held the slot
+        (the limit fell below in-flight): the taker goes on only once the transfer is
+        recorded as taken (the giver's finish round trip, a millisecond)."""
+        if not getattr(self.gate, "handover_may_fail", False):
+            return False
+        ticket.transferred.wait(TRANSFER_WAIT_S)
+        return not ticket.held
 
     def _handover_bells(self, metadata: Mapping[str, str]) -> tuple[str, ...]:
         gate = self.gate
@@ -178,10 +202,12 @@ class Reservation:
             self._settle(served, prompt)
         ticket = self._taker() if held else None
         bell = ticket.bell if ticket is not None else None  # where its taker parked
+        seen = self._observations(held)  # before the release: the observation reads its lease
         step = self._step(ticket)
         call = build(ticket is not None, ticket is not None and self._parked_ahead(bell))
         rings = self._rings(held, bell)
         if step is None or not step.calls:  # not as calls: done here, before the round trip
+            _observe_alone(seen, self.holder)
             self._complete(step, ticket, [])
             self._ring(rings, echo=ticket is None)  # the finish / requeue publishes a release
             return call()
@@ -189,8 +215,12 @@ class Reservation:
             for name in rings:
                 self.host.bell.expect_echo(name)
         replies: list[Any] | Exception
+        n = len(seen)
         try:
-            *replies, reply = run_batch(self.host.store.client, [*step.calls, call])
+            *replies, reply = run_batch(self.host.store.client, [*seen, *step.calls, call])
+            if (error := _first_error(replies[:n])) is not None:
+                log.warning("observation of %s failed: %s", self.holder, error)
+            replies = replies[n:]
         except Exception as exc:  # noqa: BLE001 - the gate's step is done; the error is the call's
             replies = reply = exc
         self._complete(step, ticket, replies)
@@ -198,6 +228,21 @@ class Reservation:
         if isinstance(reply, Exception):
             raise reply
         return reply
+
+    def _observations(self, held: bool) -> list[ScriptCall]:
+        """The observation calls of the gates that learn from answers, for what the attempt's
+        HTTP call showed (none when it holds nothing: it was not sent under the gate)."""
+        observation, self.observation = self.observation, None
+        if observation is None or not held:
+            return []
+        try:
+            return [
+                c for g in walk(self.gate) if isinstance(g, Observes)
+                for c in g.observe_calls(self.holder, observation)
+            ]  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the release goes on without it
+            log.warning("could not prepare the observation of %s: %s", self.holder, exc)
+            return []
 
     def _held(self) -> bool:
         """Whether it holds a slot, marking it released. A taker waits for its giver's
@@ -291,7 +336,14 @@ class Reservation:
         if ticket is None:
             return
         ticket.held = done
-        if not done:
+        if not done and getattr(self.gate, "handover_may_fail", False):
+            log.info(
+                "slot of %s not handed to %s on gate %s: its limit is below its in-flight",
+                self.holder,
+                ticket.ctx.holder,
+                self.gate.name,
+            )
+        elif not done:
             log.warning(
                 "slot of %s handed to %s on gate %s, but its lease had lapsed and the gate is full",
                 self.holder,
@@ -321,6 +373,14 @@ class Reservation:
             return False
         need = -(-self.host.settings.lookahead_for(cap) // 2)
         return need > 0 and self.host.bell.waiting(name) >= need
+
+
+def _observe_alone(calls: Sequence[ScriptCall], holder: str) -> None:
+    for call in calls:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - an observation lost is only logged
+            log.warning("observation of %s failed: %s", holder, exc)
 
 
 def _first_error(replies: Sequence[Any]) -> Exception | None:

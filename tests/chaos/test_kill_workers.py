@@ -1,6 +1,7 @@
 """Chaos: worker nodes SIGKILLed at random every 1-3 s under load. Every request still ends
 with exactly one terminal result, the model server never sees more than the limit at once,
-and the gate's in-flight count returns to 0 within one lease period after the last kill.
+and the gate's in-flight count returns to 0 within one lease period after the last kill
+(behind a quota, and behind the adaptive gate while its limit moves).
 The multi-tenant run does the same with four tenants behind per-tenant quotas and one global
 limit (quota-aware dispatch): no tenant is ever over its quota at the server, and afterwards
 the dispatcher counts no request of any key and holds no tenant back. A node at -c 512 holding
@@ -22,6 +23,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
@@ -29,7 +32,7 @@ from tests.conftest import assert_idle, give_up_after, held
 from tests.integration.test_scheduling_e2e import peak_by, sim_arrivals
 from tests.observability import isolated, start_node
 
-LIMIT = 8  # the "chaos" queue: redis-quota concurrency 8 for one tenant
+LIMIT = 8  # "chaos": redis-quota concurrency 8 for one tenant; "adaptchaos": adaptive, max 8
 LEASE_S = 2.0
 LONG = os.environ.get("PIPELINE_CHAOS_LONG") == "1"
 DURATION_S = 60.0 if LONG else 12.0
@@ -37,7 +40,12 @@ MIN_KILLS = 3  # however long a busy machine takes to start the replacement node
 REQUESTS = 1500 if LONG else 400
 
 
-def test_random_sigkills_under_load(pl: Pipeline, sim: SimServer, start_worker: Any) -> None:
+@pytest.mark.parametrize("queue", ["chaos", "adaptchaos"])
+def test_random_sigkills_under_load(
+    pl: Pipeline, sim: SimServer, start_worker: Any, queue: str
+) -> None:
+    """``chaos``: a quota of 8; ``adaptchaos``: the adaptive gate (at most 8), its limit moving
+    with the 503s while nodes die."""
     rng = random.Random(5)
     extra = {
         "PIPELINE_LEASE_S": str(LEASE_S),
@@ -46,7 +54,7 @@ def test_random_sigkills_under_load(pl: Pipeline, sim: SimServer, start_worker: 
     }
 
     def node() -> Any:
-        return start_worker(pools="chaos", concurrency=8, extra_env=extra)
+        return start_worker(pools=queue, concurrency=8, extra_env=extra)
 
     nodes = [node(), node()]
     sim.reset()
@@ -59,7 +67,7 @@ def test_random_sigkills_under_load(pl: Pipeline, sim: SimServer, start_worker: 
             {
                 "payload": {"i": i},
                 "id": f"chaos-{uuid.uuid4().hex[:10]}",
-                "queue": "chaos",
+                "queue": queue,
                 "timeout": 600,
                 "metadata": {"userid": "chaos"},
                 "headers": headers,
@@ -79,7 +87,7 @@ def test_random_sigkills_under_load(pl: Pipeline, sim: SimServer, start_worker: 
         last_kill = time.time()
         results = list(pl.iter_results(ids))
         zero_at = wait_until(
-            lambda: pl.inspect()["chaos"]["gate"]["in_flight"] == 0 and time.time(),
+            lambda: pl.inspect()[queue]["gate"]["in_flight"] == 0 and time.time(),
             LEASE_S + 5,
             "gate in-flight back to 0",
         )
@@ -90,9 +98,7 @@ def test_random_sigkills_under_load(pl: Pipeline, sim: SimServer, start_worker: 
     assert len(results) == REQUESTS and all(r.ok for r in results)
     pushed = [
         json.loads(x)["id"]
-        for x in pl.store.client.lrange(
-            pl.store.keys.result_list(pl.settings.queues["chaos"]), 0, -1
-        )
+        for x in pl.store.client.lrange(pl.store.keys.result_list(pl.settings.queues[queue]), 0, -1)
     ]
     assert sorted(pushed) == sorted(ids)  # exactly one terminal result each
     stats = sim.stats()

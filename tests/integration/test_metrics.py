@@ -51,6 +51,11 @@ DRAIN_LIMIT_SERIES = {
     "pipeline_drain_limit_lease_valid",
     "pipeline_drain_limit_valid_until_seconds",
 }
+ADAPTIVE_SERIES = {
+    "pipeline_gate_adaptive_limit",
+    "pipeline_gate_adaptive_moved_seconds",
+    "pipeline_gate_adaptive_windows",
+}
 
 
 def fail_first(n: int, status: int = 503) -> dict[str, str]:
@@ -173,9 +178,10 @@ def test_counts_with_two_thread_nodes(
     docs = (ROOT / "docs" / "observability.md").read_text()
     for source in (DASHBOARD.read_text(), ALERTS.read_text(), KEDA.read_text(), docs):
         named = set(re.findall(r"\bpipeline_[a-z_]+[a-z]", source))
-        # served only beside a redis-leased-rate gate: checked in
-        # tests/integration/gates/test_leased_rate.py
-        named -= DRAIN_LIMIT_SERIES
+        # served only beside a redis-leased-rate gate (checked in
+        # tests/integration/gates/test_leased_rate.py) or an adaptive-concurrency gate
+        # (tests/integration/test_adaptive_gate.py)
+        named -= DRAIN_LIMIT_SERIES | ADAPTIVE_SERIES
         assert named and named <= served, sorted(named - served)
 
 

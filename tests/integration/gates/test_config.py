@@ -25,6 +25,8 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("local-max-concurrency", {"limit": 2, "gating_mode": "eager"}, "gating_mode"),
     ("global-max-concurrency", {}, "limit"),
     ("global-max-concurrency", {"limit": -1}, "limit"),
+    ("adaptive-concurrency", {"max": 0}, "max"),
+    ("adaptive-concurrency", {"initial": "x"}, "initial"),
     ("redis", {"address": "http://example.com"}, "address"),
     ("redis", {"address": "host:port"}, "address"),
     ("redis", {"address": "sentinel://s1:26379;sentinel://s2:26379/0"}, "master_name"),
@@ -131,6 +133,19 @@ GOOD: list[tuple[str, dict[str, Any]]] = [
     ("constant", {}),
     ("local-max-concurrency", {"limit": "3", "gating_mode": "blocking"}),
     ("global-max-concurrency", {"limit": 16}),
+    ("adaptive-concurrency", {}),
+    (
+        "adaptive-concurrency",
+        {
+            "min": "2",
+            "max": 64,
+            "initial": 4,
+            "metrics_url": "http://vllm:8000/metrics",
+            "controller": "aimd-baseline",
+            "priority_headroom": 0,
+            "window_min": "100ms",
+        },
+    ),  # fmt: skip
     ("redis", {"address": "localhost:6379", "budget_key": "k"}),
     ("redis-quota", {"limit": 2, "address": "sentinel://s1;sentinel://s2/1", "master_name": "m"}),
     ("redis-quota", {"mode": "tokens", "limit": "4000", "window": "1m", "default_max_tokens": 64}),
