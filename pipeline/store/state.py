@@ -458,10 +458,11 @@ class Store:
         rather than inline in every copy of its result (:func:`.bodies.stored_apart`)."""
         return bodies.stored_apart(payload, self.settings.body_inline_max, wire)
 
-    def put_body(self, request_id: str, token: str, payload: str | bytes) -> str:
-        """Store an attempt's answer body once, before its finish (plain ``SET``: the body
-        never passes through a script); returns its key for :meth:`finish_call`. It expires
-        with the result; a finish fenced off deletes it."""
+    def put_body(self, request_id: str, token: str, payload: str) -> str:
+        """Store an attempt's answer body once, before its finish (one plain ``SET`` with the
+        result's expiry: the body never passes through a script, which would copy and escape
+        it); returns its key for :meth:`finish_call`, which re-arms that expiry with the
+        result's. A finish fenced off deletes it."""
         key = self.keys.body(request_id, token)
         self.client.set(key, payload, ex=max(1, int(self.settings.result_ttl_s)))
         return key
@@ -469,7 +470,7 @@ class Store:
     def with_body(self, data: dict[str, Any]) -> dict[str, Any]:
         """A stored result (parsed) with its body, read back when stored apart
         (:func:`.bodies.with_body`; UnknownRequest when it is gone)."""
-        return bodies.with_body(data, self.client.get)  # type: ignore[arg-type]
+        return bodies.with_body(data, self.client.get)
 
     @staticmethod
     def finished(reply: Any) -> str | None:

@@ -6,7 +6,9 @@ long a finish blocks Redis."""
 
 from __future__ import annotations
 
+import gc
 import json
+import tracemalloc
 import uuid
 from typing import Any
 
@@ -15,6 +17,7 @@ import pytest
 from pipeline import UnknownRequest
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
+from pipeline.http import call as httpcall
 from pipeline.store import Store
 
 BIG_TOKENS = 200_000  # the simulator's answer: ~1.2 MB (a " word" per completion token)
@@ -129,3 +132,21 @@ def test_a_body_gone_before_its_result_is_an_unknown_request(served: Pipeline) -
     store.client.delete(store.client.hget(store.keys.request(rid), "body"))  # as if evicted
     with pytest.raises(UnknownRequest):
         served.wait(rid, timeout=5)
+
+
+def test_an_answer_is_held_once_after_the_call(sim: Any) -> None:
+    """The HTTP client keeps one copy of a body once the call returns: the chunks it was read
+    in are let go at once, not when the cyclic GC frees the parser that holds them."""
+    body = json.dumps({"model": "m", "prompt": "big", "max_tokens": BIG_TOKENS}).encode()
+    url = f"{sim.url}/v1/completions"
+    gc.disable()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        resp = httpcall.request("POST", url, body, {}, 60.0)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+    assert len(resp.body) > 1_000_000
+    assert held < len(resp.body) * 1.2, (held, len(resp.body))
