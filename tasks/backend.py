@@ -105,7 +105,7 @@ class PipelineRedisBackend(RedisBackend):
         result = meta.get("result")
         if meta.get("status") == states.SUCCESS and isinstance(result, dict):
             with suppress(UnknownRequest):  # gone (evicted): the reference is what is left
-                meta["result"] = with_body(result, self.client.get)
+                meta["result"] = with_body(result, self.client)
         return meta
 
     def _store_result(

@@ -470,7 +470,7 @@ class Store:
     def with_body(self, data: dict[str, Any]) -> dict[str, Any]:
         """A stored result (parsed) with its body, read back when stored apart
         (:func:`.bodies.with_body`; UnknownRequest when it is gone)."""
-        return bodies.with_body(data, self.client.get)
+        return bodies.with_body(data, self.client)
 
     @staticmethod
     def finished(reply: Any) -> str | None:

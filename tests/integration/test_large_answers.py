@@ -19,6 +19,7 @@ from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.http import call as httpcall
 from pipeline.store import Store
+from pipeline.store.bodies import PIECE
 
 BIG_TOKENS = 200_000  # the simulator's answer: ~1.2 MB (a " word" per completion token)
 SMALL = 4 * 1024  # what a result holding only a reference may take, at most
@@ -150,3 +151,16 @@ def test_an_answer_is_held_once_after_the_call(sim: Any) -> None:
         gc.enable()
     assert len(resp.body) > 1_000_000
     assert held < len(resp.body) * 1.2, (held, len(resp.body))
+
+
+def test_a_body_is_read_back_whole_across_its_pieces(pl: Pipeline) -> None:
+    """Readers take a body a piece (1 MiB) at a time: characters of several bytes that a
+    piece's end cuts in two come back whole."""
+    store = pl.store_of("default")
+    text = ("é€😀x" * 300_000)[: 2 * PIECE + 7]  # 1-4 bytes a character, over 3 pieces
+    key = store.put_body("pieces", "tok", text)
+    try:
+        got = store.with_body({"id": "pieces", "payload_ref": key})
+        assert got == {"id": "pieces", "payload": text}
+    finally:
+        store.client.delete(key)
