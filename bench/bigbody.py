@@ -17,6 +17,7 @@ full body.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ if __package__ in (None, ""):
 import redis
 
 from bench.common import (
+    ROOT,
     Node,
     PipelineEnv,
     RedisHandle,
@@ -41,6 +43,7 @@ from bench.common import (
     queue_entry,
     table,
 )
+from pipeline.store.scripts import source
 
 QUEUE = "big"
 BYTES_PER_TOKEN = 6.1  # the simulator's " word" per completion token, on average
@@ -100,13 +103,26 @@ class RssPeak:
         self._thread.join()
 
 
+def script_names() -> dict[str, str]:
+    """SHA1 → name of every script the pipeline registers (``EVALSHA <sha>`` in the slow log)."""
+    names = {}
+    for path in (ROOT / "pipeline" / "store" / "lua").glob("*.lua"):
+        if path.stem != "lib":
+            names[hashlib.sha1(source(path.stem).encode()).hexdigest()] = path.stem + ".lua"
+    return names
+
+
 def slow_commands(client: redis.Redis) -> dict[str, float]:
-    """The slow log's longest run (ms) per command name."""
+    """The slow log's longest run (ms) per command name (a script's by its file's name)."""
+    scripts = script_names()
     out: dict[str, float] = {}
     for e in client.slowlog_get(1024):
         cmd = e["command"]
-        name = (cmd.decode(errors="replace") if isinstance(cmd, bytes) else str(cmd)).split()[0]
-        out[name.upper()] = max(out.get(name.upper(), 0.0), e["duration"] / 1000)
+        words = (cmd.decode(errors="replace") if isinstance(cmd, bytes) else str(cmd)).split()
+        name = words[0].upper()
+        if name == "EVALSHA" and len(words) > 1:
+            name = scripts.get(words[1], "EVALSHA ?")
+        out[name] = max(out.get(name, 0.0), e["duration"] / 1000)
     return out
 
 
@@ -164,6 +180,7 @@ def run_mode(
             "ping_max_ms": pings[-1] * 1000,
             "ping_p99_ms": pings[int(len(pings) * 0.99)] * 1000,
             "slowest_ms": max(slow.values(), default=0.0),
+            "finish_ms": slow.get("finish.lua", 0.0),
             "slow": slow,
             "worker_per_inflight": (rss.peak - rss.start) / args.in_flight,
             "elapsed_s": elapsed,
@@ -200,6 +217,7 @@ def main() -> None:
                 f"{r['redis_per_answer'] / 2**20:.1f} MiB",
                 f"{r['ping_max_ms']:.0f} / {r['ping_p99_ms']:.0f}",
                 f"{r['slowest_ms']:.1f}",
+                f"{r['finish_ms']:.1f}" if r["finish_ms"] else "< 1",
                 f"{r['worker_per_inflight'] / 2**20:.0f} MiB",
                 "yes" if r["full_bodies"] else "NO",
             ]
@@ -213,6 +231,7 @@ def main() -> None:
                 "used_memory per answer",
                 "PING max / p99 ms",
                 "slowest command ms",
+                "slowest finish.lua ms",
                 "worker RSS per answer in flight",
                 "full body read back",
             ],
