@@ -5,10 +5,10 @@
 -- attempt's task (KEYS[2] without a body key); then the key families (lib.lua key_families).
 -- ARGV[1] token, ARGV[2] result TTL (s),
 -- ARGV[3] 1 if this attempt sent an HTTP request, ARGV[4] status code or '',
--- ARGV[5] payload ('' when in the body key), ARGV[6] error code or '', ARGV[7] error message, ARGV[8] '0' when the
--- attempt released its slot (published on the freed channel), '1' when it handed it over (no
--- release to publish), '2' when it handed it over and its worker still has attempts of the
--- queue parked (nor a doorbell to ring: see terminal() in lib.lua),
+-- ARGV[5] payload ('' when in the body key), ARGV[6] error code or '', ARGV[7] error message,
+-- ARGV[8] '0' when the attempt released its slot (published on the freed channel), '1' when it
+-- handed it over (no release to publish), '2' when it handed it over and its worker still has
+-- attempts of the queue parked (nor a doorbell to ring: see terminal() in lib.lua),
 -- ARGV[9] the attempt's journal for the request's decision log (lib.lua log_journal; ''
 -- for none; terminal() adds the "done" entry), ARGV[10] '1' when KEYS[2] holds the body.
 -- With the Celery result key (the task's Celery result, written in the same step instead of a
