@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import pipeline
 from pipeline import UnknownRequest
 from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
@@ -80,6 +81,7 @@ def test_a_large_answer_is_stored_once(served: Pipeline) -> None:
     assert served.wait(rid, timeout=5).payload == body
     assert [r.payload for r in served.iter_results([rid])] == [body]
     assert served.load_result(entry).payload == body
+    assert pipeline.load_result(entry).payload == body
     assert served.load_result(rec["result"]).to_dict()["payload"] == body
     from tasks.app import app  # the pipeline's app: its result backend reads the body back
 
