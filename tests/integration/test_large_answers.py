@@ -166,3 +166,15 @@ def test_a_body_is_read_back_whole_across_its_pieces(pl: Pipeline) -> None:
         assert got == {"id": "pieces", "payload": text}
     finally:
         store.client.delete(key)
+
+
+def test_the_finish_script_never_gets_the_body(pl: Pipeline) -> None:
+    """What makes a finish cost the same at any size: a body stored apart is not among the
+    script's arguments (the attempt SETs it first), only its key."""
+    store = pl.store_of("default")
+    key = store.keys.body("r", "tok")
+    call = store.finish_call(
+        "r", "tok", attempted=True, status_code=200, payload="x" * 1_000_000, body_key=key
+    )
+    assert key in call.keys
+    assert sum(len(str(a)) for a in call.args) < 1000
