@@ -17,7 +17,7 @@ import pytest
 import pipeline
 from pipeline import UnknownRequest
 from pipeline.cli.services import wait_until
-from pipeline.client import Pipeline
+from pipeline.client import Pipeline, Result
 from pipeline.http import call as httpcall
 from pipeline.store import Store
 from pipeline.store.bodies import PIECE
@@ -178,3 +178,10 @@ def test_the_finish_script_never_gets_the_body(pl: Pipeline) -> None:
     )
     assert key in call.keys
     assert sum(len(str(a)) for a in call.args) < 1000
+
+
+def test_a_reference_read_as_is_says_so() -> None:
+    """``Result.from_json`` of a stored result whose body was not read back: no body, and
+    the key that holds it (``Pipeline.load_result`` reads it)."""
+    res = Result.from_json('{"id": "r", "status_code": 200, "payload_ref": "pl:body:r:t"}')
+    assert res.payload == "" and res.extra == {"payload_ref": "pl:body:r:t"}
