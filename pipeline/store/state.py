@@ -453,11 +453,6 @@ class Store:
             ],
         )
 
-    def stored_apart(self, payload: str, wire: str | None) -> bool:
-        """Whether an answer's body is stored once in a key of its own (:meth:`put_body`)
-        rather than inline in every copy of its result (:func:`.bodies.stored_apart`)."""
-        return bodies.stored_apart(payload, self.settings.body_inline_max, wire)
-
     def put_body(self, request_id: str, token: str, payload: str) -> str:
         """Store an attempt's answer body once, before its finish (one plain ``SET`` with the
         result's expiry: the body never passes through a script, which would copy and escape

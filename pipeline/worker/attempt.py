@@ -28,6 +28,7 @@ from ..http.rules import (
 )
 from ..store import ScriptCall
 from ..store import holder as make_holder
+from ..store.bodies import stored_apart
 from ..store.journal import Journal, entry
 from ..store.keys import ref_cancel_key
 from . import observe
@@ -135,7 +136,8 @@ class Attempt:
         mirror = None
         if self.mirrors is not None:
             mirror = self.mirrors.success() if ok else self.mirrors.failure(failure)
-        apart = self.store.stored_apart(payload, self.record.get("wire"))
+        limit = self.rt.settings.body_inline_max
+        apart = stored_apart(payload, limit, self.record.get("wire"))  # a large body: once
         body_key = self.store.keys.body(self.id, self.token) if apart else None
 
         def finish(handed_over: bool, nowake: bool) -> ScriptCall:
