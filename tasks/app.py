@@ -10,10 +10,7 @@ from celery import Celery
 
 from pipeline.store import keys
 
-from . import compat
 from .backend import PipelineRedisBackend, PipelineSentinelBackend
-
-compat.install()
 
 
 class PipelineCelery(Celery):

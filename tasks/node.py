@@ -23,6 +23,7 @@ from celery.signals import (
     celeryd_init,
     task_postrun,
     task_revoked,
+    worker_init,
     worker_process_init,
     worker_ready,
     worker_shutdown,
@@ -225,6 +226,16 @@ def _on_ready(**_: Any) -> None:
             worker.concurrency,
         )
     freeze_startup_heap()
+
+
+@worker_init.connect
+def _on_worker_init(**_: Any) -> None:
+    """A worker node is being built (``celery worker``, ``pipeline worker``, an embedded test
+    node), before it connects to the broker or forks its pool: patch kombu here, never on
+    ``import tasks`` (a client, ``pipeline serve`` or Flower imports it too). A kombu outside
+    the pinned range stops the node, naming tasks/compat.py."""
+    with startup_step("the kombu patches (tasks/compat.py)"):
+        compat.install()
 
 
 @celeryd_init.connect
