@@ -9,7 +9,7 @@ pipeline's Redis.
 
 import os
 
-from pipeline.config import bool_env, celery_transport_options, celery_url, is_cluster
+from pipeline.config import bool_env, celery_transport_options, celery_url, is_cluster, key_prefix
 from pipeline.store.keys import celery_queue
 
 # a ?password= (which redis-py reads) goes into the userinfo for kombu, whose parser raises on it
@@ -49,7 +49,7 @@ result_expires = 24 * 3600
 result_backend_thread_safe = True
 result_extended = False
 
-task_default_queue = celery_queue("default", os.environ.get("PIPELINE_KEY_PREFIX") or "pl:")
+task_default_queue = celery_queue("default", key_prefix())
 # Longer than the longest attempt (request_timeout_s, 300 s by default) plus the time a
 # message can wait for a slot; attempts are fenced by token, so a redelivery never runs twice.
 # A sentinel:// list (Celery's syntax: sentinel://h1:26379;sentinel://h2:26379/0) names the

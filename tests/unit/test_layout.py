@@ -216,3 +216,18 @@ def test_the_cycle_check_finds_cycles(
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / rel).write_text(text)
     assert cycles(import_graph(pkg)) == expected
+
+
+def test_the_key_prefix_has_one_home() -> None:
+    """Its default spelled once and ``PIPELINE_KEY_PREFIX`` read once, in ``pipeline/config``
+    (``DEFAULT_KEY_PREFIX``, ``key_prefix()``); everything else asks them."""
+    files = [*sorted((ROOT / "pipeline").rglob("*.py")), *sorted((ROOT / "tasks").rglob("*.py"))]
+    found: dict[str, list[str]] = {"pl:": [], "PIPELINE_KEY_PREFIX": []}
+    for path in [*files, ROOT / "celeryconfig.py"]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in found:
+                found[node.value].append(str(path.relative_to(ROOT)))
+    assert found == {
+        "pl:": ["pipeline/config/settings.py"],
+        "PIPELINE_KEY_PREFIX": ["pipeline/config/load.py"],
+    }
