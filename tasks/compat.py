@@ -1,19 +1,19 @@
 """Every patch of another library's internals, in one place: three, all to kombu's Redis
 transport (celery 5.7.x and kombu 5.7.x, pinned in pyproject.toml;
 tests/integration/test_compat.py and, for the no-ack acks, tests/integration/test_wire.py check
-each on the pinned versions). Gains: same-run A/B on
-``bench/overhead.py`` (0 ms simulator, one node, ``-P threads -c 64``), the patch off against
-all on, median of 6 alternating rounds.
+each on the pinned versions). Installed by a worker node as it starts (``tasks/node.py``, at
+``worker_init``), never on import; :func:`install` first checks kombu against the pinned range.
+What each gained on ``bench/overhead.py`` when it went in is in BENCHMARKS.md ("What each
+mechanism measured when it went in").
 
-==============  ======================================  =====================  ================
-patch           replaces (in ``kombu.transport``)       gain (overhead.py)     upstream
-==============  ======================================  =====================  ================
-closed channel  ``redis.Channel._create_client``        correctness            celery/kombu#582
-no-ack acks     ``virtual.Channel.basic_consume``       +18 % req/s,           none found
-                                                        -18 % worker CPU/req
-BRPOP batch     ``redis.Channel._brpop_start``,         +40 % req/s,           none (no batch
-                ``._brpop_read``, ``._poll_error``      -35 % worker CPU/req   consume)
-==============  ======================================  =====================  ================
+==============  ======================================  ========================  ================
+patch           replaces (in ``kombu.transport``)       why                       upstream
+==============  ======================================  ========================  ================
+closed channel  ``redis.Channel._create_client``        correctness               celery/kombu#582
+no-ack acks     ``virtual.Channel.basic_consume``       a round trip per message  none found
+BRPOP batch     ``redis.Channel._brpop_start``,         a round trip per message  none (no batch
+                ``._brpop_read``, ``._poll_error``                                consume)
+==============  ======================================  ========================  ================
 
 - closed channel: a worker that acks (``PIPELINE_BROKER_ACKS=1``) stopped with "Unrecoverable
   error: AttributeError" when Redis restarted (tests/chaos/test_redis_restart.py): once Celery
