@@ -7,8 +7,11 @@ are only the seams below them: the gate (:class:`FakeGate`, which records every 
 release per holder), the request store (:class:`FakeStore`, fenced by the attempt token like
 the Lua scripts), one round trip of script calls (``run_batch``) and the HTTP send.
 
-Every test ends with :func:`released_once`: after a holder's last take, exactly one release
-(a hand-over counts as the giver's release), and no gate holds anything. The end-to-end proof,
+The store notes each result and requeue it writes in the gate's event list, so a test reads
+one timeline per holder (``take``, ``release``, ``result``...): the release comes before the
+request leaves the attempt. Every test ends with :func:`released_once`: after a holder's last
+take, exactly one release (a hand-over counts as the giver's release), and no gate holds
+anything. The end-to-end proof,
 with real Redis, workers and the simulator, is ``tests/integration/test_release_paths.py``.
 """
 
@@ -40,6 +43,7 @@ from pipeline.gates import (
     Verdict,
 )
 from pipeline.http.classify import Kind, Outcome
+from pipeline.http.rules import REQUEST_ID_HEADER
 from pipeline.store.state import Started
 from pipeline.worker import attempt as attempt_module
 from pipeline.worker import process as process_module
@@ -184,6 +188,9 @@ class FakeStore:
     def __init__(self) -> None:
         self.rows: dict[str, Row] = {}
         self.client = SimpleNamespace(get=lambda key: None)  # a producer's cancel: none
+        # where a result or requeue written is noted, as ("result" | "requeued", holder): the
+        # gate's events, so a test sees the release come before it
+        self.log: list[tuple[str, str]] = []
         self.broken_finish: Exception | None = None  # the next finish call's build raises it
 
     def add(self, rid: str, token: str, **fields: str) -> None:
@@ -238,6 +245,7 @@ class FakeStore:
                 "error_code": kw.get("error_code"),
                 "attempts": int(row.record["attempts"]) + (1 if kw["attempted"] else 0),
             }
+            self.log.append(("result", f"{rid}:{token}"))
             return json.dumps(row.result)
 
         return finish
@@ -256,6 +264,7 @@ class FakeStore:
                 return None
             row.token = ""  # the next dispatch gets a new token
             row.requeues.append(kw)
+            self.log.append(("requeued", f"{rid}:{token}"))
             return time.time() + float(kw["delay"])
 
         return requeue
@@ -356,7 +365,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     after = inference.InferenceTask.after_return
 
     def noted(task: Any, status: str, *args: Any) -> None:
-        w.after_returns.append(status)
+        w.local.after_returns.append(status)  # this thread's attempt
         after(task, status, *args)
 
     monkeypatch.setattr(inference.InferenceTask, "after_return", noted)
@@ -372,7 +381,6 @@ class World:
         self.gate: FakeGate = FakeGate()
         self.rt: ContractRuntime | None = None
         self.events: list[str] = []  # Flower events the task sent (their names)
-        self.after_returns: list[str] = []
         self.sends: dict[str, Send] = {}  # per request id
         self.local = threading.local()
 
@@ -381,23 +389,23 @@ class World:
 
     def use(self, gate: FakeGate, **env: str) -> ContractRuntime:
         self.gate = gate
+        self.store.log = gate.events
         self.rt = ContractRuntime(gate, self.store, **env)
         return self.rt
 
     def send_http(self, url: str, body: str, headers: dict[str, str], timeout: float) -> Outcome:
-        rid = headers["x-request-id"]
+        rid = headers[REQUEST_ID_HEADER]
         return self.sends.get(rid, ok)(rid, self.local.token)
 
     def trace(self, rid: str, token: str, **kwargs: Any) -> Traced:
         """One attempt through Celery's tracer, as a worker runs a ``pipeline.infer`` message."""
         if self.rt is None:
             self.use(self.gate)
-        self.local.token = token
-        self.after_returns.clear()
+        self.local.token, self.local.after_returns = token, []
         result = self.task.apply(
             args=(rid, token), kwargs={"queue": QUEUE, "attempt": 1, **kwargs}, task_id=rid
         )
-        return Traced(result.state, bool(self.after_returns))
+        return Traced(result.state, bool(self.local.after_returns))
 
 
 def holder(rid: str, token: str) -> str:
@@ -413,7 +421,7 @@ def test_success_releases_once_before_the_result(world: World) -> None:
     assert traced == Traced(states.SUCCESS, after_return=True)  # which returns: the body released
     assert world.store.rows["r1"].result is not None
     assert world.store.rows["r1"].result["status_code"] == 200
-    assert world.gate.of(holder("r1", "t1")) == ["take", "release"]
+    assert world.gate.of(holder("r1", "t1")) == ["take", "release", "result"]
     released_once(world.gate, holder("r1", "t1"))
 
 
@@ -424,6 +432,7 @@ def test_a_terminal_failure_releases_once(world: World) -> None:
     assert traced == Traced(states.FAILURE, after_return=True)
     assert world.store.rows["r1"].result is not None
     assert world.store.rows["r1"].result["status_code"] == 400
+    assert world.gate.of(holder("r1", "t1")) == ["take", "release", "result"]
     released_once(world.gate, holder("r1", "t1"))
 
 
@@ -434,7 +443,7 @@ def test_a_retry_releases_in_the_body_where_celery_skips_after_return(world: Wor
     traced = world.trace("r1", "t1")
     assert traced == Traced(states.RETRY, after_return=False)
     assert world.store.rows["r1"].requeues[0]["attempted"] is True
-    assert holder("r1", "t1") not in world.gate.held  # released before it left the attempt
+    assert world.gate.of(holder("r1", "t1")) == ["take", "release", "requeued"]
     world.store.rows["r1"].token = "t2"  # the retry's dispatch
     assert world.trace("r1", "t2").state == states.SUCCESS
     released_once(world.gate, holder("r1", "t1"), holder("r1", "t2"))
@@ -446,7 +455,7 @@ def test_a_refusal_requeues_and_releases_once(world: World) -> None:
     traced = world.trace("r1", "t1")
     assert traced == Traced(states.RETRY, after_return=False)
     assert world.store.rows["r1"].requeues[0]["attempted"] is False
-    assert world.gate.of(holder("r1", "t1")) == ["refused", "release"]
+    assert world.gate.of(holder("r1", "t1")) == ["refused", "release", "requeued"]
     assert world.events == ["task-gate-refused"]
     released_once(world.gate, holder("r1", "t1"))
 
@@ -458,7 +467,7 @@ def test_a_gate_wait_that_times_out_requeues_and_releases_once(world: World) -> 
     traced = world.trace("r1", "t1")
     assert traced == Traced(states.RETRY, after_return=False)
     assert world.store.rows["r1"].requeues[0]["note"]["reason"] == "gate wait timed out"
-    assert world.gate.of(holder("r1", "t1")).count("release") == 1
+    assert world.gate.of(holder("r1", "t1"))[-2:] == ["release", "requeued"]
     released_once(world.gate, holder("r1", "t1"))
 
 
@@ -469,6 +478,7 @@ def test_a_drop_ends_the_request_and_releases_once(world: World) -> None:
     assert traced == Traced(states.FAILURE, after_return=True)
     assert world.store.rows["r1"].result is not None
     assert world.store.rows["r1"].result["error_code"] == "GATE_DROPPED"
+    assert world.gate.of(holder("r1", "t1")) == ["refused", "release", "result"]
     released_once(world.gate, holder("r1", "t1"))
 
 
@@ -486,6 +496,7 @@ def test_an_abort_releases_once_and_keeps_the_cancel_s_result(world: World) -> N
     assert traced == Traced(states.IGNORED, after_return=False)
     assert world.store.rows["r1"].result == {"id": "r1", "error_code": "CANCELLED"}
     assert [e for e in world.events if e == "task-revoked"] == ["task-revoked"]
+    assert world.gate.of(holder("r1", "t1")) == ["take", "release"]  # its finish fenced off
     released_once(world.gate, holder("r1", "t1"))
 
 
@@ -506,7 +517,7 @@ def test_an_unreadable_record_ends_invalid_and_releases_once(world: World) -> No
     assert traced == Traced(states.IGNORED, after_return=False)
     assert world.store.rows["r1"].result is not None
     assert world.store.rows["r1"].result["error_code"] == "INVALID_REQUEST"
-    assert world.gate.of(holder("r1", "t1")) == ["take", "release"]
+    assert world.gate.of(holder("r1", "t1")) == ["take", "release", "result"]
     released_once(world.gate, holder("r1", "t1"))
 
 
@@ -515,7 +526,7 @@ def test_a_tenant_mismatch_gives_back_the_start_s_take_and_asks_again(world: Wor
     world.store.add("r1", "t1", metadata=json.dumps({"tenant": "b"}))
     traced = world.trace("r1", "t1", tenant={"tenant": "a"})  # the dispatcher named "a"
     assert traced == Traced(states.SUCCESS, after_return=True)
-    assert world.gate.of(holder("r1", "t1")) == ["take", "release", "take", "release"]
+    assert world.gate.of(holder("r1", "t1")) == ["take", "release", "take", "release", "result"]
     released_once(world.gate, holder("r1", "t1"))
 
 
@@ -524,8 +535,8 @@ def test_an_exception_in_the_body_is_released_by_after_return(world: World) -> N
     world.store.broken_finish = RuntimeError("a bug in the finish")
     traced = world.trace("r1", "t1")
     assert traced == Traced(states.FAILURE, after_return=True)
-    assert world.store.rows["r1"].requeues  # abandoned: back to its queue
-    assert world.gate.of(holder("r1", "t1")) == ["take", "release"]
+    # abandoned by after_return: released, then back to its queue
+    assert world.gate.of(holder("r1", "t1")) == ["take", "release", "requeued"]
     released_once(world.gate, holder("r1", "t1"))
 
 
@@ -558,8 +569,8 @@ def test_a_hand_over_with_a_lapsed_lease_still_ends_in_one_release_each(
     assert not b.is_alive()
     assert traced["a"].state == traced["b"].state == states.SUCCESS
     assert "its lease had lapsed and the gate is full" in caplog.text
-    assert gate.of(holder("a", "ta")) == ["take", "lapsed", "handed"]
-    assert gate.of(holder("b", "tb")) == ["refused", "release"]
+    assert gate.of(holder("a", "ta")) == ["take", "lapsed", "handed", "result"]
+    assert gate.of(holder("b", "tb")) == ["refused", "release", "result"]
     gate.release(holder("c", "tc"))
     released_once(gate, holder("a", "ta"), holder("b", "tb"), holder("c", "tc"))
 
@@ -582,7 +593,8 @@ def test_a_hand_over_gives_the_slot_to_the_parked_attempt(
     world.sends["a"] = while_a_is_sent
     world.trace("a", "ta")
     b.join(BOUND_S)
-    assert gate.of(holder("b", "tb")) == ["refused", "take", "release"]
+    assert gate.of(holder("a", "ta")) == ["take", "handed", "result"]
+    assert gate.of(holder("b", "tb")) == ["refused", "take", "release", "result"]
     released_once(gate, holder("a", "ta"), holder("b", "tb"))
 
 
@@ -597,7 +609,7 @@ def test_a_release_that_fails_four_times_is_left_to_the_lease(
         traced = world.trace("r1", "t1")
     assert traced == Traced(states.SUCCESS, after_return=True)  # the result is written anyway
     tries = world.gate.of(holder("r1", "t1"))  # four tries; no fifth, none by after_return
-    assert tries == ["take", "release", "release", "release", "release"]
+    assert tries == ["take", "release", "release", "release", "release", "result"]
     assert slept == [0.1, 0.2, 0.4, 0.8]
     assert "gave up; its lease will expire" in caplog.text
     assert world.gate.held == {holder("r1", "t1")}  # until its lease lapses:
