@@ -9,11 +9,12 @@ import subprocess
 import sys
 import textwrap
 import tomllib
+from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 
-from tests.conftest import ROOT
+ROOT = Path(__file__).resolve().parents[2]
 
 SHIPPED = """
 import kombu.transport.redis as r, kombu.transport.virtual as v
