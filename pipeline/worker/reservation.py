@@ -29,6 +29,7 @@ from ..gates import (
 )
 from ..store import ScriptCall, Store, run_batch
 from .bell import ReleaseBell, Ticket
+from .guard import LeaseGuard
 
 log = logging.getLogger("pipeline.worker")
 
@@ -43,6 +44,7 @@ class Host(Protocol):
     store: Store
     bell: ReleaseBell
     rng: random.Random
+    guard: LeaseGuard
 
     def gate(self, queue: str) -> Gate: ...
 
