@@ -148,11 +148,11 @@ class Reservation:
         return ticket
 
     def _refused_transfer(self, ticket: Ticket) -> bool:
-        """A gate whose limit moves may refuse a hand-over although its giver held the slot
-        (the limit fell below in-flight): the taker goes on only once the transfer is
-        recorded as taken (the giver's finish round trip, a millisecond)."""
-        if not getattr(self.gate, "handover_may_fail", False):
-            return False
+        """The taker goes on only once Redis recorded the transfer as taken (the giver's
+        finish round trip, a millisecond): a giver's lease may have lapsed and its slot gone
+        to another node (a process stopped or cut off past its lease), and a gate whose limit
+        moves may refuse it (the limit fell below in-flight). Sending first would put one
+        call more than the limit at the server (issue 48)."""
         ticket.transferred.wait(TRANSFER_WAIT_S)
         return not ticket.held
 
