@@ -100,11 +100,7 @@ class Attempt:
         self.elapsed_s: float | None = None  # how long its HTTP call took (observed_send)
         # fired by a cancel with running="abort" (Runtime.abort): closes the call's connection
         self.abort = Abort()
-        # its leases last from after this (monotonic: when its start, or the last renewal Redis
-        # took, was sent; Runtime.begin, Runtime._beat); ``lapsing``: the lease guard stopped
-        # it (Runtime.lapse), it ends as a retry
-        self.proof = time.monotonic()
-        self.lapsing = False
+        self.lapsing = False  # the lease guard stopped it (Runtime): it ends as a retry
 
     @property
     def decision(self) -> Decision | None:
@@ -460,7 +456,7 @@ class Attempt:
         if left <= 0:
             return self._expired(False)
         timeout = min(self.queue.request_timeout_s, left)
-        if self.rt.guard.late(self.proof):  # its lease could lapse: nothing more is sent
+        if self.rt.guard.late(self.reservation.proof):  # its lease could lapse: not sent
             self.lapsing = True
             return self._lapsed(False)
         outcome = self._send(timeout)

@@ -50,6 +50,11 @@ class LeaseGuard:
         now = time.monotonic() if now is None else now
         return now - proof >= self.budget()
 
+    def fresh(self, proof: float) -> bool:
+        """Proven within half the budget: its leases are surely alive for a round trip more
+        (a hand-over's taker need not wait for the transfer record)."""
+        return time.monotonic() - proof < self.budget() / 2
+
     def renewed(self) -> None:
         """Redis took a renewal of every live lease: an episode ends."""
         with self._lock:

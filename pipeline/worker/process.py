@@ -153,7 +153,7 @@ class Runtime:
     def _stop_late(self, live: list[Attempt], now: float) -> None:
         """Stop those of ``live`` past their budget ``now``: their calls are closed and they
         end as retries (released when Redis answers again, else by the reaper)."""
-        late = [a for a in live if self.guard.late(a.proof, now) and not a.abort.fired]
+        late = [a for a in live if self.guard.late(a.reservation.proof, now) and not a.abort.fired]
         if not late:
             return
         self.guard.lapse(len(late))
@@ -199,7 +199,7 @@ class Runtime:
                 gate.renew(names, self.settings.lease_s)
         self._stop_late(live, time.monotonic())
         for a in live:
-            a.proof = max(a.proof, sent)
+            a.reservation.proof = max(a.reservation.proof, sent)
         self.guard.renewed()
 
     def abort(self, ids: list[str]) -> None:
@@ -263,7 +263,7 @@ class Runtime:
             return None
         try:
             attempt = Attempt(self, started.record, token, worker, started.clock_offset, res)
-            attempt.proof = began
+            attempt.reservation.proof = min(attempt.reservation.proof, began)
         except (KeyError, ValueError, TypeError) as exc:
             # a record this worker cannot read (written by hand, or corrupted): end it
             message = f"unreadable request record: {type(exc).__name__}: {exc}"

@@ -78,6 +78,7 @@ def test_a_refused_hand_over_does_not_admit_the_parked_attempt(rt: Runtime) -> N
     # its lease lapsed while it was stopped: the reaper freed it, another node took the slot
     gate.release("giver:t")
     assert gate.acquire(ctx("elsewhere")).admitted
+    giver.proof -= 3600.0  # and no renewal since, as after a SIGSTOP (the lease guard's count)
     taker = reservation(rt, "taker")
     refused = taker.ask()
     assert not refused.admitted
