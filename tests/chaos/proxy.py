@@ -1,7 +1,8 @@
 """A TCP proxy for partition tests: a node's Redis URLs point at it, and the test cuts the node
 off. ``blackhole()``: every connection stays open but its bytes go nowhere, both ways, and new
 connections are accepted and then ignored (as a network that drops packets: the node's calls
-block, nothing fails fast). ``reset()``: every connection ends with a TCP reset.
+block, nothing fails fast). ``refuse()``: every connection ends with a TCP reset, and so does
+each new one at once (calls fail fast). ``reset()``: the open connections end with a reset.
 ``heal()``: reset what the blackhole left (its bytes are lost; a blocked call must not hang for
 ever) and forward again. One thread accepts, two pump each connection."""
 
@@ -22,6 +23,7 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._socks: set[socket.socket] = set()
         self._forward = True
+        self._refusing = False
         self._closed = False
         self.accepted = 0
         threading.Thread(target=self._accept, name="tcp-proxy", daemon=True).start()
@@ -32,6 +34,10 @@ class TcpProxy:
     def blackhole(self) -> None:
         self._forward = False
 
+    def refuse(self) -> None:
+        self._forward, self._refusing = False, True
+        self.reset()
+
     def reset(self) -> None:
         with self._lock:
             socks, self._socks = self._socks, set()
@@ -40,7 +46,7 @@ class TcpProxy:
 
     def heal(self) -> None:
         self.reset()  # first: a connection from the blackhole never forwards again
-        self._forward = True
+        self._forward, self._refusing = True, False
 
     def close(self) -> None:
         self._closed = True
@@ -54,6 +60,9 @@ class TcpProxy:
             except OSError:
                 return
             self.accepted += 1
+            if self._refusing:
+                _reset(client)
+                continue
             upstream: socket.socket | None = None
             if self._forward:
                 try:

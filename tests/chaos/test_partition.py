@@ -61,11 +61,13 @@ def via(proxy_port: int) -> dict[str, str]:
     return {"PIPELINE_REDIS_URL": url, "CELERY_BROKER_URL": url, "CELERY_RESULT_BACKEND": url}
 
 
+@pytest.mark.parametrize("cut", ["blackhole", "refuse"])
 def test_a_node_cut_off_past_its_lease_stops_calling(
-    env: dict[str, str], tmp_path: Path, sim: SimServer, start_worker: Any
+    env: dict[str, str], tmp_path: Path, sim: SimServer, start_worker: Any, cut: str
 ) -> None:
     """Node A (behind the proxy) holds the limit's worth of calls at the simulator; A is cut
-    off for longer than its lease. A aborts its calls before its leases can lapse (an ERROR
+    off for longer than its lease: every byte dropped (its Redis calls block), or every
+    connection reset (they fail fast). A aborts its calls before its leases can lapse (an ERROR
     line, once); B's reaper frees A's slots and B sends the requests again; the partition
     heals, every request ends with one result, the server never held more than the limit,
     and no reservation is left."""
@@ -96,7 +98,10 @@ def test_a_node_cut_off_past_its_lease_stops_calling(
             ids = [r.id for r in iso.pl.submit_many(items)]
             sim.wait_held(name, CUT_LIMIT, timeout_s=120)  # all at A: B is not started yet
             b = start_node(start_worker, iso, concurrency=CUT_SLOTS, extra_env=extra)[0]
-            proxy.blackhole()
+            if cut == "blackhole":
+                proxy.blackhole()
+            else:
+                proxy.refuse()
             # A aborts its calls (the simulator sees them hang up), B's reaper frees their
             # slots once the leases lapse, and B sends them again: the limit's worth held
             wait_until(
