@@ -101,6 +101,7 @@ class Attempt:
         self.elapsed_s: float | None = None  # how long its HTTP call took (observed_send)
         # fired by a cancel with running="abort" (Runtime.abort): closes the call's connection
         self.abort = Abort()
+        self.lapsing = False  # the lease guard stopped it (Runtime): it ends as a retry
 
     @property
     def decision(self) -> Decision | None:
@@ -454,9 +455,12 @@ class Attempt:
         data["priority"] = -priority
         return json.dumps(data, separators=(",", ":"))
 
-    def _aborted(self) -> Report:
+    def _aborted(self, sent: bool = False) -> Report:
         """Cancelled with running="abort" (or found no longer its own): the request's result
-        is written already; this only releases the reservation (the finish is fenced off)."""
+        is written already; this only releases the reservation (the finish is fenced off).
+        Stopped by the lease guard: :meth:`_lapsed`."""
+        if self.lapsing:
+            return self._lapsed(sent)
         report = self._error("CANCELLED", "cancelled (running attempt aborted)")
         if report.status is Status.STALE:  # as it should: the cancel ended the request
             return Report(Status.ABORTED, "cancelled (running attempt aborted)")
@@ -467,9 +471,12 @@ class Attempt:
         if left <= 0:
             return self._expired(False)
         timeout = min(self.queue.request_timeout_s, left)
+        if self.rt.guard.late(self.reservation.proof):  # its lease could lapse: not sent
+            self.lapsing = True
+            return self._lapsed(False)
         outcome = self._send(timeout)
-        if self.abort.fired:  # whatever came back: the request is cancelled
-            return self._aborted()
+        if self.abort.fired and not (self.lapsing and outcome.responded):
+            return self._aborted(sent=True)  # cancelled: whatever came back (or lapsing)
         if self.elapsed_s is not None:  # what the server showed, for gates that learn from it
             retried = int(self.record.get("attempts") or 0) > 0
             self.reservation.observation = observation_of(outcome, self.elapsed_s, retried)
@@ -483,6 +490,16 @@ class Attempt:
         if outcome.kind is Kind.FATAL:
             return self._error("INFERENCE_ERROR", outcome.error or "request failed", True)
         return self._retry(outcome, timeout)
+
+    def _lapsed(self, sent: bool) -> Report:
+        """Stopped because its lease could lapse (no renewal taken by Redis in time): back to
+        its queue, a retry if it was sent. While Redis does not answer this raises, and its
+        lease lapses: the reaper frees and requeues it (fenced either way)."""
+        reason = "lease renewal overdue: " + ("call aborted" if sent else "not sent")
+        if sent:
+            return self._retry(Outcome(Kind.RETRY, error=reason, category="LEASE"), 0.0)
+        delay = self.rt.rng.uniform(*REFUSE_DELAY_S)
+        return self._requeue(delay, reason, attempted=False)
 
     def _send(self, timeout: float) -> Outcome:
         """The request sent and its answer classified (abortable by a cancel notice)."""
