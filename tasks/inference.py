@@ -144,7 +144,7 @@ def mirrors_results(task: Task, request: Any) -> bool:
     )
 
 
-def _escaped(attempt: Attempt, exc: BaseException | None) -> bool:
+def _escaped(attempt: Attempt, exc: Any) -> bool:
     """An exception raised around the attempt in this process (``Attempt.run`` takes its
     own): the attempt's outcome, counted and backed off (``Attempt.escaped``), never a requeue
     with no delay. False when it is not one (Redis down) or that failed too: abandon it."""
@@ -215,7 +215,8 @@ class InferenceTask(Task):
             return
         if len(args) < 2:
             return
-        if attempt is not None and _escaped(attempt, getattr(einfo, "exception", None)):
+        # a FAILURE's retval is the exception (Celery passes no einfo to after_return)
+        if status == states.FAILURE and attempt is not None and _escaped(attempt, retval):
             return
         # The attempt did not report (an exception, or this is the main process after a hard
         # time limit / lost child): release and requeue, fenced by token.
