@@ -74,7 +74,8 @@ class QueueConfig:
     retry_base_delay_s: float = 2.0
     retry_max_delay_s: float = 60.0
     # HTTP attempts a request gets at most (retries included; an attempt that raised counts):
-    # past it the request ends MAX_ATTEMPTS_EXCEEDED (a poison request), whatever its deadline
+    # the one that reaches it ends the request MAX_ATTEMPTS_EXCEEDED (a poison request),
+    # unless the server said it is busy (429, Retry-After, a gateway's drop: waited out)
     max_attempts: int = 10
     weight: float = 1.0  # the queue's share of its pool's dispatches
     fair_share: bool = False  # its tenants take turns at each priority

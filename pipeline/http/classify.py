@@ -57,6 +57,12 @@ class Outcome:
         return self.status_code is not None and 200 <= self.status_code < 300
 
     @property
+    def busy(self) -> bool:
+        """The server (or its gateway) said it is busy: a 429, a ``Retry-After``, a drop
+        reason. Waited out within the deadline; never what ends a request by ``max_attempts``."""
+        return self.status_code == 429 or self.retry_after is not None or bool(self.dropped_reason)
+
+    @property
     def unreadable(self) -> bool:
         """A 2xx answer whose body is not JSON (``INVALID_RESPONSE``)."""
         return self.category == INVALID_RESPONSE

@@ -522,7 +522,7 @@ class Attempt:
         """A retriable outcome: requeued after its backoff, or the last result when the
         deadline leaves no room for another attempt."""
         retries = int(self.record.get("attempts") or 0)
-        if retries + 1 >= self.queue.max_attempts:
+        if retries + 1 >= self.queue.max_attempts and not outcome.busy:
             return self._exhausted(outcome, retries + 1)
         delay = retry_delay(
             retries,

@@ -130,6 +130,24 @@ def test_a_request_that_fails_every_attempt_is_poison(
     assert served.explain(other).verdict is None
 
 
+@pytest.mark.parametrize(
+    "busy",
+    [{"x-sim-fail-status": "429"}, {"x-sim-fail-status": "503", "x-sim-retry-after": "0"}],
+    ids=["429", "503-retry-after"],
+)
+def test_a_busy_server_is_waited_out_past_max_attempts(
+    served: Pipeline, sim: SimServer, busy: dict[str, str]
+) -> None:
+    """Five answers saying the server is busy (a 429, a 503 with Retry-After), then a good
+    one: overload is not the request's fault, so the queue's 3 attempts do not end it."""
+    rid = uid("busy")
+    headers = {**bad_first(5, "status"), **busy}
+    served.submit({"p": 1}, id=rid, queue="poison", timeout=60, headers=headers)
+    res = finished(served, "poison", rid)
+    assert res.ok and res.attempts == 6 and sim_attempts(sim, rid) == 6, res
+    assert served.explain(rid).verdict is None
+
+
 # -- 4: any exception out of an attempt ---------------------------------------------------------
 @pytest.fixture
 def unserved(pl: Pipeline) -> Iterator[tuple[Pipeline, Runtime, str]]:

@@ -61,3 +61,9 @@ def test_classify_never_raises_on_a_2xx_body(body: str) -> None:
     out = classify(200, body, None, None, "application/json")
     assert out.kind in (Kind.SUCCESS, Kind.RETRY)
     assert (out.kind is Kind.RETRY) == (out.category == INVALID_RESPONSE)
+
+
+def test_busy_is_what_the_server_says_of_its_load() -> None:
+    assert classify(429, "{}", None).busy
+    assert classify(503, "{}", "2").busy and classify(500, "{}", None, "rejected-saturated").busy
+    assert not classify(503, "{}", None).busy and not classify(200, "<html>", None).busy
