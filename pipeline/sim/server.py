@@ -44,7 +44,10 @@ MODEL_NAME = "sim-model"
 STALL_CAP_S = 600.0  # a stalled attempt is dropped after this many seconds
 HOLD_CAP_S = 120.0  # a held request is answered after this many seconds if nobody released it
 RECORD_CAP = 1000  # calls whose headers are kept (x-sim-record-headers) until the next reset
-FAULT_MODES = ("status", "stall", "drop")
+# a scripted fault: an error status, a stall, a dropped connection, or a 200 whose body is
+# not JSON (BAD_BODIES: nested deeper than a parser goes, cut off, an HTML page)
+FAULT_MODES = ("status", "stall", "drop", "nested", "truncated", "html")
+NESTING = 100_000  # the depth of a "nested" body: far past any JSON parser's recursion limit
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -168,6 +171,19 @@ def _error(
     if dropped is not None:
         headers[DROPPED_REASON_HEADER] = dropped
     return _json({"error": {"message": message, "type": kind, "code": status}}, status, headers)
+
+
+def _bad_body(mode: str) -> Response:
+    """A 200 whose body is not JSON, as a faulty server or proxy sends: ``nested`` (arrays
+    nested :data:`NESTING` deep: valid JSON no parser reads), ``truncated`` (a completion cut
+    off), ``html`` (a proxy's error page)."""
+    if mode == "html":
+        page = "<html><head><title>502</title></head><body><h1>Bad Gateway</h1></body></html>"
+        return Response(page, 200, media_type="text/html")
+    if mode == "nested":
+        return Response("[" * NESTING + "]" * NESTING, 200, media_type="application/json")
+    body = '{"id": "cmpl-cut", "object": "text_completion", "choices": [{"text": "the mo'
+    return Response(body, 200, media_type="application/json")
 
 
 def _get(fn: Callable[[], object]) -> Callable[[Request], Awaitable[Response]]:
@@ -591,6 +607,8 @@ class SimServer:
         if fault.mode == "status":
             msg = f"simulated failure (attempt {call.attempt} of {fault.fail_first})"
             return _error(fault.status, msg, fault.retry_after, fault.dropped_reason)
+        if fault.mode in ("nested", "truncated", "html"):
+            return _bad_body(fault.mode)
         if fault.mode == "stall":
             self._stalled += 1
             if not await self._until(call, self._future(), STALL_CAP_S):
