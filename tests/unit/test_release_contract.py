@@ -626,7 +626,9 @@ def test_a_release_that_fails_four_times_is_left_to_the_lease(
     world: World, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     slept: list[float] = []
-    monkeypatch.setattr(reservation_module, "time", SimpleNamespace(sleep=slept.append, monotonic=time.monotonic))
+    monkeypatch.setattr(
+        reservation_module, "time", SimpleNamespace(sleep=slept.append, monotonic=time.monotonic)
+    )
     world.store.add("r1", "t1")
     world.gate.failing_releases = 4
     with caplog.at_level(logging.WARNING, logger="pipeline.worker"):
