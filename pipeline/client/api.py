@@ -21,6 +21,8 @@ from ..errors import (
     IdempotencyConflict,
     InvalidRequest,
     ReplicationError,
+    StateLost,
+    StoreFull,
     UnknownRequest,
 )
 from ..gates import Gate, GateEnv, attempt_gate, check_gates, queue_gate
@@ -255,7 +257,9 @@ class Pipeline:
         item raises InvalidRequest (its index in ``item`` and the message) and nothing is
         submitted. An item reusing a live id with other content is not stored:
         IdempotencyConflict names the first such, after the others were stored (``stored``:
-        their ids)."""
+        their ids). The items are stored in chunks (32, then doubling up to 500), each all
+        or nothing: a Redis at its maxmemory raises :class:`~pipeline.StoreFull`, whose
+        ``stored`` and ``not_stored`` name the ids on either side of the refused chunk."""
         rows: list[RequestRow] = []
         if isinstance(items, str | bytes | dict) or not isinstance(items, Iterable):
             raise InvalidRequest("items", "must be a list (an iterable) of dicts")
@@ -281,7 +285,15 @@ class Pipeline:
                 groups.setdefault(self.store.for_pool(row.pool), []).append(i)
             out: list[Any] = [None] * len(rows)
             for store, index in groups.items():
-                for i, reply in zip(index, store.submit([rows[i] for i in index]), strict=True):
+                try:
+                    replies = store.submit([rows[i] for i in index])
+                except StoreFull as exc:  # the other pools' rows: stored before, or not at all
+                    done = {rows[i].id for i in index} - set(exc.not_stored)
+                    done |= {r.id for r, c in zip(rows, out, strict=True) if c is not None}
+                    exc.stored = [r.id for r in rows if r.id in done]
+                    exc.not_stored = [r.id for r in rows if r.id not in done]
+                    raise
+                for i, reply in zip(index, replies, strict=True):
                     out[i] = reply
         except ReplicationError as exc:
             exc.ids = [r.id for r in rows]

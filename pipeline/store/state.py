@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, OutOfMemoryError
 
 from ..config import QueueConfig, Settings
+from ..errors import StoreFull
 from . import wire
 from .connect import connect
 from .journal import Journal, entry
@@ -206,12 +207,19 @@ class Store:
     def submit(self, rows: Sequence[RequestRow]) -> list[Any]:
         """Store a batch of rows (:class:`RequestRow`) in growing chunks, one round trip each
         (docs/internals.md, "submit_many in growing chunks"). Returns 1 per created request,
-        or the state of the live duplicate."""
+        or the state of the live duplicate. A chunk is all or nothing: a Redis at its
+        ``maxmemory`` refuses the script's first write (submit.lua writes nothing before it),
+        and :class:`~pipeline.errors.StoreFull` names the ids of the chunks stored before."""
         out: list[Any] = []
         i, size = 0, SUBMIT_FIRST_CHUNK
         while i < len(rows):
             items = json.dumps(rows[i : i + size], ensure_ascii=False, separators=(",", ":"))
-            out.extend(self.scripts.submit(keys=self.keys.families, args=[items]))
+            try:
+                out.extend(self.scripts.submit(keys=self.keys.families, args=[items]))
+            except OutOfMemoryError:
+                raise StoreFull(
+                    "submit", [r.id for r in rows[:i]], [r.id for r in rows[i:]]
+                ) from None
             i, size = i + size, min(SUBMIT_MAX_CHUNK, size * 2)
         return out
 
