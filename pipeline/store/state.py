@@ -381,13 +381,16 @@ class Store:
             queue.worker_pool_id, entries, pool_cap, publish=publish, doorbell=doorbell
         )
 
-    def node_beat(
-        self, node: str, slots: int, pools: list[str], ttl_s: float
-    ) -> list[tuple[int, int]]:
+    def node_beat_call(self, node: str, slots: int, pools: list[str], ttl_s: float) -> ScriptCall:
         """Register ``node`` (offering ``slots``) as live for ``ttl_s`` in each pool's registry
-        and drop nodes that stopped beating; per pool: (slots of its live nodes, live nodes)."""
+        and drop nodes that stopped beating, as a call to send in a batch;
+        :meth:`node_beats` reads its reply."""
         keys = [k for p in pools for k in (self.keys.pool_nodes(p), self.keys.pool_slots(p))]
-        reply = self.scripts.node_beat(keys=keys, args=[node, slots, repr(float(ttl_s))])
+        return ScriptCall(self.scripts.node_beat, keys, [node, slots, repr(float(ttl_s))])
+
+    @staticmethod
+    def node_beats(reply: Any) -> list[tuple[int, int]]:
+        """Per pool: (slots of its live nodes, live nodes)."""
         return [(int(total), int(live)) for total, live in reply]
 
     def reap(self, queue: str) -> list[tuple[str, str]]:
@@ -508,6 +511,7 @@ class Store:
         return float(reply) if reply else None
 
     # each call sent now, alone, its reply read (typed as the ``*_call`` it sends)
+    node_beat = _sent(node_beat_call, node_beats)
     start = _sent(start_call, started)
     finish = _sent(finish_call, finished)
     requeue = _sent(requeue_call, requeued)

@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 
+from ..store.epoch import LOST_NOTICE
 from ..store.keys import sharded
 
 log = logging.getLogger("pipeline.bell")
@@ -80,6 +81,8 @@ class ReleaseBell:
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # see cancel_notice
         # what an abort notice calls with its ids (the runtime closes their calls' connections)
         self.on_abort: Callable[[list[str]], None] | None = None
+        # what a LOST_NOTICE calls (Redis lost its state: the runtime checks its leases now)
+        self.on_lost: Callable[[], None] | None = None
         self.closed = False  # the node is shutting down: nobody parks any more
 
     def generation(self, queue: str) -> int:
@@ -270,6 +273,10 @@ class ReleaseBell:
     def _heard(self, text: str) -> None:
         """One message: a release (the queue, then quota keys it released), or a notice."""
         names = text.split("\n")
+        if names[0] == LOST_NOTICE:
+            if self.on_lost is not None:
+                self.on_lost()
+            return
         if names[0] in (CANCEL_NOTICE, ABORT_NOTICE):
             self.cancel_notice(names[1:])
             if names[0] == ABORT_NOTICE and self.on_abort is not None:

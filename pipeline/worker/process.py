@@ -55,6 +55,7 @@ class Runtime:
             sorted({s.keys.abort_channel() for s in pools}),
         )
         self.bell.on_abort = self.abort
+        self.bell.on_lost = self.renew_live  # Redis lost its state: vanished holders stop now
 
     def store_of(self, queue: QueueConfig) -> Store:
         """The store of the queue's pool (its own slot on a Redis Cluster)."""
@@ -136,10 +137,15 @@ class Runtime:
     def _beat(self) -> None:
         period = max(0.05, self.settings.lease_s / 3.0)
         while not self._stopping.wait(period):
-            with self._lock:
-                live = list(self._live.values())
-            if not live:
-                continue
+            self.renew_live()
+
+    def renew_live(self) -> None:
+        """Renew the leases of this process's live attempts; abort those no longer current
+        (reaped, cancelled with running="abort", or their record gone with a Redis that lost
+        its state). The heartbeat's step, also run at once on a LOST_NOTICE."""
+        with self._lock:
+            live = list(self._live.values())
+        if live:
             try:
                 by_pool: dict[str, list[Attempt]] = {}
                 for a in live:  # one call per pool's slot (and chunk)
