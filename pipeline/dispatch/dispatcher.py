@@ -52,8 +52,9 @@ NODE_TTL_S = 5.0  # a node missing heartbeats this long stops counting towards p
 MAX_IDLE_S = 1.0  # longest block on the doorbell (also the node heartbeat cadence)
 INGEST_POLL_S = 0.25  # a reference producer rings no doorbell: look at its sorted set this often
 CONTROL_TICK_S = 0.1  # an adaptive gate's window is asked to close this often (per node)
-# after a loss of the Redis state, no dispatch for this long: every node hears of it (the
-# notice, else its next heartbeat) and aborts the calls whose holders vanished from the gates
+# after a loss of the Redis state, no dispatch for at least this long (and a heartbeat period
+# of the attempts, lease / 3, more): every node hears of it (the notice, else its attempts'
+# next renewal) and aborts the calls whose holders vanished from the gates
 LOST_QUIET_S = 2 * MAX_IDLE_S
 
 Sender = Callable[[list[Dispatched]], None]
@@ -234,10 +235,10 @@ class Dispatcher:
         """The store epoch as the heartbeat found it: gone or changed, Redis lost its state
         (docs/production.md, "A wiped Redis"): say so loudly, tell every node's attempts to
         check their leases now (those whose records are gone are aborted), and dispatch
-        nothing for :data:`LOST_QUIET_S` while they do."""
+        nothing for :data:`LOST_QUIET_S` and an attempt heartbeat period while they do."""
         if not self.epoch.changed(seen):
             return
-        self._quiet_until = time.monotonic() + LOST_QUIET_S
+        self._quiet_until = time.monotonic() + LOST_QUIET_S + self.settings.lease_s / 3.0
         log.error(
             "Redis lost its state (restarted without persistence, or flushed): the store "
             "epoch this node knew is gone (now %s, noticed by %s). Every request accepted "

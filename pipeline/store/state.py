@@ -516,6 +516,11 @@ class Store:
     finish = _sent(finish_call, finished)
     requeue = _sent(requeue_call, requeued)
 
+    def current(self, request_id: str, token: str) -> bool:
+        """Whether the attempt ``token`` is still its request's (the record holds its token;
+        False when the record is gone)."""
+        return bool(self.client.hget(self.keys.request(request_id), "token") == token)
+
     def note(self, request_id: str, token: str, journal: Journal) -> bool:
         """Send a running attempt's journaled events to its request's decision log now (one
         round trip; ``note.lua``, fenced by the token). False when fenced off."""

@@ -83,6 +83,7 @@ class ReleaseBell:
         self.on_abort: Callable[[list[str]], None] | None = None
         # what a LOST_NOTICE calls (Redis lost its state: the runtime checks its leases now)
         self.on_lost: Callable[[], None] | None = None
+        self.outages = 0  # subscriptions lost so far (Redis restarted, unreachable, ...)
         self.closed = False  # the node is shutting down: nobody parks any more
 
     def generation(self, queue: str) -> int:
@@ -314,6 +315,7 @@ class ReleaseBell:
                     self._heard(data.decode() if isinstance(data, bytes) else str(data))
             except Exception as exc:  # noqa: BLE001 - keep listening; waits are bounded
                 log.warning("release bell lost its subscription (%s); reconnecting", exc)
+                self.outages += 1
                 # what was published while away is lost: every waiter re-asks
                 self._wake_all()
                 self._stopping.wait(delay)
