@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from redis.connection import AbstractConnection
 
@@ -35,6 +36,7 @@ from ..store import (
     MergeArgs,
     QueueTick,
     QuotaSpec,
+    ScriptCall,
     Store,
     TokenSpec,
     epoch_seen,
@@ -58,6 +60,14 @@ CONTROL_TICK_S = 0.1  # an adaptive gate's window is asked to close this often (
 LOST_QUIET_S = 2 * MAX_IDLE_S
 
 Sender = Callable[[list[Dispatched]], None]
+
+
+def _sent_alone(call: ScriptCall) -> Any:
+    """``call`` sent now; its reply, or the error it raised in its place (as run_batch)."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - the caller reads it as run_batch's
+        return exc
 
 
 class Dispatcher:
@@ -215,7 +225,10 @@ class Dispatcher:
         """Register the node's slots, and check the store epoch in the same round trip."""
         pools = list(self.pools)
         beat = self.store.node_beat_call(self.node, self.slots, pools, NODE_TTL_S)
-        reply, seen = run_batch(self.store.client, [beat, self.epoch.call()])
+        if self.store.cluster and self.store.pool is None:  # another slot: a call of its own
+            reply, seen = run_batch(self.store.client, [beat])[0], _sent_alone(self.epoch.call())
+        else:
+            reply, seen = run_batch(self.store.client, [beat, self.epoch.call()])
         if isinstance(reply, Exception):
             raise reply
         if isinstance(seen, Exception):
