@@ -395,7 +395,16 @@ class Pipeline:
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 down = _outage(down, exc)
                 time.sleep(max(0.0, min(0.5, left)))
-        return Result.from_json(raw)
+        return Result.from_dict(store.with_body(json.loads(raw)))
+
+    def load_result(self, text: str | bytes) -> Result:
+        """A stored result's JSON (a result-list entry, the record's ``result``) as a
+        :class:`Result`, with its body: an answer longer than ``PIPELINE_BODY_INLINE_MAX`` is
+        stored once, in the key its ``payload_ref`` names, and read from there. Raises
+        UnknownRequest when that body has expired."""
+        data = json.loads(text)
+        store = self.where(str(data["id"])) if "payload_ref" in data else self.store
+        return Result.from_dict(store.with_body(data))
 
     def iter_results(
         self, ids: Iterable[str], poll_s: float = 0.05, on_poll: Callable[[], None] | None = None
@@ -438,7 +447,7 @@ class Pipeline:
                         res = next(filter(None, [next(replies) for _ in records]), None)
                         if res:
                             remaining.discard(rid)
-                            yield Result.from_json(res)
+                            yield self.load_result(res)
             if on_poll is not None:
                 on_poll()
             if remaining:
