@@ -30,7 +30,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     def on_term(signum: int, _frame: Any) -> None:  # SIGTERM stops the stack as Ctrl-C does
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
+    # Ctrl-C too, also when started from a shell that ignores it in background jobs
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_term)
     try:
         load_settings()  # a bad setting stops here, before anything starts
         env = dict(os.environ)
@@ -63,6 +65,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut it short
         services.close()
 
 
