@@ -15,6 +15,8 @@ from .merge import MergePolicy
 from .redis_url import is_cluster
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+# before every Redis key of the pipeline (PIPELINE_KEY_PREFIX): its one spelling
+DEFAULT_KEY_PREFIX = "pl:"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 INGEST_FORMATS = ("llm-d-async",)  # wire formats a queue may ingest besides submit()
@@ -224,7 +226,7 @@ class Settings:
 
     redis_url: str = DEFAULT_REDIS_URL
     broker_url: str = DEFAULT_REDIS_URL
-    key_prefix: str = "pl:"
+    key_prefix: str = DEFAULT_KEY_PREFIX
     queues: dict[str, QueueConfig] = field(default_factory=dict)
     pool_configs: dict[str, PoolConfig] = field(default_factory=dict)
     lease_s: float = 30.0

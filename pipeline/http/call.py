@@ -2,7 +2,8 @@
 is written in one ``sendall`` on a socket kept alive here; the response is parsed by llhttp
 (Node.js's HTTP parser, via ``httptools``).
 
-Hand-written: worker CPU/request (bench/overhead.py) httpx +46%, urllib3 +28%, h11 +8%: all >5%.
+Hand-written: every HTTP library measured cost more worker CPU per request than the 5 % bound
+``bench/overhead.py`` checks (figures: BENCHMARKS.md).
 
 What this module keeps:
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..config import QueueConfig
+from ..config import DEFAULT_KEY_PREFIX, QueueConfig
 
 #: The fixed ends of the key families whose variable part is not last (a queue's, a quota
 #: key's, a pool's, a batch's keys). A Lua script gets them as the constants ``TAIL_<NAME>``
@@ -39,7 +39,7 @@ class Keys:
     """Key builder bound to a prefix. A ``*_prefix`` method is a family's root: the family's
     key is the root, the variable part, and for some a :data:`TAILS` end."""
 
-    prefix: str = "pl:"
+    prefix: str = DEFAULT_KEY_PREFIX
     # before the reference's own key families in :attr:`families`: "" (verbatim), or on a
     # Redis Cluster the pool's tagged prefix (no reference producer writes there: no ingest)
     ref_prefix: str = ""
@@ -318,15 +318,15 @@ def slot_keys(prefix: str, tag: str) -> Keys:
     return Keys(tagged, ref_prefix=tagged)
 
 
-def celery_queue(pool: str, prefix: str = "pl:") -> str:
+def celery_queue(pool: str, prefix: str = DEFAULT_KEY_PREFIX) -> str:
     """The Celery queue carrying a worker pool's attempts: ``pipeline.<pool>`` for the default
     key prefix; with another prefix the queue is namespaced too (``pipeline.<ns>.<pool>``), so
     pipelines sharing one broker never take each other's messages."""
     return celery_queue_prefix(prefix) + pool
 
 
-def celery_queue_prefix(prefix: str = "pl:") -> str:
-    if prefix == "pl:":
+def celery_queue_prefix(prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    if prefix == DEFAULT_KEY_PREFIX:
         return "pipeline."
     return "pipeline." + "".join(c for c in prefix if c.isalnum() or c in "_-") + "."
 
