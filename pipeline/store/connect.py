@@ -11,6 +11,8 @@ instead of raising ``MaxConnectionsError`` (docs/internals.md, "Script calls")."
 
 from __future__ import annotations
 
+import errno
+import socket
 from typing import Any
 
 import redis
@@ -35,6 +37,12 @@ class Client(redis.Redis):
         super().close()
 
 
+# a connect's errors that mean no Redis is there: nothing listens, no route, no such host
+NOTHING_THERE = frozenset(
+    {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENOENT, errno.EADDRNOTAVAIL}
+)
+
+
 class _Typed:
     """Mixed into a pool's connection class: a connect that finds no Redis raises
     :class:`RedisUnavailable` (host and port, the socket's error, the fix) instead of
@@ -46,9 +54,15 @@ class _Typed:
         except (redis.AuthenticationError, RedisUnavailable):
             raise
         except redis.ConnectionError as exc:
+            cause = exc.__cause__
+            nothing_there = isinstance(cause, socket.gaierror) or (
+                isinstance(cause, OSError) and cause.errno in NOTHING_THERE
+            )
+            if not nothing_there:
+                raise  # a reset, a TLS handshake, a protocol error: redis-py's own words
             conn: Any = self
             where = getattr(conn, "path", "") or f"{conn.host}:{conn.port}"
-            reason = str(exc.__cause__ or exc).strip() or type(exc).__name__
+            reason = str(cause).strip() or type(cause).__name__
             raise RedisUnavailable(where, reason) from None  # the reason says it all
 
 
