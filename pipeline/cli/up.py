@@ -26,6 +26,7 @@ SERVE_START_S = 60  # how long the Batch API may take to listen on a loaded mach
 
 def cmd_up(args: argparse.Namespace) -> int:
     services = Services()
+    embedded = False
 
     def on_term(signum: int, _frame: Any) -> None:  # SIGTERM stops the stack as Ctrl-C does
         raise KeyboardInterrupt
@@ -36,7 +37,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         load_settings()  # a bad setting stops here, before anything starts
         env = dict(os.environ)
-        _redis(args, services, env)
+        embedded = _redis(args, services, env)
         if not env.get("PIPELINE_QUEUES") and not env.get("PIPELINE_ENDPOINT"):
             url = services.start_simulator(args.sim_latency_ms, args.sim_jitter_ms)
             env["PIPELINE_ENDPOINT"] = url
@@ -48,17 +49,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         say(f"Batch API: http://{args.host}:{args.port}/v1 (log: {args.serve_log})")
         say('ready: in another shell, `pipeline submit \'{"prompt": "hi"}\' --wait`; Ctrl-C stops')
         while True:  # until Ctrl-C, or until a part of the stack stops on its own
-            for name, proc, log in (("worker", node.proc, node.log_path), ("serve", serve, "")):
+            for name, proc, log in (
+                ("worker", node.proc, node.log_path),
+                ("Batch API", serve, args.serve_log),
+            ):
                 code = proc.poll()
                 if code is not None:
-                    where = f" (its log: {log or args.serve_log})"
-                    print(
-                        f"pipeline up: the {name} stopped (status {code}){where}", file=sys.stderr
-                    )
+                    print(f"pipeline up: the {name} stopped ({code}; log: {log})", file=sys.stderr)
                     return 1
             time.sleep(0.5)
     except KeyboardInterrupt:
-        say("stopping: the Batch API, the worker, then Redis")
+        say("stopping: the Batch API, the worker" + ", then the embedded Redis" * embedded)
         return 0
     except (NodeFailed, RuntimeError) as exc:
         print(f"pipeline up: {exc}", file=sys.stderr)
@@ -73,10 +74,11 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def _redis(args: argparse.Namespace, services: Services, env: dict[str, str]) -> None:
+def _redis(args: argparse.Namespace, services: Services, env: dict[str, str]) -> bool:
     """The Redis of the stack, named in ``env`` for its children: ``--embedded-redis`` (a
     free port), else the one named or at the default URL when it answers, else an embedded one
-    at the default URL's port when nothing listens there (exit 2 otherwise)."""
+    at the default URL's port when nothing listens there (exit 2 otherwise). True when it
+    started one."""
     named = env.get("PIPELINE_REDIS_URL")
     url = named or DEFAULT_REDIS_URL
     where = "PIPELINE_REDIS_URL" if named else "the default URL"
@@ -85,7 +87,7 @@ def _redis(args: argparse.Namespace, services: Services, env: dict[str, str]) ->
         problem = probe_redis(url, sentinel_master=settings.redis_sentinel_master)
         if problem is None:
             say(f"redis:     {redact_url(url)} ({where}; already running: it stays up)")
-            return
+            return False
         if named or not problem.refused:
             usage_error(
                 "up",
@@ -97,6 +99,7 @@ def _redis(args: argparse.Namespace, services: Services, env: dict[str, str]) ->
     env.update(PIPELINE_REDIS_URL=url, CELERY_BROKER_URL=url, CELERY_RESULT_BACKEND=url)
     hint = "" if port else f"; other shells: export PIPELINE_REDIS_URL={url}"
     say(f"redis:     {url} (embedded, not persistent: it stops with this command{hint})")
+    return True
 
 
 def _worker(args: argparse.Namespace, services: Services, env: dict[str, str]) -> Any:
