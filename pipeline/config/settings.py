@@ -29,7 +29,7 @@ _SECONDS = (
     "retry_max_delay_s",
     "result_ttl_seconds",
 )
-_COUNTS = ("result_list_max_len", "max_response_bytes")
+_COUNTS = ("result_list_max_len", "max_response_bytes", "max_attempts")
 _FLAGS = (
     "result_list",
     "fair_share",
@@ -73,6 +73,10 @@ class QueueConfig:
     request_timeout_s: float = 300.0
     retry_base_delay_s: float = 2.0
     retry_max_delay_s: float = 60.0
+    # HTTP attempts a request gets at most (retries included; an attempt that raised counts):
+    # the one that reaches it ends the request MAX_ATTEMPTS_EXCEEDED (a poison request),
+    # unless the server said it is busy (429, Retry-After, a gateway's drop: waited out)
+    max_attempts: int = 10
     weight: float = 1.0  # the queue's share of its pool's dispatches
     fair_share: bool = False  # its tenants take turns at each priority
     # send the request's priority in the body as the engine's ``priority`` (vLLM's field,
@@ -234,6 +238,8 @@ class Settings:
     reaper_period_s: float = 5.0
     result_ttl_s: float = 7 * 24 * 3600.0
     max_payload_bytes: int = 1024 * 1024
+    # an answer body longer than this is stored once, in a key of its own (0: always inline)
+    body_inline_max: int = 64 * 1024
     gate_wait_timeout_s: float = 300.0
     fairness_attribute: str = "userid"  # metadata key sent as the fairness identity
     fairness_header: str = "x-llm-d-inference-fairness-id"  # "" disables the stamp

@@ -59,6 +59,12 @@ class Keys:
         """List: rung when the request reaches its terminal result (a client waits)."""
         return self.notify_prefix() + request_id
 
+    def body(self, request_id: str, token: str) -> str:
+        """String: the body of an answer longer than ``PIPELINE_BODY_INLINE_MAX``, stored once,
+        by the attempt (``token``) that got it; its result names it in ``payload_ref`` and the
+        record in field ``body``. It expires with the result."""
+        return f"{self.prefix}body:{request_id}:{token}"
+
     # -- per queue -----------------------------------------------------------------------
     def queue_prefix(self) -> str:
         return f"{self.prefix}q:"
@@ -276,6 +282,12 @@ class Keys:
         the attempt closes its call); lib.lua ``publish_abort`` names it the same way. Apart
         from the release channel so that a node that never parks hears nothing else."""
         return f"{self.freed_channel()}:abort"
+
+    def epoch(self) -> str:
+        """Hash: the store epoch (``id``, ``since``; ``lost_at``, ``lost_by``, ``previous``
+        once a loss was noticed), written at first use; gone or changed: Redis lost its state
+        (lua/epoch.lua, docs/production.md "A wiped Redis")."""
+        return f"{self.prefix}epoch"
 
     def seq(self) -> str:
         """String counter: submission sequence, the last tie-breaker of the ordering key."""
