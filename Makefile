@@ -1,14 +1,20 @@
-# Two commands for a fresh clone with only Python 3.11: `make demo` and `make test`.
+# Commands for a fresh clone with only Python 3.11: `make demo`, `make up` and `make test`.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
+# two stamps: the package alone (demo, up), and the package with its test and otel extras
+PKG_STAMP := $(VENV)/.installed-package
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-unit system-deps test-rabbitmq test-cluster test-chaos-long lint typecheck format clean
+.PHONY: demo up test test-unit system-deps test-rabbitmq test-cluster test-chaos-long lint typecheck format clean
 
-$(STAMP): pyproject.toml
+$(PKG_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e .
+	touch $(PKG_STAMP)
+
+$(STAMP): $(PKG_STAMP)
 	$(BIN)/pip install --quiet -e ".[test,otel]"
 	touch $(STAMP)
 
@@ -16,8 +22,13 @@ venv: $(STAMP)
 
 ## demo: a sample batch (priorities, deadlines, injected 503/429 faults) through the pipeline;
 ## starts an embedded Redis, the simulator and a worker when none is running
-demo: $(STAMP)
+demo: $(PKG_STAMP)
 	$(BIN)/pipeline run examples/demo.jsonl -o results.jsonl
+
+## up: a local stack until Ctrl-C (a Redis, the simulator, a worker, the Batch API on :8080)
+## for the README's examples
+up: $(PKG_STAMP)
+	$(BIN)/pipeline up
 
 # The suite waits on worker nodes and the simulator far more than it computes: three pytest-xdist
 # processes, each a session of its own (own key prefix, Celery queues, simulator and nodes),
@@ -73,4 +84,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix pipeline tasks tests bench celeryconfig.py
 
 clean:
-	rm -rf $(VENV) results.jsonl pipeline-worker.log .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) results.jsonl pipeline-worker.log pipeline-serve.log .mypy_cache .ruff_cache .pytest_cache

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import redis
+
 
 class PipelineError(Exception):
     """Root of every error this package raises on purpose."""
@@ -68,6 +70,24 @@ class UnsafeRedis(ConfigError):
     """The pipeline's Redis is configured in a way that breaks its guarantees (a
     ``maxmemory-policy`` that evicts keys, a Redis Cluster node); the message names the
     setting and the fix."""
+
+
+# the one-line fix a "no Redis" message ends with (client, CLI, Batch API)
+REDIS_FIX = "start one (`pipeline up` runs a local stack with its own) or set PIPELINE_REDIS_URL"
+
+
+class RedisUnavailable(PipelineError, redis.ConnectionError):
+    """No Redis answers where the pipeline looks for it (nothing listens there, the host is
+    unreachable). A :class:`redis.ConnectionError` too, so code that retries those still does;
+    ``where`` is ``host:port`` (never a password), ``reason`` the socket's error."""
+
+    def __init__(self, where: str, reason: str = "unreachable") -> None:
+        super().__init__(f"no Redis answers at {where} ({reason}): {REDIS_FIX}")
+        self.where = where
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[RedisUnavailable], tuple[str, str]]:
+        return type(self), (self.where, self.reason)
 
 
 class StoreFull(PipelineError):

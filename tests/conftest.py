@@ -36,6 +36,7 @@ from pipeline.config import QueueConfig, load_settings
 from pipeline.sim import SimConfig, SimServer
 from pipeline.store import Keys, Store
 from pipeline.store.keys import celery_queue, celery_queue_prefix, sharded
+from tests.session_redis import session_redis_url
 
 # No per-example deadline for the property tests: what they check is not timing, and on a
 # loaded shared machine (or one talking to Redis) an example's time is noise; the suite's
@@ -43,7 +44,8 @@ from pipeline.store.keys import celery_queue, celery_queue_prefix, sharded
 hypothesis_settings.register_profile("suite", deadline=None)
 hypothesis_settings.load_profile("suite")
 
-REDIS_URL = os.environ.get("PIPELINE_TEST_REDIS_URL", "redis://127.0.0.1:6379/12")
+# PIPELINE_TEST_REDIS_URL, else a private redis-server for this run (tests/session_redis.py)
+REDIS_URL = session_redis_url()
 # PIPELINE_TEST_CLUSTER=1 (`make test-cluster`): the pipeline's state on a private Redis Cluster
 # (3 primaries, 1 replica each) for the whole session; the broker and Celery's result backend
 # stay on REDIS_URL, as Celery cannot use a cluster

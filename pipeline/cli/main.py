@@ -1,4 +1,5 @@
-"""The ``pipeline`` command: run, worker, submit, status, explain, reload, sim, flower."""
+"""The ``pipeline`` command: run, up, worker, submit, status, explain, cancel, serve, reload,
+sim, flower."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import redis
 
 from ..config import bool_env, load_settings
 from ..config.settings import DEFAULT_REDIS_URL
-from ..errors import PipelineError
+from ..errors import REDIS_FIX, PipelineError, RedisUnavailable
 from ..gates import check_gates
 from ..redact import redact_text, redact_url
 from .args import (
@@ -384,8 +385,16 @@ def _start_services(
     )
     if embedded:
         url = services.start_redis()
-        console.print(f"[dim]started an embedded redis-server ({url}): it stops with this command")
+        console.print(
+            f"[dim]redis: started an embedded redis-server ({url}): it stops with this command"
+        )
         env.update(PIPELINE_REDIS_URL=url, CELERY_BROKER_URL=url, CELERY_RESULT_BACKEND=url)
+    else:  # said first: the batch's keys go into this Redis (PIPELINE_KEY_PREFIX)
+        named = "PIPELINE_REDIS_URL" if env.get("PIPELINE_REDIS_URL") else "the default URL"
+        console.print(
+            f"[dim]redis: {redact_url(settings.redis_url)} ({named}, already running; keys "
+            f"{settings.key_prefix}*)"
+        )
     if not env.get("PIPELINE_QUEUES") and not env.get("PIPELINE_ENDPOINT"):
         url = services.start_simulator(args.sim_latency_ms, args.sim_jitter_ms)
         console.print(f"[dim]no endpoint configured: started the simulator ({url})")
@@ -423,18 +432,13 @@ def _check_worker_log(path: str) -> None:
         raise RunError(f"--worker-log {path}: no directory {parent}")
 
 
-# How long a worker node this command starts may take to register. A few seconds on a quiet
-# machine; much more on a loaded one. A node that exits meanwhile fails the run at once.
-NODE_START_S = 90
-
-
 def _start_worker(
     args: argparse.Namespace, services: Any, console: Any, env: dict[str, str], pipeline: Any
 ) -> None:
     """Start a worker node for the pools the file's lines use that no live node serves, and
     wait until it registers. NodeFailed, with the last lines of its log, when it exits first
     or does not register within :data:`NODE_START_S`."""
-    from .services import wait_until
+    from .services import NODE_START_S, wait_until
 
     needed = _pools_used(args.file, pipeline.settings, args.queue)
 
@@ -509,8 +513,15 @@ def _serve_log_level(text: str) -> str:
     return log_level(text).lower()  # uvicorn's names
 
 
+DESCRIPTION = (  # plain text: --help prints it as is
+    "An asynchronous LLM inference pipeline on Celery and Redis. Start a local stack with "
+    "`pipeline up`, then submit, watch and cancel requests; `pipeline COMMAND --help` for "
+    "a command's options."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="pipeline", description=__doc__)
+    parser = Parser(prog="pipeline", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="run a JSONL batch and write its results (resumable)")
@@ -552,6 +563,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-latency-ms", type=non_negative_float, default=150.0)
     p.add_argument("--sim-jitter-ms", type=non_negative_float, default=200.0)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser(
+        "up", help="a local stack until Ctrl-C: Redis, the simulator, a worker, the Batch API"
+    )
+    from . import up
+
+    up.add_arguments(p)
 
     p = sub.add_parser("worker", help="a Celery worker node with its dispatcher")
     p.add_argument("--pools", help="comma-separated worker pools (default: all configured)")
@@ -648,21 +666,34 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except RedisUnavailable as exc:  # nothing listens there: the line names the fix
+        print(
+            f"pipeline {args.command}: no Redis answers at {_redis_named()}: {exc.reason}: "
+            f"{REDIS_FIX}",
+            file=sys.stderr,
+        )
+        return 2
     except PipelineError as exc:
         print(f"pipeline: {_one_line(str(exc))}", file=sys.stderr)
         return 2
-    except redis.RedisError as exc:  # the Redis does not answer, refuses the login, ...
+    except redis.RedisError as exc:  # the Redis refuses the login, the TLS handshake, ...
         from .services import describe_error
 
-        url = os.environ.get("PIPELINE_REDIS_URL") or DEFAULT_REDIS_URL
         print(
-            f"pipeline {args.command}: the Redis at {redact_url(url)} (PIPELINE_REDIS_URL): "
-            f"{describe_error(exc)}",
+            f"pipeline {args.command}: the Redis at {_redis_named()}: {describe_error(exc)}",
             file=sys.stderr,
         )
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _redis_named() -> str:
+    """The Redis this process uses, redacted, and where it was named."""
+    url = os.environ.get("PIPELINE_REDIS_URL")
+    if url:
+        return f"{redact_url(url)} (PIPELINE_REDIS_URL)"
+    return f"{redact_url(DEFAULT_REDIS_URL)} (PIPELINE_REDIS_URL unset: the default)"
 
 
 def _one_line(text: str) -> str:

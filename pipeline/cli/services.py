@@ -116,6 +116,10 @@ class NodeFailed(Exception):
 
 LOG_TAIL_LINES = 20
 
+# How long a worker node a command starts may take to register. A few seconds on a quiet
+# machine; much more on a loaded one. A node that exits meanwhile fails the command at once.
+NODE_START_S = 90
+
 
 @dataclass
 class Node:
@@ -164,15 +168,22 @@ class Services:
         self.procs.append(proc)
         return proc
 
-    def start_redis(self) -> str:
-        """An embedded, non-persistent Redis on a free loopback port; returns its URL."""
-        port = free_port()
+    def start_redis(self, port: int = 0) -> str:
+        """An embedded, non-persistent Redis on a loopback port (``port``, else a free one);
+        returns its URL. RuntimeError when it exits before it answers (the port is taken)."""
+        port = port or free_port()
         argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1"]
         argv += ["--save", "", "--appendonly", "no", "--daemonize", "no"]
         # the default, said out loud: a worker refuses anything else
-        self._spawn([*argv, "--maxmemory-policy", "noeviction"])
+        proc = self._spawn([*argv, "--maxmemory-policy", "noeviction"])
         url = f"redis://127.0.0.1:{port}/0"
-        wait_until(lambda: redis_reachable(url, 0.2), 15, "embedded redis-server")
+
+        def answers() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the embedded redis-server on port {port} exited at start")
+            return redis_reachable(url, 0.2)
+
+        wait_until(answers, 15, "embedded redis-server")
         log.info("started an embedded redis-server at %s", redact_url(url))
         return url
 
@@ -191,15 +202,19 @@ class Services:
         argv = [sys.executable, "-P", "-m", "pipeline", "worker", *args]
         return Node(self._spawn(argv, env, log_path), log_path, offset)
 
+    def start_serve(self, env: dict[str, str], args: list[str], log_path: str) -> Any:
+        """``pipeline serve`` (the Batch API) as a child, off ``sys.path`` as a node is."""
+        argv = [sys.executable, "-P", "-m", "pipeline", "serve", *args]
+        return self._spawn(argv, env, log_path)
+
     def close(self, timeout: float = 15.0) -> None:
-        """Terminate every child, newest first (killed after ``timeout`` s), then the simulator."""
+        """Stop every child, newest first, each gone before the next is asked (killed after
+        ``timeout`` s): a worker node stops before the Redis it uses. Then the simulator."""
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
-        end = time.monotonic() + timeout
-        for proc in reversed(self.procs):
             try:
-                proc.wait(max(0.1, end - time.monotonic()))
+                proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from ..batch import Batches, FileElsewhere, Files, UnknownBatch, UnknownFile
 from ..client import CANCEL_RUNNING
-from ..errors import InvalidRequest, PipelineError, UnknownRequest
+from ..errors import InvalidRequest, PipelineError, RedisUnavailable, UnknownRequest
 from .auth import ApiKeys
 from .background import Background
 from .body import json_object
@@ -283,6 +283,9 @@ async def _error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, FileElsewhere):  # a misconfiguration: one line, the fix in its text
         log.error("%s %s: %s", request.method, request.url.path, exc)
         return ApiError(503, str(exc), type="server_error", code="file_store_mismatch").response()
+    if isinstance(exc, RedisUnavailable):  # so is a Redis gone: one line, no traceback
+        log.error("%s %s: %s", request.method, request.url.path, exc)
+        return ApiError(503, "the pipeline's Redis does not answer", type="server_error").response()
     error = _client_error(request, exc)
     if error is None:
         log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)

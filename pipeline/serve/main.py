@@ -41,6 +41,8 @@ def serve(host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") ->
             f"refusing to serve on {host} without API keys: set PIPELINE_API_KEYS to a file of "
             "'key tenant' lines, or bind to 127.0.0.1"
         )
+    # no Redis: one line naming the fix (RedisUnavailable), not a retry logged every second
+    pipeline.store.client.ping()
     hosts = AllowedHosts.from_env(os.environ)
     if keys is None and hosts is None:
         hosts = AllowedHosts()  # the loopback names on this port only

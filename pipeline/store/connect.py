@@ -11,6 +11,8 @@ instead of raising ``MaxConnectionsError`` (docs/internals.md, "Script calls")."
 
 from __future__ import annotations
 
+import errno
+import socket
 from typing import Any
 
 import redis
@@ -18,7 +20,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from ..config import MASTER_VAR, is_cluster, is_sentinel, parse_cluster_url, parse_sentinel_url
-from ..errors import ConfigError
+from ..errors import ConfigError, RedisUnavailable
 from .scripts import close_lanes, set_lanes
 
 CONNECT_TIMEOUT_S = 5.0
@@ -33,6 +35,48 @@ class Client(redis.Redis):
     def close(self) -> None:
         close_lanes(self)
         super().close()
+
+
+# a connect's errors that mean no Redis is there: nothing listens, no route, no such host
+NOTHING_THERE = frozenset(
+    {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENOENT, errno.EADDRNOTAVAIL}
+)
+
+
+class _Typed:
+    """Mixed into a pool's connection class: a connect that finds no Redis raises
+    :class:`RedisUnavailable` (host and port, the socket's error, the fix) instead of
+    redis-py's bare ``ConnectionError``. Only connecting pays for it, not a command."""
+
+    def connect(self) -> None:
+        try:
+            super().connect()  # type: ignore[misc]
+        except (redis.AuthenticationError, RedisUnavailable):
+            raise
+        except redis.ConnectionError as exc:
+            cause = exc.__cause__
+            nothing_there = isinstance(cause, socket.gaierror) or (
+                isinstance(cause, OSError) and cause.errno in NOTHING_THERE
+            )
+            if not nothing_there:
+                raise  # a reset, a TLS handshake, a protocol error: redis-py's own words
+            conn: Any = self
+            where = getattr(conn, "path", "") or f"{conn.host}:{conn.port}"
+            reason = str(cause).strip() or type(cause).__name__
+            raise RedisUnavailable(where, reason) from None  # the reason says it all
+
+
+_TYPED: dict[type, type] = {}
+
+
+def _typed(pool: redis.ConnectionPool) -> redis.ConnectionPool:
+    """``pool``, its connections (and its Lanes', made from the same class) typed."""
+    cls = pool.connection_class
+    typed = _TYPED.get(cls)
+    if typed is None:
+        typed = _TYPED[cls] = type(cls.__name__, (_Typed, cls), {})
+    pool.connection_class = typed
+    return pool
 
 
 class BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
@@ -77,6 +121,7 @@ def connect(
         pool = redis.BlockingConnectionPool.from_url(
             url, max_connections=CLIENT_POOL, timeout=POOL_WAIT_S, **options
         )
+        _typed(pool)
         return _with_lanes(Client.from_pool(pool), connections)
     target = parse_sentinel_url(url)
     if not sentinel_master:

@@ -90,7 +90,8 @@ def test_a_pipeline_redis_that_refuses_connections_stops_the_node(
     assert stopped.code == 3, stopped.log[-3000:]
     assert "ready." not in stopped.log
     [line] = stopped.problems()
-    assert "node start-up failed at starting the dispatcher: ConnectionError" in line, line
+    failed = "node start-up failed at starting the dispatcher: RedisUnavailable: no Redis answers"
+    assert failed in line and "`pipeline up`" in line, line  # the typed error, naming the fix
     assert PASSWORD not in stopped.log
 
 

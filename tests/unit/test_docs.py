@@ -57,7 +57,8 @@ def test_code_paths_exist(page: Path) -> None:
 def read_variables() -> set[str]:
     found: set[str] = set()
     sources = [*ROOT.joinpath("pipeline").rglob("*.py"), *ROOT.joinpath("tasks").rglob("*.py")]
-    for source in [*sources, ROOT / "celeryconfig.py", ROOT / "tests" / "conftest.py"]:
+    tests = [ROOT / "tests" / "conftest.py", ROOT / "tests" / "session_redis.py"]
+    for source in [*sources, ROOT / "celeryconfig.py", *tests]:
         found |= set(re.findall(r"[\"'](PIPELINE_[A-Z0-9_]+)[\"']", source.read_text()))
     return found - INTERNAL_VARIABLES
 

@@ -89,7 +89,18 @@ CASES = [
     # pipeline status / explain / cancel: settings and numbers
     Case("status-interval-zero", ["status", "--watch", "--interval", "0"], r"--interval: .*> 0"),
     Case("status-redis-down", ["status"],
-         r"the Redis at redis://\*\*\*@127\.0\.0\.1:\d+/0 \(PIPELINE_REDIS_URL\): .*refused",
+         r"no Redis answers at redis://\*\*\*@127\.0\.0\.1:\d+/0 \(PIPELINE_REDIS_URL\): "
+         r".*refused: start one \(`pipeline up`", {"PIPELINE_REDIS_URL": refused_url()}),
+    Case("submit-redis-down", ["submit", '{"prompt": "hi"}'],
+         r"no Redis answers at .*\(PIPELINE_REDIS_URL\): .*refused.*`pipeline up`",
+         {"PIPELINE_REDIS_URL": refused_url()}),
+    Case("explain-redis-down", ["explain", "x"], r"no Redis answers at .*`pipeline up`",
+         {"PIPELINE_REDIS_URL": refused_url()}),
+    Case("serve-redis-down", ["serve", "--port", "18090"],
+         r"pipeline serve: no Redis answers at .*refused.*`pipeline up`",
+         {"PIPELINE_REDIS_URL": refused_url()}),
+    Case("up-named-redis-down", ["up", "--port", "18091"],
+         r"pipeline up: no Redis to use at redis://\*\*\*@.*\(PIPELINE_REDIS_URL\): .*refused",
          {"PIPELINE_REDIS_URL": refused_url()}),
     Case("status-redis-down-query-password", ["status", "--json"],
          r"redis://127\.0\.0\.1:\d+/0\?password=\*\*\* \(PIPELINE_REDIS_URL\)",
@@ -177,7 +188,7 @@ def test_there_are_enough_cases() -> None:
     assert len(CASES) >= 22
     assert {c.args[0] for c in CASES} >= {
         "run", "status", "explain", "cancel", "serve", "flower", "worker", "sim", "submit",
-        "reload",
+        "reload", "up",
     }  # fmt: skip
 
 

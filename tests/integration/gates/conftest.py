@@ -1,14 +1,13 @@
 """Fixtures for the gate tests: a real Redis (never a fake), one key prefix per test.
 
-The suite fails (it does not skip) when Redis is not reachable at ``REDIS_URL`` (default
-``redis://127.0.0.1:6379/0``). After each test no gate key under the test's prefix may still
-hold a slot (a holders sorted set or an info hash that is not empty); then every key under
-the prefix is deleted.
+The suite fails (it does not skip) when Redis is not reachable at ``REDIS_URL`` (the test
+run's: ``PIPELINE_TEST_REDIS_URL``, else its private server, tests/session_redis.py). After
+each test no gate key under the test's prefix may still hold a slot (a holders sorted set or
+an info hash that is not empty); then every key under the prefix is deleted.
 """
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,8 +18,9 @@ import redis
 
 from pipeline.gates import AcquireContext, Gate, GateEnv, build_gate
 from pipeline.store.keys import Keys
+from tests.session_redis import session_redis_url
 
-REDIS_URL = os.environ.get("PIPELINE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = session_redis_url()
 LEASE_S = 30.0
 
 
