@@ -470,11 +470,7 @@ class Engine:
                     self.counters.aborted += 1
                     self._events.append(Event("abort", seq, at))
                     continue
-                cached, new = 0, blocks
-                if seq.block_hashes:
-                    self._trim_cache(self._blocks + need)
-                    cached = min(self._cached_blocks(seq) * bs, tokens - 1)
-                    new = blocks - len(seq.block_hashes) + self._uncached(seq)
+                cached, new = self._lookup(seq, tokens, blocks, need)
                 if self._blocks + need + new > self._num_blocks:
                     break
                 if tokens - cached > budget and admitted:
@@ -558,6 +554,16 @@ class Engine:
         lru, room = self._lru, max(0, self._num_blocks - used)
         while len(lru) > room:
             lru.popitem(last=False)
+
+    def _lookup(self, seq: Sequence, tokens: int, blocks: int, need: int) -> tuple[int, int]:
+        """What admitting ``seq`` (``tokens`` to compute, ``blocks`` held) finds in the cache
+        and what it takes: (tokens cached, at least one left to compute; blocks to allocate:
+        its own, plus its prompt blocks no running sequence holds)."""
+        if not seq.block_hashes:
+            return 0, blocks
+        self._trim_cache(self._blocks + need)
+        cached = min(self._cached_blocks(seq) * self._bs, tokens - 1)
+        return cached, blocks - len(seq.block_hashes) + self._uncached(seq)
 
     def _cached_blocks(self, seq: Sequence) -> int:
         """``seq``'s leading prompt blocks found in the cache (in use or free)."""
