@@ -36,6 +36,7 @@ from ..store import QuotaSpec, RequestRow, Store
 from ..store.wire import PAYLOAD_JSON
 from .explain import Explanation, build
 from .models import Result
+from .prefix import prefix_key
 
 FULL_RESCAN_S = 30.0  # iter_results re-reads every waiting id this often (recent keeps 300 s)
 MAX_DEADLINE_AHEAD_S = 10 * 365 * 24 * 3600.0
@@ -240,6 +241,7 @@ class Pipeline:
             result_list_max=result_list_max,
             result_list_ttl=result_list_ttl,
             labels=json.dumps(q.labels),
+            prefix=prefix_key(payload, q),
         )
 
     # -- submit --------------------------------------------------------------------------
