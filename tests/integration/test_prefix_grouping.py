@@ -7,6 +7,7 @@ pending set's. Ticks are driven by hand (no workers): each dispatch is a tick's 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -15,6 +16,8 @@ from hypothesis import strategies as st
 from pipeline.client.explain import describe_entry
 from pipeline.client.prefix import MIN_CHARS, PREFIX_CHARS, prefix_key
 from pipeline.config import QueueConfig
+from pipeline.sim import SimServer
+from tests.observability import isolated, start_node
 
 from .sched_harness import Bench, bench
 
@@ -162,3 +165,36 @@ def test_the_prefix_key() -> None:
     assert prefix_key({"doc": "d1", "prompt": "x"}, named) == prefix_key({"doc": "d1"}, named)
     assert prefix_key({"doc": "d1"}, named) != prefix_key({"doc": "d2"}, named)
     assert prefix_key(system, QueueConfig("q", "http://x", group_prefixes=False)) == ""
+
+
+def test_engine_hints_send_the_time_left_and_the_prefix_key(
+    env: dict[str, str], tmp_path: Path, sim: SimServer, start_worker: Any
+) -> None:
+    """A queue with ``engine_hints`` sends the time left to the deadline (ms) and the prefix
+    key as headers; one without sends neither; the request's own header of that name is
+    replaced, not doubled."""
+    base = {"igw_base_url": sim.url, "request_path_url": "/v1/chat/completions"}
+    iso = isolated(env, tmp_path, [{"queue_name": "hints", "engine_hints": True, **base},
+                                   {"queue_name": "plain", **base}])  # fmt: skip
+    node = start_node(start_worker, iso, concurrency=2)[0]
+    body = chat("A", 1)
+    tag = f"hints-{iso.queue('hints')}"
+    try:
+        hinted = iso.pl.submit(
+            body,
+            queue=iso.queue("hints"),
+            timeout=60,
+            headers={"X-Prefix-Key": "mine", "x-sim-record-headers": tag},
+        )
+        plain = iso.pl.submit(body, queue=iso.queue("plain"), timeout=60,
+                              headers={"x-sim-record-headers": tag})  # fmt: skip
+        assert iso.pl.wait(hinted.id, 30).ok and iso.pl.wait(plain.id, 30).ok
+    finally:
+        node.stop()
+    calls = {dict(h)["x-request-id"]: h for h in sim.received_headers(tag)}
+    hint = calls[hinted.id]
+    assert [v for k, v in hint if k == "x-prefix-key"] == [prefix_key(body, QueueConfig("q", "x"))]
+    (left,) = [int(v) for k, v in hint if k == "x-slo-ttft-ms"]
+    assert 0 < left <= 60_000
+    names = {k for k, _ in calls[plain.id]}
+    assert "x-prefix-key" not in names and "x-slo-ttft-ms" not in names
