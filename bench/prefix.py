@@ -97,7 +97,7 @@ def run(
 ) -> Run:
     r = Run(label, len(bodies))
     name = f"prefix{time.monotonic_ns() % 10**8}"
-    gate = {"gate_type": "adaptive-concurrency",
+    gate: dict[str, Any] = {"gate_type": "adaptive-concurrency",
             "gate_params": {"metrics_url": sim.url + "/metrics"}}  # fmt: skip
     entry = queue_entry(name, sim.url, request_path_url="/v1/chat/completions",
                         request_timeout_s=600, **gate, **queue)  # fmt: skip
@@ -160,6 +160,7 @@ def main() -> int:
     with bench_session(args.redis_url) as (rh, workdir):
         sim = Sim(record_arrivals=True, extra=extra)
         try:
+
             def go(label: str, tag: str, shared: bool, queue: dict[str, Any],
                    deadlines: list[float] | None = None) -> Run:  # fmt: skip
                 bodies = lines(tag, n, args.prompts, args.words, shared)
