@@ -98,10 +98,10 @@ class Keys:
         return queue.result_queue_name or self.default_result_list(queue.queue_name)
 
     # -- per queue, prefix grouping (lua/dispatch.lua, docs/scheduling.md) -----------------
-    def prefix_queue(self, queue: str, prefix: str) -> str:
+    def prefix_queue(self, queue: str, prefix_key: str) -> str:
         """Sorted set: the waiting requests of one prompt prefix (as in ``pending``; an entry
         of a request that left the queue unsent is dropped when the dispatcher meets it)."""
-        return self.queue_prefix() + queue + TAILS["prefix"] + prefix
+        return self.queue_prefix() + queue + TAILS["prefix"] + prefix_key
 
     def group(self, queue: str) -> str:
         """String: the prefix key of the queue's last dispatched request."""
