@@ -5,10 +5,11 @@
 -- ARGV[1] the items: a JSON array with one array of 16 strings per item, a RequestRow
 --   (pipeline/store/rows.py) in its order: id, queue, pool, priority, deadline, timeout,
 --   payload, metadata, headers, endpoint, result_list, result_list_max, result_list_ttl,
---   labels, custom_id, prefix (its prompt prefix's key, '' for none: then the request is
---   also in its queue's prefix queue, and its record's field 'pfx' says the key). The deadline is Unix s by the server's clock, or '' (then the timeout
---   counts from now); result_list '' for none (see lib.lua); custom_id '' outside a batch.
---   (One argument instead of 15 per item: the client encodes it in one call.)
+--   labels, custom_id, prefix. The prefix is the prompt prefix's key ('' for none); with one,
+--   the request is also in its queue's prefix queue, and its record's field 'pfx' says it.
+--   The deadline is Unix s by the server's clock, or '' (then the timeout counts from now);
+--   result_list '' for none (see lib.lua); custom_id '' outside a batch.
+--   (One argument instead of 16 per item: the client encodes it in one call.)
 -- The ordering key (score) is (9 - priority) x 1e13 + the deadline in ms: higher priority
 -- first, then earliest deadline; the member's sequence number breaks ties (submission order).
 -- With ARGV[2] a batch id, the items are that batch's lines (pipeline/batch/): each item's
