@@ -60,11 +60,15 @@ WORDS = [
 ]
 
 
-def start_server(binary: str, model: str, parallel: int, ctx: int, workdir: Path) -> Any:
+def start_server(
+    binary: str, model: str, parallel: int, ctx: int, cache_ram: int | None, workdir: Path
+) -> Any:
     port = free_port()
     argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np",
             str(parallel), "-c", str(ctx * parallel), "-t", "2", "--jinja",
             "--no-webui"]  # fmt: skip
+    if cache_ram is not None:
+        argv += ["--cache-ram", str(cache_ram)]
     log_path = workdir / "llama-server-prefix.log"
     proc = subprocess.Popen(argv, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -84,7 +88,7 @@ def start_server(binary: str, model: str, parallel: int, ctx: int, workdir: Path
 def bodies(tag: str, n: int, prompts: int, words: int) -> list[dict[str, Any]]:
     systems = [
         f"{tag} prompt {k}: "
-        + " ".join(WORDS[(k * 7 + j * 3 + j // 26) % 26] for j in range(words))
+        + " ".join(WORDS[(k * 7 + j * 3 + j // len(WORDS)) % len(WORDS)] for j in range(words))
         for k in range(prompts)
     ]
     return [
@@ -128,12 +132,17 @@ def main() -> int:
     ap.add_argument("--lines", type=int, default=120)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--words", type=int, default=500, help="words of a system prompt")
+    ap.add_argument("--cache-ram", type=int, default=0,
+                    help="llama-server's --cache-ram MiB: 0 (default here) leaves each slot "
+                    "its own last prompt; -1: the server's default, a prompt cache in RAM "
+                    "(8 GiB) that slots restore from")  # fmt: skip
     ap.add_argument("--redis-url")
     args = ap.parse_args()
     rows = []
     with bench_session(args.redis_url) as (rh, workdir):
+        ram = None if args.cache_ram < 0 else args.cache_ram
         proc, url = start_server(args.llama_server, args.model, args.parallel,
-                                 2 * args.words + 256, workdir)  # fmt: skip
+                                 4 * args.words + 256, ram, workdir)  # fmt: skip
         try:
             plain = run(rh, workdir, url, "submission order",
                         bodies("o", args.lines, args.prompts, args.words), args.parallel,
@@ -151,9 +160,11 @@ def main() -> int:
             stop_proc(proc, 10)
     for label, (rate, cached, bad) in (("submission order", plain), ("grouped", grouped)):
         rows.append([label, args.lines, rate, rate / plain[0], cached, bad])
-    print(f"\nllama-server ({Path(args.model).name}, {args.parallel} slots): {args.lines} "
-          f"chat lines over {args.prompts} system prompts of {args.words} words, "
-          "interleaved")  # fmt: skip
+    print(
+        f"\nllama-server ({Path(args.model).name}, {args.parallel} slots): {args.lines} "
+        f"chat lines over {args.prompts} system prompts of {args.words} words, "
+        f"interleaved; --cache-ram {args.cache_ram if args.cache_ram >= 0 else 'default'}"
+    )
     print(table(["run", "lines", "lines/s", "of submission order", "cache_n", "not ok"], rows))
     ratio = grouped[0] / plain[0]
     print(f"grouped >= {TARGET} x submission order: {ratio:.2f}  {verdict(ratio >= TARGET)}")
