@@ -9,7 +9,7 @@ pipeline's Redis.
 
 import os
 
-from pipeline.config import bool_env, celery_transport_options, celery_url, is_cluster
+from pipeline.config import bool_env, celery_transport_options, celery_url, is_cluster, key_prefix
 from pipeline.store.keys import celery_queue
 
 # a ?password= (which redis-py reads) goes into the userinfo for kombu, whose parser raises on it
@@ -36,20 +36,21 @@ task_reject_on_worker_lost = False  # a lost attempt is requeued by the pipeline
 worker_cancel_long_running_tasks_on_connection_loss = False
 worker_prefetch_multiplier = 1
 task_track_started = False  # STARTED reaches Flower as an event; no extra backend write
-# Task events (for Flower) cost a broker publish each and ~15 % of a node's throughput. Off
-# by default, as in Celery: `pipeline flower` (and Flower's periodic enable_events) turns them
-# on while someone watches. PIPELINE_TASK_EVENTS=1 (or `pipeline worker -E`) sends them always.
+# Task events (for Flower) cost a broker publish each, a share of a node's throughput
+# (BENCHMARKS.md). Off by default, as in Celery: `pipeline flower` (and Flower's periodic
+# enable_events) turns them on while someone watches. PIPELINE_TASK_EVENTS=1 (or `pipeline
+# worker -E`) sends them always.
 _events = bool_env(os.environ, "PIPELINE_TASK_EVENTS", False)
 worker_send_task_events = _events
 task_send_sent_event = False  # the dispatcher sends only what runs next: "received" is enough
 result_expires = 24 * 3600
 # One result backend (and its bounded connection pool: tasks/backend.py) per node, not one per
-# thread as Celery's default: a node at -c 4096 built 4,096 backends, each with a pool of its
-# own, ~19 % of the GIL while its slots filled (py-spy)
+# thread as Celery's default: one per thread means thousands of backends and pools at a large
+# -c, built while the slots fill (figures: BENCHMARKS.md)
 result_backend_thread_safe = True
 result_extended = False
 
-task_default_queue = celery_queue("default", os.environ.get("PIPELINE_KEY_PREFIX") or "pl:")
+task_default_queue = celery_queue("default", key_prefix())
 # Longer than the longest attempt (request_timeout_s, 300 s by default) plus the time a
 # message can wait for a slot; attempts are fenced by token, so a redelivery never runs twice.
 # A sentinel:// list (Celery's syntax: sentinel://h1:26379;sentinel://h2:26379/0) names the

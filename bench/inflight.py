@@ -277,7 +277,15 @@ def main() -> int:
         help="extra uniform latency, 0..this; the ceiling takes the mean (2-5 s: "
         "--latency-ms 2000 --jitter-ms 3000)",
     )
+    ap.add_argument(
+        "--node-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for the nodes (repeatable), e.g. PIPELINE_LOOKAHEAD=32",
+    )
     args = ap.parse_args()
+    node_env = dict(kv.split("=", 1) for kv in args.node_env)
     chosen = args.only or [64, 256, 1024]
     if 64 not in chosen and any(s in chosen for s in (1024,)):
         log("no -c 64 scenario: the CPU ratio is not computed")
@@ -288,7 +296,13 @@ def main() -> int:
             latency_ms = args.latency_ms or latency_ms
             outcomes.append(
                 scenario(
-                    rh, workdir, slots, latency_ms, args.requests or n, jitter_ms=args.jitter_ms
+                    rh,
+                    workdir,
+                    slots,
+                    latency_ms,
+                    args.requests or n,
+                    jitter_ms=args.jitter_ms,
+                    extra_env=node_env,
                 )
             )
     base = next((o for o in outcomes if o.slots == 64), None)

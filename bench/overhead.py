@@ -202,6 +202,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each (alternating)")
     ap.add_argument("-P", "--pool", default="threads", choices=["threads", "prefork"])
     ap.add_argument("-c", "--concurrency", type=int, default=SLOTS, help="slots per worker node")
+    ap.add_argument(
+        "--loglevel",
+        default="INFO",
+        help="the pipeline nodes' log level (default INFO, `pipeline worker`'s own; plain Celery "
+        "runs at WARNING, `celery worker`'s own)",
+    )
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     with bench_session(args.redis_url) as (rh, workdir):
@@ -221,7 +227,9 @@ def main() -> int:
             }
             pids: dict[str, dict[str, int]] = {}
             for kind, penv in envs.items():
-                node = Node(penv, concurrency=args.concurrency, pool_impl=args.pool)
+                node = Node(
+                    penv, concurrency=args.concurrency, pool_impl=args.pool, loglevel=args.loglevel
+                )
                 nodes.append(node)
                 pipeline_run(penv, sim, 200, f"pwarm{len(nodes)}")
                 pids[kind] = {"worker": node.proc.pid}
@@ -256,7 +264,7 @@ def main() -> int:
     ratio = ours_rate / plain_rate
     print(
         f"\nOverhead: 0 ms simulator, {args.n} requests per round, {args.rounds} rounds each, "
-        f"-P {args.pool} -c {args.concurrency}"
+        f"-P {args.pool} -c {args.concurrency}, pipeline nodes at {args.loglevel}"
     )
     print(
         table(

@@ -18,6 +18,8 @@ from .errors import (
     InvalidRequest,
     PipelineError,
     ReplicationError,
+    StateLost,
+    StoreFull,
     UnknownRequest,
     UnsafeRedis,
 )
@@ -78,6 +80,12 @@ def explain(id: str) -> Explanation:
     """Where a request is and why (see :meth:`Request.explain`); raises
     :class:`UnknownRequest`."""
     return default_pipeline().explain(id)
+
+
+def load_result(text: str | bytes) -> Result:
+    """A stored result's JSON (a result-list entry) as a :class:`Result`, its body read back
+    when it was stored apart (``payload_ref``: :meth:`Pipeline.load_result`)."""
+    return default_pipeline().load_result(text)
 
 
 def _batches() -> Batches:
@@ -145,6 +153,8 @@ __all__ = [
     "Result",
     "ReplicationError",
     "Settings",
+    "StateLost",
+    "StoreFull",
     "UnknownBatch",
     "UnknownRequest",
     "UnsafeRedis",
@@ -155,6 +165,7 @@ __all__ = [
     "get_batch",
     "inspect",
     "list_batches",
+    "load_result",
     "load_settings",
     "submit",
     "submit_batch",

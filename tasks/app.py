@@ -3,17 +3,14 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from celery import Celery
 
+from pipeline.config import key_prefix
 from pipeline.store import keys
 
-from . import compat
 from .backend import PipelineRedisBackend, PipelineSentinelBackend
-
-compat.install()
 
 
 class PipelineCelery(Celery):
@@ -37,16 +34,12 @@ app = PipelineCelery("pipeline")
 app.config_from_object("tasks.config:settings")
 
 
-def _prefix() -> str:
-    return os.environ.get("PIPELINE_KEY_PREFIX") or "pl:"
-
-
 def celery_queue(pool: str) -> str:
     """The Celery queue that carries a worker pool's attempts (see ``pipeline.keys``)."""
-    return keys.celery_queue(pool, _prefix())
+    return keys.celery_queue(pool, key_prefix())
 
 
 def pool_of(celery_queue_name: str) -> str | None:
     """The worker pool a Celery queue of this pipeline carries, or None."""
-    start = keys.celery_queue_prefix(_prefix())
+    start = keys.celery_queue_prefix(key_prefix())
     return celery_queue_name[len(start) :] if celery_queue_name.startswith(start) else None

@@ -1,19 +1,19 @@
 """Every patch of another library's internals, in one place: three, all to kombu's Redis
 transport (celery 5.7.x and kombu 5.7.x, pinned in pyproject.toml;
 tests/integration/test_compat.py and, for the no-ack acks, tests/integration/test_wire.py check
-each on the pinned versions). Gains: same-run A/B on
-``bench/overhead.py`` (0 ms simulator, one node, ``-P threads -c 64``), the patch off against
-all on, median of 6 alternating rounds.
+each on the pinned versions). Installed by a worker node as it starts (``tasks/node.py``, at
+``worker_init``), never on import; :func:`install` first checks kombu against the pinned range.
+What each gained on ``bench/overhead.py`` when it went in is in BENCHMARKS.md ("What each
+mechanism measured when it went in").
 
-==============  ======================================  =====================  ================
-patch           replaces (in ``kombu.transport``)       gain (overhead.py)     upstream
-==============  ======================================  =====================  ================
-closed channel  ``redis.Channel._create_client``        correctness            celery/kombu#582
-no-ack acks     ``virtual.Channel.basic_consume``       +18 % req/s,           none found
-                                                        -18 % worker CPU/req
-BRPOP batch     ``redis.Channel._brpop_start``,         +40 % req/s,           none (no batch
-                ``._brpop_read``, ``._poll_error``      -35 % worker CPU/req   consume)
-==============  ======================================  =====================  ================
+==============  ======================================  ========================  ================
+patch           replaces (in ``kombu.transport``)       why                       upstream
+==============  ======================================  ========================  ================
+closed channel  ``redis.Channel._create_client``        correctness               celery/kombu#582
+no-ack acks     ``virtual.Channel.basic_consume``       a round trip per message  none found
+BRPOP batch     ``redis.Channel._brpop_start``,         a round trip per message  none (no batch
+                ``._brpop_read``, ``._poll_error``                                consume)
+==============  ======================================  ========================  ================
 
 - closed channel: a worker that acks (``PIPELINE_BROKER_ACKS=1``) stopped with "Unrecoverable
   error: AttributeError" when Redis restarted (tests/chaos/test_redis_restart.py): once Celery
@@ -37,15 +37,22 @@ Not patches, but private names the code relies on (check them on an upgrade):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection
+from importlib import metadata
 from queue import Empty
 from typing import Any
 
+import kombu
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from redis.exceptions import ConnectionError as RedisConnectionError
+
+log = logging.getLogger("pipeline.node")
 
 _create_client = kombu_redis.Channel._create_client
 
@@ -169,9 +176,68 @@ def _batched_poll_error(self: Any, type: str, **options: Any) -> Any:  # noqa: A
             self.client.connection.disconnect()
 
 
+DISTRIBUTION = "celery-llm-pipeline"  # whose requirements (pyproject.toml) pin kombu
+
+
+class UnsupportedKombu(RuntimeError):
+    """The installed kombu is outside the range pyproject.toml pins: the patches here were
+    written and checked against that range only."""
+
+
+def pinned_kombu() -> str | None:
+    """The kombu range the installed pipeline requires (pyproject.toml's ``kombu>=…,<…``), or
+    None when the pipeline runs uninstalled (no distribution metadata)."""
+    try:
+        requires = metadata.requires(DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        return None
+    for line in requires:
+        req = Requirement(line)
+        if req.name == "kombu" and req.marker is None:
+            return str(req.specifier)
+    return None
+
+
+def check_kombu(version: str | None = None, pinned: str | None = None) -> None:
+    """:class:`UnsupportedKombu` unless kombu's ``version`` (default: the installed one) is in
+    the ``pinned`` range (default: :func:`pinned_kombu`)."""
+    version = version or kombu.__version__
+    pinned = pinned if pinned is not None else pinned_kombu()
+    if pinned is None:
+        log.warning(
+            "kombu %s: no pinned range to check it against (the pipeline is not installed); "
+            "tasks/compat.py patches it as for the pinned one",
+            version,
+        )
+        return
+    if not SpecifierSet(pinned).contains(version, prereleases=True):
+        raise UnsupportedKombu(
+            f"kombu {version} is installed, but tasks/compat.py patches kombu's Redis transport "
+            f"as of the pinned range kombu{pinned} (pyproject.toml): install a kombu in that "
+            "range, or check each patch in tasks/compat.py against this kombu (and "
+            "tests/integration/test_compat.py) before moving the pin"
+        )
+
+
+_installed = False
+
+
+def installed() -> bool:
+    """Whether :func:`install` ran in this process (a worker node)."""
+    return _installed
+
+
 def install() -> None:
+    """Patch kombu, once per process, after :func:`check_kombu`. Only a worker node calls it
+    (``tasks/node.py``, at ``worker_init``): a client, ``pipeline serve`` or Flower never
+    patches kombu."""
+    global _installed
+    if _installed:
+        return
+    check_kombu()
     kombu_redis.Channel._create_client = _guarded_create_client  # type: ignore[method-assign]
     virtual.Channel.basic_consume = _no_ack_basic_consume  # type: ignore[method-assign]
     kombu_redis.Channel._brpop_start = _batched_brpop_start  # type: ignore[method-assign]
     kombu_redis.Channel._brpop_read = _batched_brpop_read  # type: ignore[method-assign]
     kombu_redis.Channel._poll_error = _batched_poll_error  # type: ignore[method-assign]
+    _installed = True

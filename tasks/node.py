@@ -23,6 +23,7 @@ from celery.signals import (
     celeryd_init,
     task_postrun,
     task_revoked,
+    worker_init,
     worker_process_init,
     worker_ready,
     worker_shutdown,
@@ -180,8 +181,8 @@ _ready_to_start: list[tuple[Any, list[Dispatcher], Reloader]] = []
 def freeze_startup_heap(collect: bool = True) -> None:
     """Move what the node allocated while starting (Celery, kombu, the app, its settings) into
     the collector's permanent generation, so a full collection walks only what came later.
-    Unfrozen, a full collection of a started worker's heap held the GIL for ~50 ms in the middle
-    of a run and stalled every slot's hand-off behind it."""
+    Unfrozen, a full collection of a started worker's heap holds the GIL in the middle of a run
+    long enough to stall every slot's hand-off behind it (figures: BENCHMARKS.md)."""
     if collect:
         gc.collect()
     gc.freeze()
@@ -225,6 +226,16 @@ def _on_ready(**_: Any) -> None:
             worker.concurrency,
         )
     freeze_startup_heap()
+
+
+@worker_init.connect
+def _on_worker_init(**_: Any) -> None:
+    """A worker node is being built (``celery worker``, ``pipeline worker``, an embedded test
+    node), before it connects to the broker or forks its pool: patch kombu here, never on
+    ``import tasks`` (a client, ``pipeline serve`` or Flower imports it too). A kombu outside
+    the pinned range stops the node, naming tasks/compat.py."""
+    with startup_step("the kombu patches (tasks/compat.py)"):
+        compat.install()
 
 
 @celeryd_init.connect
@@ -344,8 +355,8 @@ def _on_revoked(
 
 # Celery's "Task … received" line, one per attempt: it says nothing the attempt's outcome line
 # does not (that names the id too, with status, attempts and latency), and on a busy node its
-# formatting and writing took ~2 % of the time a thread holds the GIL (py-spy --gil, 8 tenants
-# at 150 req/s), time every slot hand-over waits behind. It shows at DEBUG.
+# formatting and writing hold the GIL, time every slot hand-over waits behind (figures:
+# BENCHMARKS.md). It shows at DEBUG.
 RECEIVED_LOGGER = "celery.worker.strategy"
 
 

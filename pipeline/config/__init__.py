@@ -1,7 +1,7 @@
 """Configuration as plain data, read by :func:`load_settings`. Imports nothing of the pipeline
 but ``errors`` and ``redact``."""
 
-from .load import bool_env, load_settings, parse_pools, parse_queues
+from .load import bool_env, key_prefix, load_settings, parse_pools, parse_queues
 from .merge import MergePolicy, parse_merge_policy
 from .overrides import with_overrides
 from .redis_url import (
@@ -15,9 +15,10 @@ from .redis_url import (
     parse_sentinel_url,
 )
 from .reload import ConfigChange, diff_config, from_snapshot, reload_queue_files, to_snapshot
-from .settings import PoolConfig, QueueConfig, Settings, redirect_origins
+from .settings import DEFAULT_KEY_PREFIX, PoolConfig, QueueConfig, Settings, redirect_origins
 
 __all__ = [
+    "DEFAULT_KEY_PREFIX",
     "MASTER_VAR",
     "ConfigChange",
     "MergePolicy",
@@ -32,6 +33,7 @@ __all__ = [
     "from_snapshot",
     "is_cluster",
     "is_sentinel",
+    "key_prefix",
     "load_settings",
     "parse_cluster_url",
     "parse_merge_policy",

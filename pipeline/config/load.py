@@ -12,7 +12,14 @@ from typing import Any
 from ..errors import ConfigError
 from .merge import HEADER_NAME, MergePolicy, parse_merge_policy
 from .redis_url import MASTER_VAR, check_redis_url, check_sentinel, is_cluster
-from .settings import DEFAULT_ENDPOINT, DEFAULT_REDIS_URL, PoolConfig, QueueConfig, Settings
+from .settings import (
+    DEFAULT_ENDPOINT,
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_REDIS_URL,
+    PoolConfig,
+    QueueConfig,
+    Settings,
+)
 
 
 def parse_queues(data: Any, source: str) -> dict[str, QueueConfig]:
@@ -106,6 +113,13 @@ def float_env(
     return value
 
 
+def key_prefix(env: Mapping[str, str] | None = None) -> str:
+    """``PIPELINE_KEY_PREFIX`` (default ``pl:``): read here only, for the settings, the Celery
+    queue names (celeryconfig.py, tasks/app.py) and the key builders."""
+    env = os.environ if env is None else env
+    return env.get("PIPELINE_KEY_PREFIX") or DEFAULT_KEY_PREFIX
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Settings from environment variables (``PIPELINE_*``, ``CELERY_BROKER_URL``)."""
     env = dict(os.environ if env is None else env)
@@ -140,7 +154,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     return Settings(
         redis_url=redis_url,
         broker_url=env.get("CELERY_BROKER_URL") or redis_url,
-        key_prefix=env.get("PIPELINE_KEY_PREFIX") or "pl:",
+        key_prefix=key_prefix(env),
         queues=queues,
         pool_configs=pools,
         lease_s=float_env(env, "PIPELINE_LEASE_S", 30.0, above=0),
@@ -150,6 +164,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         max_payload_bytes=int(
             float_env(env, "PIPELINE_MAX_PAYLOAD_BYTES", 1024 * 1024, at_least=1)
         ),
+        body_inline_max=_int_env(env, "PIPELINE_BODY_INLINE_MAX", 64 * 1024, lo=0),
         gate_wait_timeout_s=float_env(env, "PIPELINE_GATE_WAIT_TIMEOUT_S", 300.0, at_least=0),
         fairness_attribute=attribute.removeprefix("metadata."),
         fairness_header=fairness_header,

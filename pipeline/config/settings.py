@@ -15,6 +15,8 @@ from .merge import MergePolicy
 from .redis_url import is_cluster
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+# before every Redis key of the pipeline (PIPELINE_KEY_PREFIX): its one spelling
+DEFAULT_KEY_PREFIX = "pl:"
 DEFAULT_ENDPOINT = "http://127.0.0.1:8000"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 INGEST_FORMATS = ("llm-d-async",)  # wire formats a queue may ingest besides submit()
@@ -28,7 +30,7 @@ _SECONDS = (
     "result_ttl_seconds",
     "group_slack_s",
 )
-_COUNTS = ("result_list_max_len", "max_response_bytes")
+_COUNTS = ("result_list_max_len", "max_response_bytes", "max_attempts")
 _FLAGS = (
     "result_list",
     "fair_share",
@@ -74,6 +76,10 @@ class QueueConfig:
     request_timeout_s: float = 300.0
     retry_base_delay_s: float = 2.0
     retry_max_delay_s: float = 60.0
+    # HTTP attempts a request gets at most (retries included; an attempt that raised counts):
+    # the one that reaches it ends the request MAX_ATTEMPTS_EXCEEDED (a poison request),
+    # unless the server said it is busy (429, Retry-After, a gateway's drop: waited out)
+    max_attempts: int = 10
     weight: float = 1.0  # the queue's share of its pool's dispatches
     fair_share: bool = False  # its tenants take turns at each priority
     # send the request's priority in the body as the engine's ``priority`` (vLLM's field,
@@ -241,7 +247,7 @@ class Settings:
 
     redis_url: str = DEFAULT_REDIS_URL
     broker_url: str = DEFAULT_REDIS_URL
-    key_prefix: str = "pl:"
+    key_prefix: str = DEFAULT_KEY_PREFIX
     queues: dict[str, QueueConfig] = field(default_factory=dict)
     pool_configs: dict[str, PoolConfig] = field(default_factory=dict)
     lease_s: float = 30.0
@@ -249,6 +255,8 @@ class Settings:
     reaper_period_s: float = 5.0
     result_ttl_s: float = 7 * 24 * 3600.0
     max_payload_bytes: int = 1024 * 1024
+    # an answer body longer than this is stored once, in a key of its own (0: always inline)
+    body_inline_max: int = 64 * 1024
     gate_wait_timeout_s: float = 300.0
     fairness_attribute: str = "userid"  # metadata key sent as the fairness identity
     fairness_header: str = "x-llm-d-inference-fairness-id"  # "" disables the stamp

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import ConfigError
 from .base import (
@@ -28,14 +28,32 @@ from .params import Params
 log = logging.getLogger(__name__)
 
 
+class Build(Protocol):
+    """How a gate made of other gates builds them: the catalogue's ``build_gate``, handed in by
+    the catalogue (``registry.py``), which imports this module."""
+
+    def __call__(
+        self,
+        gate_type: str | None,
+        params: dict[str, Any] | None,
+        *,
+        name: str,
+        env: GateEnv | None = None,
+    ) -> Gate: ...
+
+
 def build_inner(
-    p: Params, key: str, gate_type: str, params: dict[str, Any], name: str, env: GateEnv | None
+    build: Build,
+    p: Params,
+    key: str,
+    gate_type: str,
+    params: dict[str, Any],
+    name: str,
+    env: GateEnv | None,
 ) -> Gate:
     """Build a nested gate; its ConfigError is re-raised naming the outer param."""
-    from .registry import build_gate  # at call time: the registry imports this module
-
     try:
-        return build_gate(gate_type, params, name=name, env=env)
+        return build(gate_type, params, name=name, env=env)
     except ConfigError as exc:
         raise p.error(key, f"-> {exc}") from None
 
@@ -43,12 +61,14 @@ def build_inner(
 class CompositeGate(Batched, HandsOver):
     type_name = "composite"
 
-    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+    def __init__(
+        self, name: str, params: dict[str, Any], env: GateEnv | None, build: Build
+    ) -> None:
         super().__init__(name, params, env)
         p = Params(self.type_name, name, params)
         self._bind(
             [
-                build_inner(p, f"gates[{i}]", gate_type, inner, f"{name}/{i}", env)
+                build_inner(build, p, f"gates[{i}]", gate_type, inner, f"{name}/{i}", env)
                 for i, (gate_type, inner) in enumerate(p.gate_configs("gates"))
             ]
         )
@@ -240,11 +260,13 @@ class Wrapper(Gate):
 class WaitOnRefuseGate(Wrapper):
     type_name = "wait-on-refuse"
 
-    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+    def __init__(
+        self, name: str, params: dict[str, Any], env: GateEnv | None, build: Build
+    ) -> None:
         super().__init__(name, params, env)
         p = Params(self.type_name, name, params)
         gate_type, inner = p.gate_config("gate")
-        self._wrap(build_inner(p, "gate", gate_type, inner, name, env))
+        self._wrap(build_inner(build, p, "gate", gate_type, inner, name, env))
 
     def acquire(self, ctx: AcquireContext) -> Decision:
         decision = self.inner.acquire(ctx)

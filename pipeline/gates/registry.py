@@ -13,7 +13,7 @@ from ..config import Settings
 from ..errors import ConfigError
 from .adaptive import AdaptiveConcurrencyGate
 from .base import Gate, GateEnv, walk
-from .composite import CompositeGate, WaitOnRefuseGate
+from .composite import Build, CompositeGate, WaitOnRefuseGate
 from .leased_rate import RedisLeasedRateGate
 from .local import GlobalMaxConcurrencyGate, LocalMaxConcurrencyGate
 from .metric import PrometheusBudgetGate, PrometheusQueryGate, PrometheusSaturationGate
@@ -29,7 +29,16 @@ class ConstantGate(Gate):
     type_name = "constant"
 
 
-GATE_TYPES: dict[str, Callable[[str, dict[str, Any], GateEnv | None], Gate]] = {
+Make = Callable[[str, dict[str, Any], GateEnv | None], Gate]
+
+
+def nesting(cls: Callable[[str, dict[str, Any], GateEnv | None, Build], Gate]) -> Make:
+    """A gate made of other gates, built with :func:`build_gate` (its module cannot import
+    this one, which imports it: the catalogue hands itself in)."""
+    return lambda name, params, env: cls(name, params, env, build_gate)
+
+
+GATE_TYPES: dict[str, Make] = {
     cls.type_name: cls
     for cls in (
         ConstantGate,
@@ -38,15 +47,14 @@ GATE_TYPES: dict[str, Callable[[str, dict[str, Any], GateEnv | None], Gate]] = {
         AdaptiveConcurrencyGate,
         RedisBudgetGate,
         RedisLeasedRateGate,
-        CompositeGate,
-        WaitOnRefuseGate,
-        TierPriorityAdmissionGate,
         EndpointScrapeGate,
         PrometheusQueryGate,
         PrometheusSaturationGate,
         PrometheusBudgetGate,
     )
 }
+for _nested in (CompositeGate, WaitOnRefuseGate, TierPriorityAdmissionGate):
+    GATE_TYPES[_nested.type_name] = nesting(_nested)
 GATE_TYPES[Quota.type_name] = redis_quota  # a class per mode
 
 

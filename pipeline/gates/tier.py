@@ -8,7 +8,7 @@ from typing import Any
 
 from ..store.sched import QuotaSpec, TokenSpec
 from .base import AcquireContext, Decision, GateEnv, Verdict
-from .composite import Wrapper, build_inner
+from .composite import Build, Wrapper, build_inner
 from .params import Params
 
 DROP_STATUS = 429
@@ -18,13 +18,15 @@ DROP_PAYLOAD = json.dumps({"error": "Too Many Requests", "code": DROP_STATUS})
 class TierPriorityAdmissionGate(Wrapper):
     type_name = "tier-priority-admission"
 
-    def __init__(self, name: str, params: dict[str, Any], env: GateEnv | None) -> None:
+    def __init__(
+        self, name: str, params: dict[str, Any], env: GateEnv | None, build: Build
+    ) -> None:
         super().__init__(name, params, env)
         p = Params(self.type_name, name, params)
         gate_type = p.get_str("saturation_gate", required=True)
         inner = p.get_object("saturation_gate_params")
         self.tier_label = p.get_str("tier_label", "tier")
-        self._wrap(build_inner(p, "saturation_gate", gate_type, inner, name, env))
+        self._wrap(build_inner(build, p, "saturation_gate", gate_type, inner, name, env))
 
     def quota_specs(self) -> list[QuotaSpec]:
         """None: an inner refusal is an outcome here, the dispatcher must not hold back for it."""

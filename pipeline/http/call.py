@@ -2,7 +2,8 @@
 is written in one ``sendall`` on a socket kept alive here; the response is parsed by llhttp
 (Node.js's HTTP parser, via ``httptools``).
 
-Hand-written: worker CPU/request (bench/overhead.py) httpx +46%, urllib3 +28%, h11 +8%: all >5%.
+Hand-written: every HTTP library measured cost more worker CPU per request than the 5 % bound
+``bench/overhead.py`` checks (figures: BENCHMARKS.md).
 
 What this module keeps:
 
@@ -416,7 +417,9 @@ def request(
             raise CallTimeout() from exc
         location = out.headers.get("location")
         if not (follow_redirects and out.status in (307, 308) and location):
-            return Response(out.status, b"".join(out.chunks), out.headers)
+            body = b"".join(out.chunks)
+            out.chunks.clear()  # out and its parser hold each other: freed only by the cyclic GC
+            return Response(out.status, body, out.headers)
         url = urljoin(url, location)
         to = urlsplit(url)
         if to.scheme not in ("http", "https"):

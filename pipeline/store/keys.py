@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..config import QueueConfig
+from ..config import DEFAULT_KEY_PREFIX, QueueConfig
 
 #: The fixed ends of the key families whose variable part is not last (a queue's, a quota
 #: key's, a pool's, a batch's keys). A Lua script gets them as the constants ``TAIL_<NAME>``
@@ -41,7 +41,7 @@ class Keys:
     """Key builder bound to a prefix. A ``*_prefix`` method is a family's root: the family's
     key is the root, the variable part, and for some a :data:`TAILS` end."""
 
-    prefix: str = "pl:"
+    prefix: str = DEFAULT_KEY_PREFIX
     # before the reference's own key families in :attr:`families`: "" (verbatim), or on a
     # Redis Cluster the pool's tagged prefix (no reference producer writes there: no ingest)
     ref_prefix: str = ""
@@ -60,6 +60,12 @@ class Keys:
     def notify(self, request_id: str) -> str:
         """List: rung when the request reaches its terminal result (a client waits)."""
         return self.notify_prefix() + request_id
+
+    def body(self, request_id: str, token: str) -> str:
+        """String: the body of an answer longer than ``PIPELINE_BODY_INLINE_MAX``, stored once,
+        by the attempt (``token``) that got it; its result names it in ``payload_ref`` and the
+        record in field ``body``. It expires with the result."""
+        return f"{self.prefix}body:{request_id}:{token}"
 
     # -- per queue -----------------------------------------------------------------------
     def queue_prefix(self) -> str:
@@ -289,6 +295,12 @@ class Keys:
         from the release channel so that a node that never parks hears nothing else."""
         return f"{self.freed_channel()}:abort"
 
+    def epoch(self) -> str:
+        """Hash: the store epoch (``id``, ``since``; ``lost_at``, ``lost_by``, ``previous``
+        once a loss was noticed), written at first use; gone or changed: Redis lost its state
+        (lua/epoch.lua, docs/production.md "A wiped Redis")."""
+        return f"{self.prefix}epoch"
+
     def seq(self) -> str:
         """String counter: submission sequence, the last tie-breaker of the ordering key."""
         return f"{self.prefix}seq"
@@ -330,15 +342,15 @@ def slot_keys(prefix: str, tag: str) -> Keys:
     return Keys(tagged, ref_prefix=tagged)
 
 
-def celery_queue(pool: str, prefix: str = "pl:") -> str:
+def celery_queue(pool: str, prefix: str = DEFAULT_KEY_PREFIX) -> str:
     """The Celery queue carrying a worker pool's attempts: ``pipeline.<pool>`` for the default
     key prefix; with another prefix the queue is namespaced too (``pipeline.<ns>.<pool>``), so
     pipelines sharing one broker never take each other's messages."""
     return celery_queue_prefix(prefix) + pool
 
 
-def celery_queue_prefix(prefix: str = "pl:") -> str:
-    if prefix == "pl:":
+def celery_queue_prefix(prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    if prefix == DEFAULT_KEY_PREFIX:
         return "pipeline."
     return "pipeline." + "".join(c for c in prefix if c.isalnum() or c in "_-") + "."
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, OutOfMemoryError
 
 from ..config import QueueConfig, Settings
-from . import wire
+from ..errors import StoreFull
+from . import bodies, wire
 from .connect import connect
 from .journal import Journal, entry
 from .keys import Keys, pool_keys
@@ -120,6 +121,16 @@ def _resulted(reply: Any) -> bool:
     return any(int(n) for n in expired) or any(bool(r) for r in rejected)
 
 
+def _priority(raw: Any) -> int:
+    """A moved request's priority as the tick read it (dispatch.lua ends a record whose
+    priority is not an integer); 0 for anything else, never a failed tick: one request's field
+    must not lose the other requests the tick moved."""
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return 0
+
+
 def _sent(make: Callable[_P, ScriptCall], read: Callable[[Any], _R]) -> Callable[_P, _R]:
     """A method that sends the call ``make`` builds, now, and returns ``read(reply)``."""
 
@@ -206,12 +217,19 @@ class Store:
     def submit(self, rows: Sequence[RequestRow]) -> list[Any]:
         """Store a batch of rows (:class:`RequestRow`) in growing chunks, one round trip each
         (docs/internals.md, "submit_many in growing chunks"). Returns 1 per created request,
-        or the state of the live duplicate."""
+        or the state of the live duplicate. A chunk is all or nothing: a Redis at its
+        ``maxmemory`` refuses the script's first write (submit.lua writes nothing before it),
+        and :class:`~pipeline.errors.StoreFull` names the ids of the chunks stored before."""
         out: list[Any] = []
         i, size = 0, SUBMIT_FIRST_CHUNK
         while i < len(rows):
             items = json.dumps(rows[i : i + size], ensure_ascii=False, separators=(",", ":"))
-            out.extend(self.scripts.submit(keys=self.keys.families, args=[items]))
+            try:
+                out.extend(self.scripts.submit(keys=self.keys.families, args=[items]))
+            except OutOfMemoryError:
+                raise StoreFull(
+                    "submit", [r.id for r in rows[:i]], [r.id for r in rows[i:]]
+                ) from None
             i, size = i + size, min(SUBMIT_MAX_CHUNK, size * 2)
         return out
 
@@ -312,7 +330,7 @@ class Store:
                 moved_raw[i],
                 moved_raw[i + 1],
                 int(moved_raw[i + 2]),
-                int(moved_raw[i + 3]),
+                _priority(moved_raw[i + 3]),
                 queues[int(moved_raw[i + 4]) - 1].name,
                 json.loads(moved_raw[i + 5]) if moved_raw[i + 5] else None,
             )
@@ -376,13 +394,16 @@ class Store:
             queue.worker_pool_id, entries, pool_cap, publish=publish, doorbell=doorbell
         )
 
-    def node_beat(
-        self, node: str, slots: int, pools: list[str], ttl_s: float
-    ) -> list[tuple[int, int]]:
+    def node_beat_call(self, node: str, slots: int, pools: list[str], ttl_s: float) -> ScriptCall:
         """Register ``node`` (offering ``slots``) as live for ``ttl_s`` in each pool's registry
-        and drop nodes that stopped beating; per pool: (slots of its live nodes, live nodes)."""
+        and drop nodes that stopped beating, as a call to send in a batch;
+        :meth:`node_beats` reads its reply."""
         keys = [k for p in pools for k in (self.keys.pool_nodes(p), self.keys.pool_slots(p))]
-        reply = self.scripts.node_beat(keys=keys, args=[node, slots, repr(float(ttl_s))])
+        return ScriptCall(self.scripts.node_beat, keys, [node, slots, repr(float(ttl_s))])
+
+    @staticmethod
+    def node_beats(reply: Any) -> list[tuple[int, int]]:
+        """Per pool: (slots of its live nodes, live nodes)."""
         return [(int(total), int(live)) for total, live in reply]
 
     def reap(self, queue: str) -> list[tuple[str, str]]:
@@ -421,13 +442,19 @@ class Store:
         handed_over: bool = False,
         nowake: bool = False,
         journal: Journal | None = None,
+        body_key: str | None = None,
     ) -> ScriptCall:
         """The terminal result of an attempt (and its ``mirror``), as a call to send in a
         batch; :meth:`finished` reads its reply. ``handed_over``: its slot went to another
         attempt, so no release is published; ``nowake`` (with it): nor is the pool's doorbell
         rung (the taker still has attempts of the queue parked). ``journal``: the attempt's
-        events for the decision log (taken now); the script adds the ``done`` entry."""
+        events for the decision log (taken now); the script adds the ``done`` entry.
+        ``body_key``: where :meth:`put_body` stored the payload (``payload`` is then not
+        sent): the result names it in ``payload_ref``."""
         keys = [self.keys.request(request_id)]
+        if body_key is not None:
+            keys.append(body_key)
+            payload = ""
         extra: list[Any] = []
         if mirror is not None:
             keys.append(mirror.key)
@@ -445,9 +472,24 @@ class Store:
                 error_message or "",
                 (2 if nowake else 1) if handed_over else 0,
                 journal.take() if journal is not None else "",
+                1 if body_key is not None else 0,
                 *extra,
             ],
         )
+
+    def put_body(self, request_id: str, token: str, payload: str) -> str:
+        """Store an attempt's answer body once, before its finish (one plain ``SET`` with the
+        result's expiry: the body never passes through a script, which would copy and escape
+        it); returns its key for :meth:`finish_call`, which re-arms that expiry with the
+        result's. A finish fenced off deletes it."""
+        key = self.keys.body(request_id, token)
+        self.client.set(key, payload, ex=max(1, int(self.settings.result_ttl_s)))
+        return key
+
+    def with_body(self, data: dict[str, Any]) -> dict[str, Any]:
+        """A stored result (parsed) with its body, read back when stored apart
+        (:func:`.bodies.with_body`; UnknownRequest when it is gone)."""
+        return bodies.with_body(data, self.client)
 
     @staticmethod
     def finished(reply: Any) -> str | None:
@@ -503,9 +545,15 @@ class Store:
         return float(reply) if reply else None
 
     # each call sent now, alone, its reply read (typed as the ``*_call`` it sends)
+    node_beat = _sent(node_beat_call, node_beats)
     start = _sent(start_call, started)
     finish = _sent(finish_call, finished)
     requeue = _sent(requeue_call, requeued)
+
+    def current(self, request_id: str, token: str) -> bool:
+        """Whether the attempt ``token`` is still its request's (the record holds its token;
+        False when the record is gone)."""
+        return bool(self.client.hget(self.keys.request(request_id), "token") == token)
 
     def note(self, request_id: str, token: str, journal: Journal) -> bool:
         """Send a running attempt's journaled events to its request's decision log now (one

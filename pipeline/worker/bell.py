@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 
+from ..store.epoch import LOST_NOTICE
 from ..store.keys import sharded
 
 log = logging.getLogger("pipeline.bell")
@@ -31,7 +32,7 @@ class Ticket:
 
     __slots__ = (
         "ctx", "gate", "rid", "bell", "_wake", "done", "rang", "granted", "cancelled", "held",
-        "transferred",
+        "transferred", "sure",
     )  # fmt: skip
 
     def __init__(
@@ -49,6 +50,7 @@ class Ticket:
         self.cancelled = False
         self.held = False
         self.transferred = threading.Event()
+        self.sure = False  # granted by a giver whose lease was surely alive (no wait for it)
 
     def fire(self) -> None:
         self.done = True
@@ -80,6 +82,9 @@ class ReleaseBell:
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # see cancel_notice
         # what an abort notice calls with its ids (the runtime closes their calls' connections)
         self.on_abort: Callable[[list[str]], None] | None = None
+        # what a LOST_NOTICE calls (Redis lost its state: the runtime checks its leases now)
+        self.on_lost: Callable[[], None] | None = None
+        self.outages = 0  # subscriptions lost so far (Redis restarted, unreachable, ...)
         self.closed = False  # the node is shutting down: nobody parks any more
 
     def generation(self, queue: str) -> int:
@@ -132,10 +137,13 @@ class ReleaseBell:
             if echo and self._listeners:
                 self._echoes[queue].append(time.monotonic())
 
-    def hand_over(self, names: Sequence[str], gate: Any = None) -> Ticket | None:
+    def hand_over(
+        self, names: Sequence[str], gate: Any = None, sure: bool = False
+    ) -> Ticket | None:
         """Grant the longest waiter of the first of ``names`` whose longest waiter waits for a
         slot of ``gate`` (None: nobody does); the caller records the transfer (on
-        ``ticket.bell``, where it parked) and publishes no release."""
+        ``ticket.bell``, where it parked) and publishes no release. ``sure``: the giver's
+        lease is surely alive (the taker need not wait for the transfer record)."""
         with self._lock:
             if self.closed:
                 return None
@@ -144,7 +152,7 @@ class ReleaseBell:
                 if waiters and waiters[0].ctx is not None and waiters[0].gate is gate:
                     ticket = self._pop_waiter(name)
                     assert ticket is not None
-                    ticket.granted = True
+                    ticket.granted, ticket.sure = True, sure
                     ticket.fire()
                     return ticket
             return None
@@ -270,6 +278,10 @@ class ReleaseBell:
     def _heard(self, text: str) -> None:
         """One message: a release (the queue, then quota keys it released), or a notice."""
         names = text.split("\n")
+        if names[0] == LOST_NOTICE:
+            if self.on_lost is not None:
+                self.on_lost()
+            return
         if names[0] in (CANCEL_NOTICE, ABORT_NOTICE):
             self.cancel_notice(names[1:])
             if names[0] == ABORT_NOTICE and self.on_abort is not None:
@@ -307,6 +319,7 @@ class ReleaseBell:
                     self._heard(data.decode() if isinstance(data, bytes) else str(data))
             except Exception as exc:  # noqa: BLE001 - keep listening; waits are bounded
                 log.warning("release bell lost its subscription (%s); reconnecting", exc)
+                self.outages += 1
                 # what was published while away is lost: every waiter re-asks
                 self._wake_all()
                 self._stopping.wait(delay)

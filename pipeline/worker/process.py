@@ -8,8 +8,11 @@ import logging
 import os
 import random
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any, TypeVar
+
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from ..config import QueueConfig, Settings, from_snapshot, load_settings, to_snapshot
 from ..gates import Gate, GateEnv, attempt_gate, check_gates, same_attempt_gate
@@ -18,19 +21,24 @@ from ..observability import tracing
 from ..store import Store, run_batch
 from ..store import holder as make_holder
 from ..store.journal import entry
+from . import observe
 from .attempt import Attempt
 from .bell import ReleaseBell
 from .endpoints import check_endpoints
+from .guard import LeaseGuard
+from .malloc import fix_mmap_threshold
 from .reservation import Reservation
 
 log = logging.getLogger("pipeline.worker")
 
 T = TypeVar("T")
+FULL_RETRY_S = 1.0  # a start a full Redis refused is due again after this (no hot loop)
 SNAPSHOT_ENV = "PIPELINE_CONFIG_SNAPSHOT"  # the node's accepted queue config, for its children
 
 
 class Runtime:
     def __init__(self, settings: Settings, snapshot: tuple[int, int, int] | None = None) -> None:
+        fix_mmap_threshold()  # large answers: RSS of their copies, not twice that
         self.settings = check_gates(settings)
         check_endpoints(self.settings)  # a queue's API key variable is set, its TLS files load
         self.store = Store(self.settings)
@@ -43,6 +51,8 @@ class Runtime:
         self._lock = threading.RLock()
         self._snapshot = snapshot  # the stamp of the node's config snapshot applied, if any
         self._heartbeat: threading.Thread | None = None
+        self._watch: threading.Thread | None = None
+        self.guard = LeaseGuard(self.settings.lease_s)  # stops acting before leases can lapse
         self._stopping = threading.Event()
         self.rng = random.Random()
         pools = self.store.every_pool(settings.pools())
@@ -52,6 +62,7 @@ class Runtime:
             sorted({s.keys.abort_channel() for s in pools}),
         )
         self.bell.on_abort = self.abort
+        self.bell.on_lost = self.renew_live  # Redis lost its state: vanished holders stop now
 
     def store_of(self, queue: QueueConfig) -> Store:
         """The store of the queue's pool (its own slot on a Redis Cluster)."""
@@ -82,6 +93,7 @@ class Runtime:
         """Switch to reloaded settings; a changed gate is built anew on first use."""
         with self._lock:
             old, self.settings = self.settings, settings
+            self.guard.lease_s = settings.lease_s
             for name in list(self._gates):
                 if not same_attempt_gate(old, settings, name):
                     del self._gates[name]
@@ -129,34 +141,77 @@ class Runtime:
                     target=self._beat, name="pipeline-heartbeat", daemon=True
                 )
                 self._heartbeat.start()
+            if self._watch is None or not self._watch.is_alive():
+                self._watch = threading.Thread(
+                    target=self._guard, name="pipeline-lease-guard", daemon=True
+                )
+                self._watch.start()
+
+    def _guard(self) -> None:
+        """Stop the attempts whose leases could lapse: no renewal taken by Redis within the
+        guard's budget (a blackholed connection blocks the heartbeat itself: this thread
+        never talks to Redis)."""
+        while not self._stopping.wait(self.guard.period()):
+            with self._lock:
+                live = list(self._live.values())
+            self._stop_late(live, time.monotonic())
+
+    def _stop_late(self, live: list[Attempt], now: float) -> None:
+        """Stop those of ``live`` past their budget ``now``: their calls are closed and they
+        end as retries (released when Redis answers again, else by the reaper)."""
+        late = [a for a in live if self.guard.late(a.reservation.proof, now) and not a.abort.fired]
+        if not late:
+            return
+        self.guard.lapse(len(late))
+        for a in late:
+            a.lapsing = True
+            if a.abort.fire():
+                log.warning("request %s: attempt %s aborted: its lease could lapse", a.id, a.token)
+                observe.lease_lapsed(a)
 
     def _beat(self) -> None:
         period = max(0.05, self.settings.lease_s / 3.0)
         while not self._stopping.wait(period):
-            with self._lock:
-                live = list(self._live.values())
-            if not live:
-                continue
+            self.renew_live()
+
+    def renew_live(self) -> None:
+        """Renew the leases of this process's live attempts; abort those no longer current
+        (reaped, cancelled with running="abort", or their record gone with a Redis that lost
+        its state). The heartbeat's step, also run at once on a LOST_NOTICE."""
+        with self._lock:
+            live = list(self._live.values())
+        if live:
             try:
-                by_pool: dict[str, list[Attempt]] = {}
-                for a in live:  # one call per pool's slot (and chunk)
-                    by_pool.setdefault(a.queue.worker_pool_id, []).append(a)
-                for pool, attempts in by_pool.items():
-                    for part in chunks(attempts):
-                        stale = self.store.for_pool(pool).renew(
-                            [(a.id, a.token, a.queue.queue_name) for a in part]
-                        )
-                        if stale:  # their results would be discarded: stop their calls
-                            self.abort(stale)
-                by_gate: dict[int, tuple[Gate, list[str]]] = {}
-                for a in live:  # each on the gate it holds (or asks)
-                    gate = a.reservation.gate
-                    by_gate.setdefault(id(gate), (gate, []))[1].append(a.holder)
-                for gate, holders in by_gate.values():
-                    for names in chunks(holders):
-                        gate.renew(names, self.settings.lease_s)
+                self._renew(live)
             except Exception as exc:  # noqa: BLE001 - keep beating; leases tolerate a miss
                 log.warning("lease renewal failed: %s", exc)
+
+    def _renew(self, live: list[Attempt]) -> None:
+        """Renew the leases of ``live``: their requests' and their gates'. A renewal answered
+        past an attempt's budget may have come too late (a lapsed lease is not revived): those
+        are stopped; the others' leases last from the renewal's send time."""
+        sent = time.monotonic()
+        by_pool: dict[str, list[Attempt]] = {}
+        for a in live:  # one call per pool's slot (and chunk)
+            by_pool.setdefault(a.queue.worker_pool_id, []).append(a)
+        for pool, attempts in by_pool.items():
+            for part in chunks(attempts):
+                stale = self.store.for_pool(pool).renew(
+                    [(a.id, a.token, a.queue.queue_name) for a in part]
+                )
+                if stale:  # their results would be discarded: stop their calls
+                    self.abort(stale)
+        by_gate: dict[int, tuple[Gate, list[str]]] = {}
+        for a in live:  # each on the gate it holds (or asks)
+            gate = a.reservation.gate
+            by_gate.setdefault(id(gate), (gate, []))[1].append(a.holder)
+        for gate, holders in by_gate.values():
+            for names in chunks(holders):
+                gate.renew(names, self.settings.lease_s)
+        self._stop_late(live, time.monotonic())
+        for a in live:
+            a.reservation.proof = max(a.reservation.proof, sent)
+        self.guard.renewed()
 
     def abort(self, ids: list[str]) -> None:
         """Close the calls of this process's attempts of ``ids`` (an abort notice, or found
@@ -202,10 +257,14 @@ class Runtime:
             None if gate is None else Reservation(self, queue, make_holder(request_id, token), gate)
         )
         calls = None if res is None else res.start_calls(worker, tenant or {}, priority)
+        began = time.monotonic()  # its leases last from after this (the lease guard's count)
         start = store.start_call(request_id, token, queue, worker)
         took = False
         if res is None or calls is None:
-            reply: Any = start()
+            try:
+                reply: Any = start()
+            except OutOfMemoryError as exc:
+                reply = exc
         else:
             reply, *acquired = run_batch(store.client, [start, *calls.calls])
             took = res.started(calls, acquired)
@@ -213,11 +272,15 @@ class Runtime:
         if started is None:
             if took and res is not None:  # the start failed or was fenced off: give it back
                 res.release()
+            if isinstance(reply, OutOfMemoryError):
+                self._give_back_full(store, request_id, token)
+                return None
             if isinstance(reply, Exception):
                 raise reply
             return None
         try:
             attempt = Attempt(self, started.record, token, worker, started.clock_offset, res)
+            attempt.reservation.proof = min(attempt.reservation.proof, began)
         except (KeyError, ValueError, TypeError) as exc:
             # a record this worker cannot read (written by hand, or corrupted): end it
             message = f"unreadable request record: {type(exc).__name__}: {exc}"
@@ -232,6 +295,23 @@ class Runtime:
             attempt.reservation.discard()
         self._track(attempt)
         return attempt
+
+    def _give_back_full(self, store: Store, request_id: str, token: str) -> None:
+        """A start Redis refused for want of memory (``maxmemory``): give the request back
+        to its queue now, due after :data:`FULL_RETRY_S`, instead of leaving it dispatched
+        until its lease lapses. requeue.lua's first write only shrinks (a ZREM), so a full
+        Redis runs it (docs/production.md, "Redis memory")."""
+        note = entry("requeued", reason="Redis at maxmemory: the start could not write")
+        try:
+            done = store.requeue(request_id, token, delay=FULL_RETRY_S, attempted=False,
+                                 note=note)  # fmt: skip
+        except RedisError as exc:  # its lease brings it back
+            log.error("request %s: start refused (Redis at maxmemory), and so was giving it "
+                      "back: %s", request_id, exc)  # fmt: skip
+            return
+        log.error("request %s: start refused: Redis is at its maxmemory; given back to its "
+                  "queue (due again in %.0f s)%s", request_id, FULL_RETRY_S,
+                  "" if done else " (fenced off: nothing to give back)")  # fmt: skip
 
     def _queue_of(self, request_id: str) -> str:
         store = self.store.find(request_id, self.settings.queues.values())

@@ -29,6 +29,7 @@ from ..gates import (
 )
 from ..store import ScriptCall, Store, run_batch
 from .bell import ReleaseBell, Ticket
+from .guard import LeaseGuard
 
 log = logging.getLogger("pipeline.worker")
 
@@ -43,6 +44,7 @@ class Host(Protocol):
     store: Store
     bell: ReleaseBell
     rng: random.Random
+    guard: LeaseGuard
 
     def gate(self, queue: str) -> Gate: ...
 
@@ -67,6 +69,9 @@ class Reservation:
         self.behind = 0  # attempts it parked behind at the start without asking; 0: it asked
         self._start_bell: str | None = None  # the bell others were parked on at the start
         self._released = False
+        # when its leases were last proven (monotonic): the send time of its start (made
+        # before it) or of the last renewal Redis took (Runtime._renew); the lease guard's count
+        self.proof = time.monotonic()
         # what the attempt's HTTP call showed, for the gates that learn from answers: sent
         # with the release (release_with), then forgotten
         self.observation: Observation | None = None
@@ -146,10 +151,14 @@ class Reservation:
         return ticket
 
     def _refused_transfer(self, ticket: Ticket) -> bool:
-        """A gate whose limit moves may refuse a hand-over although its giver held the slot
-        (the limit fell below in-flight): the taker goes on only once the transfer is
-        recorded as taken (the giver's finish round trip, a millisecond)."""
-        if not getattr(self.gate, "handover_may_fail", False):
+        """Whether Redis refused the transfer. The taker goes on at once only when the giver's
+        lease was surely alive (proven within half the guard's budget: ``ticket.sure``) and
+        the gate's limit does not move; else once Redis recorded the transfer as taken (the
+        giver's finish round trip, a millisecond): a giver's lease may have lapsed and its
+        slot gone to another node (a process stopped or cut off past its lease), a moving
+        limit may have fallen below in-flight. Sending first would put one call more than the
+        limit at the server (issue 48)."""
+        if ticket.sure and not getattr(self.gate, "handover_may_fail", False):
             return False
         ticket.transferred.wait(TRANSFER_WAIT_S)
         return not ticket.held
@@ -271,7 +280,10 @@ class Reservation:
         if not isinstance(gate, HandsOver) or gate is not self.host.current_gate(self.queue):
             return None
         assert self.ctx is not None
-        return self.host.bell.hand_over(gate.handover_bells(self.queue, self.ctx.metadata), gate)
+        sure = self.host.guard.fresh(self.proof)  # its lease is alive: the transfer will go
+        return self.host.bell.hand_over(
+            gate.handover_bells(self.queue, self.ctx.metadata), gate, sure
+        )
 
     def _step(self, ticket: Ticket | None) -> Calls[bool] | None:
         gate = self.gate

@@ -14,6 +14,11 @@ from tasks import compat
 from tasks.app import app
 
 
+@pytest.fixture(autouse=True)
+def patched() -> None:
+    compat.install()  # as a worker node does at worker_init (tasks/node.py)
+
+
 def test_a_channel_whose_connection_is_gone_fails_with_a_connection_error() -> None:
     """A worker that acks, losing Redis: Celery drops the lost connection's client, then closes
     the connection (its channel restores its unacked messages) and acks messages delivered on

@@ -28,6 +28,7 @@ from pipeline.client import Pipeline
 from pipeline.config import load_settings
 from pipeline.sim import SimServer
 from pipeline.store import DirectPublish, sched
+from tasks import compat
 from tasks.app import app
 from tasks.backend import PipelineRedisBackend
 from tasks.inference import AttemptRetry, RequestFailed, infer
@@ -292,6 +293,7 @@ def test_a_redis_broker_is_consumed_without_kombus_unacked_bookkeeping(
 
 
 def test_an_ack_of_a_no_ack_message_is_not_sent_to_the_broker(redis_url: str) -> None:
+    compat.install()  # as a worker node does at worker_init (tasks/node.py)
     name = f"{RESULTS_TAG}-noack-{uuid.uuid4().hex[:6]}"
     acked: list[Any] = []
     with app.connection_for_write(redis_url) as conn:
