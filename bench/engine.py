@@ -15,6 +15,8 @@ without the pipeline. Scenarios, each one function, one run each (``--only NAME`
   ``bench/utilisation.py``'s ``tenants8-fair`` runs against the fixed server), their requests in
   blocks of 50 per tenant; and in the same run the static limit 16 with one tenant, its
   reference.
+- prefix grouping against the engine's prefix cache (issue 50) is ``bench/prefix.py``: its
+  own batch (5,000 chat lines over 10 system prompts) and runs, the issue's targets.
 - ``inflight``: ``bench/inflight.py``'s in-flight scale scenario (one node at ``-c`` 256 and
   1,024 against a simulator of 2 and 5 s with no limit; ``bench/inflight.py`` runs 4,096 too).
 

@@ -14,6 +14,7 @@ from typing import IO, Any
 import orjson
 
 from ..client import Pipeline
+from ..client.prefix import MIN_CHARS, prefix_key
 from ..errors import InvalidRequest
 from ..store import RequestRow
 from .lines import Line, LineError, parse_line
@@ -111,7 +112,7 @@ class RowBuilder:
     def __init__(self, pipeline: Pipeline, ctx: RowContext) -> None:
         self.pipeline = pipeline
         self.ctx = ctx
-        q = pipeline.queue_config(ctx.queue)
+        q = self.queue = pipeline.queue_config(ctx.queue)
         store = pipeline.store_of(q.queue_name)
         result_list, result_list_max, result_list_ttl = store.result_list_args(q)
         self.template = RequestRow(
@@ -131,12 +132,22 @@ class RowBuilder:
             labels=orjson.dumps(q.labels).decode() if q.labels else "{}",
         )
 
+    def _prefix(self, body: str) -> str:
+        """The line's prefix key (pipeline/client/prefix.py), if its queue groups."""
+        if not self.queue.group_prefixes or len(body) < MIN_CHARS:
+            return ""
+        try:
+            return prefix_key(orjson.loads(body), self.queue)
+        except ValueError:
+            return ""
+
     def row(self, line: Line) -> RequestRow | LineError:
         rid = f"{self.ctx.batch_id}-{line.number}"
         if line.extra is None:
             return self.template._replace(
-                id=rid, payload=line.body, endpoint=line.url or "", custom_id=line.custom_id
-            )
+                id=rid, payload=line.body, endpoint=line.url or "", custom_id=line.custom_id,
+                prefix=self._prefix(line.body),
+            )  # fmt: skip
         # a run line with its own priority, deadline, timeout, metadata, headers or queue:
         # checked by Pipeline.prepare, as ``submit`` checks its arguments
         extra = dict(line.extra)

@@ -41,6 +41,7 @@ from ..store import Epoch, Keys, QuotaSpec, RequestRow, Store
 from ..store.wire import PAYLOAD_JSON
 from .explain import Explanation, build
 from .models import Result
+from .prefix import prefix_key
 
 FULL_RESCAN_S = 30.0  # iter_results re-reads every waiting id this often (recent keeps 300 s)
 OUTAGE_S = 60.0  # wait and iter_results ride over a Redis unreachable this long (a restart)
@@ -251,6 +252,7 @@ class Pipeline:
             result_list_max=result_list_max,
             result_list_ttl=result_list_ttl,
             labels=json.dumps(q.labels),
+            prefix=prefix_key(payload, q),
         )
 
     # -- submit --------------------------------------------------------------------------

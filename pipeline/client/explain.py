@@ -353,6 +353,8 @@ def _quota_line(q: QuotaUse) -> str:
 
 def _dispatched(f: dict[str, Any]) -> str:
     ahead = f" past quota key {f['ahead']} (look-ahead: parks for it)" if "ahead" in f else ""
+    if "early" in f:
+        ahead += f", early for its prompt prefix (ahead of {f['early']})"
     return f"#{f.get('n', '?')}{ahead}"
 
 
@@ -428,6 +430,10 @@ def _cancelled(f: dict[str, Any]) -> str:
 _EVENTS: dict[str, Any] = {
     "dispatched": _dispatched,
     "held": lambda f: f"its tenant held back at quota key {f.get('key')}",
+    "passed": lambda f: (
+        "passed over: requests sharing the prompt prefix just sent went first, inside its "
+        "deadline's slack"
+    ),
     "admitted": _admitted,
     "parked": _parked,
     "refused": _back,

@@ -28,6 +28,7 @@ _SECONDS = (
     "retry_base_delay_s",
     "retry_max_delay_s",
     "result_ttl_seconds",
+    "group_slack_s",
 )
 _COUNTS = ("result_list_max_len", "max_response_bytes", "max_attempts")
 _FLAGS = (
@@ -36,6 +37,8 @@ _FLAGS = (
     "tls_insecure_skip_verify",
     "follow_redirects",
     "engine_priority",
+    "group_prefixes",
+    "engine_hints",
 )
 
 
@@ -82,6 +85,17 @@ class QueueConfig:
     # send the request's priority in the body as the engine's ``priority`` (vLLM's field,
     # lower first: -priority), for an engine that schedules by it
     engine_priority: bool = False
+    # requests sharing a prompt prefix may go out together, inside their deadlines' slack
+    # (docs/scheduling.md, "Prefix grouping"): the prefix key is a hash of the body field
+    # `prefix_field` names (else of the first system message, else of the prompt's start)
+    group_prefixes: bool = True
+    prefix_field: str | None = None
+    # a request is passed over for a shared prefix only while its deadline is further away
+    # than this (None: request_timeout_s, the longest one attempt may take)
+    group_slack_s: float | None = None
+    # send the deadline (x-slo-ttft-ms) and the prefix key (x-prefix-key) as headers, for a
+    # router that scores by them (llm-d's)
+    engine_hints: bool = False
     api_key_env: str | None = None  # the variable whose value is sent as "Bearer <value>"
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
@@ -133,6 +147,9 @@ def _check_values(entry: dict[str, Any], where: str) -> None:
     weight = entry.get("weight", 1)
     if not _positive(weight) or weight > 1e6:
         raise ConfigError(f"{where}: weight must be a positive number (at most 1e6)")
+    field_name = entry.get("prefix_field")
+    if field_name is not None and not (isinstance(field_name, str) and 0 < len(field_name) <= 128):
+        raise ConfigError(f"{where}: prefix_field must be a body field's name (1-128 characters)")
     if entry.get("ingest") not in (None, "", *INGEST_FORMATS):
         formats = ", ".join(INGEST_FORMATS)
         raise ConfigError(f"{where}: ingest must be one of {formats}, not {entry['ingest']!r}")

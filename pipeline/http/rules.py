@@ -52,6 +52,10 @@ CONNECTION_HEADERS = frozenset(
 # what the attempt sends of its own, besides the connection headers and the queue's stamps
 # (``Settings.stamped_headers``): a request's own headers never replace them
 ATTEMPT_HEADERS = frozenset({"host", REQUEST_ID_HEADER})
+# a queue's engine_hints: the time left to the deadline (ms), as llm-d's SLO-aware routing
+# reads a TTFT objective, and the request's prefix key, for a prefix-aware router to score
+SLO_HEADER = "x-slo-ttft-ms"
+PREFIX_HEADER = "x-prefix-key"
 
 TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # a character a header value cannot carry (see the module's notes)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections import deque
-from collections.abc import Hashable
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -41,6 +41,11 @@ class EngineConfig:
     block_size: int = 16  # vLLM's default block size, in tokens
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower "priority" value first)
     preemption: str = "recompute"
+    # vLLM's automatic prefix caching (--enable-prefix-caching): a request's full prompt
+    # blocks are kept by their hashes, shared by the running sequences that hold them and, once
+    # none does, kept in free blocks (evicted least recently used first) until a new block needs
+    # the room; a prompt whose leading blocks are cached skips their prefill
+    enable_prefix_caching: bool = False
     name: str = "custom"
     time_scale: float = 1.0  # the factor already applied to the three durations
 
@@ -111,6 +116,17 @@ class EngineConfig:
         )
 
 
+def block_hashes(tokens: list[str], block_size: int) -> list[int]:
+    """The hashes of the full blocks of ``tokens``, each chained to the one before (vLLM's:
+    a block's hash names every token up to its end, so equal hashes mean equal prefixes)."""
+    out: list[int] = []
+    parent = 0
+    for i in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, *tokens[i : i + block_size]))
+        out.append(parent)
+    return out
+
+
 def _finite(x: float) -> bool:
     return isinstance(x, int | float) and math.isfinite(x)
 
@@ -136,7 +152,11 @@ class Sequence:
     start_step: int = 0  # while running: the step that prefills it
     finish_step: int = 0  # while running: the step that generates its last token
     epoch: int = 0  # bumped at every admission, preemption and abort (stale heap entries)
-    parked_blocks: int = 0  # while parked: the blocks it keeps
+    parked_blocks: int = 0  # while parked: the blocks it keeps (its own, not the shared ones)
+    # its full prompt blocks' hashes (each one naming the whole prefix up to its end)
+    block_hashes: tuple[Hashable, ...] = ()
+    pool_blocks: int = 0  # while it runs or parks: its blocks kept in the prefix cache
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
 
     @property
     def tokens_left(self) -> int:
@@ -163,6 +183,8 @@ class Counters:
     prefill_tokens: int = 0  # prompt tokens prefilled, recomputed ones included
     max_running: int = 0
     max_waiting: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (at each admission)
+    prefix_hits: int = 0  # of those, the tokens found there (not prefilled)
 
 
 @dataclass(slots=True)
@@ -212,6 +234,10 @@ class Engine:
         self._seg = _Segment()
         self._due: float | None = None  # idle, with a step to plan at this time
         self._events: list[Event] = []
+        # the prefix cache: blocks in use by hash (how many sequences hold each), and the free
+        # blocks that still hold a prefix, least recently freed first
+        self._refs: dict[Hashable, int] = {}
+        self._lru: OrderedDict[Hashable, None] = OrderedDict()
 
     # -- what the owner calls ----------------------------------------------------------------
 
@@ -223,9 +249,11 @@ class Engine:
         now: float,
         priority: int = 0,
         held: bool = False,
+        block_hashes: Iterable[Hashable] = (),
     ) -> Sequence:
         """Queue a request; ValueError if it could never run (longer than the model allows,
-        or a priority under the fcfs policy, as vLLM refuses)."""
+        or a priority under the fcfs policy, as vLLM refuses). ``block_hashes``: its full
+        prompt blocks' (see :func:`block_hashes`), for the prefix cache."""
         if prompt_tokens < 0 or output_tokens < 0:
             raise ValueError("prompt and output tokens must not be negative")
         if prompt_tokens + output_tokens > self.config.model_len:
@@ -238,6 +266,8 @@ class Engine:
         self._catch_up(now)
         self._order += 1
         seq = Sequence(rid, prompt_tokens, output_tokens, priority, self.now, self._order, held)
+        if self.config.enable_prefix_caching:
+            seq.block_hashes = tuple(block_hashes)[: prompt_tokens // self._bs]
         self._push_waiting(seq, front=False)
         self._poke()
         return seq
@@ -250,7 +280,7 @@ class Engine:
             self._waiting -= 1  # its queue entry is skipped when it comes up
         elif seq.state in ("running", "parked"):
             self._cut()
-            self._blocks -= self._blocks_of(seq)
+            self._blocks -= self._blocks_of(seq) + self._unpool(seq)
             if seq.state == "running":
                 self._deactivate(seq)
             del self._running[seq.rid]
@@ -267,7 +297,7 @@ class Engine:
         self._catch_up(now)
         seq.held = False
         if seq.state == "parked":
-            self._blocks -= seq.parked_blocks
+            self._blocks -= seq.parked_blocks + self._unpool(seq)
             del self._running[seq.rid]
             self._finish(seq, self.now)
             self._poke()
@@ -379,6 +409,7 @@ class Engine:
         at = seg.end
         done = seg.done + seg.steps
         self._grow_to(done)
+        self._trim_cache(self._blocks)  # the steps' new blocks took the oldest free ones
         seg.done, seg.steps = done, 0
         for seq in seg.prefilled:
             if seq.state in ("running", "parked") and seq.first_token_at is None:
@@ -401,7 +432,7 @@ class Engine:
             seq.state, seq.parked_blocks = "parked", blocks
             self._events.append(Event("park", seq, at))
             return
-        self._blocks -= blocks
+        self._blocks -= blocks + self._unpool(seq)
         del self._running[seq.rid]
         self._finish(seq, at)
 
@@ -439,15 +470,18 @@ class Engine:
                     self.counters.aborted += 1
                     self._events.append(Event("abort", seq, at))
                     continue
-                if self._blocks + need + blocks > self._num_blocks:
+                cached, new = self._lookup(seq, tokens, blocks, need)
+                if self._blocks + need + new > self._num_blocks:
                     break
-                if tokens > budget and admitted:
+                if tokens - cached > budget and admitted:
                     break
                 self._pop_waiting()
                 self._admit(seq, done + 1, tokens, at)
-                self._blocks += blocks
-                budget -= tokens
-                prefill += tokens
+                if seq.block_hashes:
+                    self._pool(seq, cached, tokens)
+                self._blocks += new
+                budget -= tokens - cached
+                prefill += tokens - cached
                 admitted.append(seq)
         self._blocks += need
         self._alloc = done + 1
@@ -479,7 +513,8 @@ class Engine:
 
     def _preempt(self, seq: Sequence, done: int, at: float) -> None:
         """Recompute: free ``seq``'s blocks, keep its tokens, put it first in the queue."""
-        self._blocks -= -(-(seq.offset + done) // self._bs)
+        self._blocks -= -(-(seq.offset + done) // self._bs) - seq.pool_blocks
+        self._blocks -= self._unpool(seq)
         self._deactivate(seq)
         del self._running[seq.rid]
         seq.generated += done - seq.start_step + 1
@@ -505,9 +540,77 @@ class Engine:
         self._phase[seq.offset % self._bs] -= 1
 
     def _blocks_of(self, seq: Sequence) -> int:
+        """The blocks ``seq`` holds of its own (the prefix cache's shared ones not counted)."""
         if seq.state == "parked":
             return seq.parked_blocks
-        return -(-(seq.offset + self._alloc) // self._bs)
+        return -(-(seq.offset + self._alloc) // self._bs) - seq.pool_blocks
+
+    # -- the prefix cache ---------------------------------------------------------------------
+
+    def _trim_cache(self, used: int) -> None:
+        """Evict the least recently freed cached blocks that ``used`` blocks in use leave no
+        room for (a new block takes the oldest free one: evicting lazily, when the cache is
+        next read, gives the same cache, since in use only grows between two reads)."""
+        lru, room = self._lru, max(0, self._num_blocks - used)
+        while len(lru) > room:
+            lru.popitem(last=False)
+
+    def _lookup(self, seq: Sequence, tokens: int, blocks: int, need: int) -> tuple[int, int]:
+        """What admitting ``seq`` (``tokens`` to compute, ``blocks`` held) finds in the cache
+        and what it takes: (tokens cached, at least one left to compute; blocks to allocate:
+        its own, plus its prompt blocks no running sequence holds)."""
+        if not seq.block_hashes:
+            return 0, blocks
+        self._trim_cache(self._blocks + need)
+        cached = min(self._cached_blocks(seq) * self._bs, tokens - 1)
+        return cached, blocks - len(seq.block_hashes) + self._uncached(seq)
+
+    def _cached_blocks(self, seq: Sequence) -> int:
+        """``seq``'s leading prompt blocks found in the cache (in use or free)."""
+        n = 0
+        for h in seq.block_hashes:
+            if h not in self._refs and h not in self._lru:
+                break
+            n += 1
+        return n
+
+    def _uncached(self, seq: Sequence) -> int:
+        """``seq``'s prompt blocks no running sequence holds: those it allocates."""
+        refs = self._refs
+        return sum(1 for h in seq.block_hashes if h not in refs)
+
+    def _pool(self, seq: Sequence, cached: int, tokens: int) -> None:
+        """``seq`` (just admitted, ``cached`` of its ``tokens`` found) holds its prompt
+        blocks in the cache."""
+        refs, lru = self._refs, self._lru
+        for h in seq.block_hashes:
+            if h in refs:
+                refs[h] += 1
+            else:
+                lru.pop(h, None)
+                refs[h] = 1
+        seq.pool_blocks = len(seq.block_hashes)
+        self.counters.prefix_queries += tokens
+        self.counters.prefix_hits += cached
+        if seq.preemptions == 0:
+            seq.cached_tokens = cached
+
+    def _unpool(self, seq: Sequence) -> int:
+        """``seq`` lets go of its cached blocks; the blocks no sequence holds any more (now
+        free, their prefix kept: the last block first to go, as vLLM frees them)."""
+        if not seq.pool_blocks:
+            return 0
+        refs, lru, freed = self._refs, self._lru, 0
+        self._trim_cache(self._blocks)
+        for h in reversed(seq.block_hashes):
+            if refs[h] > 1:
+                refs[h] -= 1
+            else:
+                del refs[h]
+                lru[h] = None
+                freed += 1
+        seq.pool_blocks = 0
+        return freed
 
     def _growth(self, start: int, stop: int) -> int:
         """Blocks the active sequences add from allocating step ``start`` to step ``stop``."""

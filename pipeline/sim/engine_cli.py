@@ -12,7 +12,7 @@ from .presets import PRESETS, engine_config
 
 # EngineConfig fields an option overrides (the option is the field with dashes)
 OVERRIDES = ("scheduling_policy", "preemption", "kv_cache_tokens", "max_num_seqs",
-             "max_num_batched_tokens", "max_model_len")  # fmt: skip
+             "max_num_batched_tokens", "max_model_len", "enable_prefix_caching")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        ("--max-num-batched-tokens", "tokens per step at most"),
                        ("--max-model-len", "prompt + max_tokens at most")]:  # fmt: skip
         add(flag, type=_positive_int, metavar="N", help=f"{what} (default: the preset's)")
+    add("--enable-prefix-caching", action="store_true", default=None,
+        help="cache prompt blocks by their prefix (vLLM's automatic prefix caching): a prompt "
+        "whose leading blocks are cached skips their prefill")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig | None:

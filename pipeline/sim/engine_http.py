@@ -16,7 +16,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .engine import Engine, EngineConfig, Event
+from .engine import Engine, EngineConfig, Event, block_hashes
 from .engine import Sequence as EngineSequence
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
@@ -103,6 +103,7 @@ class EngineFront:
         """Counters and histograms start again (the sequences in the engine stay)."""
         c = self.engine.counters
         self._base = (c.preemptions, c.finished, c.aborted, self.engine.steps)
+        self._prefix_base = (c.prefix_queries, c.prefix_hits)
         c.max_running, c.max_waiting = self.engine.running, self.engine.waiting
         self.prompt_tokens = self.generation_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -122,11 +123,18 @@ class EngineFront:
             "Please reduce the length of the messages or completion."
         )
 
-    def submit(self, prompt_tokens: int, output_tokens: int, priority: int, held: bool) -> Job:
-        """Queue a request in the engine; ValueError if it never could run."""
+    def submit(
+        self, prompt_tokens: int, output_tokens: int, priority: int, held: bool, text: str = ""
+    ) -> Job:
+        """Queue a request in the engine (``text``: its prompt, a token per word, for the
+        prefix cache); ValueError if it never could run."""
         loop = asyncio.get_running_loop()
         rid = next(self._ids)
-        seq = self.engine.add(rid, prompt_tokens, output_tokens, time.monotonic(), priority, held)
+        cfg = self.engine.config
+        hashes = block_hashes(text.split(), cfg.block_size) if cfg.enable_prefix_caching else ()
+        seq = self.engine.add(
+            rid, prompt_tokens, output_tokens, time.monotonic(), priority, held, hashes
+        )
         job = self._jobs[rid] = Job(seq, loop.create_future(), loop.create_future())
         self._settle()
         return job
@@ -218,6 +226,9 @@ class EngineFront:
             "aborted": c.aborted - aborted,
             "max_running_observed": c.max_running,
             "max_waiting_observed": c.max_waiting,
+            "prefix_caching": cfg.enable_prefix_caching,
+            "prefix_cache_queries": c.prefix_queries - self._prefix_base[0],  # tokens
+            "prefix_cache_hits": c.prefix_hits - self._prefix_base[1],
         }
 
     def metrics(self, model_name: str) -> list[str]:
@@ -242,6 +253,15 @@ class EngineFront:
             ("generation_tokens_total", "counter", "Number of generation tokens processed.",
              self.generation_tokens),
         ]  # fmt: skip
+        if engine.config.enable_prefix_caching:  # vLLM's, in tokens
+            c, (queries, hits) = engine.counters, self._prefix_base
+            rows += [
+                ("prefix_cache_queries_total", "counter",
+                 "Prefix cache queries, in terms of number of queried tokens.",
+                 c.prefix_queries - queries),
+                ("prefix_cache_hits_total", "counter",
+                 "Prefix cache hits, in terms of number of cached tokens.", c.prefix_hits - hits),
+            ]  # fmt: skip
         lines = []
         for name, kind, help_text, value in rows:
             lines += [f"# HELP vllm:{name} {help_text}", f"# TYPE vllm:{name} {kind}"]
@@ -279,7 +299,7 @@ class StreamReply(Response):
         head: dict[str, Any],
         text: str,
         finish_reason: str,
-        usage: dict[str, int] | None,
+        usage: dict[str, Any] | None,
         on_done: Callable[[], None],
     ) -> None:
         self.status_code, self.background = 200, None

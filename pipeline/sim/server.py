@@ -199,7 +199,7 @@ def _fake_text(prompt: str, n: int) -> str:
     return "".join(" " + _VOCAB[(h + i * 7919) % len(_VOCAB)] for i in range(n))
 
 
-def _usage(prompt_tokens: int, completion: int) -> dict[str, int]:
+def _usage(prompt_tokens: int, completion: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion}  # fmt: skip
 
@@ -665,7 +665,8 @@ class SimServer:
         if (too_long := front.too_long(prompt_tokens, call.max_tokens)) is not None:
             return _error(400, too_long)
         held = call.hold is not None and call.hold not in self._released
-        job = front.submit(prompt_tokens, completion, call.priority, held)
+        job = front.submit(prompt_tokens, completion, call.priority, held, call.prompt)
+        caching = front.engine.config.enable_prefix_caching
         if held and call.hold is not None:
             name, hold = call.hold, self._future()
             self._holds.setdefault(name, set()).add(hold)
@@ -687,6 +688,8 @@ class SimServer:
             def done() -> None:
                 self._by_status[200] = self._by_status.get(200, 0) + 1
                 self._count_usage(call, prompt_tokens, completion)
+                if usage is not None and caching:
+                    usage["prompt_tokens_details"] = {"cached_tokens": job.seq.cached_tokens}
 
             return StreamReply(
                 front, job, functools.partial(self._until, call), self._head(call, "chunk"),
@@ -697,7 +700,7 @@ class SimServer:
             return None
         if job.error is not None:
             return _error(503, job.error)
-        return self._completion(call, completion)
+        return self._completion(call, completion, job.seq.cached_tokens if caching else None)
 
     def _call_at(self, when: float, fn: Callable[[], None]) -> None:
         if self._clock is None:
@@ -834,8 +837,9 @@ class SimServer:
             raise _BadRequest(f"bad x-sim-template-tokens header: {header!r}")
         return got
 
-    def _completion(self, call: _Call, completion: int) -> Response:
-        """A 200 with ``completion`` tokens, counted."""
+    def _completion(self, call: _Call, completion: int, cached: int | None = None) -> Response:
+        """A 200 with ``completion`` tokens, counted (``cached``: the prompt tokens the
+        engine's prefix cache held, as vLLM's ``usage.prompt_tokens_details``)."""
         text = _fake_text(call.prompt, completion)
         prompt_tokens = self._prompt_tokens_of(call)
         self._count_usage(call, prompt_tokens, completion)
@@ -845,6 +849,8 @@ class SimServer:
         else:
             choice["text"] = text
         usage = _usage(prompt_tokens, completion)
+        if cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return _json({**self._head(call), "choices": [choice], "usage": usage})
 
     @staticmethod

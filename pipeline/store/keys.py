@@ -31,6 +31,8 @@ TAILS = {
     "holders": ":holders",
     "wake": ":wake",
     "invalid": ":invalid",
+    "prefix": ":p:",
+    "group": ":group",
 }
 
 
@@ -100,6 +102,16 @@ class Keys:
     def result_list(self, queue: QueueConfig) -> str:
         """List: a queue's terminal results (``result_queue_name`` verbatim, when set)."""
         return queue.result_queue_name or self.default_result_list(queue.queue_name)
+
+    # -- per queue, prefix grouping (lua/dispatch.lua, docs/scheduling.md) -----------------
+    def prefix_queue(self, queue: str, prefix_key: str) -> str:
+        """Sorted set: the waiting requests of one prompt prefix (as in ``pending``; an entry
+        of a request that left the queue unsent is dropped when the dispatcher meets it)."""
+        return self.queue_prefix() + queue + TAILS["prefix"] + prefix_key
+
+    def group(self, queue: str) -> str:
+        """String: the prefix key of the queue's last dispatched request."""
+        return self.queue_prefix() + queue + TAILS["group"]
 
     # -- per queue, scheduling of an indexed queue (lua/sched.lua, docs/scheduling.md) ---
     def sched(self, queue: str) -> str:

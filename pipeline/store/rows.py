@@ -25,6 +25,7 @@ class RequestRow(NamedTuple):
     result_list_ttl: str
     labels: str  # JSON object text
     custom_id: str = ""  # a batch line's (stored only with a batch id)
+    prefix: str = ""  # its prompt prefix's key, "" for none (pipeline/client/prefix.py)
 
 
 # what a live request and a submission of its id must share, or it is a conflict (submit.lua)

@@ -88,6 +88,7 @@ class QueueTick:
     tokens: tuple[TokenSpec, ...] = ()
     rand: float = 0.0  # where a new round-robin counter of the queue starts (0..1)
     result_list: tuple[str, str, str] = ("", "0", "0")  # key, max length, TTL
+    group_slack_s: float | None = None  # prefix grouping (None: off), dispatch.lua's gs
 
     def arg(self) -> dict[str, Any]:
         tokens = {"tokens": [t.arg() for t in self.tokens]} if self.tokens else {}
@@ -106,6 +107,7 @@ class QueueTick:
             "rl_ttl": self.result_list[2],
             "specs": [s.arg() for s in self.specs],
             **tokens,
+            **({"gs": self.group_slack_s} if self.group_slack_s is not None else {}),
         }
 
 

@@ -364,6 +364,9 @@ class Store:
             queue.queue_name,
             weight=queue.weight,
             result_list=self.result_list_args(queue),
+            group_slack_s=(queue.group_slack_s or queue.request_timeout_s)
+            if queue.group_prefixes
+            else None,
             **kw,  # type: ignore[arg-type]
         )
 

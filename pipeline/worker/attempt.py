@@ -22,7 +22,9 @@ from ..http.classify import INVALID_RESPONSE, UNSENDABLE, Kind, Outcome, join_ur
 from ..http.rules import (
     ATTEMPT_HEADERS,
     CONNECTION_HEADERS,
+    PREFIX_HEADER,
     REQUEST_ID_HEADER,
+    SLO_HEADER,
     endpoint_error,
     value_error,
 )
@@ -479,6 +481,10 @@ class Attempt:
             headers[name] = tenant
         if bearer is not None:
             headers["Authorization"] = bearer
+        if self.queue.engine_hints:  # for a router that scores by them (llm-d's)
+            _replace(headers, SLO_HEADER, str(max(0, int(self.time_left() * 1000))))
+            if prefix := self.record.get("pfx"):
+                _replace(headers, PREFIX_HEADER, prefix)
         return headers
 
     def adaptive_view(self) -> dict[str, Any] | None:

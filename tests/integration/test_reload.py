@@ -132,7 +132,8 @@ def test_the_snapshot_children_follow_round_trips_every_field() -> None:
         "redirect_origins": ["https://c:8443"],
         "result_list": False, "result_list_max_len": 7,
         "result_ttl_seconds": 60, "ingest": "llm-d-async", "weight": 3, "fair_share": True,
-        "engine_priority": True,
+        "engine_priority": True, "group_prefixes": False, "prefix_field": "doc",
+        "group_slack_s": 30, "engine_hints": True,
     }  # fmt: skip
     # every field of a queue is set here: a new one must be added (and round-trip too)
     assert set(full) == set(QueueConfig.__dataclass_fields__)

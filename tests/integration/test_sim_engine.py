@@ -418,3 +418,27 @@ def test_the_cli_names_a_bad_engine_option(
         args.func(args)  # exits before it serves
     assert exited.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_prefix_cache_reports_cached_tokens(start: Callable[..., SimServer]) -> None:
+    """With --enable-prefix-caching: a prompt sharing 2 full blocks with an earlier one
+    reports them in usage.prompt_tokens_details (streamed too), and vLLM's prefix-cache
+    counters count the tokens looked up and found."""
+    sim = start(enable_prefix_caching=True)
+    shared = " ".join(f"s{i}" for i in range(32))
+    first = post(sim.url, {"prompt": shared + " a b c", "max_tokens": 2}).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    again = post(sim.url, {"prompt": shared + " d e", "max_tokens": 2}).json()
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    streamed = {"prompt": shared + " f", "max_tokens": 2, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", sim.url + COMPLETIONS, json=streamed) as r:
+        usage = [c for c in events(r) if c != "[DONE]" and c.get("usage")][-1]["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 32}
+    seen = metrics(sim.url)
+    assert seen["vllm:prefix_cache_queries_total"] == 35 + 34 + 33
+    assert seen["vllm:prefix_cache_hits_total"] == 64
+    assert sim.engine_stats()["prefix_cache_hits"] == 64
+    plain = start()
+    assert "prompt_tokens_details" not in post(plain.url, body()).json()["usage"]
+    assert "vllm:prefix_cache_hits_total" not in metrics(plain.url)

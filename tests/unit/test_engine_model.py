@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.sim.engine import Engine, EngineConfig, Event, Sequence
+from pipeline.sim.engine import Engine, EngineConfig, Event, Sequence, block_hashes
 from pipeline.sim.presets import PRESETS, engine_config
 
 BASE, PER_SEQ, PER_TOKEN = 1.0, 0.5, 0.25
@@ -454,3 +454,125 @@ def test_dataclass_fields_of_the_config_are_the_cli_options() -> None:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     assert {"kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
             "scheduling_policy", "preemption"} <= names  # fmt: skip
+
+
+# -- the prefix cache ------------------------------------------------------------------------
+def words(prefix: str, n: int, suffix: str = "") -> list[str]:
+    """``n`` tokens (a token is a word): ``prefix`` words, the last 20 ``suffix`` ones."""
+    keep = n if not suffix else max(0, n - 20)
+    return [f"{prefix}{i}" for i in range(keep)] + [f"{suffix}{i}" for i in range(n - keep)]
+
+
+def cached_config(**fields: object) -> EngineConfig:
+    return config(enable_prefix_caching=True, **fields)
+
+
+def add(engine: Engine, rid: str, tokens: list[str], out: int, now: float) -> Sequence:
+    bs = engine.config.block_size
+    return engine.add(rid, len(tokens), out, now, block_hashes=block_hashes(tokens, bs))
+
+
+def test_a_cached_prefix_skips_its_prefill_and_is_reported() -> None:
+    engine = Engine(cached_config())
+    a = add(engine, "a", words("s", 100, "a"), 2, 0.0)  # 6 full blocks, the 7th partial
+    run(engine)
+    assert a.cached_tokens == 0 and engine.counters.prefix_hits == 0
+    # b shares a's first 80 tokens (5 blocks); its 6th block (80..95) has its own words
+    b = add(engine, "b", words("s", 100, "b"), 2, engine.now)
+    start = engine.now
+    events = run(engine)
+    assert b.cached_tokens == 5 * 16
+    assert times(events, "first")["b"] == start + BASE + PER_SEQ + PER_TOKEN * (100 - 80)
+    c = engine.counters
+    assert (c.prefix_queries, c.prefix_hits) == (200, 80)
+    assert c.prefill_tokens == 100 + 20
+
+
+def test_a_prompt_found_whole_still_computes_one_token() -> None:
+    engine = Engine(cached_config())
+    tokens = words("s", 64)  # exactly 4 blocks
+    add(engine, "a", tokens, 1, 0.0)
+    run(engine)
+    b = add(engine, "b", tokens, 1, engine.now)
+    run(engine)
+    assert b.cached_tokens == 63 and engine.counters.prefill_tokens == 64 + 1
+
+
+def test_running_sequences_share_their_prefix_blocks() -> None:
+    engine = Engine(cached_config())
+    a = add(engine, "a", words("s", 100, "a"), 50, 0.0)
+    b = add(engine, "b", words("s", 100, "b"), 50, 0.0)
+    engine.advance(0.0)
+    engine.advance(engine.next_event_at() or 0.0)  # both prefilled in one step
+    # shared: blocks 0-4 (80 tokens); each: its 6th block and its partial 7th (+1 token)
+    assert engine.kv_blocks == 5 + 2 * 2
+    assert a.cached_tokens == 0 and b.cached_tokens == 5 * 16  # in the same step, as vLLM v1
+    run(engine)
+    assert engine.kv_blocks == 0 and engine.running == 0
+
+
+def test_without_prefix_caching_nothing_is_cached() -> None:
+    engine = Engine(config())
+    tokens = words("s", 100)
+    add(engine, "a", tokens, 1, 0.0)
+    run(engine)
+    b = add(engine, "b", tokens, 1, engine.now)
+    run(engine)
+    assert b.cached_tokens == 0 and engine.counters.prefix_queries == 0
+    assert engine.counters.prefill_tokens == 200
+
+
+def test_the_least_recently_freed_prefix_is_evicted_first() -> None:
+    """A cache of 16 blocks; three 4-block prompts free in turn (A, B, C); a 10-block
+    prompt then takes room from the free blocks: A's go first (its tail first), C stays."""
+    engine = Engine(cached_config(kv_cache_tokens=16 * 16))
+    for rid in "ABC":
+        add(engine, rid, words(rid, 64), 1, engine.now)
+        run(engine)
+    add(engine, "big", words("x", 160), 1, engine.now)  # 11 blocks: 2 left free
+    engine.advance(engine.now)
+    assert engine.kv_blocks == 11
+    # 5 free blocks, 12 cached: the 7 oldest freed (all of A's, 3 of B's, tail first) evicted
+    hits = {}
+    for rid in "CBA":
+        seq = add(engine, rid + "2", words(rid, 64), 1, engine.now)
+        run(engine)
+        hits[rid] = seq.cached_tokens
+    assert hits == {"C": 63, "B": 16, "A": 0}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 200), st.integers(0, 40), st.booleans()),
+        min_size=1,
+        max_size=24,
+    ),
+    st.integers(12, 40),
+)
+def test_the_prefix_cache_keeps_the_block_count(
+    reqs: list[tuple[int, int, int, bool]], blocks: int
+) -> None:
+    """Whatever shares what: blocks in use are each running sequence's own blocks plus the
+    shared ones counted once, never more than the cache (but after the last step's
+    admission check), every request finishes, and the cache ends empty of blocks in use."""
+    engine = Engine(cached_config(kv_cache_tokens=blocks * 16, max_num_batched_tokens=256))
+    seqs = []
+    t = 0.0
+    for i, (prefix, n, out, wait) in enumerate(reqs):
+        n = min(n, blocks * 16 - out - 1)
+        seqs.append(add(engine, i, words(f"p{prefix}-", n, f"r{i}-" if n > 8 else ""), out, t))
+        if wait:
+            t += 1.0
+            run(engine, t)
+        engine.advance(engine.now)
+        held = [s for s in seqs if s.state in ("running", "parked")]
+        shared = {h for s in held for h in s.block_hashes}
+        own = sum(engine._blocks_of(s) for s in held)
+        assert engine._blocks <= engine.num_blocks
+        assert len(engine._refs) == len(shared) and engine._blocks == own + len(shared)
+    run(engine)
+    assert all(s.state == "finished" for s in seqs)
+    assert engine.kv_blocks == 0 and not engine._refs
+    c = engine.counters
+    assert 0 <= c.prefix_hits <= c.prefix_queries

@@ -26,6 +26,13 @@
 --    once the slot gate is full, its own look-ahead (other tenants' attempts, holding their
 --    quota slots) is what a finish hands over to, and the queue's room is kept for tenants
 --    that have quota room.
+-- Prefix grouping (a queue's gs: not indexed, group_prefixes): when the head of the pending
+-- set has another prefix key than the queue's last dispatched request (its 'group' key) and
+-- its deadline is at least gs s away, the earliest waiting request of that last prefix and of
+-- the head's priority (its prefix queue, TAIL_PREFIX) goes first instead: the requests passed
+-- over have deadlines no earlier than the head's, so none of them is sent later than gs
+-- before its deadline because of it. Its log says "early" (ahead of the head's id), the
+-- head's "passed" (once, until it is dispatched).
 -- Blocked tenants are out of the ready set, so each dispatch costs O(log n) in the number of
 -- waiting requests and tenants (a tenant is looked at again only after its key released).
 -- Each dispatched request's decision log gets a "dispatched" entry (its dispatch number; with
@@ -45,7 +52,7 @@
 -- [{name, dispatch (bool: may dispatch), sweep (bool), budget (0..1), cap (-1: none), acap
 -- (dispatched and running below which the quota look-ahead is sent; -1: cap), weight,
 -- lane (0..5), rand (0..1: a new round-robin counter's start), rl (bool: it keeps a result
--- list), rl_max, rl_ttl (result list),
+-- list), rl_max, rl_ttl (result list), gs (optional: prefix grouping's slack, s),
 -- specs: [{k (the quota key up to its value: <the gate's prefix param><attribute>:), attr,
 -- limit, la (look-ahead), h (bool: the key's leases are in this Redis)}],
 -- tokens (optional): [{log, ch (the token budget's charge log and charges up to its value:
@@ -237,7 +244,7 @@ local quota_used = {} -- quota key -> {sent, live leases} as this tick counted a
 -- token; `qkeys`: the quota keys it counts against (with their wake counts `wakes`: -1 for a
 -- token budget's window, which counts no requests); `ahead`: the key it is sent past, if
 -- any; `charges`: its token charges (see quota_keys).
-local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes, charges)
+local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes, charges, early)
   t = t + 1
   local token = cfg.nonce .. '.' .. t
   if charges then
@@ -250,6 +257,12 @@ local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes, charges)
   local n_text = string.format('%d', n)
   local note = '"n":' .. n_text
   if ahead then note = note .. ',"ahead":' .. cjson.encode(ahead) end -- past a quota key's limit
+  if early then note = note .. ',"early":' .. json_str(early) end -- ahead of it, for its prefix
+  local pfx = f[8]
+  if pfx and pfx ~= '' then
+    redis.call('ZREM', qkey(K, q.name, TAIL_PREFIX) .. pfx, f[3])
+    if q.gs and pfx ~= q.last then q.last, q.last_new = pfx, true end
+  end
   local log = log_with(f[6], id, log_entry(now, 'dispatched', note))
   if qkeys and #qkeys > 0 then
     redis.call('HSET', rk, 'state', 'dispatched', 'token', token, 'dispatches', n_text,
@@ -282,13 +295,13 @@ local function dispatch_one(q, id, rk, f, qkeys, ahead, wakes, charges)
 end
 
 -- The request of pending member `member` if it may be dispatched: id, record key, fields
--- (state, deadline, member, priority, tenant, log, dispatches). Anything else is dealt with
+-- (state, deadline, member, priority, tenant, log, dispatches, prefix key). Anything else is dealt with
 -- here (rejected, an unreadable record resulted, an expired one resulted) and nil returned.
 local function check(q, member)
   local id = string.match(member, '^%d+|(.+)$')
   local rk = id and (K.req .. id)
   local f = rk and redis.call('HMGET', rk, 'state', 'deadline', 'member', 'priority', 'tenant',
-    'log', 'dispatches') or {}
+    'log', 'dispatches', 'pfx') or {}
   if not id or f[1] ~= 'queued' or f[3] ~= member then
     reject(q, member, id, f[1])
   elseif not tonumber(f[2]) then
@@ -446,6 +459,49 @@ end
 
 local held = {} -- tenants blocked in this tick: {q, c, tk}, for the quota look-ahead
 
+-- Prefix grouping: the earliest waiting request of prefix `pfx` in queue q whose ordering
+-- key is in priority band `band` (id, record key, fields, member), or nil; entries of
+-- requests no longer waiting are dropped on the way.
+local function prefix_next(q, pfx, band)
+  local pk = qkey(K, q.name, TAIL_PREFIX) .. pfx
+  while true do
+    local e = redis.call('ZRANGE', pk, 0, 0, 'WITHSCORES')
+    if #e == 0 then return nil end
+    local member = e[1]
+    if not redis.call('ZSCORE', q.pending, member) then
+      redis.call('ZREM', pk, member) -- it left the queue unsent (cancelled, expired, retried)
+    else
+      if math.floor(tonumber(e[2]) / 1e13) ~= band then return nil end
+      local id, rk, f = check(q, member)
+      if id then return id, rk, f, member end
+      redis.call('ZREM', pk, member)
+      redis.call('ZREM', q.pending, member)
+    end
+  end
+end
+
+-- Queue q's head (popped: member, score; its id, record key and fields) goes now, unless a
+-- request of the prefix last sent goes ahead of it (see the header): dispatch either.
+local function take_grouped(q, member, score, id, rk, f)
+  local pfx = f[8] or ''
+  if pfx ~= '' and q.last == nil then
+    q.last = redis.call('GET', qkey(K, q.name, TAIL_GROUP)) or ''
+  end
+  if pfx ~= '' and q.last ~= '' and pfx ~= q.last and tonumber(f[2]) - now >= q.gs then
+    local cid, crk, cf, cm = prefix_next(q, q.last, math.floor(tonumber(score) / 1e13))
+    if cid then
+      redis.call('ZADD', q.pending, score, member) -- back, with its key: it stays the head
+      redis.call('ZREM', q.pending, cm)
+      local tail = '"e":"passed"}'
+      if string.sub(f[6] or '', -#tail) ~= tail then -- once, until it is dispatched
+        redis.call('HSET', rk, 'log', log_with(f[6], id, log_entry(now, 'passed', nil)))
+      end
+      return dispatch_one(q, cid, crk, cf, nil, nil, nil, nil, id)
+    end
+  end
+  return dispatch_one(q, id, rk, f, nil)
+end
+
 -- Dispatch the next request of queue q: true, or false when it has nothing (more) to send.
 local function take(q)
   local c = q.conf
@@ -454,7 +510,10 @@ local function take(q)
       local head = redis.call('ZPOPMIN', q.pending)
       if #head == 0 then return false end
       local id, rk, f = check(q, head[1])
-      if id then return dispatch_one(q, id, rk, f, nil) end
+      if id then
+        if q.gs then return take_grouped(q, head[1], head[2], id, rk, f) end
+        return dispatch_one(q, id, rk, f, nil)
+      end
     end
   end
   local ready = c.base .. TAIL_READY
@@ -585,6 +644,10 @@ if merged and stateful then
     end
   end
   redis.call('HSET', merge_key, unpack(out))
+end
+
+for _, q in ipairs(Q) do -- the prefix each grouping queue sent last, for its next tick
+  if q.last_new then redis.call('SET', qkey(K, q.name, TAIL_GROUP), q.last, 'EX', 86400) end
 end
 
 -- 4. look-ahead past quota limits --------------------------------------------------------

@@ -8,7 +8,7 @@
 -- leaves them.
 local ATTEMPT_FIELDS = {'id', 'queue', 'deadline', 'payload', 'metadata', 'labels', 'headers',
   'endpoint', 'attempts', 'dispatches', 'submitted_at', 'last_response', 'last_error', 'wire',
-  'ref_token', 'priority'}
+  'ref_token', 'priority', 'pfx'}
 local f = redis.call('HMGET', KEYS[1], 'state', 'token', unpack(ATTEMPT_FIELDS))
 if f[1] ~= 'dispatched' or f[2] ~= ARGV[1] then
   return {0, f[1] or 'missing'}

@@ -2,12 +2,14 @@
 -- KEYS: the key families (lib.lua key_families): each item's keys are derived from its id,
 --   queue and pool (its record, its queue's pending and expiry sets, for a queue indexed by
 --   tenant its scheduling keys (sched.lua), its pool's doorbell), a batch's from ARGV[2].
--- ARGV[1] the items: a JSON array with one array of 15 strings per item, a RequestRow
+-- ARGV[1] the items: a JSON array with one array of 16 strings per item, a RequestRow
 --   (pipeline/store/rows.py) in its order: id, queue, pool, priority, deadline, timeout,
 --   payload, metadata, headers, endpoint, result_list, result_list_max, result_list_ttl,
---   labels, custom_id. The deadline is Unix s by the server's clock, or '' (then the timeout
---   counts from now); result_list '' for none (see lib.lua); custom_id '' outside a batch.
---   (One argument instead of 15 per item: the client encodes it in one call.)
+--   labels, custom_id, prefix. The prefix is the prompt prefix's key ('' for none); with one,
+--   the request is also in its queue's prefix queue, and its record's field 'pfx' says it.
+--   The deadline is Unix s by the server's clock, or '' (then the timeout counts from now);
+--   result_list '' for none (see lib.lua); custom_id '' outside a batch.
+--   (One argument instead of 16 per item: the client encodes it in one call.)
 -- The ordering key (score) is (9 - priority) x 1e13 + the deadline in ms: higher priority
 -- first, then earliest deadline; the member's sequence number breaks ties (submission order).
 -- With ARGV[2] a batch id, the items are that batch's lines (pipeline/batch/): each item's
@@ -104,6 +106,17 @@ for i, r in ipairs(items) do
       fields[#fields + 1] = batch
       fields[#fields + 1] = 'custom_id'
       fields[#fields + 1] = r[15]
+    end
+    local pfx = r[16] or ''
+    if pfx ~= '' then
+      fields[#fields + 1] = 'pfx'
+      fields[#fields + 1] = pfx
+      local pk = qkey(K, queue, TAIL_PREFIX) .. pfx
+      redis.call('ZADD', pk, score, member)
+      -- it outlives its requests' deadlines (entries of requests that left unsent are dropped
+      -- when met: one nobody meets goes with the key)
+      local live = math.ceil(tonumber(deadline) - now) + 60
+      if redis.call('TTL', pk) < live then redis.call('EXPIRE', pk, live) end
     end
     redis.call('HSET', rk, unpack(fields))
     redis.call('ZADD', qkey(K, queue, TAIL_PENDING), score, member)
