@@ -245,8 +245,9 @@ def clamp(limit: float, cfg: Config) -> int:
 
 
 def quick_windows(state: State) -> bool:
-    """Slow start on the engine's metrics: a reading is of the moment, so a window need not
-    wait for half its cohort (the answers' latencies lag: they do)."""
+    """Slow start on the engine's metrics: a reading is of the moment (what the engine runs,
+    holds waiting and fills of its KV cache now), so a window need not wait for any answer
+    (the answers' latencies lag: they do)."""
     return state.phase == "start" and state.signal == SIGNAL_ENGINE
 
 
@@ -256,11 +257,11 @@ def window_closes(
     """A window is over once half the requests in flight have been admitted in it and answered
     (so its latencies are of requests that lived under its limit, queueing included: a window
     of fixed length would see a queue's latency only after it), after at least
-    ``window_min_s``; or after ``window_max_s`` whatever it has. ``quick`` (slow start): once
-    ``MIN_SAMPLES`` were, the first of its cohort."""
+    ``window_min_s``; or after ``window_max_s`` whatever it has. ``quick`` (slow start on the
+    engine's metrics): after ``window_min_s``, answered or not."""
     if elapsed_s >= cfg.window_max_s:
         return True
-    want = MIN_SAMPLES if quick else max(MIN_SAMPLES, -(-in_flight // 2))
+    want = 0 if quick else max(MIN_SAMPLES, -(-in_flight // 2))
     return elapsed_s >= cfg.window_min_s and measured >= want
 
 
@@ -315,6 +316,8 @@ def _knee(s: State, win: Window, cfg: Config, now: float, engine: Engine | None)
         return _congested(s, cfg, math.floor(s.limit * 0.9), SIGNAL_OVERLOAD, "ttl-expired")
     binding = win.refused > 0 or win.in_flight >= 0.8 * s.limit
     if engine is not None and engine.waiting is not None:
+        # a window without answers (slow start on the metrics) has the reading's in-flight
+        binding = binding or engine.in_flight_before >= 0.8 * s.limit
         return _by_engine(s, win, cfg, now, engine, binding)
     return _by_answers(s, win, cfg, now, binding)
 

@@ -139,6 +139,21 @@ def test_with_engine_metrics_it_doubles_until_a_queue_then_runs_what_the_engine_
     assert knee.reason_code(state.reason) == "engine-queue"
 
 
+def test_on_the_metrics_a_slow_start_window_needs_no_answer() -> None:
+    """A reading is of the moment: in slow start on the engine's metrics a window closes after
+    window_min with nothing answered, and the reading's in-flight says the limit binds."""
+    engine_start = knee.initial_state(CFG, engine=True)
+    assert knee.quick_windows(engine_start)
+    assert knee.window_closes(CFG.window_min_s, 0, 64, CFG, quick=True)
+    assert not knee.window_closes(CFG.window_min_s / 2, 0, 64, CFG, quick=True)
+    assert not knee.window_closes(CFG.window_min_s, 0, 64, CFG, quick=False)
+    empty = knee.Window(elapsed_s=CFG.window_min_s)  # no answer, no refusal counted
+    state = knee.decide(engine_start, empty, CFG, 1.0, clean_engine(8)).state
+    assert state.limit == 16 and knee.reason_code(state.reason) == "slow-start"
+    idle = dataclasses.replace(clean_engine(2), in_flight_before=2, in_flight_after=2)
+    assert knee.decide(engine_start, empty, CFG, 1.0, idle).state.limit == 8  # demand below
+
+
 def test_a_filling_kv_cache_slows_the_start_and_stops_growth() -> None:
     state = knee.initial_state(CFG)  # 8
     state = knee.decide(state, busy(8), CFG, 1.0, clean_engine(8, kv=0.5)).state
