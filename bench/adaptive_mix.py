@@ -218,8 +218,10 @@ def priority(rh: Any, workdir: Path, sim: Sim, args: argparse.Namespace) -> bool
           f"{os.getloadavg()[0]:.1f}")  # fmt: skip
     print(table(["run", "backlog", "req/s", "of best static", "p9 n", "p9 p50 s", "p9 p99 s",
                  "p99 of idle", "preempted/req", "failed", "limit at the end"], rows))  # fmt: skip
-    print(f"targets: p99 <= {P99_OF_IDLE} x idle ({mix99 / idle99:.2f}), backlog >= "
-          f"{BACKLOG_OF_BEST} of best static ({mix.rate / best.rate:.3f}): {verdict(ok)}")
+    print(
+        f"targets: p99 <= {P99_OF_IDLE} x idle ({mix99 / idle99:.2f}), backlog >= "
+        f"{BACKLOG_OF_BEST} of best static ({mix.rate / best.rate:.3f}): {verdict(ok)}"
+    )
     return ok
 
 
@@ -241,7 +243,8 @@ def capacity(rh: Any, workdir: Path, sim: Sim, args: argparse.Namespace) -> bool
                 args.static_requests, capacity=((0.0, 0.5),)) for n in
             (int(x) for x in args.half_levels.split(","))]  # fmt: skip
     full = [run(rh, workdir, sim, f"static {n}, full capacity", global_gate(n), args,
-                args.static_requests) for n in (int(x) for x in args.levels.split(","))]  # fmt: skip
+                args.static_requests) for n in
+            (int(x) for x in args.levels.split(","))]  # fmt: skip
     best_half = max(steady_rate(o, s, 0.2) for o in half)
     best_full = max(steady_rate(o, s, 0.2) for o in full)
     t_half, t_double = args.phase * s, 2 * args.phase * s  # wall s after the first submit
@@ -257,8 +260,10 @@ def capacity(rh: Any, workdir: Path, sim: Sim, args: argparse.Namespace) -> bool
     ok_stop, ok_half = stop_s <= STOP_S, r_half >= HALVED_OF_BEST * best_half
     ok_full = r_full >= DOUBLED_OF_BEST * best_full
     late = [t for t in o.preempted_at if t >= doubled]
-    print(f"\ncapacity halves at {args.phase:g} s and doubles back at {2 * args.phase:g} s "
-          f"(model), {args.preset} at time scale {s:g}; load {os.getloadavg()[0]:.1f}")
+    print(
+        f"\ncapacity halves at {args.phase:g} s and doubles back at {2 * args.phase:g} s "
+        f"(model), {args.preset} at time scale {s:g}; load {os.getloadavg()[0]:.1f}"
+    )
     rows = [[x.label, x.n, steady_rate(x, s, 0.2), x.preemptions / x.n, x.failed] for x in
             [*half, *full]]  # fmt: skip
     print(table(["static run", "requests", "req/s (from 20 % of its span)", "preempted/req",
