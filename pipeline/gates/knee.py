@@ -111,6 +111,7 @@ QUEUE_TIME_SHARE = 0.2  # ... a mean queue time grown by this share (a prefill-b
 # queue grows with its load before its throughput stops)
 KV_ROOMY = 0.5  # ... this empty at the limit of the last congestion: the engine has grown
 KV_FULL = 0.85  # a KV cache this full takes no more: the limit does not grow
+KV_NEXT = 0.92  # ... nor when its fullest reading at this limit, plus one request, is this
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,8 @@ class State:
     histograms: tuple[float, float, float, float] | None = None  # ... and its histograms'
     least_wait: float = -1.0  # the least mean queue time seen (s; -1: none yet)
     roomy: int = 0  # readings in a row with the KV cache half empty below the ceiling
+    kv_peak: float = 0.0  # the fullest KV cache read at the limit kv_peak_at
+    kv_peak_at: int = 0
     latency_s: float = 0.0  # smoothed mean latency of a 2xx (sizes the window)
     clean: int = 0  # aimd-baseline: 2xx since its last change
     signal: str = SIGNAL_ANSWERS  # what the last decision acted on
@@ -245,10 +248,10 @@ def clamp(limit: float, cfg: Config) -> int:
 
 
 def quick_windows(state: State) -> bool:
-    """Slow start on the engine's metrics: a reading is of the moment (what the engine runs,
-    holds waiting and fills of its KV cache now), so a window need not wait for any answer
-    (the answers' latencies lag: they do)."""
-    return state.phase == "start" and state.signal == SIGNAL_ENGINE
+    """On the engine's metrics: a reading is of the moment (what the engine runs, holds
+    waiting and fills of its KV cache now), so a window need not wait for any answer (the
+    answers' latencies lag a request's life: a capacity lost would preempt for that long)."""
+    return state.signal == SIGNAL_ENGINE
 
 
 def window_closes(
@@ -257,8 +260,8 @@ def window_closes(
     """A window is over once half the requests in flight have been admitted in it and answered
     (so its latencies are of requests that lived under its limit, queueing included: a window
     of fixed length would see a queue's latency only after it), after at least
-    ``window_min_s``; or after ``window_max_s`` whatever it has. ``quick`` (slow start on the
-    engine's metrics): after ``window_min_s``, answered or not."""
+    ``window_min_s``; or after ``window_max_s`` whatever it has. ``quick`` (on the engine's
+    metrics): after ``window_min_s``, answered or not."""
     if elapsed_s >= cfg.window_max_s:
         return True
     want = 0 if quick else max(MIN_SAMPLES, -(-in_flight // 2))
@@ -418,8 +421,9 @@ def _by_engine(
     if congested:
         return _hold(s, SIGNAL_ENGINE, f"confirming an engine queue: {waiting:g} waiting")
     kv = engine.kv_usage
-    if kv is not None and kv >= KV_FULL:  # more would wait or evict
-        return _hold(s, SIGNAL_ENGINE, f"KV cache {kv:.0%} full: holding")
+    s, full = _kv_full(s, engine)
+    if full:
+        return _hold(s, SIGNAL_ENGINE, full)
     roomy = kv is not None and kv < KV_ROOMY and 0 < s.ceiling <= s.limit + 1
     s = dataclasses.replace(s, roomy=s.roomy + 1 if roomy else 0)
     if s.roomy >= 2:  # below the last congestion's limit, its cache twice half empty: it grew
@@ -427,6 +431,24 @@ def _by_engine(
     # slow start grows no further than what fills the cache to KV_FULL at this use per request
     factor = 2.0 if kv is None else max(1.0, min(4.0, KV_FULL / max(kv, 0.01)))
     return _grow(s, win, cfg, now, binding, SIGNAL_ENGINE, factor)
+
+
+def _kv_full(s: State, engine: Engine) -> tuple[State, str]:
+    """The fullest KV cache reading at this limit kept (a half-empty one: the engine grew,
+    forget it), and why the cache takes no more ('' when it does): it is ``KV_FULL``, or its
+    fullest reading here, with one request more, would reach ``KV_NEXT`` (a reading is one
+    sample of a cache that fills as its requests decode: one under the mark is no room)."""
+    kv = engine.kv_usage
+    if kv is None:
+        return s, ""
+    peak = max(kv, s.kv_peak) if s.kv_peak_at == s.limit and kv >= KV_ROOMY else kv
+    s = dataclasses.replace(s, kv_peak=peak, kv_peak_at=s.limit)
+    if kv >= KV_FULL:  # more would wait or evict
+        return s, f"KV cache {kv:.0%} full: holding"
+    busy = max(1, s.limit, engine.in_flight_before)
+    if s.phase != "start" and peak * (busy + 1) / busy >= KV_NEXT:
+        return s, f"KV cache up to {peak:.0%} full: holding"
+    return s, ""
 
 
 def _stale(s: State, in_flight: float) -> bool:

@@ -10,7 +10,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.adaptive_model import Scenario, run
+from bench.adaptive_model import Loop, Scenario, run
 from pipeline.gates import knee
 from pipeline.gates.engine_metrics import NoEngineMetrics, parse
 
@@ -162,6 +162,18 @@ def test_a_filling_kv_cache_slows_the_start_and_stops_growth() -> None:
     assert after.limit == 13 and knee.reason_code(after.reason) == "kv-full"
 
 
+def test_the_fullest_kv_reading_at_a_limit_plus_one_request_must_fit() -> None:
+    """13 in flight filled the cache to 87 % once: 14 would reach ~94 %, past KV_NEXT, so a
+    later reading of 84 % does not let the limit grow; a half-empty reading (the engine grew)
+    forgets that peak."""
+    state = dataclasses.replace(knee.initial_state(CFG, engine=True), limit=13, phase="steady")
+    for kv in (0.87, 0.84, 0.84):
+        state = knee.decide(state, busy(13), CFG, 1.0, clean_engine(13, kv=kv)).state
+        assert state.limit == 13 and knee.reason_code(state.reason) == "kv-full", kv
+    state = knee.decide(state, busy(13), CFG, 2.0, clean_engine(13, kv=0.45)).state
+    assert state.limit == 14
+
+
 def test_a_preemption_gives_back_the_raise_that_caused_it() -> None:
     state = dataclasses.replace(knee.initial_state(CFG), limit=13, phase="steady", preemptions=0)
     state = knee.decide(state, busy(13), CFG, 1.0, clean_engine(13)).state
@@ -237,6 +249,30 @@ def test_on_the_kv_bound_engine_with_its_metrics_it_settles_at_the_knee() -> Non
     assert res.throughput >= 0.93 * best
     assert res.preemptions <= 0.03 * 1000
     assert 12 <= res.trace[-1][1] <= 14
+
+
+def test_on_the_kv_bound_engine_its_probes_do_not_preempt() -> None:
+    """Past the knee's 13 the engine preempts: 2,000 requests from a cold start, none."""
+    res = run(Scenario("kv-bound", 2000, engine_metrics=True), 0.02)
+    assert res.preemptions <= 0.01 * 2000
+
+
+def test_preemptions_stop_at_once_when_the_engines_capacity_halves() -> None:
+    """At a real engine's pace (time scale 1: windows of 0.25 s against 20-60 s requests) the
+    KV-bound engine loses half its cache 1,500 s in: the gate reads it in the next window and
+    nothing is preempted 10 s after the loss (the loss itself preempts what no longer fits)."""
+    loop = Loop(Scenario("kv-bound", 1200, engine_metrics=True, capacity=((1500.0, 0.5),)))
+    at: list[float] = []
+    advance = loop.engine.advance
+
+    def counted(now: float) -> None:
+        before = loop.engine.counters.preemptions
+        advance(now)
+        at.extend([now] * (loop.engine.counters.preemptions - before))
+
+    loop.engine.advance = counted  # type: ignore[method-assign]
+    loop.run()
+    assert any(t >= 1500 for t in at) and all(not t >= 1510 for t in at)
 
 
 def test_an_engine_with_no_limit_gets_every_slot() -> None:
