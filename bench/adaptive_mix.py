@@ -89,9 +89,11 @@ def engine_sim(preset: str, scale: float, engine_priority: bool) -> Sim:
     return Sim(record_arrivals=True, extra=extra)
 
 
-def adaptive_gate(sim: Sim) -> dict[str, Any]:
-    return {"gate_type": "adaptive-concurrency",
-            "gate_params": {"metrics_url": sim.url + "/metrics"}}  # fmt: skip
+def adaptive_gate(sim: Sim, headroom: float | None = None) -> dict[str, Any]:
+    params: dict[str, Any] = {"metrics_url": sim.url + "/metrics"}
+    if headroom is not None:
+        params["priority_headroom"] = headroom
+    return {"gate_type": "adaptive-concurrency", "gate_params": params}
 
 
 def preemptions(sim: Sim) -> int:
@@ -207,7 +209,8 @@ def priority(rh: Any, workdir: Path, sim: Sim, args: argparse.Namespace) -> bool
     p9_rate = args.share * best.rate / args.scale  # wall req/s
     idle = run(rh, workdir, sim, "priority 9 alone (idle engine)", adaptive_gate(sim), args, 0,
                p9_rate=p9_rate, p9_count=args.idle)  # fmt: skip
-    mix = run(rh, workdir, sim, "adaptive, backlog + priority 9", adaptive_gate(sim), args,
+    gate = adaptive_gate(sim, args.headroom)
+    mix = run(rh, workdir, sim, "adaptive, backlog + priority 9", gate, args,
               args.backlog, p9_rate=p9_rate)  # fmt: skip
     idle99, mix99 = pct(idle.p9, 99), pct(mix.p9, 99)
     engine99 = pct(idle.p9_engine, 99)
@@ -221,7 +224,8 @@ def priority(rh: Any, workdir: Path, sim: Sim, args: argparse.Namespace) -> bool
              o.failed, o.limit] for o in [*statics, idle, mix]]  # fmt: skip
     print(f"\npriority under saturation, {args.preset} at time scale {args.scale:g}, "
           f"priority 9 at {args.share:.0%} of the best static rate ({p9_rate * args.scale:.3g} "
-          f"req/s), engine priority {'on' if args.engine_priority else 'off'}; load "
+          f"req/s), engine priority {'on' if args.engine_priority else 'off'}, priority_headroom "
+          f"{'default' if args.headroom is None else args.headroom}; load "
           f"{os.getloadavg()[0]:.1f}")  # fmt: skip
     print(table(["run", "backlog", "req/s", "of best static", "p9 n", "p9 p50 s", "p9 p99 s",
                  "p99 of idle", "at the engine: p99 of idle", "preempted/req", "failed",
@@ -300,6 +304,7 @@ def main() -> int:
     p.add_argument("--share", type=float, default=0.1, help="priority 9's share of capacity")
     p.add_argument("--idle", type=int, default=40, help="priority 9 requests on the idle engine")
     p.add_argument("--engine-priority", action="store_true")
+    p.add_argument("--headroom", type=float, help="priority: the gate's priority_headroom")
     p.add_argument("--half-levels", default="5,6,7", help="capacity: static limits, halved")
     p.add_argument("--static-requests", type=int, default=200)
     p.add_argument("--requests", type=int, default=1800, help="capacity: the adaptive backlog")
