@@ -415,8 +415,9 @@ def _by_engine(
         return _congested(s, cfg, to, SIGNAL_ENGINE, reason)
     if preempted > 0:  # to what it runs now (what fits), at most the raise that did it back
         to = s.limit - s.raised if s.raised else math.floor(s.limit * 0.9)
-        if engine.running is not None:
-            to = max(to, min(s.limit - 1, math.floor(engine.running)))
+        if engine.running is not None:  # more preempted than the last raise: it lost room
+            fits = math.floor(engine.running)
+            to = fits if preempted > max(1, s.raised) else max(to, min(s.limit - 1, fits))
         return _congested(s, cfg, to, SIGNAL_ENGINE, f"engine preempted {preempted:g}")
     if congested:
         return _hold(s, SIGNAL_ENGINE, f"confirming an engine queue: {waiting:g} waiting")
@@ -429,7 +430,9 @@ def _by_engine(
     if s.roomy >= 2:  # below the last congestion's limit, its cache twice half empty: it grew
         s = dataclasses.replace(s, ceiling=0, fails=0, hold=0, step=1, roomy=0)
     # slow start grows no further than what fills the cache to KV_FULL at this use per request
-    factor = 2.0 if kv is None else max(1.0, min(4.0, KV_FULL / max(kv, 0.01)))
+    # running (those admitted but not yet at the engine hold none of it yet)
+    share = 1.0 if engine.running is None else min(1.0, engine.running / max(1, s.limit))
+    factor = 2.0 if kv is None else max(1.0, min(4.0, KV_FULL * share / max(kv, 0.01)))
     return _grow(s, win, cfg, now, binding, SIGNAL_ENGINE, factor)
 
 
