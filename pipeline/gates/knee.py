@@ -381,7 +381,14 @@ def _by_engine(
     preempted = 0.0
     if engine.preemptions_total is not None and s.preemptions is not None:
         preempted = max(0.0, engine.preemptions_total - s.preemptions)
-    waits = _queue_wait(s.histograms, engine.histograms)
+    # the queue times are of the requests finished since the last reading used: a cohort's
+    # worth (half in flight) before they are read, else they wait for the next reading
+    half = -(-engine.in_flight_before // 2)
+    cohort = MIN_SAMPLES if s.phase == "start" else max(MIN_SAMPLES, half)
+    waits = _queue_wait(s.histograms, engine.histograms, cohort)
+    base, read = s.histograms, engine.histograms
+    short = waits is None and base is not None and read is not None
+    kept = base if short and 0 <= read[1] - base[1] < cohort else read  # type: ignore[index]
     least = s.least_wait
     if waits is not None:
         least = waits[0] if least < 0 else min(waits[0], least * 1.01 + 1e-6)
@@ -392,7 +399,7 @@ def _by_engine(
     s = dataclasses.replace(
         s,
         preemptions=engine.preemptions_total,
-        histograms=engine.histograms,
+        histograms=kept,
         least_wait=least,
         wait_share=share,
     )
@@ -422,9 +429,9 @@ def _by_engine(
     if congested:
         return _hold(s, SIGNAL_ENGINE, f"confirming an engine queue: {waiting:g} waiting")
     kv = engine.kv_usage
-    s, full = _kv_full(s, engine)
-    if full:
-        return _hold(s, SIGNAL_ENGINE, full)
+    s, no_room = _kv_full(s, engine)
+    if no_room:
+        return _hold(s, SIGNAL_ENGINE, no_room)
     roomy = kv is not None and kv < KV_ROOMY and 0 < s.ceiling <= s.limit + 1
     s = dataclasses.replace(s, roomy=s.roomy + 1 if roomy else 0)
     if s.roomy >= 2:  # below the last congestion's limit, its cache twice half empty: it grew
@@ -463,13 +470,14 @@ def _stale(s: State, in_flight: float) -> bool:
 def _queue_wait(
     before: tuple[float, float, float, float] | None,
     after: tuple[float, float, float, float] | None,
+    least: int = MIN_SAMPLES,
 ) -> tuple[float, float] | None:
     """(mean queue time, mean end-to-end latency), s, of the requests the engine finished
     between two readings of its histograms (queue sum, count, e2e sum, count)."""
     if before is None or after is None:
         return None
     qs, qn, es, en = (a - b for a, b in zip(after, before, strict=True))
-    if qn < MIN_SAMPLES or en < MIN_SAMPLES or es <= 0 or qs < 0:
+    if qn < least or en < least or es <= 0 or qs < 0:
         return None
     return qs / qn, es / en
 

@@ -200,6 +200,21 @@ def test_slow_start_sizes_the_kv_cache_by_what_the_engine_runs() -> None:
     assert knee.decide(state, busy(8), CFG, 1.0, early).state.limit == 14
 
 
+def test_queue_times_are_read_a_cohort_at_a_time() -> None:
+    """Past slow start the queue-time histograms are read once half the in-flight finished
+    since the last reading used (a few answers of a quick window are noise): until then the
+    baseline is kept and the limit grows; then the cohort's queue time lowers it."""
+    state = dataclasses.replace(
+        knee.initial_state(CFG, engine=True), limit=20, phase="steady", least_wait=0.1,
+        histograms=(0.0, 0.0, 0.0, 0.0), preemptions=0)  # fmt: skip
+    few = dataclasses.replace(clean_engine(20), histograms=(2 * 3.0, 2, 2 * 10.0, 2))
+    state = knee.decide(state, busy(20), CFG, 1.0, few).state
+    assert state.histograms == (0.0, 0.0, 0.0, 0.0) and state.limit == 21
+    cohort = dataclasses.replace(clean_engine(21), histograms=(11 * 3.0, 11, 11 * 10.0, 11))
+    state = knee.decide(state, busy(21), CFG, 2.0, cohort).state
+    assert knee.reason_code(state.reason) == "engine-queue-time" and state.limit < 21
+
+
 def test_no_growth_while_the_demand_is_below_the_limit() -> None:
     state = dataclasses.replace(knee.initial_state(CFG), limit=40, phase="steady")
     idle = knee.Window(answered=20, ok=20, in_flight_sum=20 * 10, refused=0)
