@@ -171,6 +171,7 @@ class State:
     histograms: tuple[float, float, float, float] | None = None  # ... and its histograms'
     least_wait: float = -1.0  # the least mean queue time seen (s; -1: none yet)
     roomy: int = 0  # readings in a row with the KV cache half empty below the ceiling
+    answered: int = 0  # engine: 2xx since the limit last moved
     kv_peak: float = 0.0  # the fullest KV cache read at the limit kv_peak_at
     kv_peak_at: int = 0
     latency_s: float = 0.0  # smoothed mean latency of a 2xx (sizes the window)
@@ -297,7 +298,7 @@ def decide(
     limit = clamp(new.limit, cfg)
     new = dataclasses.replace(new, raised=max(0, limit - state.limit))
     if limit != state.limit:
-        new = dataclasses.replace(new, moved_at=now, moves=state.moves + 1)
+        new = dataclasses.replace(new, moved_at=now, moves=state.moves + 1, answered=0)
     return Decision(dataclasses.replace(new, limit=limit), limit > state.limit)
 
 
@@ -436,6 +437,12 @@ def _by_engine(
     s = dataclasses.replace(s, roomy=s.roomy + 1 if roomy else 0)
     if s.roomy >= 2:  # below the last congestion's limit, its cache twice half empty: it grew
         s = dataclasses.replace(s, ceiling=0, fails=0, hold=0, step=1, roomy=0)
+    # past slow start a raise waits for half its limit's worth of answers at it: a quick
+    # window shows a queue or a preemption at once, a cache that fills as requests decode
+    # only over their life
+    s = dataclasses.replace(s, answered=s.answered + win.ok)
+    if s.phase != "start" and s.answered < -(-s.limit // 2) and binding:
+        return _hold(s, SIGNAL_ENGINE, f"settling: {s.answered} answered at this limit")
     # slow start grows no further than what fills the cache to KV_FULL at this use per request
     # running (those admitted but not yet at the engine hold none of it yet)
     share = 1.0 if engine.running is None else min(1.0, engine.running / max(1, s.limit))

@@ -215,6 +215,19 @@ def test_queue_times_are_read_a_cohort_at_a_time() -> None:
     assert knee.reason_code(state.reason) == "engine-queue-time" and state.limit < 21
 
 
+def test_past_slow_start_a_raise_on_the_metrics_waits_for_half_a_limit_of_answers() -> None:
+    """Quick windows show a queue at once, a cache that fills as requests decode only over
+    their life: the limit grows once half of it was answered at it."""
+    state = dataclasses.replace(knee.initial_state(CFG, engine=True), limit=12, phase="steady",
+                                preemptions=0)  # fmt: skip
+    few = knee.Window(answered=2, ok=2, in_flight_sum=24, refused=3)
+    limits = []
+    for _ in range(4):
+        state = knee.decide(state, few, CFG, 1.0, clean_engine(12, kv=0.5)).state
+        limits.append(state.limit)
+    assert limits == [12, 12, 13, 13]  # 2, 4, 6 answered: the 6th of 12 raises it
+
+
 def test_no_growth_while_the_demand_is_below_the_limit() -> None:
     state = dataclasses.replace(knee.initial_state(CFG), limit=40, phase="steady")
     idle = knee.Window(answered=20, ok=20, in_flight_sum=20 * 10, refused=0)
