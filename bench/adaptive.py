@@ -108,6 +108,21 @@ def one(
         node.stop()
 
 
+def merged(runs: list[Run]) -> list[Run]:
+    """Each gate's rounds as one run: its median rate (the time of the round of median rate),
+    its preemptions and queue share summed and averaged, the largest peak, the last limit."""
+    out = []
+    for label in dict.fromkeys(r.label for r in runs):
+        mine = [r for r in runs if r.label == label]
+        mid = sorted(mine, key=lambda r: r.requests / r.seconds)[len(mine) // 2]
+        rates = " ".join(f"{r.requests / r.seconds:.3g}" for r in mine)
+        out.append(Run(f"{label} (median of {len(mine)}: {rates} wall req/s)", mid.seconds,
+                       mid.requests, round(sum(r.preemptions for r in mine) / len(mine)),
+                       sum(r.queue_share for r in mine) / len(mine), max(r.peak for r in mine),
+                       mine[-1].limit))  # fmt: skip
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -123,6 +138,7 @@ def main() -> int:
     p.add_argument("--levels", help="static limits of the sweep, comma-separated")
     p.add_argument("--cap", type=int, default=0, help="a gateway answering 429 above this")
     p.add_argument("--modes", default="static,answers,metrics,aimd")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of every gate, interleaved")
     p.add_argument("--redis-url")
     args = p.parse_args()
     scale = args.scale or SCALES.get(args.preset, 1.0)
@@ -150,7 +166,7 @@ def main() -> int:
             if "aimd" in modes:
                 params = {"controller": "aimd-baseline", "min": 5, "max": 100, "initial": 100}
                 plan.append(("batch gateway AIMD", {**adaptive, "gate_params": params}))
-            for label, gate in plan:
+            for label, gate in plan * args.repeat:  # rounds of the plan: load drifts
                 log(f"{args.preset}: {label} ...")
                 runs.append(one(rh, workdir, sim, label, gate, args))
                 r = runs[-1]
@@ -158,6 +174,7 @@ def main() -> int:
                     f"{r.preemptions} preempted, limit {r.limit}")  # fmt: skip
         finally:
             sim.stop()
+    runs = merged(runs) if args.repeat > 1 else runs
     best = max((r.requests / r.seconds for r in runs if r.label.startswith("global")), default=0)
     rows = [
         [r.label, r.requests / r.seconds * scale, (r.requests / r.seconds) / best if best else 0,

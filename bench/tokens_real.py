@@ -59,6 +59,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,12 +196,14 @@ class Proxy:
 
 # -- the server ----------------------------------------------------------------------------
 class LlamaServer:
-    def __init__(self, binary: str, model: str, parallel: int, workdir: Path) -> None:
+    def __init__(
+        self, binary: str, model: str, parallel: int, workdir: Path, extra: Sequence[str] = ()
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
                 "-np", str(parallel), "-c", str(512 * parallel), "-t", "1", "--jinja",
-                "--no-webui", "--log-disable"]  # fmt: skip
+                "--no-webui", "--log-disable", *extra]  # fmt: skip
         self.log_path = workdir / "llama-server.log"
         fh = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(argv, stdout=fh, stderr=fh)

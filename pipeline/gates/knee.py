@@ -111,6 +111,7 @@ QUEUE_TIME_SHARE = 0.2  # ... a mean queue time grown by this share (a prefill-b
 # queue grows with its load before its throughput stops)
 KV_ROOMY = 0.5  # ... this empty at the limit of the last congestion: the engine has grown
 KV_FULL = 0.85  # a KV cache this full takes no more: the limit does not grow
+KV_NEXT = 0.92  # ... nor when its fullest reading at this limit, plus one request, is this
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,9 @@ class State:
     histograms: tuple[float, float, float, float] | None = None  # ... and its histograms'
     least_wait: float = -1.0  # the least mean queue time seen (s; -1: none yet)
     roomy: int = 0  # readings in a row with the KV cache half empty below the ceiling
+    answered: int = 0  # engine: 2xx since the limit last moved
+    kv_peak: float = 0.0  # the fullest KV cache read at the limit kv_peak_at
+    kv_peak_at: int = 0
     latency_s: float = 0.0  # smoothed mean latency of a 2xx (sizes the window)
     clean: int = 0  # aimd-baseline: 2xx since its last change
     signal: str = SIGNAL_ANSWERS  # what the last decision acted on
@@ -245,9 +249,10 @@ def clamp(limit: float, cfg: Config) -> int:
 
 
 def quick_windows(state: State) -> bool:
-    """Slow start on the engine's metrics: a reading is of the moment, so a window need not
-    wait for half its cohort (the answers' latencies lag: they do)."""
-    return state.phase == "start" and state.signal == SIGNAL_ENGINE
+    """On the engine's metrics: a reading is of the moment (what the engine runs, holds
+    waiting and fills of its KV cache now), so a window need not wait for any answer (the
+    answers' latencies lag a request's life: a capacity lost would preempt for that long)."""
+    return state.signal == SIGNAL_ENGINE
 
 
 def window_closes(
@@ -256,11 +261,11 @@ def window_closes(
     """A window is over once half the requests in flight have been admitted in it and answered
     (so its latencies are of requests that lived under its limit, queueing included: a window
     of fixed length would see a queue's latency only after it), after at least
-    ``window_min_s``; or after ``window_max_s`` whatever it has. ``quick`` (slow start): once
-    ``MIN_SAMPLES`` were, the first of its cohort."""
+    ``window_min_s``; or after ``window_max_s`` whatever it has. ``quick`` (on the engine's
+    metrics): after ``window_min_s``, answered or not."""
     if elapsed_s >= cfg.window_max_s:
         return True
-    want = MIN_SAMPLES if quick else max(MIN_SAMPLES, -(-in_flight // 2))
+    want = 0 if quick else max(MIN_SAMPLES, -(-in_flight // 2))
     return elapsed_s >= cfg.window_min_s and measured >= want
 
 
@@ -293,7 +298,7 @@ def decide(
     limit = clamp(new.limit, cfg)
     new = dataclasses.replace(new, raised=max(0, limit - state.limit))
     if limit != state.limit:
-        new = dataclasses.replace(new, moved_at=now, moves=state.moves + 1)
+        new = dataclasses.replace(new, moved_at=now, moves=state.moves + 1, answered=0)
     return Decision(dataclasses.replace(new, limit=limit), limit > state.limit)
 
 
@@ -315,6 +320,8 @@ def _knee(s: State, win: Window, cfg: Config, now: float, engine: Engine | None)
         return _congested(s, cfg, math.floor(s.limit * 0.9), SIGNAL_OVERLOAD, "ttl-expired")
     binding = win.refused > 0 or win.in_flight >= 0.8 * s.limit
     if engine is not None and engine.waiting is not None:
+        # a window without answers (slow start on the metrics) has the reading's in-flight
+        binding = binding or engine.in_flight_before >= 0.8 * s.limit
         return _by_engine(s, win, cfg, now, engine, binding)
     return _by_answers(s, win, cfg, now, binding)
 
@@ -375,7 +382,14 @@ def _by_engine(
     preempted = 0.0
     if engine.preemptions_total is not None and s.preemptions is not None:
         preempted = max(0.0, engine.preemptions_total - s.preemptions)
-    waits = _queue_wait(s.histograms, engine.histograms)
+    # the queue times are of the requests finished since the last reading used: a cohort's
+    # worth (half in flight) before they are read, else they wait for the next reading
+    half = -(-engine.in_flight_before // 2)
+    cohort = MIN_SAMPLES if s.phase == "start" else max(MIN_SAMPLES, half)
+    waits = _queue_wait(s.histograms, engine.histograms, cohort)
+    base, read = s.histograms, engine.histograms
+    short = waits is None and base is not None and read is not None
+    kept = base if short and 0 <= read[1] - base[1] < cohort else read  # type: ignore[index]
     least = s.least_wait
     if waits is not None:
         least = waits[0] if least < 0 else min(waits[0], least * 1.01 + 1e-6)
@@ -386,7 +400,7 @@ def _by_engine(
     s = dataclasses.replace(
         s,
         preemptions=engine.preemptions_total,
-        histograms=engine.histograms,
+        histograms=kept,
         least_wait=least,
         wait_share=share,
     )
@@ -409,21 +423,49 @@ def _by_engine(
         return _congested(s, cfg, to, SIGNAL_ENGINE, reason)
     if preempted > 0:  # to what it runs now (what fits), at most the raise that did it back
         to = s.limit - s.raised if s.raised else math.floor(s.limit * 0.9)
-        if engine.running is not None:
-            to = max(to, min(s.limit - 1, math.floor(engine.running)))
+        if engine.running is not None:  # more preempted than the last raise: it lost room
+            fits = math.floor(engine.running)
+            to = fits if preempted > max(1, s.raised) else max(to, min(s.limit - 1, fits))
         return _congested(s, cfg, to, SIGNAL_ENGINE, f"engine preempted {preempted:g}")
     if congested:
         return _hold(s, SIGNAL_ENGINE, f"confirming an engine queue: {waiting:g} waiting")
     kv = engine.kv_usage
-    if kv is not None and kv >= KV_FULL:  # more would wait or evict
-        return _hold(s, SIGNAL_ENGINE, f"KV cache {kv:.0%} full: holding")
+    s, no_room = _kv_full(s, engine)
+    if no_room:
+        return _hold(s, SIGNAL_ENGINE, no_room)
     roomy = kv is not None and kv < KV_ROOMY and 0 < s.ceiling <= s.limit + 1
     s = dataclasses.replace(s, roomy=s.roomy + 1 if roomy else 0)
     if s.roomy >= 2:  # below the last congestion's limit, its cache twice half empty: it grew
         s = dataclasses.replace(s, ceiling=0, fails=0, hold=0, step=1, roomy=0)
+    # past slow start a raise waits for half its limit's worth of answers at it: a quick
+    # window shows a queue or a preemption at once, a cache that fills as requests decode
+    # only over their life
+    s = dataclasses.replace(s, answered=s.answered + win.ok)
+    if s.phase != "start" and s.answered < -(-s.limit // 2) and binding:
+        return _hold(s, SIGNAL_ENGINE, f"settling: {s.answered} answered at this limit")
     # slow start grows no further than what fills the cache to KV_FULL at this use per request
-    factor = 2.0 if kv is None else max(1.0, min(4.0, KV_FULL / max(kv, 0.01)))
+    # running (those admitted but not yet at the engine hold none of it yet)
+    share = 1.0 if engine.running is None else min(1.0, engine.running / max(1, s.limit))
+    factor = 2.0 if kv is None else max(1.0, min(4.0, KV_FULL * share / max(kv, 0.01)))
     return _grow(s, win, cfg, now, binding, SIGNAL_ENGINE, factor)
+
+
+def _kv_full(s: State, engine: Engine) -> tuple[State, str]:
+    """The fullest KV cache reading at this limit kept (a half-empty one: the engine grew,
+    forget it), and why the cache takes no more ('' when it does): it is ``KV_FULL``, or its
+    fullest reading here, with one request more, would reach ``KV_NEXT`` (a reading is one
+    sample of a cache that fills as its requests decode: one under the mark is no room)."""
+    kv = engine.kv_usage
+    if kv is None:
+        return s, ""
+    peak = max(kv, s.kv_peak) if s.kv_peak_at == s.limit and kv >= KV_ROOMY else kv
+    s = dataclasses.replace(s, kv_peak=peak, kv_peak_at=s.limit)
+    if kv >= KV_FULL:  # more would wait or evict
+        return s, f"KV cache {kv:.0%} full: holding"
+    busy = max(1, s.limit, engine.in_flight_before)
+    if s.phase != "start" and peak * (busy + 1) / busy >= KV_NEXT:
+        return s, f"KV cache up to {peak:.0%} full: holding"
+    return s, ""
 
 
 def _stale(s: State, in_flight: float) -> bool:
@@ -435,13 +477,14 @@ def _stale(s: State, in_flight: float) -> bool:
 def _queue_wait(
     before: tuple[float, float, float, float] | None,
     after: tuple[float, float, float, float] | None,
+    least: int = MIN_SAMPLES,
 ) -> tuple[float, float] | None:
     """(mean queue time, mean end-to-end latency), s, of the requests the engine finished
     between two readings of its histograms (queue sum, count, e2e sum, count)."""
     if before is None or after is None:
         return None
     qs, qn, es, en = (a - b for a, b in zip(after, before, strict=True))
-    if qn < MIN_SAMPLES or en < MIN_SAMPLES or es <= 0 or qs < 0:
+    if qn < least or en < least or es <= 0 or qs < 0:
         return None
     return qs / qn, es / en
 

@@ -10,7 +10,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.adaptive_model import Scenario, run
+from bench.adaptive_model import Loop, Scenario, run
 from pipeline.gates import knee
 from pipeline.gates.engine_metrics import NoEngineMetrics, parse
 
@@ -139,12 +139,39 @@ def test_with_engine_metrics_it_doubles_until_a_queue_then_runs_what_the_engine_
     assert knee.reason_code(state.reason) == "engine-queue"
 
 
+def test_on_the_metrics_a_slow_start_window_needs_no_answer() -> None:
+    """A reading is of the moment: in slow start on the engine's metrics a window closes after
+    window_min with nothing answered, and the reading's in-flight says the limit binds."""
+    engine_start = knee.initial_state(CFG, engine=True)
+    assert knee.quick_windows(engine_start)
+    assert knee.window_closes(CFG.window_min_s, 0, 64, CFG, quick=True)
+    assert not knee.window_closes(CFG.window_min_s / 2, 0, 64, CFG, quick=True)
+    assert not knee.window_closes(CFG.window_min_s, 0, 64, CFG, quick=False)
+    empty = knee.Window(elapsed_s=CFG.window_min_s)  # no answer, no refusal counted
+    state = knee.decide(engine_start, empty, CFG, 1.0, clean_engine(8)).state
+    assert state.limit == 16 and knee.reason_code(state.reason) == "slow-start"
+    idle = dataclasses.replace(clean_engine(2), in_flight_before=2, in_flight_after=2)
+    assert knee.decide(engine_start, empty, CFG, 1.0, idle).state.limit == 8  # demand below
+
+
 def test_a_filling_kv_cache_slows_the_start_and_stops_growth() -> None:
     state = knee.initial_state(CFG)  # 8
     state = knee.decide(state, busy(8), CFG, 1.0, clean_engine(8, kv=0.5)).state
     assert state.limit == 13  # 8 x 0.85 / 0.5: what fills the cache to 85 % at this use
     after = knee.decide(state, busy(13), CFG, 2.0, clean_engine(13, kv=0.9)).state
     assert after.limit == 13 and knee.reason_code(after.reason) == "kv-full"
+
+
+def test_the_fullest_kv_reading_at_a_limit_plus_one_request_must_fit() -> None:
+    """13 in flight filled the cache to 87 % once: 14 would reach ~94 %, past KV_NEXT, so a
+    later reading of 84 % does not let the limit grow; a half-empty reading (the engine grew)
+    forgets that peak."""
+    state = dataclasses.replace(knee.initial_state(CFG, engine=True), limit=13, phase="steady")
+    for kv in (0.87, 0.84, 0.84):
+        state = knee.decide(state, busy(13), CFG, 1.0, clean_engine(13, kv=kv)).state
+        assert state.limit == 13 and knee.reason_code(state.reason) == "kv-full", kv
+    state = knee.decide(state, busy(13), CFG, 2.0, clean_engine(13, kv=0.45)).state
+    assert state.limit == 14
 
 
 def test_a_preemption_gives_back_the_raise_that_caused_it() -> None:
@@ -155,6 +182,50 @@ def test_a_preemption_gives_back_the_raise_that_caused_it() -> None:
     state = knee.decide(state, busy(14), CFG, 2.0, preempted).state
     assert state.limit == 13 and knee.reason_code(state.reason) == "preemption"
     assert state.hold > 0  # and it waits before it tries 14 again
+
+
+def test_a_preemption_burst_goes_to_what_the_engine_still_runs() -> None:
+    """More preempted than the last raise explains: the engine lost room, and the limit goes
+    to what it runs at once (not 10 % down a window)."""
+    state = dataclasses.replace(knee.initial_state(CFG), limit=13, phase="steady", preemptions=0)
+    lost = dataclasses.replace(clean_engine(13), running=6, waiting=7, preemptions_total=7)
+    state = knee.decide(state, busy(13), CFG, 1.0, lost).state
+    assert state.limit == 6 and knee.reason_code(state.reason) == "preemption"
+
+
+def test_slow_start_sizes_the_kv_cache_by_what_the_engine_runs() -> None:
+    """2 of 8 admitted hold 12 % of the cache (the others not yet there): 85 % fits 14."""
+    state = knee.initial_state(CFG, engine=True)
+    early = dataclasses.replace(clean_engine(8, kv=0.12), running=2)
+    assert knee.decide(state, busy(8), CFG, 1.0, early).state.limit == 14
+
+
+def test_queue_times_are_read_a_cohort_at_a_time() -> None:
+    """Past slow start the queue-time histograms are read once half the in-flight finished
+    since the last reading used (a few answers of a quick window are noise): until then the
+    baseline is kept and the limit grows; then the cohort's queue time lowers it."""
+    state = dataclasses.replace(
+        knee.initial_state(CFG, engine=True), limit=20, phase="steady", least_wait=0.1,
+        histograms=(0.0, 0.0, 0.0, 0.0), preemptions=0)  # fmt: skip
+    few = dataclasses.replace(clean_engine(20), histograms=(2 * 3.0, 2, 2 * 10.0, 2))
+    state = knee.decide(state, busy(20), CFG, 1.0, few).state
+    assert state.histograms == (0.0, 0.0, 0.0, 0.0) and state.limit == 21
+    cohort = dataclasses.replace(clean_engine(21), histograms=(11 * 3.0, 11, 11 * 10.0, 11))
+    state = knee.decide(state, busy(21), CFG, 2.0, cohort).state
+    assert knee.reason_code(state.reason) == "engine-queue-time" and state.limit < 21
+
+
+def test_past_slow_start_a_raise_on_the_metrics_waits_for_half_a_limit_of_answers() -> None:
+    """Quick windows show a queue at once, a cache that fills as requests decode only over
+    their life: the limit grows once half of it was answered at it."""
+    state = dataclasses.replace(knee.initial_state(CFG, engine=True), limit=12, phase="steady",
+                                preemptions=0)  # fmt: skip
+    few = knee.Window(answered=2, ok=2, in_flight_sum=24, refused=3)
+    limits = []
+    for _ in range(4):
+        state = knee.decide(state, few, CFG, 1.0, clean_engine(12, kv=0.5)).state
+        limits.append(state.limit)
+    assert limits == [12, 12, 13, 13]  # 2, 4, 6 answered: the 6th of 12 raises it
 
 
 def test_no_growth_while_the_demand_is_below_the_limit() -> None:
@@ -222,6 +293,32 @@ def test_on_the_kv_bound_engine_with_its_metrics_it_settles_at_the_knee() -> Non
     assert res.throughput >= 0.93 * best
     assert res.preemptions <= 0.03 * 1000
     assert 12 <= res.trace[-1][1] <= 14
+
+
+def test_on_the_kv_bound_engine_its_probes_do_not_preempt() -> None:
+    """Past the knee's 13 the engine preempts: 2,000 requests from a cold start, none."""
+    res = run(Scenario("kv-bound", 2000, engine_metrics=True), 0.02)
+    assert res.preemptions <= 0.01 * 2000
+
+
+def test_preemptions_stop_within_10_s_when_the_engines_capacity_halves() -> None:
+    """The KV-bound engine loses half its cache 1,500 model s in (at the bench's time scale,
+    windows of 12.5 model s): the gate reads the preemptions in the next window and goes to
+    what the engine still runs; nothing is preempted 10 s after the loss (the loss itself
+    preempts what no longer fits)."""
+    sc = Scenario("kv-bound", 1200, engine_metrics=True, capacity=((1500.0, 0.5),))
+    loop = Loop(sc, 0.02)
+    at: list[float] = []
+    advance = loop.engine.advance
+
+    def counted(now: float) -> None:
+        before = loop.engine.counters.preemptions
+        advance(now)
+        at.extend([now] * (loop.engine.counters.preemptions - before))
+
+    loop.engine.advance = counted  # type: ignore[method-assign]
+    loop.run()
+    assert any(t >= 1500 for t in at) and all(not t >= 1510 for t in at)
 
 
 def test_an_engine_with_no_limit_gets_every_slot() -> None:

@@ -3,8 +3,8 @@
 -- is the one mover of the limit for it (it writes with gate_adaptive_move.lua and the seq
 -- returned). Due (knee.window_closes): after ARGV[2] s; or after ARGV[1] s once
 -- max(ARGV[3], ceil(in-flight / 2)) requests admitted in it have been answered ('measured'),
--- ARGV[3] alone while the state's 'quick' is '1' (slow start: a cohort's first answers;
--- ARGV[5] before the first move: '1' when the gate reads the engine's metrics).
+-- none while the state's 'quick' is '1' (on the engine's metrics: a reading is of the
+-- moment; ARGV[5] before the first move: '1' when the gate reads the engine's metrics).
 -- KEYS[1] the current window's hash ('start', Unix s, and the sums of
 --         gate_adaptive_observe.lua).
 -- KEYS[2] the gate's state hash ('windows' counts the windows closed; 'state' the controller's).
@@ -30,7 +30,7 @@ local count = redis.call('ZCOUNT', KEYS[3], '(' .. now_text, '+inf')
 if elapsed < tonumber(ARGV[2]) then
   local measured = tonumber(redis.call('HGET', KEYS[1], 'measured') or '0') or 0
   local want = math.max(tonumber(ARGV[3]), math.ceil(count / 2))
-  if (redis.call('HGET', KEYS[2], 'quick') or ARGV[5]) == '1' then want = tonumber(ARGV[3]) end
+  if (redis.call('HGET', KEYS[2], 'quick') or ARGV[5]) == '1' then want = 0 end
   if elapsed < tonumber(ARGV[1]) or measured < want then return {} end
 end
 local fields = redis.call('HGETALL', KEYS[1])
