@@ -34,7 +34,7 @@ from . import observe
 from .bell import Ticket
 from .endpoints import authorization, queue_send
 from .report import Mirrors, Report, Status, failure_message
-from .reservation import Host, Reservation
+from .reservation import Handover, Host, Reservation
 
 log = logging.getLogger("pipeline.worker")
 
@@ -136,7 +136,7 @@ class Attempt:
         if self.mirrors is not None:
             mirror = self.mirrors.success() if ok else self.mirrors.failure(failure)
 
-        def finish(handed_over: bool, nowake: bool) -> ScriptCall:
+        def finish(handover: Handover) -> ScriptCall:
             return self.store.finish_call(
                 self.id,
                 self.token,
@@ -146,8 +146,8 @@ class Attempt:
                 error_code=error_code,
                 error_message=error_message,
                 mirror=mirror,
-                handed_over=handed_over,
-                nowake=nowake,
+                handed_over=handover.handed_over,
+                nowake=handover.nowake,
                 journal=self.journal,
             )
 
@@ -159,7 +159,7 @@ class Attempt:
         status = Status.SUCCESS if ok else Status.FAILED
         return Report(status, failure, result=json.loads(res) if res else None)
 
-    def _until_written(self, finish: Callable[[bool, bool], ScriptCall]) -> Any:
+    def _until_written(self, finish: Callable[[Handover], ScriptCall]) -> Any:
         """Release and finish; while Redis does not answer (a failover: redis-py's retries
         last ~4 s, a promotion may take longer), the finish alone again, until the lease would
         have lapsed. The result is not thrown away: abandoned, the request would run again
@@ -201,7 +201,7 @@ class Attempt:
         releases the reservation: a retried request never holds two."""
         mirror = self.mirrors.retry(reason) if self.mirrors is not None else None
 
-        def requeue(handed_over: bool, nowake: bool) -> ScriptCall:
+        def requeue(handover: Handover) -> ScriptCall:
             return self.store.requeue_call(
                 self.id,
                 self.token,
@@ -210,7 +210,7 @@ class Attempt:
                 last_response=last,
                 last_error=error,
                 mirror=mirror,
-                handed_over=handed_over,
+                handed_over=handover.handed_over,
                 journal=self.journal,
                 note=note or entry("requeued", reason=reason),
             )

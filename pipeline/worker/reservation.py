@@ -8,7 +8,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ..config import Settings
 from ..gates import (
@@ -34,6 +34,19 @@ log = logging.getLogger("pipeline.worker")
 
 RELEASE_TRIES = 4
 TRANSFER_WAIT_S = 10.0  # a taker of a handed-over slot waits this long for the transfer record
+
+
+class Handover(NamedTuple):
+    """What a release tells the finish / requeue its round trip ends with (``release_with``'s
+    ``build``): whether the slot went to an attempt of this process parked for one (no
+    release is published), and, with it, whether enough of the dispatcher's look-ahead is
+    still parked there that the pool's doorbell need not ring either."""
+
+    handed_over: bool = False
+    nowake: bool = False
+
+
+NOT_HANDED = Handover()
 
 
 class Host(Protocol):
@@ -188,13 +201,13 @@ class Reservation:
 
     def release_with(
         self,
-        build: Callable[[bool, bool], ScriptCall],
+        build: Callable[[Handover], ScriptCall],
         served: int | None = 0,
         prompt: int | None = None,
     ) -> Any:
         """Settle a token charge to ``served`` (``prompt``: the answer's prompt tokens),
         release (or hand the slot to an attempt of this process parked for one), then the
-        finish / requeue ``build(handed_over, nowake)`` returns, in one round trip, the gate's
+        finish / requeue ``build(Handover(...))`` returns, in one round trip, the gate's
         step first. Returns (or raises) its reply."""
         self.host.untrack(self.holder)
         held = self._held()
@@ -204,7 +217,8 @@ class Reservation:
         bell = ticket.bell if ticket is not None else None  # where its taker parked
         seen = self._observations(held)  # before the release: the observation reads its lease
         step = self._step(ticket)
-        call = build(ticket is not None, ticket is not None and self._parked_ahead(bell))
+        handover = NOT_HANDED if ticket is None else Handover(True, self._parked_ahead(bell))
+        call = build(handover)
         rings = self._rings(held, bell)
         if step is None or not step.calls:  # not as calls: done here, before the round trip
             _observe_alone(seen, self.holder)
