@@ -20,6 +20,7 @@ one meta encoding less per attempt.
 from __future__ import annotations
 
 import json
+import threading
 from datetime import UTC, datetime
 from typing import Any
 
@@ -56,6 +57,9 @@ class PipelineRedisBackend(RedisBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._store_script = self.client.register_script(source("celery_result"))
+        # (task id, state) an attempt's script wrote in this thread, for Celery's store of it
+        # that follows in the same thread (the tracer's) to skip: :meth:`mirrored`
+        self._written = threading.local()
 
     def mirror(
         self,
@@ -92,6 +96,11 @@ class PipelineRedisBackend(RedisBackend):
             ttl=int(expires or 0),
         )
 
+    def mirrored(self, task_id: str, state: str) -> None:
+        """An attempt's finish / requeue script wrote ``state`` of ``task_id`` (its
+        :meth:`mirror`): Celery's next store of that state, in this thread, is skipped."""
+        self._written.last = (task_id, state)
+
     def _store_result(
         self,
         task_id: str,
@@ -101,8 +110,8 @@ class PipelineRedisBackend(RedisBackend):
         request: Any = None,
         **kwargs: Any,
     ) -> Any:
-        attempt = getattr(request, "pipeline_attempt", None)
-        if attempt is not None and getattr(attempt, "mirrored", None) == state:
+        if getattr(self._written, "last", None) == (bytes_to_str(task_id), state):
+            self._written.last = None
             return result  # the attempt's own script wrote it
         meta = self._get_result_meta(
             result=result, state=state, traceback=traceback, request=request

@@ -27,12 +27,12 @@ from ..http.rules import (
     value_error,
 )
 from ..store import ScriptCall
-from ..store import holder as make_holder
 from ..store.journal import Journal, entry
 from ..store.keys import ref_cancel_key
 from . import observe
 from .bell import Ticket
 from .endpoints import authorization, queue_send
+from .identity import NO_HOOKS, AttemptId, Hooks
 from .report import Mirrors, Report, Status, failure_message
 from .reservation import Handover, Host, Reservation
 
@@ -50,17 +50,19 @@ class Attempt:
         self,
         runtime: Host,
         record: dict[str, str],
-        token: str,
+        who: AttemptId,
         worker: str,
         clock_offset: float = 0.0,
         reservation: Reservation | None = None,
+        hooks: Hooks = NO_HOOKS,
     ) -> None:
         self.rt = runtime
+        self.who = who
         # the Redis server's clock minus this machine's: deadlines are measured by the server's
         self.clock_offset = clock_offset
         self.record = record
         self.id = record["id"]
-        self.token = token
+        self.token = token = who.token
         self.worker = worker
         self.queue: QueueConfig = runtime.settings.queues[record["queue"]]
         self.store = runtime.store.for_pool(self.queue.worker_pool_id)  # its slot on a cluster
@@ -68,7 +70,7 @@ class Attempt:
         self.metadata: dict[str, str] = _json_map(record.get("metadata"), "metadata")
         self.labels: dict[str, str] = _json_map(record.get("labels"), "labels")
         self.extra_headers: dict[str, str] = _json_map(record.get("headers"), "headers")
-        self.holder = make_holder(self.id, token)
+        self.holder = who.holder
         self.priority = _priority(record.get("priority"))
         name = self.queue.queue_name
         self.reservation = reservation or Reservation(
@@ -89,9 +91,8 @@ class Attempt:
             )
         )
         self.closed = False
-        self.mirrors: Mirrors | None = None  # set by the task layer
-        self.send_event: Callable[..., Any] | None = None  # Celery's, set by the task layer
-        self.mirrored: str | None = None  # the state of the mirror written, if any
+        self.mirrors: Mirrors | None = hooks.mirrors  # its task's Celery result, if mirrored
+        self.send_event: Callable[..., Any] | None = hooks.send_event  # Celery's (Flower)
         self.served_tokens: int | None = 0  # what a token charge settles to (served_tokens())
         self.served_prompt: int | None = None  # the 2xx answer's prompt tokens (usage), if any
         self.journal = Journal()  # the request's decision log entries, sent with the outcome
@@ -155,7 +156,8 @@ class Attempt:
         self.closed = True
         if res is None:
             return Report(Status.STALE, "fenced off at finish")
-        self.mirrored = mirror.state if mirror is not None else None
+        if mirror is not None and self.mirrors is not None:
+            self.mirrors.written(mirror.state)
         status = Status.SUCCESS if ok else Status.FAILED
         return Report(status, failure, result=json.loads(res) if res else None)
 
@@ -220,7 +222,8 @@ class Attempt:
         self.closed = True
         if due is None:
             return Report(Status.STALE, "fenced off at requeue")
-        self.mirrored = mirror.state if mirror is not None else None
+        if mirror is not None and self.mirrors is not None:
+            self.mirrors.written(mirror.state)
         return Report(status, reason, due=due)
 
     def _answered(self, outcome: Outcome, attempted: bool) -> Report:
