@@ -80,6 +80,12 @@ def explain(id: str) -> Explanation:
     return default_pipeline().explain(id)
 
 
+def load_result(text: str | bytes) -> Result:
+    """A stored result's JSON (a result-list entry) as a :class:`Result`, its body read back
+    when it was stored apart (``payload_ref``: :meth:`Pipeline.load_result`)."""
+    return default_pipeline().load_result(text)
+
+
 def _batches() -> Batches:
     return Batches(default_pipeline())
 
@@ -155,6 +161,7 @@ __all__ = [
     "get_batch",
     "inspect",
     "list_batches",
+    "load_result",
     "load_settings",
     "submit",
     "submit_batch",

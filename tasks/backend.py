@@ -14,13 +14,16 @@ name is ``PIPELINE_REDIS_SENTINEL_MASTER``); everything else (reading results,
 When the result backend is the pipeline's own Redis, an attempt's finish / requeue script also
 writes its task's result (:meth:`PipelineRedisBackend.mirror`: the meta Celery would store,
 built by Celery's own code) and Celery's store of that state is skipped: one round trip and
-one meta encoding less per attempt.
+one meta encoding less per attempt. A large answer's body is stored once, beside the result:
+its meta names it (``payload_ref``) and :meth:`PipelineRedisBackend.meta_from_decoded` reads
+it back.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from contextlib import suppress
 from datetime import UTC, datetime
 from typing import Any
 
@@ -30,7 +33,9 @@ from celery.backends.base import BackendStoreError
 from celery.backends.redis import RedisBackend, SentinelBackend
 from kombu.utils.encoding import bytes_to_str
 
+from pipeline.errors import UnknownRequest
 from pipeline.store import Mirror
+from pipeline.store.bodies import with_body
 from pipeline.store.connect import CLIENT_POOL, POOL_WAIT_S
 from pipeline.store.scripts import source
 
@@ -100,6 +105,17 @@ class PipelineRedisBackend(RedisBackend):
         """An attempt's finish / requeue script wrote ``state`` of ``task_id`` (its
         :meth:`mirror`): Celery's next store of that state, in this thread, is skipped."""
         self._written.last = (task_id, state)
+
+    def meta_from_decoded(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Celery's, and a SUCCESS result whose body was stored apart (``payload_ref``: an
+        answer longer than ``PIPELINE_BODY_INLINE_MAX``) gets it back: ``AsyncResult.get()``
+        returns the whole result, read or pushed (docs/internals.md, "Large answers")."""
+        meta = super().meta_from_decoded(meta)
+        result = meta.get("result")
+        if meta.get("status") == states.SUCCESS and isinstance(result, dict):
+            with suppress(UnknownRequest):  # gone (evicted): the reference is what is left
+                meta["result"] = with_body(result, self.client)
+        return meta
 
     def _store_result(
         self,

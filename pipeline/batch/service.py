@@ -23,7 +23,8 @@ import redis
 
 from ..client import CANCEL_RUNNING, Pipeline, canceller
 from ..client.api import check_priority
-from ..errors import InvalidRequest, ReplicationError
+from ..errors import InvalidRequest, ReplicationError, UnknownRequest
+from ..store import Store
 from .config import BatchSettings
 from .files import Files
 from .ingest import RowBuilder, RowContext, Scan, enqueue, input_lines, invalid_record, scan
@@ -506,13 +507,14 @@ class Batches:
             missing = "batch_failed"
         rest = custom_ids(last) if custom_ids is not None and batch.lines > last else None
         stored = self._stored(batch.id, last)
+        store = self.at(batch.id).store
         for n in range(1, max(batch.lines, last) + 1):
             res, cid = next(stored) if n <= last else (None, None)
             if n in invalid:  # never stored: a record by its id is another request's
                 cid = invalid[n].get("custom_id")
                 yield LineResult(n, batch.request_id(n), cid, invalid=invalid[n])
             elif res is not None:
-                yield LineResult(n, batch.request_id(n), cid, orjson.loads(res))
+                yield LineResult(n, batch.request_id(n), cid, _with_body(store, res))
             elif n > last and (rest is None or n in rest):
                 cid = rest[n] if rest is not None else None
                 yield LineResult(n, batch.request_id(n), cid, missing=missing)
@@ -619,3 +621,13 @@ def _line_bytes(number: int, item: dict[str, Any] | str | bytes) -> bytes:
     except (UnicodeEncodeError, TypeError) as exc:  # orjson.JSONEncodeError is a TypeError
         message = f"line {number} cannot be written as a JSON line: {exc}"
         raise InvalidRequest("lines_or_path", message) from None
+
+
+def _with_body(store: Store, res: str) -> dict[str, Any]:
+    """A line's stored result with its body (stored apart when large); a body gone before
+    its result (evicted) leaves the line without one rather than stopping the output."""
+    data: dict[str, Any] = orjson.loads(res)
+    try:
+        return store.with_body(data)
+    except UnknownRequest:
+        return data

@@ -342,7 +342,16 @@ class Pipeline:
             # timeout: redis-py's blmove() types it int
             store.client.execute_command("BLMOVE", notify, notify, "RIGHT", "LEFT", max(left, 0.01))
             state, raw = store.client.hmget(key, ["state", "result"])
-        return Result.from_json(raw)
+        return Result.from_dict(store.with_body(json.loads(raw)))
+
+    def load_result(self, text: str | bytes) -> Result:
+        """A stored result's JSON (a result-list entry, the record's ``result``) as a
+        :class:`Result`, with its body: an answer longer than ``PIPELINE_BODY_INLINE_MAX`` is
+        stored once, in the key its ``payload_ref`` names, and read from there. Raises
+        UnknownRequest when that body has expired."""
+        data = json.loads(text)
+        store = self.where(str(data["id"])) if "payload_ref" in data else self.store
+        return Result.from_dict(store.with_body(data))
 
     def iter_results(
         self, ids: Iterable[str], poll_s: float = 0.05, on_poll: Callable[[], None] | None = None
@@ -382,7 +391,7 @@ class Pipeline:
                         res = next(filter(None, [next(replies) for _ in records]), None)
                         if res:
                             remaining.discard(rid)
-                            yield Result.from_json(res)
+                            yield self.load_result(res)
             if on_poll is not None:
                 on_poll()
             if remaining:

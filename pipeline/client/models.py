@@ -59,6 +59,9 @@ class Result:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Result:
+        """A result from its JSON form. One whose body was stored apart and not read back
+        (``payload_ref``, see :meth:`Pipeline.load_result`) has an empty ``payload`` and the
+        body's key in ``extra["payload_ref"]``."""
         status = data.get("status_code")
         return cls(
             id=str(data["id"]),
@@ -70,6 +73,7 @@ class Result:
             queue=data.get("queue") or "",
             submitted_at=data.get("submitted_at"),
             finished_at=data.get("finished_at"),
+            extra={"payload_ref": data["payload_ref"]} if "payload_ref" in data else {},
         )
 
     @classmethod

@@ -164,6 +164,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         max_payload_bytes=int(
             float_env(env, "PIPELINE_MAX_PAYLOAD_BYTES", 1024 * 1024, at_least=1)
         ),
+        body_inline_max=_int_env(env, "PIPELINE_BODY_INLINE_MAX", 64 * 1024, lo=0),
         gate_wait_timeout_s=float_env(env, "PIPELINE_GATE_WAIT_TIMEOUT_S", 300.0, at_least=0),
         fairness_attribute=attribute.removeprefix("metadata."),
         fairness_header=fairness_header,

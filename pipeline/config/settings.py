@@ -234,6 +234,8 @@ class Settings:
     reaper_period_s: float = 5.0
     result_ttl_s: float = 7 * 24 * 3600.0
     max_payload_bytes: int = 1024 * 1024
+    # an answer body longer than this is stored once, in a key of its own (0: always inline)
+    body_inline_max: int = 64 * 1024
     gate_wait_timeout_s: float = 300.0
     fairness_attribute: str = "userid"  # metadata key sent as the fairness identity
     fairness_header: str = "x-llm-d-inference-fairness-id"  # "" disables the stamp

@@ -417,7 +417,9 @@ def request(
             raise CallTimeout() from exc
         location = out.headers.get("location")
         if not (follow_redirects and out.status in (307, 308) and location):
-            return Response(out.status, b"".join(out.chunks), out.headers)
+            body = b"".join(out.chunks)
+            out.chunks.clear()  # out and its parser hold each other: freed only by the cyclic GC
+            return Response(out.status, body, out.headers)
         url = urljoin(url, location)
         to = urlsplit(url)
         if to.scheme not in ("http", "https"):

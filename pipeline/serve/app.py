@@ -21,7 +21,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from ..batch import Batches, FileElsewhere, Files, UnknownBatch, UnknownFile
-from ..client import CANCEL_RUNNING, Result
+from ..client import CANCEL_RUNNING
 from ..errors import InvalidRequest, PipelineError, UnknownRequest
 from .auth import ApiKeys
 from .background import Background
@@ -203,7 +203,8 @@ class Service:
 
     def get_request(self, request: Request) -> Response:
         rid, rec = self._request_record(request)
-        result = Result.from_json(rec["result"]).to_dict() if rec.get("result") else None
+        pl = self.batches.pipeline
+        result = pl.load_result(rec["result"]).to_dict() if rec.get("result") else None
         return JSONResponse(
             {
                 "id": rid,

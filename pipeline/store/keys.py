@@ -59,6 +59,12 @@ class Keys:
         """List: rung when the request reaches its terminal result (a client waits)."""
         return self.notify_prefix() + request_id
 
+    def body(self, request_id: str, token: str) -> str:
+        """String: the body of an answer longer than ``PIPELINE_BODY_INLINE_MAX``, stored once,
+        by the attempt (``token``) that got it; its result names it in ``payload_ref`` and the
+        record in field ``body``. It expires with the result."""
+        return f"{self.prefix}body:{request_id}:{token}"
+
     # -- per queue -----------------------------------------------------------------------
     def queue_prefix(self) -> str:
         return f"{self.prefix}q:"

@@ -20,7 +20,7 @@ import redis
 from redis.exceptions import NoScriptError
 
 from ..config import QueueConfig, Settings
-from . import wire
+from . import bodies, wire
 from .connect import connect
 from .journal import Journal, entry
 from .keys import Keys, pool_keys
@@ -418,13 +418,19 @@ class Store:
         handed_over: bool = False,
         nowake: bool = False,
         journal: Journal | None = None,
+        body_key: str | None = None,
     ) -> ScriptCall:
         """The terminal result of an attempt (and its ``mirror``), as a call to send in a
         batch; :meth:`finished` reads its reply. ``handed_over``: its slot went to another
         attempt, so no release is published; ``nowake`` (with it): nor is the pool's doorbell
         rung (the taker still has attempts of the queue parked). ``journal``: the attempt's
-        events for the decision log (taken now); the script adds the ``done`` entry."""
+        events for the decision log (taken now); the script adds the ``done`` entry.
+        ``body_key``: where :meth:`put_body` stored the payload (``payload`` is then not
+        sent): the result names it in ``payload_ref``."""
         keys = [self.keys.request(request_id)]
+        if body_key is not None:
+            keys.append(body_key)
+            payload = ""
         extra: list[Any] = []
         if mirror is not None:
             keys.append(mirror.key)
@@ -442,9 +448,24 @@ class Store:
                 error_message or "",
                 (2 if nowake else 1) if handed_over else 0,
                 journal.take() if journal is not None else "",
+                1 if body_key is not None else 0,
                 *extra,
             ],
         )
+
+    def put_body(self, request_id: str, token: str, payload: str) -> str:
+        """Store an attempt's answer body once, before its finish (one plain ``SET`` with the
+        result's expiry: the body never passes through a script, which would copy and escape
+        it); returns its key for :meth:`finish_call`, which re-arms that expiry with the
+        result's. A finish fenced off deletes it."""
+        key = self.keys.body(request_id, token)
+        self.client.set(key, payload, ex=max(1, int(self.settings.result_ttl_s)))
+        return key
+
+    def with_body(self, data: dict[str, Any]) -> dict[str, Any]:
+        """A stored result (parsed) with its body, read back when stored apart
+        (:func:`.bodies.with_body`; UnknownRequest when it is gone)."""
+        return bodies.with_body(data, self.client)
 
     @staticmethod
     def finished(reply: Any) -> str | None:

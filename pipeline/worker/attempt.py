@@ -27,6 +27,7 @@ from ..http.rules import (
     value_error,
 )
 from ..store import ScriptCall
+from ..store.bodies import stored_apart
 from ..store.journal import Journal, entry
 from ..store.keys import ref_cancel_key
 from . import observe
@@ -136,6 +137,9 @@ class Attempt:
         mirror = None
         if self.mirrors is not None:
             mirror = self.mirrors.success() if ok else self.mirrors.failure(failure)
+        limit = self.rt.settings.body_inline_max
+        apart = stored_apart(payload, limit, self.record.get("wire"))  # a large body: once
+        body_key = self.store.keys.body(self.id, self.token) if apart else None
 
         def finish(handover: Handover) -> ScriptCall:
             return self.store.finish_call(
@@ -150,9 +154,11 @@ class Attempt:
                 handed_over=handover.handed_over,
                 nowake=handover.nowake,
                 journal=self.journal,
+                body_key=body_key,
             )
 
-        res = self.store.finished(self._until_written(finish))
+        before = partial(self.store.put_body, self.id, self.token, payload) if apart else None
+        res = self.store.finished(self._until_written(finish, before))
         self.closed = True
         if res is None:
             return Report(Status.STALE, "fenced off at finish")
@@ -161,15 +167,24 @@ class Attempt:
         status = Status.SUCCESS if ok else Status.FAILED
         return Report(status, failure, result=json.loads(res) if res else None)
 
-    def _until_written(self, finish: Callable[[Handover], ScriptCall]) -> Any:
-        """Release and finish; while Redis does not answer (a failover: redis-py's retries
-        last ~4 s, a promotion may take longer), the finish alone again, until the lease would
-        have lapsed. The result is not thrown away: abandoned, the request would run again
-        (the finish is fenced by the token: a retry of one that did land is a no-op)."""
+    def _until_written(
+        self, finish: Callable[[Handover], ScriptCall], before: Callable[[], Any] | None = None
+    ) -> Any:
+        """Release and finish (after ``before``: storing a large body); while Redis does not
+        answer (a failover: redis-py's retries last ~4 s, a promotion may take longer), the
+        finish alone again, until the lease would have lapsed. The result is not thrown away:
+        abandoned, the request would run again (the finish is fenced by the token: a retry of
+        one that did land is a no-op)."""
         end = time.monotonic() + self.rt.settings.lease_s
-        write = partial(
+        release = partial(
             self.reservation.release_with, finish, self.served_tokens, self.served_prompt
         )
+
+        def write() -> Any:
+            if before is not None:
+                before()
+            return release()
+
         while True:
             try:
                 return write()  # a retry: the reservation is released already, only the finish

@@ -21,6 +21,7 @@ from .attempt import Attempt
 from .bell import ReleaseBell
 from .endpoints import check_endpoints
 from .identity import NO_HOOKS, AttemptId, Hooks
+from .malloc import fix_mmap_threshold
 from .reservation import Reservation
 
 log = logging.getLogger("pipeline.worker")
@@ -31,6 +32,7 @@ SNAPSHOT_ENV = "PIPELINE_CONFIG_SNAPSHOT"  # the node's accepted queue config, f
 
 class Runtime:
     def __init__(self, settings: Settings, snapshot: tuple[int, int, int] | None = None) -> None:
+        fix_mmap_threshold()  # large answers: RSS of their copies, not twice that
         self.settings = check_gates(settings)
         check_endpoints(self.settings)  # a queue's API key variable is set, its TLS files load
         self.store = Store(self.settings)

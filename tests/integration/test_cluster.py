@@ -259,3 +259,19 @@ def test_metrics_show_each_primary_its_pools_and_its_load(cluster: list[Server])
     scripts = {s.labels["shard"]: s.value for s in families[
         "pipeline_redis_shard_script_seconds"].samples if s.name.endswith("_total")}  # fmt: skip
     assert scripts[held[pools[0]]] > 0 and scripts[held[pools[1]]] > 0
+
+
+def test_a_large_body_lives_in_its_pools_slot(cluster: list[Server]) -> None:
+    """A large answer's body key (docs/internals.md, "Large answers") is in its pool's slot:
+    stored, read back in ranges and deleted by a fenced-off finish there."""
+    pools = pools_on_two_primaries(cluster)
+    p = Pipeline(settings(cluster, pools))
+    req = p.submit({"prompt": "x"}, queue="qa")
+    store = p.store.for_pool(pools[0])
+    text = "é" * 1_500_000  # two bytes each: over 2 MiB
+    key = store.put_body(req.id, "stale", text)
+    assert key_slot(key.encode()) == key_slot(f"{{p:{pools[0]}}}".encode())
+    assert store.with_body({"id": req.id, "payload_ref": key})["payload"] == text
+    late = store.finish(req.id, "stale", attempted=True, status_code=200, payload="", body_key=key)
+    assert late is None and not store.client.exists(key)
+    assert p.cancel(req.id)

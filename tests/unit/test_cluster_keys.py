@@ -19,7 +19,7 @@ from pipeline.store.keys import Keys, pool_keys
 
 SAMPLE = {"queue": "q1", "pool": "p", "gate": "g", "node": "n1", "request_id": "r1",
           "tenant_key": "t", "quota_key": "quota:userid:a", "batch_id": "b1", "file_id": "f1",
-          "attribute_value": "v", "window_s": 1.0, "control_key": "c"}  # fmt: skip
+          "attribute_value": "v", "window_s": 1.0, "control_key": "c", "token": "t1"}  # fmt: skip
 
 
 def every_key(keys: Keys) -> list[str]:

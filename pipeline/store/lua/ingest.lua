@@ -58,7 +58,7 @@ for i, e in ipairs(entries) do
       elseif redis.call('ZREM', KEYS[1], member) == 0 then
         word = 'gone'
       else
-        if r[1] then redis.call('DEL', rk) end
+        if r[1] then drop_record(rk) end
         if e[8] ~= '' then redis.call('DEL', e[8]) end  -- the record holds the payload now
         local seq = redis.call('INCR', K.seq)
         local m = string.format('%015d', seq) .. '|' .. id

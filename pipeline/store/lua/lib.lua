@@ -313,10 +313,13 @@ local TERMINAL_FIELDS = {'queue', 'pool', 'member', 'attempts', 'submitted_at', 
 -- freed). `f`: the record's TERMINAL_FIELDS, if the caller read them (else read here).
 -- `attempted`: the attempt that ends it sent an HTTP request (counted in `attempts`).
 -- `nowake`: do not ring the pool's doorbell (a hand-over, and the worker that took the slot
--- still has attempts of the queue parked: the dispatcher is rung when it runs low). Returns the
--- result JSON.
+-- still has attempts of the queue parked: the dispatcher is rung when it runs low).
+-- `ref`: the key holding the body (finish.lua: an answer longer than PIPELINE_BODY_INLINE_MAX,
+-- `payload` then ''): the result carries "payload_ref" instead of "payload", the record keeps
+-- the key in its field `body`, and the key expires with the record and the result list.
+-- Returns the result JSON.
 local function terminal(K, id, now, ttl, status_code, payload, error_code, error_message,
-    quiet, f, attempted, nowake)
+    quiet, f, attempted, nowake, ref)
   local rk = K.req .. id
   f = f or redis.call('HMGET', rk, unpack(TERMINAL_FIELDS))
   local queue, pool, member, state = f[1], f[2], f[3], f[13]
@@ -337,6 +340,7 @@ local function terminal(K, id, now, ttl, status_code, payload, error_code, error
   local finished, attempts_text = fmt_time(now), string.format('%d', attempts)
   local parts = {'{"id":', json_str(id), ',"queue":', json_str(queue), ',"payload":',
     json_str(payload), ',"attempts":', attempts_text}
+  if ref then parts[5], parts[6] = ',"payload_ref":', json_str(ref) end
   if f[5] and string.find(f[5], '^%d+%.?%d*$') then
     parts[#parts + 1] = ',"submitted_at":'
     parts[#parts + 1] = f[5]
@@ -373,7 +377,15 @@ local function terminal(K, id, now, ttl, status_code, payload, error_code, error
       'token', '', 'log', log)
   end
   redis.call('EXPIRE', rk, ttl)
+  if ref then
+    redis.call('HSET', rk, 'body', ref)
+    local list_ttl = (f[6] and f[6] ~= '') and tonumber(f[8]) or 0
+    redis.call('EXPIRE', ref, math.ceil(math.max(tonumber(ttl), list_ttl or 0)))
+  end
   if f[9] == 'llm-d-async' then  -- it came from a reference producer: its consumer's format
+    -- (its consumers know no payload_ref: the body inline, at a copy's cost; the worker stores
+    -- such a request's body inline anyway)
+    if ref then payload = redis.call('GET', ref) or '' end
     push_result(f[6], ref_result(id, status_code, payload, error_code, error_message,
       f[10] or ''), f[7], f[8])
     ref_cleanup(K, id, f[10] or '')
@@ -397,6 +409,15 @@ local function terminal(K, id, now, ttl, status_code, payload, error_code, error
   if not nowake then wake(K, pool) end
   if not quiet then freed(K, queue, keys) end
   return json
+end
+
+-- Delete a finished request's record `rk` (a new submission takes its id) and the body key
+-- it names (field `body`, a large answer's: terminal()); a key read from data, like a
+-- record's result list.
+local function drop_record(rk)
+  local body = redis.call('HGET', rk, 'body')
+  if body then redis.call('DEL', body) end
+  redis.call('DEL', rk)
 end
 
 -- Why request `rk` (its hash) must get no new attempt: it was cancelled while an attempt ran

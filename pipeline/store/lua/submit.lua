@@ -80,7 +80,7 @@ for i, r in ipairs(items) do
   elseif state and state ~= 'done' then -- this batch's line already (its id recreated)
     out[#out + 1] = state
   else
-    if state then redis.call('DEL', rk) end
+    if state then drop_record(rk) end
     local member = string.format('%015d', seq0 + i) .. '|' .. id
     local deadline = r[5]
     if deadline == '' then deadline = fmt_time(now + tonumber(r[6])) end
