@@ -2,10 +2,14 @@
 
 Gate protocol hook points:
 - ``before_start`` begins the attempt (fenced by its token) and acquires the gate.
-- The body releases before it writes a result or re-queues (retry, refusal).
+- ``run`` runs it in one ``try``/``finally``: the attempt releases in the round trip that
+  writes its result or re-queues it (retry, refusal), and the ``finally`` releases whatever
+  ended it otherwise (``Reservation.close``: a no-op once a release went out).
 - ``after_return`` (success, failure, and in the main process after a hard time limit or a
-  lost child) releases again and requeues an attempt that never reported — idempotent.
-- ``task_revoked`` and worker shutdown release too (see ``tasks.node``).
+  lost child, where no ``finally`` ran) releases and requeues an attempt that never
+  reported — fenced, idempotent.
+- ``task_revoked`` and worker shutdown release too (see ``tasks.node``); the reaper frees
+  the leases of a process that died.
 Celery skips ``after_return`` for RETRY/IGNORED; that is why the body releases first.
 """
 
@@ -190,7 +194,10 @@ class InferenceTask(Task):
         attempt: Attempt | None = getattr(self.request, "pipeline_attempt", None)
         if attempt is None:
             raise Ignore()
-        report = observe.observed_run(attempt)
+        try:  # acquired in before_start; released by its finish / requeue's round trip...
+            report = observe.observed_run(attempt)
+        finally:  # ...or here, whatever ended it: the reservation's one exit (idempotent)
+            attempt.reservation.close()
         _log_outcome(report)
         if report.status is Status.SUCCESS:
             return None if report.result is None else TaskResult(report.result)
@@ -219,8 +226,13 @@ class InferenceTask(Task):
         if who is None:
             return
         # The attempt did not report (an exception, or this is the main process after a hard
-        # time limit / lost child): release and requeue, fenced by token.
-        runtime().abandon(who, cancel=False, reason=f"attempt ended with {status} without a result")
+        # time limit / lost child): release (here, a no-op after run's) and requeue, fenced.
+        runtime().abandon(
+            who,
+            cancel=False,
+            reason=f"attempt ended with {status} without a result",
+            reservation=None if attempt is None else attempt.reservation,
+        )
 
 
 infer = app.register_task(InferenceTask())

@@ -235,13 +235,23 @@ class Runtime:
         q = self.settings.queues.get(queue)
         return self.store_of(q) if q else self.store.find(request_id, self.settings.queues.values())
 
-    def abandon(self, who: AttemptId, *, cancel: bool, reason: str) -> None:
+    def abandon(
+        self,
+        who: AttemptId,
+        *,
+        cancel: bool,
+        reason: str,
+        reservation: Reservation | None = None,
+    ) -> None:
         """An attempt ended without reporting (hard time limit, killed child, revoke,
-        shutdown): release, then requeue or cancel it. Fenced: a no-op once it finished."""
+        shutdown): release (``reservation``: its own, in this process: unless released
+        already), then requeue or cancel it. Fenced: a no-op once it finished."""
         request_id, token = who.request_id, who.token
         queue = who.queue or self._queue_of(request_id)
         gate = self.current_gate(queue)
-        if gate is not None:
+        if reservation is not None:
+            reservation.close()
+        elif gate is not None:
             Reservation(self, queue, who.holder, gate).release()
         store = self._store_of(queue, request_id)
         done: object

@@ -79,7 +79,8 @@ class Reservation:
         self.generations: dict[str, int] = {}  # bells' generations, read before the last ask
         self.behind = 0  # attempts it parked behind at the start without asking; 0: it asked
         self._start_bell: str | None = None  # the bell others were parked on at the start
-        self._released = False
+        self._released = False  # a release went out (or was tried) since its last take
+        self._freed = False  # and the gate took it (or the hand-over): none is needed again
         # what the attempt's HTTP call showed, for the gates that learn from answers: sent
         # with the release (release_with), then forgotten
         self.observation: Observation | None = None
@@ -139,7 +140,7 @@ class Reservation:
         except Exception as exc:  # noqa: BLE001 - a gate error refuses, it never crashes
             log.warning("gate %s failed for %s: %s", self.queue, self.holder, exc)
             self.decision = Decision(Verdict.REFUSE, reason="error")
-        self._released = False
+        self._released = self._freed = False
         return self.decision
 
     def wait(self, decision: Decision, timeout: float) -> Ticket | None:
@@ -155,7 +156,8 @@ class Reservation:
         if ticket is not None and ticket.granted and self._refused_transfer(ticket):
             ticket.granted, ticket.rang = False, True  # as a ring: it asks again
         elif ticket is not None and ticket.granted:
-            self.ticket, self.decision, self._released = ticket, CONTINUE, False
+            self.ticket, self.decision = ticket, CONTINUE
+            self._released = self._freed = False
         return ticket
 
     def _refused_transfer(self, ticket: Ticket) -> bool:
@@ -186,6 +188,12 @@ class Reservation:
     def admitted(self) -> bool:
         return self.ticket is not None or (self.decision is not None and self.decision.admitted)
 
+    def close(self) -> None:
+        """The attempt's one exit (``InferenceTask.run``'s ``finally``): release unless a release
+        went out since its last take — normally its finish / requeue's, so a no-op."""
+        if not self._released:
+            self.release()
+
     def release(self) -> None:
         """Release now, retried (an attempt that ends without its finish / requeue)."""
         self.host.untrack(self.holder)
@@ -197,7 +205,8 @@ class Reservation:
         """Give back what the start's acquire took (the dispatcher's tenant was not the
         request's) and forget its decision."""
         self._retried(None)
-        self.decision, self._released = None, False
+        self.decision = None
+        self._released = self._freed = False
 
     def release_with(
         self,
@@ -208,8 +217,11 @@ class Reservation:
         """Settle a token charge to ``served`` (``prompt``: the answer's prompt tokens),
         release (or hand the slot to an attempt of this process parked for one), then the
         finish / requeue ``build(Handover(...))`` returns, in one round trip, the gate's
-        step first. Returns (or raises) its reply."""
+        step first. Returns (or raises) its reply. Released already (a finish tried again,
+        or ended after the exit's release): the finish / requeue alone."""
         self.host.untrack(self.holder)
+        if self._freed:
+            return build(NOT_HANDED)()
         held = self._held()
         if held:
             self._settle(served, prompt)
@@ -218,8 +230,13 @@ class Reservation:
         seen = self._observations(held)  # before the release: the observation reads its lease
         step = self._step(ticket)
         handover = NOT_HANDED if ticket is None else Handover(True, self._parked_ahead(bell))
-        call = build(handover)
         rings = self._rings(held, bell)
+        try:
+            call = build(handover)
+        except Exception:  # the finish / requeue could not be built: released all the same
+            self._complete(None, ticket, [])
+            self._ring(rings, echo=False)
+            raise
         if step is None or not step.calls:  # not as calls: done here, before the round trip
             _observe_alone(seen, self.holder)
             self._complete(step, ticket, [])
@@ -307,6 +324,7 @@ class Reservation:
                 if error is None:
                     assert not isinstance(replies, Exception)
                     self._record(ticket, step.then(replies))
+                    self._freed = True
                     return
                 log.warning(
                     "release of %s on gate %s failed: %s", self.holder, self.gate.name, error
@@ -330,6 +348,7 @@ class Reservation:
                     assert isinstance(self.gate, HandsOver)
                     calls = self.gate.transfer_calls(self.holder, ticket.ctx, ticket.bell)
                     self._record(ticket, calls.run())
+                self._freed = True
                 return
             except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
                 log.warning(
