@@ -33,9 +33,10 @@ from ..store.keys import ref_cancel_key
 from . import observe
 from .bell import Ticket
 from .endpoints import authorization, queue_send
+from .handover import Handover
 from .identity import NO_HOOKS, AttemptId, Hooks
 from .report import Mirrors, Report, Status, failure_message
-from .reservation import Handover, Host, Reservation
+from .reservation import Host, Reservation
 
 log = logging.getLogger("pipeline.worker")
 

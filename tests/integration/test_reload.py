@@ -37,7 +37,8 @@ from pipeline.errors import ConfigError
 from pipeline.gates import AcquireContext, same_attempt_gate
 from pipeline.sim import SimConfig, SimServer
 from pipeline.worker import Runtime
-from pipeline.worker.reservation import Handover, Reservation
+from pipeline.worker.handover import Handover
+from pipeline.worker.reservation import Reservation
 from tests.conftest import ROOT, assert_idle, held, local_limit
 from tests.observability import FAST, Isolated, isolated, scrape, total
 
