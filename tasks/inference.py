@@ -27,6 +27,7 @@ from celery.exceptions import Ignore, Retry
 from pipeline.observability import logs
 from pipeline.store import Mirror
 from pipeline.worker import Attempt, Status, observe, runtime
+from pipeline.worker.attempt import REDIS_DOWN
 from pipeline.worker.identity import AttemptId, Hooks
 
 from .app import app
@@ -168,6 +169,20 @@ def mirrors_results(task: Task, request: Any) -> bool:
     )
 
 
+def _escaped(attempt: Attempt, exc: Any) -> bool:
+    """An exception raised around the attempt in this process (``Attempt.run`` takes its
+    own): the attempt's outcome, counted and backed off (``Attempt.escaped``), never a requeue
+    with no delay. False when it is not one (Redis down) or that failed too: abandon it."""
+    if not isinstance(exc, Exception) or isinstance(exc, REDIS_DOWN):
+        return False
+    try:
+        attempt.escaped(exc)
+    except Exception as again:  # noqa: BLE001 - abandoned instead (released, requeued)
+        log.warning("request %s: its escaped exception not handled: %s", attempt.id, again)
+        return False
+    return True
+
+
 class InferenceTask(Task):
     name = "pipeline.infer"
     acks_late = True
@@ -224,6 +239,9 @@ class InferenceTask(Task):
             return
         who = attempt.who if attempt is not None else attempt_id(args, kwargs)
         if who is None:
+            return
+        # a FAILURE's retval is the exception (Celery passes no einfo to after_return)
+        if status == states.FAILURE and attempt is not None and _escaped(attempt, retval):
             return
         # The attempt did not report (an exception, or this is the main process after a hard
         # time limit / lost child): release (here, a no-op after run's) and requeue, fenced.

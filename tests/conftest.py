@@ -231,6 +231,8 @@ def gated_queue_entries(sim_url: str) -> list[dict[str, Any]]:
         # ... whose estimates learn a correction from the answers' usage
         ("tokenslearn", "default", tokens_quota(1000, "1m", estimate_correction="usage"), sim_url),
         ("dead", "default", local_limit(4), dead),
+        # poison requests (tests/integration/test_poison.py): three attempts at most
+        ("poison", "default", {**local_limit(2), "max_attempts": 3}, sim_url),
         ("prefork", "prefork", local_limit(4), sim_url),
         ("softlim", "softlim", local_limit(4), sim_url),
         ("hardlim", "hardlim", local_limit(4), sim_url),

@@ -419,8 +419,9 @@ class Pipeline:
         if raw is None:
             raise UnknownRequest(request_id)
         queue = str((raw.get("record") or {}).get("queue", ""))
-        gate = self.gate(queue).describe() if queue in self.settings.queues else None
-        return build(request_id, raw, gate)
+        q = self.settings.queues.get(queue)
+        gate = self.gate(queue).describe() if q is not None else None
+        return build(request_id, raw, gate, q.max_attempts if q is not None else None)
 
     def quota_specs(self) -> dict[str, list[QuotaSpec]]:
         """Per queue, the blocking concurrency quotas the dispatcher counts per tenant."""

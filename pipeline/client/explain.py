@@ -10,6 +10,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ..gates.adaptive import find_view
+from ..http.backoff import MAX_ATTEMPTS_EXCEEDED
+
+POISON = "poison"  # the verdict on a request its queue's max_attempts ended
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,10 @@ class Explanation:
     gate: dict[str, Any] | None = None
     quotas: list[QuotaUse] = field(default_factory=list)
     log: list[LogEntry] = field(default_factory=list)
+    # the queue's max_attempts (None: the queue is not configured here)
+    max_attempts: int | None = None
+    # "poison": every attempt its queue allows failed (it ended MAX_ATTEMPTS_EXCEEDED)
+    verdict: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (``pipeline explain --json``)."""
@@ -186,9 +193,14 @@ def _quota(raw: dict[str, Any], now: float, workers: dict[tuple[str, str], str])
     )
 
 
-def build(request_id: str, raw: dict[str, Any], gate: dict[str, Any] | None) -> Explanation:
-    """An :class:`Explanation` from ``Store.explain``'s reply and the queue's
-    ``Gate.describe()`` (None when the queue is not configured here)."""
+def build(
+    request_id: str,
+    raw: dict[str, Any],
+    gate: dict[str, Any] | None,
+    max_attempts: int | None = None,
+) -> Explanation:
+    """An :class:`Explanation` from ``Store.explain``'s reply, the queue's
+    ``Gate.describe()`` and ``max_attempts`` (None when the queue is not configured here)."""
     now = float(raw["now"])
     r: dict[str, Any] = raw.get("record") or {}
     state = str(r.get("state", ""))
@@ -216,6 +228,7 @@ def build(request_id: str, raw: dict[str, Any], gate: dict[str, Any] | None) -> 
     due = _num(raw.get("due"))
     lease = _num(raw.get("lease"))
     result = r.get("result") if isinstance(r.get("result"), dict) else None
+    poison = result is not None and result.get("error_code") == MAX_ATTEMPTS_EXCEEDED
     return Explanation(
         id=request_id,
         state=state,
@@ -244,6 +257,8 @@ def build(request_id: str, raw: dict[str, Any], gate: dict[str, Any] | None) -> 
         gate=gate_info,
         quotas=[_quota(q, now, workers) for q in _list(raw.get("quotas"))],
         log=[LogEntry.parse(e) for e in _list(raw.get("log"))],
+        max_attempts=max_attempts,
+        verdict=POISON if poison else None,
     )
 
 
@@ -374,7 +389,9 @@ def _back(f: dict[str, Any]) -> str:
 
 
 def _retry(f: dict[str, Any]) -> str:
-    text = f"HTTP {f['status']}" if "status" in f else str(f.get("error", "transport error"))
+    text = f"HTTP {f['status']}" if "status" in f else "transport error"
+    if "error" in f:  # no answer, or one that is not JSON: HTTP 200 (not JSON)
+        text = str(f["error"])
     if f.get("dropped"):
         text += f" (dropped: {f['dropped']})"
     if "attempt" in f:
@@ -422,6 +439,9 @@ _EVENTS: dict[str, Any] = {
     "joined": lambda f: (
         f"taken as line {f.get('line')} of batch {f.get('batch')} (the same content)"
     ),
+    "poison": lambda f: (
+        f"attempt {f.get('attempts', '?')} failed too ({f.get('last', '?')}): max_attempts reached"
+    ),
     "done": _done,
 }
 
@@ -453,12 +473,23 @@ def _deadline_row(e: Explanation, deadline: float, slack: float) -> str:
 
 
 def _attempts_row(e: Explanation) -> str:
-    text = f"{_plural(e.attempts, 'HTTP attempt')}, {_plural(e.dispatches, 'dispatch')}"
+    text = _plural(e.attempts, "HTTP attempt")
+    if e.max_attempts is not None:
+        text += f" (at most {e.max_attempts})"
+    text += f", {_plural(e.dispatches, 'dispatch')}"
     if e.state != "done" and e.last_status is not None:
         text += f"; last answer HTTP {e.last_status}"
     elif e.state != "done" and e.last_error:
         text += f"; last error {e.last_error}"
     return text
+
+
+def _poison_row(e: Explanation) -> str:
+    """Why a request is judged poison: its attempts, all failed, and what the last one got."""
+    message = str((e.result or {}).get("error_message") or "")
+    last = message.partition("; last: ")[2]
+    text = f"poison: all {e.attempts} attempts its queue allows (max_attempts) failed"
+    return text + (f"; the last: {last}" if last else "")
 
 
 def _log_rows(e: Explanation) -> list[tuple[str, str]]:
@@ -488,5 +519,7 @@ def _text_lines(e: Explanation) -> list[str]:
         age = _s(e.server_now - e.submitted_at)
         rows.append(("submitted", f"{_when(e.submitted_at)} ({age} ago)"))
     rows.append(("attempts", _attempts_row(e)))
+    if e.verdict == POISON:
+        rows.append(("verdict", _poison_row(e)))
     rows += _log_rows(e)
     return [f"{label:<{LABEL}}{text}".rstrip() for label, text in rows]

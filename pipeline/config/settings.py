@@ -29,7 +29,7 @@ _SECONDS = (
     "retry_max_delay_s",
     "result_ttl_seconds",
 )
-_COUNTS = ("result_list_max_len", "max_response_bytes")
+_COUNTS = ("result_list_max_len", "max_response_bytes", "max_attempts")
 _FLAGS = (
     "result_list",
     "fair_share",
@@ -73,6 +73,10 @@ class QueueConfig:
     request_timeout_s: float = 300.0
     retry_base_delay_s: float = 2.0
     retry_max_delay_s: float = 60.0
+    # HTTP attempts a request gets at most (retries included; an attempt that raised counts):
+    # the one that reaches it ends the request MAX_ATTEMPTS_EXCEEDED (a poison request),
+    # unless the server said it is busy (429, Retry-After, a gateway's drop: waited out)
+    max_attempts: int = 10
     weight: float = 1.0  # the queue's share of its pool's dispatches
     fair_share: bool = False  # its tenants take turns at each priority
     # send the request's priority in the body as the engine's ``priority`` (vLLM's field,

@@ -10,6 +10,9 @@ import random
 import re
 import time
 
+# the error code of a request whose queue's max_attempts ran out (a poison request: the
+# verdict ``explain`` gives it)
+MAX_ATTEMPTS_EXCEEDED = "MAX_ATTEMPTS_EXCEEDED"
 # delay-seconds, with the decimal fraction real proxies send (LiteLLM: 34.249831)
 _SECONDS = re.compile(r"[0-9]+(?:\.[0-9]+)?")
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+import json
 import re
 import ssl
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
@@ -15,7 +17,7 @@ import httptools
 from . import call as httpcall
 from .backoff import parse_retry_after
 from .rules import Unsendable
-from .usage import Usage, parse_usage
+from .usage import Usage, parse_usage, usage_of
 
 
 class Kind(enum.Enum):
@@ -25,6 +27,10 @@ class Kind(enum.Enum):
 
 
 UNSENDABLE = "UNSENDABLE"  # the category of a request the client cannot write (never sent)
+# the category (and a result's error code) of a 2xx answer whose body is not JSON: an HTML
+# page, a cut-off or garbled body, JSON nested deeper than the parser goes
+INVALID_RESPONSE = "INVALID_RESPONSE"
+_UNREAD: Any = object()  # an outcome whose body classify did not parse
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,8 @@ class Outcome:
     # the gateway's x-llm-d-request-dropped-reason (its flow control shed the request):
     # rejected-saturated, evicted-queue-pressure, ...
     dropped_reason: str | None = None
+    # a 2xx body as classify parsed it (its JSON), so that its usage is not parsed again
+    parsed: Any = field(default=_UNREAD, repr=False, compare=False)
 
     @property
     def responded(self) -> bool:
@@ -48,15 +56,31 @@ class Outcome:
         """A 2xx answer: the only kind whose ``usage`` is read."""
         return self.status_code is not None and 200 <= self.status_code < 300
 
+    @property
+    def busy(self) -> bool:
+        """The server (or its gateway) said it is busy: a 429, a ``Retry-After``, a drop
+        reason. Waited out within the deadline; never what ends a request by ``max_attempts``."""
+        return self.status_code == 429 or self.retry_after is not None or bool(self.dropped_reason)
+
+    @property
+    def unreadable(self) -> bool:
+        """A 2xx answer whose body is not JSON (``INVALID_RESPONSE``)."""
+        return self.category == INVALID_RESPONSE
+
     @cached_property
     def usage(self) -> Usage | None:
         """The ``usage`` of a 2xx answer's body (parsed once), else None."""
-        return parse_usage(self.body) if self.ok_2xx else None
+        if not self.ok_2xx or self.unreadable:
+            return None
+        return parse_usage(self.body) if self.parsed is _UNREAD else usage_of(self.parsed)
 
     @property
     def described(self) -> str:
-        """``HTTP 429``, with the gateway's drop reason: ``HTTP 429 (dropped: ...)``."""
+        """``HTTP 429``, with the gateway's drop reason: ``HTTP 429 (dropped: ...)``; a 2xx
+        that is not JSON: ``HTTP 200 (not JSON)``."""
         text = f"HTTP {self.status_code}"
+        if self.unreadable:
+            return f"{text} (not JSON)"
         return f"{text} (dropped: {self.dropped_reason})" if self.dropped_reason else text
 
 
@@ -69,11 +93,38 @@ def join_url(base: str, path: str) -> str:
     return base.rstrip("/") + "/" + path.lstrip("/")
 
 
+def _is_stream(content_type: str | None) -> bool:
+    return (content_type or "").split(";", 1)[0].strip().lower() == "text/event-stream"
+
+
+def answered(status: int, body: str, content_type: str | None = None) -> Outcome:
+    """A 1xx-2xx answer: a success when its body is JSON (parsed here, once: its usage is read
+    from it), a stream (``text/event-stream``) or a 204's; else ``INVALID_RESPONSE``, retried
+    as a 5xx is (a proxy's HTML page, a cut-off body: the server did not deliver the answer),
+    within the deadline and the queue's ``max_attempts``. JSON nested deeper than the parser
+    goes is not JSON here: its ``RecursionError`` is this outcome, never an escape."""
+    if status == 204 or _is_stream(content_type):
+        return Outcome(Kind.SUCCESS, status, body)
+    try:
+        return Outcome(Kind.SUCCESS, status, body, parsed=json.loads(body))
+    except RecursionError:
+        why = "JSON nested deeper than the parser goes"
+    except ValueError as exc:  # the message names a position, never the body's text
+        why = str(exc)
+    typed = f", content-type {content_type[:64]}" if content_type else ""
+    error = f"HTTP {status} answer is not JSON ({why}{typed})"
+    return Outcome(Kind.RETRY, status, body, error=error, category=INVALID_RESPONSE)
+
+
 def classify(
-    status: int, body: str, retry_after: str | None, dropped: str | None = None
+    status: int,
+    body: str,
+    retry_after: str | None,
+    dropped: str | None = None,
+    content_type: str | None = None,
 ) -> Outcome:
     if status < 300:
-        return Outcome(Kind.SUCCESS, status, body)
+        return answered(status, body, content_type)
     if status < 400:  # a redirect not followed (the queue's follow_redirects is off)
         return Outcome(Kind.FATAL, status, body, category="REDIRECT")
     ra = parse_retry_after(retry_after)
@@ -144,4 +195,10 @@ def send(
     except (OSError, httptools.HttpParserError) as exc:
         return Outcome(Kind.RETRY, error=f"{type(exc).__name__}: {exc}", category="TRANSPORT")
     h = resp.headers
-    return classify(resp.status, resp.text, h.get("retry-after"), h.get(DROPPED_REASON_HEADER))
+    return classify(
+        resp.status,
+        resp.text,
+        h.get("retry-after"),
+        h.get(DROPPED_REASON_HEADER),
+        h.get("content-type"),
+    )

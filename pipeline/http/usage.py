@@ -30,11 +30,17 @@ def _count(value: Any) -> int | None:
 
 
 def parse_usage(body: str | bytes) -> Usage | None:
-    """The ``usage`` of a response body, or None when the body has none that can be read."""
+    """The ``usage`` of a response body, or None when the body has none that can be read
+    (not JSON, or nested deeper than the parser goes: ``RecursionError`` is not an escape)."""
     try:
         data = json.loads(body)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         return None
+    return usage_of(data)
+
+
+def usage_of(data: Any) -> Usage | None:
+    """The ``usage`` of a response body already parsed, or None when it has none."""
     usage = data.get("usage") if isinstance(data, dict) else None
     if not isinstance(usage, dict):
         return None

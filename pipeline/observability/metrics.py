@@ -74,6 +74,10 @@ class _Series:
         self.reclaims = counter(
             "lease_reclaims_total", "Expired leases reclaimed by the reaper.", ("kind",)
         )
+        self.lease_aborts = counter(
+            "lease_lapse_aborts_total",
+            "Attempts stopped because their lease could lapse (renewals not taken by Redis).",
+        )
         self.tokens = counter(
             "tokens_total",
             "Tokens in the usage of 2xx answers: direction input (prompt) or output (completion).",
@@ -122,7 +126,7 @@ class _Series:
         if labels in self._initialised:
             return
         for c in (self.requests, self.dispatched, self.retries, self.successes, self.failures,
-                  self.deadlines, self.shed):  # fmt: skip
+                  self.deadlines, self.shed, self.lease_aborts):  # fmt: skip
             c.labels(*labels)
         for reason in GATE_REASONS:
             self.gate_decisions.labels(*labels, reason)

@@ -44,7 +44,10 @@ MODEL_NAME = "sim-model"
 STALL_CAP_S = 600.0  # a stalled attempt is dropped after this many seconds
 HOLD_CAP_S = 120.0  # a held request is answered after this many seconds if nobody released it
 RECORD_CAP = 1000  # calls whose headers are kept (x-sim-record-headers) until the next reset
-FAULT_MODES = ("status", "stall", "drop")
+# a scripted fault: an error status, a stall, a dropped connection, or a 200 whose body is
+# not JSON (BAD_BODIES: nested deeper than a parser goes, cut off, an HTML page)
+FAULT_MODES = ("status", "stall", "drop", "nested", "truncated", "html")
+NESTING = 100_000  # the depth of a "nested" body: far past any JSON parser's recursion limit
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -136,6 +139,10 @@ class _Call:
     stream: bool = False
     include_usage: bool = False
     on_end: Callable[[], None] | None = None  # run once its answer is written or abandoned
+    # x-sim-hangup-notice: write: a hang-up is noticed only when its answer is written (as a
+    # server that learns of a closed connection on its next write); ``gone``: it hung up
+    late_notice: bool = False
+    gone: bool = False
 
 
 class _BadRequest(Exception):
@@ -164,6 +171,19 @@ def _error(
     if dropped is not None:
         headers[DROPPED_REASON_HEADER] = dropped
     return _json({"error": {"message": message, "type": kind, "code": status}}, status, headers)
+
+
+def _bad_body(mode: str) -> Response:
+    """A 200 whose body is not JSON, as a faulty server or proxy sends: ``nested`` (arrays
+    nested :data:`NESTING` deep: valid JSON no parser reads), ``truncated`` (a completion cut
+    off), ``html`` (a proxy's error page)."""
+    if mode == "html":
+        page = "<html><head><title>502</title></head><body><h1>Bad Gateway</h1></body></html>"
+        return Response(page, 200, media_type="text/html")
+    if mode == "nested":
+        return Response("[" * NESTING + "]" * NESTING, 200, media_type="application/json")
+    body = '{"id": "cmpl-cut", "object": "text_completion", "choices": [{"text": "the mo'
+    return Response(body, 200, media_type="application/json")
 
 
 def _get(fn: Callable[[], object]) -> Callable[[Request], Awaitable[Response]]:
@@ -288,6 +308,9 @@ class SimServer:
         self._released: set[str] = set()  # names released since the last reset
         self._held_jobs: dict[asyncio.Future[bool], Job] = {}  # held in the engine
         self._in_flight = 0
+        self._late: dict[_Peer, _Call] = {}  # late-notice calls waiting, by connection
+        self._gone = 0  # calls in flight whose client hung up, not noticed yet (late notice)
+        self._max_live = 0  # the most in flight at once whose client still waited
         self._engine: EngineFront | None = None
         if config.engine is not None:
             if config.latency_ms or config.jitter_ms or config.itl_ms:
@@ -343,6 +366,7 @@ class SimServer:
         self._recorded: dict[str, list[list[tuple[str, str]]]] = {}
         self._recorded_calls = 0
         self._max_in_flight = self._in_flight
+        self._max_live = self._in_flight - self._gone
         if self._engine is not None:
             self._engine.reset()
         return {"ok": True}
@@ -356,6 +380,9 @@ class SimServer:
             "in_flight": self._in_flight,
             "waiting": len(self._waiters),
             "max_concurrency_observed": self._max_in_flight,
+            # the same, less calls whose client had hung up unnoticed (x-sim-hangup-notice)
+            "max_live_concurrency_observed": self._max_live,
+            "unnoticed_hangups": self._gone,
             "attempts_by_request_id": dict(self._attempts),
             "dropped": self._dropped,
             "stalled": self._stalled,
@@ -567,6 +594,7 @@ class SimServer:
         else:
             self._in_flight += 1
             self._max_in_flight = max(self._max_in_flight, self._in_flight)
+            self._max_live = max(self._max_live, self._in_flight - self._gone)
         call.slot = True
         fault = call.fault
         if fault is not None and call.attempt <= fault.fail_first:
@@ -579,6 +607,8 @@ class SimServer:
         if fault.mode == "status":
             msg = f"simulated failure (attempt {call.attempt} of {fault.fail_first})"
             return _error(fault.status, msg, fault.retry_after, fault.dropped_reason)
+        if fault.mode in ("nested", "truncated", "html"):
+            return _bad_body(fault.mode)
         if fault.mode == "stall":
             self._stalled += 1
             if not await self._until(call, self._future(), STALL_CAP_S):
@@ -682,7 +712,10 @@ class SimServer:
         self, call: _Call, fut: asyncio.Future[bool], timeout: float | None = None
     ) -> bool:
         """Wait for ``fut``: True when it fires (or after ``timeout`` s), False if the client
-        hangs up first (``connection_lost`` settles it)."""
+        hangs up first (``connection_lost`` settles it; with late notice, once ``fut`` fires:
+        the answer's write finds the connection closed)."""
+        if call.late_notice:
+            return await self._until_written(call, fut, timeout)
         if call.peer not in self._transports:
             return False
         self._waiting[call.peer] = fut
@@ -695,8 +728,37 @@ class SimServer:
             if cap is not None:
                 cap.cancel()
 
+    async def _until_written(
+        self, call: _Call, fut: asyncio.Future[bool], timeout: float | None
+    ) -> bool:
+        """:meth:`_until` for a late-notice call: its hang-up only marks it ``gone``."""
+        if call.peer not in self._transports:
+            call.gone = True
+            self._gone += 1
+        else:
+            self._late[call.peer] = call
+        loop = asyncio.get_running_loop()
+        cap = None if timeout is None else loop.call_later(timeout, _wake, fut)
+        try:
+            await fut
+        finally:
+            self._late.pop(call.peer, None)
+            if cap is not None:
+                cap.cancel()
+        return not call.gone
+
+    def _hung_up(self, peer: _Peer) -> None:
+        """``peer``'s connection closed: its late-notice call, if any, goes on unknowing."""
+        call = self._late.pop(peer, None)
+        if call is not None and not call.gone:
+            call.gone = True
+            self._gone += 1
+
     def _free(self, call: _Call) -> None:
         """Give ``call``'s slot straight to the oldest queued request, or back."""
+        if call.gone:
+            call.gone = False
+            self._gone -= 1
         if not call.slot:
             return
         call.slot = False
@@ -734,6 +796,7 @@ class SimServer:
         call.model = str(payload.get("model") or self.config.model_name)
         h = request.headers
         call.hold = h.get("x-sim-hold") or None
+        call.late_notice = h.get("x-sim-hangup-notice") == "write"
         call.fault = self._faults.get(call.rid or "")
         try:
             if "x-sim-latency-ms" in h:
@@ -875,6 +938,7 @@ class SimServer:
 
             def connection_lost(self, exc: Exception | None) -> None:
                 sim._transports.pop(self.peer, None)
+                sim._hung_up(self.peer)
                 if (fut := sim._waiting.pop(self.peer, None)) is not None:
                     _wake(fut, False)
                 super().connection_lost(exc)

@@ -120,6 +120,16 @@ def _resulted(reply: Any) -> bool:
     return any(int(n) for n in expired) or any(bool(r) for r in rejected)
 
 
+def _priority(raw: Any) -> int:
+    """A moved request's priority as the tick read it (dispatch.lua ends a record whose
+    priority is not an integer); 0 for anything else, never a failed tick: one request's field
+    must not lose the other requests the tick moved."""
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return 0
+
+
 def _sent(make: Callable[_P, ScriptCall], read: Callable[[Any], _R]) -> Callable[_P, _R]:
     """A method that sends the call ``make`` builds, now, and returns ``read(reply)``."""
 
@@ -312,7 +322,7 @@ class Store:
                 moved_raw[i],
                 moved_raw[i + 1],
                 int(moved_raw[i + 2]),
-                int(moved_raw[i + 3]),
+                _priority(moved_raw[i + 3]),
                 queues[int(moved_raw[i + 4]) - 1].name,
                 json.loads(moved_raw[i + 5]) if moved_raw[i + 5] else None,
             )

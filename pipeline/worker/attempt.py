@@ -16,9 +16,9 @@ from redis.exceptions import ClusterDownError
 from ..config import QueueConfig
 from ..gates import CONTINUE, AcquireContext, Decision, Verdict, observation_of
 from ..gates.adaptive import adaptive_views
-from ..http.backoff import retry_delay
+from ..http.backoff import MAX_ATTEMPTS_EXCEEDED, retry_delay
 from ..http.call import Abort, abortable
-from ..http.classify import UNSENDABLE, Kind, Outcome, join_url
+from ..http.classify import INVALID_RESPONSE, UNSENDABLE, Kind, Outcome, join_url
 from ..http.rules import (
     ATTEMPT_HEADERS,
     CONNECTION_HEADERS,
@@ -45,6 +45,7 @@ PARK_POLL_S = 0.5  # a parked attempt re-asks its gate at least this often (a lo
 TERMINAL_RETRY_S = 0.25  # a terminal write Redis could not take is tried again this often
 # (a failover or a slot migration, redis-py's own retries spent), while the lease lasts
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, ClusterDownError)
+ESCAPED = "ESCAPED"  # the category of an attempt ended by an exception (counted, backed off)
 
 
 class Attempt:
@@ -103,6 +104,7 @@ class Attempt:
         self.elapsed_s: float | None = None  # how long its HTTP call took (observed_send)
         # fired by a cancel with running="abort" (Runtime.abort): closes the call's connection
         self.abort = Abort()
+        self.lapsing = False  # the lease guard stopped it (Runtime): it ends as a retry
 
     @property
     def decision(self) -> Decision | None:
@@ -243,7 +245,16 @@ class Attempt:
         return Report(status, reason, due=due)
 
     def _answered(self, outcome: Outcome, attempted: bool) -> Report:
-        """The answer ``outcome`` got as the result (a gateway's drop reason: ``error_message``)."""
+        """The answer ``outcome`` got as the result (a gateway's drop reason: ``error_message``;
+        a 2xx that is not JSON: ``INVALID_RESPONSE``, the body kept as its payload)."""
+        if outcome.unreadable:
+            return self._finish(
+                attempted=attempted,
+                status_code=outcome.status_code,
+                payload=outcome.body,
+                error_code=INVALID_RESPONSE,
+                error_message=outcome.error,
+            )
         return self._finish(
             attempted=attempted,
             status_code=outcome.status_code,
@@ -263,7 +274,9 @@ class Attempt:
                 attempted=attempted,
                 status_code=code,
                 payload=data["payload"],
-                error_message=f"HTTP {code} (dropped: {reason})" if reason else None,
+                error_code=data.get("error_code"),  # INVALID_RESPONSE
+                error_message=data.get("error_message")
+                or (f"HTTP {code} (dropped: {reason})" if reason else None),
             )
         msg = "deadline exceeded"
         error = last.error if last is not None and last.error else self.record.get("last_error")
@@ -272,6 +285,25 @@ class Attempt:
         return self._error("DEADLINE_EXCEEDED", msg, attempted)
 
     def run(self) -> Report:
+        """The attempt, to its one outcome. An exception that escapes it (a bug, a body no
+        rule foresaw) is that outcome too: :meth:`escaped`, never a requeue with no delay."""
+        try:
+            return self._run()
+        except REDIS_DOWN:
+            raise  # not the request's doing: after_return requeues it, or its lease lapses
+        except Exception as exc:
+            if self.closed:
+                raise
+            return self.escaped(exc)
+
+    def escaped(self, exc: Exception) -> Report:
+        """An exception ended the attempt: counted as an attempt and retried after the
+        backoff (within the deadline and ``max_attempts``), its reservation released."""
+        log.exception("request %s: attempt %s raised", self.id, self.token, exc_info=exc)
+        error = f"{type(exc).__name__}: {str(exc)[:200]}"
+        return self._retry(Outcome(Kind.RETRY, error=error, category=ESCAPED), 0.0)
+
+    def _run(self) -> Report:
         if self.time_left() <= 0:
             return self._expired(False)
         endpoint = self.record.get("endpoint")
@@ -458,9 +490,12 @@ class Attempt:
         data["priority"] = -priority
         return json.dumps(data, separators=(",", ":"))
 
-    def _aborted(self) -> Report:
+    def _aborted(self, sent: bool = False) -> Report:
         """Cancelled with running="abort" (or found no longer its own): the request's result
-        is written already; this only releases the reservation (the finish is fenced off)."""
+        is written already; this only releases the reservation (the finish is fenced off).
+        Stopped by the lease guard: :meth:`_lapsed`."""
+        if self.lapsing:
+            return self._lapsed(sent)
         report = self._error("CANCELLED", "cancelled (running attempt aborted)")
         if report.status is Status.STALE:  # as it should: the cancel ended the request
             return Report(Status.ABORTED, "cancelled (running attempt aborted)")
@@ -471,9 +506,12 @@ class Attempt:
         if left <= 0:
             return self._expired(False)
         timeout = min(self.queue.request_timeout_s, left)
+        if self.rt.guard.late(self.reservation.proof):  # its lease could lapse: not sent
+            self.lapsing = True
+            return self._lapsed(False)
         outcome = self._send(timeout)
-        if self.abort.fired:  # whatever came back: the request is cancelled
-            return self._aborted()
+        if self.abort.fired and not (self.lapsing and outcome.responded):
+            return self._aborted(sent=True)  # cancelled: whatever came back (or lapsing)
         if self.elapsed_s is not None:  # what the server showed, for gates that learn from it
             retried = int(self.record.get("attempts") or 0) > 0
             self.reservation.observation = observation_of(outcome, self.elapsed_s, retried)
@@ -487,6 +525,16 @@ class Attempt:
         if outcome.kind is Kind.FATAL:
             return self._error("INFERENCE_ERROR", outcome.error or "request failed", True)
         return self._retry(outcome, timeout)
+
+    def _lapsed(self, sent: bool) -> Report:
+        """Stopped because its lease could lapse (no renewal taken by Redis in time): back to
+        its queue, a retry if it was sent. While Redis does not answer this raises, and its
+        lease lapses: the reaper frees and requeues it (fenced either way)."""
+        reason = "lease renewal overdue: " + ("call aborted" if sent else "not sent")
+        if sent:
+            return self._retry(Outcome(Kind.RETRY, error=reason, category="LEASE"), 0.0)
+        delay = self.rt.rng.uniform(*REFUSE_DELAY_S)
+        return self._requeue(delay, reason, attempted=False)
 
     def _send(self, timeout: float) -> Outcome:
         """The request sent and its answer classified (abortable by a cancel notice)."""
@@ -510,6 +558,8 @@ class Attempt:
         """A retriable outcome: requeued after its backoff, or the last result when the
         deadline leaves no room for another attempt."""
         retries = int(self.record.get("attempts") or 0)
+        if retries + 1 >= self.queue.max_attempts and not outcome.busy:
+            return self._exhausted(outcome, retries + 1)
         delay = retry_delay(
             retries,
             self.time_left(),
@@ -528,12 +578,14 @@ class Attempt:
             last = {"status_code": outcome.status_code, "payload": outcome.body}
             if outcome.dropped_reason:
                 last["dropped_reason"] = outcome.dropped_reason
+            if outcome.unreadable:  # its result, if the deadline ends it waiting
+                last.update(error_code=INVALID_RESPONSE, error_message=outcome.error)
         reason = outcome.described if outcome.responded else f"{outcome.category}: {outcome.error}"
         note = entry(
             "retry",
             attempt=retries + 1,
             status=outcome.status_code if outcome.responded else None,
-            error=None if outcome.responded else reason,
+            error=None if outcome.responded and not outcome.unreadable else reason,
             dropped=outcome.dropped_reason,
             retry_after=outcome.retry_after,
         )
@@ -545,6 +597,20 @@ class Attempt:
             error=outcome.error,
             status=Status.RETRY,
             note=note,
+        )
+
+    def _exhausted(self, outcome: Outcome, attempts: int) -> Report:
+        """The queue's ``max_attempts`` spent: ``MAX_ATTEMPTS_EXCEEDED``, with the last answer
+        (its status and body) when there was one."""
+        last = outcome.described if outcome.responded else f"{outcome.category}: {outcome.error}"
+        message = f"gave up after {attempts} attempts (max_attempts); last: {last}"[:500]
+        self.journal.add("poison", attempts=attempts, last=last[:200])
+        return self._finish(
+            attempted=True,
+            status_code=outcome.status_code,
+            payload=outcome.body if outcome.responded else json.dumps({"error": message}),
+            error_code=MAX_ATTEMPTS_EXCEEDED,
+            error_message=message,
         )
 
 

@@ -31,7 +31,7 @@ class Ticket:
 
     __slots__ = (
         "ctx", "gate", "rid", "bell", "_wake", "done", "rang", "granted", "cancelled", "held",
-        "transferred",
+        "transferred", "sure",
     )  # fmt: skip
 
     def __init__(
@@ -49,6 +49,7 @@ class Ticket:
         self.cancelled = False
         self.held = False
         self.transferred = threading.Event()
+        self.sure = False  # granted by a giver whose lease was surely alive (no wait for it)
 
     def fire(self) -> None:
         self.done = True
@@ -132,10 +133,13 @@ class ReleaseBell:
             if echo and self._listeners:
                 self._echoes[queue].append(time.monotonic())
 
-    def hand_over(self, names: Sequence[str], gate: Any = None) -> Ticket | None:
+    def hand_over(
+        self, names: Sequence[str], gate: Any = None, sure: bool = False
+    ) -> Ticket | None:
         """Grant the longest waiter of the first of ``names`` whose longest waiter waits for a
         slot of ``gate`` (None: nobody does); the caller records the transfer (on
-        ``ticket.bell``, where it parked) and publishes no release."""
+        ``ticket.bell``, where it parked) and publishes no release. ``sure``: the giver's
+        lease is surely alive (the taker need not wait for the transfer record)."""
         with self._lock:
             if self.closed:
                 return None
@@ -144,7 +148,7 @@ class ReleaseBell:
                 if waiters and waiters[0].ctx is not None and waiters[0].gate is gate:
                     ticket = self._pop_waiter(name)
                     assert ticket is not None
-                    ticket.granted = True
+                    ticket.granted, ticket.sure = True, sure
                     ticket.fire()
                     return ticket
             return None

@@ -51,20 +51,24 @@ class Handovers:
         """Where a holder with ``metadata`` hands over (and a taker parks to be handed to)."""
         return gate.handover_bells(self.queue, metadata) if isinstance(gate, HandsOver) else ()
 
-    def taker(self, gate: Gate, metadata: Mapping[str, str]) -> Ticket | None:
+    def taker(self, gate: Gate, metadata: Mapping[str, str], sure: bool) -> Ticket | None:
         """The granted ticket of an attempt parked on the first hand-over bell that has one
         (``ticket.bell``), or None. Never on a gate a reload replaced: its stale limit could
-        refuse the transfer."""
+        refuse the transfer. ``sure``: the giver's lease is surely alive (``ticket.sure``)."""
         if not isinstance(gate, HandsOver) or gate is not self.host.current_gate(self.queue):
             return None
-        return self.host.bell.hand_over(gate.handover_bells(self.queue, metadata), gate)
+        return self.host.bell.hand_over(gate.handover_bells(self.queue, metadata), gate, sure)
 
     @staticmethod
     def refused(gate: Gate, ticket: Ticket) -> bool:
-        """The taker's side: a gate whose limit moves may refuse a hand-over although its
-        giver held the slot (the limit fell below in-flight): the taker goes on only once the
-        transfer is recorded as taken (the giver's finish round trip, a millisecond)."""
-        if not getattr(gate, "handover_may_fail", False):
+        """The taker's side: whether Redis refused the transfer. The taker goes on at once only
+        when the giver's lease was surely alive (proven within half the guard's budget:
+        ``ticket.sure``) and the gate's limit does not move; else once Redis recorded the
+        transfer as taken (the giver's finish round trip, a millisecond): a giver's lease may
+        have lapsed and its slot gone to another node (a process stopped or cut off past its
+        lease), a moving limit may have fallen below in-flight. Sending first would put one
+        call more than the limit at the server (issue 48)."""
+        if ticket.sure and not getattr(gate, "handover_may_fail", False):
             return False
         ticket.transferred.wait(TRANSFER_WAIT_S)
         return not ticket.held

@@ -62,6 +62,14 @@ def attempt_started(attempt: Attempt, send_event: Callable[..., Any] | None = No
         log.warning("metrics for %s failed: %s", attempt.id, exc)
 
 
+def lease_lapsed(attempt: Attempt) -> None:
+    """An attempt stopped by the lease guard (its lease could lapse)."""
+    try:
+        metrics.count(metrics.series().lease_aborts, attempt.queue)
+    except Exception as exc:  # noqa: BLE001 - observability never breaks an attempt
+        log.warning("metrics for %s failed: %s", attempt.id, exc)
+
+
 def gate_decision(
     attempt: Attempt, decision: Decision, send_event: Callable[..., Any] | None = None
 ) -> None:

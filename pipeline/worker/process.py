@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import threading
+import time
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -17,9 +18,11 @@ from ..http.call import reset_tls
 from ..observability import tracing
 from ..store import Store, run_batch
 from ..store.journal import entry
+from . import observe
 from .attempt import Attempt
 from .bell import ReleaseBell
 from .endpoints import check_endpoints
+from .guard import LeaseGuard
 from .identity import NO_HOOKS, AttemptId, Hooks
 from .malloc import fix_mmap_threshold
 from .reservation import Reservation
@@ -45,6 +48,8 @@ class Runtime:
         self._lock = threading.RLock()
         self._snapshot = snapshot  # the stamp of the node's config snapshot applied, if any
         self._heartbeat: threading.Thread | None = None
+        self._watch: threading.Thread | None = None
+        self.guard = LeaseGuard(self.settings.lease_s)  # stops acting before leases can lapse
         self._stopping = threading.Event()
         self.rng = random.Random()
         pools = self.store.every_pool(settings.pools())
@@ -84,6 +89,7 @@ class Runtime:
         """Switch to reloaded settings; a changed gate is built anew on first use."""
         with self._lock:
             old, self.settings = self.settings, settings
+            self.guard.lease_s = settings.lease_s
             for name in list(self._gates):
                 if not same_attempt_gate(old, settings, name):
                     del self._gates[name]
@@ -131,6 +137,33 @@ class Runtime:
                     target=self._beat, name="pipeline-heartbeat", daemon=True
                 )
                 self._heartbeat.start()
+            if self._watch is None or not self._watch.is_alive():
+                self._watch = threading.Thread(
+                    target=self._guard, name="pipeline-lease-guard", daemon=True
+                )
+                self._watch.start()
+
+    def _guard(self) -> None:
+        """Stop the attempts whose leases could lapse: no renewal taken by Redis within the
+        guard's budget (a blackholed connection blocks the heartbeat itself: this thread
+        never talks to Redis)."""
+        while not self._stopping.wait(self.guard.period()):
+            with self._lock:
+                live = list(self._live.values())
+            self._stop_late(live, time.monotonic())
+
+    def _stop_late(self, live: list[Attempt], now: float) -> None:
+        """Stop those of ``live`` past their budget ``now``: their calls are closed and they
+        end as retries (released when Redis answers again, else by the reaper)."""
+        late = [a for a in live if self.guard.late(a.reservation.proof, now) and not a.abort.fired]
+        if not late:
+            return
+        self.guard.lapse(len(late))
+        for a in late:
+            a.lapsing = True
+            if a.abort.fire():
+                log.warning("request %s: attempt %s aborted: its lease could lapse", a.id, a.token)
+                observe.lease_lapsed(a)
 
     def _beat(self) -> None:
         period = max(0.05, self.settings.lease_s / 3.0)
@@ -140,25 +173,36 @@ class Runtime:
             if not live:
                 continue
             try:
-                by_pool: dict[str, list[Attempt]] = {}
-                for a in live:  # one call per pool's slot (and chunk)
-                    by_pool.setdefault(a.queue.worker_pool_id, []).append(a)
-                for pool, attempts in by_pool.items():
-                    for part in chunks(attempts):
-                        stale = self.store.for_pool(pool).renew(
-                            [(a.id, a.token, a.queue.queue_name) for a in part]
-                        )
-                        if stale:  # their results would be discarded: stop their calls
-                            self.abort(stale)
-                by_gate: dict[int, tuple[Gate, list[str]]] = {}
-                for a in live:  # each on the gate it holds (or asks)
-                    gate = a.reservation.gate
-                    by_gate.setdefault(id(gate), (gate, []))[1].append(a.holder)
-                for gate, holders in by_gate.values():
-                    for names in chunks(holders):
-                        gate.renew(names, self.settings.lease_s)
+                self._renew(live)
             except Exception as exc:  # noqa: BLE001 - keep beating; leases tolerate a miss
                 log.warning("lease renewal failed: %s", exc)
+
+    def _renew(self, live: list[Attempt]) -> None:
+        """Renew the leases of ``live``: their requests' and their gates'. A renewal answered
+        past an attempt's budget may have come too late (a lapsed lease is not revived): those
+        are stopped; the others' leases last from the renewal's send time."""
+        sent = time.monotonic()
+        by_pool: dict[str, list[Attempt]] = {}
+        for a in live:  # one call per pool's slot (and chunk)
+            by_pool.setdefault(a.queue.worker_pool_id, []).append(a)
+        for pool, attempts in by_pool.items():
+            for part in chunks(attempts):
+                stale = self.store.for_pool(pool).renew(
+                    [(a.id, a.token, a.queue.queue_name) for a in part]
+                )
+                if stale:  # their results would be discarded: stop their calls
+                    self.abort(stale)
+        by_gate: dict[int, tuple[Gate, list[str]]] = {}
+        for a in live:  # each on the gate it holds (or asks)
+            gate = a.reservation.gate
+            by_gate.setdefault(id(gate), (gate, []))[1].append(a.holder)
+        for gate, holders in by_gate.values():
+            for names in chunks(holders):
+                gate.renew(names, self.settings.lease_s)
+        self._stop_late(live, time.monotonic())
+        for a in live:
+            a.reservation.proof = max(a.reservation.proof, sent)
+        self.guard.renewed()
 
     def abort(self, ids: list[str]) -> None:
         """Close the calls of this process's attempts of ``ids`` (an abort notice, or found
@@ -196,6 +240,7 @@ class Runtime:
         store = self._store_of(queue, request_id)
         res = None if gate is None else Reservation(self, queue, who.holder, gate)
         calls = None if res is None else res.start_calls(worker, tenant or {}, priority)
+        began = time.monotonic()  # its leases last from after this (the lease guard's count)
         start = store.start_call(request_id, token, queue, worker)
         took = False
         if res is None or calls is None:
@@ -212,6 +257,7 @@ class Runtime:
             return None
         try:
             attempt = Attempt(self, started.record, who, worker, started.clock_offset, res, hooks)
+            attempt.reservation.proof = min(attempt.reservation.proof, began)
         except (KeyError, ValueError, TypeError) as exc:
             # a record this worker cannot read (written by hand, or corrupted): end it
             message = f"unreadable request record: {type(exc).__name__}: {exc}"

@@ -30,6 +30,7 @@ from ..gates import (
 )
 from ..store import ScriptCall, Store, run_batch
 from .bell import ReleaseBell, Ticket
+from .guard import LeaseGuard
 from .handover import NOT_HANDED, Handover, Handovers
 
 log = logging.getLogger("pipeline.worker")
@@ -44,6 +45,7 @@ class Host(Protocol):
     store: Store
     bell: ReleaseBell
     rng: random.Random
+    guard: LeaseGuard
 
     def gate(self, queue: str) -> Gate: ...
 
@@ -70,6 +72,9 @@ class Reservation:
         self._start_bell: str | None = None  # the bell others were parked on at the start
         self._released = False  # a release went out (or was tried) since its last take
         self._freed = False  # and the gate took it (or the hand-over): none is needed again
+        # when its leases were last proven (monotonic): the send time of its start (made
+        # before it) or of the last renewal Redis took (Runtime._renew); the lease guard's count
+        self.proof = time.monotonic()
         # what the attempt's HTTP call showed, for the gates that learn from answers: sent
         # with the release (release_with), then forgotten
         self.observation: Observation | None = None
@@ -274,7 +279,8 @@ class Reservation:
 
     def _taker(self) -> Ticket | None:
         assert self.ctx is not None
-        return self.handovers.taker(self.gate, self.ctx.metadata)
+        sure = self.host.guard.fresh(self.proof)  # its lease is alive: the transfer will go
+        return self.handovers.taker(self.gate, self.ctx.metadata, sure)
 
     def _step(self, ticket: Ticket | None) -> Calls[bool] | None:
         gate = self.gate

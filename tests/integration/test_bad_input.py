@@ -71,6 +71,8 @@ CORRUPTIONS: list[tuple[str, Callable[[Any, str], None]]] = [
     ("headers-a-list", lambda c, k: c.hset(k, "headers", '["x"]')),
     ("labels-not-json", lambda c, k: c.hset(k, "labels", "\xff")),
     ("payload-missing", lambda c, k: c.hdel(k, "payload")),
+    ("priority-not-an-integer", lambda c, k: c.hset(k, "priority", "high")),
+    ("priority-missing", lambda c, k: c.hdel(k, "priority")),
 ]
 
 
@@ -95,6 +97,37 @@ def test_corrupted_record_ends_invalid(
     res = served.wait(rid, 15)
     assert res.error_code == "INVALID_REQUEST" and "unreadable" in (res.error_message or "")
     assert [r["id"] for r in default_results(served, "crash")].count(rid) == 1
+    worker_still_serves(served)
+
+
+def test_a_bad_record_ends_alone_its_neighbours_are_sent(in_process: Pipeline) -> None:
+    """One record of a tick with a priority another producer wrote as a word (the dispatcher
+    publishing itself: PIPELINE_DIRECT_PUBLISH=0) ends INVALID_REQUEST; the tick still moves
+    the others, which are served (before: the tick's reply could not be read, and nothing of
+    it was published)."""
+    import tasks
+
+    served = in_process
+    q = served.settings.queues["crash"]  # no worker serves it: dispatch by hand
+    ids = [
+        served.submit({"p": i}, id=uid(f"tick{i}"), queue="crash", timeout=30).id for i in range(5)
+    ]
+    bad = ids[2]
+    served.store.client.hset(served.store.keys.request(bad), "priority", "urgent")
+    moved = served.store.tick(q, [q], 1.0, -1, 10).moved
+    assert sorted(d.id for d in moved) == sorted(set(ids) - {bad})
+    for d in moved:
+        tasks.infer.apply_async(
+            args=(d.id, d.token),
+            kwargs={"queue": "crash", "priority": d.priority},
+            task_id=d.id,
+            queue=celery_queue(NODE_QUEUE),
+        )
+    res = served.wait(bad, 5)
+    assert res.error_code == "INVALID_REQUEST", res
+    assert res.error_message == "unreadable request record: priority is not an integer"
+    assert all(served.wait(rid, 15).ok for rid in ids if rid != bad)
+    assert [r["id"] for r in default_results(served, "crash")].count(bad) == 1
     worker_still_serves(served)
 
 

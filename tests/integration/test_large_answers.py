@@ -77,8 +77,8 @@ def test_a_large_answer_is_stored_once(served: Pipeline) -> None:
     assert c.ttl(rec["body"]) >= c.ttl(store.keys.request(rid)) > 0
 
     # every reader hands out the whole body
-    assert served.get(rid).result(timeout=5).payload == body
-    assert served.wait(rid, timeout=5).payload == body
+    assert served.get(rid).result(timeout=60).payload == body
+    assert served.wait(rid, timeout=60).payload == body
     assert [r.payload for r in served.iter_results([rid])] == [body]
     assert served.load_result(entry).payload == body
     assert pipeline.load_result(entry).payload == body
@@ -113,7 +113,7 @@ def test_a_fenced_off_finish_leaves_no_body(served: Pipeline) -> None:
     )
     assert late is None
     assert not store.client.exists(key)
-    assert served.wait(rid, timeout=5).payload == first.payload  # the result stands
+    assert served.wait(rid, timeout=60).payload == first.payload  # the result stands
 
 
 def test_a_new_request_on_the_id_drops_the_old_body(served: Pipeline) -> None:

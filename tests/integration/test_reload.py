@@ -127,7 +127,7 @@ def test_the_snapshot_children_follow_round_trips_every_field() -> None:
         "request_path_url": "/v1/chat/completions", "inference_objective": "o",
         "worker_pool_id": "p2", **local_limit(3), "labels": {"tier": "batch"},
         "result_queue_name": "full-results", "default_timeout_s": 10, "request_timeout_s": 5,
-        "retry_base_delay_s": 0.5, "retry_max_delay_s": 9, "api_key_env": "K",
+        "retry_base_delay_s": 0.5, "retry_max_delay_s": 9, "max_attempts": 4, "api_key_env": "K",
         "tls_ca_file": "/ca.pem", "tls_cert_file": "/c.pem", "tls_key_file": "/k.pem",
         "tls_insecure_skip_verify": True, "follow_redirects": True, "max_response_bytes": 99,
         "redirect_origins": ["https://c:8443"],

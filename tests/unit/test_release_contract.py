@@ -530,13 +530,38 @@ def test_a_tenant_mismatch_gives_back_the_start_s_take_and_asks_again(world: Wor
     released_once(world.gate, holder("r1", "t1"))
 
 
-def test_an_exception_in_the_body_is_released_by_after_return(world: World) -> None:
+def test_an_exception_in_the_body_is_a_counted_retry(world: World) -> None:
+    """An exception in the body (here, building its finish) is the attempt's outcome (issue 48:
+    4): released, then back to its queue after the backoff with the attempt counted (RETRY),
+    never a FAILURE that after_return requeues at once, uncounted (a hot loop when it recurs)."""
     world.store.add("r1", "t1")
     world.store.broken_finish = RuntimeError("a bug in the finish")
     traced = world.trace("r1", "t1")
-    assert traced == Traced(states.FAILURE, after_return=True)
-    # abandoned by after_return: released, then back to its queue
+    assert traced == Traced(states.RETRY, after_return=False)
     assert world.gate.of(holder("r1", "t1")) == ["take", "release", "requeued"]
+    (requeue,) = world.store.rows["r1"].requeues
+    assert requeue["attempted"] and requeue["delay"] > 0, requeue
+    assert "RuntimeError: a bug in the finish" in requeue["last_error"]
+    released_once(world.gate, holder("r1", "t1"))
+
+
+def test_an_exception_around_the_attempt_is_a_counted_retry_by_after_return(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception raised around the attempt in its process (its run never reported): the
+    ``finally`` of ``InferenceTask.run`` releases it, and after_return gives it the same
+    outcome, counted, backed off."""
+    import tasks.inference as inference
+
+    def broken(attempt: Any) -> Any:
+        raise RuntimeError("a bug around the attempt")
+
+    monkeypatch.setattr(inference.observe, "observed_run", broken)
+    world.store.add("r1", "t1")
+    assert world.trace("r1", "t1") == Traced(states.FAILURE, after_return=True)
+    assert world.gate.of(holder("r1", "t1")) == ["take", "release", "requeued"]
+    (requeue,) = world.store.rows["r1"].requeues
+    assert requeue["attempted"] and requeue["delay"] > 0, requeue
     released_once(world.gate, holder("r1", "t1"))
 
 
@@ -602,7 +627,9 @@ def test_a_release_that_fails_four_times_is_left_to_the_lease(
     world: World, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     slept: list[float] = []
-    monkeypatch.setattr(reservation_module, "time", SimpleNamespace(sleep=slept.append))
+    monkeypatch.setattr(
+        reservation_module, "time", SimpleNamespace(sleep=slept.append, monotonic=time.monotonic)
+    )
     world.store.add("r1", "t1")
     world.gate.failing_releases = 4
     with caplog.at_level(logging.WARNING, logger="pipeline.worker"):
@@ -615,23 +642,6 @@ def test_a_release_that_fails_four_times_is_left_to_the_lease(
     assert world.gate.held == {holder("r1", "t1")}  # until its lease lapses:
     world.gate.lapse(holder("r1", "t1"))  # the reaper frees it
     assert world.gate.held == set()
-
-
-def test_an_exception_around_the_attempt_is_released_by_its_exit(
-    world: World, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An exception that escapes before the attempt released (here, around its run): the
-    ``finally`` of ``InferenceTask.run`` releases; ``after_return`` only requeues it."""
-    import tasks.inference as inference
-
-    def broken(attempt: Any) -> Any:
-        raise RuntimeError("a bug around the attempt")
-
-    monkeypatch.setattr(inference.observe, "observed_run", broken)
-    world.store.add("r1", "t1")
-    assert world.trace("r1", "t1") == Traced(states.FAILURE, after_return=True)
-    assert world.gate.of(holder("r1", "t1")) == ["take", "release", "requeued"]
-    released_once(world.gate, holder("r1", "t1"))
 
 
 def test_a_finish_that_cannot_be_built_hands_over_all_the_same(

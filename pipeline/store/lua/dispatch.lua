@@ -294,6 +294,10 @@ local function check(q, member)
   elseif not tonumber(f[2]) then
     terminal(K, id, now, ttl, '', '{"error": "unreadable request record"}',
       'INVALID_REQUEST', 'unreadable request record: deadline is not a number')
+  elseif not (f[4] and string.find(f[4], '^%-?%d+$')) then -- another producer wrote it: it
+    -- alone ends, never the tick (the moved list's priority is read as an integer)
+    terminal(K, id, now, ttl, '', '{"error": "unreadable request record"}',
+      'INVALID_REQUEST', 'unreadable request record: priority is not an integer')
   elseif tonumber(f[2]) <= now then
     expire(K, id, now, ttl)
     q.expired = q.expired + 1

@@ -467,16 +467,21 @@ end
 local DEADLINE_PAYLOAD = '{"error": "deadline exceeded"}'
 
 -- Terminal result for a request whose deadline passed while it waited: its last HTTP
--- response if an attempt got one, else DEADLINE_EXCEEDED.
+-- response if an attempt got one (with its error code when it had one: a 2xx that was not
+-- JSON is INVALID_RESPONSE), else DEADLINE_EXCEEDED.
 local function expire(K, id, now, ttl)
   local f = redis.call('HMGET', K.req .. id, 'last_response', 'last_error')
   if f[1] and f[1] ~= '' then
     local r = cjson.decode(f[1])
-    local note = ''
+    local note, code = '', ''
     if type(r.dropped_reason) == 'string' and r.dropped_reason ~= '' then
       note = 'HTTP ' .. tostring(r.status_code) .. ' (dropped: ' .. r.dropped_reason .. ')'
     end
-    return terminal(K, id, now, ttl, tostring(r.status_code), r.payload, '', note)
+    if type(r.error_code) == 'string' and r.error_code ~= '' then
+      code = r.error_code
+      if type(r.error_message) == 'string' then note = r.error_message end
+    end
+    return terminal(K, id, now, ttl, tostring(r.status_code), r.payload, code, note)
   end
   local message = 'deadline exceeded'
   if f[2] and f[2] ~= '' then message = message .. ' (last error: ' .. f[2] .. ')' end
