@@ -18,6 +18,8 @@ from .errors import (
     InvalidRequest,
     PipelineError,
     ReplicationError,
+    StateLost,
+    StoreFull,
     UnknownRequest,
     UnsafeRedis,
 )
@@ -151,6 +153,8 @@ __all__ = [
     "Result",
     "ReplicationError",
     "Settings",
+    "StateLost",
+    "StoreFull",
     "UnknownBatch",
     "UnknownRequest",
     "UnsafeRedis",

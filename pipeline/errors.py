@@ -68,3 +68,42 @@ class UnsafeRedis(ConfigError):
     """The pipeline's Redis is configured in a way that breaks its guarantees (a
     ``maxmemory-policy`` that evicts keys, a Redis Cluster node); the message names the
     setting and the fix."""
+
+
+class StoreFull(PipelineError):
+    """The pipeline's Redis refused a write: it is at its ``maxmemory`` (``noeviction``, the
+    policy the pipeline needs). ``submit_many`` stores in chunks, each all or nothing
+    (docs/internals.md, "submit_many in growing chunks"): ``stored`` names the ids of the
+    chunks that went in before the refusal (created, or found live), ``not_stored`` the rest;
+    submitting ``not_stored`` again once memory is freed is safe (as is all of them: a live id
+    is not stored twice)."""
+
+    def __init__(self, what: str, stored: list[str] | None = None,
+                 not_stored: list[str] | None = None) -> None:  # fmt: skip
+        self.stored = stored or []
+        self.not_stored = not_stored or []
+        done = f"; {len(self.stored)} stored before it, {len(self.not_stored)} not" if (
+            self.stored or self.not_stored) else ""  # fmt: skip
+        super().__init__(
+            f"{what}: Redis is at its maxmemory and refused the write{done} (free memory or "
+            "raise maxmemory, then submit the ids not stored again)"
+        )
+        self.what = what
+
+
+class StateLost(PipelineError):
+    """The pipeline's Redis lost its state since this client (or node) last saw it: its store
+    epoch (docs/production.md, "A wiped Redis") is gone or changed, as after a restart without
+    persistence or a ``FLUSHALL``. ``ids``: the requests asked about whose records went with
+    it (their outcome is unknown: submit them again); ``noticed_at``: when the loss was first
+    noticed (Unix s, the Redis server's clock), if known. Not an :class:`UnknownRequest`: the
+    id was accepted; its record did not survive."""
+
+    def __init__(self, ids: list[str], noticed_at: float | None = None) -> None:
+        shown = ", ".join(repr(i) for i in ids[:5]) + (" ..." if len(ids) > 5 else "")
+        super().__init__(
+            f"the pipeline's Redis lost its state (restarted without persistence, or "
+            f"flushed): {len(ids)} accepted request(s) are gone ({shown}); submit them again"
+        )
+        self.ids = ids
+        self.noticed_at = noticed_at

@@ -65,13 +65,15 @@ def start_server(
     conf: str | None = None,
     binary: str | None = None,
     password: str | None = None,
+    port: int | None = None,
 ) -> Server:
-    """A ``redis-server`` (``binary``, else the one on PATH) on a free loopback port with
-    ``args`` (or a written config file ``conf`` and ``--sentinel``), answering PING when this
-    returns; with ``password``, it requires it (``requirepass``)."""
+    """A ``redis-server`` (``binary``, else the one on PATH) on a free loopback port (or
+    ``port``: a server started again in another's place) with ``args`` (or a written config
+    file ``conf`` and ``--sentinel``), answering PING when this returns; with ``password``,
+    it requires it (``requirepass``)."""
     if password is not None:
         args = (*args, "--requirepass", password)
-    port = free_port()
+    port = port or free_port()
     tmp.mkdir(parents=True, exist_ok=True)
     log = tmp / f"{name}.log"
     if conf is not None:

@@ -16,19 +16,44 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import redis
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ..client import Pipeline
 from .ingest import Scan, input_lines, scan
-from .model import Batch, IngestFailed
+from .model import Batch, IngestFailed, UnknownBatch
 from .output import LineResult, openai_line, result_line
 from .service import Batches, content_batch_id
 
 
 class RunError(Exception):
     """The run cannot start: one line for the user, exit status 2."""
+
+
+OUTAGE_S = 60.0  # the run waits this long for a Redis that stopped answering (a restart)
+LOST_EXIT = 3  # exit status of a run whose batch went with a Redis that lost its state
+
+
+class StateLostRun(Exception):
+    """The batch went with a Redis that lost its state (restarted without persistence,
+    flushed) while the run followed it: one line for the user naming the file of lines to
+    re-run, exit status :data:`LOST_EXIT`."""
+
+    def __init__(self, batch_id: str, lines: int, rerun: Path, command: str,
+                 noticed_at: float | None) -> None:  # fmt: skip
+        when = (
+            ""
+            if noticed_at is None
+            else f", noticed at {time.strftime('%H:%M:%S UTC', time.gmtime(noticed_at))}"
+        )
+        super().__init__(
+            f"the pipeline's Redis lost its state (restarted without persistence, or flushed"
+            f"{when}) while batch {batch_id} ran: the outcomes of its {lines} line(s) are gone. "
+            f"The lines to re-run are in {rerun}; re-run them with: {command}"
+        )
+        self.rerun = rerun
 
 
 @dataclass
@@ -220,6 +245,7 @@ class Run:
             source={"kind": "path", "path": path, "sha256": digest},
             extensions=True,
         )
+        self.pipeline.epoch.learn()  # the store epoch this run stores under
         if not created and batch.source.get("sha256") not in (None, digest):
             raise RunError(f"batch {bid} was created from other content than {self.opts.path}")
         if not created:
@@ -277,10 +303,54 @@ class Run:
                     fields.update(retrying=0, running=0)
                 progress.update(task, total=rc.total, completed=rc.done, **fields)
 
-            self.batch = self.batches.wait(
-                self.batch.id, timeout=self.opts.timeout, poll_s=0.25, on_poll=on_poll
-            )
+            self.batch = self._wait(on_poll)
         return self.batch
+
+    def _wait(self, on_poll: Any) -> Batch:
+        """Wait for the batch to close, riding over Redis not answering for up to
+        :data:`OUTAGE_S` (a restart); :class:`StateLostRun` when the batch went with a Redis
+        that lost its state."""
+        assert self.batch is not None
+        down: list[float | None] = [None]  # since when Redis has not answered (monotonic)
+
+        def polled(b: Batch) -> None:
+            down[0] = None
+            on_poll(b)
+
+        while True:
+            try:
+                return self.batches.wait(
+                    self.batch.id, timeout=self.opts.timeout, poll_s=0.25, on_poll=polled
+                )
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                now = time.monotonic()
+                if down[0] is None:
+                    down[0] = now
+                    self.console.print("[yellow]Redis does not answer; waiting for it")
+                elif now - down[0] > OUTAGE_S:
+                    raise RunError(f"Redis did not answer for {OUTAGE_S:.0f} s: {exc}") from None
+                time.sleep(0.5)
+            except UnknownBatch:
+                lost = self.pipeline.lost([])
+                if lost is None:
+                    raise
+                raise self._lost(lost.noticed_at) from None
+
+    def _lost(self, noticed_at: float | None) -> StateLostRun:
+        """The run's batch went with the Redis state: write its request lines (every one: no
+        outcome survived, and the output is written only at the end) to
+        ``<output>.rerun.jsonl`` and say how to re-run them."""
+        assert self.batch is not None
+        out = Path(self.opts.output)
+        rerun = out.with_name(out.stem + ".rerun" + (out.suffix or ".jsonl"))
+        n = 0
+        with open(self.opts.path, "rb") as src, _atomic(rerun) as dst:
+            for line in src:
+                if line.strip():
+                    dst.write(line if line.endswith(b"\n") else line + b"\n")
+                    n += 1
+        command = f"pipeline run {rerun} -o {self.opts.output}"
+        return StateLostRun(self.batch.id, n, rerun, command, noticed_at)
 
     def write(self, started: float) -> Summary:
         """Write the output (and with --format openai the error file) whole, then rename."""

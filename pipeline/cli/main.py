@@ -279,7 +279,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ..batch import BatchSettings
-    from ..batch.run import Run, RunError, RunOptions, check_file, check_outputs
+    from ..batch.run import (
+        LOST_EXIT,
+        Run,
+        RunError,
+        RunOptions,
+        StateLostRun,
+        check_file,
+        check_outputs,
+    )
     from ..client import Pipeline
     from .services import NodeFailed, Services
 
@@ -332,6 +340,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except RunError as exc:
         print(f"pipeline run: {exc}", file=sys.stderr)
         return 2
+    except StateLostRun as exc:
+        print(f"pipeline run: {exc}", file=sys.stderr)
+        return LOST_EXIT
     except NodeFailed as exc:
         print(f"pipeline run: {exc}", file=sys.stderr)
         return 1

@@ -15,12 +15,17 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+
 from ..config import QueueConfig, Settings, load_settings, with_overrides
 from ..errors import (
     ConfigError,
     IdempotencyConflict,
     InvalidRequest,
+    PipelineError,
     ReplicationError,
+    StateLost,
+    StoreFull,
     UnknownRequest,
 )
 from ..gates import Gate, GateEnv, attempt_gate, check_gates, queue_gate
@@ -32,12 +37,13 @@ from ..http.rules import (  # the HTTP client's own rules: what submit takes, it
     headers_error,
     request_id_error,
 )
-from ..store import QuotaSpec, RequestRow, Store
+from ..store import Epoch, Keys, QuotaSpec, RequestRow, Store
 from ..store.wire import PAYLOAD_JSON
 from .explain import Explanation, build
 from .models import Result
 
 FULL_RESCAN_S = 30.0  # iter_results re-reads every waiting id this often (recent keeps 300 s)
+OUTAGE_S = 60.0  # wait and iter_results ride over a Redis unreachable this long (a restart)
 MAX_DEADLINE_AHEAD_S = 10 * 365 * 24 * 3600.0
 SUBMIT_KEYS = frozenset(
     {"queue", "id", "priority", "deadline", "timeout", "metadata", "headers", "endpoint"}
@@ -198,6 +204,11 @@ class Pipeline:
         self._gates: dict[str, Gate] = {}
         self._quota_specs: dict[str, list[QuotaSpec]] | None = None
         self._lock = threading.Lock()
+        # the store epoch this client stored under (docs/production.md, "A wiped Redis"):
+        # asked at its first submit, and at the first after it saw the state lost
+        self.epoch = Epoch(self.store, f"client {socket.gethostname()}.{os.getpid()}")
+        self._adopt_epoch = False
+        self._epoch_now: str | None = None  # the epoch found when the loss was seen
         # a request's own headers may not name these: the pipeline sets them
         self.reserved_headers = ATTEMPT_HEADERS | CONNECTION_HEADERS | self.settings.stamped_headers
 
@@ -255,7 +266,9 @@ class Pipeline:
         item raises InvalidRequest (its index in ``item`` and the message) and nothing is
         submitted. An item reusing a live id with other content is not stored:
         IdempotencyConflict names the first such, after the others were stored (``stored``:
-        their ids)."""
+        their ids). The items are stored in chunks (32, then doubling up to 500), each all
+        or nothing: a Redis at its maxmemory raises :class:`~pipeline.StoreFull`, whose
+        ``stored`` and ``not_stored`` name the ids on either side of the refused chunk."""
         rows: list[RequestRow] = []
         if isinstance(items, str | bytes | dict) or not isinstance(items, Iterable):
             raise InvalidRequest("items", "must be a list (an iterable) of dicts")
@@ -274,6 +287,9 @@ class Pipeline:
     def _store(self, rows: list[RequestRow]) -> list[Any]:
         """Store the rows; a :class:`ReplicationError` (too few replicas confirmed them in
         time: ``PIPELINE_REDIS_MIN_REPLICAS``) carries their ids, to submit them again."""
+        if self.epoch.known is None or self._adopt_epoch:
+            self._adopt_epoch = False
+            self.epoch.known = self.epoch.ask().id
         try:
             # one atomic submit per pool's store (on a Redis Cluster each pool is one slot)
             groups: dict[Store, list[int]] = {}
@@ -281,7 +297,15 @@ class Pipeline:
                 groups.setdefault(self.store.for_pool(row.pool), []).append(i)
             out: list[Any] = [None] * len(rows)
             for store, index in groups.items():
-                for i, reply in zip(index, store.submit([rows[i] for i in index]), strict=True):
+                try:
+                    replies = store.submit([rows[i] for i in index])
+                except StoreFull as exc:  # the other pools' rows: stored before, or not at all
+                    done = {rows[i].id for i in index} - set(exc.not_stored)
+                    done |= {r.id for r, c in zip(rows, out, strict=True) if c is not None}
+                    exc.stored = [r.id for r in rows if r.id in done]
+                    exc.not_stored = [r.id for r in rows if r.id not in done]
+                    raise
+                for i, reply in zip(index, replies, strict=True):
                     out[i] = reply
         except ReplicationError as exc:
             exc.ids = [r.id for r in rows]
@@ -292,6 +316,25 @@ class Pipeline:
             stored = [r.id for r, c in zip(rows, out, strict=True) if not conflict(c)]
             raise IdempotencyConflict(row.id, reply.removeprefix("conflict:").split(","), stored)
         return out
+
+    def lost(self, ids: list[str]) -> StateLost | None:
+        """Whether the Redis state was lost since this client stored under its epoch (one
+        round trip; a gone epoch is written anew): a :class:`~pipeline.StateLost` naming
+        ``ids`` (records found missing), else None. Until this client submits again, every
+        missing record it asks about is reported lost."""
+        if self.epoch.known is None:
+            return None
+        seen = self.epoch.ask()
+        if seen.id == self.epoch.known:
+            return None
+        self._adopt_epoch = True
+        self._epoch_now = seen.id
+        return StateLost(list(ids), seen.lost_at)
+
+    def _unknown(self, request_id: str) -> PipelineError:
+        """The error for an id without a record: StateLost when the state was lost since this
+        client stored, else UnknownRequest."""
+        return self.lost([request_id]) or UnknownRequest(request_id)
 
     def store_of(self, queue: str) -> Store:
         """The store of the queue's pool (its own hash slot on a Redis Cluster)."""
@@ -310,14 +353,14 @@ class Pipeline:
     def get(self, request_id: str) -> Request:
         store = self.where(request_id)
         if not store.client.exists(store.keys.request(request_id)):
-            raise UnknownRequest(request_id)
+            raise self._unknown(request_id)
         return Request(self, request_id, created=False)
 
     def state(self, request_id: str) -> str:
         store = self.where(request_id)
         state = store.client.hget(store.keys.request(request_id), "state")
         if state is None:
-            raise UnknownRequest(request_id)
+            raise self._unknown(request_id)
         return str(state)
 
     def record(self, request_id: str) -> dict[str, Any]:
@@ -325,23 +368,33 @@ class Pipeline:
 
     def wait(self, request_id: str, timeout: float | None = None) -> Result:
         """Block until the request's terminal result exists, woken by its notify list (only
-        kept for a request a client waits for: see wait.lua)."""
+        kept for a request a client waits for: see wait.lua). Rides over Redis being
+        unreachable for up to :data:`OUTAGE_S` (a restart); raises
+        :class:`~pipeline.StateLost` when the record went with a Redis that lost its state."""
         end = None if timeout is None else time.monotonic() + timeout
         store = self.where(request_id)
         notify = store.keys.notify(request_id)
         key = store.keys.request(request_id)
         state, raw = store.scripts.wait(keys=[key])
+        down: float | None = None  # since when Redis has been unreachable (monotonic)
         while state != "done" or not raw:
             if state is None:
-                raise UnknownRequest(request_id)
+                raise self._unknown(request_id)
             left = 1.0 if end is None else min(1.0, end - time.monotonic())
             if left <= 0:
                 raise TimeoutError(f"request {request_id} not done after {timeout} s")
-            # BLMOVE of the list onto itself wakes on the bell and leaves it, for other waiters
-            # and with its expiry (a pop then a push would re-create it without one); a float
-            # timeout: redis-py's blmove() types it int
-            store.client.execute_command("BLMOVE", notify, notify, "RIGHT", "LEFT", max(left, 0.01))
-            state, raw = store.client.hmget(key, ["state", "result"])
+            try:
+                # BLMOVE of the list onto itself wakes on the bell and leaves it, for other
+                # waiters and with its expiry (a pop then a push would re-create it without
+                # one); a float timeout: redis-py's blmove() types it int
+                store.client.execute_command(
+                    "BLMOVE", notify, notify, "RIGHT", "LEFT", max(left, 0.01)
+                )
+                state, raw = store.client.hmget(key, ["state", "result"])
+                down = None
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                down = _outage(down, exc)
+                time.sleep(max(0.0, min(0.5, left)))
         return Result.from_dict(store.with_body(json.loads(raw)))
 
     def load_result(self, text: str | bytes) -> Result:
@@ -367,12 +420,15 @@ class Pipeline:
         records = [s.keys for s in self._stores()]  # where a request's record may be
         since = "-inf"  # the recent set is scored by the server's clock: so is `since`
         last_full = float("-inf")  # the first round reads every id
+        down: float | None = None  # since when Redis has been unreachable (monotonic)
         while remaining:
-            sec, usec = client.time()  # first (a cluster pipeline sends no TIME)
-            with client.pipeline(transaction=False) as p:
-                for keys, q in queues:
-                    p.zrangebyscore(keys.recent(q), since, "+inf")
-                recent = p.execute()
+            try:
+                sec, usec, recent = self._recent(queues, since, remaining)
+                down = None
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                down = _outage(down, exc)
+                time.sleep(max(poll_s, 0.2))
+                continue
             if time.monotonic() - last_full > FULL_RESCAN_S:  # a safety net
                 candidates = list(remaining)
                 last_full = time.monotonic()
@@ -397,6 +453,41 @@ class Pipeline:
             if remaining:
                 time.sleep(poll_s)
 
+    def _recent(
+        self, queues: list[tuple[Keys, str]], since: str, waiting: set[str]
+    ) -> tuple[int, int, list[Any]]:
+        """The server's clock and each queue's ids finished since ``since``, with the store
+        epoch in the same round trip: StateLost when it moved and records of ``waiting`` are
+        gone."""
+        client = self.store.client
+        sec, usec = client.time()  # first (a cluster pipeline sends no TIME)
+        with client.pipeline(transaction=False) as p:
+            for keys, q in queues:
+                p.zrangebyscore(keys.recent(q), since, "+inf")
+            p.hget(self.store.keys.epoch(), "id")
+            *recent, epoch = p.execute()
+        if self.epoch.known is not None and epoch != self.epoch.known:
+            self._raise_lost(waiting)
+        return sec, usec, recent
+
+    def _raise_lost(self, ids: set[str]) -> None:
+        """The epoch moved while waiting for ``ids``: StateLost naming those whose records are
+        gone (if any are: a moved epoch with every record in place is no loss for them)."""
+        lost = self.lost([])
+        if lost is None:
+            return
+        records = [s.keys for s in self._stores()]
+        order = sorted(ids)
+        with self.store.client.pipeline(transaction=False) as p:
+            for rid in order:
+                for keys in records:
+                    p.exists(keys.request(rid))
+            found = iter(p.execute())
+        gone = [rid for rid in order if not any(next(found) for _ in records)]
+        if gone:
+            raise StateLost(gone, lost.noticed_at)
+        self.epoch.known = self._epoch_now  # all there: stored after the loss
+
     def cancel(self, request_id: str, running: str = "finish", by: str | None = None) -> bool:
         """Cancel the request; True when this call cancelled it. One that has not started an
         attempt ends ``CANCELLED`` at once. A running one: ``running="finish"`` (the default)
@@ -410,14 +501,14 @@ class Pipeline:
         store = self.where(request_id)
         cancelled = store.cancel(request_id, running, canceller(by))
         if cancelled is None:
-            raise UnknownRequest(request_id)
+            raise self._unknown(request_id)
         return cancelled
 
     def explain(self, request_id: str) -> Explanation:
         """Where the request is and why (:class:`Explanation`); raises UnknownRequest."""
         raw = self.where(request_id).explain(request_id, self.quota_specs())
         if raw is None:
-            raise UnknownRequest(request_id)
+            raise self._unknown(request_id)
         queue = str((raw.get("record") or {}).get("queue", ""))
         q = self.settings.queues.get(queue)
         gate = self.gate(queue).describe() if q is not None else None
@@ -478,6 +569,15 @@ class Pipeline:
                 "tenants": {"ready": ready, "held_back": blocked} if indexed else None,
             }
         return out
+
+
+def _outage(since: float | None, exc: redis.RedisError) -> float:
+    """When Redis became unreachable (``since``, or now); raises ``exc`` once that is
+    :data:`OUTAGE_S` ago."""
+    now = time.monotonic()
+    if since is not None and now - since > OUTAGE_S:
+        raise exc
+    return now if since is None else since
 
 
 @dataclass(frozen=True)

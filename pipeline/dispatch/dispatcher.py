@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from redis.connection import AbstractConnection
 
@@ -30,12 +31,18 @@ from ..observability import metrics, tracing
 from ..store import (
     DirectPublish,
     Dispatched,
+    Epoch,
+    EpochSeen,
     MergeArgs,
     QueueTick,
     QuotaSpec,
+    ScriptCall,
     Store,
     TokenSpec,
+    epoch_seen,
+    run_batch,
     sched,
+    tell_lost,
 )
 from ..store import holder as make_holder
 from ..store.journal import entry
@@ -47,8 +54,20 @@ NODE_TTL_S = 5.0  # a node missing heartbeats this long stops counting towards p
 MAX_IDLE_S = 1.0  # longest block on the doorbell (also the node heartbeat cadence)
 INGEST_POLL_S = 0.25  # a reference producer rings no doorbell: look at its sorted set this often
 CONTROL_TICK_S = 0.1  # an adaptive gate's window is asked to close this often (per node)
+# after a loss of the Redis state, no dispatch for at least this long (and a heartbeat period
+# of the attempts, lease / 3, more): every node hears of it (the notice, else its attempts'
+# next renewal) and aborts the calls whose holders vanished from the gates
+LOST_QUIET_S = 2 * MAX_IDLE_S
 
 Sender = Callable[[list[Dispatched]], None]
+
+
+def _sent_alone(call: ScriptCall) -> Any:
+    """``call`` sent now; its reply, or the error it raised in its place (as run_batch)."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - the caller reads it as run_batch's
+        return exc
 
 
 class Dispatcher:
@@ -94,6 +113,9 @@ class Dispatcher:
         self._control_problem: dict[int, str] = {}
         self._next_beat = 0.0
         self._next_reap = 0.0
+        self.epoch = Epoch(self.store, node)  # the store epoch this node knows
+        self._quiet_until = 0.0  # monotonic: no dispatch before (after a loss of state)
+        self._beat_first = False  # after a Redis error: the epoch is checked before a tick
         # the connection a fused wait blocks on (the loop thread's own): stop() drops it, so
         # the server drops the tick queued behind the wait instead of running it after the stop
         self._waiting: AbstractConnection | None = None
@@ -200,8 +222,20 @@ class Dispatcher:
             gate.close()
 
     def _heartbeat(self) -> None:
+        """Register the node's slots, and check the store epoch in the same round trip."""
         pools = list(self.pools)
-        beats = self.store.node_beat(self.node, self.slots, pools, NODE_TTL_S)
+        beat = self.store.node_beat_call(self.node, self.slots, pools, NODE_TTL_S)
+        if self.store.cluster and self.store.pool is None:  # another slot: a call of its own
+            reply, seen = run_batch(self.store.client, [beat])[0], _sent_alone(self.epoch.call())
+        else:
+            reply, seen = run_batch(self.store.client, [beat, self.epoch.call()])
+        if isinstance(reply, Exception):
+            raise reply
+        if isinstance(seen, Exception):
+            log.warning("could not read the store epoch: %s", seen)
+        else:
+            self._epoch_seen(epoch_seen(seen))
+        beats = self.store.node_beats(reply)
         for pool, (total, live) in zip(pools, beats, strict=True):
             offered = total or self.slots
             cfg = self.settings.pool_configs.get(pool)
@@ -209,6 +243,28 @@ class Dispatcher:
             self.pool_nodes[pool] = max(1, live)
             self._warn_capped(pool, offered, self.pool_cap[pool])
         self._next_beat = time.monotonic() + MAX_IDLE_S
+
+    def _epoch_seen(self, seen: EpochSeen) -> None:
+        """The store epoch as the heartbeat found it: gone or changed, Redis lost its state
+        (docs/production.md, "A wiped Redis"): say so loudly, tell every node's attempts to
+        check their leases now (those whose records are gone are aborted), and dispatch
+        nothing for :data:`LOST_QUIET_S` and an attempt heartbeat period while they do."""
+        if not self.epoch.changed(seen):
+            return
+        self._quiet_until = time.monotonic() + LOST_QUIET_S + self.settings.lease_s / 3.0
+        log.error(
+            "Redis lost its state (restarted without persistence, or flushed): the store "
+            "epoch this node knew is gone (now %s, noticed by %s). Every request accepted "
+            "before is lost: its client gets StateLost; calls still running for them are "
+            "aborted. Turn on persistence (docs/production.md).",
+            seen.id,
+            seen.lost_by or "?",
+        )
+        metrics.state_lost(seen.lost_at)
+        try:
+            tell_lost(self.store.every_pool(self.pools))
+        except Exception as exc:  # noqa: BLE001 - each attempt's heartbeat finds it too
+            log.warning("could not publish the loss of state: %s", exc)
 
     def _warn_capped(self, pool: str, offered: int, cap: int) -> None:
         """A WARNING when the pool's ``workers`` keeps fewer attempts running than its nodes
@@ -234,6 +290,15 @@ class Dispatcher:
         self._waiting = ThreadConnection.of(node_client(self.store.client, wake_keys[0])).get()
         while not self._stop.is_set():
             try:
+                if self._beat_first:  # Redis came back: was its state lost?
+                    self._heartbeat()
+                    self._beat_first = False
+                quiet = self._quiet_until - time.monotonic()
+                if quiet > 0:  # a loss of state: the calls of vanished holders end first
+                    block = None
+                    self._stop.wait(min(quiet, MAX_IDLE_S))
+                    self._heartbeat()
+                    continue
                 next_event = self.tick(block)
                 block = None
                 now = time.monotonic()
@@ -255,6 +320,7 @@ class Dispatcher:
                     break  # a fused wait cut short by stop()
                 log.warning("dispatcher tick failed: %s", exc)
                 block = None
+                self._beat_first = True
                 self._stop.wait(0.5)
 
     def controlled(self) -> list[tuple[Controlled, set[str]]]:

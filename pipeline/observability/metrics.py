@@ -118,6 +118,19 @@ class _Series:
             registry=registry,
             multiprocess_mode="max",
         )
+        # the store epoch (docs/production.md, "A wiped Redis"; no queue labels)
+        self.state_lost = Counter(
+            PREFIX + "store_state_lost_total",
+            "Times this node found the Redis store epoch gone or changed: Redis lost its "
+            "state (restarted without persistence, flushed) and the requests accepted before.",
+            registry=registry,
+        )
+        self.state_lost_at = Gauge(
+            PREFIX + "store_state_lost_timestamp_seconds",
+            "Unix time (Redis server clock) the latest loss of the Redis state was noticed.",
+            registry=registry,
+            multiprocess_mode="max",
+        )
         self._initialised: set[tuple[str, str, str]] = set()
 
     def init_queue(self, labels: tuple[str, str, str]) -> None:
@@ -246,3 +259,12 @@ def config_applied(at: float, reload: bool) -> None:
     if reload:
         s.config_reloads.labels("success").inc()
     s.config_success.set(at)
+
+
+def state_lost(noticed_at: float | None) -> None:
+    """The node found its Redis's store epoch gone or changed (noticed at Unix ``noticed_at``
+    by the server's clock, when the epoch says)."""
+    s = series()
+    s.state_lost.inc()
+    if noticed_at is not None:
+        s.state_lost_at.set(noticed_at)

@@ -4,6 +4,7 @@ memory, eviction policy and persistence (docs/observability.md, "Status")."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
@@ -264,6 +265,39 @@ def render_redis(
     return t
 
 
+def store_state(p: Pipeline) -> dict[str, Any]:
+    """The store epoch (docs/production.md, "A wiped Redis"): ``id`` and ``since``, and once a
+    loss of the Redis state was noticed ``lost_at``, ``lost_by`` and ``previous`` (times:
+    Unix s, the server's clock; ``now`` to compare them with). Read only: ``pipeline status``
+    writes nothing."""
+    client = p.store.client
+    with node_client(client, p.store.keys.epoch()).pipeline(transaction=False) as pipe:
+        pipe.hgetall(p.store.keys.epoch())
+        pipe.time()
+        epoch, (sec, usec) = pipe.execute()
+    out: dict[str, Any] = {"now": sec + usec / 1e6, **epoch}
+    for name in ("since", "lost_at"):
+        if name in out:
+            out[name] = float(out[name])
+    return out
+
+
+def render_state(state: dict[str, Any]) -> Text | None:
+    """A line when the Redis state was lost (or the epoch is missing), else None."""
+    if "lost_at" in state:
+        at = datetime.fromtimestamp(state["lost_at"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        ago = max(0.0, state["now"] - state["lost_at"])
+        return Text(
+            f"Redis lost its state: noticed at {at} ({_seconds(ago)} ago) by "
+            f"{state.get('lost_by') or '?'}; every request accepted before then is gone "
+            "(turn on persistence: docs/production.md)",
+            style="bold red",
+        )
+    if "id" not in state:
+        return Text("no store epoch yet (no node or client has used this Redis)", style="dim")
+    return None
+
+
 def render(p: Pipeline) -> RenderableType:
     table = StatusView(status_snapshot(p))
     # on a Redis Cluster, each primary (shard), the pools whose slot it holds and its load
@@ -277,7 +311,8 @@ def render(p: Pipeline) -> RenderableType:
         title = "redis" if len(shards) == 1 else f"redis {name}"
         pools = on_node(p, node) if len(shards) > 1 else None
         parts.append(render_redis(facts, title, pools, load))
-    return Group(*parts, table)
+    lost = render_state(store_state(p))
+    return Group(*([lost] if lost is not None else []), *parts, table)
 
 
 def on_node(p: Pipeline, node: redis.Redis) -> list[str]:

@@ -4,6 +4,7 @@ they keep (:mod:`.state`). Imports only ``config`` and ``errors`` of the pipelin
 
 from . import sched
 from .connect import connect
+from .epoch import LOST_NOTICE, Epoch, EpochSeen, epoch_seen, tell_lost
 from .keys import Keys, holder
 from .rows import RequestRow
 from .sched import MergeArgs, QueueTick, QuotaSpec, TokenSpec
@@ -12,8 +13,11 @@ from .server import ServerFacts, ShardLoad, check_redis, primaries, server_facts
 from .state import DirectPublish, Dispatched, Mirror, Store
 
 __all__ = [
+    "LOST_NOTICE",
     "DirectPublish",
     "Dispatched",
+    "Epoch",
+    "EpochSeen",
     "Keys",
     "MergeArgs",
     "Mirror",
@@ -27,9 +31,11 @@ __all__ = [
     "TokenSpec",
     "check_redis",
     "connect",
+    "epoch_seen",
     "holder",
     "run_batch",
     "sched",
+    "tell_lost",
     "primaries",
     "server_facts",
     "shard_load",

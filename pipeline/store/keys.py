@@ -283,6 +283,12 @@ class Keys:
         from the release channel so that a node that never parks hears nothing else."""
         return f"{self.freed_channel()}:abort"
 
+    def epoch(self) -> str:
+        """Hash: the store epoch (``id``, ``since``; ``lost_at``, ``lost_by``, ``previous``
+        once a loss was noticed), written at first use; gone or changed: Redis lost its state
+        (lua/epoch.lua, docs/production.md "A wiped Redis")."""
+        return f"{self.prefix}epoch"
+
     def seq(self) -> str:
         """String counter: submission sequence, the last tie-breaker of the ordering key."""
         return f"{self.prefix}seq"

@@ -29,6 +29,7 @@ SCRIPT_NAMES = (
     "note",
     "explain",
     "wait",
+    "epoch",
 )
 
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, OutOfMemoryError
 
 from ..config import QueueConfig, Settings
+from ..errors import StoreFull
 from . import bodies, wire
 from .connect import connect
 from .journal import Journal, entry
@@ -216,12 +217,19 @@ class Store:
     def submit(self, rows: Sequence[RequestRow]) -> list[Any]:
         """Store a batch of rows (:class:`RequestRow`) in growing chunks, one round trip each
         (docs/internals.md, "submit_many in growing chunks"). Returns 1 per created request,
-        or the state of the live duplicate."""
+        or the state of the live duplicate. A chunk is all or nothing: a Redis at its
+        ``maxmemory`` refuses the script's first write (submit.lua writes nothing before it),
+        and :class:`~pipeline.errors.StoreFull` names the ids of the chunks stored before."""
         out: list[Any] = []
         i, size = 0, SUBMIT_FIRST_CHUNK
         while i < len(rows):
             items = json.dumps(rows[i : i + size], ensure_ascii=False, separators=(",", ":"))
-            out.extend(self.scripts.submit(keys=self.keys.families, args=[items]))
+            try:
+                out.extend(self.scripts.submit(keys=self.keys.families, args=[items]))
+            except OutOfMemoryError:
+                raise StoreFull(
+                    "submit", [r.id for r in rows[:i]], [r.id for r in rows[i:]]
+                ) from None
             i, size = i + size, min(SUBMIT_MAX_CHUNK, size * 2)
         return out
 
@@ -383,13 +391,16 @@ class Store:
             queue.worker_pool_id, entries, pool_cap, publish=publish, doorbell=doorbell
         )
 
-    def node_beat(
-        self, node: str, slots: int, pools: list[str], ttl_s: float
-    ) -> list[tuple[int, int]]:
+    def node_beat_call(self, node: str, slots: int, pools: list[str], ttl_s: float) -> ScriptCall:
         """Register ``node`` (offering ``slots``) as live for ``ttl_s`` in each pool's registry
-        and drop nodes that stopped beating; per pool: (slots of its live nodes, live nodes)."""
+        and drop nodes that stopped beating, as a call to send in a batch;
+        :meth:`node_beats` reads its reply."""
         keys = [k for p in pools for k in (self.keys.pool_nodes(p), self.keys.pool_slots(p))]
-        reply = self.scripts.node_beat(keys=keys, args=[node, slots, repr(float(ttl_s))])
+        return ScriptCall(self.scripts.node_beat, keys, [node, slots, repr(float(ttl_s))])
+
+    @staticmethod
+    def node_beats(reply: Any) -> list[tuple[int, int]]:
+        """Per pool: (slots of its live nodes, live nodes)."""
         return [(int(total), int(live)) for total, live in reply]
 
     def reap(self, queue: str) -> list[tuple[str, str]]:
@@ -531,9 +542,15 @@ class Store:
         return float(reply) if reply else None
 
     # each call sent now, alone, its reply read (typed as the ``*_call`` it sends)
+    node_beat = _sent(node_beat_call, node_beats)
     start = _sent(start_call, started)
     finish = _sent(finish_call, finished)
     requeue = _sent(requeue_call, requeued)
+
+    def current(self, request_id: str, token: str) -> bool:
+        """Whether the attempt ``token`` is still its request's (the record holds its token;
+        False when the record is gone)."""
+        return bool(self.client.hget(self.keys.request(request_id), "token") == token)
 
     def note(self, request_id: str, token: str, journal: Journal) -> bool:
         """Send a running attempt's journaled events to its request's decision log now (one

@@ -344,6 +344,22 @@ class Attempt:
             return self._error("GATE_DROPPED", decision.message or "dropped by gate")
         return self._call()
 
+    def _fence_after_outage(self, decision: Decision) -> Decision:
+        """Admitted after parking through a Redis outage: is the attempt still its request's
+        (one round trip)? A Redis that came back without its state has an empty gate and no
+        record: the slot is not this attempt's to use, so it ends unsent (aborted; its end is
+        fenced off). When the check itself fails, a refusal: the attempt gives the slot and
+        its request back, unsent (docs/production.md, "A wiped Redis")."""
+        try:
+            ours = self.store.current(self.id, self.token)
+        except Exception as exc:  # noqa: BLE001 - unknown: do not send
+            log.warning("request %s: cannot check its record after an outage: %s", self.id, exc)
+            return Decision(Verdict.REFUSE, reason="error", gate=decision.gate)
+        if not ours and self.abort.fire():
+            log.warning("request %s: attempt %s admitted after a Redis outage, but its record "
+                        "is gone: not sent", self.id, self.token)  # fmt: skip
+        return decision
+
     def _gate(self) -> tuple[Decision, bool]:
         """Ask the gate, parking when it says so: its decision, and whether it parked."""
         decision = self.decision or self.acquire()
@@ -383,6 +399,7 @@ class Attempt:
         ``PARK_POLL_S``) until admitted, no longer full, the deadline or ``limit_s``. A park
         that outlasts ``PARK_POLL_S`` sends its ``parked`` log entry at once (for ``explain``)."""
         began = time.monotonic()
+        outages = self.rt.bell.outages
         end = began + min(self.time_left(), limit_s)
         wait = "wait" if first.verdict is Verdict.WAIT else "refuse"
         behind = self.reservation.behind or None
@@ -410,6 +427,8 @@ class Attempt:
                     self.store.note(self.id, self.token, self.journal)
                 except Exception as exc:  # noqa: BLE001 - the log is for people; it goes on
                     log.warning("decision log note for %s failed: %s", self.id, exc)
+        if decision.admitted and self.rt.bell.outages != outages:
+            decision = self._fence_after_outage(decision)
         if decision.admitted:
             waited = round(time.monotonic() - began, 3)
             handed = True if self.reservation.ticket is not None else None

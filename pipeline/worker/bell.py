@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 
+from ..store.epoch import LOST_NOTICE
 from ..store.keys import sharded
 
 log = logging.getLogger("pipeline.bell")
@@ -81,6 +82,9 @@ class ReleaseBell:
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # see cancel_notice
         # what an abort notice calls with its ids (the runtime closes their calls' connections)
         self.on_abort: Callable[[list[str]], None] | None = None
+        # what a LOST_NOTICE calls (Redis lost its state: the runtime checks its leases now)
+        self.on_lost: Callable[[], None] | None = None
+        self.outages = 0  # subscriptions lost so far (Redis restarted, unreachable, ...)
         self.closed = False  # the node is shutting down: nobody parks any more
 
     def generation(self, queue: str) -> int:
@@ -274,6 +278,10 @@ class ReleaseBell:
     def _heard(self, text: str) -> None:
         """One message: a release (the queue, then quota keys it released), or a notice."""
         names = text.split("\n")
+        if names[0] == LOST_NOTICE:
+            if self.on_lost is not None:
+                self.on_lost()
+            return
         if names[0] in (CANCEL_NOTICE, ABORT_NOTICE):
             self.cancel_notice(names[1:])
             if names[0] == ABORT_NOTICE and self.on_abort is not None:
@@ -311,6 +319,7 @@ class ReleaseBell:
                     self._heard(data.decode() if isinstance(data, bytes) else str(data))
             except Exception as exc:  # noqa: BLE001 - keep listening; waits are bounded
                 log.warning("release bell lost its subscription (%s); reconnecting", exc)
+                self.outages += 1
                 # what was published while away is lost: every waiter re-asks
                 self._wake_all()
                 self._stopping.wait(delay)

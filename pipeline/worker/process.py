@@ -12,6 +12,8 @@ import time
 from dataclasses import replace
 from typing import Any, TypeVar
 
+from redis.exceptions import OutOfMemoryError, RedisError
+
 from ..config import QueueConfig, Settings, from_snapshot, load_settings, to_snapshot
 from ..gates import Gate, GateEnv, attempt_gate, check_gates, same_attempt_gate
 from ..http.call import reset_tls
@@ -30,6 +32,7 @@ from .reservation import Reservation
 log = logging.getLogger("pipeline.worker")
 
 T = TypeVar("T")
+FULL_RETRY_S = 1.0  # a start a full Redis refused is due again after this (no hot loop)
 SNAPSHOT_ENV = "PIPELINE_CONFIG_SNAPSHOT"  # the node's accepted queue config, for its children
 
 
@@ -59,6 +62,7 @@ class Runtime:
             sorted({s.keys.abort_channel() for s in pools}),
         )
         self.bell.on_abort = self.abort
+        self.bell.on_lost = self.renew_live  # Redis lost its state: vanished holders stop now
 
     def store_of(self, queue: QueueConfig) -> Store:
         """The store of the queue's pool (its own slot on a Redis Cluster)."""
@@ -168,10 +172,15 @@ class Runtime:
     def _beat(self) -> None:
         period = max(0.05, self.settings.lease_s / 3.0)
         while not self._stopping.wait(period):
-            with self._lock:
-                live = list(self._live.values())
-            if not live:
-                continue
+            self.renew_live()
+
+    def renew_live(self) -> None:
+        """Renew the leases of this process's live attempts; abort those no longer current
+        (reaped, cancelled with running="abort", or their record gone with a Redis that lost
+        its state). The heartbeat's step, also run at once on a LOST_NOTICE."""
+        with self._lock:
+            live = list(self._live.values())
+        if live:
             try:
                 self._renew(live)
             except Exception as exc:  # noqa: BLE001 - keep beating; leases tolerate a miss
@@ -244,7 +253,10 @@ class Runtime:
         start = store.start_call(request_id, token, queue, worker)
         took = False
         if res is None or calls is None:
-            reply: Any = start()
+            try:
+                reply: Any = start()
+            except OutOfMemoryError as exc:
+                reply = exc
         else:
             reply, *acquired = run_batch(store.client, [start, *calls.calls])
             took = res.started(calls, acquired)
@@ -252,6 +264,9 @@ class Runtime:
         if started is None:
             if took and res is not None:  # the start failed or was fenced off: give it back
                 res.release()
+            if isinstance(reply, OutOfMemoryError):
+                self._give_back_full(store, request_id, token)
+                return None
             if isinstance(reply, Exception):
                 raise reply
             return None
@@ -272,6 +287,23 @@ class Runtime:
             attempt.reservation.discard()
         self._track(attempt)
         return attempt
+
+    def _give_back_full(self, store: Store, request_id: str, token: str) -> None:
+        """A start Redis refused for want of memory (``maxmemory``): give the request back
+        to its queue now, due after :data:`FULL_RETRY_S`, instead of leaving it dispatched
+        until its lease lapses. requeue.lua's first write only shrinks (a ZREM), so a full
+        Redis runs it (docs/production.md, "Redis memory")."""
+        note = entry("requeued", reason="Redis at maxmemory: the start could not write")
+        try:
+            done = store.requeue(request_id, token, delay=FULL_RETRY_S, attempted=False,
+                                 note=note)  # fmt: skip
+        except RedisError as exc:  # its lease brings it back
+            log.error("request %s: start refused (Redis at maxmemory), and so was giving it "
+                      "back: %s", request_id, exc)  # fmt: skip
+            return
+        log.error("request %s: start refused: Redis is at its maxmemory; given back to its "
+                  "queue (due again in %.0f s)%s", request_id, FULL_RETRY_S,
+                  "" if done else " (fenced off: nothing to give back)")  # fmt: skip
 
     def _queue_of(self, request_id: str) -> str:
         store = self.store.find(request_id, self.settings.queues.values())
