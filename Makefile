@@ -57,7 +57,7 @@ test-cluster: $(STAMP)
 	PIPELINE_TEST_CLUSTER=1 $(BIN)/pytest -q $(PYTEST_PARALLEL) $(CLUSTER_SUITES)
 
 ## test-chaos-long: the chaos suite with its long variants (60 s of random worker kills, a node
-## holding 200 calls cut off from Redis)
+## holding 200 calls cut off from Redis, a Redis wiped under 200 calls)
 test-chaos-long: $(STAMP)
 	PIPELINE_CHAOS_LONG=1 $(BIN)/pytest -q tests/chaos
 

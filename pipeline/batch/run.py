@@ -319,9 +319,7 @@ class Run:
 
         while True:
             try:
-                return self.batches.wait(
-                    self.batch.id, timeout=self.opts.timeout, poll_s=0.25, on_poll=polled
-                )
+                return self._wait_once(polled)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 now = time.monotonic()
                 if down[0] is None:
@@ -330,11 +328,21 @@ class Run:
                 elif now - down[0] > OUTAGE_S:
                     raise RunError(f"Redis did not answer for {OUTAGE_S:.0f} s: {exc}") from None
                 time.sleep(0.5)
-            except UnknownBatch:
-                lost = self.pipeline.lost([])
-                if lost is None:
-                    raise
-                raise self._lost(lost.noticed_at) from None
+
+    def _wait_once(self, on_poll: Any) -> Batch:
+        """One wait for the batch; a batch gone with a Redis that lost its state raises
+        :class:`StateLostRun`. Redis failing meanwhile (the check for a lost state included:
+        a restart resets the pool's connections) raises its error for :meth:`_wait` to ride."""
+        assert self.batch is not None
+        try:
+            return self.batches.wait(
+                self.batch.id, timeout=self.opts.timeout, poll_s=0.25, on_poll=on_poll
+            )
+        except UnknownBatch:
+            lost = self.pipeline.lost([])
+            if lost is None:
+                raise
+            raise self._lost(lost.noticed_at) from None
 
     def _lost(self, noticed_at: float | None) -> StateLostRun:
         """The run's batch went with the Redis state: write its request lines (every one: no

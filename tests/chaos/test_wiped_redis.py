@@ -4,7 +4,9 @@ alarm. The node says it (an ERROR line), the calls whose holders vanished are ab
 anything new is sent (never over the limit at the server), a waiting client gets ``StateLost``
 naming the ids, ``pipeline status`` says when it was noticed, new submissions work, and
 ``pipeline run`` names the lines to re-run and exits 3 with one line, no traceback. Every id
-ends with one terminal result or the documented StateLost, and no gate holds a reservation."""
+ends with one terminal result or the documented StateLost, and no gate holds a reservation.
+
+``PIPELINE_CHAOS_LONG=1`` (``make test-chaos-long``) wipes it under hundreds of calls."""
 
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ from pipeline.sim import SimServer
 from tests.conftest import ROOT, assert_idle, give_up_after, held, stop_processes
 from tests.redis_servers import Server, start_server
 
-LIMIT = 4
+LONG = os.environ.get("PIPELINE_CHAOS_LONG") == "1"
+LIMIT = 200 if LONG else 4
+SLOTS = 2 * LIMIT  # the node parks as many as run
 
 
 def items(name: str, n: int) -> list[dict[str, Any]]:
@@ -65,7 +69,7 @@ def test_wiped_redis_is_said_and_survived(sim: SimServer, tmp_path: Path) -> Non
     log = tmp_path / "worker.log"
     with open(log, "wb") as fh:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "worker", "-c", "8", "-n", "wiped@test"],
+            [sys.executable, "-m", "pipeline", "worker", "-c", str(SLOTS), "-n", "wiped@test"],
             env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
     pl = Pipeline(load_settings(env))
@@ -106,7 +110,7 @@ def test_wiped_redis_is_said_and_survived(sim: SimServer, tmp_path: Path) -> Non
 
         # pipeline run: its batch goes with a second wipe
         lines = tmp_path / "batch.jsonl"
-        lines.write_text("".join(json.dumps(i) + "\n" for i in items("wipe-run", 6)))
+        lines.write_text("".join(json.dumps(i) + "\n" for i in items("wipe-run", LIMIT + 2)))
         out = tmp_path / "out.jsonl"
         run = subprocess.Popen(
             [sys.executable, "-m", "pipeline", "run", str(lines), "-o", str(out),

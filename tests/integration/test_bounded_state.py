@@ -85,6 +85,7 @@ def test_only_a_request_a_client_waits_for_gets_a_notify_list(served: Pipeline, 
 # request; each is bounded by construction (named in the comment)
 BOUNDED = [
     r"seq",  # one counter
+    r"epoch",  # one hash: the store's epoch, the alarm for a wiped Redis (a few fields)
     r"wedged",  # one field per wedged queue
     r"q:[^:]+:(pending|delayed|expiry|active)",  # waiting / running requests only
     r"q:[^:]+:stats",  # one counter per outcome
