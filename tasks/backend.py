@@ -22,6 +22,7 @@ it back.
 from __future__ import annotations
 
 import json
+import threading
 from contextlib import suppress
 from datetime import UTC, datetime
 from typing import Any
@@ -61,6 +62,9 @@ class PipelineRedisBackend(RedisBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._store_script = self.client.register_script(source("celery_result"))
+        # (task id, state) an attempt's script wrote in this thread, for Celery's store of it
+        # that follows in the same thread (the tracer's) to skip: :meth:`mirrored`
+        self._written = threading.local()
 
     def mirror(
         self,
@@ -97,6 +101,11 @@ class PipelineRedisBackend(RedisBackend):
             ttl=int(expires or 0),
         )
 
+    def mirrored(self, task_id: str, state: str) -> None:
+        """An attempt's finish / requeue script wrote ``state`` of ``task_id`` (its
+        :meth:`mirror`): Celery's next store of that state, in this thread, is skipped."""
+        self._written.last = (task_id, state)
+
     def meta_from_decoded(self, meta: dict[str, Any]) -> dict[str, Any]:
         """Celery's, and a SUCCESS result whose body was stored apart (``payload_ref``: an
         answer longer than ``PIPELINE_BODY_INLINE_MAX``) gets it back: ``AsyncResult.get()``
@@ -117,8 +126,8 @@ class PipelineRedisBackend(RedisBackend):
         request: Any = None,
         **kwargs: Any,
     ) -> Any:
-        attempt = getattr(request, "pipeline_attempt", None)
-        if attempt is not None and getattr(attempt, "mirrored", None) == state:
+        if getattr(self._written, "last", None) == (bytes_to_str(task_id), state):
+            self._written.last = None
             return result  # the attempt's own script wrote it
         meta = self._get_result_meta(
             result=result, state=state, traceback=traceback, request=request

@@ -2,10 +2,14 @@
 
 Gate protocol hook points:
 - ``before_start`` begins the attempt (fenced by its token) and acquires the gate.
-- The body releases before it writes a result or re-queues (retry, refusal).
+- ``run`` runs it in one ``try``/``finally``: the attempt releases in the round trip that
+  writes its result or re-queues it (retry, refusal), and the ``finally`` releases whatever
+  ended it otherwise (``Reservation.close``: a no-op once a release went out).
 - ``after_return`` (success, failure, and in the main process after a hard time limit or a
-  lost child) releases again and requeues an attempt that never reported — idempotent.
-- ``task_revoked`` and worker shutdown release too (see ``tasks.node``).
+  lost child, where no ``finally`` ran) releases and requeues an attempt that never
+  reported — fenced, idempotent.
+- ``task_revoked`` and worker shutdown release too (see ``tasks.node``); the reaper frees
+  the leases of a process that died.
 Celery skips ``after_return`` for RETRY/IGNORED; that is why the body releases first.
 """
 
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,6 +28,7 @@ from pipeline.observability import logs
 from pipeline.store import Mirror
 from pipeline.worker import Attempt, Status, observe, runtime
 from pipeline.worker.attempt import REDIS_DOWN
+from pipeline.worker.identity import AttemptId, Hooks
 
 from .app import app
 from .backend import PipelineRedisBackend
@@ -110,6 +115,26 @@ class CeleryMirrors:
             traceback=brief(AttemptRetry(reason)),
         )
 
+    def written(self, state: str) -> None:
+        self.backend.mirrored(self.task_id, state)
+
+
+def attempt_id(args: Sequence[Any], kwargs: Mapping[str, Any]) -> AttemptId | None:
+    """Who a ``pipeline.infer`` message's attempt is: ``(request_id, token)`` and the
+    dispatcher's ``queue``, ``attempt``, ``tenant`` and ``priority`` kwargs (see
+    ``tasks.node.send_to_celery``); None when its arguments are not that shape."""
+    if len(args) < 2:
+        return None
+    number = kwargs.get("attempt")
+    return AttemptId(
+        args[0],
+        args[1],
+        queue=kwargs.get("queue"),
+        number=number if isinstance(number, int) and not isinstance(number, bool) else None,
+        tenant=_tenant(kwargs.get("tenant")),
+        priority=_priority(kwargs.get("priority")),
+    )
+
 
 def _tenant(hint: Any) -> dict[str, str] | None:
     """The dispatcher's ``tenant`` kwarg (``{attribute: value}``, see ``Runtime.begin``), or
@@ -165,20 +190,16 @@ class InferenceTask(Task):
     typing = False
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        request_id, token = args[0], args[1]
-        logs.bind(request_id=request_id, queue=kwargs.get("queue"), attempt=kwargs.get("attempt"))
-        attempt = runtime().begin(
-            request_id,
-            token,
-            self.request.hostname or "worker",
-            kwargs.get("queue"),
-            _tenant(kwargs.get("tenant")),
-            _priority(kwargs.get("priority")),
+        who = attempt_id(args, kwargs)
+        if who is None:
+            raise TypeError(f"{self.name} takes (request_id, token), not {len(args)} arguments")
+        logs.bind(request_id=who.request_id, queue=who.queue, attempt=who.number)
+        mirrors = (
+            CeleryMirrors(self.backend, task_id) if mirrors_results(self, self.request) else None
         )
+        hooks = Hooks(mirrors=mirrors, send_event=self.send_event)
+        attempt = runtime().begin(who, self.request.hostname or "worker", hooks)
         if attempt is not None:
-            if mirrors_results(self, self.request):
-                attempt.mirrors = CeleryMirrors(self.backend, task_id)
-            attempt.send_event = self.send_event  # a park that ends refused tells Flower
             if attempt.decision is None:  # not decided with the start (Runtime.begin)
                 attempt.acquire()
             observe.attempt_started(attempt, self.send_event)
@@ -188,7 +209,10 @@ class InferenceTask(Task):
         attempt: Attempt | None = getattr(self.request, "pipeline_attempt", None)
         if attempt is None:
             raise Ignore()
-        report = observe.observed_run(attempt)
+        try:  # acquired in before_start; released by its finish / requeue's round trip...
+            report = observe.observed_run(attempt)
+        finally:  # ...or here, whatever ended it: the reservation's one exit (idempotent)
+            attempt.reservation.close()
         _log_outcome(report)
         if report.status is Status.SUCCESS:
             return None if report.result is None else TaskResult(report.result)
@@ -213,19 +237,19 @@ class InferenceTask(Task):
         attempt: Attempt | None = getattr(self.request, "pipeline_attempt", None)
         if attempt is not None and attempt.closed:
             return
-        if len(args) < 2:
+        who = attempt.who if attempt is not None else attempt_id(args, kwargs)
+        if who is None:
             return
         # a FAILURE's retval is the exception (Celery passes no einfo to after_return)
         if status == states.FAILURE and attempt is not None and _escaped(attempt, retval):
             return
         # The attempt did not report (an exception, or this is the main process after a hard
-        # time limit / lost child): release and requeue, fenced by token.
+        # time limit / lost child): release (here, a no-op after run's) and requeue, fenced.
         runtime().abandon(
-            args[0],
-            args[1],
-            kwargs.get("queue"),
+            who,
             cancel=False,
             reason=f"attempt ended with {status} without a result",
+            reservation=None if attempt is None else attempt.reservation,
         )
 
 

@@ -44,7 +44,7 @@ from pipeline.worker.reload import Reloader
 
 from . import compat
 from .app import app, celery_queue, pool_of
-from .inference import infer
+from .inference import attempt_id, infer
 
 log = logging.getLogger("pipeline.node")
 _shutting_down = threading.Event()
@@ -321,8 +321,8 @@ def _on_shutdown(**_: Any) -> None:
     """The very end of a node (after a warm shutdown drained the pool): attempts of this
     process still live were cut off (a cold shutdown of the threads pool): requeue them."""
     rt = runtime()
-    for rid, token, queue in rt.live_holders():
-        rt.abandon(rid, token, queue, cancel=False, reason="worker shutdown")
+    for who in rt.live_attempts():
+        rt.abandon(who, cancel=False, reason="worker shutdown")
     tracing.shutdown()  # flush the spans (re-enqueue ones included) before the process ends
 
 
@@ -339,18 +339,11 @@ def _on_revoked(
     must end — or killed by a cold shutdown (requeued)."""
     if request is None or getattr(sender, "name", None) != infer.name:
         return
-    args: list[Any] = list(request.args or ())
-    if len(args) < 2:
+    who = attempt_id(list(request.args or ()), request.kwargs or {})
+    if who is None:
         return
-    kwargs = request.kwargs or {}
     cancel = not _shutting_down.is_set()
-    runtime().abandon(
-        args[0],
-        args[1],
-        kwargs.get("queue"),
-        cancel=cancel,
-        reason="revoked" if cancel else "worker shutdown",
-    )
+    runtime().abandon(who, cancel=cancel, reason="revoked" if cancel else "worker shutdown")
 
 
 # Celery's "Task … received" line, one per attempt: it says nothing the attempt's outcome line

@@ -2,7 +2,17 @@
 
 from .attempt import Attempt
 from .endpoints import check_endpoints
+from .identity import AttemptId, Hooks
 from .process import Runtime, runtime
 from .report import Report, Status
 
-__all__ = ["Attempt", "Report", "check_endpoints", "Runtime", "Status", "runtime"]
+__all__ = [
+    "Attempt",
+    "AttemptId",
+    "Hooks",
+    "Report",
+    "check_endpoints",
+    "Runtime",
+    "Status",
+    "runtime",
+]

@@ -29,13 +29,14 @@ from ..http.rules import (
     value_error,
 )
 from ..store import ScriptCall
-from ..store import holder as make_holder
 from ..store.bodies import stored_apart
 from ..store.journal import Journal, entry
 from ..store.keys import ref_cancel_key
 from . import observe
 from .bell import Ticket
 from .endpoints import authorization, queue_send
+from .handover import Handover
+from .identity import NO_HOOKS, AttemptId, Hooks
 from .report import Mirrors, Report, Status, failure_message
 from .reservation import Host, Reservation
 
@@ -54,17 +55,19 @@ class Attempt:
         self,
         runtime: Host,
         record: dict[str, str],
-        token: str,
+        who: AttemptId,
         worker: str,
         clock_offset: float = 0.0,
         reservation: Reservation | None = None,
+        hooks: Hooks = NO_HOOKS,
     ) -> None:
         self.rt = runtime
+        self.who = who
         # the Redis server's clock minus this machine's: deadlines are measured by the server's
         self.clock_offset = clock_offset
         self.record = record
         self.id = record["id"]
-        self.token = token
+        self.token = token = who.token
         self.worker = worker
         self.queue: QueueConfig = runtime.settings.queues[record["queue"]]
         self.store = runtime.store.for_pool(self.queue.worker_pool_id)  # its slot on a cluster
@@ -72,7 +75,7 @@ class Attempt:
         self.metadata: dict[str, str] = _json_map(record.get("metadata"), "metadata")
         self.labels: dict[str, str] = _json_map(record.get("labels"), "labels")
         self.extra_headers: dict[str, str] = _json_map(record.get("headers"), "headers")
-        self.holder = make_holder(self.id, token)
+        self.holder = who.holder
         self.priority = _priority(record.get("priority"))
         name = self.queue.queue_name
         self.reservation = reservation or Reservation(
@@ -93,9 +96,8 @@ class Attempt:
             )
         )
         self.closed = False
-        self.mirrors: Mirrors | None = None  # set by the task layer
-        self.send_event: Callable[..., Any] | None = None  # Celery's, set by the task layer
-        self.mirrored: str | None = None  # the state of the mirror written, if any
+        self.mirrors: Mirrors | None = hooks.mirrors  # its task's Celery result, if mirrored
+        self.send_event: Callable[..., Any] | None = hooks.send_event  # Celery's (Flower)
         self.served_tokens: int | None = 0  # what a token charge settles to (served_tokens())
         self.served_prompt: int | None = None  # the 2xx answer's prompt tokens (usage), if any
         self.journal = Journal()  # the request's decision log entries, sent with the outcome
@@ -144,7 +146,7 @@ class Attempt:
         apart = stored_apart(payload, limit, self.record.get("wire"))  # a large body: once
         body_key = self.store.keys.body(self.id, self.token) if apart else None
 
-        def finish(handed_over: bool, nowake: bool) -> ScriptCall:
+        def finish(handover: Handover) -> ScriptCall:
             return self.store.finish_call(
                 self.id,
                 self.token,
@@ -154,8 +156,8 @@ class Attempt:
                 error_code=error_code,
                 error_message=error_message,
                 mirror=mirror,
-                handed_over=handed_over,
-                nowake=nowake,
+                handed_over=handover.handed_over,
+                nowake=handover.nowake,
                 journal=self.journal,
                 body_key=body_key,
             )
@@ -165,12 +167,13 @@ class Attempt:
         self.closed = True
         if res is None:
             return Report(Status.STALE, "fenced off at finish")
-        self.mirrored = mirror.state if mirror is not None else None
+        if mirror is not None and self.mirrors is not None:
+            self.mirrors.written(mirror.state)
         status = Status.SUCCESS if ok else Status.FAILED
         return Report(status, failure, result=json.loads(res) if res else None)
 
     def _until_written(
-        self, finish: Callable[[bool, bool], ScriptCall], before: Callable[[], Any] | None = None
+        self, finish: Callable[[Handover], ScriptCall], before: Callable[[], Any] | None = None
     ) -> Any:
         """Release and finish (after ``before``: storing a large body); while Redis does not
         answer (a failover: redis-py's retries last ~4 s, a promotion may take longer), the
@@ -220,7 +223,7 @@ class Attempt:
         releases the reservation: a retried request never holds two."""
         mirror = self.mirrors.retry(reason) if self.mirrors is not None else None
 
-        def requeue(handed_over: bool, nowake: bool) -> ScriptCall:
+        def requeue(handover: Handover) -> ScriptCall:
             return self.store.requeue_call(
                 self.id,
                 self.token,
@@ -229,7 +232,7 @@ class Attempt:
                 last_response=last,
                 last_error=error,
                 mirror=mirror,
-                handed_over=handed_over,
+                handed_over=handover.handed_over,
                 journal=self.journal,
                 note=note or entry("requeued", reason=reason),
             )
@@ -239,7 +242,8 @@ class Attempt:
         self.closed = True
         if due is None:
             return Report(Status.STALE, "fenced off at requeue")
-        self.mirrored = mirror.state if mirror is not None else None
+        if mirror is not None and self.mirrors is not None:
+            self.mirrors.written(mirror.state)
         return Report(status, reason, due=due)
 
     def _answered(self, outcome: Outcome, attempted: bool) -> Report:

@@ -9,7 +9,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from redis.exceptions import OutOfMemoryError, RedisError
@@ -19,13 +19,13 @@ from ..gates import Gate, GateEnv, attempt_gate, check_gates, same_attempt_gate
 from ..http.call import reset_tls
 from ..observability import tracing
 from ..store import Store, run_batch
-from ..store import holder as make_holder
 from ..store.journal import entry
 from . import observe
 from .attempt import Attempt
 from .bell import ReleaseBell
 from .endpoints import check_endpoints
 from .guard import LeaseGuard
+from .identity import NO_HOOKS, AttemptId, Hooks
 from .malloc import fix_mmap_threshold
 from .reservation import Reservation
 
@@ -233,29 +233,21 @@ class Runtime:
                     if not held:
                         del self._holders[attempt.id]
 
-    def live_holders(self) -> list[tuple[str, str, str]]:
+    def live_attempts(self) -> list[AttemptId]:
+        """Who this process's live attempts are (each with the queue it runs on)."""
         with self._lock:
-            return [(a.id, a.token, a.queue.queue_name) for a in self._live.values()]
+            return [replace(a.who, queue=a.queue.queue_name) for a in self._live.values()]
 
-    def begin(
-        self,
-        request_id: str,
-        token: str,
-        worker: str,
-        queue: str | None = None,
-        tenant: Mapping[str, str] | None = None,
-        priority: int | None = None,
-    ) -> Attempt | None:
-        """Start an attempt (fenced by ``token``), with the gate's acquire in the same round trip
-        when it can (``Reservation.start_calls``, for the ``tenant`` and ``priority`` the
-        dispatcher named); None for a stale message."""
+    def begin(self, who: AttemptId, worker: str, hooks: Hooks = NO_HOOKS) -> Attempt | None:
+        """Start attempt ``who`` (fenced by its token), with the gate's acquire in the same round
+        trip when it can (``Reservation.start_calls``, for the tenant and priority the
+        dispatcher named); None for a stale message. ``hooks``: the task's, for the attempt."""
         self.follow_snapshot()
-        queue = queue if queue in self.settings.queues else self._queue_of(request_id)
+        request_id, token, tenant, priority = who.request_id, who.token, who.tenant, who.priority
+        queue = who.queue if who.queue in self.settings.queues else self._queue_of(request_id)
         gate = self.current_gate(queue)
         store = self._store_of(queue, request_id)
-        res = (
-            None if gate is None else Reservation(self, queue, make_holder(request_id, token), gate)
-        )
+        res = None if gate is None else Reservation(self, queue, who.holder, gate)
         calls = None if res is None else res.start_calls(worker, tenant or {}, priority)
         began = time.monotonic()  # its leases last from after this (the lease guard's count)
         start = store.start_call(request_id, token, queue, worker)
@@ -279,7 +271,7 @@ class Runtime:
                 raise reply
             return None
         try:
-            attempt = Attempt(self, started.record, token, worker, started.clock_offset, res)
+            attempt = Attempt(self, started.record, who, worker, started.clock_offset, res, hooks)
             attempt.reservation.proof = min(attempt.reservation.proof, began)
         except (KeyError, ValueError, TypeError) as exc:
             # a record this worker cannot read (written by hand, or corrupted): end it
@@ -322,14 +314,23 @@ class Runtime:
         return self.store_of(q) if q else self.store.find(request_id, self.settings.queues.values())
 
     def abandon(
-        self, request_id: str, token: str, queue: str | None, *, cancel: bool, reason: str
+        self,
+        who: AttemptId,
+        *,
+        cancel: bool,
+        reason: str,
+        reservation: Reservation | None = None,
     ) -> None:
         """An attempt ended without reporting (hard time limit, killed child, revoke,
-        shutdown): release, then requeue or cancel it. Fenced: a no-op once it finished."""
-        queue = queue or self._queue_of(request_id)
+        shutdown): release (``reservation``: its own, in this process: unless released
+        already), then requeue or cancel it. Fenced: a no-op once it finished."""
+        request_id, token = who.request_id, who.token
+        queue = who.queue or self._queue_of(request_id)
         gate = self.current_gate(queue)
-        if gate is not None:
-            Reservation(self, queue, make_holder(request_id, token), gate).release()
+        if reservation is not None:
+            reservation.close()
+        elif gate is not None:
+            Reservation(self, queue, who.holder, gate).release()
         store = self._store_of(queue, request_id)
         done: object
         if cancel:

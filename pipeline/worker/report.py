@@ -19,6 +19,10 @@ class Mirrors(Protocol):
 
     def retry(self, reason: str) -> Mirror | None: ...
 
+    def written(self, state: str) -> None:
+        """The attempt's finish / requeue wrote its mirror of ``state`` (Celery's own store of
+        that state is then skipped)."""
+
 
 def failure_message(
     status_code: int | None, payload: str, error_code: str | None, error_message: str | None

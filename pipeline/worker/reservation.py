@@ -1,6 +1,8 @@
 """A gate reservation, from the attempt's first ask to its one release: every exit path releases
 through :meth:`Reservation.release_with` (the finish / requeue's round trip) or
-:meth:`Reservation.release` (docs/architecture.md#where-a-reservation-is-released)."""
+:meth:`Reservation.release`, and :meth:`Reservation.close` is the attempt's one exit
+(docs/architecture.md#where-a-reservation-is-released). A slot may go straight to an attempt
+of the process parked for one: :mod:`.handover`."""
 
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ from ..gates import (
     Calls,
     Decision,
     Gate,
-    HandsOver,
     Observation,
     Observes,
     Verdict,
@@ -30,11 +31,11 @@ from ..gates import (
 from ..store import ScriptCall, Store, run_batch
 from .bell import ReleaseBell, Ticket
 from .guard import LeaseGuard
+from .handover import NOT_HANDED, Handover, Handovers
 
 log = logging.getLogger("pipeline.worker")
 
 RELEASE_TRIES = 4
-TRANSFER_WAIT_S = 10.0  # a taker of a handed-over slot waits this long for the transfer record
 
 
 class Host(Protocol):
@@ -61,6 +62,7 @@ class Reservation:
         self.queue = queue
         self.holder = holder
         self.gate = gate
+        self.handovers = Handovers(host, queue)  # its slot to (or from) a parked attempt
         self.ctx: AcquireContext | None = None  # the request, once its record is read
         self.bells: list[str] = []  # quota keys it may park on and rings when it releases
         self.decision: Decision | None = None  # the gate's last answer
@@ -68,7 +70,8 @@ class Reservation:
         self.generations: dict[str, int] = {}  # bells' generations, read before the last ask
         self.behind = 0  # attempts it parked behind at the start without asking; 0: it asked
         self._start_bell: str | None = None  # the bell others were parked on at the start
-        self._released = False
+        self._released = False  # a release went out (or was tried) since its last take
+        self._freed = False  # and the gate took it (or the hand-over): none is needed again
         # when its leases were last proven (monotonic): the send time of its start (made
         # before it) or of the last renewal Redis took (Runtime._renew); the lease guard's count
         self.proof = time.monotonic()
@@ -87,7 +90,7 @@ class Reservation:
         attempts of this process parked on its hand-over bell, a refusal without asking."""
         gate, bell = self.gate, self.host.bell
         self.generations = {self.queue: bell.generation(self.queue)}
-        name = next(iter(self._handover_bells(tenant)), None)
+        name = next(iter(self.handovers.bells(gate, tenant)), None)
         waiting = 0
         if name is not None:
             self.generations.setdefault(name, bell.generation(name))
@@ -131,7 +134,7 @@ class Reservation:
         except Exception as exc:  # noqa: BLE001 - a gate error refuses, it never crashes
             log.warning("gate %s failed for %s: %s", self.queue, self.holder, exc)
             self.decision = Decision(Verdict.REFUSE, reason="error")
-        self._released = False
+        self._released = self._freed = False
         return self.decision
 
     def wait(self, decision: Decision, timeout: float) -> Ticket | None:
@@ -140,32 +143,16 @@ class Reservation:
         assert self.ctx is not None
         name = decision.bell(self.queue)
         generation = self.generations.get(name, self.generations.get(self.queue, 0))
-        offer = self.ctx if name in self._handover_bells(self.ctx.metadata) else None
+        offer = self.ctx if name in self.handovers.bells(self.gate, self.ctx.metadata) else None
         ticket = self.host.bell.park(
             name, generation, timeout, offer, self.gate, rid=self.ctx.request_id
         )
-        if ticket is not None and ticket.granted and self._refused_transfer(ticket):
+        if ticket is not None and ticket.granted and self.handovers.refused(self.gate, ticket):
             ticket.granted, ticket.rang = False, True  # as a ring: it asks again
         elif ticket is not None and ticket.granted:
-            self.ticket, self.decision, self._released = ticket, CONTINUE, False
+            self.ticket, self.decision = ticket, CONTINUE
+            self._released = self._freed = False
         return ticket
-
-    def _refused_transfer(self, ticket: Ticket) -> bool:
-        """Whether Redis refused the transfer. The taker goes on at once only when the giver's
-        lease was surely alive (proven within half the guard's budget: ``ticket.sure``) and
-        the gate's limit does not move; else once Redis recorded the transfer as taken (the
-        giver's finish round trip, a millisecond): a giver's lease may have lapsed and its
-        slot gone to another node (a process stopped or cut off past its lease), a moving
-        limit may have fallen below in-flight. Sending first would put one call more than the
-        limit at the server (issue 48)."""
-        if ticket.sure and not getattr(self.gate, "handover_may_fail", False):
-            return False
-        ticket.transferred.wait(TRANSFER_WAIT_S)
-        return not ticket.held
-
-    def _handover_bells(self, metadata: Mapping[str, str]) -> tuple[str, ...]:
-        gate = self.gate
-        return gate.handover_bells(self.queue, metadata) if isinstance(gate, HandsOver) else ()
 
     def follow(self, gate: Gate) -> None:
         """Ask ``gate`` from now on (a reload replaced the queue's); a parked attempt's own
@@ -182,30 +169,40 @@ class Reservation:
     def admitted(self) -> bool:
         return self.ticket is not None or (self.decision is not None and self.decision.admitted)
 
+    def close(self) -> None:
+        """The attempt's one exit (``InferenceTask.run``'s ``finally``): release unless a release
+        went out since its last take — normally its finish / requeue's, so a no-op."""
+        if not self._released:
+            self.release()
+
     def release(self) -> None:
         """Release now, retried (an attempt that ends without its finish / requeue)."""
         self.host.untrack(self.holder)
-        rings = self._rings(self._held(), None)
+        rings = self.handovers.rings(self.bells, self._held(), None)
         self._retried(None)
-        self._ring(rings, echo=False)
+        self.handovers.ring(rings, echo=False)
 
     def discard(self) -> None:
         """Give back what the start's acquire took (the dispatcher's tenant was not the
         request's) and forget its decision."""
         self._retried(None)
-        self.decision, self._released = None, False
+        self.decision = None
+        self._released = self._freed = False
 
     def release_with(
         self,
-        build: Callable[[bool, bool], ScriptCall],
+        build: Callable[[Handover], ScriptCall],
         served: int | None = 0,
         prompt: int | None = None,
     ) -> Any:
         """Settle a token charge to ``served`` (``prompt``: the answer's prompt tokens),
         release (or hand the slot to an attempt of this process parked for one), then the
-        finish / requeue ``build(handed_over, nowake)`` returns, in one round trip, the gate's
-        step first. Returns (or raises) its reply."""
+        finish / requeue ``build(Handover(...))`` returns, in one round trip, the gate's
+        step first. Returns (or raises) its reply. Released already (a finish tried again,
+        or ended after the exit's release): the finish / requeue alone."""
         self.host.untrack(self.holder)
+        if self._freed:
+            return build(NOT_HANDED)()
         held = self._held()
         if held:
             self._settle(served, prompt)
@@ -213,16 +210,25 @@ class Reservation:
         bell = ticket.bell if ticket is not None else None  # where its taker parked
         seen = self._observations(held)  # before the release: the observation reads its lease
         step = self._step(ticket)
-        call = build(ticket is not None, ticket is not None and self._parked_ahead(bell))
-        rings = self._rings(held, bell)
+        handovers = self.handovers
+        if ticket is None:
+            handover = NOT_HANDED
+        else:
+            handover = Handover(True, handovers.parked_ahead(self.gate, bell))
+        rings = handovers.rings(self.bells, held, bell)
+        try:
+            call = build(handover)
+        except Exception:  # the finish / requeue could not be built: released all the same
+            self._complete(None, ticket, [])
+            handovers.ring(rings, echo=False)
+            raise
         if step is None or not step.calls:  # not as calls: done here, before the round trip
             _observe_alone(seen, self.holder)
             self._complete(step, ticket, [])
-            self._ring(rings, echo=ticket is None)  # the finish / requeue publishes a release
+            handovers.ring(rings, echo=ticket is None)  # the finish / requeue publishes one
             return call()
         if ticket is None:  # the finish / requeue publishes the release: expect its echo
-            for name in rings:
-                self.host.bell.expect_echo(name)
+            handovers.expect_echoes(rings)
         replies: list[Any] | Exception
         n = len(seen)
         try:
@@ -233,7 +239,7 @@ class Reservation:
         except Exception as exc:  # noqa: BLE001 - the gate's step is done; the error is the call's
             replies = reply = exc
         self._complete(step, ticket, replies)
-        self._ring(rings, echo=False)
+        handovers.ring(rings, echo=False)
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -260,8 +266,7 @@ class Reservation:
             return False
         self._released = True
         if self.ticket is not None:
-            self.ticket.transferred.wait(TRANSFER_WAIT_S)
-            return self.ticket.held
+            return self.handovers.held(self.ticket)
         return self.decision is not None and self.decision.admitted
 
     def _settle(self, served: int | None, prompt: int | None) -> None:
@@ -273,23 +278,15 @@ class Reservation:
             log.warning("settling the token charge of %s failed: %s", self.holder, exc)
 
     def _taker(self) -> Ticket | None:
-        """The granted ticket of an attempt parked on the first hand-over bell that has one
-        (``ticket.bell``), or None. Never on a gate a reload replaced: its stale limit could
-        refuse the transfer."""
-        gate = self.gate
-        if not isinstance(gate, HandsOver) or gate is not self.host.current_gate(self.queue):
-            return None
         assert self.ctx is not None
         sure = self.host.guard.fresh(self.proof)  # its lease is alive: the transfer will go
-        return self.host.bell.hand_over(
-            gate.handover_bells(self.queue, self.ctx.metadata), gate, sure
-        )
+        return self.handovers.taker(self.gate, self.ctx.metadata, sure)
 
     def _step(self, ticket: Ticket | None) -> Calls[bool] | None:
         gate = self.gate
         try:
-            if ticket is not None and isinstance(gate, HandsOver):
-                return gate.transfer_calls(self.holder, ticket.ctx, ticket.bell)
+            if ticket is not None:
+                return self.handovers.step(gate, self.holder, ticket)
             return gate.release_calls(self.holder) if isinstance(gate, Batched) else None
         except Exception as exc:  # noqa: BLE001 - done directly instead
             log.warning("could not prepare the release of %s: %s", self.holder, exc)
@@ -304,7 +301,8 @@ class Reservation:
                 error = replies if isinstance(replies, Exception) else _first_error(replies)
                 if error is None:
                     assert not isinstance(replies, Exception)
-                    self._record(ticket, step.then(replies))
+                    self.handovers.record(self.gate, self.holder, ticket, step.then(replies))
+                    self._freed = True
                     return
                 log.warning(
                     "release of %s on gate %s failed: %s", self.holder, self.gate.name, error
@@ -325,9 +323,8 @@ class Reservation:
                 if ticket is None:
                     self.gate.release(self.holder)
                 else:
-                    assert isinstance(self.gate, HandsOver)
-                    calls = self.gate.transfer_calls(self.holder, ticket.ctx, ticket.bell)
-                    self._record(ticket, calls.run())
+                    self.handovers.transfer(self.gate, self.holder, ticket)
+                self._freed = True
                 return
             except Exception as exc:  # noqa: BLE001 - a release must never be silently lost
                 log.warning(
@@ -343,48 +340,6 @@ class Reservation:
         log.error(
             "%s of %s on gate %s gave up; its lease will expire", what, self.holder, self.gate.name
         )
-
-    def _record(self, ticket: Ticket | None, done: bool) -> None:
-        if ticket is None:
-            return
-        ticket.held = done
-        if not done and getattr(self.gate, "handover_may_fail", False):
-            log.info(
-                "slot of %s not handed to %s on gate %s: its limit is below its in-flight",
-                self.holder,
-                ticket.ctx.holder,
-                self.gate.name,
-            )
-        elif not done:
-            log.warning(
-                "slot of %s handed to %s on gate %s, but its lease had lapsed and the gate is full",
-                self.holder,
-                ticket.ctx.holder,
-                self.gate.name,
-            )
-
-    def _rings(self, held: bool, handed: str | None) -> list[str]:
-        """The bells its release rings; after a hand-over on ``handed``, the other keys only."""
-        if handed is not None:
-            return [n for n in self.bells if n != handed]
-        return [self.queue, *self.bells] if held else [self.queue]
-
-    def _ring(self, names: Sequence[str], *, echo: bool) -> None:
-        for name in names:
-            self.host.bell.ring(name, echo=echo)
-
-    def _parked_ahead(self, name: str | None) -> bool:
-        """At least half the dispatcher's look-ahead still parked on bell ``name``: a finish
-        that handed over there need not ring the doorbell (docs/internals.md)."""
-        if name is None:
-            return False
-        gate, keyed = self.gate, name != self.queue
-        specs = gate.quota_specs()
-        cap = min(s.limit for s in specs) if keyed and specs else gate.capacity()
-        if cap is None:
-            return False
-        need = -(-self.host.settings.lookahead_for(cap) // 2)
-        return need > 0 and self.host.bell.waiting(name) >= need
 
 
 def _observe_alone(calls: Sequence[ScriptCall], holder: str) -> None:

@@ -18,7 +18,7 @@ from pipeline.cli.services import wait_until
 from pipeline.client import Pipeline
 from pipeline.errors import InvalidRequest
 from pipeline.sim import SimServer
-from pipeline.worker import Runtime, observe
+from pipeline.worker import AttemptId, Runtime, observe
 from tests.conftest import moved_to_pool
 from tests.integration.test_release_paths import (
     finished,
@@ -136,7 +136,7 @@ def begin(p: Pipeline, rt: Runtime, queue: str, headers: dict[str, str] | None =
     q = p.settings.queues[queue]
     rid = p.submit({"p": 1}, id=uid("local"), queue=queue, timeout=60, headers=headers).id
     (d,) = p.store_of(queue).tick(q, [q], 1.0, -1, 10).moved
-    attempt = rt.begin(rid, d.token, "w", queue)
+    attempt = rt.begin(AttemptId(rid, d.token, queue), "w")
     assert attempt is not None and gate_in_flight(p, queue) == 1
     return attempt
 

@@ -15,7 +15,7 @@ from pipeline.client import Pipeline
 from pipeline.config import QueueConfig, load_settings, with_overrides
 from pipeline.errors import ConfigError
 from pipeline.sim import SimServer
-from pipeline.worker import Attempt, Runtime
+from pipeline.worker import Attempt, AttemptId, Runtime
 from tests.conftest import held
 
 
@@ -102,7 +102,7 @@ def test_fairness_identity_header(env: dict[str, str], pl: Pipeline) -> None:
         "metadata": json.dumps({"userid": "alice"}),
         "headers": json.dumps({"X-LLM-D-Inference-Fairness-Id": "spoofed", "x-team": "t"}),
     }
-    headers = Attempt(rt, record, "tok", "w").headers()
+    headers = Attempt(rt, record, AttemptId(record["id"], "tok"), "w").headers()
     assert headers["x-llm-d-inference-fairness-id"] == "alice"
     assert "X-LLM-D-Inference-Fairness-Id" not in headers  # the caller's variant is replaced
     assert headers["x-request-id"] == "r1" and headers["x-team"] == "t"
@@ -113,7 +113,7 @@ def test_fairness_identity_header(env: dict[str, str], pl: Pipeline) -> None:
         "inference_objective": "obj",
     }
     off = with_overrides(settings, queues=[q], fairness_header="")
-    headers = Attempt(Runtime(off), record, "tok", "w").headers()
+    headers = Attempt(Runtime(off), record, AttemptId(record["id"], "tok"), "w").headers()
     assert "x-llm-d-inference-fairness-id" not in headers
     # the objective goes out in the header the reference documents and its lanes use
     assert headers["x-llm-d-inference-objective"] == "obj"
@@ -122,7 +122,7 @@ def test_fairness_identity_header(env: dict[str, str], pl: Pipeline) -> None:
     # PIPELINE_OBJECTIVE_HEADER names another header (the old one, for an older gateway)
     old = load_settings({**env, "PIPELINE_OBJECTIVE_HEADER": "x-gateway-inference-objective"})
     old = with_overrides(old, queues=[q])
-    headers = Attempt(Runtime(old), record, "tok", "w").headers()
+    headers = Attempt(Runtime(old), record, AttemptId(record["id"], "tok"), "w").headers()
     assert headers["x-gateway-inference-objective"] == "obj"
     assert "x-llm-d-inference-objective" not in headers
     with pytest.raises(ConfigError, match="PIPELINE_OBJECTIVE_HEADER"):
@@ -158,12 +158,12 @@ def test_tier_priority_lane_headers(pl: Pipeline) -> None:
         "payload": "{}",
         "headers": json.dumps({"X-LLM-D-Inference-Objective": "mine"}),
     }
-    headers = Attempt(Runtime(tiered), record, "tok", "w").headers()
+    headers = Attempt(Runtime(tiered), record, AttemptId(record["id"], "tok"), "w").headers()
     assert headers["x-llm-d-inference-objective"] == "cheap"
     assert "X-LLM-D-Inference-Objective" not in headers
     assert headers["x-gateway-priority"] == "5"  # overflow-batch
     plain = with_overrides(pl.settings, queues=[q])
-    headers = Attempt(Runtime(plain), record, "tok", "w").headers()
+    headers = Attempt(Runtime(plain), record, AttemptId(record["id"], "tok"), "w").headers()
     assert "x-gateway-priority" not in headers
     # the queue's objective wins over the caller's (issue 45, item 11; llm-d-async let the
     # caller's override it), and goes out once

@@ -17,6 +17,7 @@ from pipeline.cli.services import wait_until
 from pipeline.config import Settings, parse_queues
 from pipeline.gates import AcquireContext, Decision
 from pipeline.worker import Runtime
+from pipeline.worker.handover import Handover
 from pipeline.worker.reservation import Reservation
 
 
@@ -65,7 +66,7 @@ def park(rt: Runtime, taker: Reservation, refused: Decision) -> list[Any]:
 
 
 def finish_of(rt: Runtime, rid: str) -> Any:
-    def finish(handed_over: bool, nowake: bool) -> Any:
+    def finish(handover: Handover) -> Any:
         return rt.store.finish_call(rid, "t", attempted=False, status_code=None, payload="")
 
     return finish

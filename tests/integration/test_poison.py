@@ -18,7 +18,7 @@ import pytest
 from pipeline.client import Pipeline
 from pipeline.sim import SimServer
 from pipeline.sim.server import NESTING
-from pipeline.worker import Runtime, attempt
+from pipeline.worker import AttemptId, Runtime, attempt
 from tests.conftest import moved_to_pool
 
 from .test_release_paths import finished, gate_in_flight
@@ -163,7 +163,7 @@ def unserved(pl: Pipeline) -> Iterator[tuple[Pipeline, Runtime, str]]:
 def start(p: Pipeline, rt: Runtime, queue: str, rid: str) -> attempt.Attempt:
     q = p.settings.queues[queue]
     (d,) = p.store_of(queue).tick(q, [q], 1.0, -1, 10).moved
-    a = rt.begin(d.id, d.token, "w", queue)
+    a = rt.begin(AttemptId(d.id, d.token, queue), "w")
     assert a is not None and d.id == rid
     return a
 

@@ -29,7 +29,7 @@ from pipeline.client.models import Result
 from pipeline.gates import AcquireContext, Calls
 from pipeline.sim import SimServer
 from pipeline.store import sched
-from pipeline.worker import Runtime, process, reservation
+from pipeline.worker import AttemptId, Runtime, process, reservation
 from tasks.app import celery_queue
 from tests.conftest import (
     assert_idle,
@@ -523,7 +523,7 @@ def test_the_start_and_the_gate_acquire_are_one_round_trip(
     rid, token = dispatch_one(p, queue)
     sent = counted_batches(monkeypatch)
     monkeypatch.setattr(rt.gate(queue), "acquire", None)  # never asked on its own
-    attempt = rt.begin(rid, token, "w", queue)
+    attempt = rt.begin(AttemptId(rid, token, queue), "w")
     assert attempt is not None and attempt.decision is not None and attempt.decision.admitted
     assert sent == [2]  # start.lua and gate_lease_acquire.lua, one pipeline
     holds_one_slot_then_frees_it(p, queue, attempt)
@@ -537,11 +537,11 @@ def test_a_stale_message_gives_back_the_slot_its_start_took(
     not release that attempt's slot."""
     p, rt, queue = prepared
     rid, token = dispatch_one(p, queue)
-    assert rt.begin(rid, "old-token", "w", queue) is None
+    assert rt.begin(AttemptId(rid, "old-token", queue), "w") is None
     assert gate_in_flight(p, queue) == 0
-    attempt = rt.begin(rid, token, "w", queue)
+    attempt = rt.begin(AttemptId(rid, token, queue), "w")
     assert attempt is not None and gate_in_flight(p, queue) == 1
-    assert rt.begin(rid, token, "w", queue) is None  # a duplicate: fenced, slot kept
+    assert rt.begin(AttemptId(rid, token, queue), "w") is None  # a duplicate: fenced, slot kept
     holds_one_slot_then_frees_it(p, queue, attempt)
 
 
@@ -553,7 +553,7 @@ def test_an_unreadable_record_gives_back_the_slot_its_start_took(
     p, rt, queue = prepared
     rid, token = dispatch_one(p, queue)
     p.store.client.hset(p.store_of(queue).keys.request(rid), "metadata", "[not an object]")
-    assert rt.begin(rid, token, "w", queue) is None
+    assert rt.begin(AttemptId(rid, token, queue), "w") is None
     assert gate_in_flight(p, queue) == 0
     assert p.wait(rid, 5).error_code == "INVALID_REQUEST"
 
@@ -566,7 +566,7 @@ def test_a_server_that_lost_its_scripts_still_starts_attempts(
     p, rt, queue = prepared
     rid, token = dispatch_one(p, queue)
     rt.store.client.script_flush()
-    attempt = rt.begin(rid, token, "w", queue)
+    attempt = rt.begin(AttemptId(rid, token, queue), "w")
     assert attempt is not None and attempt.decision is not None and attempt.decision.admitted
     holds_one_slot_then_frees_it(p, queue, attempt)
 
@@ -622,13 +622,13 @@ def test_a_quota_acquire_goes_with_the_start_when_the_message_names_the_tenant(
     sent = counted_batches(monkeypatch)
     gate = rt.gate(queue)
     monkeypatch.setattr(gate, "acquire", None)  # never asked on its own
-    a = rt.begin(first.id, first.token, "w", queue, first.tenant)
+    a = rt.begin(AttemptId(first.id, first.token, queue, tenant=first.tenant), "w")
     assert a is not None and a.decision is not None and a.decision.admitted
     n_calls = 2 if gate.type_name == "redis-quota" else 3  # start + quota (+ global)
     assert sent == [n_calls]
     assert gate_in_flight(p, queue) == 1
     others = [dispatch_tenant(p, queue, user) for _ in range(limit)]
-    begun = [rt.begin(d.id, d.token, "w", queue, d.tenant) for d in others]
+    begun = [rt.begin(AttemptId(d.id, d.token, queue, tenant=d.tenant), "w") for d in others]
     over = begun[-1]  # past the user's quota: refused on its key, with its start
     assert over is not None and over.decision is not None and not over.decision.admitted
     assert over.decision.wake_key == quota_key("nobody", user)
@@ -650,8 +650,8 @@ def test_a_quota_hand_over_goes_in_the_givers_finish_round_trip(
     with indexed_copy(pl, "quota1") as (p, rt, queue):
         user = uid("u")
         first, second = dispatch_tenant(p, queue, user), dispatch_tenant(p, queue, user)
-        a = rt.begin(first.id, first.token, "w", queue, first.tenant)
-        b = rt.begin(second.id, second.token, "w", queue, second.tenant)
+        a = rt.begin(AttemptId(first.id, first.token, queue, tenant=first.tenant), "w")
+        b = rt.begin(AttemptId(second.id, second.token, queue, tenant=second.tenant), "w")
         assert a and b and a.decision and b.decision
         assert a.decision.admitted and not b.decision.admitted
         reports: list[Any] = []
@@ -678,7 +678,7 @@ def test_a_composite_hands_its_tenants_slots_to_an_attempt_parked_on_the_key(
     with indexed_copy(pl, "tenants") as (p, rt, queue):
         user = uid("u")
         ds = [dispatch_tenant(p, queue, user) for _ in range(3)]
-        a, b, c = (rt.begin(d.id, d.token, "w", queue, d.tenant) for d in ds)
+        a, b, c = (rt.begin(AttemptId(d.id, d.token, queue, tenant=d.tenant), "w") for d in ds)
         assert a and b and c and a.decision and b.decision and c.decision
         assert a.decision.admitted and b.decision.admitted and not c.decision.admitted
         reports: list[Any] = []
@@ -708,7 +708,7 @@ def test_a_composite_release_goes_in_the_finish_round_trip(
     sent ahead of its finish, in one round trip (the gate's own release is never called)."""
     with indexed_copy(pl, "tenants") as (p, rt, queue):
         d = dispatch_tenant(p, queue, uid("u"))
-        attempt = rt.begin(d.id, d.token, "w", queue, d.tenant)
+        attempt = rt.begin(AttemptId(d.id, d.token, queue, tenant=d.tenant), "w")
         assert attempt and attempt.decision and attempt.decision.admitted
         assert gate_in_flight(p, queue) == 1
         sent = counted_batches(monkeypatch)
@@ -725,7 +725,7 @@ def test_a_tenant_the_record_does_not_have_is_not_trusted(
     took is given back and the attempt asks its gate as usual, for its own tenant."""
     p, rt, queue, _ = prepared_tenant
     d = dispatch_tenant(p, queue, uid("u"))
-    attempt = rt.begin(d.id, d.token, "w", queue, {"userid": "someone-else"})
+    attempt = rt.begin(AttemptId(d.id, d.token, queue, tenant={"userid": "someone-else"}), "w")
     assert attempt is not None and attempt.decision is None
     assert gate_in_flight(p, queue) == 0
     assert attempt.run().status.value == "success"
@@ -737,7 +737,7 @@ def test_a_hand_over_publishes_no_release(prepared: tuple[Pipeline, Runtime, str
     nothing on the freed channel (every process's release bell would wake for it); finishes
     that release do publish."""
     p, rt, queue = prepared
-    a, b, c = (rt.begin(*dispatch_one(p, queue), "w", queue) for _ in range(3))
+    a, b, c = (rt.begin(AttemptId(*dispatch_one(p, queue), queue), "w") for _ in range(3))
     assert a and b and c and a.decision and b.decision and c.decision
     assert a.decision.admitted and b.decision.admitted and not c.decision.admitted
     listener = freed_listener(p.store_of(queue))
@@ -761,7 +761,7 @@ def test_a_second_release_frees_nothing_and_hands_nothing_over(
     nothing, so its finish after that frees nothing and hands no slot to an attempt parked
     for one (which would go to the server without a slot): the parked attempt asks again."""
     p, rt, queue = prepared
-    a, b, c = (rt.begin(*dispatch_one(p, queue), "w", queue) for _ in range(3))
+    a, b, c = (rt.begin(AttemptId(*dispatch_one(p, queue), queue), "w") for _ in range(3))
     assert a and b and c and c.decision is not None and not c.decision.admitted
     b.reservation.release()
     other = AcquireContext("other", "t", queue, "w", 30.0, time.time() + 60)
@@ -878,7 +878,7 @@ def test_a_quota_hand_over_publishes_no_release_of_the_key(pl: Pipeline) -> None
             "nobody", [s.queue_tick(q, budget=1.0, specs=specs)], 10, merge=MergeArgs(lookahead=4)
         ).moved
         assert len(moved) == 2  # the limit, and one past it
-        a, b = (rt.begin(d.id, d.token, "w", "qprep") for d in moved)
+        a, b = (rt.begin(AttemptId(d.id, d.token, "qprep"), "w") for d in moved)
         assert a and b and a.acquire().admitted and not b.acquire().admitted
         listener = freed_listener(s)
         reports: list[Any] = []

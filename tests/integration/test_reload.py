@@ -37,6 +37,7 @@ from pipeline.errors import ConfigError
 from pipeline.gates import AcquireContext, same_attempt_gate
 from pipeline.sim import SimConfig, SimServer
 from pipeline.worker import Runtime
+from pipeline.worker.handover import Handover
 from pipeline.worker.reservation import Reservation
 from tests.conftest import ROOT, assert_idle, held, local_limit
 from tests.observability import FAST, Isolated, isolated, scrape, total
@@ -182,8 +183,8 @@ def test_a_slot_of_a_replaced_gate_is_released_not_handed_over(env: dict[str, st
         assert res.ask().admitted  # the slot it holds of the old gate, acquired above
         handed: list[bool] = []
 
-        def finish(handed_over: bool, nowake: bool) -> Any:
-            handed.append(handed_over)  # (a finish of a request that is not there: a no-op)
+        def finish(handover: Handover) -> Any:
+            handed.append(handover.handed_over)  # (a finish of a request not there: a no-op)
             return rt.store.finish_call(
                 "holder", "t", attempted=False, status_code=None, payload=""
             )

@@ -25,7 +25,7 @@ from pipeline.cli.services import wait_until
 from pipeline.config import with_overrides
 from pipeline.dispatch import Dispatcher
 from pipeline.observability import tracing
-from pipeline.worker import Report, Runtime, Status, observe
+from pipeline.worker import AttemptId, Report, Runtime, Status, observe
 from tests.conftest import ROOT, WorkerProc, assert_idle
 from tests.observability import Isolated, isolated, start_node
 
@@ -115,7 +115,7 @@ def run_one_attempt(iso: Isolated, rt: Runtime, rid: str, timeout: float = 10.0)
 
     moved = wait_until(dispatched, timeout, f"{rid} dispatched")
     assert [d.id for d in moved] == [rid]
-    attempt = rt.begin(rid, moved[0].token, "test-node", q.queue_name)
+    attempt = rt.begin(AttemptId(rid, moved[0].token, q.queue_name), "test-node")
     assert attempt is not None
     attempt.acquire()
     observe.attempt_started(attempt)
@@ -200,7 +200,7 @@ def start_held_attempt(
         10,
         "iso.pl.store.tick(q, [q], 1.0, -1, 1).moved",
     )
-    attempt = rt.begin(rid, moved.token, "test-node", q.queue_name)
+    attempt = rt.begin(AttemptId(rid, moved.token, q.queue_name), "test-node")
     assert attempt is not None
     attempt.acquire()
     reports: list[Report] = []
@@ -235,7 +235,7 @@ def test_reenqueue_span_when_a_node_requeues_an_attempt_at_shutdown(
         {"prompt": "slow"}, queue=iso.queue("t"), metadata={"traceparent": TRACEPARENT}
     )
     thread, reports, token = start_held_attempt(iso, rt, recorder, req.id)
-    rt.abandon(req.id, token, iso.queue("t"), cancel=False, reason="worker shutdown")
+    rt.abandon(AttemptId(req.id, token, iso.queue("t")), cancel=False, reason="worker shutdown")
     assert iso.pl.state(req.id) == "queued"
     recorder.hold[req.id].set()
     thread.join(10)
@@ -283,12 +283,12 @@ from pipeline.config import with_overrides
 from pipeline.dispatch import Dispatcher
 from pipeline.observability import tracing
 from pipeline.client import Pipeline
-from pipeline.worker import Runtime, observe
+from pipeline.worker import AttemptId, Runtime, observe
 p = Pipeline()
 q = p.settings.queues[sys.argv[1]]
 req = p.submit({"prompt": "x"}, queue=q.queue_name, metadata={"traceparent": sys.argv[2]})
 (d,) = p.store.tick(q, [q], 1.0, -1, 1).moved
-attempt = Runtime(p.settings).begin(req.id, d.token, "script", q.queue_name)
+attempt = Runtime(p.settings).begin(AttemptId(req.id, d.token, q.queue_name), "script")
 attempt.acquire()
 observe.attempt_started(attempt)
 report = observe.observed_run(attempt)

@@ -31,7 +31,7 @@ from pipeline.store import DirectPublish, sched
 from tasks import compat
 from tasks.app import app
 from tasks.backend import PipelineRedisBackend
-from tasks.inference import AttemptRetry, RequestFailed, infer
+from tasks.inference import AttemptRetry, CeleryMirrors, RequestFailed, infer
 from tasks.node import direct_publish
 from tests.conftest import RESULTS_TAG, ROOT, held
 
@@ -158,7 +158,7 @@ def _as_celery_stores(
 def test_an_attempt_writes_its_tasks_celery_result_in_its_own_script(pl: Pipeline) -> None:
     """Finish and requeue write the task's SUCCESS / FAILURE / RETRY meta — the very meta
     Celery's backend would write — in the same script as the outcome, and Celery's own write
-    of that state is skipped (``Attempt.mirrored``)."""
+    of that state is skipped (``CeleryMirrors.written``)."""
     backend = app.backend
     assert isinstance(backend, PipelineRedisBackend)
     rids = [
@@ -209,12 +209,10 @@ def test_an_attempt_writes_its_tasks_celery_result_in_its_own_script(pl: Pipelin
         assert AsyncResult(ok.id, app=app).state == states.SUCCESS
 
         # Celery's own write of the state the attempt mirrored is skipped; of another, not
-        class Request:
-            pipeline_attempt = type("A", (), {"mirrored": states.SUCCESS})()
-
-        backend.store_result(ok.id, {"other": 1}, states.SUCCESS, request=Request())
+        CeleryMirrors(backend, ok.id).written(states.SUCCESS)  # as the attempt tells it
+        backend.store_result(ok.id, {"other": 1}, states.SUCCESS)
         assert AsyncResult(ok.id, app=app).result["payload"] == "yes"
-        backend.store_result(ok.id, AttemptRetry("x"), states.FAILURE, request=Request())
+        backend.store_result(ok.id, AttemptRetry("x"), states.FAILURE)
         assert AsyncResult(ok.id, app=app).state == states.FAILURE
     finally:
         for rid in rids:

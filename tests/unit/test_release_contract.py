@@ -548,8 +548,9 @@ def test_an_exception_in_the_body_is_a_counted_retry(world: World) -> None:
 def test_an_exception_around_the_attempt_is_a_counted_retry_by_after_return(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An exception raised around the attempt in its process (its run never reported):
-    after_return gives it the same outcome, released, counted, backed off."""
+    """An exception raised around the attempt in its process (its run never reported): the
+    ``finally`` of ``InferenceTask.run`` releases it, and after_return gives it the same
+    outcome, counted, backed off."""
     import tasks.inference as inference
 
     def broken(attempt: Any) -> Any:
@@ -641,6 +642,36 @@ def test_a_release_that_fails_four_times_is_left_to_the_lease(
     assert world.gate.held == {holder("r1", "t1")}  # until its lease lapses:
     world.gate.lapse(holder("r1", "t1"))  # the reaper frees it
     assert world.gate.held == set()
+
+
+def test_a_finish_that_cannot_be_built_hands_over_all_the_same(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A's finish raises as it is built, after A chose B (parked for its slot) as its taker:
+    the slot still goes to B, and A's exit releases nothing more."""
+    monkeypatch.setattr(attempt_module, "PARK_POLL_S", 60.0)  # B waits only for the hand-over
+    gate = HandOverGate()
+    rt = world.use(gate, PIPELINE_PARK_S="60")
+    world.store.add("a", "ta")
+    world.store.add("b", "tb")
+    traced: dict[str, Traced] = {}
+    b = threading.Thread(target=lambda: traced.setdefault("b", world.trace("b", "tb")))
+
+    def while_a_is_sent(rid: str, token: str) -> Outcome:
+        b.start()
+        poll(lambda: rt.bell.waiting(QUEUE) == 1)
+        world.store.broken_finish = RuntimeError("a bug in the finish")
+        return ok(rid, token)
+
+    world.sends["a"] = while_a_is_sent
+    traced["a"] = world.trace("a", "ta")
+    b.join(BOUND_S)
+    assert not b.is_alive()
+    assert traced["b"].state == states.SUCCESS
+    assert gate.of(holder("a", "ta"))[:2] == ["take", "handed"]
+    assert "release" not in gate.of(holder("a", "ta"))
+    assert gate.of(holder("b", "tb")) == ["refused", "take", "release", "result"]
+    released_once(gate, holder("a", "ta"), holder("b", "tb"))
 
 
 # --------------------------------------------------------------------------- helpers
