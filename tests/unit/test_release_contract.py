@@ -358,6 +358,12 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     import tasks.inference as inference
 
     w = World(inference)
+    # Celery caches its result backend on the app at first use, with the configuration of that
+    # moment: a backend made here (no Redis of the session's yet) would serve the integration
+    # tests of this process. What was cached before comes back after.
+    app = inference.infer.app
+    monkeypatch.setattr(app, "_backend_cache", app._backend_cache)  # a thread-safe one
+    monkeypatch.setattr(app._local, "backend", getattr(app._local, "backend", None), raising=False)
     monkeypatch.setattr(inference, "runtime", lambda: w.rt)
     monkeypatch.setattr(inference.infer, "send_event", w.event, raising=False)
     monkeypatch.setattr(process_module, "run_batch", run_batch)
