@@ -8,19 +8,14 @@ result; the server never holds more than the limit; no gate holds a reservation.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli.services import wait_until
-from pipeline.client import Pipeline
-from pipeline.config import load_settings
 from pipeline.sim import SimServer
-from tests.conftest import ROOT, assert_idle, give_up_after, held, stop_processes
+from tests.chaos.private_node import start_node
+from tests.conftest import assert_idle, give_up_after, held, stop_processes
 from tests.redis_servers import start_server
 
 LIMIT = 4
@@ -29,29 +24,16 @@ GOOD, BAD = 40, 8
 
 def test_bad_records_end_alone_and_their_ticks_are_sent(sim: SimServer, tmp_path: Path) -> None:
     server = start_server(tmp_path / "redis", "badrec")
-    qfile = tmp_path / "queues.json"
-    qfile.write_text(json.dumps([{
-        "queue_name": "default", "igw_base_url": sim.url, "request_timeout_s": 60,
+    queue = {
+        "igw_base_url": sim.url, "request_timeout_s": 60,
         "gate_type": "global-max-concurrency", "gate_params": {"limit": LIMIT},
-    }]))  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "CELERY_"))}
-    env.update(
-        PIPELINE_REDIS_URL=server.url,
-        PIPELINE_QUEUES=str(qfile),
-        PIPELINE_DIRECT_PUBLISH="0",
-        PIPELINE_METRICS_PORT="0",
+    }  # fmt: skip
+    node = start_node(
+        tmp_path, server.url, queue, slots=8, name="badrec@test", PIPELINE_DIRECT_PUBLISH="0"
     )
-    log = tmp_path / "worker.log"
-    with open(log, "wb") as fh:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "worker", "-c", "8", "-n", "badrec@test"],
-            env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-        )  # fmt: skip
-    pl = Pipeline(load_settings(env))
     tag = f"badrec-{uuid.uuid4().hex[:6]}"
     try:
-        nodes = pl.store.keys.pool_nodes("default")
-        wait_until(lambda: pl.store.client.zcard(nodes) > 0, 90, "the worker node")
+        pl = node.pipeline()
         sim.reset()
         # the gate full of held calls: what follows waits in the queue, where it is corrupted
         blockers = [pl.submit({"b": i}, headers=held(tag), timeout=300).id for i in range(LIMIT)]
@@ -82,8 +64,8 @@ def test_bad_records_end_alone_and_their_ticks_are_sent(sim: SimServer, tmp_path
         assert all(pushed[rid] == 1 for rid in [*ids, *blockers]), pushed
         assert sim.stats()["max_concurrency_observed"] <= LIMIT
         assert_idle(pl)
-        assert "Traceback" not in log.read_text()
+        assert "Traceback" not in node.log.read_text()
     finally:
         sim.release_all()
-        stop_processes([worker])
+        stop_processes([node.proc])
         server.stop()

@@ -8,9 +8,6 @@ long before that lease, and no gate holds a reservation."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -19,10 +16,9 @@ import redis
 
 from pipeline import StoreFull
 from pipeline.cli.services import wait_until
-from pipeline.client import Pipeline
-from pipeline.config import load_settings
 from pipeline.sim import SimServer
-from tests.conftest import ROOT, assert_idle, give_up_after, held, stop_processes
+from tests.chaos.private_node import start_node
+from tests.conftest import assert_idle, give_up_after, held, stop_processes
 from tests.redis_servers import start_server
 
 DISPATCH_LEASE_S = 120  # a request stuck "dispatched" would come back only after this
@@ -39,32 +35,19 @@ def test_full_redis_stores_whole_chunks_and_gives_starts_back(
     sim: SimServer, tmp_path: Path
 ) -> None:
     server = start_server(tmp_path, "full", "--maxmemory-policy", "noeviction")
-    qfile = tmp_path / "queues.json"
-    qfile.write_text(json.dumps([{
-        "queue_name": "default", "igw_base_url": sim.url, "retry_base_delay_s": 0.1,
-        "retry_max_delay_s": 1, "request_timeout_s": 60,
+    queue = {
+        "igw_base_url": sim.url, "retry_base_delay_s": 0.1, "retry_max_delay_s": 1,
+        "request_timeout_s": 60,
         "gate_type": "global-max-concurrency", "gate_params": {"limit": 4},
-    }]))  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "CELERY_"))}
-    env.update(
-        PIPELINE_REDIS_URL=server.url,
-        PIPELINE_QUEUES=str(qfile),
-        PIPELINE_LEASE_S="3",
-        PIPELINE_DISPATCH_LEASE_S=str(DISPATCH_LEASE_S),
-        PIPELINE_REAPER_PERIOD_S="0.5",
-        PIPELINE_METRICS_PORT="0",
-    )
-    log = tmp_path / "worker.log"
-    with open(log, "wb") as fh:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "worker", "-c", "4", "-n", "full@test"],
-            env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-        )  # fmt: skip
-    pl = Pipeline(load_settings(env))
+    }  # fmt: skip
+    node = start_node(
+        tmp_path, server.url, queue, slots=4, name="full@test", PIPELINE_LEASE_S="3",
+        PIPELINE_DISPATCH_LEASE_S=str(DISPATCH_LEASE_S), PIPELINE_REAPER_PERIOD_S="0.5",
+    )  # fmt: skip
+    log = node.log
     admin = server.client()
     try:
-        nodes = pl.store.keys.pool_nodes("default")
-        wait_until(lambda: pl.store.client.zcard(nodes) > 0, 90, "the worker node")
+        pl = node.pipeline()
         sim.reset()
         # the first four hold the gate's slots at the server while Redis fills up
         first = [r.id for r in pl.submit_many([
@@ -120,5 +103,5 @@ def test_full_redis_stores_whole_chunks_and_gives_starts_back(
         assert_idle(pl)
     finally:
         sim.release_all()
-        stop_processes([worker])
+        stop_processes([node.proc])
         server.stop()

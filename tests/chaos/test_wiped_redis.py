@@ -22,11 +22,10 @@ import pytest
 
 from pipeline import StateLost, UnknownRequest
 from pipeline.cli.services import wait_until
-from pipeline.client import Pipeline
-from pipeline.config import load_settings
 from pipeline.observability.status import render_state, store_state
 from pipeline.sim import SimServer
-from tests.conftest import ROOT, assert_idle, give_up_after, held, stop_processes
+from tests.chaos.private_node import start_node
+from tests.conftest import assert_idle, give_up_after, held, stop_processes
 from tests.redis_servers import Server, start_server
 
 LONG = os.environ.get("PIPELINE_CHAOS_LONG") == "1"
@@ -51,32 +50,19 @@ def wipe(server: Server, tmp: Path) -> Server:
 
 def test_wiped_redis_is_said_and_survived(sim: SimServer, tmp_path: Path) -> None:
     server = start_server(tmp_path / "first", "wiped")
-    qfile = tmp_path / "queues.json"
-    qfile.write_text(json.dumps([{
-        "queue_name": "default", "igw_base_url": sim.url, "retry_base_delay_s": 0.1,
-        "retry_max_delay_s": 1, "request_timeout_s": 120,
+    queue = {
+        "igw_base_url": sim.url, "retry_base_delay_s": 0.1, "retry_max_delay_s": 1,
+        "request_timeout_s": 120,
         "gate_type": "global-max-concurrency", "gate_params": {"limit": LIMIT},
-    }]))  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "CELERY_"))}
-    env.update(
-        PIPELINE_REDIS_URL=server.url,
-        PIPELINE_QUEUES=str(qfile),
-        PIPELINE_LEASE_S="3",
-        PIPELINE_DISPATCH_LEASE_S="5",
-        PIPELINE_REAPER_PERIOD_S="0.5",
-        PIPELINE_METRICS_PORT="0",
-    )
-    log = tmp_path / "worker.log"
-    with open(log, "wb") as fh:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "worker", "-c", str(SLOTS), "-n", "wiped@test"],
-            env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-        )  # fmt: skip
-    pl = Pipeline(load_settings(env))
+    }  # fmt: skip
+    node = start_node(
+        tmp_path, server.url, queue, slots=SLOTS, name="wiped@test", PIPELINE_LEASE_S="3",
+        PIPELINE_DISPATCH_LEASE_S="5", PIPELINE_REAPER_PERIOD_S="0.5",
+    )  # fmt: skip
+    env, log = node.env, node.log
     run: subprocess.Popen[bytes] | None = None
     try:
-        nodes = pl.store.keys.pool_nodes("default")
-        wait_until(lambda: pl.store.client.zcard(nodes) > 0, 90, "the worker node")
+        pl = node.pipeline()
         sim.reset()
         old = [r.id for r in pl.submit_many(items("wipe-old", 2 * LIMIT))]
         sim.wait_held("wipe-old", LIMIT)  # the rest park at the node or wait in the queue
@@ -139,5 +125,5 @@ def test_wiped_redis_is_said_and_survived(sim: SimServer, tmp_path: Path) -> Non
         sim.release_all()
         if run is not None and run.poll() is None:
             stop_processes([run])
-        stop_processes([worker])
+        stop_processes([node.proc])
         server.stop()
