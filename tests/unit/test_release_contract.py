@@ -571,13 +571,12 @@ def test_an_exception_around_the_attempt_is_a_counted_retry_by_after_return(
     released_once(world.gate, holder("r1", "t1"))
 
 
-def test_a_hand_over_with_a_lapsed_lease_still_ends_in_one_release_each(
-    world: World, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A (holding the one slot) finishes while B is parked for it in the same process: A hands
-    B its slot, but A's lease lapsed and C took the slot meanwhile, so the transfer finds the
-    gate full. A's slot is gone with its hand-over; B, granted, runs holding nothing and
-    releases once (a no-op); the gate ends empty once C is done."""
+def a_and_b(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> tuple[HandOverGate, ContractRuntime, threading.Thread, dict[str, Traced]]:
+    """A hand-over's two attempts of one process: requests ``a`` and ``b`` behind a gate that
+    hands its slot over, and B's attempt as a thread not started yet (it parks behind A once
+    started), which records how it was traced under ``"b"``."""
     monkeypatch.setattr(attempt_module, "PARK_POLL_S", 60.0)  # B waits only for the hand-over
     gate = HandOverGate()
     rt = world.use(gate, PIPELINE_PARK_S="60")
@@ -585,6 +584,17 @@ def test_a_hand_over_with_a_lapsed_lease_still_ends_in_one_release_each(
     world.store.add("b", "tb")
     traced: dict[str, Traced] = {}
     b = threading.Thread(target=lambda: traced.setdefault("b", world.trace("b", "tb")))
+    return gate, rt, b, traced
+
+
+def test_a_hand_over_with_a_lapsed_lease_still_ends_in_one_release_each(
+    world: World, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A (holding the one slot) finishes while B is parked for it in the same process: A hands
+    B its slot, but A's lease lapsed and C took the slot meanwhile, so the transfer finds the
+    gate full. A's slot is gone with its hand-over; B, granted, runs holding nothing and
+    releases once (a no-op); the gate ends empty once C is done."""
+    gate, rt, b, traced = a_and_b(world, monkeypatch)
 
     def while_a_is_sent(rid: str, token: str) -> Outcome:
         b.start()
@@ -609,12 +619,7 @@ def test_a_hand_over_with_a_lapsed_lease_still_ends_in_one_release_each(
 def test_a_hand_over_gives_the_slot_to_the_parked_attempt(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(attempt_module, "PARK_POLL_S", 60.0)  # B waits only for the hand-over
-    gate = HandOverGate()
-    rt = world.use(gate, PIPELINE_PARK_S="60")
-    world.store.add("a", "ta")
-    world.store.add("b", "tb")
-    b = threading.Thread(target=lambda: world.trace("b", "tb"))
+    gate, rt, b, _ = a_and_b(world, monkeypatch)
 
     def while_a_is_sent(rid: str, token: str) -> Outcome:
         b.start()
@@ -655,13 +660,7 @@ def test_a_finish_that_cannot_be_built_hands_over_all_the_same(
 ) -> None:
     """A's finish raises as it is built, after A chose B (parked for its slot) as its taker:
     the slot still goes to B, and A's exit releases nothing more."""
-    monkeypatch.setattr(attempt_module, "PARK_POLL_S", 60.0)  # B waits only for the hand-over
-    gate = HandOverGate()
-    rt = world.use(gate, PIPELINE_PARK_S="60")
-    world.store.add("a", "ta")
-    world.store.add("b", "tb")
-    traced: dict[str, Traced] = {}
-    b = threading.Thread(target=lambda: traced.setdefault("b", world.trace("b", "tb")))
+    gate, rt, b, traced = a_and_b(world, monkeypatch)
 
     def while_a_is_sent(rid: str, token: str) -> Outcome:
         b.start()
