@@ -948,7 +948,7 @@ def test_hundreds_in_flight_release_on_success_retry_and_abort(
     assert all(results[r].ok and results[r].attempts == 1 for r in ok)
     assert all(results[r].ok and results[r].attempts == 2 for r in retried)
     pushed = [r["id"] for r in (json.loads(x) for x in iso.pl.store.client.lrange(
-        iso.pl.store.keys.result_list(iso.settings.queues[queue]), 0, -1))]  # fmt: skip
+        iso.pl.store_of(queue).keys.result_list(iso.settings.queues[queue]), 0, -1))]  # fmt: skip
     assert sorted(pushed) == sorted(results)  # exactly one terminal result each
     assert sim.stats()["max_concurrency_observed"] <= WIDE_LIMIT
     assert {rid for _, rid, _ in sim.hangups()} == set(aborted)  # only the aborted hung up
